@@ -1,0 +1,273 @@
+"""Typed config trees: dataclasses in, dataclasses out, one clear line for every mistake.
+
+Section configs are `kw_only` dataclasses that live beside the code that owns them (`models/config.py`,
+`data/config.py`, `train/config.py`). This module only knows how to build them from plain dicts (YAML), apply
+dotted command-line overrides (`--model.num_layers 6`), and turn them back into dicts. Help text for a field is
+``field(metadata={"help": "..."})`` and doubles as CLI help.
+
+Validation of values lives in each section's ``__post_init__``; it raises `ConfigError(field, msg)` with the
+field name relative to the section, and `from_dict` prefixes the dotted path of the section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+
+__all__ = [
+    "apply_overrides",
+    "check_choice",
+    "check_positive",
+    "check_range",
+    "field_help",
+    "from_dict",
+    "iter_fields",
+    "load_yaml",
+    "parse_overrides",
+    "save_yaml",
+    "to_dict",
+]
+
+T = TypeVar("T")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin in (list, tuple, Sequence):
+        (inner, *_) = get_args(tp) or (Any,)
+        return f"a list of {_describe(inner)}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Convert `value` (from YAML or a parsed CLI string) to `tp`, or raise ConfigError naming `path`."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"expected a mapping of fields, got {value!r}")
+        return from_dict(tp, value, prefix=path)
+    if origin in (types.UnionType, typing.Union):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(opt, value, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"got {value!r}; allowed: {', '.join(str(a) for a in allowed)}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+        (inner, *_) = get_args(tp) or (Any,)
+        items = [_coerce(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(path, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError(path, f"expected a finite number, got {value!r}")
+            return float(value)
+        raise ConfigError(path, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(path, f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {tp!r} at {path}")  # programming error, not user input
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError naming the field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix, f"expected a mapping of fields, got {data!r}")
+    assert dataclasses.is_dataclass(cls)
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            allowed = ", ".join(sorted(known))
+            raise ConfigError(_join(prefix, str(key)), f"unknown field; allowed: {allowed}")
+        kwargs[key] = _coerce(hints[key], value, _join(prefix, key))
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(_join(prefix, exc.field), str(exc).split(": ", 1)[-1]) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree → plain dicts/lists/scalars, ready for YAML or JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
+    """Yield (dotted name, type, field) for every leaf field of a dataclass tree."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            yield from iter_fields(tp, _join(prefix, f.name))
+        else:
+            yield _join(prefix, f.name), tp, f
+
+
+def field_help(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("help", ""))
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    """`["--model.num_layers", "6", "--train.lr=3e-4"]` → `[("model.num_layers", "6"), ("train.lr", "3e-4")]`."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserInputError(f"unexpected argument {arg!r}; config overrides look like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise UserInputError(f"--{key} needs a value")
+            i += 1
+            value = args[i]
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def _lookup_type(cls: type, dotted: str) -> Any:
+    tp: Any = cls
+    walked = ""
+    for part in dotted.split("."):
+        if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+            raise ConfigError(dotted, f"{walked} is not a section")
+        hints = _hints(tp)
+        names = [f.name for f in dataclasses.fields(tp) if f.init]
+        if part not in names:
+            where = walked or "the run config"
+            raise ConfigError(_join(walked, part), f"unknown field in {where}; allowed: {', '.join(names)}")
+        tp = hints[part]
+        walked = _join(walked, part)
+    return tp
+
+
+def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Set dotted keys in a raw config dict; values are parsed as YAML scalars (so `6`, `3e-4`, `true`, `null`)."""
+    for key, raw in overrides:
+        _lookup_type(cls, key)  # fail early on unknown fields
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _looks_like_float(value):
+            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            child = node.get(p)
+            if not isinstance(child, dict):
+                child = {}
+                node[p] = child
+            node = child
+        node[leaf] = value
+    return data
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.strip().lower() not in {"nan", "inf", "-inf", "+inf", "infinity", "-infinity"}
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserInputError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserInputError(f"config file {str(p)!r} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserInputError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def save_yaml(obj: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
+
+
+# ---- validation helpers used by section __post_init__ -------------------------------------------------------
+
+
+def check_positive(name: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_range(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not (low <= value <= high):
+        raise ConfigError(name, f"must be between {low} and {high}, got {value}")
+
+
+def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(name, f"got {value!r}; allowed: {', '.join(allowed)}")

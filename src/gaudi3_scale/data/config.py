@@ -1,0 +1,34 @@
+"""Where training tokens come from and how they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gaudi3_scale.config.core import check_positive, check_range
+
+__all__ = ["DataConfig"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = field(
+        default="tinyshakespeare",
+        metadata={
+            "help": "bundled corpus name, a text file / glob / directory, hf:NAME, or a directory made by `gaudi3 prepare`"
+        },
+    )
+    tokenizer: str = field(default="char", metadata={"help": "char, byte, bpe, or a path to a tokenizer.json"})
+    vocab_size: int | None = field(default=None, metadata={"help": "vocabulary size to train for tokenizer=bpe"})
+    val_fraction: float = field(default=0.1, metadata={"help": "fraction of each source's tokens held out for validation"})
+    split_seed: int = field(default=0, metadata={"help": "seed of the train/val split (recorded in the manifest)"})
+    prepared_dir: str | None = field(
+        default=None, metadata={"help": "where prepared shards go; null = a cache directory keyed by source + tokenizer"}
+    )
+    prepare_workers: int = field(default=1, metadata={"help": "tokenizer worker processes used by prepare"})
+    loader_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
+
+    def __post_init__(self) -> None:
+        check_range("val_fraction", self.val_fraction, 0.0, 0.5)
+        check_positive("vocab_size", self.vocab_size)
+        check_positive("prepare_workers", self.prepare_workers)
+        check_positive("loader_workers", self.loader_workers, allow_zero=True)

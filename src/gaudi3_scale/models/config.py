@@ -1,0 +1,75 @@
+"""Shape of a decoder-only model. Presets are instances of this class kept in `models/registry.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gaudi3_scale.config.core import check_positive, check_range
+from gaudi3_scale.config.errors import ConfigError
+
+__all__ = ["ModelConfig"]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = field(default="shakespeare-char", metadata={"help": "registry preset the other fields start from"})
+    arch: Literal["gpt2", "llama"] = field(
+        default="gpt2", metadata={"help": "gpt2: learned positions, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA"}
+    )
+    num_layers: int = field(default=4, metadata={"help": "transformer blocks"})
+    num_heads: int = field(default=4, metadata={"help": "attention (query) heads"})
+    num_kv_heads: int | None = field(
+        default=None, metadata={"help": "key/value heads for grouped-query attention; null = num_heads"}
+    )
+    dim: int = field(default=128, metadata={"help": "residual stream width (d_model)"})
+    ffn_dim: int | None = field(default=None, metadata={"help": "hidden width of the MLP; null = 4 * dim"})
+    vocab_size: int | None = field(
+        default=None, metadata={"help": "token vocabulary; null = taken from the prepared dataset"}
+    )
+    pad_vocab_to_multiple: int = field(
+        default=1, metadata={"help": "round the embedding rows up to a multiple of this (64 helps GPU matmuls)"}
+    )
+    context_length: int = field(default=64, metadata={"help": "maximum sequence length in tokens"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability on attention and residuals"})
+    bias: bool = field(default=True, metadata={"help": "bias terms in linear layers and norms"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of LayerNorm / RMSNorm"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency (llama only)"})
+    tie_embeddings: bool = field(default=True, metadata={"help": "share the input embedding with the output head"})
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "dim", "context_length", "pad_vocab_to_multiple"):
+            check_positive(name, getattr(self, name))
+        check_positive("num_kv_heads", self.num_kv_heads)
+        check_positive("ffn_dim", self.ffn_dim)
+        check_positive("vocab_size", self.vocab_size)
+        check_positive("norm_eps", self.norm_eps)
+        check_positive("rope_theta", self.rope_theta)
+        check_range("dropout", self.dropout, 0.0, 1.0)
+        if self.dim % self.num_heads:
+            raise ConfigError("dim", f"must be divisible by num_heads ({self.num_heads}), got {self.dim}")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(
+                "num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
+        if self.arch == "llama" and (self.dim // self.num_heads) % 2:
+            raise ConfigError("dim", "dim / num_heads must be even for RoPE")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_dim or 4 * self.dim
+
+    @property
+    def padded_vocab_size(self) -> int:
+        if self.vocab_size is None:
+            raise ValueError("vocab_size is unresolved; call resolve_vocab() with the dataset's vocabulary first")
+        m = self.pad_vocab_to_multiple
+        return -(-self.vocab_size // m) * m
