@@ -172,7 +172,9 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise UserInputError(f"unexpected argument {arg!r}; config overrides look like --section.field VALUE")
+            raise UserInputError(
+                f"unexpected argument {arg!r}; config overrides look like --section.field VALUE"
+            )
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -245,7 +247,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserInputError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+        raise UserInputError(
+            f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 

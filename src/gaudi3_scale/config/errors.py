@@ -15,6 +15,10 @@ class UserInputError(ValueError):
 
     exit_code = 2
 
+    def __init__(self, message: str) -> None:
+        # One line, always: user-supplied names and values may carry newlines of their own.
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
+
 
 class ConfigError(UserInputError):
     """An invalid config field; the message starts with the dotted field name."""

@@ -14,15 +14,25 @@ class DataConfig:
     source: str = field(
         default="tinyshakespeare",
         metadata={
-            "help": "bundled corpus name, a text file / glob / directory, hf:NAME, or a directory made by `gaudi3 prepare`"
+            "help": "bundled corpus name, a text file / glob / directory, hf:NAME (several: comma-separated), "
+            "or a directory made by `gaudi3 prepare`"
         },
     )
-    tokenizer: str = field(default="char", metadata={"help": "char, byte, bpe, or a path to a tokenizer.json"})
-    vocab_size: int | None = field(default=None, metadata={"help": "vocabulary size to train for tokenizer=bpe"})
-    val_fraction: float = field(default=0.1, metadata={"help": "fraction of each source's tokens held out for validation"})
-    split_seed: int = field(default=0, metadata={"help": "seed of the train/val split (recorded in the manifest)"})
+    tokenizer: str = field(
+        default="char", metadata={"help": "char, byte, bpe, or a path to a tokenizer.json"}
+    )
+    vocab_size: int | None = field(
+        default=None, metadata={"help": "vocabulary size to train for tokenizer=bpe"}
+    )
+    val_fraction: float = field(
+        default=0.1, metadata={"help": "fraction of each source's tokens held out for validation"}
+    )
+    split_seed: int = field(
+        default=0, metadata={"help": "seed of the train/val split (recorded in the manifest)"}
+    )
     prepared_dir: str | None = field(
-        default=None, metadata={"help": "where prepared shards go; null = a cache directory keyed by source + tokenizer"}
+        default=None,
+        metadata={"help": "where prepared shards go; null = a cache directory keyed by source + tokenizer"},
     )
     prepare_workers: int = field(default=1, metadata={"help": "tokenizer worker processes used by prepare"})
     loader_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from gaudi3_scale.config.core import check_positive, check_range
@@ -13,14 +13,24 @@ __all__ = ["ModelConfig"]
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = field(default="shakespeare-char", metadata={"help": "registry preset the other fields start from"})
+    name: str = field(
+        default="shakespeare-char", metadata={"help": "registry preset the other fields start from"}
+    )
     arch: Literal["gpt2", "llama"] = field(
-        default="gpt2", metadata={"help": "gpt2: learned positions, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA"}
+        default="gpt2",
+        metadata={"help": "gpt2: learned positions, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA"},
     )
     num_layers: int = field(default=4, metadata={"help": "transformer blocks"})
     num_heads: int = field(default=4, metadata={"help": "attention (query) heads"})
     num_kv_heads: int | None = field(
         default=None, metadata={"help": "key/value heads for grouped-query attention; null = num_heads"}
+    )
+    activation: Literal["gelu", "gelu_tanh"] = field(
+        default="gelu",
+        metadata={
+            "help": "gpt2 MLP activation: exact (erf) GELU as nanoGPT, or GPT-2's tanh approximation "
+            "(about 10x slower on CPU in torch 2.13)"
+        },
     )
     dim: int = field(default=128, metadata={"help": "residual stream width (d_model)"})
     ffn_dim: int | None = field(default=None, metadata={"help": "hidden width of the MLP; null = 4 * dim"})
@@ -28,14 +38,17 @@ class ModelConfig:
         default=None, metadata={"help": "token vocabulary; null = taken from the prepared dataset"}
     )
     pad_vocab_to_multiple: int = field(
-        default=1, metadata={"help": "round the embedding rows up to a multiple of this (64 helps GPU matmuls)"}
+        default=1,
+        metadata={"help": "round the embedding rows up to a multiple of this (64 helps GPU matmuls)"},
     )
     context_length: int = field(default=64, metadata={"help": "maximum sequence length in tokens"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability on attention and residuals"})
     bias: bool = field(default=True, metadata={"help": "bias terms in linear layers and norms"})
     norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of LayerNorm / RMSNorm"})
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency (llama only)"})
-    tie_embeddings: bool = field(default=True, metadata={"help": "share the input embedding with the output head"})
+    tie_embeddings: bool = field(
+        default=True, metadata={"help": "share the input embedding with the output head"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "dim", "context_length", "pad_vocab_to_multiple"):
@@ -55,6 +68,22 @@ class ModelConfig:
         if self.arch == "llama" and (self.dim // self.num_heads) % 2:
             raise ConfigError("dim", "dim / num_heads must be even for RoPE")
 
+    def resolve_vocab(self, vocab_size: int) -> ModelConfig:
+        """A copy with `vocab_size` taken from the dataset's tokenizer when this config leaves it null.
+
+        A preset that fixes its vocabulary (GPT-2's 50257) keeps it as long as every token id of the data fits.
+        """
+        check_positive("vocab_size", vocab_size)
+        if self.vocab_size is None:
+            return replace(self, vocab_size=vocab_size)
+        if self.vocab_size < vocab_size:
+            raise ConfigError(
+                "vocab_size",
+                f"{self.vocab_size} is smaller than the dataset's vocabulary ({vocab_size}); "
+                f"set it to null or to at least {vocab_size}",
+            )
+        return replace(self)
+
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -70,6 +99,8 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         if self.vocab_size is None:
-            raise ValueError("vocab_size is unresolved; call resolve_vocab() with the dataset's vocabulary first")
+            raise ValueError(
+                "vocab_size is unresolved; call resolve_vocab() with the dataset's vocabulary first"
+            )
         m = self.pad_vocab_to_multiple
         return -(-self.vocab_size // m) * m

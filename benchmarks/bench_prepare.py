@@ -1,0 +1,199 @@
+"""How fast `prepare_dataset` tokenizes, with 1 worker vs N, and what the training loader costs per batch.
+
+Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into a temp
+directory, prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes
+(best of --repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
+the first --bpe-size-mb MB with a tokenizer.json trained beforehand (encoding, not training, is what workers
+parallelize; it is ~100x slower per byte than char/byte). Finally it times TokenWindowDataset batches. Results
+(MB/s, tokens/s, speedup) are printed and saved as JSON with machine info.
+
+    python benchmarks/bench_prepare.py                      # 50 MB, 1 vs 2 workers
+    python benchmarks/bench_prepare.py --size-mb 200 --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+
+from gaudi3_scale.data import (
+    DataConfig,
+    TokenWindowDataset,
+    WindowSampler,
+    build_tokenizer,
+    load_prepared,
+    prepare_dataset,
+)
+from gaudi3_scale.data.sources import bundled_corpora
+
+MB = 1e6
+
+
+def build_corpus(directory: Path, size_mb: float, seed: int = 0) -> Path:
+    """Whole shuffled copies of tinyshakespeare's lines until the file holds at least `size_mb` MB."""
+    lines = bundled_corpora()["tinyshakespeare"].read_text(encoding="utf-8").splitlines(keepends=True)
+    rng = random.Random(seed)
+    path = directory / "corpus.txt"
+    size = 0
+    with path.open("w", encoding="utf-8") as fh:
+        while size < size_mb * MB:
+            rng.shuffle(lines)
+            chunk = "".join(lines)
+            fh.write(chunk)
+            size += len(chunk.encode("utf-8"))
+    return path
+
+
+def head_of(corpus: Path, size_mb: float) -> Path:
+    """The first `size_mb` MB of the corpus, cut after a newline."""
+    text = corpus.read_bytes()[: int(size_mb * MB)]
+    path = corpus.with_name("corpus-head.txt")
+    path.write_bytes(text[: text.rfind(b"\n") + 1])
+    return path
+
+
+def train_bpe(directory: Path, vocab_size: int = 2048) -> Path:
+    text = bundled_corpora()["tinyshakespeare"].read_text(encoding="utf-8")
+    directory.mkdir()
+    return build_tokenizer("bpe", [text], vocab_size=vocab_size).save(directory)
+
+
+def time_prepare(corpus: Path, tokenizer: str, workers: int, out: Path, repeats: int) -> dict[str, Any]:
+    cfg = DataConfig(source=str(corpus), tokenizer=tokenizer)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        prepare_dataset(cfg, out, workers=workers, progress=False, force=True)
+        times.append(time.perf_counter() - start)
+    seconds = min(times)
+    data = load_prepared(out, verify_checksums=False)
+    num_tokens = len(data.train) + len(data.val)
+    source_bytes = corpus.stat().st_size
+    start = time.perf_counter()
+    prepare_dataset(cfg, out, workers=workers, progress=False)  # unchanged inputs: must be a no-op
+    noop_s = time.perf_counter() - start
+    return {
+        "tokenizer": data.manifest.tokenizer_kind,
+        "workers": workers,
+        "seconds": seconds,
+        "seconds_all_repeats": times,
+        "source_mb": source_bytes / MB,
+        "mb_per_s": source_bytes / MB / seconds,
+        "tokens": num_tokens,
+        "tokens_per_s": num_tokens / seconds,
+        "noop_rerun_s": noop_s,
+        "shard_sha256": [s.sha256 for s in data.manifest.shards],
+    }
+
+
+def time_loader(directory: Path, micro: int, context: int, accum: int, batches: int) -> dict[str, Any]:
+    """Seconds per micro-batch of TokenWindowDataset (sampler + gather + tensors), and of the sampler alone."""
+    train = load_prepared(directory, verify_checksums=False).train
+    sampler = WindowSampler(
+        len(train), context, global_batch_size=micro * accum, micro_batch_size=micro, seed=0
+    )
+    stream = iter(TokenWindowDataset(train, sampler))
+    for _ in range(20):  # page in, warm caches
+        next(stream)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(stream)
+    per_batch_s = (time.perf_counter() - start) / batches
+    steps = max(1, batches // accum)
+    start = time.perf_counter()
+    for step in range(steps):
+        sampler.step_starts(step)
+    sampler_per_batch_s = (time.perf_counter() - start) / (steps * accum)
+    return {
+        "micro_batch_size": micro,
+        "context_length": context,
+        "accum_steps": accum,
+        "per_batch_us": per_batch_s * 1e6,
+        "sampler_per_batch_us": sampler_per_batch_s * 1e6,
+        "batch_mb": micro * context * 8 * 2 / MB,  # x and y, int64
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "tokenizers": tokenizers.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mb", type=float, default=50.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="prepare runs per setting; the fastest counts")
+    parser.add_argument("--bpe-size-mb", type=float, default=10.0, help="0 skips BPE")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prepare.json")
+    args = parser.parse_args()
+
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        corpus = build_corpus(Path(tmp), args.size_mb)
+        print(f"corpus: {corpus.stat().st_size / MB:.1f} MB, {os.cpu_count()} CPUs")
+        settings = [("char", "char", corpus), ("byte", "byte", corpus)]
+        if args.bpe_size_mb > 0:
+            bpe_file = str(train_bpe(Path(tmp) / "bpe-2048"))
+            settings.append(("bpe", bpe_file, head_of(corpus, args.bpe_size_mb)))
+        for name, tok, source in settings:
+            for workers in (1, args.workers):
+                run = time_prepare(source, tok, workers, Path(tmp) / f"{name}-w{workers}", args.repeats)
+                runs.append(run)
+                print(
+                    f"{name:>5} workers={workers}: {run['seconds']:6.2f} s  {run['mb_per_s']:6.1f} MB/s  "
+                    f"{run['tokens_per_s'] / 1e6:6.2f} M tokens/s  no-op re-run {run['noop_rerun_s'] * 1e3:.1f} ms"
+                )
+        speedups = {}
+        for name, _, _ in settings:
+            one, many = (r for r in runs if r["tokenizer"] == name)
+            assert one["shard_sha256"] == many["shard_sha256"], f"{name}: worker count changed the output"
+            speedups[name] = one["seconds"] / many["seconds"]
+            print(f"{name:>5} speedup {args.workers} workers / 1: {speedups[name]:.2f}x (identical shards)")
+        loader = [
+            time_loader(Path(tmp) / "char-w1", micro, context, accum, batches=2000)
+            for micro, context, accum in ((12, 1024, 40), (64, 256, 1), (8, 64, 4))
+        ]
+        for row in loader:
+            print(
+                f"loader micro={row['micro_batch_size']:>3} T={row['context_length']:>5}: "
+                f"{row['per_batch_us']:6.1f} us/batch (sampler {row['sampler_per_batch_us']:.1f} us)"
+            )
+
+    result = {
+        "machine": machine_info(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": {"prepare": runs, "loader": loader},
+        "speedup_workers_over_1": speedups,
+        "noop_rerun_max_s": max(r["noop_rerun_s"] for r in runs),
+        "loader_median_per_batch_us": statistics.median(r["per_batch_us"] for r in loader),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":  # required: prepare's workers are spawned and re-import this file
+    main()

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Quick start: set up `.venv` (idempotent) and run the main job or the test suite.
+
+    python3 run.py train [gaudi3 train options]   # train shakespeare-char on the bundled corpus, print a sample
+    python3 run.py test  [pytest options]         # ruff, mypy, then the whole pytest suite
+
+Needs only Python >= 3.11 with pip and venv. The install is skipped when pyproject.toml and the pinned
+constraints are unchanged since the last one (a stamp file in .venv records their hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".gaudi3-install"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+
+
+def _install_fingerprint() -> str:
+    h = hashlib.sha256(sys.version.encode())
+    for rel in ("pyproject.toml", "requirements/constraints.txt"):
+        h.update((ROOT / rel).read_bytes())
+    return h.hexdigest()
+
+
+def ensure_venv() -> Path:
+    python = BIN / "python"
+    fingerprint = _install_fingerprint()
+    if python.exists() and STAMP.is_file() and STAMP.read_text().strip() == fingerprint:
+        return python
+    if not python.exists():
+        print(f"creating virtual environment in {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    print("installing gaudi3-scale and its pinned dependencies (first run only)", flush=True)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "-c",
+            str(ROOT / "requirements/constraints.txt"),
+            "-e",
+            f"{ROOT}[test]",
+        ],
+        check=True,
+    )
+    STAMP.write_text(fingerprint + "\n")
+    return python
+
+
+def _run(cmd: list[str]) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    code = subprocess.run(cmd, cwd=ROOT).returncode
+    if code:
+        sys.exit(code)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in ("train", "test"):
+        sys.exit(__doc__)
+    python = ensure_venv()
+    verb, rest = argv[0], argv[1:]
+    if verb == "train":
+        os.execv(str(BIN / "gaudi3"), [str(BIN / "gaudi3"), "train", *rest])
+    _run([str(BIN / "ruff"), "check", "src", "tests", "benchmarks", "run.py"])
+    _run([str(BIN / "ruff"), "format", "--check", "src", "tests", "benchmarks", "run.py"])
+    _run([str(BIN / "mypy")])
+    _run([str(python), "-m", "pytest", *rest])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Command line verbs. Nothing in the library imports this package."""

@@ -1,0 +1,61 @@
+"""Config resolution and listings shared by the CLI verbs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from gaudi3_scale.config.core import field_help, iter_fields, parse_overrides
+from gaudi3_scale.train.config import RunConfig, build_run_config
+
+__all__ = ["list_config_fields", "print_models", "resolve_config"]
+
+
+def resolve_config(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    out_dir: str | None = None,
+    resume: str | None = None,
+) -> RunConfig:
+    pairs = parse_overrides(list(overrides))
+    if out_dir is not None:
+        pairs.append(("out_dir", out_dir))
+    if resume is not None:
+        pairs.append(("train.resume", resume))
+    return build_run_config(config_path, pairs)
+
+
+def list_config_fields() -> None:
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("field")
+    table.add_column("type")
+    table.add_column("help")
+    for name, tp, f in iter_fields(RunConfig):
+        table.add_row(f"--{name}", str(tp).replace("typing.", ""), field_help(f))
+    Console(width=160).print(table)
+
+
+def print_models() -> None:
+    from gaudi3_scale.models import count_parameters, get_model_config, list_models
+
+    table = Table(show_header=True, header_style="bold")
+    for column in ("name", "arch", "layers", "heads", "kv heads", "dim", "context", "vocab", "parameters"):
+        table.add_column(column, justify="left" if column in ("name", "arch") else "right")
+    for name in list_models():
+        cfg = get_model_config(name)
+        params = f"{count_parameters(cfg):,}" if cfg.vocab_size else "(vocab from data)"
+        table.add_row(
+            name,
+            cfg.arch,
+            str(cfg.num_layers),
+            str(cfg.num_heads),
+            str(cfg.kv_heads),
+            str(cfg.dim),
+            str(cfg.context_length),
+            str(cfg.vocab_size or "data"),
+            params,
+        )
+    Console().print(table)

@@ -1,0 +1,173 @@
+"""`gaudi3` command line: one table of verbs, each a thin function over the library.
+
+Bad input never shows a traceback: `UserInputError` and click's usage errors become one line on stderr and exit
+code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["VERBS", "cli", "main", "train_alias"]
+
+_OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": ["-h", "--help"]}
+
+
+def _fail(message: str) -> None:
+    click.echo(f"gaudi3: error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gaudi3-scale")
+def cli() -> None:
+    """Train LLMs with one config from a laptop to multi-node GPU or Gaudi clusters."""
+
+
+@cli.command(
+    context_settings=_OVERRIDES,
+    epilog="Any config field can be set as --section.field VALUE, e.g. --model.num_layers 6.",
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML")
+@click.option("--out", "out_dir", help="output directory (default runs/<name>)")
+@click.option("--resume", help="auto (default), never, or a checkpoint path")
+@click.option("--print-config", is_flag=True, help="print the resolved config as YAML and exit")
+@click.option("--list-fields", is_flag=True, help="list every config field with its help and exit")
+@click.option(
+    "--sample-tokens", default=200, show_default=True, help="tokens of text to sample after training"
+)
+@click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train(
+    config_path: str | None,
+    out_dir: str | None,
+    resume: str | None,
+    print_config: bool,
+    list_fields: bool,
+    sample_tokens: int,
+    progress: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    """Train a model (default: shakespeare-char on the bundled corpus)."""
+    from gaudi3_scale.cli.config_cmd import list_config_fields, resolve_config
+
+    if list_fields:
+        list_config_fields()
+        return
+    cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
+    if print_config:
+        import yaml
+
+        from gaudi3_scale.config.core import to_dict
+
+        click.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False), nl=False)
+        return
+    from gaudi3_scale.cli.train_cmd import run_training
+
+    run_training(cfg, sample_tokens=sample_tokens, progress=progress)
+
+
+@cli.command()
+@click.argument("sources", nargs=-1, required=True)
+@click.option(
+    "--tokenizer", default="char", show_default=True, help="char, byte, bpe, or a tokenizer.json path"
+)
+@click.option("--vocab-size", type=int, help="vocabulary size to train (bpe)")
+@click.option(
+    "--val-fraction", type=float, default=0.1, show_default=True, help="tail of each source held out"
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="split seed (document order)")
+@click.option("--out", "out_dir", help="output directory (default: the cache directory)")
+@click.option("--workers", type=int, default=1, show_default=True, help="tokenizer worker processes")
+@click.option("--force", is_flag=True, help="rebuild even when the inputs are unchanged")
+def prepare(
+    sources: tuple[str, ...],
+    tokenizer: str,
+    vocab_size: int | None,
+    val_fraction: float,
+    seed: int,
+    out_dir: str | None,
+    workers: int,
+    force: bool,
+) -> None:
+    """Tokenize text files, globs, directories or a bundled corpus into train/val token shards."""
+    from gaudi3_scale.cli.prepare_cmd import run_prepare
+
+    run_prepare(
+        sources,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        val_fraction=val_fraction,
+        seed=seed,
+        out_dir=out_dir,
+        workers=workers,
+        force=force,
+    )
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option("--prompt", default="", help="text to continue (default: a newline)")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option(
+    "--temperature", type=click.FloatRange(min=0.0), default=0.8, show_default=True, help="0 = greedy"
+)
+@click.option("--top-k", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tokenizer", "tokenizer_dir", help="tokenizer directory (default: <run>/tokenizer)")
+def generate(
+    checkpoint: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    tokenizer_dir: str | None,
+) -> None:
+    """Sample text from a trained checkpoint."""
+    from gaudi3_scale.train.inference import generate_text, load_for_generation
+
+    model, tok = load_for_generation(Path(checkpoint), tokenizer_dir)
+    click.echo(
+        generate_text(
+            model, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
+    )
+
+
+@cli.command(name="models")
+def models_cmd() -> None:
+    """List the model registry with parameter counts."""
+    from gaudi3_scale.cli.config_cmd import print_models
+
+    print_models()
+
+
+VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
+
+
+def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cli.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("aborted")
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        sys.exit(2)
+    except click.ClickException as exc:
+        _fail(exc.format_message().replace("\n", " "))
+    except UserInputError as exc:
+        _fail(str(exc))
+
+
+def train_alias() -> None:
+    """`gaudi3-train …` is `gaudi3 train …` (the name the seed promised)."""
+    main(["train", *sys.argv[1:]], prog_name="gaudi3-train")

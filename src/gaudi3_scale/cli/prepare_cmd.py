@@ -1,0 +1,40 @@
+"""`gaudi3 prepare`: text in, verified token shards + manifest out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import click
+
+from gaudi3_scale.config.core import from_dict
+from gaudi3_scale.data import DataConfig, prepare_dataset
+
+__all__ = ["run_prepare"]
+
+
+def run_prepare(
+    sources: Sequence[str],
+    *,
+    tokenizer: str,
+    vocab_size: int | None,
+    val_fraction: float,
+    seed: int,
+    out_dir: str | None,
+    workers: int,
+    force: bool,
+) -> None:
+    cfg = from_dict(
+        DataConfig,
+        {
+            "source": ",".join(sources),
+            "tokenizer": tokenizer,
+            "vocab_size": vocab_size,
+            "val_fraction": val_fraction,
+            "split_seed": seed,
+            "prepared_dir": out_dir,
+            "prepare_workers": workers,
+        },
+        prefix="data",
+    )
+    path = prepare_dataset(cfg, force=force)
+    click.echo(str(path))

@@ -1,0 +1,128 @@
+"""Lightning glue: a DataModule whose checkpointed state is the position in the sample stream.
+
+Lightning saves ``datamodule.state_dict()`` in every checkpoint and calls ``load_state_dict`` on
+``fit(ckpt_path=...)`` (after ``setup``, before ``train_dataloader``). The state is ``samples_consumed =
+global_step * global_batch_size``; since a step's samples do not depend on world size (see `sampler`), a run can
+resume on a different number of ranks and read the exact batches it would have read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.data.dataset import PreparedData, load_prepared
+from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
+from gaudi3_scale.data.sampler import WindowSampler
+
+__all__ = ["TokenDataModule"]
+
+
+class TokenDataModule(pl.LightningDataModule):
+    def __init__(
+        self,
+        prepared: PreparedData | Path | str,
+        *,
+        context_length: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        seed: int,
+        val_batches: int,
+        loader_workers: int = 0,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        self._prepared = prepared if isinstance(prepared, PreparedData) else None
+        self._directory = prepared.directory if isinstance(prepared, PreparedData) else Path(prepared)
+        self.context_length = context_length
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.val_batches = val_batches
+        self.loader_workers = loader_workers
+        self.stride = stride
+        self.start_step = 0  # optimizer step the next train_dataloader() starts at
+        self.sampler: WindowSampler | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def prepared(self) -> PreparedData:
+        if self._prepared is None:
+            self._prepared = load_prepared(self._directory)
+        return self._prepared
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def setup(self, stage: str | None = None) -> None:
+        world_size, rank = self._world()
+        self.sampler = WindowSampler(
+            len(self.prepared.train),
+            self.context_length,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            world_size=world_size,
+            rank=rank,
+            seed=self.seed,
+            stride=self.stride,
+        )
+        trainer = self.trainer
+        module = trainer.lightning_module if trainer is not None else None
+        # With automatic optimization Lightning steps the optimizer every accumulate_grad_batches micro-batches,
+        # which must be the sampler's global batch. A manually optimized module accumulates by itself.
+        automatic = module is not None and module.automatic_optimization
+        if automatic and trainer is not None and trainer.accumulate_grad_batches != self.sampler.accum_steps:
+            raise ConfigError(
+                "accumulate_grad_batches",
+                f"is {trainer.accumulate_grad_batches}, but global_batch_size {self.global_batch_size} / "
+                f"(micro_batch_size {self.micro_batch_size} × world_size {world_size}) = {self.sampler.accum_steps}",
+            )
+        if self._pending_state is not None:
+            self.start_step = self.sampler.start_step_from_state(self._pending_state)
+            self._pending_state = None
+
+    def _require_sampler(self) -> WindowSampler:
+        if self.sampler is None:
+            raise RuntimeError(
+                "TokenDataModule.setup() must run before its dataloaders or state_dict are used"
+            )
+        return self.sampler
+
+    @property
+    def accum_steps(self) -> int:
+        return self._require_sampler().accum_steps
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        dataset = TokenWindowDataset(self.prepared.train, self._require_sampler(), start_step=self.start_step)
+        return DataLoader(dataset, batch_size=None, num_workers=self.loader_workers)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        world_size, rank = self._world()
+        dataset = ValWindowDataset(
+            self.prepared.val,
+            self.context_length,
+            micro_batch_size=self.micro_batch_size,
+            max_batches=self.val_batches,
+            world_size=world_size,
+            rank=rank,
+        )
+        # No worker processes: the validation set is a handful of batches and workers would restart every epoch.
+        return DataLoader(dataset, batch_size=None, shuffle=False, num_workers=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self._require_sampler()
+        # trainer.global_step counts optimizer steps, each of which consumed exactly one global batch.
+        step = self.trainer.global_step if self.trainer is not None else self.start_step
+        return sampler.state_dict(samples_consumed=step * self.global_batch_size)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if self.sampler is None:  # restored before setup(): validated there, against the real dataset
+            self._pending_state = dict(state_dict)
+        else:
+            self.start_step = self.sampler.start_step_from_state(state_dict)

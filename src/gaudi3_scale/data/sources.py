@@ -1,0 +1,233 @@
+"""Where prepare's text comes from: a bundled corpus, a file, a glob, a directory, or ``hf:NAME``.
+
+Every source resolves to a sorted list of UTF-8 files; each file is one *document* for the train/val split.
+Files are read in chunks cut just after a newline, so workers can tokenize them independently and in order.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import BinaryIO
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "MANIFEST_FILE",
+    "Chunk",
+    "ResolvedSource",
+    "SourceFile",
+    "bundled_corpora",
+    "default_cache_dir",
+    "is_prepared_dir",
+    "read_chunk",
+    "resolve_source",
+    "sha256_file",
+    "split_into_chunks",
+]
+
+MANIFEST_FILE = "manifest.json"
+# ~2 MiB per task: large enough that pickling and scheduling are noise, small enough to balance 2-16 workers.
+CHUNK_BYTES = 2 << 20
+_SNIFF_BYTES = 8192
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path
+    size_bytes: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    spec: str  # as the user wrote it
+    key: str  # absolute form, part of the cache-directory hash
+    name: str  # short, filesystem-safe label for the cache directory
+    files: tuple[SourceFile, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    doc_index: int
+    path: str
+    offset_bytes: int
+    length_bytes: int
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GAUDI3_CACHE") or Path.home() / ".cache" / "gaudi3-scale")
+
+
+def bundled_corpora() -> dict[str, Path]:
+    root = resources.files("gaudi3_scale.data") / "corpora"
+    return {Path(str(p)).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".txt")}
+
+
+def is_prepared_dir(spec: str) -> bool:
+    return Path(spec).is_dir() and (Path(spec) / MANIFEST_FILE).is_file()
+
+
+def _label(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("_.")[:40] or "source"
+
+
+def _stat(path: Path) -> SourceFile:
+    st = path.stat()
+    return SourceFile(path=path.resolve(), size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def _looks_like_text(path: Path) -> bool:
+    """No NUL byte and valid UTF-8 in the first 8 KiB (a multi-byte character may be cut at the end)."""
+    with path.open("rb") as fh:
+        head = fh.read(_SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        truncated = len(head) == _SNIFF_BYTES and exc.reason == "unexpected end of data"
+        return truncated and exc.start >= len(head) - 3
+    return True
+
+
+def _walk_directory(root: Path) -> list[Path]:
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if MANIFEST_FILE in filenames:  # a prepared dataset inside the corpus (e.g. prepared_dir under it)
+            dirnames.clear()
+            continue
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache, ...
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not name.startswith(".") and path.is_file() and _looks_like_text(path):
+                found.append(path)
+    return sorted(found)
+
+
+def resolve_source(spec: str) -> ResolvedSource:
+    """Turn `data.source` into files; hf:NAME is materialized to a text file in the cache first.
+
+    Several sources may be given comma-separated (``gaudi3 prepare a.txt docs/``): their files are used in the
+    order given, each file once.
+    """
+    if "," in spec and not Path(spec).expanduser().exists():
+        parts = [resolve_source(p.strip()) for p in spec.split(",") if p.strip()]
+        merged = tuple(dict.fromkeys(f for part in parts for f in part.files))
+        label = _label("+".join(p.name for p in parts))
+        return ResolvedSource(spec=spec, key=",".join(p.key for p in parts), name=label, files=merged)
+    if spec.startswith("hf:"):
+        path = _materialize_hf(spec[3:])
+        return ResolvedSource(spec=spec, key=spec, name=_label(spec[3:]), files=(_stat(path),))
+    bundled = bundled_corpora()
+    path = Path(spec).expanduser()
+    if spec in bundled and not path.exists():
+        files = [bundled[spec]]
+        key, name = f"bundled:{spec}", spec
+    elif path.is_file():
+        files, key, name = [path], str(path.resolve()), path.stem
+    elif path.is_dir():
+        files, key, name = _walk_directory(path), str(path.resolve()), path.resolve().name
+        if not files:
+            raise ConfigError(
+                "source", f"directory {spec!r} holds no text files (hidden and binary files are skipped)"
+            )
+    elif _GLOB_CHARS.search(spec):
+        files = sorted(
+            Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()
+        )
+        key, name = os.path.abspath(os.path.expanduser(spec)), _label(Path(spec.split("*")[0]).name or "glob")
+        if not files:
+            raise ConfigError("source", f"glob {spec!r} matches no files")
+    else:
+        raise ConfigError(
+            "source",
+            f"{spec!r} is not a bundled corpus ({', '.join(sorted(bundled))}), an existing file or directory, "
+            "a glob that matches files, or hf:NAME",
+        )
+    stats = tuple(_stat(p) for p in files)
+    if sum(f.size_bytes for f in stats) == 0:
+        raise ConfigError("source", f"{spec!r} is empty (0 bytes of text)")
+    return ResolvedSource(spec=spec, key=key, name=_label(name), files=stats)
+
+
+def _materialize_hf(name: str) -> Path:
+    """Write a Hugging Face dataset's ``text`` column to one cached file (rows joined by blank lines)."""
+    hint = f"hf:{name}: the Hugging Face dataset could not be loaded"
+    try:
+        import datasets  # optional: not a dependency of gaudi3-scale
+    except ImportError:
+        raise UserInputError(
+            f"{hint} (`datasets` is not installed: pip install datasets); pass local text files instead"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as exc:  # network, auth, missing dataset: all are "cannot load" for the user
+        raise UserInputError(
+            f"{hint} (no network or unknown dataset: {type(exc).__name__}); pass local text files instead"
+        ) from None
+    if "text" not in ds.column_names:
+        raise UserInputError(f"hf:{name}: has no 'text' column (columns: {', '.join(ds.column_names)})")
+    path = default_cache_dir() / "hf-text" / f"{_label(name)}-{ds._fingerprint}.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with tmp.open("w", encoding="utf-8") as fh:
+            for row in ds:
+                fh.write(row["text"].rstrip("\n") + "\n\n")
+        os.replace(tmp, path)
+    return path
+
+
+def split_into_chunks(
+    doc_index: int, path: Path, size_bytes: int, chunk_bytes: int = CHUNK_BYTES
+) -> list[Chunk]:
+    """Cut a file into ~`chunk_bytes` pieces, each ending just after a newline (or, in a file without newlines,
+    on a UTF-8 character boundary). b'\\n' never occurs inside a multi-byte UTF-8 sequence, so cuts are safe."""
+    chunks: list[Chunk] = []
+    start = 0
+    with path.open("rb") as fh:
+        while start < size_bytes:
+            end = min(start + chunk_bytes, size_bytes)
+            if end < size_bytes:
+                end = _next_boundary(fh, end, size_bytes)
+            chunks.append(Chunk(doc_index, str(path), start, end - start))
+            start = end
+    return chunks
+
+
+def _next_boundary(fh: BinaryIO, offset: int, size_bytes: int) -> int:
+    fh.seek(offset)
+    window = fh.read(min(CHUNK_BYTES, size_bytes - offset))
+    newline = window.find(b"\n")
+    if newline >= 0:
+        return offset + newline + 1
+    for i, byte in enumerate(window):  # no newline nearby: first byte that starts a character
+        if byte & 0xC0 != 0x80:
+            return offset + i
+    return size_bytes
+
+
+def read_chunk(chunk: Chunk) -> str:
+    with open(chunk.path, "rb") as fh:
+        fh.seek(chunk.offset_bytes)
+        raw = fh.read(chunk.length_bytes)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserInputError(
+            f"{chunk.path}: not UTF-8 text (invalid byte at offset {chunk.offset_bytes + exc.start}); "
+            "convert it to UTF-8 or leave it out of data.source"
+        ) from None
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -1,0 +1,300 @@
+"""Tokenizers: text ↔ token ids, saved next to the tokens they produced.
+
+Three kinds are built here and kept in a plain-dict registry: ``char`` (the vocabulary is the sorted set of
+characters in the data, as in nanoGPT's ``shakespeare_char``: tinyshakespeare gives 65), ``byte`` (UTF-8 bytes,
+256 ids, encodes anything) and ``bpe`` (byte-level BPE trained locally with Hugging Face ``tokenizers``, the GPT-2
+scheme, so any text round-trips). A path to an existing ``tokenizer.json`` is loaded with
+``tokenizers.Tokenizer.from_file``.
+
+Every kind saves itself as ``tokenizer.json`` in the prepared directory: Hugging Face's format for the BPE-backed
+kinds, a two-key JSON for ``char`` / ``byte``. `load_tokenizer` tells them apart by content, so the file alone is
+enough to decode a dataset.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+
+__all__ = [
+    "TOKENIZER_FILE",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+    "get_tokenizer",
+    "is_tokenizer_path",
+    "load_tokenizer",
+    "load_tokenizer_file",
+    "register_tokenizer",
+    "tokenizer_from_json",
+]
+
+TOKENIZER_FILE = "tokenizer.json"
+_CHAR_TYPE = "gaudi3-char"
+_BYTE_TYPE = "gaudi3-byte"
+
+
+class Tokenizer(ABC):
+    """What the rest of the stack needs from a tokenizer."""
+
+    kind: str
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def to_json(self) -> str:
+        """The content of ``tokenizer.json``."""
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode` as an integer array; char and byte override it with vectorized versions (prepare's hot path)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / TOKENIZER_FILE
+        path.write_text(self.to_json(), encoding="utf-8")
+        return path
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character; ids follow code-point order of the alphabet."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars = "".join(sorted(set(chars)))
+        if not self.chars or any(len(c) != 1 for c in self.chars):
+            raise ValueError("a char tokenizer needs a non-empty alphabet of single characters")
+        self._code_points = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
+        # A dense code point → id table makes encoding one numpy gather instead of a Python dict lookup per char.
+        self._lookup = np.full(int(self._code_points[-1]) + 1, -1, dtype=np.int32)
+        self._lookup[self._code_points] = np.arange(len(self.chars))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        clipped = np.minimum(code_points, len(self._lookup) - 1)
+        ids = self._lookup[clipped]
+        bad = np.flatnonzero((ids < 0) | (code_points >= len(self._lookup)))
+        if bad.size:
+            pos = int(bad[0])
+            raise UserInputError(
+                f"char tokenizer: character {text[pos]!r} (U+{ord(text[pos]):04X}) at position {pos} is not in "
+                f"its {self.vocab_size}-character vocabulary; use tokenizer=byte or bpe for open text"
+            )
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(
+                f"char tokenizer: ids must be in [0, {self.vocab_size}), got {arr.min()}..{arr.max()}"
+            )
+        return self._code_points[arr].astype("<u4").tobytes().decode("utf-32-le")
+
+    def to_json(self) -> str:
+        return json.dumps({"type": _CHAR_TYPE, "chars": self.chars}, ensure_ascii=True)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids: 256 symbols, no training, every string round-trips."""
+
+    kind = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # errors="replace": a window cut mid-character (a training sample) still decodes for display.
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        return json.dumps({"type": _BYTE_TYPE})
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers.Tokenizer`` (trained here or loaded from a tokenizer.json)."""
+
+    def __init__(self, tokenizer: Any, kind: str) -> None:
+        self._tok = tokenizer
+        self.kind = kind
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def to_json(self) -> str:
+        return str(self._tok.to_str())
+
+
+# ---- registry ---------------------------------------------------------------------------------------------
+
+TokenizerBuilder = Callable[[Iterable[str], int | None, bool], Tokenizer]
+_BUILDERS: dict[str, TokenizerBuilder] = {}
+
+
+def register_tokenizer(kind: str, builder: TokenizerBuilder) -> None:
+    """Add a kind: ``builder(texts, vocab_size, progress) -> Tokenizer``."""
+    if kind in _BUILDERS:
+        raise ValueError(f"tokenizer kind {kind!r} is already registered")
+    _BUILDERS[kind] = builder
+
+
+def get_tokenizer(kind: str) -> TokenizerBuilder:
+    if kind not in _BUILDERS:
+        allowed = ", ".join(sorted(_BUILDERS))
+        raise ConfigError(
+            "tokenizer", f"unknown tokenizer {kind!r}; allowed: {allowed}, or a path to a tokenizer.json"
+        )
+    return _BUILDERS[kind]
+
+
+def _build_char(texts: Iterable[str], vocab_size: int | None, progress: bool) -> Tokenizer:
+    seen: set[str] = set()
+    for text in texts:
+        seen.update(text)
+    if not seen:
+        raise UserInputError("tokenizer=char: the data has no characters to build a vocabulary from")
+    tok = CharTokenizer(seen)
+    if vocab_size is not None and vocab_size != tok.vocab_size:
+        raise ConfigError(
+            "vocab_size",
+            f"tokenizer=char takes its vocabulary from the data ({tok.vocab_size}); set it to null",
+        )
+    return tok
+
+
+def _build_byte(texts: Iterable[str], vocab_size: int | None, progress: bool) -> Tokenizer:
+    if vocab_size is not None and vocab_size != 256:
+        raise ConfigError(
+            "vocab_size", f"tokenizer=byte always has 256 ids, got {vocab_size}; set it to null"
+        )
+    return ByteTokenizer()
+
+
+def _build_bpe(texts: Iterable[str], vocab_size: int | None, progress: bool) -> Tokenizer:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size is None or vocab_size < 256:
+        raise ConfigError(
+            "vocab_size",
+            f"tokenizer=bpe needs vocab_size >= 256 (256 byte symbols + merges), got {vocab_size}",
+        )
+    # Byte-level BPE (GPT-2): every byte is in the initial alphabet, so no text is ever out of vocabulary.
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress
+    )
+    raw.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(raw, kind="bpe")
+
+
+register_tokenizer("char", _build_char)
+register_tokenizer("byte", _build_byte)
+register_tokenizer("bpe", _build_bpe)
+
+
+def is_tokenizer_path(kind: str) -> bool:
+    """A `tokenizer` setting that is not a registered kind names a tokenizer.json file."""
+    return kind not in _BUILDERS and (kind.endswith(".json") or "/" in kind or Path(kind).exists())
+
+
+def _iter_texts(items: Iterable[str | Path]) -> Iterator[str]:
+    for item in items:
+        yield Path(item).read_text(encoding="utf-8") if isinstance(item, Path) else item
+
+
+def build_tokenizer(
+    kind: str, texts: Iterable[str | Path] = (), vocab_size: int | None = None, *, progress: bool = False
+) -> Tokenizer:
+    """Build a tokenizer of `kind` from `texts` (strings, or `Path`s of UTF-8 files), or load a tokenizer.json path."""
+    if is_tokenizer_path(kind):
+        return load_tokenizer_file(Path(kind))
+    return get_tokenizer(kind)(_iter_texts(texts), vocab_size, progress)
+
+
+def tokenizer_from_json(text: str, *, where: str = "tokenizer.json") -> Tokenizer:
+    """Inverse of `Tokenizer.to_json`; Hugging Face files are recognised by their ``model`` key."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(
+            f"{where}: not valid JSON (line {exc.lineno}); expected a tokenizer.json"
+        ) from None
+    if not isinstance(data, dict):
+        raise UserInputError(f"{where}: expected a JSON object describing a tokenizer")
+    if data.get("type") == _CHAR_TYPE:
+        return CharTokenizer(data["chars"])
+    if data.get("type") == _BYTE_TYPE:
+        return ByteTokenizer()
+    if "model" in data:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        try:
+            raw = RawTokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises a bare Exception with a Rust message
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UserInputError(f"{where}: Hugging Face tokenizers could not read it ({reason})") from None
+        model_type = str(data["model"].get("type", "hf")).lower() if isinstance(data["model"], dict) else "hf"
+        return HFTokenizer(raw, kind=model_type)
+    raise UserInputError(
+        f"{where}: not a tokenizer file (expected a Hugging Face tokenizer.json or a gaudi3 one)"
+    )
+
+
+def load_tokenizer_file(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise ConfigError(
+            "tokenizer",
+            f"{str(path)!r} is not a registered kind ({', '.join(sorted(_BUILDERS))}) "
+            "nor an existing tokenizer.json file",
+        )
+    return tokenizer_from_json(path.read_text(encoding="utf-8"), where=str(path))
+
+
+def load_tokenizer(prepared_dir: Path) -> Tokenizer:
+    """Load the tokenizer that `Tokenizer.save` wrote into a prepared dataset directory."""
+    path = Path(prepared_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise UserInputError(
+            f"{path}: missing; the prepared dataset has no tokenizer, re-run `gaudi3 prepare --force`"
+        )
+    return tokenizer_from_json(path.read_text(encoding="utf-8"), where=str(path))

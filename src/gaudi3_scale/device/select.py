@@ -1,0 +1,106 @@
+"""Pick the device and precision a run uses, and the peak FLOP/s that MFU is measured against."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.device.specs import find_accelerator
+
+__all__ = ["DevicePlan", "cache_dir", "measure_cpu_matmul_flops", "plan_device"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePlan:
+    accelerator: str  # "cpu" or "cuda" (Lightning accelerator names)
+    precision: str  # Lightning precision string
+    device_name: str
+    peak_flops: float | None  # FLOP/s per device that MFU divides by; None = unknown
+    peak_source: str
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GAUDI3_CACHE", Path.home() / ".cache" / "gaudi3-scale"))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=8)
+def measure_cpu_matmul_flops(threads: int, *, seconds: float = 0.3) -> float:
+    """Best FP32 matmul FLOP/s on this CPU with `threads` threads, measured once per process.
+
+    A CPU has no datasheet peak we can trust (turbo, SMT, AVX frequency offsets), so CPU MFU is reported against
+    the measured matmul ceiling, the CPU analogue of stas00's "maximum achievable matmul FLOPS". It is not cached
+    on disk: a figure measured while the machine was busy would understate the peak for every later run.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 1024
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(3):
+            a @ b  # warm-up: thread pool start, packing buffers
+        best = 0.0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(previous)
+    return best
+
+
+def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
+    """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device", "cuda was requested but no CUDA device is visible; allowed here: auto, cpu"
+        )
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        bf16_ok = torch.cuda.is_bf16_supported()
+        if precision == "auto":
+            precision = "bf16-mixed" if bf16_ok else "16-mixed"
+        if precision.startswith("bf16") and not bf16_ok:
+            raise ConfigError("train.precision", f"{name} has no bf16 support; use 16-mixed or 32-true")
+        spec = find_accelerator(name)
+        # Tensor-core peaks apply to bf16/fp16 math; fp32 runs would need the (absent) fp32 peak.
+        peak = spec.bf16_dense_tflops * 1e12 if spec and precision != "32-true" else None
+        return DevicePlan(
+            accelerator="cuda",
+            precision=precision,
+            device_name=name,
+            peak_flops=peak,
+            peak_source=spec.source if spec and peak else "unknown",
+        )
+    if precision == "auto":
+        precision = "32-true"
+    if precision == "16-mixed":
+        raise ConfigError(
+            "train.precision", "16-mixed needs a GPU; on cpu use 32-true, bf16-mixed or bf16-true"
+        )
+    return DevicePlan(
+        accelerator="cpu",
+        precision=precision,
+        device_name=_cpu_name(),
+        peak_flops=measure_cpu_matmul_flops(threads),
+        peak_source=f"measured fp32 matmul peak with {threads} threads",
+    )

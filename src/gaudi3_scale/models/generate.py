@@ -1,0 +1,79 @@
+"""Autoregressive sampling, nanoGPT's `GPT.generate` with argument checks and a seedable generator.
+
+No KV cache: each new token re-runs the (cropped) context. Fine for the small models sampled on CPU here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gaudi3_scale.models.config import ModelConfig
+
+__all__ = ["generate"]
+
+
+def _check_args(prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    if prompt.ndim != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
+        raise ValueError(
+            f"prompt must be a non-empty int64 tensor [batch, tokens], got {prompt.dtype} {tuple(prompt.shape)}"
+        )
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+
+
+def _model_config(model: nn.Module) -> ModelConfig:
+    # Read through wrappers too: torch.compile's OptimizedModule forwards attribute lookups to the model.
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig) or cfg.vocab_size is None:
+        raise TypeError(
+            f"generate needs a model made by build_model (with .config), got {type(model).__name__}"
+        )
+    return cfg
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """logits [batch, vocab] → next token ids [batch, 1]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_best = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend `prompt` [batch, T0] by `max_new_tokens` sampled tokens; returns [batch, T0 + max_new_tokens].
+
+    temperature 0 is greedy (argmax); top_k keeps only the k most likely tokens. The model runs in eval mode
+    (restored afterwards) and sees at most its last `context_length` tokens. Padding rows of the vocabulary are
+    never sampled.
+    """
+    _check_args(prompt, max_new_tokens, temperature, top_k)
+    cfg = _model_config(model)
+    was_training = model.training
+    model.eval()
+    tokens = prompt
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -cfg.context_length :])[:, -1, : cfg.vocab_size].float()
+            tokens = torch.cat((tokens, _sample(logits, temperature, top_k, generator)), dim=1)
+    finally:
+        model.train(was_training)
+    return tokens

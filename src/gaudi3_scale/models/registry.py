@@ -1,0 +1,81 @@
+"""The model zoo: named `ModelConfig` presets in a plain dict.
+
+The presets are data (one dict each, with its source); `register_model` adds more at import time of a plugin.
+Published parameter counts are pinned by tests/unit/test_models_counting.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.models.config import ModelConfig
+
+__all__ = ["get_model_config", "list_models", "register_model"]
+
+_GPT2: dict[str, Any] = dict(
+    arch="gpt2",
+    vocab_size=50257,
+    context_length=1024,
+    dropout=0.0,
+    bias=True,
+    tie_embeddings=True,
+    norm_eps=1e-5,
+)
+_LLAMA3: dict[str, Any] = dict(
+    arch="llama",
+    vocab_size=128256,
+    context_length=8192,
+    num_kv_heads=8,
+    rope_theta=500000.0,
+    norm_eps=1e-5,
+    dropout=0.0,
+    bias=False,
+    tie_embeddings=False,
+)
+
+PRESETS: list[dict[str, Any]] = [
+    # nanoGPT README, "I only have a macbook": config/train_shakespeare_char.py shrunk for CPU
+    # (--n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --dropout=0.0); vocab comes from the char dataset.
+    dict(name="shakespeare-char", arch="gpt2", num_layers=4, num_heads=4, dim=128, context_length=64,
+         dropout=0.0, bias=True, tie_embeddings=True, vocab_size=None),
+    # GPT-2 sizes: Radford et al. 2019 Table 2 and HF openai-community/gpt2{,-medium,-large,-xl} config.json
+    # (n_layer, n_head, n_embd). Dropout 0 as nanoGPT uses for pretraining.
+    dict(name="gpt2-124m", num_layers=12, num_heads=12, dim=768, **_GPT2),
+    dict(name="gpt2-350m", num_layers=24, num_heads=16, dim=1024, **_GPT2),
+    dict(name="gpt2-774m", num_layers=36, num_heads=20, dim=1280, **_GPT2),
+    dict(name="gpt2-1.5b", num_layers=48, num_heads=25, dim=1600, **_GPT2),
+    # Meta-Llama-3-8B / -70B params.json (meta-llama/llama3, 2024-04-18): ffn_dim is what `FeedForward` derives
+    # from ffn_dim_multiplier=1.3 and multiple_of=1024 / 4096; context 8192 from the model card.
+    dict(name="llama3-8b", num_layers=32, num_heads=32, dim=4096, ffn_dim=14336, **_LLAMA3),
+    dict(name="llama3-70b", num_layers=80, num_heads=64, dim=8192, ffn_dim=28672, **_LLAMA3),
+    # Not a published model: the smallest Llama-shaped net that still exercises GQA (2 query heads per kv head)
+    # and RoPE, for tests and smoke runs. ffn_dim = 3·dim, near Llama's 8/3·dim.
+    dict(name="llama-tiny", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, dim=64, ffn_dim=192,
+         context_length=64, vocab_size=None, dropout=0.0, bias=False, tie_embeddings=False),
+]  # fmt: skip
+
+_MODELS: dict[str, ModelConfig] = {}
+
+
+def register_model(cfg: ModelConfig) -> None:
+    """Add a preset under `cfg.name`; names are unique."""
+    if cfg.name in _MODELS:
+        raise ValueError(f"model {cfg.name!r} is already registered")
+    _MODELS[cfg.name] = replace(cfg)
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """A copy of the preset called `name` (safe to modify)."""
+    if name not in _MODELS:
+        raise UserInputError(f"unknown model {name!r}; valid: {', '.join(list_models())}")
+    return replace(_MODELS[name])
+
+
+def list_models() -> list[str]:
+    return sorted(_MODELS)
+
+
+for _preset in PRESETS:
+    register_model(ModelConfig(**_preset))

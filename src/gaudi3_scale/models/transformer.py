@@ -1,0 +1,147 @@
+"""Decoder-only transformer for one device: GPT-2 (`arch="gpt2"`) and Llama 3 (`arch="llama"`) shapes.
+
+Reads like nanoGPT's `model.py` and torchtitan's `llama/model.py`: a stack of identical blocks in `model.layers`
+(activation checkpointing and FSDP wrap each one from the outside), plus `tok_embeddings`, `norm` and `output`.
+Build on `torch.device("meta")` to get shapes without memory, then `to_empty(device=...)` and `init_weights()`.
+
+    GPT-2: learned positions, LayerNorm, GELU MLP, tied embedding/head   (Radford et al. 2019)
+    Llama: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, untied    (Llama 3 herd paper, arXiv:2407.21783)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import torch
+from torch import nn
+
+from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
+from gaudi3_scale.models.config import ModelConfig
+
+__all__ = ["Transformer", "TransformerBlock", "build_model"]
+
+# nanoGPT `_init_weights` / GPT-2 paper §2.3: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2·L).
+INIT_STD = 0.02
+
+_MLPS: dict[str, type[GeluMLP | SwiGLU]] = {"gpt2": GeluMLP, "llama": SwiGLU}
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + feed_forward(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = build_norm(cfg)
+        self.feed_forward = _MLPS[cfg.arch](cfg)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope_cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def residual_projections(self) -> list[nn.Linear]:
+        """The linears that write into the residual stream; their init std is scaled down with depth."""
+        return [self.attention.wo, self.feed_forward.w2]
+
+
+class Transformer(nn.Module):
+    """Token ids → logits. `config` is kept on the model so sampling and counting can read its shape."""
+
+    rope_cache: torch.Tensor | None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        vocab = cfg.padded_vocab_size  # raises ValueError while vocab_size is unresolved
+        self.tok_embeddings = nn.Embedding(vocab, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.context_length, cfg.dim) if cfg.arch == "gpt2" else None
+        self.dropout = build_dropout(cfg.dropout)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = build_norm(cfg)
+        self.output = nn.Linear(cfg.dim, vocab, bias=False)
+        self._tie_weights()
+        # Non-persistent: derived from the config, so it is neither checkpointed nor sharded.
+        rope = (
+            build_rope_cache(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+            if cfg.arch == "llama"
+            else None
+        )
+        self.register_buffer("rope_cache", rope, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: int64 [batch, seq] → logits [batch, seq, padded_vocab_size]."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.config.context_length:
+            raise ValueError(
+                f"sequence of {seq_len} tokens exceeds context_length {self.config.context_length}"
+            )
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings.weight[:seq_len]  # a slice, not an arange + gather per step
+        h = self.dropout(h)
+        rope = self.rope_cache[:seq_len] if self.rope_cache is not None else None
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            # Press & Wolf 2017 weight tying, as in GPT-2: one matrix embeds tokens and produces logits.
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
+        # Moving off meta gives every module a fresh Parameter, which would silently untie embedding and head.
+        super().to_empty(device=device, recurse=recurse)
+        self._tie_weights()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | int | None = None) -> None:
+        """(Re)initialize every parameter and buffer in place; call after `to_empty()` when built on meta.
+
+        `generator` is a torch.Generator on the parameters' device, an int seed, or None for the global RNG.
+        The same seed gives bitwise the same weights whether the model was built on meta or directly.
+        """
+        device = self.tok_embeddings.weight.device
+        if device.type == "meta":
+            raise ValueError("init_weights needs real storage; call model.to_empty(device=...) first")
+        if isinstance(generator, int):
+            generator = torch.Generator(device=device).manual_seed(generator)
+        self._tie_weights()  # idempotent; guards against any other path that replaced the parameters
+        residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
+        blocks = cast(list[TransformerBlock], list(self.layers))
+        residual = {id(m) for block in blocks for m in block.residual_projections()}
+        for module in self.modules():
+            if module is self.output and self.config.tie_embeddings:
+                continue  # shares tok_embeddings.weight, initialized once
+            if isinstance(module, nn.Linear):
+                std = residual_std if id(module) in residual else INIT_STD
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, INIT_STD, generator=generator)
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                module.reset_parameters()
+        if self.rope_cache is not None:
+            cfg = self.config
+            self.rope_cache = build_rope_cache(
+                cfg.head_dim, cfg.context_length, cfg.rope_theta, device=device
+            )
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
+    """Build and initialize a model on the current default device; under `torch.device("meta")` init is skipped.
+
+    `cfg.vocab_size` must be resolved (see `ModelConfig.resolve_vocab`); `seed=None` draws from the global RNG.
+    """
+    if cfg.vocab_size is None:
+        raise ValueError(
+            f"model {cfg.name!r} has vocab_size null; resolve it from the dataset first (cfg.resolve_vocab(n))"
+        )
+    model = Transformer(cfg)
+    if model.tok_embeddings.weight.device.type != "meta":
+        model.init_weights(seed)
+    return model

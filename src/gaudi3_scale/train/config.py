@@ -1,0 +1,181 @@
+"""The run config: one typed tree composed of the section configs that live beside their owners.
+
+`RunConfig` is what `gaudi3 train --config run.yaml --model.num_layers 6` builds and what every run writes to
+`<out>/config.yaml`. The model section starts from the registry preset named by `model.name`; fields the user sets
+override the preset, so the resolved file always shows the full shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gaudi3_scale.config.core import (
+    apply_overrides,
+    check_positive,
+    check_range,
+    from_dict,
+    load_yaml,
+    to_dict,
+)
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.data.config import DataConfig
+from gaudi3_scale.models.config import ModelConfig
+
+__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
+
+Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate after warmup"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the decay"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warmup, in optimizer steps"})
+    schedule: Literal["cosine", "linear", "constant"] = field(
+        default="cosine", metadata={"help": "decay from lr to min_lr over the steps after warmup"}
+    )
+    weight_decay: float = field(
+        default=0.1, metadata={"help": "AdamW decoupled weight decay (not on norms/biases)"}
+    )
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip_norm: float = field(default=1.0, metadata={"help": "clip the global gradient L2 norm; 0 = off"})
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = field(
+        default="auto", metadata={"help": "AdamW kernel: auto picks fused where torch has it for the device"}
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        check_positive("min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigError("min_lr", f"must be <= lr ({self.lr}), got {self.min_lr}")
+        check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_range("beta1", self.beta1, 0.0, 0.999999)
+        check_range("beta2", self.beta2, 0.0, 0.999999)
+        check_positive("eps", self.eps)
+        check_positive("grad_clip_norm", self.grad_clip_norm, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    global_batch_size: int = field(
+        default=12, metadata={"help": "sequences per optimizer step, all ranks together"}
+    )
+    micro_batch_size: int | None = field(
+        default=None, metadata={"help": "sequences per forward pass per rank; null = global batch / ranks"}
+    )
+    max_steps: int = field(default=2000, metadata={"help": "optimizer steps to train"})
+    val_every_steps: int = field(
+        default=250, metadata={"help": "validate every N optimizer steps; 0 = only at end"}
+    )
+    val_batches: int = field(
+        default=20, metadata={"help": "micro-batches of held-out windows per validation"}
+    )
+    log_every_steps: int = field(default=10, metadata={"help": "write metrics.jsonl every N optimizer steps"})
+    checkpoint_every_steps: int = field(
+        default=500, metadata={"help": "save a checkpoint every N optimizer steps; 0 = only at the end"}
+    )
+    keep_checkpoints: int = field(default=3, metadata={"help": "how many step checkpoints to keep (last N)"})
+    precision: Precision = field(
+        default="auto", metadata={"help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it"}
+    )
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "where to train"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    deterministic: bool = field(default=False, metadata={"help": "use only deterministic kernels"})
+    threads: int | None = field(
+        default=None, metadata={"help": "intra-op CPU threads per process; null = physical cores / ranks"}
+    )
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto = continue from the newest checkpoint in the output directory if there is one; "
+            "never = start fresh (refused when checkpoints exist); or a checkpoint path"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps", "keep_checkpoints"):
+            check_positive(name, getattr(self, name))
+        for name in ("val_every_steps", "checkpoint_every_steps"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("micro_batch_size", self.micro_batch_size)
+        check_positive("threads", self.threads)
+        if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                "micro_batch_size",
+                f"must divide global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}",
+            )
+
+    def gradient_accumulation(self, world_size: int) -> int:
+        """Micro-batches per optimizer step per rank: global = micro × accumulation × data-parallel ranks."""
+        micro = self.micro_batch_size or self.global_batch_size // world_size
+        if micro < 1 or self.global_batch_size % (micro * world_size):
+            raise ConfigError(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not divisible by micro_batch_size ({micro}) × ranks ({world_size})",
+            )
+        return self.global_batch_size // (micro * world_size)
+
+    def resolved_micro_batch(self, world_size: int) -> int:
+        self.gradient_accumulation(world_size)
+        return self.micro_batch_size or self.global_batch_size // world_size
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = field(default="shakespeare-char", metadata={"help": "run name; outputs go to runs/<name>/"})
+    out_dir: str | None = field(default=None, metadata={"help": "output directory; null = runs/<name>"})
+    seed: int = field(default=1337, metadata={"help": "seed for weights, data order and dropout"})
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_run_config(
+    config_path: str | Path | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """YAML file (optional) → dotted overrides → model preset expansion → validated RunConfig."""
+    from gaudi3_scale.models.registry import get_model_config
+
+    raw: dict[str, Any] = dict(base or {})
+    if config_path is not None:
+        raw = _merge(raw, load_yaml(config_path))
+    raw = apply_overrides(RunConfig, raw, overrides)
+    model_raw = raw.get("model") or {}
+    if not isinstance(model_raw, Mapping):
+        raise ConfigError("model", f"expected a mapping of fields, got {model_raw!r}")
+    preset_name = model_raw.get("name", ModelConfig().name)
+    if not isinstance(preset_name, str):
+        raise ConfigError("model.name", f"expected a string, got {preset_name!r}")
+    try:
+        preset = to_dict(get_model_config(preset_name))
+    except ValueError as exc:
+        raise ConfigError("model.name", str(exc)) from None
+    raw["model"] = _merge(preset, model_raw)
+    return from_dict(RunConfig, raw)

@@ -1,0 +1,86 @@
+"""Load a trained checkpoint for sampling, and turn a prompt into text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gaudi3_scale.config.core import from_dict
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data import Tokenizer, load_tokenizer
+from gaudi3_scale.models import ModelConfig, build_model, generate
+from gaudi3_scale.train.module import CONFIG_KEY
+
+__all__ = ["generate_text", "load_for_generation"]
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserInputError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged file; all mean the same to the user
+        raise UserInputError(
+            f"{path}: not a readable checkpoint ({type(exc).__name__}); pick another one"
+        ) from None
+    if not isinstance(ckpt, dict) or CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
+        raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
+    return ckpt
+
+
+def load_for_generation(
+    checkpoint: str | Path, tokenizer_dir: str | Path | None = None
+) -> tuple[nn.Module, Tokenizer]:
+    """Model (eval mode, CPU) and tokenizer from a checkpoint written by `gaudi3 train`.
+
+    The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
+    """
+    path = Path(checkpoint)
+    ckpt = _read_checkpoint(path)
+    model_cfg = from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"])
+    model = build_model(model_cfg)
+    prefix = "model."
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    model.load_state_dict(state)
+    model.eval()
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else path.parent.parent / "tokenizer"
+    if not tok_dir.is_dir():
+        raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
+    return model, load_tokenizer(tok_dir)
+
+
+@torch.no_grad()
+def generate_text(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 0,
+) -> str:
+    """Prompt + sampled continuation, decoded. An empty prompt starts from a newline."""
+    ids = tokenizer.encode(prompt or "\n")
+    if not ids:
+        raise UserInputError("--prompt encodes to no tokens with this tokenizer")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate(
+            model,
+            tokens,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+        )
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,82 @@
+"""What a finished run leaves for people: summary.json, loss.png and a table in the terminal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["plot_loss", "print_summary", "read_metrics", "write_summary"]
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
+    """Train and validation loss against optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if train or val:
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    table = Table(title=f"run {summary.get('name', '')}", show_header=False)
+    labels = {
+        "steps": "optimizer steps",
+        "train_loss": "train loss",
+        "val_loss": "val loss",
+        "tokens_per_s": "tokens/s",
+        "mfu": "MFU",
+        "step_time_s": "step time (s)",
+        "peak_memory_bytes": "peak memory (bytes)",
+        "wall_s": "wall time (s)",
+        "checkpoint": "checkpoint",
+    }
+    for key, label in labels.items():
+        if key in summary:
+            value = summary[key]
+            text = f"{value:.2%}" if key == "mfu" and isinstance(value, float) else _fmt(value)
+            table.add_row(label, text)
+    (console or Console()).print(table)

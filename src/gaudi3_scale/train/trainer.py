@@ -1,0 +1,292 @@
+"""GaudiTrainer: a run config in, a trained model and its outputs out.
+
+It builds the Lightning `Trainer` from a `RunConfig` (device, precision, accumulation, validation cadence, our
+callbacks) and trains either the registry model on the configured dataset or a user's own LightningModule and
+DataModule. Outputs land in the run directory:
+
+    config.yaml  metrics.jsonl  checkpoints/step-XXXXXXXX.ckpt + latest  tokenizer/  summary.json  loss.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from rich.console import Console
+
+from gaudi3_scale.config.core import save_yaml, to_dict
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
+from gaudi3_scale.device import DevicePlan, plan_device
+from gaudi3_scale.train.callbacks import (
+    GracefulInterrupt,
+    RichStepProgress,
+    RunMetrics,
+    StepCheckpoint,
+    latest_checkpoint,
+)
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
+from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
+
+__all__ = ["GaudiTrainer"]
+
+
+def _quiet_lightning() -> None:
+    """Our progress bar and summary replace Lightning's banner lines ("GPU available…", tips)."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    # Lightning 2.6 calls a pytree API that torch 2.13 deprecates; not ours to fix, and not actionable for users.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+class _StoreConfig(pl.Callback):
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[CONFIG_KEY] = self.config
+
+
+def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
+    try:
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get(CONFIG_KEY)
+    except Exception as exc:  # a damaged file raises many types; all mean "cannot resume from this"
+        raise UserInputError(f"{checkpoint}: not a readable checkpoint ({type(exc).__name__})") from None
+    if saved is None:
+        return
+    for section, keys in (
+        ("model", None),
+        ("train", ("global_batch_size",)),
+        ("data", ("source", "tokenizer")),
+    ):
+        old, new = saved.get(section, {}), config.get(section, {})
+        for key in keys or sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise UserInputError(
+                    f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
+                    f"{new.get(key)!r}; use the original value or a new --out directory"
+                )
+
+
+class GaudiTrainer:
+    """Train from a `RunConfig`; `fit()` returns the run summary (also written to `summary.json`).
+
+    Pass `model`/`datamodule` to `fit` to train your own LightningModule with the same devices, precision,
+    checkpointing and metrics. A module that sets `tokens_per_step` and `flops_per_token` also gets tokens/s and
+    MFU.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig | None = None,
+        *,
+        callbacks: list[pl.Callback] | None = None,
+        progress: bool = True,
+        console: Console | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        self.config = config or RunConfig()
+        self.extra_callbacks = list(callbacks or [])
+        self.progress = progress
+        self.console = console or Console(stderr=True)
+        self.trainer_kwargs = trainer_kwargs
+        self.trainer: pl.Trainer | None = None
+        self.module: pl.LightningModule | None = None
+        self.datamodule: pl.LightningDataModule | None = None
+        self.device_plan: DevicePlan | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return self.config.output_dir
+
+    def _build_default(self) -> tuple[LanguageModel, TokenDataModule]:
+        cfg = self.config
+        prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
+        vocab = prepared.vocab_size
+        if cfg.model.vocab_size is None:
+            model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+        elif cfg.model.vocab_size < vocab:
+            raise ConfigError(
+                "model.vocab_size",
+                f"must be >= the dataset's vocabulary ({vocab}), got {cfg.model.vocab_size}",
+            )
+        else:
+            model_cfg = cfg.model
+        self.config = dataclasses.replace(cfg, model=model_cfg)
+        world = 1
+        micro = cfg.train.resolved_micro_batch(world)
+        accumulation = cfg.train.gradient_accumulation(world)
+        module = LanguageModel(
+            model_cfg,
+            cfg.optim,
+            max_steps=cfg.train.max_steps,
+            accumulation=accumulation,
+            seed=cfg.seed,
+            compile=cfg.train.compile,
+        )
+        module.tokens_per_step = cfg.train.global_batch_size * model_cfg.context_length
+        datamodule = TokenDataModule(
+            prepared,
+            context_length=model_cfg.context_length,
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=micro,
+            seed=cfg.seed,
+            val_batches=cfg.train.val_batches,
+            loader_workers=cfg.data.loader_workers,
+        )
+        tokenizer_dir = self.out_dir / "tokenizer"
+        tokenizer_dir.mkdir(parents=True, exist_ok=True)
+        prepared.tokenizer.save(tokenizer_dir)
+        return module, datamodule
+
+    def _resume_path(self) -> Path | None:
+        resume = self.config.train.resume
+        ckpt_dir = self.out_dir / "checkpoints"
+        if resume == "auto":
+            return latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        if resume == "never":
+            if ckpt_dir.is_dir() and any(ckpt_dir.glob("step-*.ckpt")):
+                raise UserInputError(
+                    f"{ckpt_dir} already holds checkpoints and train.resume is 'never'; use --train.resume auto to "
+                    "continue, or a new --out directory"
+                )
+            return None
+        path = Path(resume)
+        if not path.is_file():
+            raise ConfigError(
+                "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
+            )
+        return path
+
+    def build_trainer(
+        self, accumulation: int, flops_per_token: float | None, tokens_per_step: int
+    ) -> pl.Trainer:
+        cfg = self.config.train
+        threads = cfg.threads or _default_threads()
+        torch.set_num_threads(threads)
+        plan = self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
+        out = self.out_dir
+        metrics = RunMetrics(
+            out / "metrics.jsonl",
+            log_every_steps=cfg.log_every_steps,
+            tokens_per_step=tokens_per_step,
+            flops_per_token=flops_per_token,
+            peak_flops_per_device=plan.peak_flops,
+        )
+        checkpoint = StepCheckpoint(
+            out / "checkpoints",
+            every_steps=cfg.checkpoint_every_steps,
+            keep=cfg.keep_checkpoints,
+            metrics=metrics,
+        )
+        callbacks: list[pl.Callback] = [metrics, checkpoint, GracefulInterrupt(checkpoint, self.console)]
+        callbacks.append(_StoreConfig(to_dict(self.config)))
+        if self.progress:
+            callbacks.append(RichStepProgress(metrics, console=self.console))
+        self._metrics, self._checkpoint = metrics, checkpoint
+        kwargs: dict[str, Any] = {
+            "accelerator": plan.accelerator,
+            "devices": 1,
+            "precision": plan.precision,
+            "max_steps": cfg.max_steps,
+            "val_check_interval": cfg.val_every_steps * accumulation if cfg.val_every_steps else None,
+            "check_val_every_n_epoch": None,
+            "limit_val_batches": cfg.val_batches,
+            "num_sanity_val_steps": 0,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "deterministic": cfg.deterministic,
+            "default_root_dir": str(out),
+            "callbacks": callbacks + self.extra_callbacks,
+        }
+        kwargs.update(self.trainer_kwargs)
+        return pl.Trainer(**kwargs)
+
+    def fit(
+        self, model: pl.LightningModule | None = None, datamodule: pl.LightningDataModule | None = None
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
+        _quiet_lightning()
+        if model is None:
+            if datamodule is not None:
+                raise ValueError("pass a datamodule together with your own model, or neither")
+            model, datamodule = self._build_default()
+        self.module, self.datamodule = model, datamodule
+        out = self.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt_path = self._resume_path()
+        save_yaml(self.config, out / "config.yaml")
+        accumulation = getattr(model, "accumulation", 1)
+        trainer = self.trainer = self.build_trainer(
+            accumulation, getattr(model, "flops_per_token", None), getattr(model, "tokens_per_step", 0)
+        )
+        if ckpt_path is not None:
+            if isinstance(model, LanguageModel):
+                check_resume_compatible(ckpt_path, to_dict(self.config))
+            if self.progress:
+                self.console.print(f"resuming from {ckpt_path}")
+        trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        records = read_metrics(out / "metrics.jsonl")
+        last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
+        if self.config.train.val_every_steps and last_val != trainer.global_step and not trainer.interrupted:
+            trainer.validate(model, datamodule=datamodule, verbose=False)
+            records = read_metrics(out / "metrics.jsonl")
+        summary = self._summary(records, time.perf_counter() - started)
+        if trainer.is_global_zero:
+            write_summary(out / "summary.json", summary)
+            plot_loss(records, out / "loss.png", title=f"{self.config.name}: {self.config.model.name}")
+            if self.progress:
+                print_summary(summary, self.console)
+        return summary
+
+    def _summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+        assert self.trainer is not None
+        train = [r for r in records if r.get("train_loss") is not None]
+        val = [r for r in records if r.get("val_loss") is not None]
+        metrics = self._metrics
+        tokens_per_s = metrics.mean_tokens_per_s() if metrics.train_steps else None
+        if tokens_per_s is None and train:
+            tokens_per_s = train[-1].get("tokens_per_s")  # a resumed, already finished run
+        fpt = getattr(self.module, "flops_per_token", None)
+        plan = self.device_plan
+        mfu_value = None
+        if tokens_per_s and fpt and plan and plan.peak_flops:
+            mfu_value = tokens_per_s * fpt / (plan.peak_flops * self.trainer.world_size)
+        last = self._checkpoint.last_path or latest_checkpoint(self.out_dir / "checkpoints")
+        return {
+            "name": self.config.name,
+            "model": self.config.model.name,
+            "steps": self.trainer.global_step,
+            "train_loss": train[-1]["train_loss"] if train else None,
+            "val_loss": val[-1]["val_loss"] if val else None,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu_value,
+            "mfu_peak_source": plan.peak_source if plan else None,
+            "step_time_s": train[-1].get("step_time_s") if train else None,
+            "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in train), default=None),
+            "wall_s": wall_s,
+            "interrupted": bool(self.trainer.interrupted or self._checkpoint.save_requested),
+            "checkpoint": str(last) if last else None,
+            "device": plan.device_name if plan else None,
+            "precision": plan.precision if plan else None,
+        }

@@ -1,0 +1,255 @@
+"""Real training runs of small models on the bundled corpus, on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.train import GaudiTrainer, build_run_config
+
+pytestmark = pytest.mark.integration
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+
+
+def _config(out: Path, *extra: str):
+    return build_run_config(None, parse_overrides(["--out_dir", str(out), "--train.threads", "2", *extra]))
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The default shakespeare-char model, 300 steps: enough to learn far more than character frequencies."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = _config(
+        out,
+        "--train.max_steps",
+        "300",
+        "--optim.warmup_steps",
+        "30",
+        "--train.val_every_steps",
+        "100",
+        "--train.checkpoint_every_steps",
+        "100",
+        "--train.keep_checkpoints",
+        "2",
+    )
+    summary = GaudiTrainer(cfg, progress=False).fit()
+    return out, summary
+
+
+def test_val_loss_falls_well_below_unigram_entropy(trained_run: tuple[Path, dict]) -> None:
+    out, summary = trained_run
+    # ln(65) = 4.17 is a uniform guess; the character unigram entropy of the corpus is ~3.3 nats.
+    assert summary["steps"] == 300
+    assert summary["val_loss"] < 2.6, summary
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 3 and val[0] > val[-1]
+
+
+def test_run_directory_holds_every_output(trained_run: tuple[Path, dict]) -> None:
+    out, summary = trained_run
+    for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "checkpoint"):
+        assert summary[key] is not None, key
+    assert summary["tokens_per_s"] > 1000 and 0 < summary["mfu"] < 1
+    assert json.loads((out / "summary.json").read_text())["steps"] == 300
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    resolved = (out / "config.yaml").read_text()
+    assert "vocab_size: 65" in resolved and "num_layers: 4" in resolved
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*.ckpt"))
+    assert ckpts == ["step-00000200.ckpt", "step-00000300.ckpt"]  # keep_checkpoints=2
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000300.ckpt"
+    train = [
+        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train_loss" in line
+    ]
+    assert {"step", "train_loss", "lr", "tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes"} <= set(
+        train[0]
+    )
+    assert train[-1]["lr"] == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_generate_cli_samples_deterministically(trained_run: tuple[Path, dict]) -> None:
+    _out, summary = trained_run
+    args = [
+        *GAUDI3,
+        "generate",
+        summary["checkpoint"],
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "3",
+    ]
+    first = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    second = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert first == second and first.startswith("ROMEO:") and len(first.rstrip("\n")) == len("ROMEO:") + 40
+    greedy = subprocess.run(
+        [*args[:-2], "--temperature", "0"], capture_output=True, text=True, check=True
+    ).stdout
+    assert greedy != first or greedy.startswith("ROMEO:")
+
+
+def _state(path: Path) -> tuple[dict, dict]:
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    return ckpt["state_dict"], ckpt["optimizer_states"][0]
+
+
+def _assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+class _StopAt(pl.Callback):
+    """Asks for a stop at `step` the way Ctrl-C does: checkpoint after the step, then stop."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        if trainer.global_step == self.step - 1 and pl_module._micro_step == 0:
+            for cb in trainer.callbacks:  # type: ignore[attr-defined]
+                if hasattr(cb, "save_requested"):
+                    cb.save_requested = True
+
+
+def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
+    # Dropout and gradient accumulation on, so RNG and micro-batch bookkeeping are covered too.
+    common = (
+        "--train.max_steps",
+        "24",
+        "--optim.warmup_steps",
+        "4",
+        "--model.dropout",
+        "0.1",
+        "--train.global_batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--train.val_every_steps",
+        "0",
+        "--train.checkpoint_every_steps",
+        "0",
+        "--model.num_layers",
+        "2",
+    )
+    straight = GaudiTrainer(_config(tmp_path / "straight", *common), progress=False).fit()
+    first = GaudiTrainer(_config(tmp_path / "split", *common), progress=False, callbacks=[_StopAt(12)]).fit()
+    assert first["steps"] == 12 and first["interrupted"]
+    second = GaudiTrainer(_config(tmp_path / "split", *common), progress=False).fit()
+    assert second["steps"] == 24
+    model_a, optim_a = _state(Path(straight["checkpoint"]))
+    model_b, optim_b = _state(Path(second["checkpoint"]))
+    _assert_bitwise_equal(model_a, model_b, "model")
+    _assert_bitwise_equal(optim_a, optim_b, "optimizer")
+
+
+def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
+    from gaudi3_scale.config import UserInputError
+
+    common = ("--train.max_steps", "4", "--optim.warmup_steps", "1", "--train.val_every_steps", "0")
+    GaudiTrainer(_config(tmp_path, *common, "--model.num_layers", "1"), progress=False).fit()
+    with pytest.raises(UserInputError, match=r"^model.num_layers: the checkpoint was trained with 1"):
+        GaudiTrainer(
+            _config(tmp_path, *common, "--model.num_layers", "2", "--train.max_steps", "8"), progress=False
+        ).fit()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        *GAUDI3,
+        "train",
+        "--out",
+        str(out),
+        "--train.max_steps",
+        "100000",
+        "--sample-tokens",
+        "0",
+        "--train.val_every_steps",
+        "0",
+        "--train.checkpoint_every_steps",
+        "0",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.stat().st_size > 0):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["steps"] < 100000
+    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}.ckpt"
+    assert Path(summary["checkpoint"]).is_file()
+
+
+class _TinyRegression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _TinyData(pl.LightningDataModule):
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 4, generator=g)
+        y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def test_gaudi_trainer_accepts_a_users_own_module(tmp_path: Path) -> None:
+    cfg = _config(
+        tmp_path, "--train.max_steps", "60", "--train.val_every_steps", "0", "--optim.warmup_steps", "0"
+    )
+    module = _TinyRegression()
+    summary = GaudiTrainer(cfg, progress=False).fit(module, _TinyData())
+    assert summary["steps"] == 60
+    assert torch.allclose(module.layer.weight, torch.tensor([[1.0, -2.0, 0.5, 3.0]]), atol=0.05)
+    assert Path(summary["checkpoint"]).is_file()
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path)}
+    for args, needle in [
+        (["train", "--model.dim", "130"], "model.dim: must be divisible by num_heads"),
+        (["train", "--nope", "1"], "nope: unknown field"),
+        (["train", "--config", str(tmp_path / "missing.yaml")], "does not exist"),
+        (["generate", str(tmp_path / "none.ckpt")], "does not exist"),
+        (["frobnicate"], "No such command"),
+    ]:
+        proc = subprocess.run([*GAUDI3, *args], capture_output=True, text=True, env=env)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+        assert "Traceback" not in proc.stderr

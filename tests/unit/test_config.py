@@ -1,0 +1,131 @@
+"""Run config: YAML + dotted overrides + preset expansion, and one clear line for every mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gaudi3_scale.config import ConfigError, UserInputError
+from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.train.config import RunConfig, build_run_config
+
+
+def test_defaults_are_the_published_shakespeare_char_run() -> None:
+    cfg = build_run_config()
+    assert (cfg.model.num_layers, cfg.model.num_heads, cfg.model.dim, cfg.model.context_length) == (
+        4,
+        4,
+        128,
+        64,
+    )
+    assert cfg.train.global_batch_size == 12 and cfg.train.max_steps == 2000
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps) == (1e-3, 1e-4, 100)
+    assert (cfg.optim.beta2, cfg.optim.weight_decay, cfg.optim.grad_clip_norm) == (0.99, 0.1, 1.0)
+    assert cfg.model.dropout == 0.0
+    assert cfg.output_dir == Path("runs/shakespeare-char")
+
+
+def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "gpt2-124m", "dropout": 0.1}, "optim": {"lr": 6e-4}}))
+    cfg = build_run_config(path, parse_overrides(["--model.num_layers", "6", "--optim.min_lr=6e-5"]))
+    assert cfg.model.num_layers == 6  # CLI beats preset
+    assert cfg.model.dim == 768 and cfg.model.vocab_size == 50257  # preset fills the rest
+    assert cfg.model.dropout == 0.1  # YAML beats preset
+    assert cfg.optim.lr == 6e-4 and cfg.optim.min_lr == 6e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "allowed"),
+    [
+        (["--model.num_layer", "3"], "model.num_layer", "num_layers"),
+        (["--train.max_steps", "ten"], "train.max_steps", "integer"),
+        (["--train.max_steps", "0"], "train.max_steps", "> 0"),
+        (["--train.precision", "fp8"], "train.precision", "bf16-mixed"),
+        (["--model.dim", "130"], "model.dim", "divisible by num_heads"),
+        (["--train.micro_batch_size", "5"], "train.micro_batch_size", "divide global_batch_size"),
+        (["--optim.min_lr", "0.1"], "optim.min_lr", "<= lr"),
+        (["--model.name", "gpt5"], "model.name", "shakespeare-char"),
+        (["--model.dropout", "1.5"], "model.dropout", "between 0.0 and 1.0"),
+        (["--optim.lr", "nan"], "optim.lr", "number"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_allowed(
+    overrides: list[str], field: str, allowed: str
+) -> None:
+    with pytest.raises(UserInputError) as info:
+        build_run_config(None, parse_overrides(overrides))
+    message = str(info.value)
+    assert message.startswith(field), message
+    assert allowed in message
+    assert "\n" not in message
+
+
+def test_unknown_yaml_section(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^trainer: unknown field; allowed: .*train"):
+        build_run_config(path)
+
+
+def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(UserInputError, match="must hold a mapping"):
+        build_run_config(path)
+    path.write_text("model: {num_layers: [\n")
+    with pytest.raises(UserInputError, match="not valid YAML at line"):
+        build_run_config(path)
+
+
+def test_gradient_accumulation_is_derived_and_checked() -> None:
+    cfg = build_run_config(
+        None, parse_overrides(["--train.global_batch_size", "48", "--train.micro_batch_size", "6"])
+    )
+    assert cfg.train.gradient_accumulation(world_size=1) == 8
+    assert cfg.train.gradient_accumulation(world_size=2) == 4
+    with pytest.raises(ConfigError, match="not divisible by micro_batch_size"):
+        cfg.train.gradient_accumulation(world_size=5)
+
+
+def test_round_trip_through_yaml(tmp_path: Path) -> None:
+    from gaudi3_scale.config.core import save_yaml
+
+    cfg = build_run_config(None, parse_overrides(["--model.num_layers", "2", "--train.max_steps", "7"]))
+    save_yaml(cfg, tmp_path / "config.yaml")
+    again = build_run_config(tmp_path / "config.yaml")
+    assert again == cfg
+    assert isinstance(again, RunConfig)
+
+
+_FIELDS = [
+    "model.num_layers",
+    "model.dim",
+    "model.dropout",
+    "train.max_steps",
+    "train.precision",
+    "optim.lr",
+    "train.global_batch_size",
+    "data.val_fraction",
+    "model.arch",
+    "name",
+    "model.nope",
+    "x.y",
+    "train",
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    key=st.sampled_from(_FIELDS) | st.text(min_size=1, max_size=12),
+    value=st.text(max_size=12) | st.integers(-5, 10**6).map(str) | st.floats(allow_nan=True).map(str),
+)
+def test_fuzzed_overrides_never_raise_anything_but_user_errors(key: str, value: str) -> None:
+    try:
+        build_run_config(None, [(key, value)])
+    except UserInputError as exc:
+        assert "\n" not in str(exc)

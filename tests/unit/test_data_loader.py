@@ -1,0 +1,118 @@
+"""TokenWindowDataset / ValWindowDataset / TokenDataModule without a Trainer: exact tensors, exact order."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data import (
+    DataConfig,
+    PreparedData,
+    TokenDataModule,
+    TokenWindowDataset,
+    ValWindowDataset,
+    WindowSampler,
+    load_prepared,
+    prepare_dataset,
+)
+from gaudi3_scale.data.loader import gather_windows
+
+T = 32
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> PreparedData:
+    return load_prepared(prepare_dataset(DataConfig(), tmp_path_factory.mktemp("ds"), progress=False))
+
+
+def sampler_for(data: PreparedData, **kw: int) -> WindowSampler:
+    args = {"global_batch_size": 8, "micro_batch_size": 2, "seed": 3} | kw
+    return WindowSampler(len(data.train), T, **args)
+
+
+def test_gather_windows_is_shift_by_one(data: PreparedData) -> None:
+    starts = np.array([0, 17, len(data.train) - T - 1])
+    x, y = gather_windows(data.train, starts, np.arange(T + 1))
+    assert x.shape == y.shape == (3, T)
+    assert x.dtype == y.dtype == torch.int64
+    assert x.is_contiguous() and y.is_contiguous()
+    for row, start in enumerate(starts):
+        assert x[row].tolist() == data.train[start : start + T].tolist()
+        assert y[row].tolist() == data.train[start + 1 : start + T + 1].tolist()
+    assert data.tokenizer.decode(x[0, :14].tolist()) == "First Citizen:"
+
+
+def test_stream_yields_micro_steps_in_order(data: PreparedData) -> None:
+    sampler = sampler_for(data)  # accum = 4
+    batches = list(TokenWindowDataset(data.train, sampler, start_step=5, num_steps=2))
+    assert len(batches) == 8
+    expected = [sampler.micro_batch_starts(step, a) for step in (5, 6) for a in range(4)]
+    for (x, _), starts in zip(batches, expected, strict=True):
+        assert torch.equal(x[:, 0], torch.from_numpy(data.train[starts].astype(np.int64)))
+
+
+def test_workers_split_the_stream_without_duplicates(data: PreparedData) -> None:
+    sampler = sampler_for(data, global_batch_size=6, micro_batch_size=2)  # accum 3: does not divide 2 workers
+    dataset = TokenWindowDataset(data.train, sampler, start_step=1, num_steps=4)
+    plain = [x for x, _ in DataLoader(dataset, batch_size=None, num_workers=0)]
+    workers = [x for x, _ in DataLoader(dataset, batch_size=None, num_workers=2)]
+    assert len(plain) == len(workers) == 12
+    assert all(torch.equal(a, b) for a, b in zip(plain, workers, strict=True))
+
+
+def test_pickling_reopens_the_memmap(data: PreparedData) -> None:
+    dataset = TokenWindowDataset(data.train, sampler_for(data), num_steps=1)
+    state = dataset.__getstate__()
+    assert state["_tokens"][0] == "memmap"  # the path travels, not 2 MB of tokens
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert isinstance(clone._tokens, np.memmap)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(dataset, clone, strict=True))
+
+
+def test_val_dataset_is_fixed(data: PreparedData) -> None:
+    val = ValWindowDataset(data.val, T, micro_batch_size=4, max_batches=3)
+    assert len(val) == 3
+    x, y = val[2]
+    assert x.shape == (4, T)
+    start = int(val.starts[2, 0])
+    assert x[0].tolist() == data.val[start : start + T].tolist()
+    assert torch.equal(ValWindowDataset(data.val, T, micro_batch_size=4, max_batches=3)[2][1], y)
+    with pytest.raises(IndexError):
+        val[3]
+
+
+def test_datamodule_without_trainer(data: PreparedData) -> None:
+    dm = TokenDataModule(
+        data, context_length=T, global_batch_size=8, micro_batch_size=2, seed=3, val_batches=2
+    )
+    dm.load_state_dict(sampler_for(data).state_dict(samples_consumed=16))  # before setup: checked in setup
+    dm.setup("fit")
+    assert (dm.start_step, dm.accum_steps) == (2, 4)
+    first_x, _ = next(iter(dm.train_dataloader()))
+    assert first_x[:, 0].tolist() == data.train[sampler_for(data).micro_batch_starts(2, 0)].tolist()
+    assert len(dm.val_dataloader()) == 2
+    assert dm.state_dict()["samples_consumed"] == 16
+
+
+def test_datamodule_refuses_foreign_state(data: PreparedData) -> None:
+    dm = TokenDataModule(
+        data.directory, context_length=T, global_batch_size=8, micro_batch_size=2, seed=4, val_batches=1
+    )
+    dm.setup("fit")
+    with pytest.raises(UserInputError, match="seed was 3, now 4"):
+        dm.load_state_dict(sampler_for(data).state_dict(samples_consumed=8))
+
+
+def test_datamodule_accepts_a_directory(data: PreparedData) -> None:
+    dm = TokenDataModule(
+        data.directory, context_length=T, global_batch_size=8, micro_batch_size=2, seed=3, val_batches=1
+    )
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.state_dict()
+    dm.setup()
+    assert dm.prepared.vocab_size == 65

@@ -1,0 +1,121 @@
+"""Manifest schema and shard verification: every way a prepared directory can rot gives one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data import DataConfig, load_manifest, load_prepared, prepare_dataset, verify_prepared
+from gaudi3_scale.data.manifest import FORMAT_NAME, FORMAT_VERSION, token_dtype
+
+
+@pytest.fixture
+def prepared(tmp_path: Path) -> Path:
+    return prepare_dataset(DataConfig(), tmp_path / "ds", progress=False)
+
+
+def rewrite_manifest(directory: Path, **changes: object) -> None:
+    path = directory / "manifest.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def expect_error(directory: Path, pattern: str, *, checksums: bool = True) -> str:
+    with pytest.raises(UserInputError, match=pattern) as exc:
+        verify_prepared(directory, checksums=checksums)
+    assert "\n" not in str(exc.value)
+    return str(exc.value)
+
+
+def test_manifest_records_what_was_built(prepared: Path) -> None:
+    manifest = load_manifest(prepared)
+    assert (manifest.format, manifest.format_version) == (FORMAT_NAME, FORMAT_VERSION)
+    assert (manifest.tokenizer_kind, manifest.vocab_size, manifest.dtype) == ("char", 65, "uint16")
+    assert manifest.num_tokens == {"train": 1_003_854, "val": 111_540}
+    assert [s.file for s in manifest.shards] == ["train.bin", "val.bin"]
+    assert manifest.shard("val").size_bytes == 2 * 111_540
+    assert manifest.sources[0].size_bytes == 1_115_394
+    assert len(manifest.sources[0].sha256) == 64
+    assert verify_prepared(prepared) == manifest
+
+
+def test_flipped_byte_is_caught_by_checksum_only(prepared: Path) -> None:
+    train = prepared / "train.bin"
+    data = bytearray(train.read_bytes())
+    data[1000] ^= 0xFF
+    train.write_bytes(bytes(data))
+    verify_prepared(prepared, checksums=False)  # same size: the cheap check cannot see it
+    message = expect_error(
+        prepared, r"train.bin: SHA-256 mismatch with manifest.json \(expected [0-9a-f]{12}…, got"
+    )
+    assert message.endswith("re-run `gaudi3 prepare --force`")
+    assert len(load_prepared(prepared, verify_checksums=False).train) == 1_003_854
+    with pytest.raises(UserInputError, match="SHA-256 mismatch"):
+        load_prepared(prepared)
+
+
+def test_truncated_and_missing_shards(prepared: Path) -> None:
+    val = prepared / "val.bin"
+    val.write_bytes(val.read_bytes()[:-2])
+    expect_error(
+        prepared,
+        r"val.bin: size 223078 bytes disagrees with manifest.json \(expected 223080 = 111540 uint16",
+        checksums=False,
+    )
+    val.unlink()
+    expect_error(prepared, r"val.bin: missing \(listed in manifest.json\)", checksums=False)
+
+
+def test_missing_tokenizer(prepared: Path) -> None:
+    (prepared / "tokenizer.json").unlink()
+    expect_error(prepared, r"tokenizer.json: missing", checksums=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        (
+            {"format_version": FORMAT_VERSION + 1},
+            f"format_version {FORMAT_VERSION + 1} is newer than this gaudi3-scale",
+        ),
+        ({"format_version": "1"}, "unknown format_version '1'"),
+        ({"format": "nanogpt"}, "format 'nanogpt' is not"),
+        ({"shards": None}, "missing key.s. shards"),
+        ({"dtype": "float32"}, "dtype 'float32' is not one of uint16, uint32"),
+        ({"shards": [{"split": "train"}]}, "malformed entry"),
+        ({"vocab_size": "65"}, "key 'vocab_size' has the wrong type"),
+    ],
+)
+def test_bad_manifest(prepared: Path, changes: dict[str, object], pattern: str) -> None:
+    rewrite_manifest(prepared, **changes)
+    expect_error(prepared, pattern, checksums=False)
+
+
+def test_malformed_json_and_absent_manifest(prepared: Path, tmp_path: Path) -> None:
+    (prepared / "manifest.json").write_text('{"format": ')
+    expect_error(prepared, r"manifest.json: not valid JSON at line 1")
+    expect_error(tmp_path, r"not a prepared dataset \(no manifest.json\); run `gaudi3 prepare` first")
+
+
+def test_load_prepared_gives_read_only_memmaps(prepared: Path) -> None:
+    data = load_prepared(prepared)
+    assert isinstance(data.train, np.memmap) and data.train.dtype == np.dtype("<u2")
+    assert data.vocab_size == 65
+    assert data.tokenizer.decode(data.train[:14].tolist()) == "First Citizen:"
+    with pytest.raises(ValueError, match="read-only"):
+        data.train[0] = 1
+
+
+def test_token_dtype_boundary() -> None:
+    assert token_dtype(65) == "uint16"
+    assert token_dtype(65_536) == "uint16"  # ids 0..65535
+    assert token_dtype(65_537) == "uint32"

@@ -1,0 +1,195 @@
+"""WindowSampler: a bijective shuffle, world-size-independent global batches, exact resume, loud refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.data.sampler import (
+    SAMPLER_STATE_FORMAT,
+    WindowSampler,
+    accumulation_steps,
+    feistel_permute,
+    val_window_starts,
+)
+
+NUM_TOKENS = 100_000
+T = 16
+
+
+def make(world_size: int = 1, rank: int = 0, **kw: int) -> WindowSampler:
+    num_tokens = kw.pop("num_tokens", NUM_TOKENS)
+    args: dict[str, int] = {"global_batch_size": 16, "micro_batch_size": 2, "seed": 7} | kw
+    return WindowSampler(num_tokens, T, world_size=world_size, rank=rank, **args)
+
+
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**32), epoch=st.integers(0, 1000))
+def test_feistel_is_a_bijection(n: int, seed: int, epoch: int) -> None:
+    perm = feistel_permute(np.arange(n), n, seed, epoch)
+    assert perm.dtype == np.int64
+    assert np.array_equal(np.sort(perm), np.arange(n))
+
+
+def test_feistel_scales_without_memory() -> None:
+    n = 3_000_000_017  # billions of windows: only the requested slice is ever materialized
+    images = feistel_permute(np.arange(10**6, 10**6 + 200_000), n, seed=1, epoch=0)
+    assert images.min() >= 0 and images.max() < n
+    assert len(np.unique(images)) == 200_000
+    assert images.max() > n // 2  # spread over the whole range, not a local shuffle
+
+
+def test_feistel_depends_on_seed_and_epoch() -> None:
+    n = 1000
+    base = feistel_permute(np.arange(n), n, 0, 0)
+    assert np.array_equal(base, feistel_permute(np.arange(n), n, 0, 0))
+    assert not np.array_equal(base, feistel_permute(np.arange(n), n, 0, 1))
+    assert not np.array_equal(base, feistel_permute(np.arange(n), n, 1, 0))
+    assert np.mean(base == np.arange(n)) < 0.02  # a real shuffle: few fixed points
+
+
+def test_num_windows_and_stride() -> None:
+    assert make().num_windows == NUM_TOKENS - T
+    strided = make(stride=5, num_tokens=1000)
+    assert strided.num_windows == (1000 - T - 1) // 5 + 1
+    starts = np.concatenate([strided.step_starts(s).ravel() for s in range(30)])
+    assert np.all(starts % 5 == 0)
+    assert starts.max() <= 1000 - T - 1
+
+
+def test_one_epoch_visits_every_window_once() -> None:
+    sampler = make(num_tokens=T + 160, global_batch_size=16, micro_batch_size=4)  # 160 windows = 10 steps
+    assert sampler.num_windows == 160
+    epoch0 = np.concatenate([sampler.step_starts(s).ravel() for s in range(10)])
+    assert np.array_equal(np.sort(epoch0), np.arange(160))
+    epoch1 = np.concatenate([sampler.step_starts(s).ravel() for s in range(10, 20)])
+    assert np.array_equal(np.sort(epoch1), np.arange(160))
+    assert not np.array_equal(epoch0, epoch1)
+
+
+def test_deterministic_and_seeded() -> None:
+    assert np.array_equal(make().step_starts(5), make().step_starts(5))
+    assert not np.array_equal(make().step_starts(5), make(seed=8).step_starts(5))
+
+
+@pytest.mark.parametrize(("world_size", "micro"), [(1, 2), (2, 2), (4, 2), (2, 8), (4, 4)])
+def test_ranks_partition_the_global_batch(world_size: int, micro: int) -> None:
+    reference = make(micro_batch_size=16)  # world 1, one micro-step: the whole global batch at once
+    for step in (0, 3, 6249, 6250):  # 6249/6250 straddle the end of the first epoch
+        expected = reference.micro_batch_starts(step, 0)
+        ranks = [make(world_size, r, micro_batch_size=micro) for r in range(world_size)]
+        accum = ranks[0].accum_steps
+        assert accum == 16 // (micro * world_size)
+        pieces = [ranks[r].micro_batch_starts(step, a) for a in range(accum) for r in range(world_size)]
+        assert all(len(p) == micro for p in pieces)
+        assert np.array_equal(np.concatenate(pieces), expected)  # order: (a * world + r) * micro
+        assert len(np.unique(np.concatenate(pieces))) == 16  # disjoint across ranks and micro-steps
+        for sampler in ranks:  # the vectorized per-step call agrees with the per-micro-step one
+            per_micro = [sampler.micro_batch_starts(step, a) for a in range(accum)]
+            assert np.array_equal(sampler.step_starts(step), np.stack(per_micro))
+
+
+def test_resume_from_state_gives_identical_batches() -> None:
+    run = make(world_size=2, rank=1)
+    state = run.state_dict(samples_consumed=3 * 16)
+    assert state == {
+        "format": SAMPLER_STATE_FORMAT,
+        "seed": 7,
+        "stride": 1,
+        "num_windows": NUM_TOKENS - T,
+        "context_length": T,
+        "global_batch_size": 16,
+        "samples_consumed": 48,
+    }
+    resumed = make(world_size=2, rank=1)
+    assert resumed.load_state_dict(state) == 3 == resumed.start_step
+    for step in range(3, 8):
+        assert np.array_equal(resumed.step_starts(step), run.step_starts(step))
+
+
+def test_resume_on_another_world_size_and_batch_split() -> None:
+    state = make(world_size=4, rank=0).state_dict(samples_consumed=10 * 16)
+    single = make(micro_batch_size=16)
+    assert single.start_step_from_state(state) == 10
+    # The stream is counted in samples: with the global batch halved to 8, the run resumes at step 20 and
+    # reads the same windows.
+    halved = make(global_batch_size=8, micro_batch_size=8)
+    assert halved.start_step_from_state(state) == 20
+    both = np.concatenate([halved.micro_batch_starts(20, 0), halved.micro_batch_starts(21, 0)])
+    assert np.array_equal(both, single.micro_batch_starts(10, 0))
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [({"num_tokens": NUM_TOKENS + 1}, "num_windows"), ({"seed": 1}, "seed"), ({"stride": 2}, "stride")],
+)
+def test_resume_refuses_another_stream(change: dict[str, int], key: str) -> None:
+    state = make().state_dict(samples_consumed=32)
+    with pytest.raises(UserInputError, match=f"{key} was .*, now .*same prepared dataset"):
+        make(**change).start_step_from_state(state)
+
+
+def test_resume_refuses_other_context_and_format() -> None:
+    state = make().state_dict(samples_consumed=32)
+    other = WindowSampler(NUM_TOKENS, T + 1, global_batch_size=16, micro_batch_size=2, seed=7)
+    with pytest.raises(UserInputError, match="context_length was 16, now 17"):
+        other.start_step_from_state(state)
+    with pytest.raises(UserInputError, match="format 'nope'"):
+        make().start_step_from_state(state | {"format": "nope"})
+    with pytest.raises(UserInputError, match="samples_consumed must be an integer"):
+        make().start_step_from_state(state | {"samples_consumed": -16})
+
+
+def test_resume_refuses_a_global_batch_that_does_not_divide() -> None:
+    state = make().state_dict(samples_consumed=3 * 16)
+    with pytest.raises(
+        UserInputError, match=r"48 samples consumed is not a multiple of global_batch_size 32 \(it was 16\)"
+    ):
+        make(global_batch_size=32).start_step_from_state(state)
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(ConfigError, match=r"global_batch_size: must be a multiple of .* 4 × 3 = 12, got 16"):
+        make(world_size=3, micro_batch_size=4)
+    with pytest.raises(ConfigError, match=r"rank: must be in \[0, world_size=2\)"):
+        make(world_size=2, rank=2)
+    with pytest.raises(UserInputError, match="has 16 tokens, fewer than context_length \\+ 1 = 17"):
+        make(num_tokens=16)
+    with pytest.raises(ConfigError, match="seed: must be >= 0"):
+        make(seed=-1)
+    with pytest.raises(ValueError, match=r"micro_step must be in \[0, 8\)"):
+        make().micro_batch_starts(0, 8)
+    assert accumulation_steps(64, 4, 2) == 8
+
+
+def test_tiny_dataset_wraps_epochs_inside_a_batch() -> None:
+    sampler = make(num_tokens=T + 3, global_batch_size=8, micro_batch_size=8)  # 3 windows, 8 per batch
+    starts = sampler.micro_batch_starts(0, 0)
+    assert sorted(starts[:3].tolist()) == [0, 1, 2] and sorted(starts[3:6].tolist()) == [0, 1, 2]
+
+
+def test_val_windows_are_fixed_spread_and_disjoint() -> None:
+    starts = val_window_starts(10_000, 16, micro_batch_size=4, max_batches=5)
+    assert starts.shape == (5, 4)
+    flat = starts.ravel()
+    assert np.all(np.diff(flat) >= 16)  # non-overlapping x windows, in order
+    assert flat[0] == 0 and flat[-1] > 10_000 * 0.9  # spread over the whole split
+    assert np.all(flat % 16 == 0) and flat[-1] + 17 <= 10_000
+
+
+def test_val_windows_cap_and_ranks() -> None:
+    def shape(num_tokens: int, max_batches: int = 100) -> tuple[int, ...]:
+        return val_window_starts(num_tokens, 16, micro_batch_size=4, max_batches=max_batches).shape
+
+    assert shape(16 * 10 + 1) == (2, 4)  # 10 windows → 2 full batches
+    assert shape(16 * 3 + 1) == (1, 3)  # fewer than micro: one short batch
+    assert shape(10, max_batches=5) == (0, 4)
+    full = val_window_starts(10_000, 16, micro_batch_size=4, max_batches=5)
+    ranks = [
+        val_window_starts(10_000, 16, micro_batch_size=4, max_batches=5, world_size=2, rank=r) for r in (0, 1)
+    ]
+    assert [len(r) for r in ranks] == [2, 2]  # 5 batches → 4 usable, 2 per rank
+    interleaved = np.concatenate([ranks[0][:1], ranks[1][:1], ranks[0][1:], ranks[1][1:]])
+    assert np.array_equal(interleaved, full[:4])

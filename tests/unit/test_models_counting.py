@@ -1,0 +1,69 @@
+"""Parameter counts pinned to published numbers; FLOPs per token checked against hand arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from gaudi3_scale.models import count_parameters, flops_per_token, forward_flops_per_token, get_model_config
+from gaudi3_scale.models.config import ModelConfig
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpt2-124m", 124_439_808),  # HF openai-community/gpt2 model card / `model.num_parameters()`
+        ("gpt2-350m", 354_823_168),  # HF gpt2-medium
+        ("llama3-8b", 8_030_261_248),  # HF meta-llama/Meta-Llama-3-8B safetensors metadata
+        ("llama3-70b", 70_553_706_496),  # HF meta-llama/Meta-Llama-3-70B safetensors metadata
+    ],
+)
+def test_published_parameter_counts(name: str, expected: int) -> None:
+    assert count_parameters(get_model_config(name)) == expected
+
+
+def _shakespeare_char() -> ModelConfig:
+    return get_model_config("shakespeare-char").resolve_vocab(65)  # tinyshakespeare has 65 distinct chars
+
+
+def test_shakespeare_char_counts_by_hand() -> None:
+    d, layers = 128, 4
+    per_layer = 12 * d * d + 13 * d  # qkv+proj 4d², MLP 8d²; biases 3d+d+4d+d; two LayerNorms 4d
+    total = 65 * d + 64 * d + layers * per_layer + 2 * d  # tied token table, positions, blocks, final norm
+    assert total == 809_856
+    assert count_parameters(_shakespeare_char()) == total
+    assert count_parameters(_shakespeare_char(), exclude_embeddings=True) == total - 64 * d
+
+
+def test_exclude_embeddings_keeps_tied_head_and_drops_untied_table() -> None:
+    # gpt2: only the position table is lookup-only; llama: the untied token table is.
+    assert (
+        count_parameters(get_model_config("gpt2-124m"), exclude_embeddings=True) == 124_439_808 - 1024 * 768
+    )
+    llama = get_model_config("llama3-8b")
+    assert count_parameters(llama, exclude_embeddings=True) == 8_030_261_248 - 128256 * 4096
+
+
+def test_tied_head_is_counted_once() -> None:
+    cfg = get_model_config("gpt2-124m")
+    cfg.tie_embeddings = False
+    assert count_parameters(cfg) == 124_439_808 + 50257 * 768
+
+
+def test_flops_per_token_shakespeare_char() -> None:
+    n = 809_856 - 64 * 128
+    attention = 12 * 4 * 4 * 32 * 64  # 12·L·H·Q·T
+    assert flops_per_token(_shakespeare_char()) == 6 * n + attention == 5_203_200
+    assert forward_flops_per_token(_shakespeare_char()) == pytest.approx(5_203_200 / 3)
+
+
+def test_flops_per_token_gpt2_124m() -> None:
+    cfg = get_model_config("gpt2-124m")
+    assert flops_per_token(cfg) == 6 * 123_653_376 + 12 * 12 * 12 * 64 * 1024 == 855_166_464
+    assert flops_per_token(cfg, seq_len=512) == 6 * 123_653_376 + 12 * 12 * 12 * 64 * 512
+
+
+def test_flops_rejects_bad_seq_len_and_unresolved_vocab() -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(get_model_config("gpt2-124m"), seq_len=2048)
+    with pytest.raises(ValueError, match="vocab_size"):
+        count_parameters(get_model_config("shakespeare-char"))

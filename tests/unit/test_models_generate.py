@@ -1,0 +1,94 @@
+"""Sampling: argument checks, determinism under a seeded generator, greedy decoding, context cropping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gaudi3_scale.models import Transformer, build_model, generate, get_model_config
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    cfg = get_model_config("llama-tiny").resolve_vocab(65)
+    cfg.context_length = 16
+    return build_model(cfg, seed=0).eval()
+
+
+def _prompt(length: int = 4) -> torch.Tensor:
+    return torch.arange(length, dtype=torch.long)[None] % 65
+
+
+def _greedy_by_hand(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            next_id = model(tokens[:, -16:])[:, -1, :65].argmax(-1, keepdim=True)
+            tokens = torch.cat((tokens, next_id), dim=1)
+    return tokens
+
+
+def test_seeded_sampling_is_deterministic(model: Transformer) -> None:
+    def sample(seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return generate(model, _prompt(), max_new_tokens=20, temperature=1.0, top_k=10, generator=gen)
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first.shape == (1, 24)
+    assert torch.equal(first[:, :4], _prompt())
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_temperature_zero_is_greedy_and_top_k_one_matches_it(model: Transformer) -> None:
+    # 30 new tokens from a 4-token prompt also runs past context_length (16), exercising the crop.
+    expected = _greedy_by_hand(model, _prompt(), 30)
+    assert torch.equal(generate(model, _prompt(), max_new_tokens=30, temperature=0.0), expected)
+    sampled = generate(
+        model, _prompt(), max_new_tokens=30, top_k=1, generator=torch.Generator().manual_seed(0)
+    )
+    assert torch.equal(sampled, expected)
+
+
+def test_padding_rows_are_never_sampled() -> None:
+    cfg = get_model_config("llama-tiny").resolve_vocab(65)
+    cfg.pad_vocab_to_multiple = 64
+    model = build_model(cfg, seed=0)
+    # make every padding logit the largest: a real forward hook, not a mock
+    model.output.register_forward_hook(
+        lambda _m, _i, out: torch.cat((out[..., :65], out[..., 65:] + 1e4), -1)
+    )
+    out = generate(model, _prompt(), max_new_tokens=10, temperature=0.0)
+    assert int(out.max()) < 65
+
+
+def test_restores_training_mode_and_allows_zero_new_tokens(model: Transformer) -> None:
+    model.train()
+    try:
+        assert torch.equal(generate(model, _prompt(), max_new_tokens=0), _prompt())
+        assert model.training
+    finally:
+        model.eval()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
+        ({"max_new_tokens": 1, "temperature": -0.5}, "temperature must be >= 0"),
+        ({"max_new_tokens": 1, "top_k": 0}, "top_k must be >= 1"),
+    ],
+)
+def test_rejects_bad_arguments(model: Transformer, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(model, _prompt(), **kwargs)
+
+
+def test_rejects_bad_prompt(model: Transformer) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, torch.zeros(4, dtype=torch.long), max_new_tokens=1)
+
+
+def test_rejects_a_model_without_config() -> None:
+    with pytest.raises(TypeError, match="build_model"):
+        generate(torch.nn.Linear(2, 2), _prompt(), max_new_tokens=1)
