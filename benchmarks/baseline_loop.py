@@ -49,7 +49,7 @@ def run_baseline(
     beta2: float = 0.99,
     clip: float = 1.0,
     seed: int = 1337,
-    eval_batches: int = 20,
+    val_starts: np.ndarray | None = None,
     threads: int | None = None,
     fused_adamw: bool = False,
 ) -> BaselineResult:
@@ -88,26 +88,18 @@ def run_baseline(
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    val_loss = _evaluate(model, val, block=block, batch_size=batch_size, batches=eval_batches)
-    return BaselineResult(step_times_s=times, val_loss=val_loss, final_train_loss=float(loss))
+    val_loss = _evaluate(model, val, val_starts, block=block) if val_starts is not None else None
+    return BaselineResult(step_times_s=times, val_loss=val_loss, final_train_loss=float(loss.detach()))
 
 
 @torch.no_grad()
-def _evaluate(
-    model: torch.nn.Module, val: np.ndarray, *, block: int, batch_size: int, batches: int
-) -> float | None:
-    """Mean loss over evenly spread non-overlapping validation windows (the same set the framework evaluates)."""
-    if batches <= 0:
-        return None
+def _evaluate(model: torch.nn.Module, val: np.ndarray, starts: np.ndarray, *, block: int) -> float:
+    """Mean loss over the given [batches, micro] window offsets: the set `gaudi3 train` validates on."""
     model.eval()
-    num_windows = (len(val) - 1) // block
-    count = min(num_windows, batches * batch_size)
-    starts = np.linspace(0, (num_windows - 1) * block, count).astype(np.int64) // block * block
-    losses = []
     val_t = torch.from_numpy(val.astype(np.int64))
-    for i in range(0, count, batch_size):
-        idx = torch.from_numpy(starts[i : i + batch_size])[:, None] + torch.arange(block + 1)
-        chunk = val_t[idx]
+    losses = []
+    for batch in starts:
+        chunk = val_t[torch.from_numpy(batch)[:, None] + torch.arange(block + 1)]
         logits = model(chunk[:, :-1])
         losses.append(float(F.cross_entropy(logits.view(-1, logits.size(-1)), chunk[:, 1:].reshape(-1))))
     model.train()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gaudi3_scale.models import build_model, get_model_config
+from gaudi3_scale.monitor.environment import environment_info
 
 
 def _step_fn(model: torch.nn.Module, vocab: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -77,7 +76,7 @@ def main() -> None:
     for r in results.values():
         r["tokens_per_s"] = tokens / r["median_step_s"]
     report = {
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "machine": environment_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "results": results,
         "eager_over_compiled_step_time": results["eager"]["median_step_s"]

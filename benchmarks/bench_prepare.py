@@ -16,19 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import tokenizers
-import torch
 
 from gaudi3_scale.data import (
     DataConfig,
@@ -39,6 +32,7 @@ from gaudi3_scale.data import (
     prepare_dataset,
 )
 from gaudi3_scale.data.sources import bundled_corpora
+from gaudi3_scale.monitor.environment import environment_info
 
 MB = 1e6
 
@@ -128,19 +122,6 @@ def time_loader(directory: Path, micro: int, context: int, accum: int, batches: 
     }
 
 
-def machine_info() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "tokenizers": tokenizers.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=float, default=50.0)
@@ -183,7 +164,7 @@ def main() -> None:
             )
 
     result = {
-        "machine": machine_info(),
+        "machine": environment_info(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": {"prepare": runs, "loader": loader},
         "speedup_workers_over_1": speedups,

@@ -253,3 +253,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_same_seed_same_weights_in_deterministic_mode(tmp_path: Path) -> None:
+    common = ("--train.max_steps", "6", "--optim.warmup_steps", "2", "--train.val_every_steps", "0",
+              "--train.deterministic", "true", "--model.num_layers", "1")  # fmt: skip
+    a = GaudiTrainer(_config(tmp_path / "a", *common), progress=False).fit()
+    b = GaudiTrainer(_config(tmp_path / "b", *common), progress=False).fit()
+    c = GaudiTrainer(_config(tmp_path / "c", *common, "--seed", "7"), progress=False).fit()
+    _assert_bitwise_equal(_state(Path(a["checkpoint"])), _state(Path(b["checkpoint"])))
+    key = "model.tok_embeddings.weight"
+    assert not torch.equal(_state(Path(a["checkpoint"]))[0][key], _state(Path(c["checkpoint"]))[0][key])
+
+
+def test_resume_from_an_explicit_path_and_never_overwrite(tmp_path: Path) -> None:
+    from gaudi3_scale.config import UserInputError
+
+    common = ("--train.val_every_steps", "0", "--model.num_layers", "1", "--optim.warmup_steps", "1",
+              "--train.checkpoint_every_steps", "2", "--train.keep_checkpoints", "5")  # fmt: skip
+    first = GaudiTrainer(_config(tmp_path / "a", *common, "--train.max_steps", "4"), progress=False).fit()
+    step2 = tmp_path / "a" / "checkpoints" / "step-00000002.ckpt"
+    resumed = GaudiTrainer(
+        _config(tmp_path / "b", *common, "--train.max_steps", "4", "--train.resume", str(step2)),
+        progress=False,
+    ).fit()
+    _assert_bitwise_equal(_state(Path(first["checkpoint"])), _state(Path(resumed["checkpoint"])))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").iterdir()}
+    with pytest.raises(UserInputError, match=r"already holds checkpoints and train\.resume is 'never'"):
+        GaudiTrainer(_config(tmp_path / "a", *common, "--train.resume", "never"), progress=False).fit()
+    after = {p.name: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").iterdir()}
+    assert before == after

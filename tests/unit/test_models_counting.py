@@ -27,9 +27,9 @@ def _shakespeare_char() -> ModelConfig:
 
 def test_shakespeare_char_counts_by_hand() -> None:
     d, layers = 128, 4
-    per_layer = 12 * d * d + 13 * d  # qkv+proj 4d², MLP 8d²; biases 3d+d+4d+d; two LayerNorms 4d
-    total = 65 * d + 64 * d + layers * per_layer + 2 * d  # tied token table, positions, blocks, final norm
-    assert total == 809_856
+    per_layer = 12 * d * d + 2 * d  # qkv+proj 4d², MLP 8d²; no biases (nanoGPT bias=False); two LayerNorms 2d
+    total = 65 * d + 64 * d + layers * per_layer + d  # tied token table, positions, blocks, final norm
+    assert total == 804_096
     assert count_parameters(_shakespeare_char()) == total
     assert count_parameters(_shakespeare_char(), exclude_embeddings=True) == total - 64 * d
 
@@ -50,10 +50,10 @@ def test_tied_head_is_counted_once() -> None:
 
 
 def test_flops_per_token_shakespeare_char() -> None:
-    n = 809_856 - 64 * 128
+    n = 804_096 - 64 * 128
     attention = 12 * 4 * 4 * 32 * 64  # 12·L·H·Q·T
-    assert flops_per_token(_shakespeare_char()) == 6 * n + attention == 5_203_200
-    assert forward_flops_per_token(_shakespeare_char()) == pytest.approx(5_203_200 / 3)
+    assert flops_per_token(_shakespeare_char()) == 6 * n + attention == 5_168_640
+    assert forward_flops_per_token(_shakespeare_char()) == pytest.approx(5_168_640 / 3)
 
 
 def test_flops_per_token_gpt2_124m() -> None:

@@ -65,7 +65,7 @@ def test_register_model_adds_and_rejects_duplicates() -> None:
 def test_shakespeare_char_is_nanogpts_cpu_setting() -> None:
     cfg = get_model_config("shakespeare-char")
     shape = (cfg.arch, cfg.num_layers, cfg.num_heads, cfg.dim, cfg.context_length, cfg.dropout, cfg.bias)
-    assert shape == ("gpt2", 4, 4, 128, 64, 0.0, True)
+    assert shape == ("gpt2", 4, 4, 128, 64, 0.0, False)  # nanoGPT train.py: bias = False
     assert cfg.vocab_size is None and cfg.tie_embeddings
 
 

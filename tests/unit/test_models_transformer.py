@@ -74,7 +74,7 @@ def test_meta_build_then_init_matches_direct_build_bitwise(name: str) -> None:
 
 
 def test_init_follows_gpt2_scheme() -> None:
-    model = build_model(_cfg("shakespeare-char"), seed=0)
+    model = build_model(_cfg("shakespeare-char", bias=True), seed=0)
     residual_std = 0.02 / math.sqrt(2 * 4)
     block = model.layers[0]
     assert isinstance(block, torch.nn.Module)

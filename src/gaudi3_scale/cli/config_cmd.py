@@ -10,7 +10,13 @@ from rich.table import Table
 from gaudi3_scale.config.core import field_help, iter_fields, parse_overrides
 from gaudi3_scale.train.config import RunConfig, build_run_config
 
-__all__ = ["list_config_fields", "print_models", "resolve_config"]
+__all__ = ["list_config_fields", "print_models", "resolve_config", "wide_console"]
+
+
+def wide_console() -> Console:
+    """Tables stay readable when stdout is a pipe or a file (rich assumes 80 columns there)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
 
 
 def resolve_config(
@@ -35,7 +41,7 @@ def list_config_fields() -> None:
     table.add_column("help")
     for name, tp, f in iter_fields(RunConfig):
         table.add_row(f"--{name}", str(tp).replace("typing.", ""), field_help(f))
-    Console(width=160).print(table)
+    wide_console().print(table)
 
 
 def print_models() -> None:
@@ -58,4 +64,4 @@ def print_models() -> None:
             str(cfg.vocab_size or "data"),
             params,
         )
-    Console().print(table)
+    wide_console().print(table)

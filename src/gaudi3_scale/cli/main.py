@@ -87,29 +87,11 @@ def train(
 @click.option("--out", "out_dir", help="output directory (default: the cache directory)")
 @click.option("--workers", type=int, default=1, show_default=True, help="tokenizer worker processes")
 @click.option("--force", is_flag=True, help="rebuild even when the inputs are unchanged")
-def prepare(
-    sources: tuple[str, ...],
-    tokenizer: str,
-    vocab_size: int | None,
-    val_fraction: float,
-    seed: int,
-    out_dir: str | None,
-    workers: int,
-    force: bool,
-) -> None:
+def prepare(sources: tuple[str, ...], **options: Any) -> None:
     """Tokenize text files, globs, directories or a bundled corpus into train/val token shards."""
     from gaudi3_scale.cli.prepare_cmd import run_prepare
 
-    run_prepare(
-        sources,
-        tokenizer=tokenizer,
-        vocab_size=vocab_size,
-        val_fraction=val_fraction,
-        seed=seed,
-        out_dir=out_dir,
-        workers=workers,
-        force=force,
-    )
+    run_prepare(sources, **options)
 
 
 @cli.command()

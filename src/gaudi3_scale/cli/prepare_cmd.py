@@ -23,18 +23,12 @@ def run_prepare(
     workers: int,
     force: bool,
 ) -> None:
-    cfg = from_dict(
-        DataConfig,
-        {
-            "source": ",".join(sources),
-            "tokenizer": tokenizer,
-            "vocab_size": vocab_size,
-            "val_fraction": val_fraction,
-            "split_seed": seed,
-            "prepared_dir": out_dir,
-            "prepare_workers": workers,
-        },
-        prefix="data",
-    )
-    path = prepare_dataset(cfg, force=force)
-    click.echo(str(path))
+    fields = {"tokenizer": tokenizer, "vocab_size": vocab_size, "val_fraction": val_fraction}
+    fields |= {
+        "source": ",".join(sources),
+        "split_seed": seed,
+        "prepared_dir": out_dir,
+        "prepare_workers": workers,
+    }
+    cfg = from_dict(DataConfig, fields, prefix="data")
+    click.echo(str(prepare_dataset(cfg, force=force)))

@@ -14,7 +14,7 @@ import torch
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.device.specs import find_accelerator
 
-__all__ = ["DevicePlan", "cache_dir", "measure_cpu_matmul_flops", "plan_device"]
+__all__ = ["DevicePlan", "cache_dir", "cpu_model_name", "measure_cpu_matmul_flops", "plan_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GAUDI3_CACHE", Path.home() / ".cache" / "gaudi3-scale"))
 
 
-def _cpu_name() -> str:
+def cpu_model_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -100,7 +100,7 @@ def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
     return DevicePlan(
         accelerator="cpu",
         precision=precision,
-        device_name=_cpu_name(),
+        device_name=cpu_model_name(),
         peak_flops=measure_cpu_matmul_flops(threads),
         peak_source=f"measured fp32 matmul peak with {threads} threads",
     )

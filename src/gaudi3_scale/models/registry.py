@@ -37,9 +37,10 @@ _LLAMA3: dict[str, Any] = dict(
 
 PRESETS: list[dict[str, Any]] = [
     # nanoGPT README, "I only have a macbook": config/train_shakespeare_char.py shrunk for CPU
-    # (--n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --dropout=0.0); vocab comes from the char dataset.
+    # (--n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --dropout=0.0; train.py default bias=False);
+    # vocab comes from the char dataset.
     dict(name="shakespeare-char", arch="gpt2", num_layers=4, num_heads=4, dim=128, context_length=64,
-         dropout=0.0, bias=True, tie_embeddings=True, vocab_size=None),
+         dropout=0.0, bias=False, tie_embeddings=True, vocab_size=None),
     # GPT-2 sizes: Radford et al. 2019 Table 2 and HF openai-community/gpt2{,-medium,-large,-xl} config.json
     # (n_layer, n_head, n_embd). Dropout 0 as nanoGPT uses for pretraining.
     dict(name="gpt2-124m", num_layers=12, num_heads=12, dim=768, **_GPT2),

@@ -29,6 +29,9 @@ def _at_step_boundary(pl_module: pl.LightningModule) -> bool:
 class RunMetrics(pl.Callback):
     """Step time, tokens/s, MFU, loss, lr and peak memory → `metrics.jsonl` every `log_every_steps` steps.
 
+    train_loss is the mean over the steps since the previous record (as Lightning's epoch-level logging does),
+    not the last step's noisy value.
+
     tokens/s is measured over the steps since the previous record with validation and checkpoint time excluded,
     so the figure is training throughput, not wall-clock average.
     """
@@ -49,7 +52,8 @@ class RunMetrics(pl.Callback):
         self.peak_flops_per_device = peak_flops_per_device
         self.latest: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
-        self._file: Any = None
+        self._is_writer = False
+        self._loss_sum: Any = None
         self._window_start = 0.0
         self._window_steps = 0
         self._paused_s = 0.0
@@ -59,9 +63,10 @@ class RunMetrics(pl.Callback):
         self.train_steps = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.path is not None and trainer.is_global_zero:
+        self._is_writer = self.path is not None and trainer.is_global_zero
+        if self._is_writer:
+            assert self.path is not None
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", buffering=1)
         self._window_start = self._step_start = time.perf_counter()
 
     def pause(self) -> None:
@@ -87,6 +92,9 @@ class RunMetrics(pl.Callback):
         if not _at_step_boundary(pl_module):
             return
         self._window_steps += 1
+        loss = getattr(pl_module, "last_loss", None)
+        if loss is not None:  # summed on device: no host sync until the record is written
+            self._loss_sum = loss if self._window_steps == 1 else self._loss_sum + loss
         step = trainer.global_step
         if step % self.log_every_steps and step != trainer.max_steps:
             return
@@ -95,11 +103,10 @@ class RunMetrics(pl.Callback):
         self.train_s += elapsed
         self.train_steps += self._window_steps
         tokens_per_s = self.tokens_per_step * self._window_steps / elapsed if elapsed > 0 else 0.0
-        loss = getattr(pl_module, "last_loss", None)
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         record: dict[str, Any] = {
             "step": step,
-            "train_loss": float(loss) if loss is not None else None,
+            "train_loss": float(self._loss_sum) / self._window_steps if loss is not None else None,
             "lr": current_lr() if callable(current_lr := getattr(pl_module, "current_lr", None)) else None,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
@@ -120,13 +127,10 @@ class RunMetrics(pl.Callback):
 
     def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
         self.history.append(record)
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._is_writer and self.path is not None:
+            # Opened per record (every log_every_steps): survives a crash, and the final validation after fit.
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 class RichStepProgress(pl.Callback):

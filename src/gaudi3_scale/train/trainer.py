@@ -254,10 +254,14 @@ class GaudiTrainer:
         summary = self._summary(records, time.perf_counter() - started)
         if trainer.is_global_zero:
             write_summary(out / "summary.json", summary)
-            plot_loss(records, out / "loss.png", title=f"{self.config.name}: {self.config.model.name}")
+            plot_loss(records, out / "loss.png", title=self._plot_title())
             if self.progress:
                 print_summary(summary, self.console)
         return summary
+
+    def _plot_title(self) -> str:
+        name, model = self.config.name, self.config.model.name
+        return name if name == model else f"{name} ({model})"
 
     def _summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         assert self.trainer is not None

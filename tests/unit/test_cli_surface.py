@@ -1,0 +1,48 @@
+"""The CLI surface is a contract: verbs and their options change only on purpose (update this test then)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+
+from gaudi3_scale.cli.main import VERBS, cli
+
+EXPECTED = {
+    "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
+    "models": [],
+    "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
+    "train": ["--config", "--list-fields", "--no-progress", "--out", "--print-config", "--progress", "--resume",
+              "--sample-tokens"],
+}  # fmt: skip
+
+
+def _options(command: click.Command) -> list[str]:
+    names = []
+    for param in command.params:
+        if isinstance(param, click.Option):
+            names += [o for o in param.opts + param.secondary_opts if o.startswith("--")]
+    return sorted(n for n in names if n != "--help")
+
+
+def test_verbs_and_options_are_pinned() -> None:
+    assert sorted(VERBS) == sorted(EXPECTED)
+    for name, options in EXPECTED.items():
+        assert _options(cli.commands[name]) == sorted(options), name
+
+
+def test_console_scripts_and_module_entry_points() -> None:
+    out = subprocess.run(
+        ["gaudi3-train", "--print-config", "--model.num_layers", "3"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "num_layers: 3" in out.stdout and "global_batch_size: 12" in out.stdout
+    same = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.train", "--print-config", "--model.num_layers", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert same.stdout == out.stdout
+    fields = subprocess.run(["gaudi3", "train", "--list-fields"], capture_output=True, text=True).stdout
+    assert "--model.num_layers" in fields and "--train.global_batch_size" in fields and "--optim.lr" in fields
