@@ -283,3 +283,25 @@ def test_resume_from_an_explicit_path_and_never_overwrite(tmp_path: Path) -> Non
         GaudiTrainer(_config(tmp_path / "a", *common, "--train.resume", "never"), progress=False).fit()
     after = {p.name: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").iterdir()}
     assert before == after
+
+
+def test_corrupt_shard_and_missing_source_are_refused_by_the_cli(tmp_path: Path) -> None:
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path / "cache")}
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question\n" * 200)
+    prepared = tmp_path / "prepared"
+    made = subprocess.run([*GAUDI3, "prepare", str(text), "--out", str(prepared)], capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr
+    assert json.loads((prepared / "manifest.json").read_text())["vocab_size"] == len(set(text.read_text()))
+    shard = prepared / "train.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for args, needle in [
+        (["train", "--data.source", str(prepared), "--out", str(tmp_path / "run")], "SHA-256 mismatch"),
+        (["prepare", str(tmp_path / "nope.txt")], "nope.txt"),
+    ]:
+        proc = subprocess.run([*GAUDI3, *args], capture_output=True, text=True, env=env)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "run" / "checkpoints").exists()
