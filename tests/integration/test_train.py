@@ -290,7 +290,9 @@ def test_corrupt_shard_and_missing_source_are_refused_by_the_cli(tmp_path: Path)
     text = tmp_path / "corpus.txt"
     text.write_text("to be or not to be, that is the question\n" * 200)
     prepared = tmp_path / "prepared"
-    made = subprocess.run([*GAUDI3, "prepare", str(text), "--out", str(prepared)], capture_output=True, text=True, env=env)
+    made = subprocess.run(
+        [*GAUDI3, "prepare", str(text), "--out", str(prepared)], capture_output=True, text=True, env=env
+    )
     assert made.returncode == 0, made.stderr
     assert json.loads((prepared / "manifest.json").read_text())["vocab_size"] == len(set(text.read_text()))
     shard = prepared / "train.bin"
