@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 
 from gaudi3_scale.cli.main import VERBS, cli
+
+BIN = Path(sys.executable).parent  # console scripts live beside the interpreter of the venv running the tests
 
 EXPECTED = {
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
@@ -34,7 +37,9 @@ def test_verbs_and_options_are_pinned() -> None:
 
 def test_console_scripts_and_module_entry_points() -> None:
     out = subprocess.run(
-        ["gaudi3-train", "--print-config", "--model.num_layers", "3"], capture_output=True, text=True
+        [str(BIN / "gaudi3-train"), "--print-config", "--model.num_layers", "3"],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
     assert "num_layers: 3" in out.stdout and "global_batch_size: 12" in out.stdout
@@ -44,5 +49,7 @@ def test_console_scripts_and_module_entry_points() -> None:
         text=True,
     )
     assert same.stdout == out.stdout
-    fields = subprocess.run(["gaudi3", "train", "--list-fields"], capture_output=True, text=True).stdout
+    fields = subprocess.run(
+        [str(BIN / "gaudi3"), "train", "--list-fields"], capture_output=True, text=True
+    ).stdout
     assert "--model.num_layers" in fields and "--train.global_batch_size" in fields and "--optim.lr" in fields
