@@ -17,7 +17,7 @@ EXPECTED = {
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
     "train": ["--config", "--list-fields", "--no-progress", "--out", "--print-config", "--progress", "--resume",
-              "--sample-tokens"],
+              "--sample-tokens", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
 }  # fmt: skip
 
 

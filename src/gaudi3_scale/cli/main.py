@@ -44,6 +44,11 @@ def cli() -> None:
     "--sample-tokens", default=200, show_default=True, help="tokens of text to sample after training"
 )
 @click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
+@click.option("--nproc-per-node", type=int, help="ranks per node (= --parallel.nproc_per_node)")
+@click.option("--nnodes", type=int, help="nodes (= --parallel.nnodes)")
+@click.option("--node-rank", type=int, help="this node's rank (= --parallel.node_rank)")
+@click.option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (= --parallel.rdzv_endpoint)")
+@click.option("--max-restarts", type=int, help="worker group restarts (= --parallel.max_restarts)")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train(
     config_path: str | None,
@@ -54,13 +59,16 @@ def train(
     sample_tokens: int,
     progress: bool,
     overrides: tuple[str, ...],
+    **launch: Any,
 ) -> None:
-    """Train a model (default: shakespeare-char on the bundled corpus)."""
+    """Train a model (default: shakespeare-char on the bundled corpus); several ranks with --nproc-per-node."""
     from gaudi3_scale.cli.config_cmd import list_config_fields, resolve_config
 
     if list_fields:
         list_config_fields()
         return
+    launch_overrides = [f"--parallel.{k}={v}" for k, v in launch.items() if v is not None]
+    overrides = (*overrides, *launch_overrides)
     cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
     if print_config:
         import yaml
@@ -71,7 +79,13 @@ def train(
         return
     from gaudi3_scale.cli.train_cmd import run_training
 
-    run_training(cfg, sample_tokens=sample_tokens, progress=progress)
+    worker_args = [
+        *(["--config", config_path] if config_path else []),
+        *(["--out", out_dir] if out_dir else []),
+    ]
+    worker_args += [*(["--resume", resume] if resume else []), "--sample-tokens", str(sample_tokens)]
+    worker_args += [*([] if progress else ["--no-progress"]), *overrides]
+    run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
 
 
 @cli.command()

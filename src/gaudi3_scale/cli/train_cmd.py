@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import click
 
 from gaudi3_scale.train.config import RunConfig
@@ -9,12 +11,19 @@ from gaudi3_scale.train.config import RunConfig
 __all__ = ["run_training"]
 
 
-def run_training(cfg: RunConfig, *, sample_tokens: int, progress: bool) -> None:
+def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
+    from gaudi3_scale.distributed.launch import inside_launched_worker, launch
+
+    if cfg.parallel.world_size > 1 and not inside_launched_worker():
+        launch(cfg.parallel, worker_args)
+        return
     from gaudi3_scale.train import GaudiTrainer
     from gaudi3_scale.train.inference import generate_text, load_for_generation
 
     trainer = GaudiTrainer(cfg, progress=progress)
     summary = trainer.fit()
+    if trainer.trainer is not None and not trainer.trainer.is_global_zero:
+        return
     click.echo(
         f"outputs: {trainer.out_dir}/ (config.yaml, metrics.jsonl, summary.json, loss.png, checkpoints/)"
     )

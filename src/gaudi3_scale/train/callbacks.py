@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -106,14 +107,14 @@ class RunMetrics(pl.Callback):
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         record: dict[str, Any] = {
             "step": step,
-            "train_loss": float(self._loss_sum) / self._window_steps if loss is not None else None,
+            "train_loss": self._global_mean_loss(trainer) if loss is not None else None,
             "lr": current_lr() if callable(current_lr := getattr(pl_module, "current_lr", None)) else None,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed / self._window_steps,
             "mfu": None,
-            "peak_memory_bytes": peak_memory_bytes(pl_module.device),
         }
+        record.update(self._peak_memory(trainer, pl_module))
         if self.flops_per_token is not None:
             record["mfu"] = mfu(
                 tokens_per_s, self.flops_per_token, self.peak_flops_per_device, trainer.world_size
@@ -121,6 +122,19 @@ class RunMetrics(pl.Callback):
         self.latest.update(record)
         self._write(trainer, record)
         self._window_start, self._window_steps, self._paused_s = time.perf_counter(), 0, 0.0
+
+    def _peak_memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Peak memory of every rank (all-gathered: every rank reaches this at the same step) and their maximum."""
+        mine = torch.tensor(
+            [float(peak_memory_bytes(pl_module.device))], dtype=torch.float64, device=pl_module.device
+        )
+        per_rank = [int(v) for v in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+        return {"peak_memory_bytes": max(per_rank), "peak_memory_bytes_per_rank": per_rank}
+
+    def _global_mean_loss(self, trainer: pl.Trainer) -> float:
+        """Mean over the window's steps and over all ranks (every rank reaches this at the same step)."""
+        mean = self._loss_sum.detach().float() / self._window_steps
+        return float(trainer.strategy.reduce(mean, reduce_op="mean"))
 
     def mean_tokens_per_s(self) -> float:
         return self.tokens_per_step * self.train_steps / self.train_s if self.train_s > 0 else 0.0

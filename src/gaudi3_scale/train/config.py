@@ -22,6 +22,7 @@ from gaudi3_scale.config.core import (
 )
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.data.config import DataConfig
+from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
@@ -135,10 +136,13 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+        # Fail before launching anything when the batch does not split over the ranks.
+        self.train.gradient_accumulation(self.parallel.world_size)
 
     @property
     def output_dir(self) -> Path:

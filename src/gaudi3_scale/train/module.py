@@ -8,6 +8,7 @@ distribution and checkpoint I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
 from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
 from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
@@ -61,6 +63,8 @@ class LanguageModel(pl.LightningModule):
         accumulation: int = 1,
         seed: int = 0,
         compile: bool = False,
+        strategy: str = "single",
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if model_cfg.vocab_size is None:
@@ -73,6 +77,8 @@ class LanguageModel(pl.LightningModule):
         self.accumulation = accumulation
         self.seed = seed
         self.compile_model = compile
+        self.strategy_name = strategy
+        self.activation_checkpointing = activation_checkpointing
         self.automatic_optimization = False
         self.model: nn.Module | None = None
         self._forward: Any = None
@@ -90,9 +96,18 @@ class LanguageModel(pl.LightningModule):
         # Same weights on every rank and in every run with this seed, whatever consumed the global RNG before.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.model = build_model(self.model_cfg)
+            model = build_model(self.model_cfg)
+        # torchtitan's order: activation checkpointing → compile → FSDP.
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        forward = torch.compile(model) if self.compile_model else model
+        if self.strategy_name in ("fsdp", "fsdp_grad_op"):
+            mesh = self.device_mesh  # set by ModelParallelStrategy before configure_model
+            assert mesh is not None, "FSDP strategies run under ModelParallelStrategy"
+            apply_fsdp(model, mesh["data_parallel"], reshard_after_forward=self.strategy_name == "fsdp")
+        self.model = model
         # Not registered as a submodule: the compiled wrapper would duplicate every key in the state dict.
-        object.__setattr__(self, "_forward", torch.compile(self.model) if self.compile_model else self.model)
+        object.__setattr__(self, "_forward", forward)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self._forward(tokens)
@@ -139,7 +154,12 @@ class LanguageModel(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() runs before configure_optimizers()"
-        return build_optimizer(self.model, self.optim_cfg, device_type=self.device.type)
+        cfg = self.optim_cfg
+        if cfg.implementation == "auto" and self.strategy_name in ("fsdp", "fsdp_grad_op"):
+            cfg = dataclasses.replace(
+                cfg, implementation="foreach"
+            )  # the fused kernel does not take DTensors
+        return build_optimizer(self.model, cfg, device_type=self.device.type)
 
     def current_lr(self) -> float:
         return lr_at_step(max(0, self.trainer.global_step - 1), self.optim_cfg, self.max_steps)

@@ -25,6 +25,7 @@ from gaudi3_scale.config.core import save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
+from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.train.callbacks import (
     GracefulInterrupt,
     RichStepProgress,
@@ -45,6 +46,11 @@ def _quiet_lightning() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     # Lightning 2.6 calls a pytree API that torch 2.13 deprecates; not ours to fix, and not actionable for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
+
+
+def _global_rank() -> int:
+    """Rank from the launcher's environment (the Lightning trainer does not exist yet when files are written)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _default_threads() -> int:
@@ -131,7 +137,7 @@ class GaudiTrainer:
         else:
             model_cfg = cfg.model
         self.config = dataclasses.replace(cfg, model=model_cfg)
-        world = 1
+        world = self._world_size()
         micro = cfg.train.resolved_micro_batch(world)
         accumulation = cfg.train.gradient_accumulation(world)
         module = LanguageModel(
@@ -141,6 +147,8 @@ class GaudiTrainer:
             accumulation=accumulation,
             seed=cfg.seed,
             compile=cfg.train.compile,
+            strategy=resolve_strategy(cfg.parallel, world),
+            activation_checkpointing=cfg.parallel.activation_checkpointing,
         )
         module.tokens_per_step = cfg.train.global_batch_size * model_cfg.context_length
         datamodule = TokenDataModule(
@@ -152,10 +160,27 @@ class GaudiTrainer:
             val_batches=cfg.train.val_batches,
             loader_workers=cfg.data.loader_workers,
         )
-        tokenizer_dir = self.out_dir / "tokenizer"
-        tokenizer_dir.mkdir(parents=True, exist_ok=True)
-        prepared.tokenizer.save(tokenizer_dir)
+        if _global_rank() == 0:
+            tokenizer_dir = self.out_dir / "tokenizer"
+            tokenizer_dir.mkdir(parents=True, exist_ok=True)
+            prepared.tokenizer.save(tokenizer_dir)
         return module, datamodule
+
+    def _world_size(self) -> int:
+        """Ranks of this run; several ranks only inside a launched worker (torchrun / `gaudi3 train`)."""
+        world = self.config.parallel.world_size
+        launched = os.environ.get("WORLD_SIZE")
+        if world > 1 and launched is None:
+            raise UserInputError(
+                f"parallel.nproc_per_node × nnodes = {world} needs a launcher: run `gaudi3 train` or "
+                "`torchrun -m gaudi3_scale.train`, not GaudiTrainer directly"
+            )
+        if launched is not None and int(launched) != world:
+            raise ConfigError(
+                "parallel.nproc_per_node",
+                f"the launcher started {launched} ranks but the config asks for {world}",
+            )
+        return world
 
     def _resume_path(self) -> Path | None:
         resume = self.config.train.resume
@@ -180,7 +205,8 @@ class GaudiTrainer:
         self, accumulation: int, flops_per_token: float | None, tokens_per_step: int
     ) -> pl.Trainer:
         cfg = self.config.train
-        threads = cfg.threads or _default_threads()
+        world = self._world_size()
+        threads = cfg.threads or max(1, _default_threads() // self.config.parallel.nproc_per_node)
         torch.set_num_threads(threads)
         plan = self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
         out = self.out_dir
@@ -204,7 +230,9 @@ class GaudiTrainer:
         self._metrics, self._checkpoint = metrics, checkpoint
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator,
-            "devices": 1,
+            "devices": self.config.parallel.nproc_per_node,
+            "num_nodes": self.config.parallel.nnodes,
+            "strategy": build_strategy(self.config.parallel, accelerator=plan.accelerator, world_size=world),
             "precision": plan.precision,
             "max_steps": cfg.max_steps,
             "val_check_interval": cfg.val_every_steps * accumulation if cfg.val_every_steps else None,
@@ -235,7 +263,8 @@ class GaudiTrainer:
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
         ckpt_path = self._resume_path()
-        save_yaml(self.config, out / "config.yaml")
+        if _global_rank() == 0:
+            save_yaml(self.config, out / "config.yaml")
         accumulation = getattr(model, "accumulation", 1)
         trainer = self.trainer = self.build_trainer(
             accumulation, getattr(model, "flops_per_token", None), getattr(model, "tokens_per_step", 0)

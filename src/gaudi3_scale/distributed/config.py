@@ -1,0 +1,60 @@
+"""How a run is spread over processes: strategy, activation checkpointing, and the launch geometry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.errors import ConfigError
+
+__all__ = ["STRATEGIES", "ParallelConfig"]
+
+# strategy → what it shards, in ZeRO terms (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054):
+STRATEGIES = {
+    "auto": "ddp when there are several ranks, plain single-device training otherwise",
+    "ddp": "replicate everything, all-reduce gradients (ZeRO stage 0)",
+    "fsdp": "shard parameters, gradients and optimizer state; re-gather parameters per block (ZeRO-3)",
+    "fsdp_grad_op": "shard gradients and optimizer state; keep gathered parameters after forward (ZeRO-2 style)",
+}
+
+Strategy = Literal["auto", "ddp", "fsdp", "fsdp_grad_op"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    strategy: Strategy = field(
+        default="auto", metadata={"help": "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items())}
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute each transformer block's activations in backward"}
+    )
+    nproc_per_node: int = field(default=1, metadata={"help": "processes (ranks) per node"})
+    nnodes: int = field(default=1, metadata={"help": "number of nodes"})
+    node_rank: int = field(default=0, metadata={"help": "this node's rank, 0 … nnodes-1"})
+    rdzv_endpoint: str | None = field(
+        default=None,
+        metadata={"help": "HOST:PORT of the c10d rendezvous; null = a free port on 127.0.0.1 (one node)"},
+    )
+    max_restarts: int = field(
+        default=0, metadata={"help": "restarts of the whole worker group after a failure"}
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("nproc_per_node", self.nproc_per_node)
+        check_positive("nnodes", self.nnodes)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                "node_rank", f"must be between 0 and nnodes - 1 ({self.nnodes - 1}), got {self.node_rank}"
+            )
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ConfigError("rdzv_endpoint", "is required when nnodes > 1 (HOST:PORT of node 0)")
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError("rdzv_endpoint", f"must be HOST:PORT, got {self.rdzv_endpoint!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes

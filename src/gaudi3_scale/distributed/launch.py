@@ -1,0 +1,59 @@
+"""Start the ranks of a run with torch.distributed's elastic launcher (the machinery behind `torchrun`).
+
+`gaudi3 train --nproc-per-node N …` re-runs itself as `python -m gaudi3_scale.train …` in N workers per node,
+with a c10d rendezvous. Inside a worker (LOCAL_RANK is set) nothing is launched again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.distributed.config import ParallelConfig
+
+__all__ = ["free_port", "inside_launched_worker", "launch"]
+
+
+def inside_launched_worker() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise ConfigError(
+                "parallel.rdzv_endpoint", f"port {port} on {host} is already in use; choose a free port"
+            ) from None
+
+
+def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
+    """Run `python -m gaudi3_scale.train *worker_args` in every rank of this node; raises if a worker fails."""
+    from torch.distributed.run import get_args_parser, run
+
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    host, _, port = endpoint.rpartition(":")
+    if cfg.node_rank == 0 and host in ("127.0.0.1", "localhost", socket.gethostname()):
+        _check_port_free(host, int(port))
+    launcher_args = [
+        "--nnodes", str(cfg.nnodes),
+        "--nproc-per-node", str(cfg.nproc_per_node),
+        "--node-rank", str(cfg.node_rank),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", os.environ.get("GAUDI3_RUN_ID", uuid.uuid5(uuid.NAMESPACE_URL, endpoint).hex),
+        "--max-restarts", str(cfg.max_restarts),
+        "-m", "gaudi3_scale.train",
+        *worker_args,
+    ]  # fmt: skip
+    run(get_args_parser().parse_args(launcher_args))

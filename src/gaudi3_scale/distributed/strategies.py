@@ -1,0 +1,40 @@
+"""Run config strategy name → Lightning strategy object.
+
+Lightning's FSDPStrategy refuses the CPU accelerator; ModelParallelStrategy (FSDP2 `fully_shard`, applied by us in
+`configure_model`) runs on CPU with gloo and on CUDA with NCCL unchanged, so both FSDP flavours use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gaudi3_scale.distributed.config import ParallelConfig
+
+__all__ = ["build_strategy", "resolve_strategy"]
+
+
+def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
+    if cfg.strategy == "auto":
+        return "ddp" if world_size > 1 else "single"
+    return cfg.strategy
+
+
+def build_strategy(cfg: ParallelConfig, *, accelerator: str, world_size: int) -> Any:
+    """A Lightning strategy (or "auto" for one process)."""
+    name = resolve_strategy(cfg, world_size)
+    backend = "nccl" if accelerator == "cuda" else "gloo"
+    if name == "single":
+        return "auto"
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=backend)
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # Checkpoints are gathered into one file on rank 0 for now: portable, and loadable by a single process.
+    return ModelParallelStrategy(
+        data_parallel_size=world_size,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=False,
+        process_group_backend=backend,
+    )

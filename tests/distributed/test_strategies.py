@@ -1,0 +1,114 @@
+"""Every strategy on 2 real ranks (gloo) matches the single-process run; bad launches get one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gaudi3_scale.train.inference import load_for_generation
+
+pytestmark = pytest.mark.distributed
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+COMMON = ["--train.max_steps", "20", "--train.log_every_steps", "1", "--train.val_every_steps", "0",
+          "--sample-tokens", "0", "--no-progress", "--train.global_batch_size", "8", "--optim.warmup_steps", "2",
+          "--train.micro_batch_size", "2"]  # fmt: skip
+
+
+def _train(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GAUDI3, "train", "--out", str(out), *COMMON, *args], capture_output=True, text=True
+    )
+
+
+def _losses(out: Path) -> list[float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train_loss"] for line in lines if "train_loss" in line]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    proc = _train(out, "--train.threads", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_grad_op"])
+def test_two_ranks_match_one_process(strategy: str, single: Path, tmp_path: Path) -> None:
+    proc = _train(tmp_path, "--nproc-per-node", "2", "--parallel.strategy", strategy)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference, losses = _losses(single), _losses(tmp_path)
+    assert len(losses) == len(reference) == 20
+    for a, b in zip(reference, losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (strategy, reference, losses)
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    per_rank = last["peak_memory_bytes_per_rank"]
+    assert len(per_rank) == 2 and min(per_rank) > 50e6 and last["peak_memory_bytes"] == max(per_rank)
+    ckpt = "checkpoints/step-00000020.ckpt"
+    want = torch.load(single / ckpt, weights_only=True)["state_dict"]
+    got = torch.load(tmp_path / ckpt, weights_only=True)["state_dict"]
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    # The (consolidated) checkpoint loads into one process and gives the single-process run's logits.
+    tokens = torch.randint(0, 65, (2, 64), generator=torch.Generator().manual_seed(0))
+    model_a, _ = load_for_generation(single / ckpt)
+    model_b, _ = load_for_generation(tmp_path / ckpt)
+    with torch.no_grad():
+        torch.testing.assert_close(model_b(tokens), model_a(tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_activation_checkpointing_changes_memory_not_math(single: Path, tmp_path: Path) -> None:
+    proc = _train(tmp_path, "--train.threads", "2", "--parallel.activation_checkpointing", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(tmp_path) == pytest.approx(_losses(single), rel=1e-6)
+
+
+def test_bad_launches_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [
+            (["--nproc-per-node", "3"], "train.global_batch_size: 8 is not divisible"),
+            (["--parallel.strategy", "zero9"], "parallel.strategy: got 'zero9'; allowed: auto, ddp, fsdp"),
+            (["--train.device", "cuda"], "train.device: cuda was requested but no CUDA device"),
+            (["--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"], f"port {port} on 127.0.0.1"),
+            (["--nnodes", "2"], "parallel.rdzv_endpoint: is required when nnodes > 1"),
+        ]
+        for args, needle in cases:
+            proc = _train(tmp_path / "bad", *args)
+            assert proc.returncode == 2, (args, proc.stderr[-2000:])
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+
+
+def test_two_nodes_on_loopback_train_and_checkpoint(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"127.0.0.1:{port}"
+    node_args = [*COMMON, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                 "--parallel.strategy", "ddp"]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*GAUDI3, "train", "--out", str(tmp_path / "run"), *node_args, "--node-rank", str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 20 and Path(summary["checkpoint"]).is_file()
+    assert len(_losses(tmp_path / "run")) == 20
