@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,16 +98,29 @@ def test_two_nodes_on_loopback_train_and_checkpoint(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{port}"
     node_args = [*COMMON, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
                  "--parallel.strategy", "ddp"]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            [*GAUDI3, "train", "--out", str(tmp_path / "run"), *node_args, "--node-rank", str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        cmd = [*GAUDI3, "train", "--out", str(tmp_path / "run"), *node_args, "--node-rank", str(rank)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # Node 0 checks that the rendezvous port is free, then its agent hosts the store there. On one machine both
+    # agents could try to host it, so node 1 starts once node 0's store is listening (as on a real cluster,
+    # where only node 0 has that address).
+    nodes = [start(0)]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert nodes[0].poll() is None and time.monotonic() < deadline, nodes[0].communicate()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        nodes.append(start(1))
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:  # never leave an agent waiting for a rendezvous behind
+            if node.poll() is None:
+                node.kill()
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
