@@ -33,17 +33,48 @@ MODELS: dict[str, list[str]] = {
 
 
 def _cell(out: Path, model: str, strategy: str, ranks: int, *, micro: int, steps: int, threads: int) -> dict:
-    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), *MODELS[model],
-            "--parallel.strategy", strategy, "--train.global_batch_size", str(micro * ranks),
-            "--train.micro_batch_size", str(micro), "--train.max_steps", str(steps), "--train.val_every_steps", "0",
-            "--train.checkpoint_every_steps", "0", "--train.log_every_steps", str(max(1, steps // 4)),
-            "--train.threads", str(threads), "--sample-tokens", "0", "--no-progress", "--train.resume", "never"]
+    args = [
+        sys.executable,
+        "-m",
+        "gaudi3_scale.cli",
+        "train",
+        "--out",
+        str(out),
+        *MODELS[model],
+        "--parallel.strategy",
+        strategy,
+        "--train.global_batch_size",
+        str(micro * ranks),
+        "--train.micro_batch_size",
+        str(micro),
+        "--train.max_steps",
+        str(steps),
+        "--train.val_every_steps",
+        "0",
+        "--train.checkpoint_every_steps",
+        "0",
+        "--train.log_every_steps",
+        str(max(1, steps // 4)),
+        "--train.threads",
+        str(threads),
+        "--sample-tokens",
+        "0",
+        "--no-progress",
+        "--train.resume",
+        "never",
+    ]
     if ranks > 1:
         args += ["--nproc-per-node", str(ranks)]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train_loss" in line]
+        return {
+            "error": proc.stderr.strip().splitlines()[-1]
+            if proc.stderr.strip()
+            else f"exit {proc.returncode}"
+        }
+    records = [
+        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train_loss" in line
+    ]
     steady = records[1:] or records  # the first window holds warm-up
     tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
     return {
@@ -64,7 +95,10 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for ranks, offset in ((1, -0.2), (2, 0.2)):
         values = [cells["throughput"][s][str(ranks)].get("tokens_per_s", 0) for s in STRATEGIES]
         ax1.bar([i + offset for i in range(len(STRATEGIES))], values, width=0.4, label=f"{ranks} rank(s)")
-        peaks = [max(cells["memory"][s][str(ranks)].get("peak_memory_bytes_per_rank", [0])) / 2**30 for s in STRATEGIES]
+        peaks = [
+            max(cells["memory"][s][str(ranks)].get("peak_memory_bytes_per_rank", [0])) / 2**30
+            for s in STRATEGIES
+        ]
         ax2.bar([i + offset for i in range(len(STRATEGIES))], peaks, width=0.4, label=f"{ranks} rank(s)")
     for ax, title, unit in ((ax1, "throughput (shakespeare-char)", "tokens/s"),
                             (ax2, "peak memory per rank (GPT-2-124M shape)", "GiB (peak RSS)")):  # fmt: skip
@@ -79,7 +113,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "strategies_cpu.json")
     args = parser.parse_args()

@@ -7,4 +7,16 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0"
 
-__all__ = ["__version__"]
+__all__ = ["GaudiAccelerator", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: `import gaudi3_scale` stays light; the first use registers "hpu" and "habana_ddp" with Lightning.
+    if name == "GaudiAccelerator":
+        from gaudi3_scale.device.gaudi_accelerator import GaudiAccelerator, register_gaudi_accelerator
+        from gaudi3_scale.distributed.hpu import register_hpu_strategies
+
+        register_gaudi_accelerator()
+        register_hpu_strategies()
+        return GaudiAccelerator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.specs import find_accelerator
 
 __all__ = ["DevicePlan", "cache_dir", "cpu_model_name", "measure_cpu_matmul_flops", "plan_device"]
@@ -66,10 +66,39 @@ def measure_cpu_matmul_flops(threads: int, *, seconds: float = 0.3) -> float:
     return best
 
 
+def _plan_hpu(precision: str) -> DevicePlan:
+    """Not yet validated on Gaudi hardware."""
+    from gaudi3_scale.device.hpu import apply_hpu_environment, hpu_environment, require_hpu, torch_hpu
+
+    apply_hpu_environment(hpu_environment())  # before habana_frameworks is first imported
+    try:
+        require_hpu()
+    except UserInputError as exc:
+        raise ConfigError("train.device", str(exc)) from None
+    if precision == "auto":
+        precision = "bf16-mixed"
+    if precision == "16-mixed":
+        raise ConfigError("train.precision", "Gaudi trains in bf16; use bf16-mixed, bf16-true or 32-true")
+    name = str(torch_hpu().get_device_name())
+    spec = find_accelerator(name)
+    peak = spec.bf16_dense_tflops * 1e12 if spec and precision != "32-true" else None
+    return DevicePlan(
+        accelerator="hpu",
+        precision=precision,
+        device_name=name,
+        peak_flops=peak,
+        peak_source=spec.source if spec and peak else "unknown",
+    )
+
+
 def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
     """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named)."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = (
+            "cuda" if torch.cuda.is_available() else "cpu"
+        )  # Gaudi only when asked for: it needs its env set
+    if device == "hpu":
+        return _plan_hpu(precision)
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "train.device", "cuda was requested but no CUDA device is visible; allowed here: auto, cpu"

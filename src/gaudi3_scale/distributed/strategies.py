@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 
 __all__ = ["build_strategy", "resolve_strategy"]
@@ -23,8 +24,19 @@ def build_strategy(cfg: ParallelConfig, *, accelerator: str, world_size: int) ->
     """A Lightning strategy (or "auto" for one process)."""
     name = resolve_strategy(cfg, world_size)
     backend = "nccl" if accelerator == "cuda" else "gloo"
-    if name == "single":
+    if name == "single" and accelerator != "hpu":
         return "auto"
+    if name == "single":
+        name = "ddp"  # one HPU still goes through the HCCL strategy, as lightning-habana did
+    if accelerator == "hpu":
+        if name != "ddp":
+            raise ConfigError(
+                "parallel.strategy", f"{name} is not available on Gaudi yet; allowed on hpu: auto, ddp"
+            )
+        from gaudi3_scale.distributed.hpu import HPUDDPStrategy, register_hpu_strategies
+
+        register_hpu_strategies()
+        return HPUDDPStrategy()
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 

@@ -85,7 +85,10 @@ class TrainConfig:
     precision: Precision = field(
         default="auto", metadata={"help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it"}
     )
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "where to train"})
+    device: Literal["auto", "cpu", "cuda", "hpu"] = field(
+        default="auto",
+        metadata={"help": "where to train; hpu = Intel Gaudi (not yet validated on Gaudi hardware)"},
+    )
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     deterministic: bool = field(default=False, metadata={"help": "use only deterministic kernels"})
     threads: int | None = field(

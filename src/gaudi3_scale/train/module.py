@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
 from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
 from gaudi3_scale.train.config import OptimConfig
@@ -127,6 +128,8 @@ class LanguageModel(pl.LightningModule):
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
         loss = self._loss(batch)
         self.manual_backward(loss / self.accumulation if self.accumulation > 1 else loss)
+        if self.device.type == "hpu":
+            mark_step()
         self._micro_step += 1
         if self._micro_step < self.accumulation:
             self._pending_loss = (
@@ -146,6 +149,8 @@ class LanguageModel(pl.LightningModule):
         for group in opt.optimizer.param_groups:
             group["lr"] = lr
         opt.step()
+        if self.device.type == "hpu":
+            mark_step()
         opt.zero_grad(set_to_none=True)
         self.last_loss = loss.detach()
 

@@ -166,6 +166,15 @@ class GaudiTrainer:
             prepared.tokenizer.save(tokenizer_dir)
         return module, datamodule
 
+    def _plan_device(self) -> DevicePlan:
+        """Threads, device and precision; run first, so a missing accelerator fails before any data work."""
+        if self.device_plan is None:
+            cfg = self.config.train
+            threads = cfg.threads or max(1, _default_threads() // self.config.parallel.nproc_per_node)
+            torch.set_num_threads(threads)
+            self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
+        return self.device_plan
+
     def _world_size(self) -> int:
         """Ranks of this run; several ranks only inside a launched worker (torchrun / `gaudi3 train`)."""
         world = self.config.parallel.world_size
@@ -206,9 +215,7 @@ class GaudiTrainer:
     ) -> pl.Trainer:
         cfg = self.config.train
         world = self._world_size()
-        threads = cfg.threads or max(1, _default_threads() // self.config.parallel.nproc_per_node)
-        torch.set_num_threads(threads)
-        plan = self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
+        plan = self._plan_device()
         out = self.out_dir
         metrics = RunMetrics(
             out / "metrics.jsonl",
@@ -255,6 +262,7 @@ class GaudiTrainer:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         _quiet_lightning()
+        self._plan_device()
         if model is None:
             if datamodule is not None:
                 raise ValueError("pass a datamodule together with your own model, or neither")

@@ -1,0 +1,72 @@
+"""`GaudiAccelerator`: Lightning's Accelerator API for Intel Gaudi, registered as "hpu".
+
+Lightning 2.5.6 removed its HPU support and lightning-habana is archived, so the accelerator lives here.
+`pl.Trainer(accelerator=GaudiAccelerator(), devices=8, precision="bf16-mixed", strategy="habana_ddp")` is the
+intended use. Not yet validated on Gaudi hardware.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
+
+from gaudi3_scale.device.hpu import hpu_available, hpu_device_count, require_hpu
+
+__all__ = ["GaudiAccelerator", "register_gaudi_accelerator"]
+
+
+class GaudiAccelerator(Accelerator):
+    """Intel Gaudi HPUs. Constructing it off Gaudi raises one clear error."""
+
+    def __init__(self) -> None:
+        require_hpu()
+        super().__init__()
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "hpu":
+            raise ValueError(f"GaudiAccelerator got a non-HPU device: {device}")
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        import habana_frameworks.torch.hpu as hthpu
+
+        return dict(hthpu.memory_stats(device))
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def parse_devices(devices: int | str | list[int]) -> int:
+        if isinstance(devices, list):
+            return len(devices)
+        if devices in ("auto", -1, "-1"):
+            return hpu_device_count()
+        return int(devices)
+
+    @staticmethod
+    def get_parallel_devices(devices: int) -> list[torch.device]:
+        return [
+            torch.device("hpu")
+        ] * devices  # HCCL binds one card per process; Lightning sets the local rank
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return hpu_device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        return hpu_available()
+
+    @staticmethod
+    def name() -> str:
+        return "hpu"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        accelerator_registry.register("hpu", cls, description=cls.__name__, override=True)
+
+
+def register_gaudi_accelerator() -> None:
+    if "hpu" not in AcceleratorRegistry:
+        GaudiAccelerator.register_accelerators(AcceleratorRegistry)

@@ -1,0 +1,117 @@
+"""Intel Gaudi (HPU) runtime: availability, documented environment variables, lazy-mode step marking.
+
+This module and `device/gaudi_accelerator.py` are the only places that import `habana_frameworks`; every import is
+inside a function, so nothing Habana is needed off Gaudi. Not yet validated on Gaudi hardware.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = [
+    "DOCUMENTED_HPU_ENV",
+    "apply_hpu_environment",
+    "hpu_available",
+    "hpu_device_count",
+    "hpu_environment",
+    "load_hccl",
+    "mark_step",
+    "require_hpu",
+    "torch_hpu",
+]
+
+# Only variables Habana documents or its own bridge prints in "HABANA PT BRIDGE CONFIGURATION" (sources:
+# docs.habana.ai "Runtime Environment Variables"; "Run Inference Using HPU Graphs"; the bridge's env_flags for
+# PT_HPU_POOL_STRATEGY and PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE). Invented names such as PT_HPU_ENABLE_LAZY_COMPILATION
+# or PT_HPU_GRAPH_COMPILER_OPT_LEVEL are never set.
+DOCUMENTED_HPU_ENV = {
+    "PT_HPU_LAZY_MODE": "1 = lazy (legacy) mode, 0 = eager + torch.compile (default in current releases)",
+    "PT_HPU_ENABLE_LAZY_COLLECTIVES": "required for HPU graphs with multi-card collectives",
+    "PT_HPU_MAX_COMPOUND_OP_SIZE": "upper bound on ops fused into one graph (integer)",
+    "PT_HPU_POOL_STRATEGY": "device memory pool strategy (unsigned integer; bridge default 5)",
+    "PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE": "permute weights on the host (bool; bridge default true)",
+}
+
+
+def hpu_environment(
+    *,
+    lazy_mode: bool = False,
+    lazy_collectives: bool | None = None,
+    max_compound_op_size: int | None = None,
+    pool_strategy: int | None = None,
+    weight_cpu_permute: bool | None = None,
+) -> dict[str, str]:
+    """The Habana variables for a run; unset options are left to the runtime's defaults."""
+    env = {"PT_HPU_LAZY_MODE": "1" if lazy_mode else "0"}
+    if lazy_collectives is not None:
+        env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] = "true" if lazy_collectives else "false"
+    if max_compound_op_size is not None:
+        env["PT_HPU_MAX_COMPOUND_OP_SIZE"] = str(int(max_compound_op_size))
+    if pool_strategy is not None:
+        env["PT_HPU_POOL_STRATEGY"] = str(int(pool_strategy))
+    if weight_cpu_permute is not None:
+        env["PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE"] = "1" if weight_cpu_permute else "0"
+    assert set(env) <= set(DOCUMENTED_HPU_ENV)
+    return env
+
+
+def apply_hpu_environment(env: dict[str, str]) -> None:
+    """Set the variables before habana_frameworks is imported; values the user exported win."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+
+def _import_core() -> Any:
+    import habana_frameworks.torch.core as htcore
+
+    return htcore
+
+
+def torch_hpu() -> Any:
+    """`torch.hpu`, which habana_frameworks attaches to torch on import (so type checkers do not know it)."""
+    import torch
+
+    return getattr(torch, "hpu")  # noqa: B009
+
+
+def hpu_available() -> bool:
+    try:
+        _import_core()
+        return bool(torch_hpu().is_available())
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+def require_hpu() -> None:
+    if not hpu_available():
+        raise UserInputError(
+            "Gaudi (HPU) was requested but no HPU is usable here (habana_frameworks is not installed or sees no "
+            "device); allowed here: cpu" + (", cuda" if _cuda() else "")
+        )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def hpu_device_count() -> int:
+    if not hpu_available():
+        return 0
+    return int(torch_hpu().device_count())
+
+
+def load_hccl() -> None:
+    """Register the `hccl` process-group backend with torch.distributed."""
+    require_hpu()
+    import habana_frameworks.torch.distributed.hccl  # noqa: F401
+
+
+def mark_step() -> None:
+    """In lazy mode, cut the accumulated graph here and run it (no-op in eager mode)."""
+    if os.environ.get("PT_HPU_LAZY_MODE", "0") == "1":
+        _import_core().mark_step()

@@ -1,0 +1,73 @@
+"""Gaudi (HPU) plugin off Gaudi: registered with Lightning, one clear error when used, documented variables only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.device.hpu import DOCUMENTED_HPU_ENV, hpu_available, hpu_environment
+
+pytestmark = pytest.mark.skipif(hpu_available(), reason="checks the behaviour without Gaudi")
+
+
+def test_seed_example_fails_with_one_clear_line_without_gaudi() -> None:
+    from gaudi3_scale import GaudiAccelerator
+
+    with pytest.raises(UserInputError, match=r"^Gaudi \(HPU\) was requested but no HPU is usable here"):
+        pl.Trainer(accelerator=GaudiAccelerator(), devices=8, precision="bf16-mixed", strategy="habana_ddp")
+
+
+def test_hpu_and_habana_ddp_are_registered_with_lightning() -> None:
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import gaudi3_scale
+
+    accelerator = gaudi3_scale.GaudiAccelerator
+    assert AcceleratorRegistry["hpu"]["accelerator"] is accelerator
+    assert StrategyRegistry["habana_ddp"]["strategy"].__name__ == "HPUDDPStrategy"
+    assert StrategyRegistry["habana_ddp"]["init_params"] == {}
+    assert accelerator.is_available() is False and accelerator.auto_device_count() == 0
+
+
+def test_only_documented_habana_variables() -> None:
+    env = hpu_environment(
+        lazy_mode=True,
+        lazy_collectives=True,
+        max_compound_op_size=10,
+        pool_strategy=5,
+        weight_cpu_permute=False,
+    )
+    assert set(env) <= set(DOCUMENTED_HPU_ENV)
+    assert env == {
+        "PT_HPU_LAZY_MODE": "1",
+        "PT_HPU_ENABLE_LAZY_COLLECTIVES": "true",
+        "PT_HPU_MAX_COMPOUND_OP_SIZE": "10",
+        "PT_HPU_POOL_STRATEGY": "5",
+        "PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE": "0",
+    }
+    source = "\n".join(p.read_text() for p in Path("src/gaudi3_scale").rglob("*.py"))
+    for invented in (
+        "PT_HPU_ENABLE_LAZY_COMPILATION",
+        "PT_HPU_GRAPH_COMPILER_OPT_LEVEL",
+        "OPTIMIZE_UTILIZATION",
+    ):
+        assert invented not in source.replace(f"such as {invented}", "").replace(f"or {invented}", "")
+
+
+def test_cli_hpu_without_gaudi_is_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--train.device", "hpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "gaudi3: error: train.device: Gaudi (HPU) was requested"
+    ), lines
