@@ -79,11 +79,15 @@ def _plan_hpu(precision: str) -> DevicePlan:
         precision = "bf16-mixed"
     if precision == "16-mixed":
         raise ConfigError("train.precision", "Gaudi trains in bf16; use bf16-mixed, bf16-true or 32-true")
-    name = str(torch_hpu().get_device_name())
+    return _accelerator_plan("hpu", str(torch_hpu().get_device_name()), precision)
+
+
+def _accelerator_plan(accelerator: str, name: str, precision: str) -> DevicePlan:
+    """MFU peak from the sourced spec table; bf16 tensor-core peaks do not apply to fp32 runs (left unknown)."""
     spec = find_accelerator(name)
     peak = spec.bf16_dense_tflops * 1e12 if spec and precision != "32-true" else None
     return DevicePlan(
-        accelerator="hpu",
+        accelerator=accelerator,
         precision=precision,
         device_name=name,
         peak_flops=peak,
@@ -94,9 +98,8 @@ def _plan_hpu(precision: str) -> DevicePlan:
 def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
     """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named)."""
     if device == "auto":
-        device = (
-            "cuda" if torch.cuda.is_available() else "cpu"
-        )  # Gaudi only when asked for: it needs its env set
+        # Gaudi only when asked for: its environment must be set before habana_frameworks is imported.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "hpu":
         return _plan_hpu(precision)
     if device == "cuda" and not torch.cuda.is_available():
@@ -110,16 +113,7 @@ def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
             precision = "bf16-mixed" if bf16_ok else "16-mixed"
         if precision.startswith("bf16") and not bf16_ok:
             raise ConfigError("train.precision", f"{name} has no bf16 support; use 16-mixed or 32-true")
-        spec = find_accelerator(name)
-        # Tensor-core peaks apply to bf16/fp16 math; fp32 runs would need the (absent) fp32 peak.
-        peak = spec.bf16_dense_tflops * 1e12 if spec and precision != "32-true" else None
-        return DevicePlan(
-            accelerator="cuda",
-            precision=precision,
-            device_name=name,
-            peak_flops=peak,
-            peak_source=spec.source if spec and peak else "unknown",
-        )
+        return _accelerator_plan("cuda", name, precision)
     if precision == "auto":
         precision = "32-true"
     if precision == "16-mixed":
