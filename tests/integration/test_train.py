@@ -307,3 +307,18 @@ def test_corrupt_shard_and_missing_source_are_refused_by_the_cli(tmp_path: Path)
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_thread_count_survives_lightnings_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's DDP launcher sets torch threads to cores / processes unless OMP_NUM_THREADS is set.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test; the trainer overwrites it
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    try:
+        cfg = _config(tmp_path, "--train.max_steps", "2", "--train.val_every_steps", "0", "--train.threads", "1",
+                      "--parallel.strategy", "ddp", "--model.num_layers", "1")  # fmt: skip
+        GaudiTrainer(cfg, progress=False).fit()
+        assert torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)

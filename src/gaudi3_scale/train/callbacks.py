@@ -128,7 +128,12 @@ class RunMetrics(pl.Callback):
         mine = torch.tensor(
             [float(peak_memory_bytes(pl_module.device))], dtype=torch.float64, device=pl_module.device
         )
-        per_rank = [int(v) for v in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+        gathered = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The list form of all_gather: gloo and NCCL both have it (Lightning's wrapper warns on torch 2.13).
+            gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(gathered, mine)
+        per_rank = [int(t.item()) for t in gathered]
         return {"peak_memory_bytes": max(per_rank), "peak_memory_bytes_per_rank": per_rank}
 
     def _global_mean_loss(self, trainer: pl.Trainer) -> float:

@@ -172,6 +172,8 @@ class GaudiTrainer:
             cfg = self.config.train
             threads = cfg.threads or max(1, _default_threads() // self.config.parallel.nproc_per_node)
             torch.set_num_threads(threads)
+            # Lightning's process launchers reset the thread count unless OMP_NUM_THREADS is set; ours wins.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
             self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
         return self.device_plan
 
