@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import torch
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.specs import find_accelerator
 
-__all__ = ["DevicePlan", "cache_dir", "cpu_model_name", "measure_cpu_matmul_flops", "plan_device"]
+__all__ = ["DevicePlan", "cpu_model_name", "measure_cpu_matmul_flops", "plan_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,10 +23,6 @@ class DevicePlan:
     device_name: str
     peak_flops: float | None  # FLOP/s per device that MFU divides by; None = unknown
     peak_source: str
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("GAUDI3_CACHE", Path.home() / ".cache" / "gaudi3-scale"))
 
 
 def cpu_model_name() -> str:

@@ -59,7 +59,6 @@ class RunMetrics(pl.Callback):
         self._window_steps = 0
         self._paused_s = 0.0
         self._pause_start = 0.0
-        self._step_start = 0.0
         self.train_s = 0.0
         self.train_steps = 0
 
@@ -68,7 +67,7 @@ class RunMetrics(pl.Callback):
         if self._is_writer:
             assert self.path is not None
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._window_start = self._step_start = time.perf_counter()
+        self._window_start = time.perf_counter()
 
     def pause(self) -> None:
         """Stop the throughput clock (validation, checkpointing); `resume` restarts it."""

@@ -14,20 +14,21 @@ from gaudi3_scale.data import Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, build_model, generate
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["generate_text", "load_for_generation"]
+__all__ = ["generate_text", "load_for_generation", "read_checkpoint"]
 
 
-def _read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint as a dict (weights_only load), or one line saying why it cannot be read."""
     if not path.is_file():
         raise UserInputError(f"checkpoint {str(path)!r} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many types for a damaged file; all mean the same to the user
         raise UserInputError(
             f"{path}: not a readable checkpoint ({type(exc).__name__}); pick another one"
         ) from None
-    if not isinstance(ckpt, dict) or CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
-        raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
+    if not isinstance(ckpt, dict):
+        raise UserInputError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a mapping)")
     return ckpt
 
 
@@ -39,7 +40,9 @@ def load_for_generation(
     The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
     """
     path = Path(checkpoint)
-    ckpt = _read_checkpoint(path)
+    ckpt = read_checkpoint(path)
+    if CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
+        raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
     model_cfg = from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"])
     model = build_model(model_cfg)
     prefix = "model."

@@ -26,6 +26,7 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
+from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.train.callbacks import (
     GracefulInterrupt,
     RichStepProgress,
@@ -34,6 +35,7 @@ from gaudi3_scale.train.callbacks import (
     latest_checkpoint,
 )
 from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 
@@ -72,10 +74,7 @@ class _StoreConfig(pl.Callback):
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    try:
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get(CONFIG_KEY)
-    except Exception as exc:  # a damaged file raises many types; all mean "cannot resume from this"
-        raise UserInputError(f"{checkpoint}: not a readable checkpoint ({type(exc).__name__})") from None
+    saved = read_checkpoint(checkpoint, mmap=True).get(CONFIG_KEY)
     if saved is None:
         return
     for section, keys in (
@@ -313,8 +312,8 @@ class GaudiTrainer:
         fpt = getattr(self.module, "flops_per_token", None)
         plan = self.device_plan
         mfu_value = None
-        if tokens_per_s and fpt and plan and plan.peak_flops:
-            mfu_value = tokens_per_s * fpt / (plan.peak_flops * self.trainer.world_size)
+        if tokens_per_s and fpt and plan:
+            mfu_value = mfu(tokens_per_s, fpt, plan.peak_flops, self.trainer.world_size)
         last = self._checkpoint.last_path or latest_checkpoint(self.out_dir / "checkpoints")
         return {
             "name": self.config.name,
