@@ -49,7 +49,7 @@ def ensure_venv() -> Path:
             "-c",
             str(ROOT / "requirements/constraints.txt"),
             "-e",
-            f"{ROOT}[test]",
+            f"{ROOT}[test,deepspeed]",
         ],
         check=True,
     )

@@ -7,7 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0"
 
-__all__ = ["GaudiAccelerator", "__version__"]
+__all__ = ["GaudiAccelerator", "GaudiOptimizer", "__version__"]
 
 
 def __getattr__(name: str) -> object:
@@ -19,4 +19,8 @@ def __getattr__(name: str) -> object:
         register_gaudi_accelerator()
         register_hpu_strategies()
         return GaudiAccelerator
+    if name == "GaudiOptimizer":
+        from gaudi3_scale.device.optim import GaudiOptimizer
+
+        return GaudiOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

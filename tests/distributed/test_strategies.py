@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.distributed
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
 COMMON = ["--train.max_steps", "20", "--train.log_every_steps", "1", "--train.val_every_steps", "0",
           "--sample-tokens", "0", "--no-progress", "--train.global_batch_size", "8", "--optim.warmup_steps", "2",
-          "--train.micro_batch_size", "2"]  # fmt: skip
+          "--train.micro_batch_size", "2", "--train.checkpoint_every_steps", "10"]  # fmt: skip
+STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
 
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -41,7 +43,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_grad_op"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_match_one_process(strategy: str, single: Path, tmp_path: Path) -> None:
     proc = _train(tmp_path, "--nproc-per-node", "2", "--parallel.strategy", strategy)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,6 +66,33 @@ def test_two_ranks_match_one_process(strategy: str, single: Path, tmp_path: Path
     model_b, _ = load_for_generation(tmp_path / ckpt)
     with torch.no_grad():
         torch.testing.assert_close(model_b(tokens), model_a(tokens), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_rank_resume_is_bitwise(strategy: str, tmp_path: Path) -> None:
+    """Stop after step 10 (keep only that checkpoint), resume: the losses equal the uninterrupted run's exactly."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    args = ("--nproc-per-node", "2", "--parallel.strategy", strategy)
+    proc = _train(full, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "checkpoints" / "step-00000010.ckpt", resumed / "checkpoints")
+    (resumed / "checkpoints" / "latest").write_text("step-00000010.ckpt\n")
+    proc = _train(resumed, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(resumed) == _losses(full)[10:]  # steps 11-20 only: it resumed, and bit for bit
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
+def test_bf16_mixed_per_strategy_tracks_fp32(strategy: str, single: Path, tmp_path: Path) -> None:
+    """bf16: autocast under DDP, FSDP's MixedPrecisionPolicy, DeepSpeed's bf16 engine — each within 2 % of fp32."""
+    args = ("--nproc-per-node", "2", "--parallel.strategy", strategy, "--train.precision", "bf16-mixed")
+    proc = _train(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference, losses = _losses(single), _losses(tmp_path)
+    assert losses != reference  # bf16 really ran
+    assert losses == pytest.approx(reference, rel=0.02)
+    assert losses[-1] < losses[0] - 0.5
 
 
 def test_activation_checkpointing_changes_memory_not_math(single: Path, tmp_path: Path) -> None:

@@ -52,6 +52,13 @@ def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
         (["--model.name", "gpt5"], "model.name", "shakespeare-char"),
         (["--model.dropout", "1.5"], "model.dropout", "between 0.0 and 1.0"),
         (["--optim.lr", "nan"], "optim.lr", "number"),
+        (["--train.global_batch_tokens", "100"], "train.global_batch_tokens", "nearest valid: 64 or 128"),
+        (["--parallel.strategy", "zero9"], "parallel.strategy", "deepspeed_zero2, deepspeed_zero3"),
+        (
+            ["--parallel.strategy", "deepspeed_zero3", "--train.compile", "true"],
+            "train.compile",
+            "deepspeed_zero2",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(
@@ -110,6 +117,7 @@ _FIELDS = [
     "train.precision",
     "optim.lr",
     "train.global_batch_size",
+    "train.global_batch_tokens",
     "data.val_fraction",
     "model.arch",
     "name",

@@ -16,9 +16,11 @@ STRATEGIES = {
     "ddp": "replicate everything, all-reduce gradients (ZeRO stage 0)",
     "fsdp": "shard parameters, gradients and optimizer state; re-gather parameters per block (ZeRO-3)",
     "fsdp_grad_op": "shard gradients and optimizer state; keep gathered parameters after forward (ZeRO-2 style)",
+    "deepspeed_zero2": "DeepSpeed ZeRO stage 2: shard gradients and optimizer state (needs the deepspeed extra)",
+    "deepspeed_zero3": "DeepSpeed ZeRO stage 3: shard parameters too (needs the deepspeed extra)",
 }
 
-Strategy = Literal["auto", "ddp", "fsdp", "fsdp_grad_op"]
+Strategy = Literal["auto", "ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
 
 
 @dataclass(kw_only=True)

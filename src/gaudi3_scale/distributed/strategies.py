@@ -11,6 +11,8 @@ from typing import Any
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 
+ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # built lazily: deepspeed is an optional extra
+
 __all__ = ["build_strategy", "resolve_strategy"]
 
 
@@ -20,8 +22,20 @@ def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
     return cfg.strategy
 
 
-def build_strategy(cfg: ParallelConfig, *, accelerator: str, world_size: int) -> Any:
-    """A Lightning strategy (or "auto" for one process)."""
+def build_strategy(
+    cfg: ParallelConfig,
+    *,
+    accelerator: str,
+    world_size: int,
+    micro_batch_size: int = 1,
+    accumulation: int = 1,
+    grad_clip_norm: float = 0.0,
+    hidden_size: int = 768,
+) -> Any:
+    """A Lightning strategy (or "auto" for one process).
+
+    DeepSpeed also needs the batch split and clipping, and sizes its communication buckets from the hidden size.
+    """
     name = resolve_strategy(cfg, world_size)
     backend = "nccl" if accelerator == "cuda" else "gloo"
     if name == "single" and accelerator != "hpu":
@@ -37,6 +51,18 @@ def build_strategy(cfg: ParallelConfig, *, accelerator: str, world_size: int) ->
 
         register_hpu_strategies()
         return HPUDDPStrategy()
+    if name in ZERO_STAGES:
+        from gaudi3_scale.distributed.deepspeed import build_zero_strategy
+
+        return build_zero_strategy(
+            name,
+            accelerator=accelerator,
+            backend=backend,
+            micro_batch_size=micro_batch_size,
+            accumulation=accumulation,
+            grad_clip_norm=grad_clip_norm,
+            hidden_size=hidden_size,
+        )
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 

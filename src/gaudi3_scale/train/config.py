@@ -67,6 +67,13 @@ class TrainConfig:
     global_batch_size: int = field(
         default=12, metadata={"help": "sequences per optimizer step, all ranks together"}
     )
+    global_batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens per optimizer step, all ranks together; when set, "
+            "global_batch_size = global_batch_tokens / model.context_length"
+        },
+    )
     micro_batch_size: int | None = field(
         default=None, metadata={"help": "sequences per forward pass per rank; null = global batch / ranks"}
     )
@@ -107,6 +114,7 @@ class TrainConfig:
             check_positive(name, getattr(self, name))
         for name in ("val_every_steps", "checkpoint_every_steps"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("global_batch_tokens", self.global_batch_tokens)
         check_positive("micro_batch_size", self.micro_batch_size)
         check_positive("threads", self.threads)
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
@@ -144,12 +152,61 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+        tokens = self.train.global_batch_tokens
+        if tokens is not None:
+            size = _batch_size_from_tokens(tokens, self.model.context_length)
+            if size != self.train.global_batch_size:
+                raise ConfigError(
+                    "train.global_batch_tokens",
+                    f"{tokens} tokens = {size} sequences of model.context_length {self.model.context_length}, "
+                    f"but train.global_batch_size is {self.train.global_batch_size}; set only one of them",
+                )
         # Fail before launching anything when the batch does not split over the ranks.
         self.train.gradient_accumulation(self.parallel.world_size)
+        if self.train.compile and self.parallel.strategy == "deepspeed_zero3":
+            raise ConfigError(
+                "train.compile",
+                "TorchDynamo cannot trace DeepSpeed ZeRO-3's parameter hooks; with deepspeed_zero3 use "
+                "train.compile false, or compile under ddp, fsdp, fsdp_grad_op or deepspeed_zero2",
+            )
 
     @property
     def output_dir(self) -> Path:
         return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+
+
+def _batch_size_from_tokens(global_batch_tokens: int, context_length: int) -> int:
+    """Sequences per optimizer step for a global batch stated in tokens; it must be whole sequences."""
+    if global_batch_tokens % context_length:
+        below = global_batch_tokens // context_length * context_length
+        nearest = " or ".join(str(v) for v in (below, below + context_length) if v > 0)
+        raise ConfigError(
+            "train.global_batch_tokens",
+            f"{global_batch_tokens} is not divisible by model.context_length ({context_length}); "
+            f"nearest valid: {nearest}",
+        )
+    return global_batch_tokens // context_length
+
+
+def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
+    """A global batch stated only in tokens becomes `train.global_batch_size` before the sections are built.
+
+    This runs on the raw dict because only here is a user-set `global_batch_size` told apart from its default
+    (12); when both are set, `RunConfig.__post_init__` checks that they agree, which also keeps a saved resolved
+    config (both fields, consistent) loadable as is.
+    """
+    train_raw = raw.get("train")
+    if not isinstance(train_raw, Mapping) or "global_batch_size" in train_raw:
+        return
+    if train_raw.get("global_batch_tokens") is None:
+        return
+    # Typed and validated the same way the full build will do it, so a bad value gets the usual one-line error.
+    tokens = from_dict(
+        TrainConfig, {"global_batch_tokens": train_raw["global_batch_tokens"]}, prefix="train"
+    ).global_batch_tokens
+    assert tokens is not None
+    context_length = from_dict(ModelConfig, raw["model"], prefix="model").context_length
+    raw["train"] = {**train_raw, "global_batch_size": _batch_size_from_tokens(tokens, context_length)}
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,7 +224,7 @@ def build_run_config(
     overrides: Sequence[tuple[str, str]] = (),
     base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """YAML file (optional) → dotted overrides → model preset expansion → validated RunConfig."""
+    """YAML file (optional) → dotted overrides → model preset expansion → batch in tokens → validated RunConfig."""
     from gaudi3_scale.models.registry import get_model_config
 
     raw: dict[str, Any] = dict(base or {})
@@ -185,4 +242,5 @@ def build_run_config(
     except ValueError as exc:
         raise ConfigError("model.name", str(exc)) from None
     raw["model"] = _merge(preset, model_raw)
+    _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)

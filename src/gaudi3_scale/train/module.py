@@ -105,7 +105,14 @@ class LanguageModel(pl.LightningModule):
         if self.strategy_name in ("fsdp", "fsdp_grad_op"):
             mesh = self.device_mesh  # set by ModelParallelStrategy before configure_model
             assert mesh is not None, "FSDP strategies run under ModelParallelStrategy"
-            apply_fsdp(model, mesh["data_parallel"], reshard_after_forward=self.strategy_name == "fsdp")
+            # bf16-mixed under FSDP is FSDP's own policy: bf16 parameters for compute, fp32 gradient reduction.
+            bf16 = self._trainer is not None and str(self.trainer.precision).startswith("bf16-mixed")
+            apply_fsdp(
+                model,
+                mesh["data_parallel"],
+                reshard_after_forward=self.strategy_name == "fsdp",
+                param_dtype=torch.bfloat16 if bf16 else None,
+            )
         self.model = model
         # Not registered as a submodule: the compiled wrapper would duplicate every key in the state dict.
         object.__setattr__(self, "_forward", forward)
@@ -126,8 +133,13 @@ class LanguageModel(pl.LightningModule):
             # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
             step = self.trainer.global_step * self.accumulation + self._micro_step
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
+        engine = self._deepspeed_engine()
+        if engine is not None:
+            # DeepSpeed divides the loss by the accumulation itself and reduces gradients at the boundary we name.
+            engine.set_gradient_accumulation_boundary(self._micro_step + 1 == self.accumulation)
         loss = self._loss(batch)
-        self.manual_backward(loss / self.accumulation if self.accumulation > 1 else loss)
+        scaled = loss / self.accumulation if self.accumulation > 1 and engine is None else loss
+        self.manual_backward(scaled)
         if self.device.type == "hpu":
             mark_step()
         self._micro_step += 1
@@ -140,7 +152,7 @@ class LanguageModel(pl.LightningModule):
             loss = (self._pending_loss + loss.detach()) / self.accumulation
         self._micro_step = 0
         clip = self.optim_cfg.grad_clip_norm
-        if clip > 0:
+        if clip > 0 and engine is None:  # DeepSpeed clips inside its step (gradients live in its partitions)
             if self.trainer.precision == "16-mixed":
                 self.clip_gradients(opt.optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
             else:
@@ -152,7 +164,15 @@ class LanguageModel(pl.LightningModule):
         if self.device.type == "hpu":
             mark_step()
         opt.zero_grad(set_to_none=True)
+        if engine is not None and clip > 0:
+            self.last_grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
         self.last_loss = loss.detach()
+
+    def _deepspeed_engine(self) -> Any:
+        """The DeepSpeed engine when a ZeRO strategy wraps this module, else None."""
+        if not self.strategy_name.startswith("deepspeed"):
+            return None
+        return self.trainer.strategy.model
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True, batch_size=batch[0].size(0))

@@ -8,12 +8,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gaudi3_scale.device.optim import GaudiOptimizer
 from gaudi3_scale.train.config import OptimConfig
 
 __all__ = ["build_lr_lambda", "build_optimizer", "lr_at_step"]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str) -> torch.optim.Optimizer:
     """AdamW; weight decay only on tensors with ≥ 2 dims (matmuls, embeddings), as in GPT-2/nanoGPT."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -22,6 +23,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str) -> 
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if device_type == "hpu" and cfg.implementation in ("auto", "fused"):
+        # torch's fused AdamW has no HPU kernel; Habana ships one (device/optim.py). Not yet validated on Gaudi.
+        return GaudiOptimizer.FusedAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     kernel: dict[str, bool] = {}
     impl = cfg.implementation
     if impl == "auto":

@@ -240,8 +240,15 @@ class GaudiTrainer:
             "accelerator": plan.accelerator,
             "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes,
-            "strategy": build_strategy(self.config.parallel, accelerator=plan.accelerator, world_size=world),
-            "precision": plan.precision,
+            "strategy": build_strategy(
+                self.config.parallel,
+                accelerator=plan.accelerator,
+                world_size=world,
+                micro_batch_size=cfg.resolved_micro_batch(world),
+                accumulation=accumulation,
+                grad_clip_norm=self.config.optim.grad_clip_norm,
+                hidden_size=self.config.model.dim,
+            ),
             "max_steps": cfg.max_steps,
             "val_check_interval": cfg.val_every_steps * accumulation if cfg.val_every_steps else None,
             "check_val_every_n_epoch": None,
@@ -255,6 +262,14 @@ class GaudiTrainer:
             "default_root_dir": str(out),
             "callbacks": callbacks + self.extra_callbacks,
         }
+        if plan.accelerator == "hpu":
+            # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
+            # (hpu plans only hold bf16-mixed, bf16-true or 32-true: the plugin's Literal.)
+            from gaudi3_scale.precision import GaudiMixedPrecision
+
+            kwargs["plugins"] = [GaudiMixedPrecision(plan.precision)]  # type: ignore[arg-type]
+        else:
+            kwargs["precision"] = plan.precision
         kwargs.update(self.trainer_kwargs)
         return pl.Trainer(**kwargs)
 
@@ -295,6 +310,10 @@ class GaudiTrainer:
             plot_loss(records, out / "loss.png", title=self._plot_title())
             if self.progress:
                 print_summary(summary, self.console)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Lightning leaves the group up; gloo's threads then abort the process at exit ("terminate called
+            # without an active exception") now and then. A later fit() initializes a new group.
+            torch.distributed.destroy_process_group()
         return summary
 
     def _plot_title(self) -> str:

@@ -1,0 +1,214 @@
+"""DeepSpeed ZeRO-2/3 under Lightning on every accelerator DeepSpeed runs on — CPU with gloo included.
+
+Lightning's `DeepSpeedStrategy` refuses anything but CUDA, yet the DeepSpeed engine itself trains on CPU with gloo.
+`ZeroStrategy` lifts that check and keeps the rest of Lightning's integration (engine setup, backward and step through
+the engine, bf16 config). Two things differ on purpose:
+
+* Weights are built exactly as in a single process (no `deepspeed.zero.Init`); ZeRO-3 partitions them when the
+  engine starts, so every strategy starts from the same weights.
+* Checkpoints use our single-file format: the full (consolidated) model state dict that one process can load, like
+  every other strategy's, plus each rank's ZeRO optimizer partition so that a resume at the same world size is exact.
+
+DeepSpeed is an optional dependency: `pip install 'gaudi3-scale[deepspeed]'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["ZeroStrategy", "build_zero_strategy"]
+
+_STAGE = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}
+_PARTITIONS = "zero_partitions"  # optimizer_states[0] key: one ZeRO optimizer state per rank
+
+
+_DROP = object()
+
+
+def _plain(value: Any) -> Any:
+    """Tensors, numbers, strings and containers of them, so the checkpoint loads with weights_only=True.
+
+    DeepSpeed's optimizer state also holds objects (its loss scaler, enums, fragment mappings) that it rebuilds or
+    does not need when it loads a partition; enums become their values, other objects are left out.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if value is None or isinstance(value, int | float | str | bool):
+        return value
+    if isinstance(value, list | tuple):
+        items = [_plain(v) for v in value]
+        return _DROP if any(v is _DROP for v in items) else items
+    if isinstance(value, Mapping):
+        pairs = {k: _plain(v) for k, v in value.items()}
+        return {k: v for k, v in pairs.items() if v is not _DROP}
+    return _DROP
+
+
+class ZeroStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO stage 2 or 3 with our accumulation, clipping and checkpoint format."""
+
+    strategy_name = "gaudi3_zero"
+
+    def __init__(
+        self,
+        stage: int,
+        *,
+        micro_batch_size: int,
+        accumulation: int,
+        grad_clip_norm: float,
+        hidden_size: int,
+        process_group_backend: str,
+    ) -> None:
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_clipping": grad_clip_norm,
+            "zero_optimization": {
+                "stage": stage,
+                "contiguous_gradients": True,
+                "overlap_comm": False,
+                # DeepSpeed's defaults (5e8-element buckets, 2 GB in fp32) dwarf small models; these are the
+                # hidden-size rules Hugging Face's DeepSpeed integration uses for its "auto" values.
+                "reduce_bucket_size": hidden_size**2,
+                "allgather_bucket_size": hidden_size**2,
+                "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
+                "stage3_param_persistence_threshold": 10 * hidden_size,
+            },
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,  # DeepSpeed's own step log would interleave with ours
+            "wall_clock_breakdown": False,
+        }
+        super().__init__(config=config, process_group_backend=process_group_backend)
+        self.stage = stage
+        self.accumulation = accumulation
+
+    # -- setup -----------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's CUDA-only check
+
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        # DeepSpeedStrategy first checks CUDA device indices against local ranks; CPU devices have no index.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        # The LightningModule accumulates (manual optimization); the engine learns the boundary from it.
+        assert isinstance(self.config, dict)
+        self.config["gradient_accumulation_steps"] = self.accumulation
+
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        import deepspeed
+
+        # Lightning passes root_device.index, which is None on CPU; DeepSpeed wants an int.
+        index = self.root_device.index if self.root_device.index is not None else self.local_rank
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=index),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        yield  # weights are built whole, as in one process; ZeRO-3 partitions them in deepspeed.initialize
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        if self.stage < 3:
+            return module.state_dict()
+        import deepspeed
+
+        # Every rank takes part in the gather; the full tensors are copied out before they are partitioned again.
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        local = _plain(self.deepspeed_engine.optimizer.state_dict())
+        gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+        torch.distributed.gather_object(local, gathered, dst=0)
+        return {_PARTITIONS: gathered, "zero_stage": self.stage, "world_size": self.world_size}
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        DDPStrategy.save_checkpoint(self, checkpoint, filepath, storage_options)  # rank 0 writes one file
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return DDPStrategy.load_checkpoint(self, checkpoint_path, weights_only)
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.stage < 3:
+            module = self.lightning_module
+            assert module is not None
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self._restore_zero_state(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        (saved,) = checkpoint["optimizer_states"]
+        if _PARTITIONS not in saved:
+            raise UserInputError(
+                "this checkpoint was not written by a DeepSpeed strategy; resume it with the strategy that wrote it"
+            )
+        if saved["world_size"] != self.world_size or saved["zero_stage"] != self.stage:
+            raise UserInputError(
+                f"this checkpoint holds ZeRO-{saved['zero_stage']} optimizer partitions for {saved['world_size']} "
+                f"ranks; resume it with deepspeed_zero{saved['zero_stage']} on {saved['world_size']} ranks"
+            )
+        optimizer = self.deepspeed_engine.optimizer
+        partitions = [dict(p) for p in saved[_PARTITIONS]]
+        for part in partitions:
+            # Left out at save (an object); without fp16 loss scaling it carries no state, so the live one serves.
+            part.setdefault("loss_scaler", optimizer.loss_scaler)
+        # The fp32 master partitions come from the checkpoint, not from the (possibly bf16) module weights.
+        optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def build_zero_strategy(
+    name: str,
+    *,
+    accelerator: str,
+    backend: str,
+    micro_batch_size: int,
+    accumulation: int,
+    grad_clip_norm: float,
+    hidden_size: int,
+) -> ZeroStrategy:
+    # DeepSpeed picks its accelerator once, at import; tell it ours instead of letting it probe.
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserInputError(
+            f"parallel.strategy {name} needs DeepSpeed: pip install 'gaudi3-scale[deepspeed]'"
+        ) from None
+    return ZeroStrategy(
+        _STAGE[name],
+        micro_batch_size=micro_batch_size,
+        accumulation=accumulation,
+        grad_clip_norm=grad_clip_norm,
+        hidden_size=hidden_size,
+        process_group_backend=backend,
+    )
