@@ -4,9 +4,14 @@ Each cell is a real `gaudi3 train` launch (2 ranks through the elastic launcher,
 micro-batch per rank fixed, so 2 ranks process twice the global batch; threads per rank are fixed too (default
 1, so 2 ranks use the machine's 2 cores and 1 rank uses one). Efficiency = tokens/s(2 ranks) / (2 × tokens/s(1)).
 
-Two models: `throughput` is shakespeare-char (the default run's shape); `memory` is GPT-2-124M's 12 × 768 shape on
-a 65-character vocabulary and context 128, big enough that parameters, gradients and AdamW state dominate the
-peak, so the ZeRO stages show (DDP > ZeRO-2 style > ZeRO-3).
+Three settings:
+* `throughput`: shakespeare-char (the default run's shape), 12 sequences per rank, one micro-batch per step;
+* `large_batch`: the same with 4 micro-batches accumulated per optimizer step (gradients are reduced once per
+  step: DDP skips the all-reduce on the first three, DeepSpeed reduces at the boundary);
+* `memory`: GPT-2-124M's 12 × 768 shape on a 65-character vocabulary and context 128, one sequence per rank, so
+  parameters, gradients and AdamW state dominate the peak and the ZeRO stages show. Peak memory is peak RSS; these
+  cells run with MALLOC_MMAP_THRESHOLD_=131072 so that glibc returns freed tensors to the OS at once instead of
+  keeping them in its heap, which makes peak RSS track peak live tensors.
 
     python benchmarks/bench_strategies.py     # writes benchmarks/results/strategies_cpu.json and .png
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,14 +31,30 @@ from rich.progress import track
 
 from gaudi3_scale.monitor.environment import environment_info
 
-STRATEGIES = ["ddp", "fsdp_grad_op", "fsdp"]
+STRATEGIES = ["ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 MODELS: dict[str, list[str]] = {
     "throughput": ["--model.name", "shakespeare-char"],
+    "large_batch": ["--model.name", "shakespeare-char"],
     "memory": ["--model.name", "gpt2-124m", "--model.vocab_size", "65", "--model.context_length", "128"],
+}
+SETTINGS = {
+    "throughput": {"micro": 12, "accumulation": 1, "steps": 80},
+    "large_batch": {"micro": 12, "accumulation": 4, "steps": 24},
+    "memory": {"micro": 1, "accumulation": 1, "steps": 4},
 }
 
 
-def _cell(out: Path, model: str, strategy: str, ranks: int, *, micro: int, steps: int, threads: int) -> dict:
+def _cell(
+    out: Path,
+    model: str,
+    strategy: str,
+    ranks: int,
+    *,
+    micro: int,
+    accumulation: int,
+    steps: int,
+    threads: int,
+) -> dict:
     args = [
         sys.executable,
         "-m",
@@ -44,7 +66,7 @@ def _cell(out: Path, model: str, strategy: str, ranks: int, *, micro: int, steps
         "--parallel.strategy",
         strategy,
         "--train.global_batch_size",
-        str(micro * ranks),
+        str(micro * accumulation * ranks),
         "--train.micro_batch_size",
         str(micro),
         "--train.max_steps",
@@ -65,7 +87,10 @@ def _cell(out: Path, model: str, strategy: str, ranks: int, *, micro: int, steps
     ]
     if ranks > 1:
         args += ["--nproc-per-node", str(ranks)]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True)
+    env = dict(os.environ)
+    if model == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {
             "error": proc.stderr.strip().splitlines()[-1]
@@ -90,19 +115,20 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    panels = [("throughput", "tokens/s, 1 micro-batch per step", "tokens/s"),
+              ("large_batch", "tokens/s, 4 micro-batches per step", "tokens/s"),
+              ("memory", "peak memory per rank (GPT-2-124M shape)", "GiB (peak RSS)")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.5), dpi=110)
     cells = report["cells"]
-    for ranks, offset in ((1, -0.2), (2, 0.2)):
-        values = [cells["throughput"][s][str(ranks)].get("tokens_per_s", 0) for s in STRATEGIES]
-        ax1.bar([i + offset for i in range(len(STRATEGIES))], values, width=0.4, label=f"{ranks} rank(s)")
-        peaks = [
-            max(cells["memory"][s][str(ranks)].get("peak_memory_bytes_per_rank", [0])) / 2**30
-            for s in STRATEGIES
-        ]
-        ax2.bar([i + offset for i in range(len(STRATEGIES))], peaks, width=0.4, label=f"{ranks} rank(s)")
-    for ax, title, unit in ((ax1, "throughput (shakespeare-char)", "tokens/s"),
-                            (ax2, "peak memory per rank (GPT-2-124M shape)", "GiB (peak RSS)")):  # fmt: skip
-        ax.set_xticks(range(len(STRATEGIES)), STRATEGIES)
+    for ax, (setting, title, unit) in zip(axes, panels, strict=True):
+        for ranks, offset in ((1, -0.2), (2, 0.2)):
+            row = [cells[setting][s][str(ranks)] for s in STRATEGIES]
+            if setting == "memory":
+                values = [max(c.get("peak_memory_bytes_per_rank", [0])) / 2**30 for c in row]
+            else:
+                values = [c.get("tokens_per_s", 0) for c in row]
+            ax.bar([i + offset for i in range(len(STRATEGIES))], values, width=0.4, label=f"{ranks} rank(s)")
+        ax.set_xticks(range(len(STRATEGIES)), [s.replace("deepspeed_", "ds_") for s in STRATEGIES])
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.legend()
@@ -120,26 +146,30 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "strategies_cpu.json")
     args = parser.parse_args()
     plan = [(model, s, ranks) for model in MODELS for s in STRATEGIES for ranks in (1, 2)]
-    settings = {"throughput": {"micro": 12, "steps": 120}, "memory": {"micro": 2, "steps": 6}}
     cells: dict[str, dict[str, dict[str, Any]]] = {m: {s: {} for s in STRATEGIES} for m in MODELS}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (model, strategy, ranks) in enumerate(track(plan, description="strategy × ranks")):
             out = Path(tmp) / str(i)
             cells[model][strategy][str(ranks)] = _cell(out, model, strategy, ranks, threads=args.threads,
-                                                       **settings[model])  # fmt: skip
+                                                       **SETTINGS[model])  # fmt: skip
     report: dict[str, Any] = {"benchmark": "strategies_cpu", "machine": environment_info(),
-                              "threads_per_rank": args.threads, "settings": settings, "cells": cells,
-                              "weak_scaling_efficiency": {}}  # fmt: skip
+                              "threads_per_rank": args.threads, "settings": SETTINGS, "cells": cells,
+                              "weak_scaling_efficiency": {"throughput": {}, "large_batch": {}}}  # fmt: skip
+    for setting, efficiency in report["weak_scaling_efficiency"].items():
+        for strategy in STRATEGIES:
+            one, two = cells[setting][strategy]["1"], cells[setting][strategy]["2"]
+            if "tokens_per_s" in one and "tokens_per_s" in two:
+                efficiency[strategy] = two["tokens_per_s"] / (2 * one["tokens_per_s"])
     for strategy in STRATEGIES:
-        one, two = cells["throughput"][strategy]["1"], cells["throughput"][strategy]["2"]
-        if "tokens_per_s" in one and "tokens_per_s" in two:
-            report["weak_scaling_efficiency"][strategy] = two["tokens_per_s"] / (2 * one["tokens_per_s"])
         for ranks in ("1", "2"):
-            t, m = cells["throughput"][strategy][ranks], cells["memory"][strategy][ranks]
-            peak = max(m.get("peak_memory_bytes_per_rank", [0])) / 2**30
-            print(f"{strategy:13s} {ranks} rank(s): {t.get('tokens_per_s', 0):9,.0f} tok/s   "
-                  f"peak/rank {peak:5.2f} GiB   {t.get('error', '')}{m.get('error', '')}")  # fmt: skip
-    print("weak scaling 1 → 2 ranks:", {k: round(v, 3) for k, v in report["weak_scaling_efficiency"].items()})
+            row = {setting: cells[setting][strategy][ranks] for setting in MODELS}
+            peak = max(row["memory"].get("peak_memory_bytes_per_rank", [0])) / 2**30
+            errors = " ".join(c["error"] for c in row.values() if "error" in c)
+            print(f"{strategy:15s} {ranks} rank(s): {row['throughput'].get('tokens_per_s', 0):9,.0f} tok/s   "
+                  f"{row['large_batch'].get('tokens_per_s', 0):9,.0f} tok/s (×4 accumulation)   "
+                  f"peak/rank {peak:5.2f} GiB   {errors}")  # fmt: skip
+    for setting, efficiency in report["weak_scaling_efficiency"].items():
+        print(f"weak scaling 1 → 2 ranks ({setting}):", {k: round(v, 3) for k, v in efficiency.items()})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, args.out.with_suffix(".png"))

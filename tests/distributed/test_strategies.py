@@ -81,6 +81,18 @@ def test_two_rank_resume_is_bitwise(strategy: str, tmp_path: Path) -> None:
     proc = _train(resumed, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(resumed) == _losses(full)[10:]  # steps 11-20 only: it resumed, and bit for bit
+    if strategy.startswith("deepspeed"):
+        # ZeRO optimizer partitions resume only under the same stage and world size: one line, exit 2.
+        before = (full / "checkpoints" / "step-00000020.ckpt").read_bytes()
+        for other in (
+            ("--nproc-per-node", "2", "--parallel.strategy", "ddp"),
+            ("--parallel.strategy", strategy),
+        ):
+            proc = _train(full, *other)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+            assert f"holds {strategy} optimizer partitions for 2 ranks" in lines[0]
+        assert (full / "checkpoints" / "step-00000020.ckpt").read_bytes() == before
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
@@ -110,6 +122,8 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path: Path) -> None:
             (["--nproc-per-node", "3"], "train.global_batch_size: 8 is not divisible"),
             (["--parallel.strategy", "zero9"], "parallel.strategy: got 'zero9'; allowed: auto, ddp, fsdp"),
             (["--train.device", "cuda"], "train.device: cuda was requested but no CUDA device"),
+            (["--train.device", "hpu"], "Gaudi (HPU) was requested but no HPU is usable here"),
+            (["--train.hpu_graphs", "true"], "train.hpu_graphs: needs Intel Gaudi (train.device hpu)"),
             (["--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"], f"port {port} on 127.0.0.1"),
             (["--nnodes", "2"], "parallel.rdzv_endpoint: is required when nnodes > 1"),
         ]

@@ -15,6 +15,13 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
     from gaudi3_scale.distributed.launch import inside_launched_worker, launch
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():
+        from gaudi3_scale.config.core import to_dict
+        from gaudi3_scale.train.trainer import check_resume_compatible, resume_checkpoint
+
+        # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
+        ckpt = resume_checkpoint(cfg)
+        if ckpt is not None:
+            check_resume_compatible(ckpt, to_dict(cfg))
         launch(cfg.parallel, worker_args)
         return
     from gaudi3_scale.train import GaudiTrainer

@@ -97,6 +97,12 @@ class TrainConfig:
         metadata={"help": "where to train; hpu = Intel Gaudi (not yet validated on Gaudi hardware)"},
     )
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    hpu_graphs: bool = field(
+        default=False,
+        metadata={
+            "help": "Gaudi only: record and replay HPU graphs (switches on lazy mode); not yet validated"
+        },
+    )
     deterministic: bool = field(default=False, metadata={"help": "use only deterministic kernels"})
     threads: int | None = field(
         default=None, metadata={"help": "intra-op CPU threads per process; null = physical cores / ranks"}

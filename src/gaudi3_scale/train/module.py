@@ -8,7 +8,6 @@ distribution and checkpoint I/O.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaudi3_scale.device.hpu import mark_step
+from gaudi3_scale.device.hpu import apply_hpu_graphs, mark_step
 from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
 from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
 from gaudi3_scale.train.config import OptimConfig
@@ -66,6 +65,7 @@ class LanguageModel(pl.LightningModule):
         compile: bool = False,
         strategy: str = "single",
         activation_checkpointing: bool = False,
+        hpu_graphs: bool = False,
     ) -> None:
         super().__init__()
         if model_cfg.vocab_size is None:
@@ -80,6 +80,7 @@ class LanguageModel(pl.LightningModule):
         self.compile_model = compile
         self.strategy_name = strategy
         self.activation_checkpointing = activation_checkpointing
+        self.hpu_graphs = hpu_graphs
         self.automatic_optimization = False
         self.model: nn.Module | None = None
         self._forward: Any = None
@@ -102,6 +103,8 @@ class LanguageModel(pl.LightningModule):
         if self.activation_checkpointing:
             apply_activation_checkpointing(model)
         forward = torch.compile(model) if self.compile_model else model
+        if self.hpu_graphs:
+            apply_hpu_graphs(model)
         if self.strategy_name in ("fsdp", "fsdp_grad_op"):
             mesh = self.device_mesh  # set by ModelParallelStrategy before configure_model
             assert mesh is not None, "FSDP strategies run under ModelParallelStrategy"
@@ -122,8 +125,17 @@ class LanguageModel(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self._forward(x)
+        # Under DeepSpeed the forward pass goes through the engine (its hooks, bf16 casts); it calls forward().
+        engine = self._deepspeed_engine() if self.training else None
+        logits = engine(x) if engine is not None else self._forward(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # DDP all-reduces gradients only on the last micro-batch of an optimizer step (what `no_sync` does). Set
+        # here because Lightning runs training_step inside DDP's forward, which reads the flag first.
+        ddp = self.trainer.strategy.model
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            ddp.require_backward_grad_sync = self._micro_step + 1 == self.accumulation
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         opt = self.optimizers()
@@ -179,12 +191,9 @@ class LanguageModel(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() runs before configure_optimizers()"
-        cfg = self.optim_cfg
-        if cfg.implementation == "auto" and self.strategy_name in ("fsdp", "fsdp_grad_op"):
-            cfg = dataclasses.replace(
-                cfg, implementation="foreach"
-            )  # the fused kernel does not take DTensors
-        return build_optimizer(self.model, cfg, device_type=self.device.type)
+        # torch's fused AdamW takes FSDP2's DTensor shards too (checked on torch 2.13, CPU): no temporaries the
+        # size of the whole shard, unlike foreach, which matters for the ZeRO memory savings.
+        return build_optimizer(self.model, self.optim_cfg, device_type=self.device.type)
 
     def current_lr(self) -> float:
         return lr_at_step(max(0, self.trainer.global_step - 1), self.optim_cfg, self.max_steps)

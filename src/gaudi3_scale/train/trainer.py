@@ -48,6 +48,10 @@ def _quiet_lightning() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     # Lightning 2.6 calls a pytree API that torch 2.13 deprecates; not ours to fix, and not actionable for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
+    # DeepSpeed calls collectives torch 2.13 renamed, once per bucket: hundreds of identical lines per step.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
 
 
 def _global_rank() -> int:
@@ -74,7 +78,9 @@ class _StoreConfig(pl.Callback):
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    saved = read_checkpoint(checkpoint, mmap=True).get(CONFIG_KEY)
+    ckpt = read_checkpoint(checkpoint, mmap=True)
+    _check_zero_partitions(ckpt, config.get("parallel", {}))
+    saved = ckpt.get(CONFIG_KEY)
     if saved is None:
         return
     for section, keys in (
@@ -89,6 +95,47 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
                     f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
                     f"{new.get(key)!r}; use the original value or a new --out directory"
                 )
+
+
+def _check_zero_partitions(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
+    """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
+    states = ckpt.get("optimizer_states") or []
+    saved = states[0] if states else {}
+    strategy = parallel.get("strategy")
+    world = int(parallel.get("nproc_per_node", 1)) * int(parallel.get("nnodes", 1))
+    if "zero_partitions" in saved:
+        want, ranks = f"deepspeed_zero{saved['zero_stage']}", saved["world_size"]
+        if strategy != want or world != ranks:
+            raise UserInputError(
+                f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
+                f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
+            )
+    elif states and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
+        raise UserInputError(
+            f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
+            "one with the strategy that wrote it, or start a new --out directory"
+        )
+
+
+def resume_checkpoint(cfg: RunConfig) -> Path | None:
+    """The checkpoint a run resumes from (train.resume: auto, never or a path), or None to start fresh."""
+    resume = cfg.train.resume
+    ckpt_dir = cfg.output_dir / "checkpoints"
+    if resume == "auto":
+        return latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    if resume == "never":
+        if ckpt_dir.is_dir() and any(ckpt_dir.glob("step-*.ckpt")):
+            raise UserInputError(
+                f"{ckpt_dir} already holds checkpoints and train.resume is 'never'; use --train.resume auto to "
+                "continue, or a new --out directory"
+            )
+        return None
+    path = Path(resume)
+    if not path.is_file():
+        raise ConfigError(
+            "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
+        )
+    return path
 
 
 class GaudiTrainer:
@@ -148,6 +195,7 @@ class GaudiTrainer:
             compile=cfg.train.compile,
             strategy=resolve_strategy(cfg.parallel, world),
             activation_checkpointing=cfg.parallel.activation_checkpointing,
+            hpu_graphs=cfg.train.hpu_graphs,
         )
         module.tokens_per_step = cfg.train.global_batch_size * model_cfg.context_length
         datamodule = TokenDataModule(
@@ -173,7 +221,14 @@ class GaudiTrainer:
             torch.set_num_threads(threads)
             # Lightning's process launchers reset the thread count unless OMP_NUM_THREADS is set; ours wins.
             os.environ["OMP_NUM_THREADS"] = str(threads)
+            if cfg.hpu_graphs:
+                os.environ.setdefault("PT_HPU_LAZY_MODE", "1")  # HPU graphs run in lazy mode only
             self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
+            if cfg.hpu_graphs and self.device_plan.accelerator != "hpu":
+                raise ConfigError(
+                    "train.hpu_graphs",
+                    f"needs Intel Gaudi (train.device hpu), but this run trains on {self.device_plan.accelerator}",
+                )
         return self.device_plan
 
     def _world_size(self) -> int:
@@ -191,25 +246,6 @@ class GaudiTrainer:
                 f"the launcher started {launched} ranks but the config asks for {world}",
             )
         return world
-
-    def _resume_path(self) -> Path | None:
-        resume = self.config.train.resume
-        ckpt_dir = self.out_dir / "checkpoints"
-        if resume == "auto":
-            return latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
-        if resume == "never":
-            if ckpt_dir.is_dir() and any(ckpt_dir.glob("step-*.ckpt")):
-                raise UserInputError(
-                    f"{ckpt_dir} already holds checkpoints and train.resume is 'never'; use --train.resume auto to "
-                    "continue, or a new --out directory"
-                )
-            return None
-        path = Path(resume)
-        if not path.is_file():
-            raise ConfigError(
-                "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
-            )
-        return path
 
     def build_trainer(
         self, accumulation: int, flops_per_token: float | None, tokens_per_step: int
@@ -286,7 +322,7 @@ class GaudiTrainer:
         self.module, self.datamodule = model, datamodule
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        ckpt_path = self._resume_path()
+        ckpt_path = resume_checkpoint(self.config)
         if _global_rank() == 0:
             save_yaml(self.config, out / "config.yaml")
         accumulation = getattr(model, "accumulation", 1)
