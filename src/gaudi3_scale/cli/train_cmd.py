@@ -16,12 +16,14 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():
         from gaudi3_scale.config.core import to_dict
-        from gaudi3_scale.train.trainer import check_resume_compatible, resume_checkpoint
+        from gaudi3_scale.train.inference import read_checkpoint
+        from gaudi3_scale.train.trainer import check_resume_strategy, resume_checkpoint
 
         # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
+        # (The model section is compared in the workers, once the vocabulary is known.)
         ckpt = resume_checkpoint(cfg)
         if ckpt is not None:
-            check_resume_compatible(ckpt, to_dict(cfg))
+            check_resume_strategy(read_checkpoint(ckpt, mmap=True), to_dict(cfg)["parallel"])
         launch(cfg.parallel, worker_args)
         return
     from gaudi3_scale.train import GaudiTrainer

@@ -79,7 +79,7 @@ class _StoreConfig(pl.Callback):
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
     ckpt = read_checkpoint(checkpoint, mmap=True)
-    _check_zero_partitions(ckpt, config.get("parallel", {}))
+    check_resume_strategy(ckpt, config.get("parallel", {}))
     saved = ckpt.get(CONFIG_KEY)
     if saved is None:
         return
@@ -97,7 +97,7 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
                 )
 
 
-def _check_zero_partitions(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
+def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
     """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
     states = ckpt.get("optimizer_states") or []
     saved = states[0] if states else {}
