@@ -73,7 +73,7 @@ def _cell(
         str(steps),
         "--train.val_every_steps",
         "0",
-        "--train.checkpoint_every_steps",
+        "--checkpoint.every_steps",
         "0",
         "--train.log_every_steps",
         str(max(1, steps // 4)),

@@ -57,7 +57,7 @@ def _framework(
     out: Path, steps: int, extra: list[str], val_every: int
 ) -> tuple[list[float], float | None, dict]:
     args = ["--out_dir", str(out), "--train.max_steps", str(steps), "--train.threads", "2",
-            "--train.val_every_steps", str(val_every), "--train.checkpoint_every_steps", "0",
+            "--train.val_every_steps", str(val_every), "--checkpoint.every_steps", "0",
             "--train.resume", "never", *extra]  # fmt: skip
     clock = StepClock()
     summary = GaudiTrainer(

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
 COMMON = ["--train.max_steps", "20", "--train.log_every_steps", "1", "--train.val_every_steps", "0",
           "--sample-tokens", "0", "--no-progress", "--train.global_batch_size", "8", "--optim.warmup_steps", "2",
-          "--train.micro_batch_size", "2", "--train.checkpoint_every_steps", "10"]  # fmt: skip
+          "--train.micro_batch_size", "2", "--checkpoint.every_steps", "10"]  # fmt: skip
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
 
 
@@ -54,7 +54,7 @@ def test_two_ranks_match_one_process(strategy: str, single: Path, tmp_path: Path
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     per_rank = last["peak_memory_bytes_per_rank"]
     assert len(per_rank) == 2 and min(per_rank) > 50e6 and last["peak_memory_bytes"] == max(per_rank)
-    ckpt = "checkpoints/step-00000020.ckpt"
+    ckpt = "checkpoints/step-00000020/state.ckpt"
     want = torch.load(single / ckpt, weights_only=True)["state_dict"]
     got = torch.load(tmp_path / ckpt, weights_only=True)["state_dict"]
     assert got.keys() == want.keys()
@@ -76,14 +76,14 @@ def test_two_rank_resume_is_bitwise(strategy: str, tmp_path: Path) -> None:
     proc = _train(full, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copy(full / "checkpoints" / "step-00000010.ckpt", resumed / "checkpoints")
-    (resumed / "checkpoints" / "latest").write_text("step-00000010.ckpt\n")
+    shutil.copytree(full / "checkpoints" / "step-00000010", resumed / "checkpoints" / "step-00000010")
+    (resumed / "checkpoints" / "latest").write_text("step-00000010\n")
     proc = _train(resumed, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(resumed) == _losses(full)[10:]  # steps 11-20 only: it resumed, and bit for bit
     if strategy.startswith("deepspeed"):
         # ZeRO optimizer partitions resume only under the same stage and world size: one line, exit 2.
-        before = (full / "checkpoints" / "step-00000020.ckpt").read_bytes()
+        before = (full / "checkpoints" / "step-00000020" / "state.ckpt").read_bytes()
         for other in (
             ("--nproc-per-node", "2", "--parallel.strategy", "ddp"),
             ("--parallel.strategy", strategy),
@@ -92,7 +92,7 @@ def test_two_rank_resume_is_bitwise(strategy: str, tmp_path: Path) -> None:
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
             assert f"holds {strategy} optimizer partitions for 2 ranks" in lines[0]
-        assert (full / "checkpoints" / "step-00000020.ckpt").read_bytes() == before
+        assert (full / "checkpoints" / "step-00000020" / "state.ckpt").read_bytes() == before
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
@@ -167,5 +167,5 @@ def test_two_nodes_on_loopback_train_and_checkpoint(tmp_path: Path) -> None:
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 20 and Path(summary["checkpoint"]).is_file()
+    assert summary["steps"] == 20 and (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert len(_losses(tmp_path / "run")) == 20

@@ -38,9 +38,9 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "30",
         "--train.val_every_steps",
         "100",
-        "--train.checkpoint_every_steps",
+        "--checkpoint.every_steps",
         "100",
-        "--train.keep_checkpoints",
+        "--checkpoint.keep_last",
         "2",
     )
     summary = GaudiTrainer(cfg, progress=False).fit()
@@ -66,9 +66,12 @@ def test_run_directory_holds_every_output(trained_run: tuple[Path, dict]) -> Non
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = (out / "config.yaml").read_text()
     assert "vocab_size: 65" in resolved and "num_layers: 4" in resolved
-    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*.ckpt"))
-    assert ckpts == ["step-00000200.ckpt", "step-00000300.ckpt"]  # keep_checkpoints=2
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000300.ckpt"
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-00000200", "step-00000300"]  # checkpoint.keep_last=2
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000300"
+    manifest = json.loads((out / "checkpoints" / "step-00000300" / "manifest.json").read_text())
+    assert manifest["step"] == 300 and manifest["tokens_seen"] == 300 * 12 * 64  # steps × sequences × context
+    assert manifest["world_size"] == 1 and manifest["val_loss"] == summary["val_loss"]
     train = [
         json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train_loss" in line
     ]
@@ -101,7 +104,7 @@ def test_generate_cli_samples_deterministically(trained_run: tuple[Path, dict]) 
 
 
 def _state(path: Path) -> tuple[dict, dict]:
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = torch.load(path / "state.ckpt", map_location="cpu", weights_only=True)
     return ckpt["state_dict"], ckpt["optimizer_states"][0]
 
 
@@ -148,7 +151,7 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
         "4",
         "--train.val_every_steps",
         "0",
-        "--train.checkpoint_every_steps",
+        "--checkpoint.every_steps",
         "0",
         "--model.num_layers",
         "2",
@@ -188,7 +191,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
         "0",
         "--train.val_every_steps",
         "0",
-        "--train.checkpoint_every_steps",
+        "--checkpoint.every_steps",
         "0",
         "--no-progress",
     ]
@@ -203,8 +206,8 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     assert proc.returncode == 0, stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and 0 < summary["steps"] < 100000
-    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}.ckpt"
-    assert Path(summary["checkpoint"]).is_file()
+    assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}"
+    assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
 
 
 class _TinyRegression(pl.LightningModule):
@@ -236,7 +239,7 @@ def test_gaudi_trainer_accepts_a_users_own_module(tmp_path: Path) -> None:
     summary = GaudiTrainer(cfg, progress=False).fit(module, _TinyData())
     assert summary["steps"] == 60
     assert torch.allclose(module.layer.weight, torch.tensor([[1.0, -2.0, 0.5, 3.0]]), atol=0.05)
-    assert Path(summary["checkpoint"]).is_file()
+    assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -270,18 +273,18 @@ def test_resume_from_an_explicit_path_and_never_overwrite(tmp_path: Path) -> Non
     from gaudi3_scale.config import UserInputError
 
     common = ("--train.val_every_steps", "0", "--model.num_layers", "1", "--optim.warmup_steps", "1",
-              "--train.checkpoint_every_steps", "2", "--train.keep_checkpoints", "5")  # fmt: skip
+              "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "5")  # fmt: skip
     first = GaudiTrainer(_config(tmp_path / "a", *common, "--train.max_steps", "4"), progress=False).fit()
-    step2 = tmp_path / "a" / "checkpoints" / "step-00000002.ckpt"
+    step2 = tmp_path / "a" / "checkpoints" / "step-00000002"
     resumed = GaudiTrainer(
         _config(tmp_path / "b", *common, "--train.max_steps", "4", "--train.resume", str(step2)),
         progress=False,
     ).fit()
     _assert_bitwise_equal(_state(Path(first["checkpoint"])), _state(Path(resumed["checkpoint"])))
-    before = {p.name: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").iterdir()}
+    before = {p: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").rglob("*") if p.is_file()}
     with pytest.raises(UserInputError, match=r"already holds checkpoints and train\.resume is 'never'"):
         GaudiTrainer(_config(tmp_path / "a", *common, "--train.resume", "never"), progress=False).fit()
-    after = {p.name: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").iterdir()}
+    after = {p: p.read_bytes() for p in (tmp_path / "a" / "checkpoints").rglob("*") if p.is_file()}
     assert before == after
 
 

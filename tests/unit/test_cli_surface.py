@@ -13,6 +13,7 @@ from gaudi3_scale.cli.main import VERBS, cli
 BIN = Path(sys.executable).parent  # console scripts live beside the interpreter of the venv running the tests
 
 EXPECTED = {
+    "ckpt": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
@@ -33,6 +34,15 @@ def test_verbs_and_options_are_pinned() -> None:
     assert sorted(VERBS) == sorted(EXPECTED)
     for name, options in EXPECTED.items():
         assert _options(cli.commands[name]) == sorted(options), name
+
+
+def test_ckpt_subcommands_are_pinned() -> None:
+    group = cli.commands["ckpt"]
+    assert isinstance(group, click.Group)
+    expected = {"list": ["--verify"], "verify": [], "diff": []}
+    assert sorted(group.commands) == sorted(expected)
+    for name, options in expected.items():
+        assert _options(group.commands[name]) == options, name
 
 
 def test_console_scripts_and_module_entry_points() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["VERBS", "cli", "main", "train_alias"]
@@ -109,7 +110,7 @@ def prepare(sources: tuple[str, ...], **options: Any) -> None:
 
 
 @cli.command()
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prompt", default="", help="text to continue (default: a newline)")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
 @click.option(
@@ -127,7 +128,7 @@ def generate(
     seed: int,
     tokenizer_dir: str | None,
 ) -> None:
-    """Sample text from a trained checkpoint."""
+    """Sample text from a checkpoint (its step-X directory or state.ckpt)."""
     from gaudi3_scale.train.inference import generate_text, load_for_generation
 
     model, tok = load_for_generation(Path(checkpoint), tokenizer_dir)
@@ -145,6 +146,8 @@ def models_cmd() -> None:
 
     print_models()
 
+
+cli.add_command(ckpt)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

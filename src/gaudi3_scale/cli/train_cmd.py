@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import click
@@ -21,22 +22,33 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
         # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
         # (The model section is compared in the workers, once the vocabulary is known.)
-        ckpt = resume_checkpoint(cfg)
+        ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
         if ckpt is not None:
-            check_resume_strategy(read_checkpoint(ckpt, mmap=True), to_dict(cfg)["parallel"])
+            check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
         launch(cfg.parallel, worker_args)
         return
     from gaudi3_scale.train import GaudiTrainer
+    from gaudi3_scale.train.callbacks import preemption_exit_code
     from gaudi3_scale.train.inference import generate_text, load_for_generation
 
     trainer = GaudiTrainer(cfg, progress=progress)
     summary = trainer.fit()
+    exit_code = preemption_exit_code(summary.get("stop_signal"))
     if trainer.trainer is not None and not trainer.trainer.is_global_zero:
-        return
+        sys.exit(exit_code)
     click.echo(
         f"outputs: {trainer.out_dir}/ (config.yaml, metrics.jsonl, summary.json, loss.png, checkpoints/)"
     )
-    if sample_tokens > 0 and summary.get("checkpoint"):
+    if sample_tokens > 0 and summary.get("checkpoint") and not exit_code:
         model, tokenizer = load_for_generation(summary["checkpoint"])
         click.echo("---- sample ----")
         click.echo(generate_text(model, tokenizer, "", max_new_tokens=sample_tokens, seed=cfg.seed))
+    if exit_code:
+        took = summary.get("signal_to_checkpoint_s")
+        click.echo(
+            f"stopped by {summary['stop_signal']} after step {summary['steps']}; checkpoint committed"
+            + (f" {took:.2f} s after the signal" if took is not None else "")
+            + f"; exit {exit_code} (restartable): run the same command to resume",
+            err=True,
+        )
+        sys.exit(exit_code)

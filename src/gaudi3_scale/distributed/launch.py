@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 
-__all__ = ["free_port", "inside_launched_worker", "launch"]
+__all__ = ["RESTARTABLE_EXIT_CODES", "free_port", "inside_launched_worker", "launch"]
+
+RESTARTABLE_EXIT_CODES = {138, 143}  # 128 + SIGUSR1, 128 + SIGTERM: a worker saved a checkpoint and stopped
 
 
 def inside_launched_worker() -> bool:
@@ -56,4 +58,15 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         "-m", "gaudi3_scale.train",
         *worker_args,
     ]  # fmt: skip
-    run(get_args_parser().parse_args(launcher_args))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run(get_args_parser().parse_args(launcher_args))
+    except ChildFailedError as exc:
+        # Workers that stopped for a preemption signal saved a checkpoint and exit 128 + signal: pass that on,
+        # so that whatever restarts this command (Kubeflow's ExitCode policy, a job script) sees it as restartable.
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        restartable = sorted(codes & RESTARTABLE_EXIT_CODES)
+        if restartable:
+            raise SystemExit(restartable[-1]) from None
+        raise

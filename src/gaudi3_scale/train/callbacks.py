@@ -18,9 +18,17 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gaudi3_scale.checkpoint.manager import META_KEY, STATE_NAME, CheckpointManager
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 
-__all__ = ["GracefulInterrupt", "RichStepProgress", "RunMetrics", "StepCheckpoint", "latest_checkpoint"]
+__all__ = [
+    "PREEMPTION_SIGNALS",
+    "GracefulInterrupt",
+    "RichStepProgress",
+    "RunMetrics",
+    "StepCheckpoint",
+    "preemption_exit_code",
+]
 
 
 def _at_step_boundary(pl_module: pl.LightningModule) -> bool:
@@ -86,6 +94,7 @@ class RunMetrics(pl.Callback):
             return
         record = {"step": trainer.global_step, "val_loss": float(val)}
         self.latest["val_loss"] = record["val_loss"]
+        self.latest["val_loss_step"] = record["step"]
         self._write(trainer, record)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -203,31 +212,27 @@ class RichStepProgress(pl.Callback):
             self._progress = None
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The checkpoint the `latest` pointer names, else the newest `step-*.ckpt`, else None."""
-    pointer = directory / "latest"
-    if pointer.is_file():
-        target = directory / pointer.read_text().strip()
-        if target.is_file():
-            return target
-    candidates = sorted(directory.glob("step-*.ckpt"))
-    return candidates[-1] if candidates else None
-
-
 class StepCheckpoint(pl.Callback):
-    """Save `step-XXXXXXXX.ckpt` every N optimizer steps and at the end; keep the last `keep`.
+    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end; apply retention.
 
-    The `latest` pointer is replaced atomically only after the checkpoint file is complete (Lightning writes
-    non-distributed checkpoints to a temporary file and renames it).
+    The checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state and then the manifest; only after every rank
+    is past the save does rank 0 move `latest` to it and delete what the retention policy no longer keeps.
     """
 
     def __init__(
-        self, directory: Path, *, every_steps: int, keep: int, metrics: RunMetrics | None = None
+        self,
+        manager: CheckpointManager,
+        *,
+        every_steps: int,
+        val_every_steps: int = 0,
+        metrics: RunMetrics | None = None,
     ) -> None:
-        self.directory = directory
+        self.manager = manager
         self.every_steps = every_steps
-        self.keep = keep
+        self.val_every_steps = val_every_steps
         self.metrics = metrics
+        self._after_validation = False
+        self.committed_at = 0.0
         self.last_path: Path | None = None
         self._last_step = -1
         self.save_requested = False
@@ -239,13 +244,36 @@ class StepCheckpoint(pl.Callback):
         if not _at_step_boundary(pl_module):
             return
         step = trainer.global_step
-        if self.save_requested or (self.every_steps and step % self.every_steps == 0):
-            self.save(trainer)
         if self.save_requested:
+            self.save(trainer)
             trainer.should_stop = True
+        elif self.every_steps and step % self.every_steps == 0:
+            if self.val_every_steps and step % self.val_every_steps == 0:
+                self._after_validation = True  # validation runs right after this hook: record its loss too
+            else:
+                self.save(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._after_validation and not trainer.sanity_checking:
+            self._after_validation = False
+            self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.save(trainer)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # What the manifest records about this checkpoint, next to the files' checksums.
+        tokens_per_step = getattr(pl_module, "tokens_per_step", 0)
+        checkpoint[META_KEY] = {
+            "tokens_seen": trainer.global_step * tokens_per_step if tokens_per_step else None,
+            "world_size": trainer.world_size,
+            "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
+            # The newest validation so far (it may have run a few steps before this checkpoint).
+            "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
+            "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,
+        }
 
     def save(self, trainer: pl.Trainer) -> None:
         step = trainer.global_step
@@ -253,42 +281,85 @@ class StepCheckpoint(pl.Callback):
             return
         if self.metrics is not None:
             self.metrics.pause()
-        path = self.directory / f"step-{step:08d}.ckpt"
-        trainer.save_checkpoint(path, weights_only=False)
-        if trainer.is_global_zero:
-            tmp = self.directory / "latest.tmp"
-            tmp.write_text(path.name + "\n")
-            tmp.replace(self.directory / "latest")
-            for old in sorted(self.directory.glob("step-*.ckpt"))[: -self.keep]:
-                old.unlink()
+        path = self.manager.path_for(step)
+        trainer.save_checkpoint(path / STATE_NAME, weights_only=False)
         trainer.strategy.barrier("gaudi3_checkpoint")
+        if trainer.is_global_zero:
+            self.manager.mark_latest(path)
+        trainer.strategy.barrier("gaudi3_checkpoint_latest")
         self.last_path = path
+        self.committed_at = time.perf_counter()
         self._last_step = step
         if self.metrics is not None:
             self.metrics.resume()
 
 
+# Exit codes after a preemption checkpoint: 128 + the signal number, the shell convention. Kubeflow's ExitCode
+# restart policy retries 143 (training-operator, pkg/util/train IsRetryableExitCode: 130, 137, 143 retryable), and
+# torchrun's --max-restarts restarts on any non-zero exit. Ctrl-C is a person stopping the run: exit 0.
+PREEMPTION_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
+
+
+def preemption_exit_code(signal_name: str | None) -> int:
+    if signal_name in (None, "SIGINT"):
+        return 0
+    return 128 + int(getattr(signal, str(signal_name)))
+
+
 class GracefulInterrupt(pl.Callback):
-    """First Ctrl-C: finish the current optimizer step, save a checkpoint, stop. Second Ctrl-C: abort at once."""
+    """SIGTERM, SIGUSR1 or Ctrl-C: finish the current optimizer step, save a checkpoint on every rank, stop.
+
+    A signal may reach only some ranks (a preempted node, `kill` of one process); at every step boundary the ranks
+    agree by all-reducing the signal number (max), so all of them stop after the same step and save together.
+    A second Ctrl-C aborts at once. `signal_name` and `signal_to_checkpoint_s` say what happened and how long the
+    emergency checkpoint took from the signal to its commit.
+    """
 
     def __init__(self, checkpoint: StepCheckpoint, console: Console | None = None) -> None:
         self.checkpoint = checkpoint
         self.console = console or Console(stderr=True)
-        self._previous: Any = None
-        self.interrupted = False
+        self._previous: dict[int, Any] = {}
+        self._received = 0  # signal number seen by this process, 0 = none
+        self._received_at: float | None = None
+        self.signal_name: str | None = None
+        self.signal_to_checkpoint_s: float | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signal_name is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.interrupted = True
-        self.checkpoint.save_requested = True
-        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
-        self.console.print("\n[yellow]Ctrl-C: saving a checkpoint after this step (press again to abort)")
+        if self._received:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # second Ctrl-C: abort now
+            return
+        self._received, self._received_at = signum, time.perf_counter()
+        name = PREEMPTION_SIGNALS[signal.Signals(signum)]
+        self.console.print(f"\n[yellow]{name}: saving a checkpoint after this step (Ctrl-C again aborts)")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        for signum in PREEMPTION_SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                return
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not _at_step_boundary(pl_module) or self.signal_name is not None:
+            return
+        agreed = self._received
+        if trainer.world_size > 1:
+            flag = torch.tensor(self._received, device=pl_module.device)
+            agreed = int(trainer.strategy.reduce(flag, reduce_op="max"))
+        if agreed:
+            self.signal_name = PREEMPTION_SIGNALS[signal.Signals(agreed)]
+            if self._received_at is None:  # the signal reached another rank
+                self._received_at = time.perf_counter()
+            self.checkpoint.save_requested = True  # StepCheckpoint (after us) saves now and stops the run
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._previous is not None and not self.interrupted:
-            signal.signal(signal.SIGINT, self._previous)
+        if self.signal_name is not None and self._received_at is not None:
+            self.signal_to_checkpoint_s = self.checkpoint.committed_at - self._received_at
+        for signum, previous in self._previous.items():
+            if previous is not None:
+                signal.signal(signum, previous)

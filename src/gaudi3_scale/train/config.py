@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
     check_positive,
@@ -85,10 +86,6 @@ class TrainConfig:
         default=20, metadata={"help": "micro-batches of held-out windows per validation"}
     )
     log_every_steps: int = field(default=10, metadata={"help": "write metrics.jsonl every N optimizer steps"})
-    checkpoint_every_steps: int = field(
-        default=500, metadata={"help": "save a checkpoint every N optimizer steps; 0 = only at the end"}
-    )
-    keep_checkpoints: int = field(default=3, metadata={"help": "how many step checkpoints to keep (last N)"})
     precision: Precision = field(
         default="auto", metadata={"help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it"}
     )
@@ -116,10 +113,9 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps", "keep_checkpoints"):
+        for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps"):
             check_positive(name, getattr(self, name))
-        for name in ("val_every_steps", "checkpoint_every_steps"):
-            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("val_every_steps", self.val_every_steps, allow_zero=True)
         check_positive("global_batch_tokens", self.global_batch_tokens)
         check_positive("micro_batch_size", self.micro_batch_size)
         check_positive("threads", self.threads)
@@ -154,6 +150,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gaudi3_scale.checkpoint.manager import STATE_NAME, checkpoint_directory
+from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import Tokenizer, load_tokenizer
@@ -17,8 +19,20 @@ from gaudi3_scale.train.module import CONFIG_KEY
 __all__ = ["generate_text", "load_for_generation", "read_checkpoint"]
 
 
-def read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint as a dict (weights_only load), or one line saying why it cannot be read."""
+def read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
+    """A checkpoint as a dict (weights_only load), or one line saying why it cannot be read.
+
+    `path` is a checkpoint directory (`step-X/`), its `state.ckpt`, or a plain Lightning checkpoint file. A
+    directory is read only if its manifest commits it and (with `verify`) every checksum matches.
+    """
+    path = Path(path)
+    directory = checkpoint_directory(path)
+    if directory.is_dir():
+        if verify or read_manifest(directory) is None:
+            problems = verify_checkpoint(directory)
+            if problems:
+                raise UserInputError(f"checkpoint {str(directory)!r} is not usable: {problems[0]}")
+        path = directory / STATE_NAME
     if not path.is_file():
         raise UserInputError(f"checkpoint {str(path)!r} does not exist")
     try:
@@ -49,7 +63,7 @@ def load_for_generation(
     state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     model.load_state_dict(state)
     model.eval()
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else path.parent.parent / "tokenizer"
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else checkpoint_directory(path).parent.parent / "tokenizer"
     if not tok_dir.is_dir():
         raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
     return model, load_tokenizer(tok_dir)

@@ -4,7 +4,7 @@ It builds the Lightning `Trainer` from a `RunConfig` (device, precision, accumul
 callbacks) and trains either the registry model on the configured dataset or a user's own LightningModule and
 DataModule. Outputs land in the run directory:
 
-    config.yaml  metrics.jsonl  checkpoints/step-XXXXXXXX.ckpt + latest  tokenizer/  summary.json  loss.png
+    config.yaml  metrics.jsonl  checkpoints/step-XXXXXXXX/ + latest  tokenizer/  summary.json  loss.png
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,14 @@ import lightning.pytorch as pl
 import torch
 from rich.console import Console
 
+from gaudi3_scale.checkpoint.manager import (
+    STATE_NAME,
+    CheckpointManager,
+    RetentionPolicy,
+    VerifiedCheckpointIO,
+    checkpoint_directory,
+)
+from gaudi3_scale.checkpoint.manifest import verify_checkpoint
 from gaudi3_scale.config.core import save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
@@ -32,7 +41,6 @@ from gaudi3_scale.train.callbacks import (
     RichStepProgress,
     RunMetrics,
     StepCheckpoint,
-    latest_checkpoint,
 )
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.inference import read_checkpoint
@@ -78,7 +86,7 @@ class _StoreConfig(pl.Callback):
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    ckpt = read_checkpoint(checkpoint, mmap=True)
+    ckpt = read_checkpoint(checkpoint, mmap=True, verify=False)  # resume_checkpoint() verified it
     check_resume_strategy(ckpt, config.get("parallel", {}))
     saved = ckpt.get(CONFIG_KEY)
     if saved is None:
@@ -117,25 +125,32 @@ def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> Non
         )
 
 
-def resume_checkpoint(cfg: RunConfig) -> Path | None:
-    """The checkpoint a run resumes from (train.resume: auto, never or a path), or None to start fresh."""
+def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The verified checkpoint state a run resumes from (train.resume: auto, never or a path), or None.
+
+    `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
+    """
     resume = cfg.train.resume
-    ckpt_dir = cfg.output_dir / "checkpoints"
+    manager = CheckpointManager(cfg.output_dir / "checkpoints")
     if resume == "auto":
-        return latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        found = manager.latest_valid(warn=warn)
+        return found / STATE_NAME if found is not None else None
     if resume == "never":
-        if ckpt_dir.is_dir() and any(ckpt_dir.glob("step-*.ckpt")):
+        if manager.steps():
             raise UserInputError(
-                f"{ckpt_dir} already holds checkpoints and train.resume is 'never'; use --train.resume auto to "
-                "continue, or a new --out directory"
+                f"{manager.directory} already holds checkpoints and train.resume is 'never'; use --train.resume "
+                "auto to continue, or a new --out directory"
             )
         return None
-    path = Path(resume)
-    if not path.is_file():
+    directory = checkpoint_directory(resume)
+    if not directory.exists():
         raise ConfigError(
             "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
         )
-    return path
+    problems = verify_checkpoint(directory)
+    if problems:
+        raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")
+    return directory / STATE_NAME
 
 
 class GaudiTrainer:
@@ -261,17 +276,25 @@ class GaudiTrainer:
             flops_per_token=flops_per_token,
             peak_flops_per_device=plan.peak_flops,
         )
+        ckpt_cfg = self.config.checkpoint
+        policy = RetentionPolicy(
+            keep_last=ckpt_cfg.keep_last,
+            keep_every_steps=ckpt_cfg.keep_every_steps,
+            keep_best=ckpt_cfg.keep_best,
+        )
         checkpoint = StepCheckpoint(
-            out / "checkpoints",
-            every_steps=cfg.checkpoint_every_steps,
-            keep=cfg.keep_checkpoints,
+            CheckpointManager(out / "checkpoints", policy),
+            every_steps=ckpt_cfg.every_steps,
+            val_every_steps=cfg.val_every_steps,
             metrics=metrics,
         )
-        callbacks: list[pl.Callback] = [metrics, checkpoint, GracefulInterrupt(checkpoint, self.console)]
+        interrupt = GracefulInterrupt(checkpoint, self.console)
+        # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
+        callbacks: list[pl.Callback] = [metrics, interrupt, checkpoint]
         callbacks.append(_StoreConfig(to_dict(self.config)))
         if self.progress:
             callbacks.append(RichStepProgress(metrics, console=self.console))
-        self._metrics, self._checkpoint = metrics, checkpoint
+        self._metrics, self._checkpoint, self._interrupt = metrics, checkpoint, interrupt
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator,
             "devices": self.config.parallel.nproc_per_node,
@@ -297,13 +320,14 @@ class GaudiTrainer:
             "deterministic": cfg.deterministic,
             "default_root_dir": str(out),
             "callbacks": callbacks + self.extra_callbacks,
+            "plugins": [VerifiedCheckpointIO()],
         }
         if plan.accelerator == "hpu":
             # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
             # (hpu plans only hold bf16-mixed, bf16-true or 32-true: the plugin's Literal.)
             from gaudi3_scale.precision import GaudiMixedPrecision
 
-            kwargs["plugins"] = [GaudiMixedPrecision(plan.precision)]  # type: ignore[arg-type]
+            kwargs["plugins"].append(GaudiMixedPrecision(plan.precision))  # type: ignore[arg-type]
         else:
             kwargs["precision"] = plan.precision
         kwargs.update(self.trainer_kwargs)
@@ -315,6 +339,10 @@ class GaudiTrainer:
         started = time.perf_counter()
         _quiet_lightning()
         self._plan_device()
+        # Python, numpy and torch global generators: nothing in our training draws from them (weights, data order
+        # and dropout have their own seeded streams), but user code may, and checkpoints record them, so two runs
+        # with the same seed must hold the same state. One stream per rank.
+        pl.seed_everything(self.config.seed + _global_rank(), workers=False, verbose=False)
         if model is None:
             if datamodule is not None:
                 raise ValueError("pass a datamodule together with your own model, or neither")
@@ -322,7 +350,7 @@ class GaudiTrainer:
         self.module, self.datamodule = model, datamodule
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        ckpt_path = resume_checkpoint(self.config)
+        ckpt_path = resume_checkpoint(self.config, warn=self._warn)
         if _global_rank() == 0:
             save_yaml(self.config, out / "config.yaml")
         accumulation = getattr(model, "accumulation", 1)
@@ -352,6 +380,10 @@ class GaudiTrainer:
             torch.distributed.destroy_process_group()
         return summary
 
+    def _warn(self, message: str) -> None:
+        if _global_rank() == 0:
+            self.console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+
     def _plot_title(self) -> str:
         name, model = self.config.name, self.config.model.name
         return name if name == model else f"{name} ({model})"
@@ -369,7 +401,8 @@ class GaudiTrainer:
         mfu_value = None
         if tokens_per_s and fpt and plan:
             mfu_value = mfu(tokens_per_s, fpt, plan.peak_flops, self.trainer.world_size)
-        last = self._checkpoint.last_path or latest_checkpoint(self.out_dir / "checkpoints")
+        committed = self._checkpoint.manager.committed()
+        last = self._checkpoint.last_path or (committed[-1][1] if committed else None)
         return {
             "name": self.config.name,
             "model": self.config.model.name,
@@ -383,6 +416,8 @@ class GaudiTrainer:
             "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in train), default=None),
             "wall_s": wall_s,
             "interrupted": bool(self.trainer.interrupted or self._checkpoint.save_requested),
+            "stop_signal": self._interrupt.signal_name,
+            "signal_to_checkpoint_s": self._interrupt.signal_to_checkpoint_s,
             "checkpoint": str(last) if last else None,
             "device": plan.device_name if plan else None,
             "precision": plan.precision if plan else None,

@@ -1,0 +1,28 @@
+"""When checkpoints are written and which ones are kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gaudi3_scale.config.core import check_positive
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = field(
+        default=500, metadata={"help": "save a checkpoint every N optimizer steps; 0 = only at the end"}
+    )
+    keep_last: int = field(default=3, metadata={"help": "keep the newest N committed checkpoints"})
+    keep_every_steps: int = field(
+        default=0, metadata={"help": "also keep every checkpoint whose step is a multiple of K; 0 = none"}
+    )
+    keep_best: int = field(
+        default=0, metadata={"help": "also keep the N checkpoints with the lowest validation loss; 0 = none"}
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("keep_last", self.keep_last)
+        for name in ("every_steps", "keep_every_steps", "keep_best"):
+            check_positive(name, getattr(self, name), allow_zero=True)

@@ -1,0 +1,90 @@
+"""Looking at checkpoints without training: list a run's checkpoints, find the first difference between two."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gaudi3_scale.checkpoint.manager import CheckpointManager
+from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+
+__all__ = ["Difference", "checkpoint_rows", "first_difference"]
+
+
+def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
+    """One row per `step-X` directory: committed?, intact? (with `verify`), size, tokens, validation loss."""
+    manager = CheckpointManager(directory)
+    pointer = directory / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    rows = []
+    for step, path in manager.steps():
+        manifest = read_manifest(path) or {}
+        files = manifest.get("files", {})
+        problems = verify_checkpoint(path) if verify else []
+        rows.append({
+            "step": step,
+            "path": str(path),
+            "latest": path.name == latest,
+            "committed": bool(manifest),
+            "status": "uncommitted" if not manifest else (problems[0] if problems else ("ok" if verify else "-")),
+            "size_bytes": sum(f["size_bytes"] for f in files.values()) if files else None,
+            "tokens_seen": manifest.get("tokens_seen"),
+            "world_size": manifest.get("world_size"),
+            "strategy": manifest.get("strategy"),
+            "val_loss": manifest.get("val_loss"),
+        })  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True)
+class Difference:
+    key: str  # dotted path into the checkpoint, e.g. state_dict.model.output.weight
+    detail: str
+
+
+def _walk(a: Any, b: Any, key: str) -> Iterator[Difference]:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            yield Difference(key, f"{type(a).__name__} vs {type(b).__name__}")
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            yield Difference(key, f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a, b) and not (a.is_floating_point() and _equal_with_nans(a, b)):
+            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+            index = int((flat_a != flat_b).nonzero()[0])
+            diff = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else None
+            where = f"first at flat index {index}: {flat_a[index].item()!r} vs {flat_b[index].item()!r}"
+            yield Difference(key, where + (f"; max |a-b| {diff:.3g}" if diff is not None else ""))
+    elif isinstance(a, dict) and isinstance(b, dict):
+        for name in sorted(set(a) | set(b), key=str):
+            if name not in a or name not in b:
+                yield Difference(f"{key}.{name}".lstrip("."), "only in " + ("B" if name not in a else "A"))
+            else:
+                yield from _walk(a[name], b[name], f"{key}.{name}".lstrip("."))
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            yield Difference(key, f"{len(a)} items vs {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            yield from _walk(x, y, f"{key}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return
+    elif a != b:
+        yield Difference(key, f"{a!r} vs {b!r}")
+
+
+def _equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(
+        torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any], *, keys: tuple[str, ...]) -> Difference | None:
+    """The first bitwise difference between two checkpoints in the given top-level entries, or None."""
+    for key in keys:
+        for difference in _walk(a.get(key), b.get(key), key):
+            return difference
+    return None

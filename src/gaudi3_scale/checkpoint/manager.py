@@ -1,0 +1,181 @@
+"""Checkpoint directories, the `latest` pointer and retention; Lightning's `CheckpointIO` that commits and verifies.
+
+Layout of a run's `checkpoints/`:
+
+    step-00000500/state.ckpt      everything Lightning saves (+ RNG, sampler, config)
+    step-00000500/manifest.json   written last: the commit (sizes, SHA-256, step, tokens, world size, …)
+    latest                        "step-00000500", replaced atomically after the commit
+
+A directory without a committed manifest is never loaded; the pointer moves only after the commit; retention
+deletes only committed checkpoints that a newer committed one supersedes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from gaudi3_scale.checkpoint.manifest import fsync_directory, read_manifest, verify_checkpoint, write_manifest
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = [
+    "META_KEY",
+    "STATE_NAME",
+    "CheckpointManager",
+    "RetentionPolicy",
+    "VerifiedCheckpointIO",
+    "checkpoint_directory",
+]
+
+STATE_NAME = "state.ckpt"
+META_KEY = "gaudi3_meta"  # checkpoint dict entry whose items go into the manifest (tokens_seen, strategy, …)
+_PREFIX = "step-"
+
+
+def checkpoint_directory(path: str | os.PathLike[str]) -> Path:
+    """`step-X/` for either the directory or its `state.ckpt`."""
+    path = Path(path)
+    return path.parent if path.name == STATE_NAME else path
+
+
+class VerifiedCheckpointIO(CheckpointIO):
+    """Every save is a directory committed by a manifest; every load verifies sizes and checksums first.
+
+    Works with plain Lightning too: `pl.Trainer(plugins=[VerifiedCheckpointIO()])`. A committed checkpoint is
+    never overwritten; a damaged one at the same path is renamed to `step-X.damaged-N` and kept; an uncommitted
+    directory (a save that crashed) is replaced.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        directory = checkpoint_directory(path)
+        if read_manifest(directory) is not None:
+            if not verify_checkpoint(directory):
+                raise FileExistsError(f"{directory} is a committed checkpoint; it is never overwritten")
+            _set_aside(directory)  # damaged (a resume skipped it): kept for inspection, out of the way
+        if directory.exists():
+            shutil.rmtree(directory)  # never committed: the leftover of a save that crashed
+        directory.mkdir(parents=True)
+        tmp = directory / (STATE_NAME + ".tmp")
+        try:
+            with tmp.open("wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(directory / STATE_NAME)
+            meta = {"step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+            write_manifest(directory, {**meta, **checkpoint.get(META_KEY, {})})
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # never leave a half-written checkpoint behind
+            raise
+        fsync_directory(directory.parent)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        directory = checkpoint_directory(path)
+        problems = verify_checkpoint(directory)
+        if problems:
+            raise UserInputError(f"checkpoint {directory} is not usable: {problems[0]}")
+        return torch.load(
+            directory / STATE_NAME,
+            map_location=map_location or (lambda storage, loc: storage),
+            weights_only=True if weights_only is None else weights_only,
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        shutil.rmtree(checkpoint_directory(path), ignore_errors=True)
+
+
+def _set_aside(directory: Path) -> Path:
+    for n in range(1, 1000):
+        target = directory.with_name(f"{directory.name}.damaged-{n}")
+        if not target.exists():
+            directory.rename(target)
+            return target
+    raise FileExistsError(f"too many damaged copies of {directory}")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int = 3  # the newest N committed checkpoints
+    keep_every_steps: int = 0  # also every checkpoint whose step is a multiple of K (0 = none)
+    keep_best: int = 0  # also the N with the lowest validation loss (from the manifests)
+
+
+class CheckpointManager:
+    """Names, commits the `latest` pointer, finds the newest valid checkpoint, applies retention."""
+
+    def __init__(self, directory: Path, policy: RetentionPolicy | None = None) -> None:
+        self.directory = Path(directory)
+        self.policy = policy or RetentionPolicy()
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"{_PREFIX}{step:08d}"
+
+    def steps(self) -> list[tuple[int, Path]]:
+        """Every `step-X` directory, committed or not, oldest first."""
+        found = []
+        if self.directory.is_dir():
+            for path in self.directory.glob(f"{_PREFIX}*"):
+                suffix = path.name[len(_PREFIX) :]
+                if path.is_dir() and suffix.isdigit():
+                    found.append((int(suffix), path))
+        return sorted(found)
+
+    def committed(self) -> list[tuple[int, Path]]:
+        return [(step, path) for step, path in self.steps() if read_manifest(path) is not None]
+
+    def mark_latest(self, directory: Path) -> None:
+        """Point `latest` at a committed checkpoint (atomic rename), then apply retention."""
+        assert read_manifest(directory) is not None, f"{directory} is not committed"
+        tmp = self.directory / "latest.tmp"
+        tmp.write_text(directory.name + "\n")
+        tmp.replace(self.directory / "latest")
+        fsync_directory(self.directory)
+        self.apply_retention()
+
+    def latest_valid(self, warn: Callable[[str], None] | None = None) -> Path | None:
+        """The newest checkpoint that verifies (the pointer's target first); every skipped one is named."""
+        candidates = [path for _, path in reversed(self.steps())]
+        pointer = self.directory / "latest"
+        if pointer.is_file():
+            named = self.directory / pointer.read_text().strip()
+            if named in candidates:
+                candidates.remove(named)
+                candidates.insert(0, named)
+        for path in candidates:
+            problems = verify_checkpoint(path)
+            if not problems:
+                return path
+            message = f"skipping checkpoint {path}: {problems[0]}"
+            if warn is not None:
+                warn(message)
+            else:
+                warnings.warn(message, stacklevel=2)
+        return None
+
+    def apply_retention(self) -> list[Path]:
+        """Delete committed checkpoints that no rule keeps, and uncommitted leftovers older than the newest commit."""
+        committed = self.committed()
+        if not committed:
+            return []
+        policy = self.policy
+        keep = {path for _, path in committed[-policy.keep_last :]} if policy.keep_last else set()
+        if policy.keep_every_steps:
+            keep |= {path for step, path in committed if step % policy.keep_every_steps == 0}
+        if policy.keep_best:
+            scored = [(m["val_loss"], path) for _, path in committed
+                      if (m := read_manifest(path)) and m.get("val_loss") is not None]  # fmt: skip
+            keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
+        newest = committed[-1][0]
+        removed = [path for _, path in committed if path not in keep]
+        removed += [path for step, path in self.steps() if step < newest and read_manifest(path) is None]
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed

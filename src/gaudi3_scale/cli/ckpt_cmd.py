@@ -1,0 +1,88 @@
+"""`gaudi3 ckpt list | verify | diff`: checkpoints inspected without training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["ckpt"]
+
+DIFF_KEYS = ("global_step", "state_dict", "optimizer_states", "TokenDataModule", "gaudi3_rng")
+
+
+def _checkpoints_dir(path: Path) -> Path:
+    """A run directory or its checkpoints/ directory → the checkpoints/ directory."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if not path.is_dir():
+        raise UserInputError(f"{str(path)!r} is not a directory; pass a run directory or its checkpoints/")
+    return path
+
+
+@click.group()
+def ckpt() -> None:
+    """List, verify and compare checkpoints."""
+
+
+@ckpt.command(name="list")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--verify", is_flag=True, help="also check every file's size and SHA-256")
+def list_cmd(directory: Path, verify: bool) -> None:
+    """The checkpoints of a run (a run directory or its checkpoints/)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from gaudi3_scale.checkpoint.inspect import checkpoint_rows
+
+    rows = checkpoint_rows(_checkpoints_dir(directory), verify=verify)
+    table = Table(title=str(directory))
+    for column in ("step", "status", "latest", "size (MB)", "tokens seen", "ranks", "strategy", "val loss"):
+        table.add_column(column)
+    for r in rows:
+        size = f"{r['size_bytes'] / 1e6:,.1f}" if r["size_bytes"] is not None else "-"
+        val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"
+        tokens = f"{r['tokens_seen']:,}" if r["tokens_seen"] is not None else "-"
+        table.add_row(str(r["step"]), r["status"], "*" if r["latest"] else "", size, tokens,
+                      str(r["world_size"] or "-"), str(r["strategy"] or "-"), val)  # fmt: skip
+    Console().print(table)
+    if verify and any(r["status"] != "ok" for r in rows):
+        sys.exit(1)
+
+
+@ckpt.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+def verify(paths: tuple[Path, ...]) -> None:
+    """Check checkpoint directories against their manifests; exit 1 if any is damaged or uncommitted."""
+    from gaudi3_scale.checkpoint.manager import checkpoint_directory
+    from gaudi3_scale.checkpoint.manifest import verify_checkpoint
+
+    bad = 0
+    for path in paths:
+        directory = checkpoint_directory(path)
+        if not directory.exists():
+            raise UserInputError(f"checkpoint {str(path)!r} does not exist")
+        problems = verify_checkpoint(directory)
+        click.echo(f"{directory}: " + ("ok" if not problems else "; ".join(problems)))
+        bad += bool(problems)
+    if bad:
+        sys.exit(1)
+
+
+@ckpt.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+def diff(a: Path, b: Path) -> None:
+    """Compare two checkpoints tensor by tensor (bitwise); print the first difference, exit 1 if there is one."""
+    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.train.inference import read_checkpoint
+
+    found = first_difference(read_checkpoint(a), read_checkpoint(b), keys=DIFF_KEYS)
+    if found is None:
+        click.echo(f"identical: {', '.join(DIFF_KEYS)}")
+        return
+    click.echo(f"first difference: {found.key}: {found.detail}")
+    sys.exit(1)

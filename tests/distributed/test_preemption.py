@@ -1,0 +1,84 @@
+"""SIGTERM / SIGUSR1 → the ranks agree, finish the step, commit a checkpoint, exit 128 + signal; the rerun resumes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+
+pytestmark = pytest.mark.distributed
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+ARGS = ["train", "--sample-tokens", "0", "--no-progress", "--train.val_every_steps", "0", "--train.log_every_steps",
+        "1", "--checkpoint.every_steps", "0", "--train.global_batch_size", "8", "--optim.warmup_steps", "2"]  # fmt: skip
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [*GAUDI3, *ARGS, "--out", str(out), "--train.max_steps", "100000", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> None:
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+def _worker(launcher: subprocess.Popen[str], local_rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "gaudi3_scale.train" in " ".join(child.cmdline()) and child.environ().get("LOCAL_RANK") == str(
+                local_rank
+            ):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_one_process_saves_and_exits_restartable(sig: signal.Signals, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for_steps(proc, out, 3)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_signal"] == sig.name and summary["interrupted"]
+    assert 0 < summary["signal_to_checkpoint_s"] < 30
+    assert f"stopped by {sig.name} after step {summary['steps']}" in stderr
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.name == f"step-{summary['steps']:08d}" and verify_checkpoint(ckpt) == []
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launcher = _start(out, "--nproc-per-node", "2", "--parallel.strategy", "ddp")
+    _wait_for_steps(launcher, out, 3)
+    _worker(launcher, 1).send_signal(signal.SIGTERM)  # rank 0 never sees the signal
+    _, stderr = launcher.communicate(timeout=180)
+    assert launcher.returncode == 143, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_signal"] == "SIGTERM" and summary["signal_to_checkpoint_s"] < 30
+    ckpt = Path(summary["checkpoint"])
+    manifest = read_manifest(ckpt)
+    assert manifest is not None and manifest["world_size"] == 2 and manifest["step"] == summary["steps"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    stopped_at = summary["steps"]
+    resumed = subprocess.run(
+        [*GAUDI3, *ARGS, "--out", str(out), "--train.max_steps", str(stopped_at + 2), "--nproc-per-node", "2",
+         "--parallel.strategy", "ddp"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
