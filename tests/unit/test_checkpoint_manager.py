@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
 from gaudi3_scale.checkpoint.manager import (
     META_KEY,
     STATE_NAME,
     CheckpointManager,
+    CheckpointSaveError,
     RetentionPolicy,
     VerifiedCheckpointIO,
 )
@@ -92,6 +94,11 @@ def test_committed_checkpoint_is_never_overwritten_but_a_leftover_is_replaced(tm
 
 
 class _DiskFull:
+    """Pickling it fails as a full disk does; copying it (async staging) works."""
+
+    def __deepcopy__(self, memo: dict) -> _DiskFull:
+        return self
+
     def __reduce__(self) -> tuple:
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -99,7 +106,7 @@ class _DiskFull:
 def test_failing_write_leaves_no_partial_checkpoint_and_keeps_earlier_ones(tmp_path: Path) -> None:
     io, manager = VerifiedCheckpointIO(), CheckpointManager(tmp_path)
     good = _save(io, manager, 10)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointSaveError, match=r"step-00000020 was not saved .*No space left"):
         io.save_checkpoint(
             {"global_step": 20, "w": torch.zeros(4096), "x": _DiskFull()}, manager.path_for(20)
         )
@@ -153,3 +160,35 @@ def test_plain_lightning_trainer_gets_committed_verified_checkpoints(tmp_path: P
     state.write_bytes(state.read_bytes()[:-1])
     with pytest.raises(UserInputError, match="not usable"):
         trainer(8).fit(_Tiny(), ckpt_path=str(saved[-1]))
+
+
+def test_async_save_snapshots_then_commits_in_the_background(tmp_path: Path) -> None:
+    io, manager = AsyncVerifiedCheckpointIO(), CheckpointManager(tmp_path)
+    committed: list[Path] = []
+    io.on_commit = lambda directory: (committed.append(directory), manager.mark_latest(directory))
+    weight = torch.zeros(1 << 20)
+    tied = {"a": weight, "b": weight.view(-1)}  # one storage, as tied embeddings are
+    io.save_checkpoint({"global_step": 1, "w": weight, "tied": tied}, manager.path_for(1))
+    weight += 1  # training goes on while the write is in flight: the snapshot must not see this
+    io.save_checkpoint({"global_step": 2, "w": weight}, manager.path_for(2))  # waits for the first one
+    io.wait()
+    assert committed == [manager.path_for(1), manager.path_for(2)]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    first = io.load_checkpoint(manager.path_for(1))
+    assert torch.equal(first["w"], torch.zeros(1 << 20))
+    assert first["tied"]["a"].untyped_storage().data_ptr() == first["tied"]["b"].untyped_storage().data_ptr()
+    assert torch.equal(io.load_checkpoint(manager.path_for(2))["w"], torch.ones(1 << 20))
+
+
+def test_async_save_failure_is_raised_by_the_next_wait_and_commits_nothing(tmp_path: Path) -> None:
+    io, manager = AsyncVerifiedCheckpointIO(), CheckpointManager(tmp_path)
+    io.save_checkpoint({"global_step": 10, "w": torch.ones(8)}, manager.path_for(10))
+    io.wait()
+    good = manager.path_for(10)
+    manager.mark_latest(good)
+    io.save_checkpoint({"global_step": 20, "x": _DiskFull()}, manager.path_for(20))  # returns at once
+    with pytest.raises(CheckpointSaveError, match=r"step-00000020 was not saved .*No space left"):
+        io.wait()
+    io.wait()  # the error is raised once, not again
+    assert not manager.path_for(20).exists()
+    assert manager.latest_valid() == good and verify_checkpoint(good) == []

@@ -21,6 +21,10 @@ class CheckpointConfig:
     keep_best: int = field(
         default=0, metadata={"help": "also keep the N checkpoints with the lowest validation loss; 0 = none"}
     )
+    async_save: bool = field(
+        default=True,
+        metadata={"help": "copy to host memory, then write in the background (single-file checkpoints)"},
+    )
 
     def __post_init__(self) -> None:
         check_positive("keep_last", self.keep_last)

@@ -2,7 +2,7 @@
 
 Layout of a run's `checkpoints/`:
 
-    step-00000500/state.ckpt      everything Lightning saves (+ RNG, sampler, config)
+    step-00000500/state.ckpt      everything Lightning saves (+ RNG, sampler, config); sharded: see `sharded`
     step-00000500/manifest.json   written last: the commit (sizes, SHA-256, step, tokens, world size, …)
     latest                        "step-00000500", replaced atomically after the commit
 
@@ -24,20 +24,32 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from gaudi3_scale.checkpoint.manifest import fsync_directory, read_manifest, verify_checkpoint, write_manifest
+from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = [
     "META_KEY",
     "STATE_NAME",
     "CheckpointManager",
+    "CheckpointSaveError",
     "RetentionPolicy",
     "VerifiedCheckpointIO",
     "checkpoint_directory",
+    "prepare_directory",
+    "state_path",
 ]
 
 STATE_NAME = "state.ckpt"
 META_KEY = "gaudi3_meta"  # checkpoint dict entry whose items go into the manifest (tokens_seen, strategy, …)
 _PREFIX = "step-"
+
+
+class CheckpointSaveError(UserInputError):
+    """A save failed (disk full, storage gone): nothing of it was committed, earlier checkpoints are intact."""
+
+    def __init__(self, directory: Path, cause: BaseException) -> None:
+        super().__init__(f"checkpoint {directory} was not saved ({cause}); earlier checkpoints are intact")
+        self.directory = directory
 
 
 def checkpoint_directory(path: str | os.PathLike[str]) -> Path:
@@ -46,23 +58,41 @@ def checkpoint_directory(path: str | os.PathLike[str]) -> Path:
     return path.parent if path.name == STATE_NAME else path
 
 
+def state_path(directory: Path) -> Path:
+    """What Lightning's `ckpt_path` names: the directory itself when sharded, else its `state.ckpt`."""
+    return directory if is_sharded(directory) else directory / STATE_NAME
+
+
+def prepare_directory(directory: Path) -> None:
+    """Make `directory` empty and ready for a new save, without ever touching an intact committed checkpoint.
+
+    A damaged committed one (a resume skipped it) is renamed to `step-X.damaged-N` and kept for inspection; an
+    uncommitted one (the leftover of a save that crashed) is removed.
+    """
+    if read_manifest(directory) is not None:
+        if not verify_checkpoint(directory):
+            raise FileExistsError(f"{directory} is a committed checkpoint; it is never overwritten")
+        _set_aside(directory)
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+
+
 class VerifiedCheckpointIO(CheckpointIO):
     """Every save is a directory committed by a manifest; every load verifies sizes and checksums first.
 
     Works with plain Lightning too: `pl.Trainer(plugins=[VerifiedCheckpointIO()])`. A committed checkpoint is
     never overwritten; a damaged one at the same path is renamed to `step-X.damaged-N` and kept; an uncommitted
-    directory (a save that crashed) is replaced.
+    directory (a save that crashed) is replaced. `on_commit(directory)` runs after each commit (GaudiTrainer moves
+    `latest` and applies retention there).
     """
+
+    def __init__(self) -> None:
+        self.on_commit: Callable[[Path], None] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         directory = checkpoint_directory(path)
-        if read_manifest(directory) is not None:
-            if not verify_checkpoint(directory):
-                raise FileExistsError(f"{directory} is a committed checkpoint; it is never overwritten")
-            _set_aside(directory)  # damaged (a resume skipped it): kept for inspection, out of the way
-        if directory.exists():
-            shutil.rmtree(directory)  # never committed: the leftover of a save that crashed
-        directory.mkdir(parents=True)
+        prepare_directory(directory)
         tmp = directory / (STATE_NAME + ".tmp")
         try:
             with tmp.open("wb") as f:
@@ -72,16 +102,22 @@ class VerifiedCheckpointIO(CheckpointIO):
             tmp.replace(directory / STATE_NAME)
             meta = {"step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
             write_manifest(directory, {**meta, **checkpoint.get(META_KEY, {})})
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(directory, ignore_errors=True)  # never leave a half-written checkpoint behind
+            if isinstance(exc, OSError):
+                raise CheckpointSaveError(directory, exc) from exc
             raise
         fsync_directory(directory.parent)
+        if self.on_commit is not None:
+            self.on_commit(directory)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         directory = checkpoint_directory(path)
         problems = verify_checkpoint(directory)
         if problems:
             raise UserInputError(f"checkpoint {directory} is not usable: {problems[0]}")
+        if is_sharded(directory):  # written by FSDP, resumed by DDP or one process
+            return consolidate(directory)
         return torch.load(
             directory / STATE_NAME,
             map_location=map_location or (lambda storage, loc: storage),

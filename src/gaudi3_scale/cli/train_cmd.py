@@ -46,7 +46,7 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
     if exit_code:
         took = summary.get("signal_to_checkpoint_s")
         click.echo(
-            f"stopped by {summary['stop_signal']} after step {summary['steps']}; checkpoint committed"
+            f"stopped by {summary.get('stop_reason') or summary['stop_signal']} after step {summary['steps']}; checkpoint committed"
             + (f" {took:.2f} s after the signal" if took is not None else "")
             + f"; exit {exit_code} (restartable): run the same command to resume",
             err=True,

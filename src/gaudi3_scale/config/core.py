@@ -12,6 +12,8 @@ field name relative to the section, and `from_dict` prefixes the dotted path of 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import types
 import typing
@@ -28,6 +30,7 @@ __all__ = [
     "check_choice",
     "check_positive",
     "check_range",
+    "config_sha256",
     "field_help",
     "from_dict",
     "iter_fields",
@@ -146,6 +149,12 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [to_dict(v) for v in obj]
     return obj
+
+
+def config_sha256(obj: Any) -> str:
+    """SHA-256 of a config's canonical JSON (sorted keys): equal configs, equal digests."""
+    text = json.dumps(to_dict(obj), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, dataclasses.Field[Any]]]:

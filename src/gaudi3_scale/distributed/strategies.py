@@ -13,7 +13,7 @@ from gaudi3_scale.distributed.config import ParallelConfig
 
 ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # built lazily: deepspeed is an optional extra
 
-__all__ = ["build_strategy", "resolve_strategy"]
+__all__ = ["build_strategy", "resolve_strategy", "saves_sharded"]
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
@@ -69,12 +69,17 @@ def build_strategy(
         # Gradients live in DDP's all-reduce buckets instead of being copied into them: one gradient-sized
         # buffer less per rank, and one copy less per step.
         return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from gaudi3_scale.distributed.fsdp import FSDPStrategy
 
-    # Checkpoints are gathered into one file on rank 0 for now: portable, and loadable by a single process.
-    return ModelParallelStrategy(
+    # Checkpoints through torch.distributed.checkpoint: each rank writes its own shards (see checkpoint.sharded).
+    return FSDPStrategy(
         data_parallel_size=world_size,
         tensor_parallel_size=1,
-        save_distributed_checkpoint=False,
+        save_distributed_checkpoint=True,
         process_group_backend=backend,
     )
+
+
+def saves_sharded(strategy: object) -> bool:
+    """Whether the strategy writes one shard file per rank (DCP) instead of one file on rank 0."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False))

@@ -7,8 +7,11 @@ last micro-batch of an accumulation group (`module.pending_micro_steps == 0`).
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,8 +20,17 @@ import lightning.pytorch as pl
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch.distributed.checkpoint.api import CheckpointException
 
-from gaudi3_scale.checkpoint.manager import META_KEY, STATE_NAME, CheckpointManager
+from gaudi3_scale.checkpoint.manager import (
+    META_KEY,
+    STATE_NAME,
+    CheckpointManager,
+    CheckpointSaveError,
+    prepare_directory,
+)
+from gaudi3_scale.checkpoint.manifest import write_manifest
+from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 
 __all__ = [
@@ -215,8 +227,13 @@ class RichStepProgress(pl.Callback):
 class StepCheckpoint(pl.Callback):
     """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end; apply retention.
 
-    The checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state and then the manifest; only after every rank
-    is past the save does rank 0 move `latest` to it and delete what the retention policy no longer keeps.
+    Single-file checkpoints: the checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state, then the
+    manifest, then calls its `on_commit` hook, which moves `latest` and applies retention — in the background when
+    the IO is asynchronous. Sharded checkpoints (FSDP, DCP): every rank writes its shards, and once all are past a
+    barrier rank 0 writes the manifest and moves `latest`. `blocking_s` lists how long each save stopped training.
+
+    A periodic save that fails (disk full, storage gone) is never committed and is cleaned up; the run continues
+    with a warning naming it. The final or emergency save failing stops the run with that one line instead.
     """
 
     def __init__(
@@ -226,8 +243,12 @@ class StepCheckpoint(pl.Callback):
         every_steps: int,
         val_every_steps: int = 0,
         metrics: RunMetrics | None = None,
+        warn: Callable[[str], None] | None = None,
+        config_sha256: str | None = None,
     ) -> None:
         self.manager = manager
+        self.warn = warn
+        self.config_sha256 = config_sha256
         self.every_steps = every_steps
         self.val_every_steps = val_every_steps
         self.metrics = metrics
@@ -235,7 +256,15 @@ class StepCheckpoint(pl.Callback):
         self.committed_at = 0.0
         self.last_path: Path | None = None
         self._last_step = -1
+        self._meta: dict[str, Any] = {}
         self.save_requested = False
+        self.blocking_s: list[float] = []
+        self._uncommitted = False  # a save may still be in flight (asynchronous IO)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if trainer.is_global_zero and hasattr(io, "on_commit"):
+            io.on_commit = self.manager.mark_latest
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
@@ -245,7 +274,7 @@ class StepCheckpoint(pl.Callback):
             return
         step = trainer.global_step
         if self.save_requested:
-            self.save(trainer)
+            self.save(trainer, wait=True)  # an emergency save returns only once committed
             trainer.should_stop = True
         elif self.every_steps and step % self.every_steps == 0:
             if self.val_every_steps and step % self.val_every_steps == 0:
@@ -259,39 +288,92 @@ class StepCheckpoint(pl.Callback):
             self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.save(trainer)
+        self.save(trainer, wait=True)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # What the manifest records about this checkpoint, next to the files' checksums.
         tokens_per_step = getattr(pl_module, "tokens_per_step", 0)
-        checkpoint[META_KEY] = {
+        self._meta = checkpoint[META_KEY] = {
             "tokens_seen": trainer.global_step * tokens_per_step if tokens_per_step else None,
             "world_size": trainer.world_size,
             "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
+            "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
+            "config_sha256": self.config_sha256,
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,
         }
 
-    def save(self, trainer: pl.Trainer) -> None:
+    def save(self, trainer: pl.Trainer, *, wait: bool = False) -> None:
         step = trainer.global_step
-        if step == self._last_step:
+        if step != self._last_step:
+            if self.metrics is not None:
+                self.metrics.pause()
+            self._wait_for_commit(trainer, final=False)  # the previous save's outcome, before a new one
+            started = time.perf_counter()
+            path = self.manager.path_for(step)
+            failure: CheckpointSaveError | None = None
+            try:
+                if saves_sharded(trainer.strategy):
+                    self._save_sharded(trainer, path)
+                else:
+                    trainer.save_checkpoint(path / STATE_NAME, weights_only=False)
+            except CheckpointSaveError as exc:
+                failure = exc
+            self.blocking_s.append(time.perf_counter() - started)
+            # Single-file checkpoints are written by rank 0 alone: its outcome decides for every rank.
+            if trainer.strategy.broadcast(failure is None, src=0):
+                self.last_path = path
+                self._last_step = step  # a failed step is tried again at the end of training
+                self._uncommitted = True
+            elif failure is not None:
+                self._failed(failure, final=wait)
+            if self.metrics is not None:
+                self.metrics.resume()
+        if wait and self._uncommitted:
+            self._wait_for_commit(trainer, final=True)
+            self.committed_at = time.perf_counter()
+
+    def _wait_for_commit(self, trainer: pl.Trainer, *, final: bool) -> None:
+        """Wait for an asynchronous save in flight (rank 0 writes it); warn or raise if it failed."""
+        if not self._uncommitted:
             return
-        if self.metrics is not None:
-            self.metrics.pause()
-        path = self.manager.path_for(step)
-        trainer.save_checkpoint(path / STATE_NAME, weights_only=False)
-        trainer.strategy.barrier("gaudi3_checkpoint")
+        self._uncommitted = False
+        wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+        if trainer.is_global_zero and wait is not None:
+            try:
+                wait()
+            except CheckpointSaveError as exc:
+                self._failed(exc, final=final)
+        trainer.strategy.barrier("gaudi3_checkpoint_committed")
+
+    def _failed(self, error: CheckpointSaveError, *, final: bool) -> None:
+        if final:
+            raise error
+        committed = self.manager.committed()
+        newest = committed[-1][1].name if committed else "none yet"
+        message = f"{error}; training continues (newest committed checkpoint: {newest})"
+        if self.warn is not None:
+            self.warn(message)
+        else:
+            warnings.warn(message, stacklevel=2)
+
+    def _save_sharded(self, trainer: pl.Trainer, path: Path) -> None:
         if trainer.is_global_zero:
+            prepare_directory(path)
+        trainer.strategy.barrier("gaudi3_checkpoint_prepare")
+        try:
+            trainer.save_checkpoint(path, weights_only=False)  # every rank: its shards; rank 0 also meta.pt
+        except (OSError, CheckpointException) as exc:  # DCP raises the same CheckpointException on every rank
+            if trainer.is_global_zero:
+                shutil.rmtree(path, ignore_errors=True)
+            raise CheckpointSaveError(path, exc) from exc
+        trainer.strategy.barrier("gaudi3_checkpoint_shards")
+        if trainer.is_global_zero:
+            write_manifest(path, {"step": trainer.global_step, "epoch": trainer.current_epoch, **self._meta})
             self.manager.mark_latest(path)
-        trainer.strategy.barrier("gaudi3_checkpoint_latest")
-        self.last_path = path
-        self.committed_at = time.perf_counter()
-        self._last_step = step
-        if self.metrics is not None:
-            self.metrics.resume()
 
 
 # Exit codes after a preemption checkpoint: 128 + the signal number, the shell convention. Kubeflow's ExitCode
@@ -322,6 +404,7 @@ class GracefulInterrupt(pl.Callback):
         self._received = 0  # signal number seen by this process, 0 = none
         self._received_at: float | None = None
         self.signal_name: str | None = None
+        self.reason: str | None = None  # the signal's name, or what requested the stop
         self.signal_to_checkpoint_s: float | None = None
 
     @property
@@ -334,8 +417,18 @@ class GracefulInterrupt(pl.Callback):
                 raise KeyboardInterrupt  # second Ctrl-C: abort now
             return
         self._received, self._received_at = signum, time.perf_counter()
-        name = PREEMPTION_SIGNALS[signal.Signals(signum)]
-        self.console.print(f"\n[yellow]{name}: saving a checkpoint after this step (Ctrl-C again aborts)")
+        self.reason = PREEMPTION_SIGNALS[signal.Signals(signum)]
+        self.console.print(
+            f"\n[yellow]{self.reason}: saving a checkpoint after this step (Ctrl-C again aborts)"
+        )
+
+    def request(self, reason: str, signum: int = signal.SIGTERM) -> None:
+        """Stop as if `signum` had arrived, for `reason` (callable from another thread, e.g. a spot watcher)."""
+        if self._received:
+            return
+        self.reason = reason
+        self._received, self._received_at = signum, time.perf_counter()
+        self.console.print(f"\n[yellow]{reason}: saving a checkpoint after this step", highlight=False)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for signum in PREEMPTION_SIGNALS:

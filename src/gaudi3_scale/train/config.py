@@ -25,6 +25,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.train.spot import AWS_SPOT_URL
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
 
@@ -104,6 +105,15 @@ class TrainConfig:
     threads: int | None = field(
         default=None, metadata={"help": "intra-op CPU threads per process; null = physical cores / ranks"}
     )
+    spot_watch: bool = field(
+        default=False,
+        metadata={"help": "poll spot_url for a spot-interruption notice; on one, checkpoint and exit 143"},
+    )
+    spot_url: str = field(
+        default=AWS_SPOT_URL,
+        metadata={"help": "instance-metadata URL of the interruption notice (AWS default)"},
+    )
+    spot_poll_s: float = field(default=5.0, metadata={"help": "seconds between spot-notice polls"})
     resume: str = field(
         default="auto",
         metadata={
@@ -119,6 +129,9 @@ class TrainConfig:
         check_positive("global_batch_tokens", self.global_batch_tokens)
         check_positive("micro_batch_size", self.micro_batch_size)
         check_positive("threads", self.threads)
+        check_positive("spot_poll_s", self.spot_poll_s)
+        if not self.spot_url.startswith(("http://", "https://")):
+            raise ConfigError("spot_url", f"must be an http:// or https:// URL, got {self.spot_url!r}")
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "micro_batch_size",

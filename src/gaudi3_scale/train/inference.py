@@ -10,20 +10,24 @@ from torch import nn
 
 from gaudi3_scale.checkpoint.manager import STATE_NAME, checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded, read_sharded_meta
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, build_model, generate
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["generate_text", "load_for_generation", "read_checkpoint"]
+__all__ = ["generate_text", "load_for_generation", "read_checkpoint", "read_model_state"]
 
 
-def read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
+def read_checkpoint(
+    path: Path, *, mmap: bool = False, verify: bool = True, tensors: bool = True
+) -> dict[str, Any]:
     """A checkpoint as a dict (weights_only load), or one line saying why it cannot be read.
 
     `path` is a checkpoint directory (`step-X/`), its `state.ckpt`, or a plain Lightning checkpoint file. A
-    directory is read only if its manifest commits it and (with `verify`) every checksum matches.
+    directory is read only if its manifest commits it and (with `verify`) every checksum matches. A sharded
+    checkpoint is consolidated into full tensors; with `tensors=False` only its non-tensor state is read.
     """
     path = Path(path)
     directory = checkpoint_directory(path)
@@ -32,6 +36,8 @@ def read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> d
             problems = verify_checkpoint(directory)
             if problems:
                 raise UserInputError(f"checkpoint {str(directory)!r} is not usable: {problems[0]}")
+        if is_sharded(directory):
+            return consolidate(directory) if tensors else read_sharded_meta(directory)
         path = directory / STATE_NAME
     if not path.is_file():
         raise UserInputError(f"checkpoint {str(path)!r} does not exist")
@@ -46,6 +52,16 @@ def read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> d
     return ckpt
 
 
+def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model's config and weights (keys as in `Transformer.state_dict()`) from a `gaudi3 train` checkpoint."""
+    ckpt = read_checkpoint(path, mmap=mmap)
+    if CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
+        raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
+    prefix = "model."  # LanguageModel keeps the Transformer as `self.model`
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    return from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"]), state
+
+
 def load_for_generation(
     checkpoint: str | Path, tokenizer_dir: str | Path | None = None
 ) -> tuple[nn.Module, Tokenizer]:
@@ -54,13 +70,8 @@ def load_for_generation(
     The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
     """
     path = Path(checkpoint)
-    ckpt = read_checkpoint(path)
-    if CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
-        raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
-    model_cfg = from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"])
+    model_cfg, state = read_model_state(path)
     model = build_model(model_cfg)
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     model.load_state_dict(state)
     model.eval()
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else checkpoint_directory(path).parent.parent / "tokenizer"

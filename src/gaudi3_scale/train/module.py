@@ -8,6 +8,7 @@ distribution and checkpoint I/O.
 
 from __future__ import annotations
 
+import io
 import random
 from typing import Any
 
@@ -199,9 +200,20 @@ class LanguageModel(pl.LightningModule):
         return lr_at_step(max(0, self.trainer.global_step - 1), self.optim_cfg, self.max_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[RNG_KEY] = capture_rng_state()
+        # Every rank's generators (each rank has its own stream), gathered in rank order.
+        states: list[Any] = [capture_rng_state()]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Gathered as torch.save bytes: all_gather_object cannot unpickle tensors on every torch version.
+            buffer = io.BytesIO()
+            torch.save(states[0], buffer)
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, buffer.getvalue())
+            states = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
+        checkpoint[RNG_KEY] = {"per_rank": states}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
-        if RNG_KEY in checkpoint:
-            restore_rng_state(checkpoint[RNG_KEY])
+        states = checkpoint.get(RNG_KEY, {}).get("per_rank", [])
+        # On a new world size a rank the checkpoint has no state for keeps its fresh seed + rank stream.
+        if self.global_rank < len(states):
+            restore_rng_state(states[self.global_rank])

@@ -22,15 +22,16 @@ import lightning.pytorch as pl
 import torch
 from rich.console import Console
 
+from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
 from gaudi3_scale.checkpoint.manager import (
-    STATE_NAME,
     CheckpointManager,
     RetentionPolicy,
     VerifiedCheckpointIO,
     checkpoint_directory,
+    state_path,
 )
 from gaudi3_scale.checkpoint.manifest import verify_checkpoint
-from gaudi3_scale.config.core import save_yaml, to_dict
+from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
@@ -46,6 +47,7 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
+from gaudi3_scale.train.spot import SpotInterruptionWatcher
 
 __all__ = ["GaudiTrainer"]
 
@@ -86,7 +88,9 @@ class _StoreConfig(pl.Callback):
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    ckpt = read_checkpoint(checkpoint, mmap=True, verify=False)  # resume_checkpoint() verified it
+    ckpt = read_checkpoint(
+        checkpoint, mmap=True, verify=False, tensors=False
+    )  # resume_checkpoint() verified it
     check_resume_strategy(ckpt, config.get("parallel", {}))
     saved = ckpt.get(CONFIG_KEY)
     if saved is None:
@@ -134,7 +138,7 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     manager = CheckpointManager(cfg.output_dir / "checkpoints")
     if resume == "auto":
         found = manager.latest_valid(warn=warn)
-        return found / STATE_NAME if found is not None else None
+        return state_path(found) if found is not None else None
     if resume == "never":
         if manager.steps():
             raise UserInputError(
@@ -150,7 +154,7 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     problems = verify_checkpoint(directory)
     if problems:
         raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")
-    return directory / STATE_NAME
+    return state_path(directory)
 
 
 class GaudiTrainer:
@@ -287,6 +291,8 @@ class GaudiTrainer:
             every_steps=ckpt_cfg.every_steps,
             val_every_steps=cfg.val_every_steps,
             metrics=metrics,
+            warn=self._warn,
+            config_sha256=config_sha256(self.config),
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -320,7 +326,7 @@ class GaudiTrainer:
             "deterministic": cfg.deterministic,
             "default_root_dir": str(out),
             "callbacks": callbacks + self.extra_callbacks,
-            "plugins": [VerifiedCheckpointIO()],
+            "plugins": [AsyncVerifiedCheckpointIO() if ckpt_cfg.async_save else VerifiedCheckpointIO()],
         }
         if plan.accelerator == "hpu":
             # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
@@ -362,7 +368,12 @@ class GaudiTrainer:
                 check_resume_compatible(ckpt_path, to_dict(self.config))
             if self.progress:
                 self.console.print(f"resuming from {ckpt_path}")
-        trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        watcher = self._start_spot_watcher()
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        finally:
+            if watcher is not None:
+                watcher.stop()
         records = read_metrics(out / "metrics.jsonl")
         last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
         if self.config.train.val_every_steps and last_val != trainer.global_step and not trainer.interrupted:
@@ -379,6 +390,18 @@ class GaudiTrainer:
             # without an active exception") now and then. A later fit() initializes a new group.
             torch.distributed.destroy_process_group()
         return summary
+
+    def _start_spot_watcher(self) -> SpotInterruptionWatcher | None:
+        """One watcher per node (local rank 0): a notice there stops every rank through GracefulInterrupt."""
+        cfg = self.config.train
+        if not cfg.spot_watch or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return None
+        interrupt = self._interrupt
+        return SpotInterruptionWatcher(
+            cfg.spot_url,
+            lambda text: interrupt.request(f"spot interruption notice ({text})"),
+            poll_s=cfg.spot_poll_s,
+        ).start()
 
     def _warn(self, message: str) -> None:
         if _global_rank() == 0:
@@ -417,7 +440,9 @@ class GaudiTrainer:
             "wall_s": wall_s,
             "interrupted": bool(self.trainer.interrupted or self._checkpoint.save_requested),
             "stop_signal": self._interrupt.signal_name,
+            "stop_reason": self._interrupt.reason if self._interrupt.signal_name else None,
             "signal_to_checkpoint_s": self._interrupt.signal_to_checkpoint_s,
+            "checkpoint_blocking_s": self._checkpoint.blocking_s,
             "checkpoint": str(last) if last else None,
             "device": plan.device_name if plan else None,
             "precision": plan.precision if plan else None,

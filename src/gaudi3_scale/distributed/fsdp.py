@@ -1,0 +1,48 @@
+"""FSDP2 (`fully_shard`) through Lightning's ModelParallelStrategy, loading single-file checkpoints correctly.
+
+Lightning's ModelParallelStrategy loads a single-file (DDP or single-process) checkpoint by renumbering the
+optimizer state in `named_parameters()` order; `Optimizer.state_dict()` numbers parameters in parameter-group
+order, which differs as soon as there is more than one group (weight decay on / off). Here the ids are mapped
+through the optimizer's own groups, so a DDP checkpoint resumes under FSDP exactly. Sharded checkpoints load as
+in Lightning (DCP, any world size).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from gaudi3_scale.checkpoint.sharded import optimizer_state_by_name
+
+__all__ = ["FSDPStrategy"]
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            return super().load_checkpoint(path, weights_only)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        assert module is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # verified
+        options = StateDictOptions(full_state_dict=True, strict=strict)  # every rank has the full tensors
+        set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=True):
+            named = optimizer_state_by_name(state, optimizer, module)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint, as in ModelParallelStrategy
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass

@@ -1,0 +1,39 @@
+"""Train with a callback that records every training sample each rank reads (run alone or under torchrun).
+
+    python record_samples.py OUT_JSONL [gaudi3 train overrides…]
+
+Each line of OUT_JSONL.rank<R> is {"step": optimizer steps done before the micro-batch, "samples": [hash, …]},
+one hash per sequence of the micro-batch's inputs, so tests can check that no sample is repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from gaudi3_scale.cli.config_cmd import resolve_config
+from gaudi3_scale.train import GaudiTrainer
+
+
+class RecordSamples(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any
+    ) -> None:
+        x = batch[0].cpu()
+        hashes = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in x]
+        with Path(f"{self.path}.rank{trainer.global_rank}").open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "samples": hashes}) + "\n")
+
+
+if __name__ == "__main__":
+    out, *overrides = sys.argv[1:]
+    config = resolve_config(None, overrides)
+    GaudiTrainer(config, callbacks=[RecordSamples(Path(out))], progress=False).fit()
