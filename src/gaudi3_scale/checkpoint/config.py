@@ -26,7 +26,23 @@ class CheckpointConfig:
         metadata={"help": "copy to host memory, then write in the background (single-file checkpoints)"},
     )
 
+    remote_url: str = field(
+        default="",
+        metadata={
+            "help": "also upload every committed checkpoint to this fsspec URL (s3://, gs://, az://, file://, "
+            "memory://) in the background; credentials and endpoint from the backend's environment variables"
+        },
+    )
+    remote_max_backoff_s: float = field(
+        default=60.0, metadata={"help": "longest wait between upload retries while the storage is failing"}
+    )
+    remote_drain_timeout_s: float = field(
+        default=600.0, metadata={"help": "at the end of a run, wait this long for pending uploads"}
+    )
+
     def __post_init__(self) -> None:
         check_positive("keep_last", self.keep_last)
+        check_positive("remote_max_backoff_s", self.remote_max_backoff_s)
+        check_positive("remote_drain_timeout_s", self.remote_drain_timeout_s, allow_zero=True)
         for name in ("every_steps", "keep_every_steps", "keep_best"):
             check_positive(name, getattr(self, name), allow_zero=True)

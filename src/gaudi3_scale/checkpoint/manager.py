@@ -150,6 +150,10 @@ class CheckpointManager:
     def __init__(self, directory: Path, policy: RetentionPolicy | None = None) -> None:
         self.directory = Path(directory)
         self.policy = policy or RetentionPolicy()
+        # Remote mirroring: a checkpoint is deleted only once `can_delete` allows it (its upload is verified);
+        # `on_delete` hears of every deletion.
+        self.can_delete: Callable[[Path], bool] = lambda path: True
+        self.on_delete: Callable[[Path], None] = lambda path: None
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"{_PREFIX}{step:08d}"
@@ -210,8 +214,9 @@ class CheckpointManager:
                       if (m := read_manifest(path)) and m.get("val_loss") is not None]  # fmt: skip
             keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
         newest = committed[-1][0]
-        removed = [path for _, path in committed if path not in keep]
+        removed = [path for _, path in committed if path not in keep and self.can_delete(path)]
         removed += [path for step, path in self.steps() if step < newest and read_manifest(path) is None]
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
+            self.on_delete(path)
         return removed

@@ -1,4 +1,4 @@
-"""`gaudi3 ckpt list | verify | diff`: checkpoints inspected without training."""
+"""`gaudi3 ckpt list | verify | diff | export`: checkpoints inspected and exported without training."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _checkpoints_dir(path: Path) -> Path:
 
 @click.group()
 def ckpt() -> None:
-    """List, verify and compare checkpoints."""
+    """List, verify, compare and export checkpoints."""
 
 
 @ckpt.command(name="list")
@@ -86,3 +86,32 @@ def diff(a: Path, b: Path) -> None:
         return
     click.echo(f"first difference: {found.key}: {found.detail}")
     sys.exit(1)
+
+
+@ckpt.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="directory to write (absent or empty)",
+)
+@click.option(
+    "--format",
+    "fmt",
+    # = train.export.EXPORT_FORMATS (a test checks), spelled out because importing that module loads torch
+    type=click.Choice(["safetensors", "hf"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors: model.safetensors + model_config.json, our names; "
+    "hf: config.json + model.safetensors for transformers' LlamaForCausalLM (llama models only)",
+)
+@click.option("--force", is_flag=True, help="replace a non-empty --out directory")
+def export(checkpoint: Path, out_dir: Path, fmt: str, force: bool) -> None:
+    """Write a checkpoint's model weights as one safetensors file, or as a Hugging Face Llama directory."""
+    from gaudi3_scale.train.export import export_checkpoint
+
+    written = export_checkpoint(checkpoint, out_dir, fmt=fmt, force=force)
+    size_mb = sum(path.stat().st_size for path in written) / 1e6
+    click.echo(f"{out_dir}: {', '.join(path.name for path in written)} ({fmt}, {size_mb:,.1f} MB)")

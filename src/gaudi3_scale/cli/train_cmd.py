@@ -22,6 +22,10 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
         # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
         # (The model section is compared in the workers, once the vocabulary is known.)
+        if cfg.checkpoint.remote_url:
+            from gaudi3_scale.checkpoint.remote import open_remote
+
+            open_remote(cfg.checkpoint.remote_url)  # a bad URL: one line here, not one from rank 0 alone
         ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
         if ckpt is not None:
             check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])

@@ -60,6 +60,10 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     ]  # fmt: skip
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # Workers open their own TCPStore instead of sharing the rendezvous one: with the shared store, workers of a
+    # restarted group can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712,
+    # seen here with gloo after a SIGKILL under --max-restarts).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(get_args_parser().parse_args(launcher_args))
     except ChildFailedError as exc:

@@ -30,6 +30,7 @@ from gaudi3_scale.checkpoint.manager import (
     prepare_directory,
 )
 from gaudi3_scale.checkpoint.manifest import write_manifest
+from gaudi3_scale.checkpoint.remote import RemoteMirror
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 
@@ -72,6 +73,7 @@ class RunMetrics(pl.Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
         self.latest: dict[str, Any] = {}
+        self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
         self.history: list[dict[str, Any]] = []
         self._is_writer = False
         self._loss_sum: Any = None
@@ -135,6 +137,8 @@ class RunMetrics(pl.Callback):
             "mfu": None,
         }
         record.update(self._peak_memory(trainer, pl_module))
+        for source in self.sources:
+            record.update(source())
         if self.flops_per_token is not None:
             record["mfu"] = mfu(
                 tokens_per_s, self.flops_per_token, self.peak_flops_per_device, trainer.world_size
@@ -245,8 +249,10 @@ class StepCheckpoint(pl.Callback):
         metrics: RunMetrics | None = None,
         warn: Callable[[str], None] | None = None,
         config_sha256: str | None = None,
+        mirror: RemoteMirror | None = None,
     ) -> None:
         self.manager = manager
+        self.mirror = mirror
         self.warn = warn
         self.config_sha256 = config_sha256
         self.every_steps = every_steps
@@ -264,7 +270,17 @@ class StepCheckpoint(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
         if trainer.is_global_zero and hasattr(io, "on_commit"):
-            io.on_commit = self.manager.mark_latest
+            io.on_commit = self.commit
+
+    def commit(self, directory: Path) -> None:
+        """After a checkpoint's manifest is written (rank 0): queue its upload, move `latest`, apply retention.
+
+        The upload is queued first, so remote deletions that retention queues run after it, when the remote
+        `latest` already names the new checkpoint.
+        """
+        if self.mirror is not None:
+            self.mirror.submit(directory)
+        self.manager.mark_latest(directory)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
@@ -373,7 +389,7 @@ class StepCheckpoint(pl.Callback):
         trainer.strategy.barrier("gaudi3_checkpoint_shards")
         if trainer.is_global_zero:
             write_manifest(path, {"step": trainer.global_step, "epoch": trainer.current_epoch, **self._meta})
-            self.manager.mark_latest(path)
+            self.commit(path)
 
 
 # Exit codes after a preemption checkpoint: 128 + the signal number, the shell convention. Kubeflow's ExitCode

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +35,7 @@ from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
+from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.train.callbacks import (
@@ -48,6 +49,9 @@ from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
+
+if TYPE_CHECKING:
+    from gaudi3_scale.checkpoint.remote import RemoteMirror
 
 __all__ = ["GaudiTrainer"]
 
@@ -133,11 +137,20 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     """The verified checkpoint state a run resumes from (train.resume: auto, never or a path), or None.
 
     `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
+    With `checkpoint.remote_url` and no usable local checkpoint, the newest verified remote one is downloaded
+    first (a fresh machine resumes from the remote copy alone). The download happens in the process that launches
+    the ranks (or the only process), never in launched workers.
     """
     resume = cfg.train.resume
     manager = CheckpointManager(cfg.output_dir / "checkpoints")
     if resume == "auto":
         found = manager.latest_valid(warn=warn)
+        if found is None and cfg.checkpoint.remote_url and not inside_launched_worker():
+            from gaudi3_scale.checkpoint.remote import fetch_latest
+
+            found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
+            if found is not None:
+                manager.mark_latest(found)
         return state_path(found) if found is not None else None
     if resume == "never":
         if manager.steps():
@@ -286,13 +299,16 @@ class GaudiTrainer:
             keep_every_steps=ckpt_cfg.keep_every_steps,
             keep_best=ckpt_cfg.keep_best,
         )
+        manager = CheckpointManager(out / "checkpoints", policy)
+        mirror = self._start_mirror(manager, metrics)
         checkpoint = StepCheckpoint(
-            CheckpointManager(out / "checkpoints", policy),
+            manager,
             every_steps=ckpt_cfg.every_steps,
             val_every_steps=cfg.val_every_steps,
             metrics=metrics,
             warn=self._warn,
             config_sha256=config_sha256(self.config),
+            mirror=mirror,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -374,6 +390,11 @@ class GaudiTrainer:
         finally:
             if watcher is not None:
                 watcher.stop()
+            mirror = self._checkpoint.mirror
+            if mirror is not None:
+                if mirror.wait(self.config.checkpoint.remote_drain_timeout_s):
+                    self._checkpoint.manager.apply_retention()  # what waited for its upload to be verified
+                mirror.close(timeout_s=self.config.checkpoint.remote_drain_timeout_s)
         records = read_metrics(out / "metrics.jsonl")
         last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
         if self.config.train.val_every_steps and last_val != trainer.global_step and not trainer.interrupted:
@@ -390,6 +411,21 @@ class GaudiTrainer:
             # without an active exception") now and then. A later fit() initializes a new group.
             torch.distributed.destroy_process_group()
         return summary
+
+    def _start_mirror(self, manager: CheckpointManager, metrics: RunMetrics) -> RemoteMirror | None:
+        """Rank 0 uploads committed checkpoints to `checkpoint.remote_url`; local copies stay until verified."""
+        cfg = self.config.checkpoint
+        if not cfg.remote_url or _global_rank() != 0:
+            return None
+        from gaudi3_scale.checkpoint.remote import RemoteMirror
+
+        mirror = RemoteMirror(cfg.remote_url, max_backoff_s=cfg.remote_max_backoff_s, warn=self._warn)
+        manager.can_delete = mirror.is_verified
+        manager.on_delete = lambda path: mirror.delete_remote(path.name)
+        for _, path in manager.committed():  # uploads a crash interrupted; cheap for verified ones
+            mirror.submit(path)
+        metrics.sources.append(lambda: mirror.status().as_metrics())
+        return mirror
 
     def _start_spot_watcher(self) -> SpotInterruptionWatcher | None:
         """One watcher per node (local rank 0): a notice there stops every rank through GracefulInterrupt."""

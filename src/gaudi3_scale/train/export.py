@@ -1,0 +1,252 @@
+"""`gaudi3 ckpt export`: a checkpoint's model as one safetensors file, or as a Hugging Face Llama directory.
+
+    safetensors  `model.safetensors` under our parameter names (`Transformer.state_dict()` keys) and
+                 `model_config.json` (the `ModelConfig`); `load_exported(dir)` builds the model back.
+    hf           `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM.from_pretrained(dir)`
+                 loads with the same logits (Llama-arch models only; no tokenizer is written).
+
+Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
+safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
+`train.inference.read_model_state`, which also consolidates sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from gaudi3_scale.checkpoint.manifest import fsync_directory
+from gaudi3_scale.config.core import from_dict, to_dict
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.models import ModelConfig, Transformer, build_model
+from gaudi3_scale.models.transformer import INIT_STD
+from gaudi3_scale.train.inference import read_model_state
+
+__all__ = ["EXPORT_FORMATS", "export_checkpoint", "hf_llama_config", "load_exported", "to_hf_llama"]
+
+EXPORT_FORMATS = ("safetensors", "hf")
+WEIGHTS_NAME = "model.safetensors"
+MODEL_CONFIG_NAME = "model_config.json"  # format safetensors: our ModelConfig
+HF_CONFIG_NAME = "config.json"  # format hf: transformers' LlamaConfig
+TIED_ALIAS = "output.weight"  # the head shares tok_embeddings.weight when model.tie_embeddings is set
+_INSTALL = "pip install 'gaudi3-scale[export]'"
+
+# Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
+# inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
+_HF_LAYER_NAMES = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_HF_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+def export_checkpoint(
+    checkpoint: Path, out_dir: Path, *, fmt: str = "safetensors", force: bool = False
+) -> list[Path]:
+    """Write the model of `checkpoint` to `out_dir` in format `fmt`; returns the files written.
+
+    `out_dir` must be absent or empty unless `force`; it is written under a temporary name beside it and renamed
+    into place, so it is never left half-written.
+    """
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if fmt not in EXPORT_FORMATS:
+        raise UserInputError(f"--format {fmt!r} is not known; valid: {', '.join(EXPORT_FORMATS)}")
+    _check_destination(checkpoint, out_dir, force=force)
+    safetensors_torch = _import_safetensors()
+    cfg, state = read_model_state(checkpoint, mmap=True)
+    state = _untied(cfg, _checked_state(cfg, state, checkpoint))
+    if fmt == "hf":
+        if cfg.arch != "llama":
+            raise UserInputError(
+                f"{checkpoint}: --format hf writes LlamaForCausalLM, but model {cfg.name!r} has arch "
+                f"{cfg.arch!r}; use --format safetensors"
+            )
+        tensors, config_name = to_hf_llama(cfg, state), HF_CONFIG_NAME
+        config = hf_llama_config(cfg, dtype=state["tok_embeddings.weight"].dtype)
+    else:
+        tensors, config_name, config = state, MODEL_CONFIG_NAME, to_dict(cfg)
+    with _staged_directory(out_dir, force=force) as staging:
+        (staging / config_name).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        # "format": "pt" is what transformers' loader expects in the safetensors header.
+        safetensors_torch.save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        # safetensors writes through a private temp file (mode 0600); give the weights the umask's mode instead.
+        (staging / WEIGHTS_NAME).chmod((staging / config_name).stat().st_mode)
+    return [out_dir / WEIGHTS_NAME, out_dir / config_name]
+
+
+def load_exported(directory: Path) -> Transformer:
+    """The model (eval mode, CPU) from a `--format safetensors` export."""
+    directory = Path(directory)
+    config_path, weights_path = directory / MODEL_CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise UserInputError(
+                f"{str(path)!r} does not exist; pass a directory written by `gaudi3 ckpt export`"
+            )
+    cfg = from_dict(ModelConfig, json.loads(config_path.read_text(encoding="utf-8")))
+    model = build_model(cfg)
+    result = model.load_state_dict(_import_safetensors().load_file(str(weights_path)), strict=False)
+    allowed_missing = {TIED_ALIAS} if cfg.tie_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - allowed_missing:
+        raise UserInputError(
+            f"{weights_path}: does not match {MODEL_CONFIG_NAME} (missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys})"
+        )
+    return model.eval()
+
+
+def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout."""
+    out = {}
+    for name, tensor in state.items():
+        module, param = name.rsplit(".", 1)
+        if module.startswith("layers."):
+            _, index, inner = module.split(".", 2)
+            hf_name = f"model.layers.{index}.{_HF_LAYER_NAMES[inner]}.{param}"
+        else:
+            hf_name = f"{_HF_TOP_NAMES[module]}.{param}"
+            inner = module
+        if inner == "attention.wq":
+            tensor = _interleaved_to_half_split(tensor, cfg.num_heads)
+        elif inner == "attention.wk":
+            tensor = _interleaved_to_half_split(tensor, cfg.kv_heads)
+        out[hf_name] = tensor.contiguous()
+    return out
+
+
+def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
+    """`config.json` of a `LlamaForCausalLM` with our model's shape."""
+    assert cfg.arch == "llama", cfg.arch
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # read by transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers >= 5
+        "attention_bias": cfg.bias,  # our `bias` puts a bias on every linear but the head
+        "mlp_bias": cfg.bias,
+        # HF Llama has attention dropout only, no residual dropout: an exported model is for inference.
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # Our tokenizers have no special tokens; LlamaConfig's defaults (1, 2) would be invented.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "initializer_range": INIT_STD,
+        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 also reads this (as `dtype`)
+    }
+
+
+def _interleaved_to_half_split(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of wq / wk (weight or bias) from our RoPE layout to the one HF Llama's `rotate_half` expects.
+
+    We rotate interleaved channel pairs (2i, 2i+1) of each head (Meta's layout, models/common/rope.py); HF
+    rotates (i, i + head_dim/2). Reordering each head's output rows from (i, pair) to (pair, i) in both q and k
+    makes HF's rotation act on the same pairs and leaves q·k unchanged: the `permute` of transformers'
+    models/llama/convert_llama_weights_to_hf.py.
+    """
+    head_dim = weight.shape[0] // num_heads
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return grouped.transpose(1, 2).reshape(weight.shape)
+
+
+def _checked_state(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: Path
+) -> dict[str, torch.Tensor]:
+    """`state` if its names and shapes are those of `cfg`'s model, else one line naming the first mismatch."""
+    with torch.device("meta"):  # shapes only: no memory, even for llama3-70b
+        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if cfg.tie_embeddings:  # a consolidated checkpoint may carry the alias or not; it is dropped anyway
+        expected.pop(TIED_ALIAS, None)
+        got.pop(TIED_ALIAS, None)
+    if got != expected:
+        name = sorted(set(got) ^ set(expected)) or sorted(k for k in got if got[k] != expected[k])
+        raise UserInputError(
+            f"{checkpoint}: its weights do not fit its model config {cfg.name!r} (first mismatch: {name[0]}: "
+            f"{got.get(name[0])} vs {expected.get(name[0])})"
+        )
+    return state
+
+
+def _untied(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not cfg.tie_embeddings:
+        return state
+    return {k: v for k, v in state.items() if k != TIED_ALIAS}
+
+
+def _import_safetensors() -> ModuleType:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserInputError(f"checkpoint export needs the safetensors package: {_INSTALL}") from None
+    return safetensors.torch
+
+
+def _check_destination(checkpoint: Path, out_dir: Path, *, force: bool) -> None:
+    """Refuse an --out that is a file, non-empty without --force, or would delete the checkpoint itself."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserInputError(f"--out {str(out_dir)!r} is a file; pass a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not force:
+            raise UserInputError(
+                f"--out {str(out_dir)!r} exists and is not empty; pick a new directory or pass --force to replace it"
+            )
+        if checkpoint.resolve().is_relative_to(out_dir.resolve()):
+            raise UserInputError(f"--out {str(out_dir)!r} contains the checkpoint; --force would delete it")
+
+
+@contextmanager
+def _staged_directory(out_dir: Path, *, force: bool) -> Iterator[Path]:
+    """A fresh directory beside `out_dir` to write into; renamed to `out_dir` when the block succeeds."""
+    staging = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
+    if staging.exists():  # left by a killed export that had the same pid
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        for path in staging.iterdir():
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_directory(staging)
+        _replace_directory(staging, out_dir, force=force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # the error that got us here is re-raised
+        raise
+
+
+def _replace_directory(staging: Path, out_dir: Path, *, force: bool) -> None:
+    previous = None
+    if out_dir.is_dir() and any(out_dir.iterdir()):  # again: it may have been filled while we wrote
+        if not force:
+            raise UserInputError(f"--out {str(out_dir)!r} was filled while exporting; nothing was replaced")
+        previous = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+        out_dir.rename(previous)
+    os.replace(staging, out_dir)  # POSIX rename(2): atomic, and it may replace an empty directory
+    fsync_directory(out_dir.parent)
+    if previous is not None:
+        shutil.rmtree(previous)

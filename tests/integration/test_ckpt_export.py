@@ -1,0 +1,153 @@
+"""`gaudi3 ckpt export`: safetensors bitwise equal to the checkpoint, Hugging Face Llama directories that
+transformers loads with our logits, and one-line refusals that leave the output alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from gaudi3_scale.cli.main import cli, main
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.models import ModelConfig, Transformer, build_model, get_model_config
+from gaudi3_scale.train.export import EXPORT_FORMATS, TIED_ALIAS, load_exported
+from gaudi3_scale.train.inference import load_for_generation, read_model_state
+from gaudi3_scale.train.module import CONFIG_KEY
+
+pytestmark = pytest.mark.integration
+
+TRAIN = ["train", "--sample-tokens", "0", "--no-progress", "--train.val_every_steps", "0", "--model.name",
+         "llama-tiny", "--optim.warmup_steps", "1", "--train.max_steps", "2", "--checkpoint.every_steps", "2"]  # fmt: skip
+ATOL = 1e-5  # fp32; the kernels differ (SDPA vs HF eager attention, rotation order), so not bitwise
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A committed llama-tiny checkpoint (GQA, RoPE, untied) from a real 2-step training run."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", *TRAIN, "--out", str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out / "checkpoints" / "step-00000002"
+
+
+def _save_plain_checkpoint(cfg: ModelConfig, path: Path) -> Transformer:
+    """A Lightning-style checkpoint file of a random model whose biases and norm weights are not 0 / 1.
+
+    With init's zeros and ones a mapping that swapped the two norms, or dropped a bias, would go unnoticed.
+    """
+    model = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.3 * torch.randn_like(param))
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, CONFIG_KEY: {"model": to_dict(cfg)}}, path)
+    return model
+
+
+def _export(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """Run `gaudi3 ckpt export ARGS` in this process: (exit code, its stderr)."""
+    capsys.readouterr()  # drop earlier output (transformers' loading progress bar)
+    try:
+        main(["ckpt", "export", *args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def _hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    hf, info = LlamaForCausalLM.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weight
+    assert hf.dtype == torch.float32
+    with torch.no_grad():
+        return hf.eval()(tokens).logits
+
+
+def test_trained_llama_to_hf_and_safetensors(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, _ = load_for_generation(llama_ckpt)
+    tokens = torch.randint(0, model.config.padded_vocab_size, (2, model.config.context_length))
+    with torch.no_grad():
+        ours = model(tokens)
+
+    assert _export(capsys, str(llama_ckpt), "--out", str(tmp_path / "hf"), "--format", "hf") == (0, "")
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=ATOL, rtol=0)
+
+    assert _export(capsys, str(llama_ckpt), "--out", str(tmp_path / "st")) == (0, "")
+    _, state = read_model_state(llama_ckpt)
+    exported = load_file(tmp_path / "st" / "model.safetensors")
+    assert sorted(exported) == sorted(state)
+    for name, tensor in state.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(load_exported(tmp_path / "st")(tokens), ours)
+
+
+def test_tied_biased_padded_llama_to_hf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = replace(get_model_config("llama-tiny"), vocab_size=65, pad_vocab_to_multiple=16, bias=True,
+                  tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-6)  # fmt: skip
+    model = _save_plain_checkpoint(cfg, tmp_path / "tied.ckpt")
+    assert _export(capsys, str(tmp_path / "tied.ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf") == (
+        0,
+        "",
+    )
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    tokens = torch.randint(0, cfg.padded_vocab_size, (2, cfg.context_length))
+    with torch.no_grad():
+        ours = model(tokens)
+    assert ours.shape[-1] == 80
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=ATOL, rtol=0)
+
+
+def test_gpt2_exports_as_safetensors_but_not_as_hf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = get_model_config("shakespeare-char").resolve_vocab(65)
+    model = _save_plain_checkpoint(cfg, tmp_path / "gpt2.ckpt")
+
+    code, err = _export(capsys, str(tmp_path / "gpt2.ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf")
+    assert code == 2 and err.count("\n") == 1 and "arch 'gpt2'" in err and "--format safetensors" in err, err
+    assert not (tmp_path / "hf").exists()
+
+    assert _export(capsys, str(tmp_path / "gpt2.ckpt"), "--out", str(tmp_path / "st")) == (0, "")
+    exported = load_file(tmp_path / "st" / "model.safetensors")
+    assert sorted(exported) == sorted(set(model.state_dict()) - {TIED_ALIAS})  # the tied head is stored once
+    tokens = torch.randint(0, 65, (2, cfg.context_length))
+    with torch.no_grad():
+        assert torch.equal(load_exported(tmp_path / "st")(tokens), model(tokens))
+
+
+def test_existing_output_is_refused_unless_forced(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = _export(capsys, str(llama_ckpt), "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "not empty" in err and "--force" in err, err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    assert _export(capsys, str(llama_ckpt), "--out", str(out), "--force") == (0, "")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_config.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or replaced directory left behind
+
+    run = llama_ckpt.parent.parent
+    code, err = _export(capsys, str(llama_ckpt), "--out", str(run), "--force")
+    assert code == 2 and "contains the checkpoint" in err and llama_ckpt.is_dir(), err
+
+
+def test_cli_choices_are_the_export_formats() -> None:
+    export = cli.commands["ckpt"].commands["export"]  # type: ignore[attr-defined]
+    (fmt,) = (p for p in export.params if p.name == "fmt")
+    assert isinstance(fmt.type, click.Choice) and tuple(fmt.type.choices) == EXPORT_FORMATS
