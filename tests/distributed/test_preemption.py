@@ -61,13 +61,18 @@ def test_one_process_saves_and_exits_restartable(sig: signal.Signals, tmp_path: 
     assert ckpt.name == f"step-{summary['steps']:08d}" and verify_checkpoint(ckpt) == []
 
 
-def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("target", "strategy"), [("rank 1", "ddp"), ("launcher", "fsdp")])
+def test_sigterm_stops_both_ranks_after_the_same_step_and_resumes(
+    target: str, strategy: str, tmp_path: Path
+) -> None:
+    """SIGTERM to one rank only (rank 0 never sees it), or to the launcher (as Kubernetes sends it to PID 1)."""
     out = tmp_path / "run"
-    launcher = _start(out, "--nproc-per-node", "2", "--parallel.strategy", "ddp")
+    launcher = _start(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
     _wait_for_steps(launcher, out, 3)
-    _worker(launcher, 1).send_signal(signal.SIGTERM)  # rank 0 never sees the signal
+    (launcher if target == "launcher" else _worker(launcher, 1)).send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=180)
     assert launcher.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr.split("stopped by SIGTERM")[-1]  # the launcher exits quietly, 143
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stop_signal"] == "SIGTERM" and summary["signal_to_checkpoint_s"] < 30
     ckpt = Path(summary["checkpoint"])
@@ -77,7 +82,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes(tmp_path
     stopped_at = summary["steps"]
     resumed = subprocess.run(
         [*GAUDI3, *ARGS, "--out", str(out), "--train.max_steps", str(stopped_at + 2), "--nproc-per-node", "2",
-         "--parallel.strategy", "ddp"], capture_output=True, text=True, timeout=300,
+         "--parallel.strategy", strategy], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

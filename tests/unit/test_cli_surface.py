@@ -17,6 +17,8 @@ EXPECTED = {
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
+    "repro": ["--config", "--keep", "--mode", "--out", "--steps",
+              "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
     "train": ["--config", "--list-fields", "--no-progress", "--out", "--print-config", "--progress", "--resume",
               "--sample-tokens", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
 }  # fmt: skip

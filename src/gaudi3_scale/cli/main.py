@@ -14,6 +14,8 @@ from typing import Any
 import click
 
 from gaudi3_scale.cli.ckpt_cmd import ckpt
+from gaudi3_scale.cli.options import launch_options, launch_overrides
+from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["VERBS", "cli", "main", "train_alias"]
@@ -45,11 +47,7 @@ def cli() -> None:
     "--sample-tokens", default=200, show_default=True, help="tokens of text to sample after training"
 )
 @click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
-@click.option("--nproc-per-node", type=int, help="ranks per node (= --parallel.nproc_per_node)")
-@click.option("--nnodes", type=int, help="nodes (= --parallel.nnodes)")
-@click.option("--node-rank", type=int, help="this node's rank (= --parallel.node_rank)")
-@click.option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (= --parallel.rdzv_endpoint)")
-@click.option("--max-restarts", type=int, help="worker group restarts (= --parallel.max_restarts)")
+@launch_options
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train(
     config_path: str | None,
@@ -68,8 +66,7 @@ def train(
     if list_fields:
         list_config_fields()
         return
-    launch_overrides = [f"--parallel.{k}={v}" for k, v in launch.items() if v is not None]
-    overrides = (*overrides, *launch_overrides)
+    overrides = (*overrides, *launch_overrides(launch))
     cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
     if print_config:
         import yaml
@@ -148,6 +145,7 @@ def models_cmd() -> None:
 
 
 cli.add_command(ckpt)
+cli.add_command(repro)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

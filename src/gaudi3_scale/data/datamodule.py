@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 from gaudi3_scale.config.errors import ConfigError
@@ -100,7 +101,9 @@ class TokenDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[Batch]:
         dataset = TokenWindowDataset(self.prepared.train, self._require_sampler(), start_step=self.start_step)
-        return DataLoader(dataset, batch_size=None, num_workers=self.loader_workers)
+        return DataLoader(
+            dataset, batch_size=None, num_workers=self.loader_workers, generator=self._loader_generator()
+        )
 
     def val_dataloader(self) -> DataLoader[Batch]:
         world_size, rank = self._world()
@@ -113,7 +116,18 @@ class TokenDataModule(pl.LightningDataModule):
             rank=rank,
         )
         # No worker processes: the validation set is a handful of batches and workers would restart every epoch.
-        return DataLoader(dataset, batch_size=None, shuffle=False, num_workers=0)
+        return DataLoader(
+            dataset, batch_size=None, shuffle=False, num_workers=0, generator=self._loader_generator()
+        )
+
+    def _loader_generator(self) -> torch.Generator:
+        """A private generator for the DataLoader's per-iterator base seed.
+
+        Without one, every new iterator draws that seed from the global torch RNG, so a resumed run (which builds
+        its iterator after the checkpoint's RNG state was restored) would end up one draw ahead of a run that
+        never stopped. Our datasets are deterministic by step, so the base seed only names worker seeds.
+        """
+        return torch.Generator().manual_seed(self.seed)
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self._require_sampler()

@@ -58,6 +58,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         "-m", "gaudi3_scale.train",
         *worker_args,
     ]  # fmt: skip
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # Workers open their own TCPStore instead of sharing the rendezvous one: with the shared store, workers of a
@@ -66,6 +67,10 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(get_args_parser().parse_args(launcher_args))
+    except SignalException as exc:
+        # SIGTERM/SIGUSR1 to the launcher: the agent passed it on to the workers and gave them time to commit their
+        # emergency checkpoint; exit as they do, 128 + signal (restartable), not with a traceback.
+        raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
         # Workers that stopped for a preemption signal saved a checkpoint and exit 128 + signal: pass that on,
         # so that whatever restarts this command (Kubeflow's ExitCode policy, a job script) sees it as restartable.
