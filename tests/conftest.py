@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,3 +20,23 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         del os.environ["GAUDI3_CACHE"]
     else:
         os.environ["GAUDI3_CACHE"] = previous
+
+
+CliResult = tuple[int, str, str]
+
+
+@pytest.fixture
+def gaudi3_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """Run `gaudi3 ARGS…` in this process: (exit code, stdout, stderr)."""
+    from gaudi3_scale.cli.main import main
+
+    def run(*args: str) -> CliResult:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

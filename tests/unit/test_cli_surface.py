@@ -21,6 +21,10 @@ EXPECTED = {
               "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
     "train": ["--config", "--list-fields", "--no-progress", "--out", "--print-config", "--progress", "--resume",
               "--sample-tokens", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
+    "tune": ["--accelerator", "--activation-checkpointing", "--compile", "--config", "--estimate-only",
+             "--global-batch", "--lr-rule", "--measure-steps", "--memory-budget", "--no-estimate-pruning", "--out", "--precisions",
+             "--strategies", "--target-utilization", "--threads", "--time-budget-min", "--trial-timeout-s",
+             "--warmup-steps", "--world-size"],
 }  # fmt: skip
 
 

@@ -11,6 +11,12 @@ __all__ = ["CheckpointConfig"]
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    enabled: bool = field(
+        default=True,
+        metadata={
+            "help": "write checkpoints; false = none at all (benchmarks, tuning trials): nothing to resume"
+        },
+    )
     every_steps: int = field(
         default=500, metadata={"help": "save a checkpoint every N optimizer steps; 0 = only at the end"}
     )

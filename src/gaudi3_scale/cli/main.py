@@ -16,6 +16,7 @@ import click
 from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.options import launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
+from gaudi3_scale.cli.tune_cmd import tune
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["VERBS", "cli", "main", "train_alias"]
@@ -146,6 +147,7 @@ def models_cmd() -> None:
 
 cli.add_command(ckpt)
 cli.add_command(repro)
+cli.add_command(tune)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

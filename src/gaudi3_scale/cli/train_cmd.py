@@ -40,9 +40,10 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
     exit_code = preemption_exit_code(summary.get("stop_signal"))
     if trainer.trainer is not None and not trainer.trainer.is_global_zero:
         sys.exit(exit_code)
-    click.echo(
-        f"outputs: {trainer.out_dir}/ (config.yaml, metrics.jsonl, summary.json, loss.png, checkpoints/)"
+    written = "config.yaml, metrics.jsonl, summary.json, loss.png" + (
+        ", checkpoints/" if summary.get("checkpoint") else ""
     )
+    click.echo(f"outputs: {trainer.out_dir}/ ({written})")
     if sample_tokens > 0 and summary.get("checkpoint") and not exit_code:
         model, tokenizer = load_for_generation(summary["checkpoint"])
         click.echo("---- sample ----")

@@ -250,8 +250,10 @@ class StepCheckpoint(pl.Callback):
         warn: Callable[[str], None] | None = None,
         config_sha256: str | None = None,
         mirror: RemoteMirror | None = None,
+        enabled: bool = True,
     ) -> None:
         self.manager = manager
+        self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
         self.mirror = mirror
         self.warn = warn
         self.config_sha256 = config_sha256
@@ -324,6 +326,8 @@ class StepCheckpoint(pl.Callback):
 
     def save(self, trainer: pl.Trainer, *, wait: bool = False) -> None:
         step = trainer.global_step
+        if not self.enabled:
+            return
         if step != self._last_step:
             if self.metrics is not None:
                 self.metrics.pause()

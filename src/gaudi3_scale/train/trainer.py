@@ -309,6 +309,7 @@ class GaudiTrainer:
             warn=self._warn,
             config_sha256=config_sha256(self.config),
             mirror=mirror,
+            enabled=ckpt_cfg.enabled,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.

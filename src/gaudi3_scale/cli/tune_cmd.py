@@ -1,0 +1,179 @@
+"""`gaudi3 tune`: find the fastest configuration that fits, at the global batch the config asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["tune"]
+
+ONOFF = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
+def _csv(text: str | None) -> tuple[str, ...] | None:
+    return tuple(p.strip() for p in text.split(",") if p.strip()) if text else None
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    items = _csv(text)
+    if items is None:
+        return None
+    try:
+        values = tuple(int(v) for v in items)
+    except ValueError:
+        raise UserInputError(f"{flag}: expected comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise UserInputError(f"{flag}: every value must be at least 1, got {text!r}")
+    return values
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    epilog="Any config field can be set as --section.field VALUE, as for `gaudi3 train`.",
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML to tune")
+@click.option(
+    "--world-size", type=int, help="ranks on this node (default: the config's parallel.nproc_per_node)"
+)
+@click.option(
+    "--memory-budget", help="memory per rank a config may use, e.g. 16GiB (default: device × target)"
+)
+@click.option(
+    "--target-utilization",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="fraction of device memory a config may use when --memory-budget is not given",
+)
+@click.option("--time-budget-min", type=float, help="start no trial after this many minutes")
+@click.option(
+    "--global-batch",
+    help="global batch(es) in sequences to consider, comma-separated (default: the config's)",
+)
+@click.option("--strategies", help="comma-separated subset (default: every one available)")
+@click.option("--precisions", help="comma-separated subset (default: every one the hardware supports)")
+@click.option(
+    "--activation-checkpointing",
+    "ckpt",
+    type=click.Choice(list(ONOFF)),
+    default="both",
+    show_default=True,
+    help="search activation checkpointing on, off or both",
+)
+@click.option(
+    "--compile",
+    "compile_",
+    type=click.Choice(list(ONOFF)),
+    default="both",
+    show_default=True,
+    help="search torch.compile on, off or both",
+)
+@click.option(
+    "--threads", help="CPU threads per rank to try, comma-separated (default: cores÷ranks and half)"
+)
+@click.option(
+    "--lr-rule",
+    type=click.Choice(["sqrt", "linear", "none"]),
+    default="sqrt",
+    show_default=True,
+    help="learning-rate rescaling when the global batch changes",
+)
+@click.option("--warmup-steps", type=int, default=2, show_default=True, help="unmeasured steps per trial")
+@click.option("--measure-steps", type=int, default=5, show_default=True, help="measured steps per trial")
+@click.option(
+    "--trial-timeout-s", type=float, default=300.0, show_default=True, help="kill a trial after this"
+)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="results (default runs/<name>-tune)")
+@click.option(
+    "--no-estimate-pruning",
+    is_flag=True,
+    help="run configurations the memory estimate says cannot fit (only trials decide; e.g. a custom model)",
+)
+@click.option("--estimate-only", is_flag=True, help="print the memory estimate table and exit; runs nothing")
+@click.option(
+    "--accelerator",
+    help="with --estimate-only: the device whose memory the table checks (e.g. gaudi3, h100); default: budget",
+)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def tune(
+    config_path: str | None,
+    world_size: int | None,
+    memory_budget: str | None,
+    target_utilization: float,
+    time_budget_min: float | None,
+    global_batch: str | None,
+    strategies: str | None,
+    precisions: str | None,
+    ckpt: str,
+    compile_: str,
+    threads: str | None,
+    lr_rule: str,
+    warmup_steps: int,
+    measure_steps: int,
+    trial_timeout_s: float,
+    out_dir: str | None,
+    no_estimate_pruning: bool,
+    estimate_only: bool,
+    accelerator: str | None,
+    overrides: tuple[str, ...],
+) -> None:
+    """Tune micro-batch × accumulation × strategy × precision × activation checkpointing × compile × threads.
+
+    Every trial is a short real `gaudi3 train` run in its own process group; the winner is written as a YAML
+    that `gaudi3 train --config` takes. Exit 0 with a winner, 1 when nothing fits, 2 on bad input.
+    """
+    from gaudi3_scale.cli.config_cmd import resolve_config, wide_console
+    from gaudi3_scale.tune.config import TuneConfig, parse_bytes
+
+    base = resolve_config(config_path, overrides)
+    world = world_size if world_size is not None else base.parallel.world_size
+    budget = parse_bytes(memory_budget) if memory_budget else None
+    console = wide_console()
+    if estimate_only:
+        from gaudi3_scale.tune.estimate_table import print_estimate_table
+
+        print_estimate_table(
+            base, world_size=world, memory_budget_bytes=budget, accelerator=accelerator, console=console
+        )
+        return
+    from gaudi3_scale.tune.space import build_space
+    from gaudi3_scale.tune.tuner import default_memory_budget, print_report, run_tuner
+
+    space = build_space(
+        base,
+        world_size=world,
+        global_batches=_ints(global_batch, "--global-batch"),
+        strategies=_csv(strategies),
+        precisions=_csv(precisions),
+        activation_checkpointing=ONOFF[ckpt],
+        compile=ONOFF[compile_],
+        threads=_ints(threads, "--threads"),
+    )
+    config = TuneConfig(
+        world_size=world,
+        memory_budget_bytes=budget,
+        target_utilization=target_utilization,
+        time_budget_s=time_budget_min * 60 if time_budget_min is not None else None,
+        lr_rule=lr_rule,  # type: ignore[arg-type]
+        warmup_steps=warmup_steps,
+        measure_steps=measure_steps,
+        trial_timeout_s=trial_timeout_s,
+        prune_by_estimate=not no_estimate_pruning,
+    )
+    if config.memory_budget_bytes is None:
+        from dataclasses import replace
+
+        config = replace(
+            config, memory_budget_bytes=default_memory_budget(space.device, world, target_utilization)
+        )
+    out = Path(out_dir) if out_dir else Path("runs") / f"{base.name}-tune"
+    console.print(f"tuning {space.describe()}", highlight=False)
+    assert config.memory_budget_bytes is not None
+    console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)
+    result = run_tuner(base, space, config, out, console=console)
+    print_report(result, console)
+    if result.best is None:
+        raise SystemExit(1)

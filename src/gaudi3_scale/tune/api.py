@@ -1,0 +1,97 @@
+"""Python entry point of the tuner: `AdaptiveBatchFinder(model=…).find_optimal_batch_size()`."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.train.config import RunConfig, build_run_config
+from gaudi3_scale.tune.config import TuneConfig
+from gaudi3_scale.tune.space import build_space
+from gaudi3_scale.tune.tuner import TuneResult, default_memory_budget, run_tuner
+
+__all__ = ["AdaptiveBatchFinder"]
+
+
+class AdaptiveBatchFinder:
+    """Find the fastest micro-batch (with the accumulation that keeps the global batch) and the rest of the
+    configuration, by short real training trials.
+
+    `model`: a registry name (e.g. ``"gpt2-124m"``), a `ModelConfig`, or a whole `RunConfig`.
+    `target_hpu_utilization`: the fraction of each device's memory the chosen configuration may use (the name is
+    the seed's; it applies to CPU RAM and CUDA memory too). `precision`: the one precision to search; None = every
+    precision the hardware supports. Other keyword arguments are `gaudi3 tune`'s options.
+    """
+
+    def __init__(
+        self,
+        model: str | ModelConfig | RunConfig = "shakespeare-char",
+        *,
+        target_hpu_utilization: float = 0.95,
+        precision: str | None = "bf16-mixed",
+        world_size: int = 1,
+        global_batch_size: int | None = None,
+        overrides: Sequence[tuple[str, str]] = (),
+        strategies: tuple[str, ...] | None = None,
+        activation_checkpointing: tuple[bool, ...] = (False, True),
+        compile: tuple[bool, ...] = (False, True),
+        threads: tuple[int | None, ...] | None = None,
+        time_budget_s: float | None = None,
+        memory_budget_bytes: int | None = None,
+        measure_steps: int = 5,
+        out_dir: str | Path | None = None,
+        console: Console | None = None,
+    ) -> None:
+        self.base = _run_config(model, overrides, global_batch_size)
+        self.space = build_space(
+            self.base,
+            world_size=world_size,
+            strategies=strategies,
+            precisions=(precision,) if precision else None,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            threads=threads,
+        )
+        budget = memory_budget_bytes or default_memory_budget(
+            self.space.device, world_size, target_hpu_utilization
+        )
+        self.config = TuneConfig(
+            world_size=world_size,
+            memory_budget_bytes=budget,
+            target_utilization=target_hpu_utilization,
+            time_budget_s=time_budget_s,
+            measure_steps=measure_steps,
+        )
+        self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gaudi3-tune-"))
+        self.console = console
+        self.result: TuneResult | None = None
+
+    def run(self) -> TuneResult:
+        self.result = run_tuner(self.base, self.space, self.config, self.out_dir, console=self.console)
+        return self.result
+
+    def find_optimal_batch_size(self) -> int:
+        """The winning micro-batch size per rank (`self.result` holds everything else, `best_config` the YAML's
+        config). Raises RuntimeError when no configuration fits."""
+        result = self.run()
+        if result.best is None:
+            raise RuntimeError(f"no configuration fits: {result.outcome.limit}")
+        return result.best.candidate.micro_batch_size
+
+
+def _run_config(
+    model: str | ModelConfig | RunConfig, overrides: Sequence[tuple[str, str]], global_batch_size: int | None
+) -> RunConfig:
+    pairs = list(overrides)
+    if global_batch_size is not None:
+        pairs.append(("train.global_batch_size", str(global_batch_size)))
+    if isinstance(model, RunConfig):
+        return build_run_config(None, pairs, base=to_dict(model)) if pairs else model
+    if isinstance(model, ModelConfig):
+        return build_run_config(None, pairs, base={"model": to_dict(model)})
+    return build_run_config(None, [("model.name", model), *pairs])

@@ -1,0 +1,157 @@
+"""`gaudi3 tune --estimate-only`: the memory estimate of every strategy as a table, for any registry model.
+
+Nothing is built or run: the numbers come from `tune.memory`, the device memory from `device/specs.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.device.specs import ACCELERATORS, AcceleratorSpec, find_accelerator
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.tune.memory import estimate_memory, max_micro_batch_that_fits
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from gaudi3_scale.train.config import RunConfig
+
+__all__ = ["TABLE_STRATEGIES", "find_accelerator_named", "format_estimate_table", "print_estimate_table"]
+
+TABLE_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+_GIB = 2**30
+
+
+def resolved_model(base: RunConfig) -> ModelConfig:
+    """`base.model` with its vocabulary resolved: from the config, else from the (prepared, cached) dataset."""
+    if base.model.vocab_size is not None:
+        return base.model
+    from gaudi3_scale.data import load_prepared, prepare_dataset
+
+    return base.model.resolve_vocab(load_prepared(prepare_dataset(base.data, progress=False)).vocab_size)
+
+
+def find_accelerator_named(name: str) -> AcceleratorSpec:
+    """The spec called `name` ("gaudi3", "h100-sxm", or an unambiguous prefix such as "h100"); else one line."""
+    key = name.strip().lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    prefixed = [spec for spec_name, spec in ACCELERATORS.items() if spec_name.startswith(key)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    spec = find_accelerator(key) if key else None
+    if spec is None:
+        raise UserInputError(f"--accelerator: unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+    return spec
+
+
+def format_estimate_table(
+    model: ModelConfig,
+    *,
+    world_size: int,
+    micro_batch_size: int = 1,
+    context_length: int | None = None,
+    precision: str = "auto",
+    device_kind: str = "cpu",
+    device_memory_bytes: int | None = None,
+    strategies: Sequence[str] = TABLE_STRATEGIES,
+) -> str:
+    """One row per strategy × activation checkpointing, sizes in GiB per rank.
+
+    With `device_memory_bytes` (per device, e.g. `int(ACCELERATORS["gaudi3"].memory_gb * 1e9)`) a last column says
+    whether the row fits and the largest micro-batch that would.
+    """
+    rows = [
+        estimate_memory(
+            model,
+            strategy=strategy,
+            world_size=world_size,
+            micro_batch_size=micro_batch_size,
+            context_length=context_length,
+            precision=precision,
+            activation_checkpointing=ckpt,
+            device_kind=device_kind,
+        )
+        for strategy in strategies
+        for ckpt in (False, True)
+    ]
+    first = rows[0]
+    size = f"{first.parameters / 1e9:.3g} B" if first.parameters >= 1e9 else f"{first.parameters / 1e6:.3g} M"
+    lines = [
+        f"{model.name}: {size} parameters, {world_size} rank(s), micro-batch "
+        f"{micro_batch_size} × {first.context_length} tokens, {first.precision}, {device_kind}"
+        + (f", {device_memory_bytes / _GIB:.2f} GiB per device" if device_memory_bytes else ""),
+    ]
+    header = ["strategy", "act.ckpt", *(name for name, _ in first.rows()), "total GiB", "peak at"]
+    if device_memory_bytes:
+        header.append("fits (max micro-batch)")
+    table = [header]
+    for est in rows:
+        row = [est.strategy, "on" if est.activation_checkpointing else "off"]
+        row += [f"{b / _GIB:.2f}" for _, b in est.rows()] + [f"{est.total_bytes / _GIB:.2f}", est.peak_phase]
+        if device_memory_bytes:
+            best = max_micro_batch_that_fits(
+                model,
+                budget_bytes=device_memory_bytes,
+                strategy=est.strategy if est.strategy != "single" else "auto",
+                world_size=world_size,
+                context_length=context_length,
+                precision=precision,
+                activation_checkpointing=est.activation_checkpointing,
+                device_kind=device_kind,
+            )
+            row.append(("yes" if est.total_bytes <= device_memory_bytes else "no") + f" ({best})")
+        table.append(row)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        cells = zip(r, widths, strict=True)
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(cells)))
+    if device_kind == "hpu":
+        lines.append(
+            "on hpu this codebase trains with ddp only (distributed/strategies.py); other rows are what-ifs"
+        )
+    lines.append(
+        "per rank; runtime = process baseline (empirical on CPU, 0 on CUDA, unknown on HPU); "
+        "formulas: ZeRO (arXiv:1910.02054), Korthikanti et al. (arXiv:2205.05198), see gaudi3_scale.tune.memory"
+    )
+    return "\n".join(lines)
+
+
+def print_estimate_table(
+    base: RunConfig,
+    *,
+    world_size: int,
+    memory_budget_bytes: int | None,
+    accelerator: str | None,
+    console: Console,
+) -> None:
+    """Print the table for `base`'s model at its micro-batch (1 when unset), context and precision.
+
+    `accelerator` (a name in `device/specs.py`) sets the device kind (gaudi → hpu, others → cuda) and the memory
+    each row is checked against; `memory_budget_bytes` overrides that memory. Neither: rows are not checked, and
+    the device kind is the config's `train.device` (auto → cpu).
+    """
+    device_kind = base.train.device if base.train.device != "auto" else "cpu"
+    memory = memory_budget_bytes
+    if accelerator:
+        spec = find_accelerator_named(accelerator)
+        device_kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
+        if memory is None:
+            memory = int(spec.memory_gb * 1e9)
+        console.print(
+            f"device: {spec.name}, {spec.memory_gb:g} GB (source: {spec.source})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    micro = base.train.micro_batch_size or 1
+    table = format_estimate_table(
+        resolved_model(base),
+        world_size=world_size,
+        micro_batch_size=micro,
+        precision=base.train.precision,
+        device_kind=device_kind,
+        device_memory_bytes=memory,
+    )
+    console.print(table, highlight=False, soft_wrap=True)

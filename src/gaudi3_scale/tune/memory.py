@@ -1,0 +1,568 @@
+"""Analytic peak memory per rank of one training step, from the model shape alone: nothing is built or run.
+
+The tuner prunes with it before any trial, and `gaudi3 tune --estimate-only` prints it as a table (`tune.estimate_table`). Every
+byte is one of: parameters, gradients, optimizer state, saved activations, workspace (short-lived buffers), runtime
+(what the process holds before the model exists). What THIS codebase allocates is modelled, not a textbook run;
+`benchmarks/bench_memory_estimate.py` compares the estimate with measured peaks (error table in its results).
+
+Model states — ZeRO (Rajbhandari et al., SC'20, arXiv:1910.02054, §3.1 and Fig. 1): mixed-precision Adam holds
+2Ψ (fp16 weights) + 2Ψ (fp16 gradients) + KΨ (K = 12: fp32 master weights, momentum, variance); stage 2 partitions
+gradients and optimizer state over N_d ranks, 2Ψ + 14Ψ/N_d; stage 3 partitions all, 16Ψ/N_d. Here the bytes per
+element follow the precision this code actually runs (see `_element_bytes`): "32-true" keeps fp32 weights,
+gradients and AdamW moments (16Ψ, no separate master); Lightning's "bf16-mixed" keeps fp32 weights and gradients
+and autocasts, so each matmul weight also exists as a bf16 copy saved for backward (cache_enabled=False, one copy
+per use); FSDP2 with bf16-mixed gathers bf16 parameters (MixedPrecisionPolicy) over fp32 shards; "bf16-true"
+stores everything, AdamW moments included, in bf16 (8Ψ); DeepSpeed with bf16 holds bf16 module weights plus fp32
+master partitions (K = 12, as in the paper).
+
+Activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
+arXiv:2205.05198) §4.1: a GPT layer saves s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations (s tokens, b
+sequences, h width, a heads). Adapted to the real blocks (`models/transformer.py`), tensor by tensor (checked with
+autograd's saved tensors on CPU, torch 2.13):
+* fused attention (FlashAttention/SDPA, Dao et al. 2022) keeps q, k, v, the output and a fp32 log-sum-exp instead
+  of the a·s² score, softmax and dropout tensors (the 5·a·s·b·s term); the math fallback keeps a·s²·b softmax
+  probabilities, ×3 with dropout (mask and dropped probabilities). CPU flash has no dropout; on HPU dispatch of
+  `scaled_dot_product_attention` to Habana's FusedSDPA is not confirmed (`device/precision.py`), so math is assumed;
+* grouped-query k and v are h·kv_heads/heads wide; the MLP saves 2 tensors of the real ffn width (GELU) or 4
+  (SwiGLU: w1 x, w3 x, silu(w1 x), their product); LayerNorm saves its input, RMSNorm (composite on CPU; assumed
+  elsewhere) its input and x·rsqrt, upcast to fp32; dropout masks (input dtype on CPU, 1-byte bool on CUDA) only
+  when dropout > 0;
+* the residual stream stays fp32 under autocast (fp32 embeddings), and autocast casts a norm's fp32 output once
+  per linear that reads it (3 copies for wq/wk/wv, plus 1 or 2 for the MLP input);
+* full activation checkpointing (Chen et al. 2016; Korthikanti §4, "2·s·b·h·L") keeps each block's input and, in
+  backward, one recomputed block's activations.
+The loss adds logits work of b·s·V: log_softmax output, its gradient and the logits' gradient (3·b·s·V in fp32,
+cross-entropy runs in fp32 under autocast), or the logits' gradient plus the head weight's fresh gradient
+(b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
+
+Phases. Not everything is alive at once: gradients are freed (set_to_none) after each step while activations are
+freed during backward. The peak is the largest of these moments, each summed term by term: "init" (model built
+whole before it is sharded), "backward start" (all activations, loss workspace), "backward end" (all gradients;
+a tied embedding/head then has three V·h gradients alive: the head's, the embedding's and their sum), "optimizer
+step". The breakdown reported is the one of the peak moment. Per strategy:
+* ddp: gradients live in all-reduce buckets for the whole run (`gradient_as_bucket_view=True`);
+* fsdp / fsdp_grad_op (FSDP2 `fully_shard` per block, then the root): shards of parameters, gradients and AdamW
+  state over N; gathered copies of two blocks in backward (current + prefetch) or, with reshard_after_forward=False,
+  of every block from forward to backward; the root (embeddings, final norm, head) gathered, its gradients unsharded
+  until the end of backward, then copied into a reduce-scatter input (N > 1; with N = 1 the shard is the gradient);
+* deepspeed_zero2: whole flat weights, master + moments (12Ψ/N) and the gradient partition; the step flattens a
+  fp32 gradient partition; deepspeed_zero3: everything /N, plus the live gathered parameters the strategy allows
+  (`distributed/deepspeed.py`: 24·h² elements, about two blocks, but at least the largest module: the V·h head).
+
+Empirical terms, labelled as such: the CPU runtime baseline (peak RSS of the Python/torch/Lightning process with a
+negligible model) and DeepSpeed's import, measured by the benchmark; on CUDA `max_memory_allocated` excludes the
+context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: FSDP's dim-0 padding of shards
+(< 0.1 % here), allocator fragmentation, data-loader workers, torch.compile, token/target ids (16·b·s bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.distributed.config import STRATEGIES
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import count_parameters
+
+__all__ = [
+    "CPU_DEEPSPEED_IMPORT_BYTES",
+    "CPU_RUNTIME_BYTES",
+    "MemoryEstimate",
+    "estimate_activation_bytes",
+    "estimate_memory",
+    "max_micro_batch_that_fits",
+]
+
+DEVICE_KINDS = ("cpu", "cuda", "hpu")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
+OPTIMIZER_STATES = {"adamw": 2}  # tensors of optimizer state per parameter: AdamW's exp_avg and exp_avg_sq
+
+# Empirical, calibrated by benchmarks/bench_memory_estimate.py (2026-11-23; torch 2.13 CPU, Lightning 2.6, Python
+# 3.11, RSS with MALLOC_MMAP_THRESHOLD_=131072): peak RSS of a training process minus the estimate of its negligible
+# model: the interpreter, torch, Lightning and our code, plus the library pages the kernels touch (~105 MiB of it
+# file-backed). DeepSpeed's import (ops, accelerator registry) adds its own.
+CPU_RUNTIME_BYTES = 390 * 2**20
+CPU_DEEPSPEED_IMPORT_BYTES = 73 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Peak bytes per rank, split into what is alive at the peak moment (`peak_phase`); `total_bytes` sums them."""
+
+    strategy: str  # resolved: "single" is one process without DDP
+    world_size: int
+    micro_batch_size: int
+    context_length: int
+    precision: str  # resolved ("auto" → the device's default)
+    activation_checkpointing: bool
+    device_kind: str
+    parameters: int  # elements in the whole model (tied weights once)
+    peak_phase: str  # "init", "backward start", "backward end" or "optimizer step"
+    params_bytes: int  # stored weights + gathered/cast copies alive at the peak
+    grads_bytes: int
+    optimizer_bytes: int  # AdamW moments (+ fp32 master weights where the strategy keeps them)
+    activations_bytes: int  # saved for backward
+    workspace_bytes: int  # loss/logits work, transient gradients, communication buffers
+    runtime_bytes: int  # process baseline (empirical on CPU)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.rows())
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(component, bytes) in the table's order."""
+        return [
+            ("params", self.params_bytes),
+            ("grads", self.grads_bytes),
+            ("optimizer", self.optimizer_bytes),
+            ("activations", self.activations_bytes),
+            ("workspace", self.workspace_bytes),
+            ("runtime", self.runtime_bytes),
+        ]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Parameter counts (elements) and widths, from `count_parameters` on one- and two-block copies (meta)."""
+
+    params: int
+    block: int  # one transformer block
+    root: int  # embeddings, final norm, head
+    head: int  # output weight, padded_vocab × dim
+    tied: bool
+    layers: int
+    dim: int
+    ffn: int
+    kv_dim: int
+    heads: int
+    vocab: int
+    llama: bool
+    dropout: bool
+
+
+def _shape(cfg: ModelConfig) -> _Shape:
+    if cfg.vocab_size is None:
+        raise ConfigError(
+            "model.vocab_size",
+            "is null; resolve it from the dataset (ModelConfig.resolve_vocab) before estimating",
+        )
+    one = count_parameters(replace(cfg, num_layers=1))
+    block = count_parameters(replace(cfg, num_layers=2)) - one
+    return _Shape(
+        params=(one - block) + cfg.num_layers * block,
+        block=block,
+        root=one - block,
+        head=cfg.padded_vocab_size * cfg.dim,
+        tied=cfg.tie_embeddings,
+        layers=cfg.num_layers,
+        dim=cfg.dim,
+        ffn=cfg.hidden_dim,
+        kv_dim=cfg.kv_heads * cfg.head_dim,
+        heads=cfg.num_heads,
+        vocab=cfg.padded_vocab_size,
+        llama=cfg.arch == "llama",
+        dropout=cfg.dropout > 0,
+    )
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Bytes per element of each kind of tensor, for one precision under one strategy."""
+
+    weight: int  # stored parameters (replicas or shards)
+    gathered: int  # FSDP/ZeRO-3 gathered parameters and their unsharded gradients
+    grad: int  # gradients as kept (DDP buckets, FSDP shards, ZeRO partitions)
+    state: int  # one optimizer state tensor
+    master: int  # separate fp32 master copy (DeepSpeed), 0 = none
+    compute: int  # activations on the matmul path
+    residual: int  # residual stream and the norms' saved tensors
+    loss: int  # log_softmax and its gradients
+    autocast: bool  # torch.autocast: a norm's fp32 output is cast once per linear that reads it
+    weight_casts: bool  # autocast also casts every fp32 matmul weight (kept for backward)
+
+
+def _element_bytes(precision: str, strategy: str) -> _Bytes:
+    half = precision != "32-true"
+    if strategy.startswith("deepspeed"):
+        # Lightning's DeepSpeedPrecision turns on DeepSpeed's bf16/fp16 mode: 16-bit module, fp32 master partitions.
+        w = 2 if half else 4
+        return _Bytes(w, w, w, 4, 4, w, w, w, autocast=False, weight_casts=False)
+    if precision == "32-true":
+        return _Bytes(4, 4, 4, 4, 0, 4, 4, 4, autocast=False, weight_casts=False)
+    if precision == "bf16-true":  # Lightning HalfPrecision: module, gradients and AdamW moments in bf16
+        return _Bytes(2, 2, 2, 2, 0, 2, 2, 2, autocast=False, weight_casts=False)
+    if strategy in ("fsdp", "fsdp_grad_op"):  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        return _Bytes(4, 2, 4, 4, 0, 2, 2, 4, autocast=True, weight_casts=False)
+    return _Bytes(4, 4, 4, 4, 0, 2, 4, 4, autocast=True, weight_casts=True)
+
+
+def _fused_attention(device_kind: str, dropout: bool) -> bool:
+    """Flash/memory-efficient SDPA on CUDA; CPU flash has no dropout; on HPU not confirmed (module docstring)."""
+    return device_kind == "cuda" or (device_kind == "cpu" and not dropout)
+
+
+def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str) -> int:
+    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring)."""
+    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn, s * b
+    statistics = 2 * sb * (4 if sh.llama else 2 * e.residual)  # fp32 rstd (RMSNorm); mean, rstd (LayerNorm)
+    # LayerNorm keeps its input; the composite RMSNorm keeps its input and x·rsqrt, both upcast to fp32.
+    norm_side = (4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics
+    linear_inputs = ((5 if sh.llama else 4) if e.autocast else 2) * sbh * e.compute
+    mlp = (4 if sh.llama else 2) * sbf * e.compute
+    if _fused_attention(device_kind, sh.dropout):
+        attention = (2 * sbh + 2 * sb * sh.kv_dim) * e.compute + b * sh.heads * s * 4  # q, out, k, v; lse
+    else:  # math path: scaled q/k copies, k/v repeated to all heads, softmax (+ mask and dropped probabilities)
+        attention = 4 * sbh * e.compute + (3 if sh.dropout else 1) * sh.heads * s * s * b * e.compute
+    masks = 2 * sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
+    return norm_side + linear_inputs + mlp + attention + masks
+
+
+def _mask_bytes(e: _Bytes, device_kind: str) -> int:
+    """Dropout keeps a bool mask on CUDA, a scaled mask in the input dtype on CPU (and, assumed, HPU)."""
+    return 1 if device_kind == "cuda" else e.compute
+
+
+def _activation_bytes(sh: _Shape, b: int, s: int, e: _Bytes, ckpt: bool, device_kind: str) -> int:
+    sbh = s * b * sh.dim
+    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) + sbh * e.compute  # final norm; head input
+    embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
+    layer = _layer_bytes(sh, b, s, e, device_kind)
+    blocks = sh.layers * sbh * e.residual + layer if ckpt else sh.layers * layer
+    return blocks + head_side + embedding_mask
+
+
+def _loss_workspace(sh: _Shape, b: int, s: int, e: _Bytes, head_grad_bytes: int) -> int:
+    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger."""
+    logits = b * s * sh.vocab
+    return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)
+
+
+@dataclass(frozen=True)
+class _Phase:
+    name: str
+    params: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    workspace: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+
+
+@dataclass(frozen=True)
+class _Run:
+    sh: _Shape
+    e: _Bytes
+    n: int
+    b: int
+    s: int
+    ckpt: bool
+    device_kind: str
+    states: int
+
+    @property
+    def activations(self) -> int:
+        return _activation_bytes(self.sh, self.b, self.s, self.e, self.ckpt, self.device_kind)
+
+    def optimizer(self, shards: int) -> float:
+        return (self.states * self.e.state + self.e.master) * self.sh.params / shards
+
+    def loss(self, head_grad_bytes: int) -> int:
+        return _loss_workspace(self.sh, self.b, self.s, self.e, head_grad_bytes)
+
+    def weight_casts(self) -> int:
+        """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %)."""
+        if not self.e.weight_casts:
+            return 0
+        blocks = 1 if self.ckpt else self.sh.layers
+        return 2 * (blocks * self.sh.block + self.sh.head)
+
+    def tied_grads(self, count: int, grad_bytes: int) -> int:
+        """Extra V·h gradients at the end of backward: tied head + embedding gradients and their sum."""
+        return count * self.sh.head * grad_bytes if self.sh.tied else 0
+
+
+def _replicated(r: _Run) -> float:
+    return r.sh.params * r.e.weight
+
+
+def _single(r: _Run) -> list[_Phase]:
+    p, e, sh = _replicated(r), r.e, r.sh
+    return [
+        _Phase("backward start", p + r.weight_casts(), 0, r.optimizer(1), r.activations, r.loss(e.grad)),
+        _Phase("backward end", p, sh.params * e.grad, r.optimizer(1), 0, r.tied_grads(2, e.grad)),
+    ]
+
+
+def _ddp(r: _Run) -> list[_Phase]:
+    p, e, sh = _replicated(r), r.e, r.sh
+    buckets = sh.params * e.grad
+    # The last gradients to arrive: three tied V·h tensors, or an untied embedding's, before the copy into a bucket.
+    end = r.tied_grads(3, e.grad) if sh.tied else sh.head * e.grad
+    return [
+        _Phase(
+            "backward start", p + r.weight_casts(), buckets, r.optimizer(1), r.activations, r.loss(e.grad)
+        ),
+        _Phase("backward end", p, buckets, r.optimizer(1), 0, end),
+    ]
+
+
+def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
+    e, sh, n = r.e, r.sh, r.n
+    shards = sh.params * e.weight / n
+    gathered_blocks = min(2, sh.layers) if reshard_after_forward else sh.layers
+    gathered = (gathered_blocks * sh.block + sh.root) * e.gathered
+    # The root's gradients stay unsharded until the end of backward. With N > 1 they are then copied into a
+    # reduce-scatter input; before that, a tied table has two more V·h gradients (head's, embedding's) alive.
+    # With N = 1 the unsharded gradient is the shard itself.
+    tied = r.tied_grads(2, e.gathered)
+    root_end = sh.root * e.gathered + max(tied, sh.root * e.grad) if n > 1 else tied
+    phases = [
+        _Phase("backward start", shards + gathered, 0, r.optimizer(n), r.activations, r.loss(e.gathered)),
+        _Phase(
+            "backward end",
+            shards + sh.root * e.gathered,
+            sh.params * e.grad / n,
+            r.optimizer(n),
+            0,
+            root_end,
+        ),
+    ]
+    if r.device_kind == "cpu":  # configure_model builds the whole model on the host before fully_shard
+        phases.append(_Phase("init", sh.params * _build_bytes(e) + sh.block * e.weight / n))
+    return phases
+
+
+def _build_bytes(e: _Bytes) -> int:
+    return 2 if e.weight == 2 and e.master == 0 else 4  # bf16-true builds in bf16; everything else in fp32
+
+
+def _zero2(r: _Run) -> list[_Phase]:
+    e, sh, n = r.e, r.sh, r.n
+    flat = sh.params * e.weight
+    partition = sh.params * e.grad / n
+    bucket = sh.dim**2 * e.grad  # reduce_bucket_size = h² (distributed/deepspeed.py)
+    end = r.tied_grads(2, e.grad) if sh.tied else sh.head * e.grad
+    init = max(4 * sh.params, 2 * flat, flat + 4 * sh.params / n)  # fp32 build, flatten copy, master clone
+    return [
+        _Phase("backward start", flat, 0, r.optimizer(n), r.activations, r.loss(e.grad)),
+        _Phase("backward end", flat, partition + bucket, r.optimizer(n), 0, end),
+        _Phase("optimizer step", flat, partition, r.optimizer(n), 0, 4 * sh.params / n),
+        _Phase("init", init),
+    ]
+
+
+def _zero3(r: _Run) -> list[_Phase]:
+    e, sh, n = r.e, r.sh, r.n
+    partition = sh.params * e.weight / n
+    # stage3_max_live_parameters = 24·h² elements (≈ two blocks), never less than the largest module being run (a
+    # block, or the V·h head gathered at the start of backward); prefetching (0.9·h²) is off with gloo.
+    prefetch = 0 if r.device_kind == "cpu" else int(0.9 * sh.dim**2)
+    live = min(sh.params, max(24 * sh.dim**2, sh.block, sh.head) + prefetch) * e.gathered
+    grads = sh.params * e.grad / n  # a flat gradient partition kept for the whole run
+    sub_group = 4 * min(16 * sh.dim**2, sh.params / n)  # fp32 gradients of one optimizer sub-group
+    phases = [
+        _Phase("backward start", partition + live, grads, r.optimizer(n), r.activations, r.loss(e.gathered)),
+        _Phase("optimizer step", partition, grads, r.optimizer(n), 0, sub_group),
+    ]
+    if r.device_kind == "cpu":  # ZeroStrategy builds the whole model (no zero.Init), then partitions it
+        phases.append(_Phase("init", sh.params * _build_bytes(e) + partition + 4 * sh.params / n))
+    return phases
+
+
+_PHASES: dict[str, Callable[[_Run], list[_Phase]]] = {
+    "single": _single,
+    "ddp": _ddp,
+    "fsdp": lambda r: _fsdp(r, reshard_after_forward=True),
+    "fsdp_grad_op": lambda r: _fsdp(r, reshard_after_forward=False),
+    "deepspeed_zero2": _zero2,
+    "deepspeed_zero3": _zero3,
+}
+
+
+def _resolve(strategy: str, world_size: int, precision: str, device_kind: str) -> tuple[str, str]:
+    """Validated (strategy, precision), resolved as the trainer does (`resolve_strategy`, `plan_device`)."""
+    if device_kind not in DEVICE_KINDS:
+        raise ConfigError("train.device", f"must be one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
+    if strategy not in STRATEGIES:
+        raise ConfigError("parallel.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if precision not in PRECISIONS:
+        raise ConfigError("train.precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UserInputError(f"world_size must be a positive number of ranks, got {world_size!r}")
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 or device_kind == "hpu" else "single"
+    if precision == "auto":
+        precision = "32-true" if device_kind == "cpu" else "bf16-mixed"
+    if precision == "16-mixed" and (device_kind != "cuda" or strategy in ("fsdp", "fsdp_grad_op")):
+        raise ConfigError(
+            "train.precision",
+            "16-mixed needs cuda and a strategy other than fsdp/fsdp_grad_op; use bf16-mixed",
+        )
+    return strategy, precision
+
+
+def _build_run(
+    model: ModelConfig,
+    *,
+    strategy: str,
+    world_size: int,
+    micro_batch_size: int,
+    context_length: int | None,
+    precision: str,
+    activation_checkpointing: bool,
+    optimizer: str,
+    device_kind: str,
+) -> tuple[_Run, str, str]:
+    strategy, precision = _resolve(strategy, world_size, precision, device_kind)
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ConfigError("train.micro_batch_size", f"must be a positive integer, got {micro_batch_size!r}")
+    seq = model.context_length if context_length is None else context_length
+    if not 0 < seq <= model.context_length:
+        raise ConfigError(
+            "model.context_length", f"must be between 1 and the model's {model.context_length}, got {seq}"
+        )
+    if optimizer not in OPTIMIZER_STATES:
+        raise UserInputError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+    run = _Run(
+        sh=_shape(model),
+        e=_element_bytes(precision, strategy),
+        n=world_size,
+        b=micro_batch_size,
+        s=seq,
+        ckpt=activation_checkpointing,
+        device_kind=device_kind,
+        states=OPTIMIZER_STATES[optimizer],
+    )
+    return run, strategy, precision
+
+
+def estimate_memory(
+    model: ModelConfig,
+    *,
+    strategy: str = "auto",
+    world_size: int = 1,
+    micro_batch_size: int = 1,
+    context_length: int | None = None,
+    precision: str = "auto",
+    activation_checkpointing: bool = False,
+    optimizer: str = "adamw",
+    device_kind: str = "cpu",
+) -> MemoryEstimate:
+    """Peak memory per rank of training `model` (vocab_size resolved) with these settings; see the module docstring.
+
+    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one); world_size:
+    data-parallel ranks; micro_batch_size: sequences per forward pass per rank; context_length: tokens per
+    sequence (default and maximum: the model's); precision: a `train.precision` value ("auto" = 32-true on cpu,
+    bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu.
+    """
+    run, strategy, precision = _build_run(
+        model,
+        strategy=strategy,
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+        context_length=context_length,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        optimizer=optimizer,
+        device_kind=device_kind,
+    )
+    peak = max(_PHASES[strategy](run), key=lambda phase: phase.total)
+    runtime = 0
+    if device_kind == "cpu":
+        runtime = CPU_RUNTIME_BYTES + (CPU_DEEPSPEED_IMPORT_BYTES if strategy.startswith("deepspeed") else 0)
+    return MemoryEstimate(
+        strategy=strategy,
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+        context_length=run.s,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        device_kind=device_kind,
+        parameters=run.sh.params,
+        peak_phase=peak.name,
+        params_bytes=round(peak.params),
+        grads_bytes=round(peak.grads),
+        optimizer_bytes=round(peak.optimizer),
+        activations_bytes=round(peak.activations),
+        workspace_bytes=round(peak.workspace),
+        runtime_bytes=runtime,
+    )
+
+
+def estimate_activation_bytes(
+    model: ModelConfig,
+    *,
+    micro_batch_size: int = 1,
+    context_length: int | None = None,
+    precision: str = "auto",
+    activation_checkpointing: bool = False,
+    strategy: str = "auto",
+    device_kind: str = "cpu",
+) -> int:
+    """Activations saved for backward per rank at the start of backward (loss workspace not included).
+
+    Without checkpointing: every block's saved tensors plus the final norm and head inputs; with it: each block's
+    input, one recomputed block, and the same head-side tensors. The strategy matters only through precision
+    (FSDP's bf16 parameters make the residual stream bf16). Arguments as in `estimate_memory`.
+    """
+    run, _, _ = _build_run(
+        model,
+        strategy=strategy,
+        world_size=1,
+        micro_batch_size=micro_batch_size,
+        context_length=context_length,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        optimizer="adamw",
+        device_kind=device_kind,
+    )
+    return run.activations
+
+
+def max_micro_batch_that_fits(
+    model: ModelConfig,
+    *,
+    budget_bytes: int,
+    strategy: str = "auto",
+    world_size: int = 1,
+    context_length: int | None = None,
+    precision: str = "auto",
+    activation_checkpointing: bool = False,
+    optimizer: str = "adamw",
+    device_kind: str = "cpu",
+    limit: int = 65536,
+) -> int:
+    """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
+
+    Other arguments as in `estimate_memory`. The estimate never shrinks as the micro-batch grows, so this doubles,
+    then bisects: O(log limit) estimates, each a few milliseconds.
+    """
+
+    def fits(micro: int) -> bool:
+        est = estimate_memory(
+            model,
+            strategy=strategy,
+            world_size=world_size,
+            micro_batch_size=micro,
+            context_length=context_length,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            optimizer=optimizer,
+            device_kind=device_kind,
+        )
+        return est.total_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)  # low fits, high does not (or is past the limit)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -1,0 +1,340 @@
+"""The search: estimator-guided bisection on the micro-batch per group, early stop, pruning, a trial cache.
+
+A *group* is one strategy × precision × global batch. In each group, with activation checkpointing and compile
+off and the default thread count:
+
+1. The memory estimate prunes every micro-batch that cannot fit the budget, before anything runs.
+2. The largest micro-batch the estimate allows is run; if it runs out of memory, bisection over the smaller
+   divisors finds the largest that really fits (the estimator is a guide, the trial decides).
+3. From there the search walks to smaller micro-batches while each is at least `min_gain` faster than the best so
+   far (early stop when gains fall below 2 % by default).
+4. Only when memory stopped the group below its largest micro-batch is activation checkpointing tried, at the
+   larger micro-batches it lets fit; at a micro-batch that fits without it, checkpointing is dominated (the same
+   math plus recomputation) and pruned without running.
+
+A group whose first trial is below `dominated_below` × the best tokens/s so far is not explored further; a group
+whose first trial crashes (e.g. a strategy whose library is missing) is given up. Finally, the best configuration
+is refined one axis at a time (threads per rank on CPU, then `torch.compile`), each change kept only if it gains
+`min_gain`. Every trial is appended to a cache, so a re-run with the same config and settings resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.tune.config import TuneConfig
+from gaudi3_scale.tune.space import Candidate, SearchSpace
+from gaudi3_scale.tune.trial import TrialResult
+
+__all__ = ["SearchOutcome", "TrialCache", "search"]
+
+RunFn = Callable[[Candidate, int | None], TrialResult]
+EstimateFn = Callable[[Candidate], int | None]
+
+
+class TrialCache:
+    """Trials already run for this config and settings (`trials.jsonl`, one JSON object per line)."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self.results: dict[str, TrialResult] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed tuner
+                if record.get("fingerprint") == fingerprint:
+                    result = TrialResult.from_dict(record["result"])
+                    self.results[result.key] = result
+
+    def get(self, key: str) -> TrialResult | None:
+        return self.results.get(key)
+
+    def add(self, result: TrialResult) -> None:
+        self.results[result.key] = result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"fingerprint": self.fingerprint, "result": result.to_dict()}) + "\n")
+
+
+@dataclass
+class SearchOutcome:
+    results: list[TrialResult]
+    best: TrialResult | None
+    limit: str
+    trials_run: int
+    trials_cached: int
+    wall_s: float
+    skipped_for_time: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def ranked(self) -> list[TrialResult]:
+        """Measured trials fastest first, then failed ones, then pruned and skipped points."""
+        order = {"ok": 0, "oom": 1, "timeout": 2, "crash": 3, "pruned": 4, "skipped": 5}
+        return sorted(self.results, key=lambda r: (order[r.status], -(r.tokens_per_s or 0.0)))
+
+
+class _Search:
+    def __init__(
+        self,
+        space: SearchSpace,
+        config: TuneConfig,
+        run: RunFn,
+        estimate: EstimateFn,
+        cache: TrialCache,
+        on_result: Callable[[TrialResult, bool], None] | None,
+    ) -> None:
+        self.space, self.config, self.run_fn, self.estimate, self.cache = space, config, run, estimate, cache
+        self.on_result = on_result
+        self.results: dict[str, TrialResult] = {}
+        self.started = time.perf_counter()
+        self.trials_run = 0
+        self.trials_cached = 0
+        self.skipped_for_time = 0
+        self.trial_walls: list[float] = []
+        self.notes: list[str] = []
+
+    # -- one point ---------------------------------------------------------------------------------------------
+    def evaluate(self, c: Candidate) -> TrialResult:
+        if c.key in self.results:
+            return self.results[c.key]
+        budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
+        estimate = self.estimate(c)
+        if budget is not None and estimate is not None and estimate > budget:
+            result = TrialResult(
+                candidate=c,
+                status="pruned",
+                estimate_bytes=estimate,
+                reason=f"estimated {estimate / 2**30:.2f} GiB > budget {budget / 2**30:.2f} GiB: not run",
+            )
+            return self._record(result, cached=False)
+        cached = self.cache.get(c.key)
+        if cached is not None and cached.ran:
+            self.trials_cached += 1
+            return self._record(cached, cached=True)
+        if self._out_of_time():
+            self.skipped_for_time += 1
+            result = TrialResult(candidate=c, status="skipped", estimate_bytes=estimate, reason="time budget")
+            return self._record(result, cached=False)
+        result = self.run_fn(c, estimate)
+        self.trials_run += 1
+        self.trial_walls.append(result.wall_s)
+        self.cache.add(result)
+        return self._record(result, cached=False)
+
+    def _record(self, result: TrialResult, *, cached: bool) -> TrialResult:
+        self.results[result.key] = result
+        if self.on_result is not None:
+            self.on_result(result, cached)
+        return result
+
+    def prune(self, c: Candidate, reason: str) -> None:
+        if c.key not in self.results:
+            self._record(TrialResult(candidate=c, status="pruned", reason=reason), cached=False)
+
+    def _out_of_time(self) -> bool:
+        limit = self.config.time_budget_s
+        if limit is None:
+            return False
+        elapsed = time.perf_counter() - self.started
+        typical = sorted(self.trial_walls)[len(self.trial_walls) // 2] if self.trial_walls else 0.0
+        return elapsed + typical > limit
+
+    def best(self) -> TrialResult | None:
+        ok = [r for r in self.results.values() if r.status == "ok"]
+        return max(ok, key=lambda r: r.tokens_per_s or 0.0, default=None)
+
+    def _faster(self, result: TrialResult, than: TrialResult | None) -> bool:
+        if result.status != "ok":
+            return False
+        if than is None:
+            return True
+        return (result.tokens_per_s or 0.0) >= (than.tokens_per_s or 0.0) * (1 + self.config.min_gain)
+
+    # -- one group ---------------------------------------------------------------------------------------------
+    def group(self, base: Candidate) -> None:
+        mbs = self.space.micro_batches(base.global_batch_size)
+        at = {m: replace(base, micro_batch_size=m) for m in mbs}
+        budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
+
+        def fits(c: Candidate) -> bool:
+            estimate = self.estimate(c)
+            return budget is None or estimate is None or estimate <= budget
+
+        allowed = [m for m in mbs if fits(at[m])]
+        for m in mbs:
+            if m not in allowed:
+                self.evaluate(at[m])  # records it as pruned by the estimate
+        group_best: TrialResult | None = None
+        top: int | None = None  # index into mbs of the largest micro-batch that really fits
+        if allowed:
+            hi = mbs.index(allowed[-1])
+            first = self.evaluate(at[mbs[hi]])
+            if first.status in ("crash", "timeout"):
+                self.notes.append(f"{_group_name(base)}: given up after its first trial ({first.status})")
+                return
+            if first.status == "ok":
+                top = hi
+            else:  # out of memory: bisect below
+                lo, hi = 0, hi - 1
+                while lo <= hi:
+                    mid = (lo + hi) // 2
+                    r = self.evaluate(at[mbs[mid]])
+                    if r.status == "ok":
+                        top, lo = mid, mid + 1
+                    elif r.status == "oom":
+                        hi = mid - 1
+                    else:
+                        break
+            if top is not None:
+                group_best = self.results[at[mbs[top]].key]
+                overall = self.best()
+                if (
+                    overall is not None
+                    and overall is not group_best
+                    and (group_best.tokens_per_s or 0.0)
+                    < (overall.tokens_per_s or 0.0) * self.config.dominated_below
+                ):
+                    self.notes.append(
+                        f"{_group_name(base)}: not explored further "
+                        f"(< {self.config.dominated_below:.0%} of the best so far)"
+                    )
+                else:
+                    for i in range(top - 1, -1, -1):
+                        r = self.evaluate(at[mbs[i]])
+                        if not self._faster(r, group_best):
+                            break
+                        group_best = r
+        # Activation checkpointing: only where memory, not the batch, stopped the group.
+        if True not in self.space.activation_checkpointing:
+            return
+        limit = top if top is not None else -1
+        for i, m in enumerate(mbs):
+            if i <= limit:
+                self.prune(
+                    replace(at[m], activation_checkpointing=True),
+                    "dominated: fits without activation checkpointing, which only adds recomputation",
+                )
+        larger = [replace(at[m], activation_checkpointing=True) for m in mbs[limit + 1 :]]
+        if larger:
+            for c in reversed(
+                [c for c in larger if fits(c)][-3:]
+            ):  # the largest that may fit, at most 3 tries
+                r = self.evaluate(c)
+                if r.status == "ok":
+                    break
+                if r.status != "oom":
+                    break
+            for c in larger:
+                if not fits(c):
+                    self.evaluate(c)
+
+    # -- refinement of the winner ---------------------------------------------------------------------------
+    def refine(self) -> None:
+        best = self.best()
+        if best is None:
+            return
+        base = best.candidate
+        for threads in self.space.threads:
+            if threads != base.threads:
+                r = self.evaluate(replace(base, threads=threads))
+                if self._faster(r, best):
+                    best = r
+        base = best.candidate
+        if True in self.space.compile and not base.compile and base.strategy != "deepspeed_zero3":
+            r = self.evaluate(replace(base, compile=True))
+            if self._faster(r, best):
+                best = r
+
+    def limit_line(self, best: TrialResult | None) -> str:
+        if best is None:
+            if self.skipped_for_time:
+                return "time budget: it ran out before any trial finished"
+            counts = Counter(r.status for r in self.results.values() if r.ran)
+            if not counts:
+                return "memory: the estimate prunes every configuration at this budget"
+            if set(counts) == {"oom"}:
+                return "memory: no configuration fits (every trial ran out of memory)"
+            return (
+                "failures: no trial finished ("
+                + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                + ")"
+            )
+        c = best.candidate
+        mbs = self.space.micro_batches(c.global_batch_size)
+        bigger = [replace(c, micro_batch_size=m) for m in mbs if m > c.micro_batch_size]
+        if self.skipped_for_time:
+            return f"time budget: {self.skipped_for_time} planned trial(s) skipped"
+        if not bigger:
+            return (
+                f"search space: micro-batch {c.micro_batch_size} is the whole per-rank batch (no accumulation); "
+                "only a larger global batch could go further"
+            )
+        nxt = self.results.get(bigger[0].key)
+        if nxt is not None and (nxt.status == "oom" or (nxt.status == "pruned" and "budget" in nxt.reason)):
+            return f"memory: micro-batch {bigger[0].micro_batch_size} does not fit ({nxt.reason})"
+        return (
+            f"throughput plateau: no other micro-batch, thread count or compile setting was "
+            f"{self.config.min_gain:.0%} faster"
+        )
+
+
+def _group_name(c: Candidate) -> str:
+    return f"{c.strategy} {c.precision} global batch {c.global_batch_size}"
+
+
+def search(
+    space: SearchSpace,
+    config: TuneConfig,
+    *,
+    run: RunFn,
+    estimate: EstimateFn,
+    cache: TrialCache,
+    on_result: Callable[[TrialResult, bool], None] | None = None,
+) -> SearchOutcome:
+    """Search `space`; `run` executes one trial (see trial.run_trial), `estimate` gives bytes per rank."""
+    s = _Search(space, config, run, estimate, cache, on_result)
+    default_threads = space.threads[0]
+    for strategy in space.strategies:
+        for precision in space.precisions:
+            for gb in space.global_batches:
+                base = Candidate(
+                    strategy=strategy,
+                    precision=precision,
+                    global_batch_size=gb,
+                    micro_batch_size=space.micro_batches(gb)[-1],
+                    activation_checkpointing=False,
+                    compile=False,
+                    threads=default_threads,
+                )
+                s.group(base)
+    s.refine()
+    best = s.best()
+    return SearchOutcome(
+        results=list(s.results.values()),
+        best=best,
+        limit=s.limit_line(best),
+        trials_run=s.trials_run,
+        trials_cached=s.trials_cached,
+        wall_s=time.perf_counter() - s.started,
+        skipped_for_time=s.skipped_for_time,
+        notes=s.notes,
+    )
+
+
+def outcome_summary(outcome: SearchOutcome) -> dict[str, Any]:
+    return {
+        "trials_run": outcome.trials_run,
+        "trials_cached": outcome.trials_cached,
+        "wall_s": outcome.wall_s,
+        "limit": outcome.limit,
+        "notes": outcome.notes,
+    }

@@ -1,0 +1,233 @@
+"""What the tuner may change: one `Candidate` per point of the search space, and how a space is built.
+
+The global batch stays what the user asked for (or one of a user range): a candidate picks a micro-batch that
+divides the per-rank batch, and gradient accumulation makes up the rest, so every candidate trains on the same
+tokens per optimizer step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.train.config import RunConfig
+
+__all__ = [
+    "Candidate",
+    "SearchSpace",
+    "available_strategies",
+    "build_space",
+    "device_kind",
+    "divisors",
+    "supported_precisions",
+]
+
+# Strategies the tuner compares at several ranks, in the order it tries them (cheapest communication first).
+MULTI_RANK_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    strategy: str
+    precision: str
+    global_batch_size: int
+    micro_batch_size: int
+    activation_checkpointing: bool
+    compile: bool
+    threads: int | None  # intra-op threads per rank (CPU); None = the run's default
+
+    def accumulation(self, world_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * world_size)
+
+    @property
+    def key(self) -> str:
+        """Stable identity of this point (the trial cache's key, with the run config's hash)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def overrides(self) -> list[str]:
+        """The `gaudi3 train` config overrides that make a run this candidate."""
+        out = [
+            f"--parallel.strategy={self.strategy}",
+            f"--train.precision={self.precision}",
+            f"--train.global_batch_size={self.global_batch_size}",
+            f"--train.micro_batch_size={self.micro_batch_size}",
+            f"--parallel.activation_checkpointing={str(self.activation_checkpointing).lower()}",
+            f"--train.compile={str(self.compile).lower()}",
+        ]
+        if self.threads is not None:
+            out.append(f"--train.threads={self.threads}")
+        return out
+
+    def label(self, world_size: int) -> str:
+        parts = [
+            self.strategy,
+            self.precision,
+            f"gb {self.global_batch_size}",
+            f"mb {self.micro_batch_size}×{self.accumulation(world_size)}",
+        ]
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        if self.compile:
+            parts.append("compile")
+        if self.threads is not None:
+            parts.append(f"{self.threads} thr")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    world_size: int
+    device: str
+    strategies: tuple[str, ...]
+    precisions: tuple[str, ...]
+    global_batches: tuple[int, ...]
+    activation_checkpointing: tuple[bool, ...]
+    compile: tuple[bool, ...]
+    threads: tuple[int | None, ...]
+
+    def micro_batches(self, global_batch: int) -> list[int]:
+        return divisors(global_batch // self.world_size)
+
+    def candidates(self) -> list[Candidate]:
+        """Every point of the space (the exhaustive grid), in a fixed order."""
+        out = []
+        for strategy in self.strategies:
+            for precision in self.precisions:
+                for gb in self.global_batches:
+                    for mb in self.micro_batches(gb):
+                        for ckpt in self.activation_checkpointing:
+                            for comp in self.compile:
+                                if comp and strategy == "deepspeed_zero3":
+                                    continue  # refused by the run config: dynamo cannot trace ZeRO-3's hooks
+                                for threads in self.threads:
+                                    out.append(
+                                        Candidate(
+                                            strategy=strategy,
+                                            precision=precision,
+                                            global_batch_size=gb,
+                                            micro_batch_size=mb,
+                                            activation_checkpointing=ckpt,
+                                            compile=comp,
+                                            threads=threads,
+                                        )
+                                    )
+        return out
+
+    def describe(self) -> str:
+        mbs = sorted({mb for gb in self.global_batches for mb in self.micro_batches(gb)})
+        return (
+            f"{len(self.candidates())} configurations: strategy {'/'.join(self.strategies)} × precision "
+            f"{'/'.join(self.precisions)} × global batch {'/'.join(map(str, self.global_batches))} × micro-batch "
+            f"{'/'.join(map(str, mbs))} × activation checkpointing {_onoff(self.activation_checkpointing)} × "
+            f"compile {_onoff(self.compile)}"
+            + (f" × threads {'/'.join(str(t) for t in self.threads)}" if self.threads != (None,) else "")
+            + f", {self.world_size} rank(s) on {self.device}"
+        )
+
+
+def _onoff(values: tuple[bool, ...]) -> str:
+    return "/".join("on" if v else "off" for v in values)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def device_kind(config: RunConfig) -> str:
+    device = config.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _cpu_has_bf16() -> bool:
+    """bf16 arithmetic in hardware (AVX-512 BF16 or AMX); otherwise bf16 on CPU is emulated and never faster."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def supported_precisions(device: str) -> tuple[str, ...]:
+    if device == "cuda":
+        return ("bf16-mixed",) if torch.cuda.is_bf16_supported() else ("16-mixed", "32-true")
+    if device == "hpu":
+        return ("bf16-mixed",)  # not yet validated on Gaudi hardware
+    return ("32-true", "bf16-mixed") if _cpu_has_bf16() else ("32-true",)
+
+
+def available_strategies(world_size: int) -> tuple[str, ...]:
+    if world_size == 1:
+        return ("auto",)  # one device: nothing to shard; every strategy is plain training
+    have_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    return tuple(s for s in MULTI_RANK_STRATEGIES if have_deepspeed or not s.startswith("deepspeed"))
+
+
+def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
+    """The run's default (usable cores ÷ ranks) and half of it: fewer threads per rank can win on busy hosts."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    per_rank = max(1, cores // world_size)
+    return tuple(sorted({per_rank, max(1, per_rank // 2)}, reverse=True))
+
+
+def build_space(
+    config: RunConfig,
+    *,
+    world_size: int,
+    global_batches: tuple[int, ...] | None = None,
+    strategies: tuple[str, ...] | None = None,
+    precisions: tuple[str, ...] | None = None,
+    activation_checkpointing: tuple[bool, ...] = (False, True),
+    compile: tuple[bool, ...] = (False, True),
+    threads: tuple[int | None, ...] | None = None,
+) -> SearchSpace:
+    """The space for `config` on `world_size` ranks; bad choices get one line naming the flag."""
+    if world_size < 1:
+        raise UserInputError(f"--world-size must be at least 1, got {world_size}")
+    device = device_kind(config)
+    batches = global_batches or (config.train.global_batch_size,)
+    for gb in batches:
+        if gb < world_size or gb % world_size:
+            raise UserInputError(
+                f"global batch {gb} sequences cannot be split over {world_size} ranks: it must be a multiple of "
+                f"the world size (e.g. {max(world_size, gb // world_size * world_size)} or "
+                f"{(gb // world_size + 1) * world_size})"
+            )
+    allowed = available_strategies(world_size)
+    if strategies:
+        unknown = [s for s in strategies if s not in allowed]
+        if unknown:
+            raise UserInputError(
+                f"--strategies: {', '.join(unknown)} not available with {world_size} rank(s); "
+                f"allowed: {', '.join(allowed)}"
+            )
+    supported = supported_precisions(device)
+    if precisions:
+        unknown = [p for p in precisions if p not in supported]
+        if unknown:
+            raise UserInputError(
+                f"--precisions: {', '.join(unknown)} not supported on {device} here; allowed: {', '.join(supported)}"
+            )
+    if threads is None:
+        threads = _cpu_threads(world_size) if device == "cpu" else (None,)
+    return SearchSpace(
+        world_size=world_size,
+        device=device,
+        strategies=tuple(strategies or allowed),
+        precisions=tuple(precisions or supported),
+        global_batches=tuple(sorted(set(batches))),
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        threads=threads,
+    )

@@ -1,0 +1,356 @@
+"""`gaudi3 tune` end to end: space → search with real trials → ranked table, CSV, JSON and the winner's YAML."""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.tune.config import TuneConfig
+from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
+from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
+from gaudi3_scale.tune.space import Candidate, SearchSpace
+from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
+
+__all__ = ["TuneResult", "default_memory_budget", "run_tuner", "winner_config"]
+
+
+@dataclass
+class TuneResult:
+    outcome: SearchOutcome
+    space: SearchSpace
+    config: TuneConfig
+    base: RunConfig
+    best_config: RunConfig | None
+    out_dir: Path
+    lr_note: str
+
+    @property
+    def best(self) -> TrialResult | None:
+        return self.outcome.best
+
+
+def default_memory_budget(device: str, world_size: int, target_utilization: float) -> int:
+    """Per-rank budget: the device's memory (CPU: this host's RAM shared by the ranks) × target utilization."""
+    if device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+    elif device == "hpu":
+        from gaudi3_scale.device.specs import find_accelerator
+
+        spec = find_accelerator("Gaudi 3")
+        if spec is None or not spec.memory_gb:
+            raise UserInputError("--memory-budget is required on hpu (device memory unknown)")
+        total = int(spec.memory_gb * 1e9)
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total // world_size
+    return int(total * target_utilization)
+
+
+def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int | None]:
+    from gaudi3_scale.tune.estimate_table import resolved_model
+    from gaudi3_scale.tune.memory import estimate_memory
+
+    model = resolved_model(base)
+
+    def estimate(c: Candidate) -> int | None:
+        est = estimate_memory(
+            model,
+            strategy=c.strategy,
+            world_size=space.world_size,
+            micro_batch_size=c.micro_batch_size,
+            context_length=base.model.context_length,
+            precision=c.precision,
+            activation_checkpointing=c.activation_checkpointing,
+            device_kind=space.device,
+        )
+        return int(est.total_bytes)
+
+    return estimate
+
+
+def _check_budget_possible(
+    space: SearchSpace, estimate: Callable[[Candidate], int | None], budget: int
+) -> None:
+    """An impossible memory budget is bad input (exit 2), not a search that prunes everything."""
+    sized = [(e, c) for c in space.candidates() if (e := estimate(c)) is not None]
+    if not sized:
+        return
+    smallest, c = min(sized, key=lambda ec: ec[0])
+    if smallest > budget:
+        raise UserInputError(
+            f"--memory-budget {budget / 2**30:.2f} GiB per rank cannot hold any configuration: the smallest "
+            f"estimate is {smallest / 2**30:.2f} GiB ({c.label(space.world_size)}); give at least that, more "
+            "ranks, or --no-estimate-pruning to let trials decide"
+        )
+
+
+def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> tuple[RunConfig, str]:
+    """The run config of candidate `c`, schedule rescaled for its global batch; validated like any config."""
+    raw = to_dict(base)
+    sched = rescale_schedule(
+        lr=base.optim.lr,
+        min_lr=base.optim.min_lr,
+        warmup_steps=base.optim.warmup_steps,
+        max_steps=base.train.max_steps,
+        from_batch=base.train.global_batch_size,
+        to_batch=c.global_batch_size,
+        rule=rule,  # type: ignore[arg-type]
+    )
+    raw["optim"].update(lr=sched.lr, min_lr=sched.min_lr, warmup_steps=sched.warmup_steps)
+    raw["train"].update(
+        global_batch_size=c.global_batch_size,
+        global_batch_tokens=None,
+        micro_batch_size=c.micro_batch_size,
+        precision=c.precision,
+        compile=c.compile,
+        threads=c.threads,
+        max_steps=sched.max_steps,
+    )
+    raw["parallel"].update(
+        strategy=c.strategy, activation_checkpointing=c.activation_checkpointing, nproc_per_node=world_size
+    )
+    return from_dict(RunConfig, raw), sched.describe(rule)
+
+
+def _fingerprint(base: RunConfig, space: SearchSpace, config: TuneConfig) -> str:
+    """Trials are reused only for the same run config, ranks, budget and measurement settings."""
+    return config_sha256(
+        {
+            "run": to_dict(base),
+            "world_size": space.world_size,
+            "memory_budget_bytes": config.memory_budget_bytes,
+            "warmup_steps": config.warmup_steps,
+            "measure_steps": config.measure_steps,
+            "trial_timeout_s": config.trial_timeout_s,
+        }
+    )
+
+
+def run_tuner(
+    base: RunConfig,
+    space: SearchSpace,
+    config: TuneConfig,
+    out_dir: Path,
+    *,
+    console: Console | None = None,
+    estimate: Callable[[Candidate], int | None] | None = None,
+    extra_overrides: tuple[str, ...] = (),
+) -> TuneResult:
+    console = console or Console(stderr=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trials_dir = out_dir / "trials"
+    base_yaml = out_dir / "base.yaml"
+    save_yaml(base, base_yaml)
+    estimate = estimate or _estimator(base, space)
+    if config.prune_by_estimate and config.memory_budget_bytes is not None:
+        _check_budget_possible(space, estimate, config.memory_budget_bytes)
+    settings = TrialSettings(
+        world_size=space.world_size,
+        device=space.device,
+        warmup_steps=config.warmup_steps,
+        measure_steps=config.measure_steps,
+        timeout_s=config.trial_timeout_s,
+        memory_budget_bytes=config.memory_budget_bytes,
+        extra_overrides=extra_overrides,
+    )
+    context = base.model.context_length
+
+    def run(c: Candidate, est: int | None) -> TrialResult:
+        progress.update(task, description=f"trial: {c.label(space.world_size)}")
+        return run_trial(
+            base_yaml,
+            c,
+            settings,
+            trials_dir / c.key,
+            tokens_per_step=c.global_batch_size * context,
+            estimate_bytes=est,
+        )
+
+    def on_result(r: TrialResult, cached: bool) -> None:
+        if r.ran:
+            progress.advance(task)
+            tps = f"{r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s else r.status
+            progress.console.print(
+                f"  {r.candidate.label(space.world_size)}: {tps}{' (cached)' if cached else ''}"
+                + ("" if r.status == "ok" else f" — {r.reason}"),
+                highlight=False,
+            )
+
+    cache = TrialCache(out_dir / "trials.jsonl", _fingerprint(base, space, config))
+    groups = len(space.strategies) * len(space.precisions) * len(space.global_batches)
+    expected = groups * 3 + len(space.threads) + 1  # rough: the bar's total grows if the search needs more
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} trials"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("tuning", total=expected)
+
+        def on_result_growing(r: TrialResult, cached: bool) -> None:
+            total = progress.tasks[0].total or 0
+            if r.ran and progress.tasks[0].completed + 1 >= total:
+                progress.update(task, total=total + 2)
+            on_result(r, cached)
+
+        outcome = search(space, config, run=run, estimate=estimate, cache=cache, on_result=on_result_growing)
+    best_config, lr_note = None, ""
+    if outcome.best is not None:
+        best_config, lr_note = winner_config(base, outcome.best.candidate, space.world_size, config.lr_rule)
+        save_yaml(best_config, out_dir / "best.yaml")
+    result = TuneResult(outcome, space, config, base, best_config, out_dir, lr_note)
+    write_reports(result)
+    return result
+
+
+# -- reports ---------------------------------------------------------------------------------------------------
+COLUMNS = ("rank", "config", "status", "tokens/s", "step s", "peak GiB", "estimate GiB", "wall s", "why")
+
+
+def _row(i: int | None, r: TrialResult, world: int) -> list[str]:
+    return [
+        str(i) if i is not None else "",
+        r.candidate.label(world),
+        r.status,
+        f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "",
+        f"{r.step_time_s:.3f}" if r.step_time_s else "",
+        f"{r.peak_memory_bytes / 2**30:.2f}" if r.peak_memory_bytes else "",
+        f"{r.estimate_bytes / 2**30:.2f}" if r.estimate_bytes else "",
+        f"{r.wall_s:.1f}" if r.ran else "",
+        r.reason,
+    ]
+
+
+def write_reports(result: TuneResult) -> None:
+    out, world = result.out_dir, result.space.world_size
+    ranked = result.outcome.ranked()
+    with (out / "trials.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            [
+                "rank",
+                "status",
+                "tokens_per_s",
+                "step_time_s",
+                "peak_memory_bytes",
+                "estimate_bytes",
+                "wall_s",
+                "strategy",
+                "precision",
+                "global_batch_size",
+                "micro_batch_size",
+                "accumulation",
+                "activation_checkpointing",
+                "compile",
+                "threads",
+                "reason",
+            ]
+        )
+        for i, r in enumerate(ranked, 1):
+            c = r.candidate
+            writer.writerow(
+                [
+                    i if r.status == "ok" else "",
+                    r.status,
+                    r.tokens_per_s or "",
+                    r.step_time_s or "",
+                    r.peak_memory_bytes or "",
+                    r.estimate_bytes or "",
+                    round(r.wall_s, 3) if r.ran else "",
+                    c.strategy,
+                    c.precision,
+                    c.global_batch_size,
+                    c.micro_batch_size,
+                    c.accumulation(world),
+                    c.activation_checkpointing,
+                    c.compile,
+                    c.threads if c.threads is not None else "",
+                    r.reason,
+                ]
+            )
+    best = result.best
+    report: dict[str, Any] = {
+        "space": result.space.describe(),
+        "grid_size": len(result.space.candidates()),
+        "world_size": world,
+        "device": result.space.device,
+        "memory_budget_bytes": result.config.memory_budget_bytes,
+        "time_budget_s": result.config.time_budget_s,
+        "min_gain": result.config.min_gain,
+        "lr_rule": result.config.lr_rule,
+        "lr_rule_source": LR_RULES[result.config.lr_rule],
+        "trials_run": result.outcome.trials_run,
+        "trials_cached": result.outcome.trials_cached,
+        "wall_s": result.outcome.wall_s,
+        "limit": result.outcome.limit,
+        "notes": result.outcome.notes,
+        "best": best.to_dict() if best else None,
+        "best_config": str(out / "best.yaml") if best else None,
+        "schedule": result.lr_note,
+        "trials": [r.to_dict() for r in ranked],
+        "environment": {"python": platform.python_version(), "platform": platform.platform(), "date": _now()},
+    }
+    (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def print_report(result: TuneResult, console: Console) -> None:
+    world = result.space.world_size
+    table = Table(title=f"gaudi3 tune: {result.space.describe()}", show_header=True, header_style="bold")
+    for col in COLUMNS:
+        table.add_column(
+            col, justify="right" if col in ("tokens/s", "step s", "peak GiB", "wall s") else "left"
+        )
+    rank = 0
+    for r in result.outcome.ranked():
+        if r.status == "ok":
+            rank += 1
+        table.add_row(*_row(rank if r.status == "ok" else None, r, world))
+    console.print(table)
+    o = result.outcome
+    console.print(
+        f"{o.trials_run} trials run ({o.trials_cached} from the cache) of a {len(result.space.candidates())}-point "
+        f"space in {o.wall_s:.0f} s",
+        highlight=False,
+    )
+    for note in o.notes:
+        console.print(f"note: {note}", highlight=False)
+    if result.best is not None:
+        c = result.best.candidate
+        console.print(
+            f"best: {c.label(world)} — {result.best.tokens_per_s:,.0f} tokens/s",
+            highlight=False,
+            style="bold",
+        )
+        console.print(f"schedule: {result.lr_note}", highlight=False)
+        console.print(f"written: {result.out_dir / 'best.yaml'} (gaudi3 train --config it)", highlight=False)
+    console.print(f"limited by {o.limit}", highlight=False)
+    console.print(
+        f"results: {result.out_dir}/ (tune.json, trials.csv, trials.jsonl, trials/)", highlight=False
+    )
+
+
+def replace_budget(config: TuneConfig, budget: int) -> TuneConfig:
+    return replace(config, memory_budget_bytes=budget)

@@ -1,0 +1,193 @@
+"""`gaudi3 tune` with real trials: each one a short `gaudi3 train` run in its own process group."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+# Trials as short as a measurement can be: 1 unmeasured + 1 measured step, one thread per rank.
+SHORT = ["--warmup-steps", "1", "--measure-steps", "1", "--compile", "off", "--threads", "1"]
+
+
+def _gaudi3(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Global batch 128 under a 0.5 GiB budget: micro-batch 128 needs ~0.75 GiB RSS here, 8 about 0.43 GiB.
+
+    Estimate pruning is off, so the bisection meets real out-of-memory trials (the RSS watcher kills them).
+    """
+    out = tmp_path_factory.mktemp("tune") / "run"
+    args = ["tune", "--global-batch", "128", "--memory-budget", "0.5GiB", "--no-estimate-pruning", "--precisions",
+            "32-true"]  # fmt: skip
+    proc = _gaudi3(*args, "--activation-checkpointing", "off", *SHORT, "--out", str(out))
+    return out, proc
+
+
+def _report(out: Path) -> dict[str, Any]:
+    return json.loads((out / "tune.json").read_text())
+
+
+def test_out_of_memory_trials_are_recorded_and_the_search_continues_below_them(
+    tuned: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, proc = tuned
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = _report(out)
+    trials = {t["candidate"]["micro_batch_size"]: t for t in report["trials"]}
+    assert trials[128]["status"] == "oom" and "memory budget exceeded" in trials[128]["reason"]
+    best = report["best"]
+    assert best["status"] == "ok" and best["candidate"]["micro_batch_size"] < 128
+    assert best["peak_memory_bytes"] <= 0.5 * 2**30
+    ok = [t for t in report["trials"] if t["status"] == "ok"]
+    assert best["tokens_per_s"] == max(t["tokens_per_s"] for t in ok)
+    assert len(ok) >= 1 and report["trials_run"] < report["grid_size"]
+    # The bisection never ran a micro-batch above one that ran out of memory... and recorded why each ended.
+    smallest_oom = min(m for m, t in trials.items() if t["status"] == "oom")
+    assert all(m < smallest_oom for m, t in trials.items() if t["status"] == "ok")
+    assert all(t["reason"] for t in report["trials"])
+    assert "limited by memory: micro-batch" in proc.stdout or "limited by throughput plateau" in proc.stdout
+
+
+def test_reports_agree_with_each_other(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, proc = tuned
+    report = _report(out)
+    with (out / "trials.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(report["trials"])
+    for row, trial in zip(rows, report["trials"], strict=True):
+        assert row["status"] == trial["status"]
+        assert int(row["micro_batch_size"]) == trial["candidate"]["micro_batch_size"]
+        assert int(row["accumulation"]) == 128 // trial["candidate"]["micro_batch_size"]
+        if trial["tokens_per_s"]:
+            assert float(row["tokens_per_s"]) == pytest.approx(trial["tokens_per_s"])
+    assert rows[0]["rank"] == "1" and rows[0]["status"] == "ok"
+    mb = report["best"]["candidate"]["micro_batch_size"]
+    label = f"mb {mb}×{128 // mb}"
+    assert f"best: auto 32-true gb 128 {label}" in proc.stdout
+
+
+def test_the_winner_yaml_trains_and_a_rerun_comes_from_the_cache(
+    tuned: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    out, _ = tuned
+    best = _report(out)["best"]["candidate"]
+    written = yaml.safe_load((out / "best.yaml").read_text())
+    assert written["train"]["micro_batch_size"] == best["micro_batch_size"]
+    assert written["train"]["global_batch_size"] == 128 and written["train"]["threads"] == 1
+    # The config's global batch is 12 sequences; 128 is k = 128/12 times larger: lr × √k (the default rule).
+    assert written["optim"]["lr"] == pytest.approx(1e-3 * (128 / 12) ** 0.5)
+    assert written["optim"]["warmup_steps"] == 10  # ceil(100 / k): the same warmup tokens
+    run = _gaudi3("train", "--config", str(out / "best.yaml"), "--out", str(tmp_path / "train"), "--no-progress",
+                  "--sample-tokens", "0", "--train.max_steps", "2", "--train.val_batches", "1")  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    args = ["tune", "--global-batch", "128", "--memory-budget", "0.5GiB", "--no-estimate-pruning", "--precisions",
+            "32-true"]  # fmt: skip
+    again = _gaudi3(*args, "--activation-checkpointing", "off", *SHORT, "--out", str(out))
+    assert again.returncode == 0, again.stdout + again.stderr
+    report = _report(out)
+    assert report["trials_run"] == 0 and report["trials_cached"] >= 2
+    assert report["best"]["candidate"] == best
+
+
+def test_a_whole_strategy_failing_does_not_stop_the_tuner(tmp_path: Path) -> None:
+    """DeepSpeed made unimportable in the trials (as on a machine without it working): every deepspeed trial
+    crashes; the tuner records that, gives the strategy up, and still picks a winner among the others."""
+    shim = tmp_path / "shim" / "deepspeed"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(
+        'raise ImportError("deepspeed is broken on this machine (test shim)")\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(shim.parent)}
+    out = tmp_path / "tune"
+    proc = _gaudi3("tune", "--world-size", "2", "--strategies", "ddp,deepspeed_zero2", "--global-batch", "2",
+                   "--precisions", "32-true",
+                   "--activation-checkpointing", "off", *SHORT, "--model.num_layers", "2", "--out", str(out),
+                   env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = _report(out)
+    by_strategy = {t["candidate"]["strategy"]: t for t in report["trials"]}
+    assert by_strategy["deepspeed_zero2"]["status"] == "crash"
+    assert "deepspeed" in by_strategy["deepspeed_zero2"]["reason"]
+    assert by_strategy["ddp"]["status"] == "ok" and report["best"]["candidate"]["strategy"] == "ddp"
+    assert any("deepspeed_zero2" in note and "given up" in note for note in report["notes"])
+    assert report["best"]["candidate"]["micro_batch_size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--memory-budget", "1MiB"], "--memory-budget 0.00 GiB per rank cannot hold any configuration"),
+        (["--memory-budget", "plenty"], "--memory-budget: cannot read 'plenty'"),
+        (["--world-size", "5"], "global batch 12 sequences cannot be split over 5 ranks"),
+        (["--global-batch", "12,x"], "--global-batch: expected comma-separated whole numbers"),
+        (["--strategies", "zero9", "--world-size", "2"], "--strategies: zero9 not available with 2 rank(s)"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    gaudi3_cli: Callable[..., tuple[int, str, str]], tmp_path: Path, args: list[str], message: str
+) -> None:
+    code, out, err = gaudi3_cli("tune", *args, "--out", str(tmp_path / "t"))
+    assert code == 2, out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "t" / "trials.jsonl").exists()
+
+
+def test_a_hanging_trial_is_killed_and_nothing_fitting_exits_1(tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    proc = _gaudi3(
+        "tune", "--trial-timeout-s", "2", "--activation-checkpointing", "off", "--precisions", "32-true", *SHORT,
+        "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = _report(out)
+    (trial,) = [t for t in report["trials"] if t["status"] != "pruned"]
+    assert trial["status"] == "timeout" and "no result within 2 s" in trial["reason"]
+    assert trial["wall_s"] < 10  # killed, process group and all
+    assert report["best"] is None and not (out / "best.yaml").exists()
+    assert "limited by failures: no trial finished (1 timeout)" in proc.stdout
+
+
+def test_python_api_finds_a_micro_batch(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.api import AdaptiveBatchFinder
+
+    finder = AdaptiveBatchFinder(
+        "shakespeare-char",
+        target_hpu_utilization=0.5,
+        precision="32-true",
+        global_batch_size=2,
+        activation_checkpointing=(False,),
+        compile=(False,),
+        threads=(1,),
+        measure_steps=1,
+        out_dir=tmp_path / "api",
+    )
+    micro = finder.find_optimal_batch_size()
+    assert finder.result is not None and finder.result.best is not None
+    assert micro in (1, 2) and micro == finder.result.best.candidate.micro_batch_size
+    assert finder.config.memory_budget_bytes is not None and finder.config.memory_budget_bytes > 2**30
+    assert finder.result.best_config is not None
+    assert finder.result.best_config.train.micro_batch_size == micro
+    assert (tmp_path / "api" / "best.yaml").is_file()

@@ -1,0 +1,184 @@
+"""The tuner's pure parts: LR rescaling rules, sizes, the search space, failure classification."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.train.config import build_run_config
+from gaudi3_scale.tune.config import TuneConfig, parse_bytes
+from gaudi3_scale.tune.lr import rescale_schedule
+from gaudi3_scale.tune.space import Candidate, build_space, divisors
+from gaudi3_scale.tune.trial import classify_failure
+
+
+def _rescale(rule: str, to_batch: int) -> tuple[float, float, int, int]:
+    s = rescale_schedule(
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=100,
+        max_steps=2000,
+        from_batch=12,
+        to_batch=to_batch,
+        rule=rule,  # type: ignore[arg-type]
+    )
+    return s.lr, s.min_lr, s.warmup_steps, s.max_steps
+
+
+def test_linear_rule_scales_lr_by_the_batch_ratio_and_keeps_token_counts() -> None:
+    lr, min_lr, warmup, steps = _rescale("linear", 48)
+    assert lr == pytest.approx(4e-3) and min_lr == pytest.approx(4e-4)
+    assert warmup == 25 and steps == 500  # 100 × 12/48 and 2000 × 12/48: same tokens
+
+
+def test_sqrt_rule_scales_lr_by_the_square_root() -> None:
+    lr, min_lr, warmup, steps = _rescale("sqrt", 48)
+    assert lr == pytest.approx(2e-3) and min_lr == pytest.approx(2e-4)
+    assert (warmup, steps) == (25, 500)
+    lr, _, warmup, steps = _rescale("sqrt", 6)  # a smaller batch: smaller lr, more steps
+    assert lr == pytest.approx(1e-3 / math.sqrt(2)) and (warmup, steps) == (200, 4000)
+
+
+def test_rounding_keeps_at_least_the_tokens_and_none_keeps_lr() -> None:
+    lr, _, warmup, steps = _rescale("none", 36)
+    assert lr == 1e-3 and warmup == 34 and steps == 667  # ceil(100/3), ceil(2000/3)
+    same = rescale_schedule(
+        lr=1e-3, min_lr=0, warmup_steps=7, max_steps=9, from_batch=8, to_batch=8, rule="sqrt"
+    )
+    assert (same.lr, same.warmup_steps, same.max_steps, same.factor) == (1e-3, 7, 9, 1.0)
+    assert same.describe("sqrt").startswith("global batch unchanged")
+
+
+def test_unknown_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown learning-rate rule 'cubic'"):
+        rescale_schedule(lr=1, min_lr=0, warmup_steps=1, max_steps=1, from_batch=1, to_batch=2, rule="cubic")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16GiB", 16 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("80GB", 80 * 10**9),
+        ("1e9", 10**9),
+        ("1.5 gib", 3 * 2**29),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "16 GiBs", "-3GB", "0"])
+def test_parse_bytes_refuses_what_it_cannot_read(text: str) -> None:
+    with pytest.raises(UserInputError, match="--memory-budget"):
+        parse_bytes(text)
+
+
+def test_tune_config_refuses_bad_values() -> None:
+    with pytest.raises(UserInputError, match="--world-size must be at least 1"):
+        TuneConfig(world_size=0)
+    with pytest.raises(UserInputError, match="target_utilization"):
+        TuneConfig(target_utilization=1.5)
+    with pytest.raises(UserInputError, match="--time-budget-min must be positive"):
+        TuneConfig(time_budget_s=0)
+
+
+def test_divisors_and_candidates_keep_the_global_batch() -> None:
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    base = build_run_config(None, [("train.global_batch_size", "24")])
+    space = build_space(base, world_size=2, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,))
+    assert space.micro_batches(24) == [1, 2, 3, 4, 6, 12]
+    cands = space.candidates()
+    assert len(cands) == 2 * len(space.precisions) * 6 * 2  # strategies × precisions × micro × ckpt
+    for c in cands:
+        assert c.micro_batch_size * c.accumulation(2) * 2 == 24
+    assert len({c.key for c in cands}) == len(cands)
+
+
+def test_candidate_overrides_build_a_valid_run_config() -> None:
+    c = Candidate(
+        strategy="fsdp",
+        precision="32-true",
+        global_batch_size=24,
+        micro_batch_size=3,
+        activation_checkpointing=True,
+        compile=False,
+        threads=1,
+    )
+    pairs = [tuple(o[2:].split("=", 1)) for o in c.overrides()]
+    cfg = build_run_config(None, [*pairs, ("parallel.nproc_per_node", "2")])  # type: ignore[list-item]
+    assert cfg.parallel.strategy == "fsdp" and cfg.parallel.activation_checkpointing
+    assert cfg.train.gradient_accumulation(2) == 4 == c.accumulation(2)
+    assert c.label(2) == "fsdp 32-true gb 24 mb 3×4 ckpt 1 thr"
+
+
+def test_space_refuses_a_global_batch_the_ranks_cannot_split_and_unknown_choices() -> None:
+    base = build_run_config(None, [("train.global_batch_size", "12")])
+    with pytest.raises(UserInputError, match="global batch 12 sequences cannot be split over 5 ranks"):
+        build_space(base, world_size=5)
+    with pytest.raises(UserInputError, match=r"--strategies: zero9 not available.*allowed: ddp"):
+        build_space(base, world_size=2, strategies=("zero9",))
+    with pytest.raises(UserInputError, match="--precisions: 16-mixed not supported on cpu"):
+        build_space(base, world_size=1, precisions=("16-mixed",))
+    assert build_space(base, world_size=1).strategies == ("auto",)
+
+
+@pytest.mark.parametrize(
+    ("output", "status", "fragment"),
+    [
+        (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)",
+            "oom",
+            "out of memory (cuda)",
+        ),
+        (
+            "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 6576668672 bytes",
+            "oom",
+            "out of memory (cpu)",
+        ),
+        (
+            "RuntimeError: [Rank:1] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::939524096 (896)MB",
+            "oom",
+            "out of memory (hpu)",
+        ),
+        ("Traceback (most recent call last):\nImportError: deepspeed is broken\n", "crash", "ImportError"),
+    ],
+)
+def test_failures_are_classified_from_any_rank_output(output: str, status: str, fragment: str) -> None:
+    got, reason = classify_failure("[rank0] starting\n" + output + "\n[rank0] exiting", 1)
+    assert got == status and fragment in reason
+
+
+def test_a_sigkill_nobody_sent_counts_as_out_of_memory() -> None:
+    assert classify_failure("", -9)[0] == "oom"
+    assert classify_failure("", 137)[0] == "oom"
+    status, reason = classify_failure("", 3)
+    assert status == "crash" and reason == "exit code 3: exit code 3, no output"
+
+
+def test_a_rank_s_own_error_beats_the_launcher_s_report_of_it() -> None:
+    """The elastic agent ends a failed distributed trial with its own traceback and a report; the cause is the
+    rank's line above them (output as `gaudi3 train --nproc-per-node 2` prints it when a rank exits 2)."""
+    output = "\n".join(
+        [
+            "gaudi3: error: parallel.strategy deepspeed_zero2 needs DeepSpeed: pip install 'gaudi3-scale[deepspeed]'",
+            "Traceback (most recent call last):",
+            '  File ".../torch/distributed/launcher/api.py", line 383, in launch_agent',
+            "    raise ChildFailedError(",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "  exitcode  : 2 (pid: 3119) ",
+            "  error_file: <N/A>",
+            "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        ]
+    )
+    status, reason = classify_failure(output, 1)
+    assert status == "crash"
+    assert reason == (
+        "exit code 1: gaudi3: error: parallel.strategy deepspeed_zero2 needs DeepSpeed: "
+        "pip install 'gaudi3-scale[deepspeed]'"
+    )
+    status, reason = classify_failure(output.replace("gaudi3: error: ", "ValueError: "), 1)
+    assert reason.startswith("exit code 1: ValueError: parallel.strategy deepspeed_zero2")
