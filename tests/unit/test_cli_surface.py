@@ -13,6 +13,7 @@ from gaudi3_scale.cli.main import VERBS, cli
 BIN = Path(sys.executable).parent  # console scripts live beside the interpreter of the venv running the tests
 
 EXPECTED = {
+    "benchmark": [],
     "ckpt": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
@@ -51,6 +52,20 @@ def test_ckpt_subcommands_are_pinned() -> None:
         assert _options(group.commands[name]) == options, name
 
 
+def test_benchmark_subcommands_are_pinned() -> None:
+    group = cli.commands["benchmark"]
+    assert isinstance(group, click.Group)
+    expected = {
+        "run": ["--cell-timeout-s", "--matrix", "--out", "--retry-failed"],
+        "collect": ["--out"],
+        "report": ["--label", "--out", "--price", "--title"],
+        "matrices": [],
+    }
+    assert sorted(group.commands) == sorted(expected)
+    for name, options in expected.items():
+        assert _options(group.commands[name]) == options, name
+
+
 def test_console_scripts_and_module_entry_points() -> None:
     out = subprocess.run(
         [str(BIN / "gaudi3-train"), "--print-config", "--model.num_layers", "3"],
@@ -69,3 +84,6 @@ def test_console_scripts_and_module_entry_points() -> None:
         [str(BIN / "gaudi3"), "train", "--list-fields"], capture_output=True, text=True
     ).stdout
     assert "--model.num_layers" in fields and "--train.global_batch_size" in fields and "--optim.lr" in fields
+    assert "--benchmark.result" in fields
+    matrices = subprocess.run([str(BIN / "gaudi3-benchmark"), "matrices"], capture_output=True, text=True)
+    assert matrices.returncode == 0 and matrices.stdout.startswith("cpu-small: 4 cells"), matrices.stderr

@@ -7,11 +7,11 @@ import math
 import pytest
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.jobs import classify_failure
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 from gaudi3_scale.tune.lr import rescale_schedule
 from gaudi3_scale.tune.space import Candidate, build_space, divisors
-from gaudi3_scale.tune.trial import classify_failure
 
 
 def _rescale(rule: str, to_batch: int) -> tuple[float, float, int, int]:

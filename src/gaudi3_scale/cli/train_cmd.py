@@ -31,8 +31,13 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
             check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
         launch(cfg.parallel, worker_args)
         return
+    from gaudi3_scale.distributed.network import apply_network_preset
     from gaudi3_scale.train import GaudiTrainer
     from gaudi3_scale.train.callbacks import preemption_exit_code
+
+    # A single process, or a worker of a launcher that is not ours (torchrun -m gaudi3_scale.train): our launcher
+    # exported the preset already and a user's exports are never replaced, so this sets nothing twice.
+    apply_network_preset(cfg.parallel.network_preset)
     from gaudi3_scale.train.inference import generate_text, load_for_generation
 
     trainer = GaudiTrainer(cfg, progress=progress)
@@ -40,6 +45,13 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
     exit_code = preemption_exit_code(summary.get("stop_signal"))
     if trainer.trainer is not None and not trainer.trainer.is_global_zero:
         sys.exit(exit_code)
+    if cfg.benchmark.result and not exit_code and trainer.device_plan is not None:
+        from gaudi3_scale.bench.cell import emit_run_result
+
+        plan = trainer.device_plan
+        emit_run_result(
+            trainer.config, trainer.out_dir, precision=plan.precision, accelerator=plan.accelerator
+        )
     written = "config.yaml, metrics.jsonl, summary.json, loss.png" + (
         ", checkpoints/" if summary.get("checkpoint") else ""
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gaudi3_scale.config.core import check_positive, check_range
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.data.sources import DEFAULT_SYNTHETIC_VOCAB, synthetic_vocab
 
 __all__ = ["DataConfig"]
 
@@ -15,7 +17,8 @@ class DataConfig:
         default="tinyshakespeare",
         metadata={
             "help": "bundled corpus name, a text file / glob / directory, hf:NAME (several: comma-separated), "
-            "or a directory made by `gaudi3 prepare`"
+            "a directory made by `gaudi3 prepare`, or synthetic[:VOCAB]: uniformly random ids in [0, VOCAB) "
+            f"(default VOCAB {DEFAULT_SYNTHETIC_VOCAB}, GPT-2's; data.tokenizer does not apply)"
         },
     )
     tokenizer: str = field(
@@ -28,7 +31,14 @@ class DataConfig:
         default=0.1, metadata={"help": "fraction of each source's tokens held out for validation"}
     )
     split_seed: int = field(
-        default=0, metadata={"help": "seed of the train/val split (recorded in the manifest)"}
+        default=0,
+        metadata={"help": "seed of the train/val split, and of synthetic ids (recorded in the manifest)"},
+    )
+    synthetic_tokens: int = field(
+        default=2_000_000,
+        metadata={
+            "help": "tokens of the synthetic train split; val adds val_fraction of the total (source=synthetic)"
+        },
     )
     prepared_dir: str | None = field(
         default=None,
@@ -42,3 +52,12 @@ class DataConfig:
         check_positive("vocab_size", self.vocab_size)
         check_positive("prepare_workers", self.prepare_workers)
         check_positive("loader_workers", self.loader_workers, allow_zero=True)
+        check_positive("split_seed", self.split_seed, allow_zero=True)  # numpy seeds must be >= 0
+        check_positive("synthetic_tokens", self.synthetic_tokens)
+        vocab = synthetic_vocab(self.source)
+        if vocab is not None and self.vocab_size not in (None, vocab):
+            raise ConfigError(
+                "vocab_size",
+                f"data.source={self.source} has {vocab} ids; set it to null, or the source to "
+                f"synthetic:{self.vocab_size}",
+            )

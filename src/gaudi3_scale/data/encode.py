@@ -40,6 +40,7 @@ __all__ = [
     "ordered_map",
     "progress_bar",
     "tracked",
+    "write_shard",
     "write_splits",
 ]
 
@@ -132,8 +133,8 @@ def write_splits(
     train = (p for d in order for p in _read_range(docs[d], 0, num_train[d], dtype))
     val = (p for d in range(num_docs) for p in _read_range(docs[d], num_train[d], num_tokens[d], dtype))
     return [
-        _write_shard(partial / "train.bin", "train", train),
-        _write_shard(partial / "val.bin", "val", val),
+        write_shard(partial / "train.bin", "train", train),
+        write_shard(partial / "val.bin", "val", val),
     ]
 
 
@@ -149,7 +150,8 @@ def _read_range(
         offset += count
 
 
-def _write_shard(path: Path, split: str, pieces: Iterable[np.ndarray]) -> Shard:
+def write_shard(path: Path, split: str, pieces: Iterable[np.ndarray]) -> Shard:
+    """Write token arrays back to back into one shard, hashing them on the way (also used by `synthetic`)."""
     digest = hashlib.sha256()
     num_tokens = size_bytes = 0
     with path.open("wb") as fh:

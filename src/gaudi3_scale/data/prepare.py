@@ -14,7 +14,8 @@ place and the manifest written last, atomically. A directory with a manifest is 
 build that fails (bad UTF-8, a bad setting) leaves the previous dataset as it was. A re-run whose settings and
 source paths, sizes and mtimes are unchanged returns at once; if only mtimes moved, the sources are rehashed.
 
-Tokenizing in worker processes and writing the shards live in `encode`.
+Tokenizing in worker processes and writing the shards live in `encode`. ``data.source: synthetic[:VOCAB]`` takes
+the same path (directory, lock, cache check, atomic swap) but generates its ids instead (see `synthetic`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -54,6 +55,7 @@ from gaudi3_scale.data.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     Manifest,
+    Shard,
     SourceEntry,
     save_manifest,
     token_dtype,
@@ -69,8 +71,22 @@ from gaudi3_scale.data.sources import (
     resolve_source,
     sha256_file,
     split_into_chunks,
+    synthetic_vocab,
 )
-from gaudi3_scale.data.tokenizers import Tokenizer, build_tokenizer, is_tokenizer_path, load_tokenizer_file
+from gaudi3_scale.data.synthetic import (
+    SYNTHETIC_SPLIT_RULE,
+    synthetic_settings,
+    synthetic_split_sizes,
+    write_synthetic_splits,
+)
+from gaudi3_scale.data.tokenizers import (
+    TOKENIZER_FILE,
+    SyntheticTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    is_tokenizer_path,
+    load_tokenizer_file,
+)
 
 __all__ = ["SPLIT_RULE", "prepare_dataset"]
 
@@ -92,22 +108,36 @@ def prepare_dataset(
 
     `out_dir` overrides `cfg.prepared_dir` (None: the cache directory); `workers` overrides
     `cfg.prepare_workers`; `force` rebuilds even when up to date. A `cfg.source` that already is a prepared
-    directory is checked (sizes) and returned as it is.
+    directory is checked (sizes) and returned as it is; ``synthetic[:VOCAB]`` is generated, not tokenized.
     """
-    if is_prepared_dir(cfg.source):
+    vocab = synthetic_vocab(cfg.source)
+    if vocab is None and is_prepared_dir(cfg.source):
         # The source already is a prepared dataset: sizes are checked here, checksums when it is loaded.
         verify_prepared(Path(cfg.source), checksums=False)
         return Path(cfg.source)
-    source = resolve_source(cfg.source)
-    settings = _settings(cfg, source)
+    if vocab is None:
+        source = resolve_source(cfg.source)
+        settings = _settings(cfg, source)
+    else:
+        source = ResolvedSource(
+            spec=cfg.source, key=f"synthetic:{vocab}", name=f"synthetic-{vocab}", files=()
+        )
+        settings = synthetic_settings(cfg, vocab)
     target = Path(out_dir or cfg.prepared_dir or _default_dir(cfg, source, settings)).expanduser()
     fingerprint = _sha256_json(
         {"settings": settings, "files": [[str(f.path), f.size_bytes, f.mtime_ns] for f in source.files]}
     )
     target.mkdir(parents=True, exist_ok=True)
+    num_workers = workers or cfg.prepare_workers
+
+    def write(partial: Path) -> Manifest:
+        if vocab is not None:
+            return _generate_into(partial, cfg, vocab, settings, fingerprint)
+        return _tokenize_into(partial, cfg, source, settings, fingerprint, num_workers, progress)
+
     with _locked(target / _LOCK_FILE):
         if force or not _is_up_to_date(target, settings, fingerprint, source):
-            _build(cfg, source, target, settings, fingerprint, workers or cfg.prepare_workers, progress)
+            _build(target, write)
     return target
 
 
@@ -133,7 +163,11 @@ def _settings(cfg: DataConfig, source: ResolvedSource) -> dict[str, Any]:
 
 
 def _default_dir(cfg: DataConfig, source: ResolvedSource, settings: dict[str, Any]) -> Path:
-    """``<cache>/datasets/<source>-<tokenizer>[-<vocab>]-<hash of source spec, tokenizer, split settings>``."""
+    """``<cache>/datasets/<source>-<tokenizer>[-<vocab>]-<hash of source spec, tokenizer, split settings>``;
+    ``<cache>/datasets/synthetic-<vocab>-<hash of vocab, sizes and seed>`` for synthetic data."""
+    if synthetic_vocab(cfg.source) is not None:
+        key = {k: settings[k] for k in ("source", "synthetic_tokens", "val_fraction", "split_seed")}
+        return default_cache_dir() / "datasets" / f"{source.name}-{_sha256_json(key)[:10]}"
     key = {k: settings[k] for k in ("source", "tokenizer", "vocab_size", "val_fraction", "split_seed")}
     label = "custom" if is_tokenizer_path(cfg.tokenizer) else cfg.tokenizer
     vocab = f"-{cfg.vocab_size}" if cfg.vocab_size is not None else ""
@@ -173,21 +207,14 @@ def _is_up_to_date(target: Path, settings: dict[str, Any], fingerprint: str, sou
 # ---- the build --------------------------------------------------------------------------------------------
 
 
-def _build(
-    cfg: DataConfig,
-    source: ResolvedSource,
-    target: Path,
-    settings: dict[str, Any],
-    fingerprint: str,
-    workers: int,
-    progress: bool,
-) -> None:
+def _build(target: Path, write: Callable[[Path], Manifest]) -> None:
+    """Run `write` (shards + tokenizer into the directory it is given, returning their manifest), then swap in."""
     partial = target / _PARTIAL_DIR
     if partial.exists():
         shutil.rmtree(partial)  # left by a killed run
     partial.mkdir()
     try:
-        manifest = _tokenize_into(partial, cfg, source, settings, fingerprint, workers, progress)
+        manifest = write(partial)
         # Swap in. From the unlink until the new manifest lands, the directory does not look prepared; a build
         # that failed before this point left the previous dataset untouched (and consistent with its manifest).
         (target / MANIFEST_FILE).unlink(missing_ok=True)
@@ -226,20 +253,43 @@ def _tokenize_into(
         counts = list(tracked(pmap(encode_chunk, tasks), chunks, bar, f"tokenize ({workers} worker(s))"))
         shards = write_splits(partial, tasks, counts, len(source.files), cfg.val_fraction, cfg.split_seed)
         hashes = source_hashes.result()
+    sources = [
+        SourceEntry(path=str(f.path), size_bytes=f.size_bytes, sha256=h)
+        for f, h in zip(source.files, hashes, strict=True)
+    ]
+    return _manifest(cfg, tokenizer, shards, SPLIT_RULE, sources, settings, fingerprint)
+
+
+def _generate_into(
+    partial: Path, cfg: DataConfig, vocab_size: int, settings: dict[str, Any], fingerprint: str
+) -> Manifest:
+    tokenizer = SyntheticTokenizer(vocab_size)
+    tokenizer.save(partial)
+    sizes = synthetic_split_sizes(cfg.synthetic_tokens, cfg.val_fraction)
+    shards = write_synthetic_splits(partial, vocab_size, sizes, cfg.split_seed)
+    return _manifest(cfg, tokenizer, shards, SYNTHETIC_SPLIT_RULE, [], settings, fingerprint)
+
+
+def _manifest(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    shards: list[Shard],
+    split_rule: str,
+    sources: list[SourceEntry],
+    settings: dict[str, Any],
+    fingerprint: str,
+) -> Manifest:
     return Manifest(
         tokenizer_kind=tokenizer.kind,
-        tokenizer_file=tok_path.name,
+        tokenizer_file=TOKENIZER_FILE,
         vocab_size=tokenizer.vocab_size,
-        dtype=dtype,
+        dtype=token_dtype(tokenizer.vocab_size),
         num_tokens={s.split: s.num_tokens for s in shards},
         val_fraction=cfg.val_fraction,
         split_seed=cfg.split_seed,
-        split_rule=SPLIT_RULE,
+        split_rule=split_rule,
         source_spec=cfg.source,
-        sources=[
-            SourceEntry(path=str(f.path), size_bytes=f.size_bytes, sha256=h)
-            for f, h in zip(source.files, hashes, strict=True)
-        ],
+        sources=sources,
         shards=shards,
         settings=settings,
         fingerprint=fingerprint,

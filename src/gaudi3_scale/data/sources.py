@@ -2,6 +2,9 @@
 
 Every source resolves to a sorted list of UTF-8 files; each file is one *document* for the train/val split.
 Files are read in chunks cut just after a newline, so workers can tokenize them independently and in order.
+
+``synthetic[:VOCAB]`` is parsed here too, being a `data.source`, but it has no files: prepare generates it (see
+`synthetic`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 
 __all__ = [
     "CHUNK_BYTES",
+    "DEFAULT_SYNTHETIC_VOCAB",
     "MANIFEST_FILE",
     "Chunk",
     "ResolvedSource",
@@ -30,6 +34,7 @@ __all__ = [
     "resolve_source",
     "sha256_file",
     "split_into_chunks",
+    "synthetic_vocab",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -37,6 +42,11 @@ MANIFEST_FILE = "manifest.json"
 CHUNK_BYTES = 2 << 20
 _SNIFF_BYTES = 8192
 _GLOB_CHARS = re.compile(r"[*?\[]")
+# `data.source: synthetic[:VOCAB]` is generated, never read (see `synthetic`); the name is reserved, so a file
+# that happens to be called "synthetic" must be given as ./synthetic.
+_SYNTHETIC = "synthetic"
+DEFAULT_SYNTHETIC_VOCAB = 50257  # GPT-2's vocabulary (Radford et al. 2019), the usual benchmark size
+_MAX_SYNTHETIC_VOCAB = 1 << 32  # ids must fit the widest token dtype, uint32
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,23 @@ def bundled_corpora() -> dict[str, Path]:
 
 def is_prepared_dir(spec: str) -> bool:
     return Path(spec).is_dir() and (Path(spec) / MANIFEST_FILE).is_file()
+
+
+def synthetic_vocab(spec: str) -> int | None:
+    """The vocabulary size of a ``synthetic`` / ``synthetic:VOCAB`` source; None for every other source."""
+    if spec == _SYNTHETIC:
+        return DEFAULT_SYNTHETIC_VOCAB
+    if not spec.startswith(_SYNTHETIC + ":"):
+        return None
+    digits = spec[len(_SYNTHETIC) + 1 :]
+    vocab = int(digits) if re.fullmatch(r"[0-9]{1,12}", digits) else 0
+    if not 1 <= vocab <= _MAX_SYNTHETIC_VOCAB:
+        raise ConfigError(
+            "source",
+            f"{spec!r}: expected synthetic or synthetic:VOCAB with VOCAB an integer from 1 to "
+            f"{_MAX_SYNTHETIC_VOCAB}",
+        )
+    return vocab
 
 
 def _label(text: str) -> str:
@@ -118,6 +145,10 @@ def resolve_source(spec: str) -> ResolvedSource:
     Several sources may be given comma-separated (``gaudi3 prepare a.txt docs/``): their files are used in the
     order given, each file once.
     """
+    if synthetic_vocab(spec) is not None:  # prepare generates it; resolved here only as part of a list
+        raise ConfigError(
+            "source", f"{spec!r}: synthetic data has no files and cannot be combined with other sources"
+        )
     if "," in spec and not Path(spec).expanduser().exists():
         parts = [resolve_source(p.strip()) for p in spec.split(",") if p.strip()]
         merged = tuple(dict.fromkeys(f for part in parts for f in part.files))
@@ -150,7 +181,7 @@ def resolve_source(spec: str) -> ResolvedSource:
         raise ConfigError(
             "source",
             f"{spec!r} is not a bundled corpus ({', '.join(sorted(bundled))}), an existing file or directory, "
-            "a glob that matches files, or hf:NAME",
+            "a glob that matches files, hf:NAME, or synthetic[:VOCAB]",
         )
     stats = tuple(_stat(p) for p in files)
     if sum(f.size_bytes for f in stats) == 0:

@@ -4,16 +4,18 @@ Three kinds are built here and kept in a plain-dict registry: ``char`` (the voca
 characters in the data, as in nanoGPT's ``shakespeare_char``: tinyshakespeare gives 65), ``byte`` (UTF-8 bytes,
 256 ids, encodes anything) and ``bpe`` (byte-level BPE trained locally with Hugging Face ``tokenizers``, the GPT-2
 scheme, so any text round-trips). A path to an existing ``tokenizer.json`` is loaded with
-``tokenizers.Tokenizer.from_file``.
+``tokenizers.Tokenizer.from_file``. ``synthetic`` is not built from text: prepare saves it beside the random ids of
+``data.source: synthetic`` so that samples of a model trained on them can still be printed.
 
 Every kind saves itself as ``tokenizer.json`` in the prepared directory: Hugging Face's format for the BPE-backed
-kinds, a two-key JSON for ``char`` / ``byte``. `load_tokenizer` tells them apart by content, so the file alone is
+kinds, a two-key JSON for ``char`` / ``byte`` / ``synthetic``. `load_tokenizer` tells them apart by content, so the file alone is
 enough to decode a dataset.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ __all__ = [
     "ByteTokenizer",
     "CharTokenizer",
     "HFTokenizer",
+    "SyntheticTokenizer",
     "Tokenizer",
     "build_tokenizer",
     "get_tokenizer",
@@ -41,6 +44,8 @@ __all__ = [
 TOKENIZER_FILE = "tokenizer.json"
 _CHAR_TYPE = "gaudi3-char"
 _BYTE_TYPE = "gaudi3-byte"
+_SYNTHETIC_TYPE = "gaudi3-synthetic"
+_ID_OR_CHAR = re.compile(r"<([0-9]{1,12})>|.", re.DOTALL)
 
 
 class Tokenizer(ABC):
@@ -139,6 +144,45 @@ class ByteTokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return json.dumps({"type": _BYTE_TYPE})
+
+
+class SyntheticTokenizer(Tokenizer):
+    """The ids of ``data.source: synthetic`` mean nothing, so their text is the ids themselves: ``<17><4>``.
+
+    `encode` reads that form back; any other character c becomes ``ord(c) % vocab_size``, so every prompt (the
+    empty prompt's newline too) gives valid ids to start sampling from.
+    """
+
+    kind = "synthetic"
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"a synthetic tokenizer needs a positive vocab_size, got {vocab_size}")
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for match in _ID_OR_CHAR.finditer(text):
+            if match.group(1) is None:
+                ids.append(ord(match.group()) % self._vocab_size)
+                continue
+            token = int(match.group(1))
+            if token >= self._vocab_size:
+                raise UserInputError(
+                    f"synthetic tokenizer: <{token}> is not an id of its vocabulary [0, {self._vocab_size})"
+                )
+            ids.append(token)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"type": _SYNTHETIC_TYPE, "vocab_size": self._vocab_size})
 
 
 class HFTokenizer(Tokenizer):
@@ -265,6 +309,13 @@ def tokenizer_from_json(text: str, *, where: str = "tokenizer.json") -> Tokenize
         return CharTokenizer(data["chars"])
     if data.get("type") == _BYTE_TYPE:
         return ByteTokenizer()
+    if data.get("type") == _SYNTHETIC_TYPE:
+        vocab = data.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            raise UserInputError(
+                f"{where}: a synthetic tokenizer needs a positive integer vocab_size, got {vocab!r}"
+            )
+        return SyntheticTokenizer(vocab)
     if "model" in data:
         from tokenizers import Tokenizer as RawTokenizer
 

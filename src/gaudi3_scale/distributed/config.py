@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
 __all__ = ["STRATEGIES", "ParallelConfig"]
 
@@ -41,11 +42,21 @@ class ParallelConfig:
     max_restarts: int = field(
         default=0, metadata={"help": "restarts of the whole worker group after a failure"}
     )
+    network_preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "NCCL/HCCL environment variables exported at launch where not already set: "
+            + ", ".join(NETWORK_PRESETS)
+            + "; null = set nothing (docs/network_presets.md)"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_positive("nproc_per_node", self.nproc_per_node)
         check_positive("nnodes", self.nnodes)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        if self.network_preset is not None:
+            check_choice("network_preset", self.network_preset, sorted(NETWORK_PRESETS))
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 "node_rank", f"must be between 0 and nnodes - 1 ({self.nnodes - 1}), got {self.node_rank}"

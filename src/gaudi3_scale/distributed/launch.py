@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
+from gaudi3_scale.distributed.network import apply_network_preset
 
 __all__ = ["RESTARTABLE_EXIT_CODES", "free_port", "inside_launched_worker", "launch"]
 
@@ -65,6 +66,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     # restarted group can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712,
     # seen here with gloo after a SIGKILL under --max-restarts).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
     try:
         run(get_args_parser().parse_args(launcher_args))
     except SignalException as exc:
@@ -78,4 +80,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         restartable = sorted(codes & RESTARTABLE_EXIT_CODES)
         if restartable:
             raise SystemExit(restartable[-1]) from None
+        if codes == {2}:
+            # Every failed worker refused bad input and already said why in one line: no launcher traceback.
+            raise SystemExit(2) from None
         raise

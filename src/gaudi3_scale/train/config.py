@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gaudi3_scale.bench.config import BenchmarkConfig
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
@@ -164,6 +165,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -1,0 +1,67 @@
+"""The end of a benchmark cell's run, on its rank 0: the result from the run's metrics, written and printed.
+
+Any training run with `benchmark.result: true` is a cell: the matrix runner launches exactly that (`gaudi3 train
+--config cell.yaml --nproc-per-node N`), and so can a Kubernetes job; `gaudi3 benchmark collect` then reads the
+result from the job's logs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gaudi3_scale.bench.result import (
+    RESULT_FILE,
+    cell_section,
+    measure_h2d_gbps,
+    print_result,
+    result_from_metrics,
+    write_result,
+)
+
+if TYPE_CHECKING:
+    from gaudi3_scale.train.config import RunConfig
+
+__all__ = ["cell_of_config", "emit_run_result"]
+
+
+def cell_of_config(cfg: RunConfig, *, precision: str) -> dict[str, Any]:
+    from gaudi3_scale.distributed.strategies import resolve_strategy
+
+    world = cfg.parallel.world_size
+    return cell_section(
+        cell_id=cfg.benchmark.cell_id or cfg.name,
+        matrix=cfg.benchmark.matrix,
+        model=cfg.model.name,
+        strategy=resolve_strategy(cfg.parallel, world),
+        world_size=world,
+        nnodes=cfg.parallel.nnodes,
+        micro_batch_size=cfg.train.resolved_micro_batch(world),
+        global_batch_size=cfg.train.global_batch_size,
+        context_length=cfg.model.context_length,
+        precision=precision,
+        data=cfg.data.source,
+    )
+
+
+def emit_run_result(cfg: RunConfig, out_dir: Path, *, precision: str, accelerator: str) -> dict[str, Any]:
+    """Build the result of the finished run in `out_dir`, write `out_dir/benchmark_result.json`, print it."""
+    import torch
+
+    from gaudi3_scale.monitor.environment import environment_info
+
+    path = out_dir / "metrics.jsonl"
+    records = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
+    result = result_from_metrics(
+        cell_of_config(cfg, precision=precision),
+        records,
+        warmup_steps=cfg.benchmark.warmup_steps,
+        h2d_gbps=measure_h2d_gbps(torch.device(accelerator)),
+        environment=environment_info(),
+    )
+    write_result(result, out_dir / RESULT_FILE)
+    print_result(result)
+    return result

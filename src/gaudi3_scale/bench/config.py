@@ -1,0 +1,40 @@
+"""The `benchmark` section of a run config: what makes a training run a benchmark cell."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.errors import ConfigError
+
+__all__ = ["BenchmarkConfig"]
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(kw_only=True)
+class BenchmarkConfig:
+    result: bool = field(
+        default=False,
+        metadata={
+            "help": "at the end, rank 0 writes benchmark_result.json into the output directory and prints it "
+            "between GAUDI3-BENCHMARK-RESULT markers on stdout (for `gaudi3 benchmark collect` on pod logs)"
+        },
+    )
+    warmup_steps: int = field(
+        default=3,
+        metadata={"help": "first optimizer steps left out of the benchmark result (warm-up, compile)"},
+    )
+    cell_id: str | None = field(
+        default=None,
+        metadata={"help": "the cell's id in its matrix (letters, digits, . _ -); null = the run name"},
+    )
+    matrix: str | None = field(default=None, metadata={"help": "the matrix this cell belongs to"})
+
+    def __post_init__(self) -> None:
+        check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.cell_id is not None and not _ID.match(self.cell_id):
+            raise ConfigError(
+                "cell_id", f"must be letters, digits, '.', '_' or '-' (no spaces), got {self.cell_id!r}"
+            )

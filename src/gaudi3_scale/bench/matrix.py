@@ -1,0 +1,174 @@
+"""A benchmark matrix: strategy × world size × model preset × micro-batch × precision, each cell a training job.
+
+A matrix is a YAML file (or the name of one shipped in `bench/matrices/`):
+
+    name: cpu-small
+    description: …
+    models: [shakespeare-char]          # registry presets
+    strategies: [ddp, fsdp]             # parallel.strategy values
+    world_sizes: [1, 2]                 # ranks on one node (nproc_per_node)
+    micro_batch_sizes: [4]              # sequences per rank per forward pass
+    precisions: [32-true]               # train.precision values
+    accumulation: 1                     # global batch = micro-batch × ranks × accumulation (weak scaling)
+    data: synthetic                     # data.source: synthetic[:VOCAB], a bundled corpus, files…
+    warmup_steps: 3                     # steps left out of the result
+    measure_steps: 10
+    timeout_s: 900                      # per cell
+    base: {train: {threads: 1}}         # any run-config fields, for every cell
+
+Every cell's run config is built (and so validated) when the matrix is loaded: a bad value fails before anything
+runs, as one line naming the cell and the field.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gaudi3_scale.config.core import check_positive, from_dict, load_yaml
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+
+if TYPE_CHECKING:
+    from gaudi3_scale.train.config import RunConfig
+
+__all__ = ["Cell", "MatrixConfig", "list_matrices", "load_matrix"]
+
+
+@dataclass(kw_only=True)
+class MatrixConfig:
+    name: str = field(metadata={"help": "the matrix's name (recorded in every result)"})
+    description: str = field(default="", metadata={"help": "what the matrix compares"})
+    models: list[str] = field(
+        default_factory=lambda: ["shakespeare-char"], metadata={"help": "model presets"}
+    )
+    strategies: list[str] = field(
+        default_factory=lambda: ["ddp"], metadata={"help": "parallel.strategy values"}
+    )
+    world_sizes: list[int] = field(
+        default_factory=lambda: [1], metadata={"help": "ranks per cell (one node)"}
+    )
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [4], metadata={"help": "sequences per rank"})
+    precisions: list[str] = field(
+        default_factory=lambda: ["auto"], metadata={"help": "train.precision values"}
+    )
+    accumulation: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    data: str = field(default="synthetic", metadata={"help": "data.source of every cell"})
+    warmup_steps: int = field(default=3, metadata={"help": "steps left out of each result"})
+    measure_steps: int = field(default=10, metadata={"help": "measured steps per cell"})
+    timeout_s: float = field(default=900.0, metadata={"help": "kill a cell after this many seconds"})
+    base: Any = field(
+        default_factory=dict, metadata={"help": "run-config fields for every cell (nested mapping)"}
+    )
+
+    def __post_init__(self) -> None:
+        for axis in ("models", "strategies", "world_sizes", "micro_batch_sizes", "precisions"):
+            values = getattr(self, axis)
+            if not values:
+                raise ConfigError(axis, "must list at least one value")
+            if len(set(values)) != len(values):
+                raise ConfigError(axis, f"lists a value twice: {values}")
+        for name in ("world_sizes", "micro_batch_sizes"):
+            for v in getattr(self, name):
+                check_positive(name, v)
+        check_positive("accumulation", self.accumulation)
+        check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("measure_steps", self.measure_steps)
+        check_positive("timeout_s", self.timeout_s)
+        if not isinstance(self.base, Mapping):
+            raise ConfigError("base", f"expected a mapping of run-config sections, got {self.base!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    id: str
+    model: str
+    strategy: str
+    world_size: int
+    micro_batch_size: int
+    precision: str
+    config: RunConfig  # the cell's whole run config, validated
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.strategy} ×{self.world_size} mb {self.micro_batch_size} {self.precision}"
+
+
+def _matrix_dir() -> Path:
+    return Path(str(resources.files("gaudi3_scale.bench") / "matrices"))
+
+
+def list_matrices() -> list[str]:
+    """Names of the matrices shipped with the package."""
+    return sorted(p.stem for p in _matrix_dir().glob("*.yaml"))
+
+
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = (
+            _merge(out[key], value)
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+            else value
+        )
+    return out
+
+
+def load_matrix(spec: str | Path) -> tuple[MatrixConfig, list[Cell]]:
+    """A matrix file, or the name of a shipped one; cells ordered by world size so 1-rank baselines come first."""
+    path = Path(spec)
+    if not path.is_file():
+        shipped = _matrix_dir() / f"{spec}.yaml"
+        if not shipped.is_file():
+            raise UserInputError(
+                f"--matrix: {spec} is neither a file nor a shipped matrix; shipped: {', '.join(list_matrices())}"
+            )
+        path = shipped
+    try:
+        matrix = from_dict(MatrixConfig, load_yaml(path))
+    except ConfigError as exc:
+        raise UserInputError(f"{path}: {exc}") from None
+    return matrix, _cells(matrix, path)
+
+
+def _cell_overrides(m: MatrixConfig, cell_id: str, model: str, strategy: str, world: int, micro: int,
+                    precision: str) -> dict[str, Any]:  # fmt: skip
+    train = {
+        "precision": precision,
+        "micro_batch_size": micro,
+        "global_batch_size": micro * world * m.accumulation,
+        "max_steps": m.warmup_steps + m.measure_steps,
+        "log_every_steps": 1,
+        "val_every_steps": 0,
+        "val_batches": 1,
+    }
+    bench = {"result": True, "warmup_steps": m.warmup_steps, "cell_id": cell_id, "matrix": m.name}
+    return {
+        "name": cell_id,
+        "model": {"name": model},
+        "data": {"source": m.data},
+        "parallel": {"strategy": strategy, "nproc_per_node": world},
+        "train": train,
+        "checkpoint": {"enabled": False},
+        "benchmark": bench,
+    }
+
+
+def _cells(m: MatrixConfig, path: Path) -> list[Cell]:
+    from gaudi3_scale.train.config import build_run_config
+
+    cells = []
+    axes = (sorted(m.world_sizes), m.models, m.strategies, m.micro_batch_sizes, m.precisions)
+    for world, model, strategy, micro, precision in itertools.product(*axes):
+        cell_id = f"{model}.{strategy}.w{world}.mb{micro}.{precision}"
+        raw = _merge(m.base, _cell_overrides(m, cell_id, model, strategy, world, micro, precision))
+        try:
+            config = build_run_config(None, (), base=raw)
+        except ConfigError as exc:
+            raise UserInputError(f"{path}: cell {cell_id}: {exc}") from None
+        cells.append(Cell(id=cell_id, model=model, strategy=strategy, world_size=world, micro_batch_size=micro,
+                          precision=precision, config=config))  # fmt: skip
+    return cells

@@ -1,0 +1,564 @@
+"""`gaudi3 benchmark report DIR…`: benchmark results → results.csv, four PNG plots, report.md and report.html.
+
+Each DIR is one *set* of results (one machine, usually one `gaudi3 benchmark run` output directory), labelled with
+its directory's name or a label given for it. Every `*.json` under DIR whose `schema` is the result schema
+(`bench.schema`) is read; other JSON is ignored, a file that claims the schema but is damaged is an error naming it.
+The runner leaves two copies of a cell (`cells/<id>/result.json` and the rank-0 copy in `run/`); the runner's
+`result.json` wins because only it carries scaling efficiency, else the latest by `created`.
+
+Every number in the reports is formatted from the row written to the CSV, so the two cannot disagree. The HTML is
+self-contained (plots as data URIs, inline CSS, no scripts) and escapes every string from the result files. Prices
+come from the command line until a cost catalog exists, and the reports say so.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from gaudi3_scale.bench.schema import RESULT_SCHEMA, validate_result
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["PRICE_NOTE", "LabelledResult", "ReportFiles", "load_results", "write_report"]
+
+PRICE_NOTE = "prices given on the command line"
+_INSTALL = "pip install 'gaudi3-scale[report]'"
+_GIB = 2**30
+_CELL_COLUMNS = ("id", "matrix", "model", "strategy", "world_size", "nnodes", "micro_batch_size", "global_batch_size",
+                 "accumulation", "context_length", "precision", "data")  # fmt: skip
+_METRIC_COLUMNS = ("tokens_per_s", "samples_per_s", "step_time_mean_s", "step_time_p50_s", "step_time_p95_s",
+                   "peak_memory_bytes", "peak_memory_gib", "h2d_gbps", "mean_loss", "mfu", "scaling_efficiency",
+                   "cost_usd_per_million_tokens")  # fmt: skip
+_COLUMNS = ("set", "hardware", *_CELL_COLUMNS, "status", "reason", *_METRIC_COLUMNS, "git_commit", "date")
+_ROW_ORDER = ("model", "strategy", "world_size", "micro_batch_size", "precision", "id")
+_COMPARE_KEY = ("model", "strategy", "world_size", "micro_batch_size", "precision")
+# How the reports show a value (the CSV keeps it whole); anything not listed is shown with str().
+_FORMATS = {"tokens_per_s": "{:,.1f}", "samples_per_s": "{:,.2f}", "step_time_p50_s": "{:.4f}",
+            "step_time_p95_s": "{:.4f}", "peak_memory_gib": "{:.2f}", "mfu": "{:.2%}", "scaling_efficiency": "{:.2f}",
+            "cost_usd_per_million_tokens": "{:,.4f}", "price_usd_per_hour": "{:,.2f}", "ratio": "{:.2f}"}  # fmt: skip
+_RESULT_TABLE = (("strategy", "strategy"), ("ranks", "world_size"), ("model", "model"),
+                 ("micro-batch", "micro_batch_size"), ("precision", "precision"), ("tokens/s", "tokens_per_s"),
+                 ("samples/s", "samples_per_s"), ("p50 step (s)", "step_time_p50_s"),
+                 ("p95 step (s)", "step_time_p95_s"), ("peak GiB/rank", "peak_memory_gib"), ("MFU", "mfu"),
+                 ("scaling efficiency", "scaling_efficiency"), ("status", "status"))  # fmt: skip
+_PLOTS = {  # file → title
+    "throughput_vs_world_size.png": "Throughput vs ranks",
+    "scaling_efficiency.png": "Scaling efficiency vs ranks",
+    "peak_memory.png": "Peak memory per rank",
+    "step_time_distribution.png": "Step time per cell: bar at p50, whisker to p95",
+}
+
+_Row: TypeAlias = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LabelledResult:
+    label: str  # the set it came from: its directory's name, or the label given for that directory
+    path: Path  # the file it was read from
+    result: dict[str, Any]  # a valid version-1 result (bench.schema)
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    csv: Path
+    markdown: Path
+    html: Path
+    plots: list[Path]
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+
+
+def load_results(dirs: Sequence[Path]) -> list[LabelledResult]:
+    """Every result under each directory, labelled with the directory's name (see the module docstring)."""
+    return _load_sets(dirs, [_dir_label(Path(d)) for d in dirs])
+
+
+def _dir_label(directory: Path) -> str:
+    return directory.name if directory.name not in ("", "..") else directory.resolve().name or str(directory)
+
+
+def _load_sets(dirs: Sequence[Path], labels: Sequence[str]) -> list[LabelledResult]:
+    if not dirs:
+        raise UserInputError("no benchmark result directories given")
+    if len(labels) != len(dirs):
+        raise UserInputError(
+            f"{len(labels)} labels given for {len(dirs)} result directories; give one per directory"
+        )
+    seen: dict[str, Path] = {}
+    for directory, label in zip(dirs, labels, strict=True):
+        if not label.strip():
+            raise UserInputError(f"{directory}: the set label must not be empty")
+        if label in seen:
+            raise UserInputError(f"result sets {seen[label]} and {directory} are both labelled {label!r}; "
+                                 f"give each its own label")  # fmt: skip
+        seen[label] = Path(directory)
+    return [item for label, directory in seen.items() for item in _load_set(directory, label)]
+
+
+def _load_set(directory: Path, label: str) -> list[LabelledResult]:
+    if not directory.is_dir():
+        raise UserInputError(f"{directory}: not a directory of benchmark results")
+    best: dict[str, tuple[tuple[bool, str], LabelledResult]] = {}
+    for path in sorted(directory.rglob("*.json")):
+        result = _read_if_result(path)
+        if result is None:
+            continue
+        rank = (path.name == "result.json", result["created"])
+        cell_id = result["cell"]["id"]
+        if cell_id not in best or rank > best[cell_id][0]:
+            best[cell_id] = (rank, LabelledResult(label=label, path=path, result=result))
+    if not best:
+        raise UserInputError(
+            f"{directory}: no benchmark results found (JSON files with schema {RESULT_SCHEMA!r})"
+        )
+    return [item for _, item in best.values()]
+
+
+def _read_if_result(path: Path) -> dict[str, Any] | None:
+    """The valid result in `path`; None for JSON of another kind; UserInputError for a damaged result."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise UserInputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if RESULT_SCHEMA not in text:
+        return None  # cheap: other JSON (configs, manifests, tokenizers) is never parsed
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"{path}: names the benchmark result schema but is not valid JSON "
+                             f"(line {exc.lineno}, column {exc.colno}: {exc.msg})") from None  # fmt: skip
+    if not isinstance(obj, dict) or obj.get("schema") != RESULT_SCHEMA:
+        return None
+    return validate_result(obj, str(path))
+
+
+# ---- rows: the CSV, and the values every report shows ---------------------------------------------------------------
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def _hardware(env: dict[str, Any]) -> str | None:
+    cuda = env.get("cuda")
+    return _text(cuda.get("device") if isinstance(cuda, dict) else None) or _text(env.get("cpu"))
+
+
+def _row(item: LabelledResult, price_usd_per_hour: float | None) -> _Row:
+    result, env = item.result, item.result["environment"]
+    metrics = result["metrics"] or {}  # null unless the cell is ok
+    step = metrics.get("step_time_s") or {}
+    peak = metrics.get("peak_memory_bytes")
+    tokens_per_s = metrics.get("tokens_per_s")
+    cost = None
+    if price_usd_per_hour is not None and tokens_per_s is not None:
+        cost = price_usd_per_hour / 3600 / tokens_per_s * 1e6  # the whole machine's USD/s over its tokens/s
+    return {
+        "set": item.label,
+        "hardware": _hardware(env),
+        **{name: result["cell"][name] for name in _CELL_COLUMNS},
+        "status": result["status"],
+        "reason": result["reason"],
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s": metrics.get("samples_per_s"),
+        "step_time_mean_s": step.get("mean"),
+        "step_time_p50_s": step.get("p50"),
+        "step_time_p95_s": step.get("p95"),
+        "peak_memory_bytes": peak,
+        "peak_memory_gib": None if peak is None else peak / _GIB,
+        **{name: metrics.get(name) for name in ("h2d_gbps", "mean_loss", "mfu", "scaling_efficiency")},
+        "cost_usd_per_million_tokens": cost,
+        "git_commit": _text(env.get("git_commit")),
+        "date": result["created"],
+    }
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "—"
+    return _FORMATS[key].format(value) if key in _FORMATS else str(value)
+
+
+def _write_csv(rows: Sequence[_Row], path: Path) -> None:
+    try:
+        import pandas as pd
+    except ImportError:
+        raise UserInputError(
+            f"the benchmark report needs pandas, which is not installed; {_INSTALL}"
+        ) from None
+    frame = pd.DataFrame(list(rows), columns=list(_COLUMNS))
+    # nullable integers: the peak stays an integer beside the blanks of failed cells
+    frame["peak_memory_bytes"] = frame["peak_memory_bytes"].astype("Int64")
+    frame.to_csv(path, index=False)
+
+
+def _checked_prices(prices: Mapping[str, float], set_labels: Sequence[str]) -> dict[str, float]:
+    for label, price in prices.items():
+        if label not in set_labels:
+            raise UserInputError(f"a price is given for set {label!r}, which is not one of the sets: "
+                                 f"{', '.join(set_labels)}")  # fmt: skip
+        if not (math.isfinite(price) and price > 0):
+            raise UserInputError(
+                f"the price of set {label!r} must be a positive number of USD per hour, got {price}"
+            )
+    return dict(prices)
+
+
+# ---- plots ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Series:
+    """A line (or bar colour) per strategy; micro-batch and precision join the name when the cells vary in them."""
+
+    detailed: bool
+    colors: dict[str, str]
+
+    def label(self, row: _Row) -> str:
+        name = (
+            f"{row['strategy']} mb{row['micro_batch_size']} {row['precision']}"
+            if self.detailed
+            else row["strategy"]
+        )
+        return _plain(name)
+
+
+def _series(ok_rows: Sequence[_Row]) -> _Series:
+    detailed = len({(r["micro_batch_size"], r["precision"]) for r in ok_rows}) > 1
+    names = sorted({_Series(detailed, {}).label(r) for r in ok_rows})
+    return _Series(detailed, {name: f"C{i % 10}" for i, name in enumerate(names)})
+
+
+def _plain(text: str) -> str:
+    return text.replace("$", r"\$")  # matplotlib reads $…$ as math
+
+
+def _group(rows: Iterable[_Row], key: Callable[[_Row], Any]) -> dict[Any, list[_Row]]:
+    groups: dict[Any, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return groups
+
+
+def _draw_lines(ax: Any, rows: Sequence[_Row], value: str, series: _Series) -> None:
+    for name, points in sorted(_group(rows, series.label).items()):
+        points = sorted((r for r in points if r[value] is not None), key=lambda r: r["world_size"])
+        xs, ys = [r["world_size"] for r in points], [r[value] for r in points]
+        ax.plot(xs, ys, marker="o", label=name, color=series.colors[name])
+    ax.set_xticks(sorted({r["world_size"] for r in rows}))
+    ax.set_xlabel("ranks (world size)")
+
+
+def _draw_throughput(ax: Any, rows: Sequence[_Row], series: _Series) -> None:
+    _draw_lines(ax, rows, "tokens_per_s", series)
+    ax.set_ylabel("throughput (tokens/s, all ranks)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+
+def _draw_efficiency(ax: Any, rows: Sequence[_Row], series: _Series) -> None:
+    _draw_lines(ax, rows, "scaling_efficiency", series)
+    ax.axhline(1.0, color="grey", linestyle="--", label="linear scaling (1.0)")
+    ax.set_ylabel("scaling efficiency (1.0 = linear)")
+    ax.set_ylim(
+        0, max([1.0, *(r["scaling_efficiency"] or 0 for r in rows)]) * 1.15
+    )  # room for the line at 1.0
+    ax.legend()
+
+
+def _draw_memory(ax: Any, rows: Sequence[_Row], series: _Series) -> None:
+    sizes = sorted({r["world_size"] for r in rows})
+    groups = sorted(_group(rows, series.label).items())
+    width = 0.8 / len(groups)
+    for i, (name, bars) in enumerate(groups):
+        gib = {r["world_size"]: r["peak_memory_gib"] for r in bars}
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j, size in enumerate(sizes) if size in gib]
+        ax.bar(xs, [gib[size] for size in sizes if size in gib], width, label=name, color=series.colors[name])
+    ax.set_xticks(range(len(sizes)), [str(size) for size in sizes])
+    ax.set_xlabel("ranks (world size)")
+    ax.set_ylabel("peak memory of the largest rank (GiB)")
+    ax.margins(y=0.2)  # room above the bars for the legend
+    ax.legend()
+
+
+def _panel_figure(figure: Any, ok_rows: Sequence[_Row], name: str, draw: Callable[..., None]) -> Any:
+    """One subplot per set × model, `draw(ax, rows, series)` fills each."""
+    panels = _group(ok_rows, lambda r: (r["set"], r["model"]))
+    ncols = min(max(len(panels), 1), 2)
+    nrows = math.ceil(max(len(panels), 1) / ncols)
+    fig = figure(figsize=(6.4 * ncols, 4.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    fig.suptitle(_PLOTS[name])
+    series = _series(ok_rows)
+    for ax, ((label, model), rows) in zip(axes, panels.items(), strict=False):
+        ax.set_title(_plain(f"{label} · {model}"))
+        draw(ax, rows, series)
+    for ax in axes[len(panels) :]:
+        ax.set_axis_off()
+    if not panels:
+        axes[0].text(0.5, 0.5, "no successful cells", ha="center", va="center", transform=axes[0].transAxes)
+    return fig
+
+
+def _step_time_figure(figure: Any, ok_rows: Sequence[_Row], many_sets: bool) -> Any:
+    fig = figure(figsize=(8.0, 1.6 + 0.35 * max(len(ok_rows), 1)), layout="constrained")
+    ax = fig.subplots()
+    ax.set_title(_PLOTS["step_time_distribution.png"])
+    if not ok_rows:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no successful cells", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    p50 = [r["step_time_p50_s"] for r in ok_rows]
+    above = [max(r["step_time_p95_s"] - r["step_time_p50_s"], 0.0) for r in ok_rows]
+    ax.barh(range(len(ok_rows)), p50, xerr=[[0.0] * len(ok_rows), above], capsize=3, color="C0")
+    names = [_plain(f"{r['set']} · {r['id']}" if many_sets else r["id"]) for r in ok_rows]
+    ax.set_yticks(range(len(ok_rows)), names)
+    ax.invert_yaxis()  # first cell on top, as in the tables
+    ax.set_xlabel("step time (s)")
+    return fig
+
+
+def _write_plots(rows: Sequence[_Row], out_dir: Path, many_sets: bool) -> list[Path]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    def figure(**kwargs: Any) -> Figure:
+        fig = Figure(**kwargs)
+        FigureCanvasAgg(fig)
+        return fig
+
+    ok = [r for r in rows if r["status"] == "ok"]  # failed cells are listed in the reports, not plotted
+    panels = {
+        "throughput_vs_world_size.png": _draw_throughput,
+        "scaling_efficiency.png": _draw_efficiency,
+        "peak_memory.png": _draw_memory,
+    }
+    paths = []
+    for name in _PLOTS:
+        if name in panels:
+            fig = _panel_figure(figure, ok, name, panels[name])
+        else:
+            fig = _step_time_figure(figure, ok, many_sets)
+        fig.savefig(out_dir / name, dpi=110)
+        paths.append(out_dir / name)
+    return paths
+
+
+# ---- the document: built once, rendered as Markdown and as HTML ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Table:
+    headers: list[str]
+    rows: list[list[str]]
+
+
+@dataclass(frozen=True)
+class _Image:
+    path: Path
+    caption: str
+
+
+_Block: TypeAlias = str | _Table | _Image | list[str]  # paragraph, table, plot, bullet list
+_Section: TypeAlias = tuple[str, list[_Block]]
+
+
+def _distinct(values: Iterable[Any]) -> str:
+    return ", ".join(dict.fromkeys(str(v) for v in values if v is not None and v != "")) or "—"
+
+
+def _machines(
+    items: Sequence[LabelledResult], set_labels: Sequence[str], prices: Mapping[str, float]
+) -> _Table:
+    headers = ["set", "hardware", "CPUs", "torch", "git commit", "date", "cells ok"]
+    if prices:
+        headers.append(f"USD/h ({PRICE_NOTE})")
+    rows = []
+    for label in set_labels:
+        results = [item.result for item in items if item.label == label]
+        envs = [r["environment"] for r in results]
+        torch_versions = (
+            e["packages"].get("torch") if isinstance(e.get("packages"), dict) else None for e in envs
+        )
+        dates = sorted(r["created"][:10] for r in results)
+        row = [label, _distinct(map(_hardware, envs)), _distinct(e.get("cpu_count") for e in envs),
+               _distinct(torch_versions), _distinct(e.get("git_commit") for e in envs),
+               dates[0] if dates[0] == dates[-1] else f"{dates[0]} … {dates[-1]}",
+               f"{sum(r['status'] == 'ok' for r in results)} of {len(results)}"]  # fmt: skip
+        if prices:
+            row.append(_fmt("price_usd_per_hour", prices.get(label)))
+        rows.append(row)
+    return _Table(headers, rows)
+
+
+def _results(rows: Sequence[_Row], many_sets: bool, priced: bool) -> _Table:
+    columns = ([("set", "set")] if many_sets else []) + list(_RESULT_TABLE)
+    if priced:
+        columns.append(("USD per M tokens", "cost_usd_per_million_tokens"))
+    return _Table([h for h, _ in columns], [[_fmt(key, row[key]) for _, key in columns] for row in rows])
+
+
+def _failures(rows: Sequence[_Row], many_sets: bool) -> list[_Block]:
+    failed = [r for r in rows if r["status"] != "ok"]
+    if not failed:
+        return ["Every cell finished."]
+    where = (lambda r: f"{r['set']} · {r['id']}") if many_sets else (lambda r: r["id"])
+    return [[f"{where(r)} — {r['status']}: {r['reason'] or '(no reason recorded)'}" for r in failed]]
+
+
+def _comparison(rows: Sequence[_Row], set_labels: Sequence[str], prices: Mapping[str, float]) -> list[_Block]:
+    reference = set_labels[0]
+    by_key = _group((r for r in rows if r["status"] == "ok"), lambda r: tuple(r[k] for k in _COMPARE_KEY))
+    shared = {key: {r["set"]: r for r in group} for key, group in by_key.items()}
+    shared = {key: sets for key, sets in shared.items() if len(sets) > 1}
+    intro = (f"tokens/s of each configuration (model, strategy, ranks, micro-batch, precision) that ran in more than "
+             f"one set, and its ratio to set {reference}.")  # fmt: skip
+    if prices:
+        listed = ", ".join(f"{label} {_fmt('price_usd_per_hour', p)} USD/h" for label, p in prices.items())
+        intro += f" Cost in USD per million tokens at the {PRICE_NOTE}: {listed}."
+    if not shared:
+        return [intro, "No configuration ran in more than one set."]
+    headers = ["model", "strategy", "ranks", "micro-batch", "precision"]
+    for label in set_labels:
+        headers += [f"tokens/s {label}"] + [f"{label} ÷ {reference}"] * (label != reference)
+        headers += [f"USD per M tokens {label}"] * (label in prices)
+    table = []
+    for key, sets in shared.items():
+        line = [str(v) for v in key]
+        base = sets.get(reference)
+        for label in set_labels:
+            row = sets.get(label)
+            if row is None:  # this configuration did not run (or failed) in this set
+                line += ["—"] * (1 + (label != reference) + (label in prices))
+                continue
+            line.append(_fmt("tokens_per_s", row["tokens_per_s"]))
+            if label != reference:
+                line.append(_fmt("ratio", row["tokens_per_s"] / base["tokens_per_s"] if base else None))
+            if label in prices:
+                line.append(_fmt("cost_usd_per_million_tokens", row["cost_usd_per_million_tokens"]))
+        table.append(line)
+    return [intro, _Table(headers, table)]
+
+
+def _sections(
+    items: Sequence[LabelledResult],
+    rows: Sequence[_Row],
+    set_labels: Sequence[str],
+    prices: Mapping[str, float],
+    plots: Sequence[Path],
+) -> list[_Section]:
+    many_sets = len(set_labels) > 1
+    sections: list[_Section] = [
+        ("Machines", [_machines(items, set_labels, prices)]),
+        ("Results", [_results(rows, many_sets, bool(prices))]),
+        ("Failed, out-of-memory and timed-out cells", _failures(rows, many_sets)),
+    ]
+    if many_sets:
+        sections.append(("Comparison across sets", _comparison(rows, set_labels, prices)))
+    sections.append(("Plots", [_Image(path, _PLOTS[path.name]) for path in plots]))
+    return sections
+
+
+def _md(text: str) -> str:
+    escaped = html.escape(text, quote=False).replace("\n", " ").replace("\r", " ")
+    for char in "\\`*_[]|":
+        escaped = escaped.replace(char, "\\" + char)
+    return escaped
+
+
+def _markdown(title: str, sections: Sequence[_Section]) -> str:
+    lines = [f"# {_md(title)}", ""]
+    for heading, blocks in sections:
+        lines += [f"## {_md(heading)}", ""]
+        for block in blocks:
+            if isinstance(block, _Table):
+                lines.append("| " + " | ".join(map(_md, block.headers)) + " |")
+                lines.append("|" + " --- |" * len(block.headers))
+                lines += ["| " + " | ".join(map(_md, row)) + " |" for row in block.rows]
+            elif isinstance(block, _Image):
+                lines.append(f"![{_md(block.caption)}]({block.path.name})")
+            elif isinstance(block, list):
+                lines += [f"- {_md(item)}" for item in block]
+            else:
+                lines.append(_md(block))
+            lines.append("")
+    return "\n".join(lines)
+
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;color:#222;margin:2rem auto;max-width:90rem;padding:0 1rem}"
+    "table{border-collapse:collapse;margin:1rem 0;font-size:.9rem;font-variant-numeric:tabular-nums}"
+    "th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}th{background:#f2f2f2}"
+    "img{max-width:100%;display:block}figure{margin:1.5rem 0}figcaption{color:#555}"
+)
+
+
+def _html(title: str, sections: Sequence[_Section]) -> str:
+    e = html.escape
+    parts = ['<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">', f"<title>{e(title)}</title>",
+             f"<style>{_CSS}</style>\n</head>\n<body>", f"<h1>{e(title)}</h1>"]  # fmt: skip
+    for heading, blocks in sections:
+        parts.append(f"<h2>{e(heading)}</h2>")
+        for block in blocks:
+            if isinstance(block, _Table):
+                head = "".join(f"<th>{e(h)}</th>" for h in block.headers)
+                body = "".join(
+                    "<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>\n" for row in block.rows
+                )
+                parts.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>")
+            elif isinstance(block, _Image):
+                data = base64.b64encode(block.path.read_bytes()).decode("ascii")
+                parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{e(block.caption)}">'
+                             f"<figcaption>{e(block.caption)}</figcaption></figure>")  # fmt: skip
+            elif isinstance(block, list):
+                parts.append("<ul>\n" + "".join(f"<li>{e(item)}</li>\n" for item in block) + "</ul>")
+            else:
+                parts.append(f"<p>{e(block)}</p>")
+    parts.append("</body>\n</html>\n")
+    return "\n".join(parts)
+
+
+# ---- the entry point -----------------------------------------------------------------------------------------------
+
+
+def write_report(
+    dirs: Sequence[Path],
+    out_dir: Path,
+    *,
+    labels: Sequence[str] | None = None,
+    prices_usd_per_hour: Mapping[str, float] | None = None,
+    title: str = "gaudi3-scale benchmark",
+) -> ReportFiles:
+    """Read the result sets in `dirs`, write results.csv, the plots, report.md and report.html into `out_dir`.
+
+    `labels` names the sets (one per directory; default: the directories' names). `prices_usd_per_hour` maps a set
+    label to the price of the whole machine it ran on; its ok cells then get a cost per million tokens.
+    """
+    set_labels = list(labels) if labels is not None else [_dir_label(Path(d)) for d in dirs]
+    items = _load_sets(dirs, set_labels)
+    prices = _checked_prices(prices_usd_per_hour or {}, set_labels)
+    order = {label: i for i, label in enumerate(set_labels)}
+    rows = sorted(
+        (_row(item, prices.get(item.label)) for item in items),
+        key=lambda r: (order[r["set"]], *(r[k] for k in _ROW_ORDER)),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "results.csv"
+    _write_csv(rows, csv_path)  # first: a missing pandas fails before anything else is written
+    files = ReportFiles(
+        csv=csv_path,
+        markdown=out_dir / "report.md",
+        html=out_dir / "report.html",
+        plots=_write_plots(rows, out_dir, len(set_labels) > 1),
+    )
+    sections = _sections(items, rows, set_labels, prices, files.plots)
+    files.markdown.write_text(_markdown(title, sections), encoding="utf-8")
+    files.html.write_text(_html(title, sections), encoding="utf-8")
+    return files

@@ -1,0 +1,164 @@
+"""Benchmark results: computed from per-step metrics, validated by the schema, printed and collected from logs."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gaudi3_scale.bench.collect import collect_from_lines, collect_logs
+from gaudi3_scale.bench.result import (
+    CHUNK_CHARS,
+    cell_section,
+    failed_result,
+    print_result,
+    result_from_metrics,
+    write_result,
+)
+from gaudi3_scale.bench.schema import load_result, validate_result
+from gaudi3_scale.config.errors import UserInputError
+
+ENV = {"cpu": "test cpu", "packages": {"torch": "2.13.0"}, "git_commit": "abc"}
+
+
+def _cell(world: int = 2, cell_id: str = "m.ddp.w2.mb4.32-true") -> dict[str, Any]:
+    return cell_section(cell_id=cell_id, matrix="t", model="shakespeare-char", strategy="ddp", world_size=world,
+                        nnodes=1, micro_batch_size=4, global_batch_size=4 * world, context_length=64,
+                        precision="32-true", data="tinyshakespeare")  # fmt: skip
+
+
+def _records(times: list[float], world: int = 2) -> list[dict[str, Any]]:
+    out = []
+    for step, t in enumerate(times, 1):
+        out.append({"step": step, "train_loss": 5.0 - step * 0.1, "step_time_s": t, "tokens_per_s": 512 / t,
+                    "mfu": 0.001 * (512 / t) / 1000, "peak_memory_bytes_per_rank": [100 + step, 200 - step][:world]})  # fmt: skip
+    out.insert(3, {"step": 3, "val_loss": 4.0})  # validation records have no train loss: ignored
+    return out
+
+
+def test_result_from_metrics_by_hand() -> None:
+    times = [9.0, 8.0, 0.1, 0.2, 0.3, 0.4, 0.5]  # the first two are warm-up
+    result = result_from_metrics(_cell(), _records(times), warmup_steps=2, h2d_gbps=None, environment=ENV)
+    validate_result(result, "test")
+    m = result["metrics"]
+    measured = [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert m["step_time_s"]["mean"] == pytest.approx(statistics.fmean(measured))
+    assert m["step_time_s"]["p50"] == pytest.approx(0.3)
+    assert m["step_time_s"]["p95"] == pytest.approx(0.4 + 0.8 * 0.1)  # numpy's linear interpolation
+    assert m["step_time_s"]["n"] == 5
+    assert m["tokens_per_s"] == pytest.approx(8 * 64 / 0.3)  # global batch 8 × 64 tokens / mean step
+    assert m["samples_per_s"] == pytest.approx(8 / 0.3)
+    assert m["peak_memory_bytes_per_rank"] == [107, 199]  # the largest of each rank over all steps
+    assert m["peak_memory_bytes"] == 199
+    assert m["mean_loss"] == pytest.approx(statistics.fmean(5.0 - s * 0.1 for s in range(3, 8)))
+    assert m["mfu"] == pytest.approx(1e-6 * m["tokens_per_s"])  # per-step mfu scaled to the cell's tokens/s
+    assert m["scaling_efficiency"] is None and result["steps"] == {"warmup": 2, "measured": 5}
+
+
+def test_no_measured_steps_is_a_failed_result() -> None:
+    result = result_from_metrics(
+        _cell(), _records([1.0, 1.0]), warmup_steps=2, h2d_gbps=None, environment=ENV
+    )
+    assert result["status"] == "failed" and result["metrics"] is None
+    assert result["reason"] == "no measured steps after 2 warm-up steps"
+    validate_result(result, "test")
+
+
+def _ok() -> dict[str, Any]:
+    return result_from_metrics(
+        _cell(), _records([1, 1, 0.5, 0.5]), warmup_steps=1, h2d_gbps=12.5, environment=ENV
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r.pop("cell"), "cell is missing"),
+        (lambda r: r.update(schema_version=2), "schema_version 2 is not supported (this version reads 1)"),
+        (lambda r: r.update(schema="other"), "not a benchmark result"),
+        (lambda r: r.update(status="great"), "status must be one of ok, failed, oom, timeout"),
+        (lambda r: r["cell"].update(world_size="2"), 'cell.world_size must be integer, got "2"'),
+        (lambda r: r["cell"].update(world_size=True), "cell.world_size must be integer, got true"),
+        (lambda r: r["cell"].update(micro_batch_size=0), "cell.micro_batch_size must be at least 1"),
+        (lambda r: r["metrics"].pop("tokens_per_s"), "metrics.tokens_per_s is missing"),
+        (lambda r: r["metrics"].update(tokens_per_s=-1.0), "metrics.tokens_per_s must be positive"),
+        (lambda r: r["metrics"].update(mfu="high"), 'metrics.mfu must be number or null, got "high"'),
+        (lambda r: r["metrics"]["step_time_s"].pop("p95"), "metrics.step_time_s.p95 is missing"),
+        (
+            lambda r: r["metrics"].update(peak_memory_bytes_per_rank=[1]),
+            "one non-negative integer per rank (2)",
+        ),
+        (lambda r: r.update(metrics=None), "metrics must be an object when status is 'ok'"),
+        (lambda r: r.update(status="oom"), "metrics must be null when status is 'oom'"),
+    ],
+)
+def test_schema_names_the_first_bad_field(edit: Any, message: str) -> None:
+    result = copy.deepcopy(_ok())
+    edit(result)
+    with pytest.raises(UserInputError) as info:
+        validate_result(result, "cells/x/result.json")
+    assert str(info.value).startswith("cells/x/result.json: ") and message in str(info.value)
+
+
+def test_load_result_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "result.json"
+    path.write_text('{"schema": ')
+    with pytest.raises(UserInputError, match=rf"^{path}: not valid JSON \(line 1"):
+        load_result(path)
+    write_result(_ok(), path)
+    assert load_result(path) == json.loads(path.read_text())
+    with pytest.raises(UserInputError, match=r"metrics\.tokens_per_s is missing"):
+        bad = _ok()
+        del bad["metrics"]["tokens_per_s"]
+        write_result(bad, tmp_path / "bad.json")  # never written: validated first
+    assert not (tmp_path / "bad.json").exists()
+
+
+def _printed(result: dict[str, Any]) -> list[str]:
+    buf = io.StringIO()
+    print_result(result, buf)
+    return buf.getvalue().splitlines()
+
+
+def test_collect_from_interleaved_prefixed_lines() -> None:
+    """Two results printed by rank 0s of two cells, with other ranks' lines in between and a shipper's prefix."""
+    a, b = _ok(), failed_result(_cell(1, "m.fsdp.w1.mb4.32-true"), "oom", "out of memory (cuda)", warmup_steps=1,
+                                environment={**ENV, "pad": "x" * 3 * CHUNK_CHARS})  # fmt: skip
+    lines_a, lines_b = _printed(a), _printed(b)
+    assert len(lines_b) > 4  # the padded one takes several chunks
+    rng = random.Random(0)
+    noise = [f"[rank1] step {i} loss 4.{i}" for i in range(40)]
+    merged: list[str] = []
+    queues = [lines_a, lines_b, noise]
+    while any(queues):
+        q = rng.choice([q for q in queues if q])
+        merged.append(f"2026-11-23T10:00:00Z pod-worker-0 stdout F {q.pop(0)}")
+    found = collect_from_lines(merged, "pod.log")
+    assert sorted(r["cell"]["id"] for r in found) == sorted([a["cell"]["id"], b["cell"]["id"]])
+    by_id = {r["cell"]["id"]: r for r in found}
+    assert by_id[a["cell"]["id"]] == a and by_id[b["cell"]["id"]] == b
+
+
+def test_a_damaged_or_cut_log(tmp_path: Path) -> None:
+    lines = _printed(_ok())
+    assert collect_from_lines(lines[:-1], "cut.log") == []  # no END: the log was cut short, nothing to report
+    missing = [ln for i, ln in enumerate(lines) if i != 1]
+    with pytest.raises(
+        UserInputError, match=r"^lost\.log:1: result of cell m\.ddp\.w2\.mb4\.32-true is missing chunk"
+    ):
+        collect_from_lines(missing, "lost.log")
+    mangled = list(lines)
+    mangled[1] = mangled[1][:-8] + "AAAAAAAA"
+    with pytest.raises(UserInputError, match="does not match its sha256"):
+        collect_from_lines(mangled, "bad.log")
+    log = tmp_path / "pod.log"
+    log.write_text("\n".join(lines + lines) + "\n")
+    assert collect_logs([log]) == [_ok() | {"created": collect_logs([log])[0]["created"]}]
+    with pytest.raises(UserInputError, match="cannot read log"):
+        collect_logs([tmp_path / "missing.log"])
