@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,38 +44,51 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The uninterrupted 2-rank run of a strategy, trained once and shared (read-only) by the tests below."""
+    runs: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(f"two-ranks-{strategy}")
+            proc = _train(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[strategy] = out
+        return runs[strategy]
+
+    return run
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_ranks_match_one_process(strategy: str, single: Path, tmp_path: Path) -> None:
-    proc = _train(tmp_path, "--nproc-per-node", "2", "--parallel.strategy", strategy)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reference, losses = _losses(single), _losses(tmp_path)
+def test_two_ranks_match_one_process(strategy: str, single: Path, two_ranks: Callable[[str], Path]) -> None:
+    run = two_ranks(strategy)
+    reference, losses = _losses(single), _losses(run)
     assert len(losses) == len(reference) == 20
     for a, b in zip(reference, losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (strategy, reference, losses)
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     per_rank = last["peak_memory_bytes_per_rank"]
     assert len(per_rank) == 2 and min(per_rank) > 50e6 and last["peak_memory_bytes"] == max(per_rank)
     ckpt = "checkpoints/step-00000020"  # sharded under FSDP, consolidated by read_checkpoint
     want = read_checkpoint(single / ckpt)["state_dict"]
-    got = read_checkpoint(tmp_path / ckpt)["state_dict"]
+    got = read_checkpoint(run / ckpt)["state_dict"]
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
     # The (consolidated) checkpoint loads into one process and gives the single-process run's logits.
     tokens = torch.randint(0, 65, (2, 64), generator=torch.Generator().manual_seed(0))
     model_a, _ = load_for_generation(single / ckpt)
-    model_b, _ = load_for_generation(tmp_path / ckpt)
+    model_b, _ = load_for_generation(run / ckpt)
     with torch.no_grad():
         torch.testing.assert_close(model_b(tokens), model_a(tokens), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_rank_resume_is_bitwise(strategy: str, tmp_path: Path) -> None:
+def test_two_rank_resume_is_bitwise(strategy: str, two_ranks: Callable[[str], Path], tmp_path: Path) -> None:
     """Stop after step 10 (keep only that checkpoint), resume: the losses equal the uninterrupted run's exactly."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full, resumed = two_ranks(strategy), tmp_path / "resumed"
     args = ("--nproc-per-node", "2", "--parallel.strategy", strategy)
-    proc = _train(full, *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step-00000010", resumed / "checkpoints" / "step-00000010")
     (resumed / "checkpoints" / "latest").write_text("step-00000010\n")
@@ -113,7 +127,10 @@ def test_activation_checkpointing_changes_memory_not_math(single: Path, tmp_path
     assert _losses(tmp_path) == pytest.approx(_losses(single), rel=1e-6)
 
 
-def test_bad_launches_are_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_bad_launches_are_one_line_and_exit_2(
+    gaudi3_cli: Callable[..., tuple[int, str, str]], tmp_path: Path
+) -> None:
+    """Refused before any worker starts, so in this process (each case as `gaudi3 train …` would run it)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -128,10 +145,10 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path: Path) -> None:
             (["--nnodes", "2"], "parallel.rdzv_endpoint: is required when nnodes > 1"),
         ]
         for args, needle in cases:
-            proc = _train(tmp_path / "bad", *args)
-            assert proc.returncode == 2, (args, proc.stderr[-2000:])
-            lines = proc.stderr.strip().splitlines()
-            assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+            code, _out, err = gaudi3_cli("train", "--out", str(tmp_path / "bad"), *COMMON, *args)
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
+        assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
 def test_two_nodes_on_loopback_train_and_checkpoint(tmp_path: Path) -> None:
