@@ -68,16 +68,20 @@ def _run_cell(cell: Cell, cell_dir: Path, timeout_s: float, environment: dict[st
                "--out", str(run_dir), "--resume", "never", "--no-progress", "--sample-tokens", "0"]  # fmt: skip
     job = run_job(command, cell_dir / "train.log", timeout_s=timeout_s)
     warmup = cell.config.benchmark.warmup_steps
+    with job.log_path.open(errors="replace") as log:
+        printed = collect_from_lines(log, str(job.log_path))
+    if printed and job.status != "timeout":
+        # Measured and printed whole (hash-checked): a rank that died afterwards, while exiting, does not undo the
+        # measurement; the exit is kept in the reason.
+        result = printed[-1]
+        if job.status != "ok":
+            result["reason"] = f"the result was printed, then the job ended: {job.reason}"
+        return result
     if job.status == "ok":
-        with job.log_path.open(errors="replace") as log:
-            printed = collect_from_lines(log, str(job.log_path))
-        if printed:
-            return printed[-1]
         reason = f"exit 0 but no result was printed (see {job.log_path})"
         return failed_result(_cell(cell), "failed", reason, warmup_steps=warmup, environment=environment)
-    return failed_result(
-        _cell(cell), _STATUS[job.status], job.reason, warmup_steps=warmup, environment=environment
-    )
+    status = _STATUS[job.status]
+    return failed_result(_cell(cell), status, job.reason, warmup_steps=warmup, environment=environment)
 
 
 def _cell(cell: Cell) -> dict[str, Any]:

@@ -409,7 +409,9 @@ class GaudiTrainer:
                 print_summary(summary, self.console)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Lightning leaves the group up; gloo's threads then abort the process at exit ("terminate called
-            # without an active exception") now and then. A later fit() initializes a new group.
+            # without an active exception") now and then, more often when one rank leaves while another still
+            # writes its outputs. So all ranks leave together, then tear down. A later fit() makes a new group.
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         return summary
 
