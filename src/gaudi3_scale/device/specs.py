@@ -1,4 +1,5 @@
-"""Accelerator peak throughput as data, each number with its source. Unknown is absent, never invented.
+"""Accelerator peak throughput as data (`accelerators.yaml`), each number with its source. Unknown is absent, never
+invented.
 
 These peaks are the denominators of MFU (model FLOPs utilization, PaLM paper, Chowdhery et al. 2022, App. B).
 """
@@ -6,6 +7,9 @@ These peaks are the denominators of MFU (model FLOPs utilization, PaLM paper, Ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
+
+import yaml
 
 __all__ = ["ACCELERATORS", "AcceleratorSpec", "find_accelerator"]
 
@@ -17,65 +21,36 @@ class AcceleratorSpec:
     bf16_dense_tflops: float
     fp8_dense_tflops: float | None
     memory_gb: float
+    memory_bandwidth_tbps: float | None = None
+    tdp_w: float | None = None
     source: str
 
 
-_STAS = "github.com/stas00/ml-engineering compute/accelerator/README.md (snapshot 2026-08-22)"
+_DATA = "accelerators.yaml"
 
-ACCELERATORS: dict[str, AcceleratorSpec] = {
-    spec.name: spec
-    for spec in (
-        AcceleratorSpec(
-            name="h100-sxm",
-            match=("h100 80gb hbm3", "h100 sxm"),
-            bf16_dense_tflops=989.4,
-            fp8_dense_tflops=1978.9,
-            memory_gb=80,
-            source="NVIDIA H100 datasheet via glennklockwood.com/garden/processors/h100; " + _STAS,
-        ),
-        AcceleratorSpec(
-            name="h200-sxm",
-            match=("h200",),
-            bf16_dense_tflops=989.0,
-            fp8_dense_tflops=1979.0,
-            memory_gb=141,
-            source=_STAS + " (same compute as H100 SXM)",
-        ),
-        AcceleratorSpec(
-            name="a100-sxm",
-            match=("a100-sxm", "a100 sxm"),
-            bf16_dense_tflops=312.0,
-            fp8_dense_tflops=None,
-            memory_gb=80,
-            source="NVIDIA A100 datasheet via glennklockwood.com/garden/processors/A100",
-        ),
-        AcceleratorSpec(
-            name="gaudi2",
-            match=("gaudi2", "gaudi 2"),
-            bf16_dense_tflops=432.0,
-            fp8_dense_tflops=865.0,
-            memory_gb=96,
-            source="Intel, Hot Chips 2024 (R. Kaplan); " + _STAS,
-        ),
-        AcceleratorSpec(
-            name="gaudi3",
-            match=("gaudi3", "gaudi 3"),
-            # 1835 is the spec; the part ships at a 1600 MHz MME clock, which gives 1677 (stas00, same source).
-            bf16_dense_tflops=1677.0,
-            fp8_dense_tflops=1677.0,
-            memory_gb=128,
-            source="Intel, Hot Chips 2024 (R. Kaplan); effective clock from " + _STAS,
-        ),
-        AcceleratorSpec(
-            name="mi300x",
-            match=("mi300x",),
-            bf16_dense_tflops=1300.0,
-            fp8_dense_tflops=2610.0,
-            memory_gb=192,
-            source=_STAS,
-        ),
-    )
-}
+
+def _load() -> dict[str, AcceleratorSpec]:
+    """The shipped table (`device/accelerators.yaml`); a malformed entry is a programming error caught by the tests."""
+    raw = yaml.safe_load((resources.files("gaudi3_scale.device") / _DATA).read_text())
+    sources: dict[str, str] = raw["sources"]
+    specs = {}
+    for entry in raw["accelerators"]:
+        cited = "; ".join(sources[key] for key in entry["sources"])
+        note = entry.get("note")
+        specs[entry["name"]] = AcceleratorSpec(
+            name=entry["name"],
+            match=tuple(entry["match"]),
+            bf16_dense_tflops=float(entry["bf16_dense_tflops"]),
+            fp8_dense_tflops=None if entry["fp8_dense_tflops"] is None else float(entry["fp8_dense_tflops"]),
+            memory_gb=float(entry["memory_gb"]),
+            memory_bandwidth_tbps=entry.get("memory_bandwidth_tbps"),
+            tdp_w=entry.get("tdp_w"),
+            source=cited + (f" ({note})" if note else ""),
+        )
+    return specs
+
+
+ACCELERATORS: dict[str, AcceleratorSpec] = _load()
 
 
 def find_accelerator(device_name: str) -> AcceleratorSpec | None:
