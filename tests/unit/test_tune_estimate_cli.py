@@ -16,7 +16,9 @@ def test_llama3_70b_on_eight_gaudi3(gaudi3_cli: Callable[..., tuple[int, str, st
     )  # fmt: skip
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].startswith('device: gaudi3, 128 GB (source: Intel, "Intel Gaudi 3 AI Accelerator" (R. Kaplan), Hot Chips')
+    assert lines[0].startswith(
+        'device: gaudi3, 128 GB (source: Intel, "Intel Gaudi 3 AI Accelerator" (R. Kaplan), Hot Chips'
+    )
     assert lines[1].startswith(
         "llama3-70b: 70.6 B parameters, 8 rank(s), micro-batch 1 × 8192 tokens, bf16-mixed"
     )
