@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gaudi3_scale.config.core import check_positive, from_dict, load_yaml
+from gaudi3_scale.config.core import check_positive, from_dict, load_yaml, merge_mappings
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 
 if TYPE_CHECKING:
@@ -106,17 +106,6 @@ def list_matrices() -> list[str]:
     return sorted(p.stem for p in _matrix_dir().glob("*.yaml"))
 
 
-def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = (
-            _merge(out[key], value)
-            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
-            else value
-        )
-    return out
-
-
 def load_matrix(spec: str | Path) -> tuple[MatrixConfig, list[Cell]]:
     """A matrix file, or the name of a shipped one; cells ordered by world size so 1-rank baselines come first."""
     path = Path(spec)
@@ -164,7 +153,7 @@ def _cells(m: MatrixConfig, path: Path) -> list[Cell]:
     axes = (sorted(m.world_sizes), m.models, m.strategies, m.micro_batch_sizes, m.precisions)
     for world, model, strategy, micro, precision in itertools.product(*axes):
         cell_id = f"{model}.{strategy}.w{world}.mb{micro}.{precision}"
-        raw = _merge(m.base, _cell_overrides(m, cell_id, model, strategy, world, micro, precision))
+        raw = merge_mappings(m.base, _cell_overrides(m, cell_id, model, strategy, world, micro, precision))
         try:
             config = build_run_config(None, (), base=raw)
         except ConfigError as exc:

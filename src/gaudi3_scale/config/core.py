@@ -35,6 +35,7 @@ __all__ = [
     "from_dict",
     "iter_fields",
     "load_yaml",
+    "merge_mappings",
     "parse_overrides",
     "save_yaml",
     "to_dict",
@@ -260,6 +261,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
         )
     return data
+
+
+def merge_mappings(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `top` laid over it, nested mappings merged key by key (neither input is changed)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_mappings(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def save_yaml(obj: Any, path: str | Path) -> None:

@@ -20,6 +20,7 @@ from gaudi3_scale.config.core import (
     check_range,
     from_dict,
     load_yaml,
+    merge_mappings,
     to_dict,
 )
 from gaudi3_scale.config.errors import ConfigError
@@ -227,16 +228,6 @@ def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
     raw["train"] = {**train_raw, "global_batch_size": _batch_size_from_tokens(tokens, context_length)}
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def build_run_config(
     config_path: str | Path | None = None,
     overrides: Sequence[tuple[str, str]] = (),
@@ -247,7 +238,7 @@ def build_run_config(
 
     raw: dict[str, Any] = dict(base or {})
     if config_path is not None:
-        raw = _merge(raw, load_yaml(config_path))
+        raw = merge_mappings(raw, load_yaml(config_path))
     raw = apply_overrides(RunConfig, raw, overrides)
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, Mapping):
@@ -259,6 +250,6 @@ def build_run_config(
         preset = to_dict(get_model_config(preset_name))
     except ValueError as exc:
         raise ConfigError("model.name", str(exc)) from None
-    raw["model"] = _merge(preset, model_raw)
+    raw["model"] = merge_mappings(preset, model_raw)
     _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)
