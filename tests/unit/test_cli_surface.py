@@ -15,6 +15,7 @@ BIN = Path(sys.executable).parent  # console scripts live beside the interpreter
 EXPECTED = {
     "benchmark": [],
     "ckpt": [],
+    "cost": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],

@@ -8,11 +8,12 @@ import pytest
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.cost.catalog import load_instances
-from gaudi3_scale.device.specs import ACCELERATORS, find_accelerator
+from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named, find_accelerator
 
 
 def test_accelerator_specs_carry_sources_and_the_published_numbers() -> None:
-    assert set(ACCELERATORS) == {"h100-sxm", "h200-sxm", "a100-sxm", "gaudi2", "gaudi3", "mi300x"}
+    names = {"h100-sxm", "h200-sxm", "a100-sxm", "a100-sxm-40gb", "gaudi2", "gaudi3", "mi300x"}
+    assert set(ACCELERATORS) == names
     for spec in ACCELERATORS.values():
         assert spec.source and spec.bf16_dense_tflops > 0 and spec.memory_gb > 0
     g3 = ACCELERATORS["gaudi3"]
@@ -27,6 +28,15 @@ def test_accelerator_specs_carry_sources_and_the_published_numbers() -> None:
     assert find_accelerator("NVIDIA H100 80GB HBM3") is ACCELERATORS["h100-sxm"]
     assert find_accelerator("Intel Gaudi 3") is ACCELERATORS["gaudi3"]
     assert find_accelerator("Some Unknown GPU") is None
+    # torch's names for the two A100 SXM parts: the 40 GB one must not be taken for the 80 GB one
+    assert find_accelerator("NVIDIA A100-SXM4-40GB") is ACCELERATORS["a100-sxm-40gb"]
+    assert find_accelerator("NVIDIA A100-SXM4-80GB") is ACCELERATORS["a100-sxm"]
+    a40 = ACCELERATORS["a100-sxm-40gb"]
+    assert (a40.memory_gb, a40.memory_bandwidth_tbps, a40.tdp_w) == (40.0, 1.555, 400)
+    assert a40.bf16_dense_tflops == 312.0
+    assert accelerator_named("a100") is ACCELERATORS["a100-sxm"]
+    assert accelerator_named("A100-40GB") is ACCELERATORS["a100-sxm-40gb"]
+    assert accelerator_named("h100") is ACCELERATORS["h100-sxm"]
 
 
 def test_shipped_instances_are_sourced_and_unknown_prices_stay_unknown() -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gaudi3_scale.device.specs import ACCELERATORS
+from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
 from gaudi3_scale.models import get_model_config
-from gaudi3_scale.tune.estimate_table import find_accelerator_named
 from gaudi3_scale.tune.memory import estimate_memory
 
 
@@ -59,6 +58,6 @@ def test_unknown_accelerator_is_one_line_and_exit_2(gaudi3_cli: Callable[..., tu
 
 
 def test_accelerator_names_and_prefixes() -> None:
-    assert find_accelerator_named("h100") is ACCELERATORS["h100-sxm"]
-    assert find_accelerator_named("Gaudi3") is ACCELERATORS["gaudi3"]
-    assert find_accelerator_named("NVIDIA H200") is ACCELERATORS["h200-sxm"]
+    assert accelerator_named("h100") is ACCELERATORS["h100-sxm"]
+    assert accelerator_named("Gaudi3") is ACCELERATORS["gaudi3"]
+    assert accelerator_named("NVIDIA H200") is ACCELERATORS["h200-sxm"]

@@ -13,8 +13,6 @@ come from the command line until a cost catalog exists, and the reports say so.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +23,7 @@ from typing import Any, TypeAlias
 from gaudi3_scale.bench.plots import PLOTS, group_rows, write_plots
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.document import Block, Image, Section, Table, to_html, to_markdown
 
 __all__ = ["PRICE_NOTE", "LabelledResult", "ReportFiles", "load_results", "write_report"]
 
@@ -212,29 +211,13 @@ def _checked_prices(prices: Mapping[str, float], set_labels: Sequence[str]) -> d
 # ---- the document: built once, rendered as Markdown and as HTML ---------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Table:
-    headers: list[str]
-    rows: list[list[str]]
-
-
-@dataclass(frozen=True)
-class _Image:
-    path: Path
-    caption: str
-
-
-_Block: TypeAlias = str | _Table | _Image | list[str]  # paragraph, table, plot, bullet list
-_Section: TypeAlias = tuple[str, list[_Block]]
-
-
 def _distinct(values: Iterable[Any]) -> str:
     return ", ".join(dict.fromkeys(str(v) for v in values if v is not None and v != "")) or "—"
 
 
 def _machines(
     items: Sequence[LabelledResult], set_labels: Sequence[str], prices: Mapping[str, float]
-) -> _Table:
+) -> Table:
     headers = ["set", "hardware", "CPUs", "torch", "git commit", "date", "cells ok"]
     if prices:
         headers.append(f"USD/h ({PRICE_NOTE})")
@@ -253,17 +236,17 @@ def _machines(
         if prices:
             row.append(_fmt("price_usd_per_hour", prices.get(label)))
         rows.append(row)
-    return _Table(headers, rows)
+    return Table(headers, rows)
 
 
-def _results(rows: Sequence[_Row], many_sets: bool, priced: bool) -> _Table:
+def _results(rows: Sequence[_Row], many_sets: bool, priced: bool) -> Table:
     columns = ([("set", "set")] if many_sets else []) + list(_RESULT_TABLE)
     if priced:
         columns.append(("USD per M tokens", "cost_usd_per_million_tokens"))
-    return _Table([h for h, _ in columns], [[_fmt(key, row[key]) for _, key in columns] for row in rows])
+    return Table([h for h, _ in columns], [[_fmt(key, row[key]) for _, key in columns] for row in rows])
 
 
-def _failures(rows: Sequence[_Row], many_sets: bool) -> list[_Block]:
+def _failures(rows: Sequence[_Row], many_sets: bool) -> list[Block]:
     failed = [r for r in rows if r["status"] != "ok"]
     if not failed:
         return ["Every cell finished."]
@@ -271,7 +254,7 @@ def _failures(rows: Sequence[_Row], many_sets: bool) -> list[_Block]:
     return [[f"{where(r)} — {r['status']}: {r['reason'] or '(no reason recorded)'}" for r in failed]]
 
 
-def _comparison(rows: Sequence[_Row], set_labels: Sequence[str], prices: Mapping[str, float]) -> list[_Block]:
+def _comparison(rows: Sequence[_Row], set_labels: Sequence[str], prices: Mapping[str, float]) -> list[Block]:
     reference = set_labels[0]
     by_key = group_rows((r for r in rows if r["status"] == "ok"), lambda r: tuple(r[k] for k in _COMPARE_KEY))
     shared = {key: {r["set"]: r for r in group} for key, group in by_key.items()}
@@ -302,7 +285,7 @@ def _comparison(rows: Sequence[_Row], set_labels: Sequence[str], prices: Mapping
             if label in prices:
                 line.append(_fmt("cost_usd_per_million_tokens", row["cost_usd_per_million_tokens"]))
         table.append(line)
-    return [intro, _Table(headers, table)]
+    return [intro, Table(headers, table)]
 
 
 def _sections(
@@ -311,76 +294,17 @@ def _sections(
     set_labels: Sequence[str],
     prices: Mapping[str, float],
     plots: Sequence[Path],
-) -> list[_Section]:
+) -> list[Section]:
     many_sets = len(set_labels) > 1
-    sections: list[_Section] = [
+    sections: list[Section] = [
         ("Machines", [_machines(items, set_labels, prices)]),
         ("Results", [_results(rows, many_sets, bool(prices))]),
         ("Failed, out-of-memory and timed-out cells", _failures(rows, many_sets)),
     ]
     if many_sets:
         sections.append(("Comparison across sets", _comparison(rows, set_labels, prices)))
-    sections.append(("Plots", [_Image(path, PLOTS[path.name]) for path in plots]))
+    sections.append(("Plots", [Image(path, PLOTS[path.name]) for path in plots]))
     return sections
-
-
-def _md(text: str) -> str:
-    escaped = html.escape(text, quote=False).replace("\n", " ").replace("\r", " ")
-    for char in "\\`*_[]|":
-        escaped = escaped.replace(char, "\\" + char)
-    return escaped
-
-
-def _markdown(title: str, sections: Sequence[_Section]) -> str:
-    lines = [f"# {_md(title)}", ""]
-    for heading, blocks in sections:
-        lines += [f"## {_md(heading)}", ""]
-        for block in blocks:
-            if isinstance(block, _Table):
-                lines.append("| " + " | ".join(map(_md, block.headers)) + " |")
-                lines.append("|" + " --- |" * len(block.headers))
-                lines += ["| " + " | ".join(map(_md, row)) + " |" for row in block.rows]
-            elif isinstance(block, _Image):
-                lines.append(f"![{_md(block.caption)}]({block.path.name})")
-            elif isinstance(block, list):
-                lines += [f"- {_md(item)}" for item in block]
-            else:
-                lines.append(_md(block))
-            lines.append("")
-    return "\n".join(lines)
-
-
-_CSS = (
-    "body{font-family:system-ui,sans-serif;color:#222;margin:2rem auto;max-width:90rem;padding:0 1rem}"
-    "table{border-collapse:collapse;margin:1rem 0;font-size:.9rem;font-variant-numeric:tabular-nums}"
-    "th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}th{background:#f2f2f2}"
-    "img{max-width:100%;display:block}figure{margin:1.5rem 0}figcaption{color:#555}"
-)
-
-
-def _html(title: str, sections: Sequence[_Section]) -> str:
-    e = html.escape
-    parts = ['<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">', f"<title>{e(title)}</title>",
-             f"<style>{_CSS}</style>\n</head>\n<body>", f"<h1>{e(title)}</h1>"]  # fmt: skip
-    for heading, blocks in sections:
-        parts.append(f"<h2>{e(heading)}</h2>")
-        for block in blocks:
-            if isinstance(block, _Table):
-                head = "".join(f"<th>{e(h)}</th>" for h in block.headers)
-                body = "".join(
-                    "<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>\n" for row in block.rows
-                )
-                parts.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>")
-            elif isinstance(block, _Image):
-                data = base64.b64encode(block.path.read_bytes()).decode("ascii")
-                parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{e(block.caption)}">'
-                             f"<figcaption>{e(block.caption)}</figcaption></figure>")  # fmt: skip
-            elif isinstance(block, list):
-                parts.append("<ul>\n" + "".join(f"<li>{e(item)}</li>\n" for item in block) + "</ul>")
-            else:
-                parts.append(f"<p>{e(block)}</p>")
-    parts.append("</body>\n</html>\n")
-    return "\n".join(parts)
 
 
 # ---- the entry point -----------------------------------------------------------------------------------------------
@@ -417,6 +341,6 @@ def write_report(
         plots=write_plots(rows, out_dir, len(set_labels) > 1),
     )
     sections = _sections(items, rows, set_labels, prices, files.plots)
-    files.markdown.write_text(_markdown(title, sections), encoding="utf-8")
-    files.html.write_text(_html(title, sections), encoding="utf-8")
+    files.markdown.write_text(to_markdown(title, sections), encoding="utf-8")
+    files.html.write_text(to_html(title, sections), encoding="utf-8")
     return files

@@ -29,7 +29,7 @@ _FIELDS = {"provider", "type", "accelerator", "accelerators_per_node", "region",
 class Instance:
     provider: str
     type: str
-    accelerator: str  # a name in device/accelerators.yaml
+    accelerator: str  # a name in device/accelerators.yaml, or "cpu"
     accelerators_per_node: int
     region: str
     on_demand_usd_per_hour: float | None  # None: unknown, never guessed
@@ -70,9 +70,10 @@ def _instance(entry: Any, sources: dict[str, str], where: str) -> Instance:
     for name in ("provider", "type", "region", "prices_date"):
         if not isinstance(entry[name], str) or not entry[name]:
             raise UserInputError(f"{label}: {name} must be a non-empty string, got {entry[name]!r}")
-    if entry["accelerator"] not in ACCELERATORS:
+    if entry["accelerator"] not in (*ACCELERATORS, "cpu"):
         raise UserInputError(
-            f"{label}: accelerator {entry['accelerator']!r} is not in the catalog; known: {', '.join(ACCELERATORS)}"
+            f"{label}: accelerator {entry['accelerator']!r} is not in the catalog; known: "
+            f"{', '.join(ACCELERATORS)}, cpu"
         )
     count = entry["accelerators_per_node"]
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.device.specs import find_accelerator
+from gaudi3_scale.device.specs import AcceleratorSpec, find_accelerator
 
-__all__ = ["DevicePlan", "cpu_model_name", "measure_cpu_matmul_flops", "plan_device"]
+__all__ = ["DevicePlan", "cpu_model_name", "measure_cpu_matmul_flops", "measured_cpu_spec", "plan_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +59,25 @@ def measure_cpu_matmul_flops(threads: int, *, seconds: float = 0.3) -> float:
     finally:
         torch.set_num_threads(previous)
     return best
+
+
+def measured_cpu_spec(threads: int | None = None) -> AcceleratorSpec:
+    """This machine's CPU as a catalog entry: peak = its measured fp32 matmul FLOP/s (all cores by default),
+    memory = its RAM, power unknown. The CPU entry of the catalog is always measured, never a datasheet figure."""
+    import psutil
+
+    threads = threads or torch.get_num_threads()
+    return AcceleratorSpec(
+        name="cpu",
+        match=(),
+        bf16_dense_tflops=measure_cpu_matmul_flops(threads) / 1e12,
+        fp8_dense_tflops=None,
+        memory_gb=psutil.virtual_memory().total / 1e9,
+        memory_bandwidth_tbps=None,
+        tdp_w=None,
+        source=f"measured on this machine: fp32 matmul peak with {threads} threads on {cpu_model_name()}; "
+        "memory = RAM",
+    )
 
 
 def _plan_hpu(precision: str) -> DevicePlan:

@@ -11,13 +11,14 @@ from importlib import resources
 
 import yaml
 
-__all__ = ["ACCELERATORS", "AcceleratorSpec", "find_accelerator"]
+__all__ = ["ACCELERATORS", "AcceleratorSpec", "accelerator_named", "find_accelerator"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class AcceleratorSpec:
     name: str
     match: tuple[str, ...]  # lower-case substrings of the device name reported by the runtime
+    aliases: tuple[str, ...] = ()  # short names users type: "h100", "a100"
     bf16_dense_tflops: float
     fp8_dense_tflops: float | None
     memory_gb: float
@@ -40,6 +41,7 @@ def _load() -> dict[str, AcceleratorSpec]:
         specs[entry["name"]] = AcceleratorSpec(
             name=entry["name"],
             match=tuple(entry["match"]),
+            aliases=tuple(entry.get("aliases", ())),
             bf16_dense_tflops=float(entry["bf16_dense_tflops"]),
             fp8_dense_tflops=None if entry["fp8_dense_tflops"] is None else float(entry["fp8_dense_tflops"]),
             memory_gb=float(entry["memory_gb"]),
@@ -60,3 +62,24 @@ def find_accelerator(device_name: str) -> AcceleratorSpec | None:
         if any(m in lowered for m in spec.match):
             return spec
     return None
+
+
+def accelerator_named(name: str, *, flag: str = "--accelerator") -> AcceleratorSpec:
+    """The spec a user means by `name`: its catalog name ("h100-sxm"), an alias ("h100", "a100"), an unambiguous
+    prefix, or a runtime device name; else a UserInputError naming `flag` and what is known."""
+    from gaudi3_scale.config.errors import UserInputError
+
+    key = name.strip().lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    for spec in ACCELERATORS.values():
+        if key in spec.aliases:
+            return spec
+    prefixed = [spec for spec_name, spec in ACCELERATORS.items() if spec_name.startswith(key)]
+    if key and len(prefixed) == 1:
+        return prefixed[0]
+    found = find_accelerator(key) if key else None
+    if found is None:
+        known = ", ".join(f"{n} ({'/'.join(s.aliases)})" if s.aliases else n for n, s in ACCELERATORS.items())
+        raise UserInputError(f"{flag}: unknown accelerator {name!r}; known: {known}")
+    return found

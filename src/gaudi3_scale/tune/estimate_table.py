@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.device.specs import ACCELERATORS, AcceleratorSpec, find_accelerator
+from gaudi3_scale.device.specs import accelerator_named
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.memory import estimate_memory, max_micro_batch_that_fits
 
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
 
     from gaudi3_scale.train.config import RunConfig
 
-__all__ = ["TABLE_STRATEGIES", "find_accelerator_named", "format_estimate_table", "print_estimate_table"]
+__all__ = ["TABLE_STRATEGIES", "format_estimate_table", "print_estimate_table"]
 
 TABLE_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 _GIB = 2**30
@@ -31,20 +30,6 @@ def resolved_model(base: RunConfig) -> ModelConfig:
     from gaudi3_scale.data import load_prepared, prepare_dataset
 
     return base.model.resolve_vocab(load_prepared(prepare_dataset(base.data, progress=False)).vocab_size)
-
-
-def find_accelerator_named(name: str) -> AcceleratorSpec:
-    """The spec called `name` ("gaudi3", "h100-sxm", or an unambiguous prefix such as "h100"); else one line."""
-    key = name.strip().lower()
-    if key in ACCELERATORS:
-        return ACCELERATORS[key]
-    prefixed = [spec for spec_name, spec in ACCELERATORS.items() if spec_name.startswith(key)]
-    if len(prefixed) == 1:
-        return prefixed[0]
-    spec = find_accelerator(key) if key else None
-    if spec is None:
-        raise UserInputError(f"--accelerator: unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
-    return spec
 
 
 def format_estimate_table(
@@ -136,7 +121,7 @@ def print_estimate_table(
     device_kind = base.train.device if base.train.device != "auto" else "cpu"
     memory = memory_budget_bytes
     if accelerator:
-        spec = find_accelerator_named(accelerator)
+        spec = accelerator_named(accelerator)
         device_kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
         if memory is None:
             memory = int(spec.memory_gb * 1e9)

@@ -1,0 +1,143 @@
+"""`gaudi3 cost compare|catalog`: what training a model costs per platform, and the sourced catalog behind it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["cost"]
+
+
+@click.group()
+def cost() -> None:
+    """Cost and capacity planning from the sourced accelerator and instance catalog."""
+
+
+@cost.command(name="compare")
+@click.option("--model", required=True, help="model preset (llama3-70b) or a size naming one (70B)")
+@click.option("--tokens", required=True, help="training tokens: 1T, 300B, 2.5e12")
+@click.option(
+    "--platforms", default="gaudi3,h100,a100", show_default=True,
+    help="comma-separated accelerators (catalog names or aliases: gaudi3, gaudi2, h100, h200, a100, a100-40gb, "
+    "mi300x) or cpu (measured on this machine)",
+)  # fmt: skip
+@click.option("--mfu", type=float, help="model FLOPs utilization assumed on every platform [default: 0.40]")
+@click.option(
+    "--from-benchmarks", type=click.Path(file_okay=False),
+    help="benchmark results directory: use each accelerator's best measured MFU instead of --mfu",
+)  # fmt: skip
+@click.option("--nodes", type=int, help="nodes to train on (default: the fewest that fit the model)")
+@click.option("--context-length", type=int, help="tokens per sequence (default: the model's)")
+@click.option(
+    "--catalog", "catalog_file", type=click.Path(dir_okay=False), help="instance catalog override YAML"
+)
+@click.option(
+    "--pue", type=float, help="power usage effectiveness [default: 1.58, Uptime Institute 2023 average]"
+)
+@click.option("--power-fraction", type=float, default=1.0, show_default=True, help="average power ÷ TDP")
+@click.option(
+    "--usd-per-kwh", type=float, help="electricity price for the energy $ column (default: unknown)"
+)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="also write cost.json, cost.md + cost.png, cost.html and cost.pdf here")  # fmt: skip
+def compare_cmd(
+    model: str,
+    tokens: str,
+    platforms: str,
+    mfu: float | None,
+    from_benchmarks: str | None,
+    nodes: int | None,
+    context_length: int | None,
+    catalog_file: str | None,
+    pue: float | None,
+    power_fraction: float,
+    usd_per_kwh: float | None,
+    out_dir: str | None,
+) -> None:
+    """Accelerators needed to fit, training time, $ (on-demand, spot, capacity block), energy, $ per 1M tokens and
+    tokens per $, per platform. Unknown prices print as "unknown". Exit 2 on bad input or a model that fits
+    nowhere."""
+    from gaudi3_scale.cli.config_cmd import wide_console
+    from gaudi3_scale.cost.estimate import DEFAULT_PUE, Assumptions, compare_training_cost
+    from gaudi3_scale.cost.report import print_table, write_outputs
+
+    if mfu is not None and from_benchmarks is not None:
+        raise UserInputError("--mfu and --from-benchmarks are exclusive: give one")
+    names = [p.strip() for p in platforms.split(",") if p.strip()]
+    comparison = compare_training_cost(
+        model,
+        tokens,
+        names,
+        mfu=None if from_benchmarks else (0.40 if mfu is None else mfu),
+        from_benchmarks=Path(from_benchmarks) if from_benchmarks else None,
+        nodes=nodes,
+        context_length=context_length,
+        catalog_file=Path(catalog_file) if catalog_file else None,
+        assumptions=Assumptions(
+            pue=DEFAULT_PUE if pue is None else pue,
+            power_fraction_of_tdp=power_fraction,
+            usd_per_kwh=usd_per_kwh,
+        ),
+    )
+    console = wide_console()
+    print_table(comparison, console)
+    if out_dir:
+        written = write_outputs(comparison, Path(out_dir))
+        console.print(f"wrote {', '.join(str(p) for p in written)}", highlight=False, soft_wrap=True)
+
+
+@cost.command(name="catalog")
+@click.option(
+    "--catalog", "catalog_file", type=click.Path(dir_okay=False), help="instance catalog override YAML"
+)
+def catalog_cmd(catalog_file: str | None) -> None:
+    """The accelerator specs and instance prices the estimates use, each with its source."""
+    from rich.table import Table
+
+    from gaudi3_scale.cli.config_cmd import wide_console
+    from gaudi3_scale.cost.catalog import load_instances
+    from gaudi3_scale.device.specs import ACCELERATORS
+
+    def known(value: float | None, spec: str = ",.2f") -> str:
+        return "unknown" if value is None else format(value, spec)
+
+    console = wide_console()
+    specs = Table(title="accelerators (cpu: measured on the machine at run time)", title_justify="left")
+    for header in ("name", "aliases", "BF16 TFLOP/s", "FP8 TFLOP/s", "memory GB", "TB/s", "TDP W"):
+        specs.add_column(header, no_wrap=True)
+    for s in ACCELERATORS.values():
+        specs.add_row(s.name, ", ".join(s.aliases), known(s.bf16_dense_tflops, ",.1f"),
+                      known(s.fp8_dense_tflops, ",.1f"), f"{s.memory_gb:g}", known(s.memory_bandwidth_tbps, "g"),
+                      known(s.tdp_w, "g"))  # fmt: skip
+    console.print(specs)
+    for s in ACCELERATORS.values():  # sources are sentences: below the table, one per entry
+        console.print(f"  {s.name}: {s.source}", highlight=False, soft_wrap=True)
+    prices = Table(title="instances (USD per node-hour)", title_justify="left")
+    for header in (
+        "provider",
+        "type",
+        "region",
+        "accelerators",
+        "on-demand",
+        "spot",
+        "capacity block",
+        "date",
+    ):
+        prices.add_column(header, no_wrap=header != "date")
+    instances = load_instances(Path(catalog_file) if catalog_file else None).values()
+    for i in instances:
+        spot = (
+            "unknown" if i.spot_usd_per_hour_range is None else "–".join(map(str, i.spot_usd_per_hour_range))
+        )
+        prices.add_row(i.provider, i.type, i.region, f"{i.accelerators_per_node} × {i.accelerator}",
+                       known(i.on_demand_usd_per_hour, ""), spot, known(i.capacity_block_usd_per_hour, ""),
+                       i.prices_date)  # fmt: skip
+    console.print(prices)
+    for i in instances:
+        console.print(f"  {i.type} ({i.region}): {i.source}", highlight=False, soft_wrap=True)
+    console.print(
+        "Gaudi 2 / Gaudi 3: no sourced instance price; add one with --catalog FILE.", highlight=False
+    )

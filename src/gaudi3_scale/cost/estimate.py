@@ -1,0 +1,485 @@
+"""Time, cost and energy to train a model on each platform, from the catalog and the memory estimator.
+
+For each platform (an accelerator in `device/accelerators.yaml`, or `cpu` measured on this machine):
+
+* **accelerators to fit**: the fewest devices on which `tune.memory` says one training step fits (FSDP / ZeRO-3,
+  bf16-mixed, activation checkpointing, micro-batch 1, the model's context) within `memory_fraction` of the
+  device's memory; whole nodes are rented, so the run uses every accelerator of those nodes (or of `nodes`).
+* **training time** = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU), with training FLOPs =
+  FLOPs per token (6·N + attention, `models/counting.py`) × tokens. MFU is given, or measured by benchmarks.
+* **$**: node-hours × the instance's price (on-demand; spot as the catalog's range; capacity block) for the
+  cheapest instance in the catalog that carries the accelerator. No price in the catalog → "unknown", never a
+  guess.
+* **energy** = accelerators × TDP × `power_fraction_of_tdp` × hours × PUE (accelerators only: hosts, network
+  and storage are not counted); its $ only with a `usd_per_kwh`. Cloud prices already include power.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cost.catalog import Instance, load_instances
+from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
+
+if TYPE_CHECKING:
+    from gaudi3_scale.models.config import ModelConfig
+
+__all__ = [
+    "DEFAULT_PUE",
+    "PUE_SOURCE",
+    "Assumptions",
+    "CostComparison",
+    "PlatformEstimate",
+    "compare_training_cost",
+    "parse_count",
+    "resolve_model",
+]
+
+# Industry-average power usage effectiveness (total site power ÷ IT power): Uptime Institute, "Large data centers
+# are mostly more efficient, analysis confirms" (UII Update 221, 23 Nov 2023): "In 2023, industry average PUE stood
+# at 1.58". Hyperscale sites run lower; pass your own with --pue.
+DEFAULT_PUE = 1.58
+PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-11-23)"
+DEFAULT_MEMORY_FRACTION = 0.95  # the tuner's default target: what the runtime and fragmentation leave free
+DEFAULT_NODE_SIZE = 8  # accelerators per node when the catalog has no instance (8-OAM Gaudi / HGX baseboards)
+MAX_ACCELERATORS = 65536
+
+_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str | float | int, what: str) -> float:
+    """'1T', '300B', '2.5e12', 70e9 → a positive number; anything else is one line naming `what`."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _COUNT.match(str(text))
+        if not match:
+            raise UserInputError(
+                f"{what}: expected a number with an optional K, M, B, T suffix (e.g. 1T, 300B, 2.5e12), got {text!r}"
+            )
+        value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
+    if not math.isfinite(value) or value <= 0:
+        raise UserInputError(f"{what}: must be a positive number, got {text!r}")
+    return value
+
+
+def resolve_model(model: str | ModelConfig, context_length: int | None = None) -> ModelConfig:
+    """A registry preset ("llama3-70b"), a size naming one ("70B" → the preset whose name ends in -70b), or a
+    config; its vocabulary resolved and, if given, its context replaced."""
+    from gaudi3_scale.models.config import ModelConfig
+    from gaudi3_scale.models.registry import get_model_config, list_models
+
+    if isinstance(model, ModelConfig):
+        cfg = model
+    else:
+        key = model.strip().lower()
+        names = list_models()
+        if key in names:
+            cfg = get_model_config(key)
+        else:
+            sized = [n for n in names if n.endswith(f"-{key}")]
+            if len(sized) != 1:
+                raise UserInputError(
+                    f"--model: {model!r} is not a model preset or a size naming exactly one; presets: "
+                    f"{', '.join(names)}"
+                )
+            cfg = get_model_config(sized[0])
+    if context_length is not None:
+        if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+            raise UserInputError(f"--context-length: must be a positive integer, got {context_length!r}")
+        cfg = dataclasses.replace(cfg, context_length=context_length)
+    if cfg.vocab_size is None:
+        from gaudi3_scale.train.config import RunConfig
+        from gaudi3_scale.tune.estimate_table import resolved_model
+
+        cfg = resolved_model(RunConfig(model=cfg))
+    return cfg
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    precision: str = "bf16-mixed"
+    strategy: str = "fsdp"  # ZeRO-3: what lets the fewest devices hold the model
+    activation_checkpointing: bool = True
+    micro_batch_size: int = 1
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    pue: float = DEFAULT_PUE
+    pue_source: str = PUE_SOURCE
+    power_fraction_of_tdp: float = 1.0  # average draw ÷ TDP; 1.0 is the upper bound
+    usd_per_kwh: float | None = None
+
+    def lines(self) -> list[str]:
+        energy_price = (
+            f"${self.usd_per_kwh:g}/kWh"
+            if self.usd_per_kwh is not None
+            else "no electricity price given (energy $ unknown; cloud prices already include power)"
+        )
+        return [
+            "training FLOPs = FLOPs per token × tokens; FLOPs per token = 6·N (N: parameters in matmuls) + "
+            "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); recomputation is not counted",
+            "time = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU)",
+            f"fit: {self.strategy} (ZeRO-3) sharding, {self.precision}, activation checkpointing "
+            f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch_size}, within "
+            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); whole nodes are rented",
+            "cost = node-hours × instance $/h (cheapest catalog instance with the accelerator); spot as the "
+            "catalog's range; unknown prices stay unknown",
+            f"energy = accelerators × TDP × {self.power_fraction_of_tdp:g} × hours × PUE {self.pue:g}"
+            + (f" ({self.pue_source})" if self.pue == DEFAULT_PUE else "")
+            + f"; accelerators only; {energy_price}",
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlatformEstimate:
+    platform: str  # as the user named it
+    accelerator: str  # catalog name ("h100-sxm") or "cpu"
+    peak_tflops: float
+    peak_source: str
+    memory_gb: float
+    tdp_w: float | None
+    fits: bool
+    note: str  # why it does not fit, or what is unknown
+    min_accelerators: int | None  # fewest devices that hold one training step
+    per_node: int
+    nodes: int | None
+    accelerators: int | None  # what the run uses: nodes × per_node
+    memory_per_device_gib: float | None  # estimate at `accelerators`
+    mfu: float | None
+    mfu_source: str
+    train_hours: float | None
+    accelerator_hours: float | None
+    instance: str | None  # "aws p5.48xlarge us-east-1"
+    price_source: str | None
+    on_demand_usd_per_node_hour: float | None
+    on_demand_usd: float | None
+    spot_usd_low: float | None
+    spot_usd_high: float | None
+    capacity_block_usd: float | None
+    energy_kwh: float | None
+    energy_usd: float | None
+    usd_per_million_tokens: float | None  # on-demand
+    tokens_per_usd: float | None  # on-demand
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostComparison:
+    model: str
+    parameters: int
+    flops_per_token: float
+    context_length: int
+    tokens: float
+    training_flops: float
+    assumptions: Assumptions
+    rows: list[PlatformEstimate] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "parameters": self.parameters,
+            "flops_per_token": self.flops_per_token,
+            "context_length": self.context_length,
+            "tokens": self.tokens,
+            "training_flops": self.training_flops,
+            "assumptions": dataclasses.asdict(self.assumptions),
+            "assumption_lines": self.assumptions.lines(),
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+    def plot_tco_breakdown(self, path: str | Path | None = None) -> Any:
+        """A bar chart of each platform's cost (on-demand, spot range, energy); saved to `path` when given.
+
+        Returns the matplotlib Figure."""
+        from gaudi3_scale.cost.report import plot_tco_breakdown
+
+        return plot_tco_breakdown(self, path)
+
+    def generate_report(self, path: str | Path) -> Path:
+        """Write the comparison as .md, .html (self-contained) or .pdf, chosen by the suffix."""
+        from gaudi3_scale.cost.report import write_report
+
+        return write_report(self, Path(path))
+
+
+def _platform_spec(name: str) -> AcceleratorSpec:
+    if name.strip().lower() == "cpu":
+        from gaudi3_scale.device.select import measured_cpu_spec
+
+        return measured_cpu_spec()
+    return accelerator_named(name, flag="--platforms")
+
+
+def _device_kind(spec: AcceleratorSpec) -> str:
+    if spec.name == "cpu":
+        return "cpu"
+    return "hpu" if spec.name.startswith("gaudi") else "cuda"
+
+
+def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], Instance]) -> Instance | None:
+    """The instance a multi-node run would rent: the most accelerators per node, then the cheapest on-demand."""
+    offered = [i for i in instances.values() if i.accelerator == spec.name]
+    if not offered:
+        return None
+    return min(
+        offered,
+        key=lambda i: (
+            -i.accelerators_per_node,
+            i.on_demand_usd_per_hour is None,
+            (i.on_demand_usd_per_hour or 0) / i.accelerators_per_node,
+        ),
+    )
+
+
+def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions) -> int:
+    from gaudi3_scale.tune.memory import estimate_memory
+
+    return estimate_memory(
+        model,
+        strategy=a.strategy if count > 1 else "auto",
+        world_size=count,
+        micro_batch_size=a.micro_batch_size,
+        precision=a.precision,
+        activation_checkpointing=a.activation_checkpointing,
+        device_kind=_device_kind(spec),
+    ).total_bytes
+
+
+def _candidate_counts(per_node: int) -> list[int]:
+    """1, 2, 4 … below a node, then 1, 2, 4 … whole nodes, up to MAX_ACCELERATORS."""
+    counts = [c for c in (1, 2, 4) if c < per_node]
+    nodes = 1
+    while nodes * per_node <= MAX_ACCELERATORS:
+        counts.append(nodes * per_node)
+        nodes *= 2
+    return counts
+
+
+def _fewest_that_fit(model: ModelConfig, spec: AcceleratorSpec, per_node: int, a: Assumptions) -> int | None:
+    """The fewest candidate devices whose per-device estimate is within budget; None when even the most fail."""
+    budget = spec.memory_gb * 1e9 * a.memory_fraction
+    counts = _candidate_counts(per_node)
+    if _per_device_bytes(model, counts[-1], spec, a) > budget:
+        return None
+    low, high = 0, len(counts) - 1  # bisect: memory per device only falls as devices are added
+    while low < high:
+        mid = (low + high) // 2
+        if _per_device_bytes(model, counts[mid], spec, a) <= budget:
+            high = mid
+        else:
+            low = mid + 1
+    return counts[low]
+
+
+def _mfu_for(
+    spec: AcceleratorSpec, mfu: float | None, measured: dict[str, tuple[float, str]]
+) -> tuple[float | None, str]:
+    if spec.name in measured:
+        return measured[spec.name]
+    if mfu is not None:
+        return mfu, "given"
+    return None, "no benchmark result for this accelerator"
+
+
+def _row(
+    platform: str,
+    model: ModelConfig,
+    training_flops: float,
+    tokens: float,
+    *,
+    nodes: int | None,
+    mfu: float | None,
+    measured: dict[str, tuple[float, str]],
+    instances: dict[tuple[str, str, str], Instance],
+    a: Assumptions,
+) -> PlatformEstimate:
+    spec = _platform_spec(platform)
+    instance = _instance_for(spec, instances)
+    per_node = (
+        instance.accelerators_per_node if instance else (1 if spec.name == "cpu" else DEFAULT_NODE_SIZE)
+    )
+    need = _fewest_that_fit(model, spec, per_node, a)
+    rate, mfu_source = _mfu_for(spec, mfu, measured)
+    base: dict[str, Any] = dict(
+        platform=platform,
+        accelerator=spec.name,
+        peak_tflops=spec.bf16_dense_tflops,
+        peak_source=spec.source,
+        memory_gb=spec.memory_gb,
+        tdp_w=spec.tdp_w,
+        min_accelerators=need,
+        per_node=per_node,
+        mfu=rate,
+        mfu_source=mfu_source,
+        instance=f"{instance.provider} {instance.type} {instance.region}" if instance else None,
+        price_source=f"{instance.source} ({instance.prices_date})" if instance else None,
+        on_demand_usd_per_node_hour=instance.on_demand_usd_per_hour if instance else None,
+    )
+    empty: dict[str, Any] = dict(
+        nodes=None, accelerators=None, memory_per_device_gib=None, train_hours=None, accelerator_hours=None,
+        on_demand_usd=None, spot_usd_low=None, spot_usd_high=None, capacity_block_usd=None, energy_kwh=None,
+        energy_usd=None, usd_per_million_tokens=None, tokens_per_usd=None,
+    )  # fmt: skip
+    if need is None:
+        largest = _candidate_counts(per_node)[-1]
+        gib = _per_device_bytes(model, largest, spec, a) / 2**30
+        note = (
+            f"does not fit: even on {largest:,} devices one step needs {gib:,.1f} GiB per device (activations "
+            f"of micro-batch 1 do not shrink with sharding), over {a.memory_fraction:.0%} of {spec.memory_gb:,.1f} GB"
+        )
+        return PlatformEstimate(**base, **empty, fits=False, note=note)
+    run_nodes = nodes if nodes is not None else math.ceil(need / per_node)
+    count = run_nodes * per_node
+    if count < need:
+        note = f"does not fit on {run_nodes} node(s) × {per_node}: needs at least {need} devices"
+        return PlatformEstimate(
+            **base, **{**empty, "nodes": run_nodes, "accelerators": count}, fits=False, note=note
+        )
+    gib = _per_device_bytes(model, count, spec, a) / 2**30
+    fitted = {**empty, "nodes": run_nodes, "accelerators": count, "memory_per_device_gib": gib}
+    if rate is None:
+        return PlatformEstimate(**base, **fitted, fits=True, note=f"time unknown: {mfu_source}")
+    seconds = training_flops / (count * spec.bf16_dense_tflops * 1e12 * rate)
+    hours = seconds / 3600
+    node_hours = hours * run_nodes
+    notes = []
+    on_demand = spot_low = spot_high = block = None
+    if instance is None:
+        notes.append("price unknown: no catalog instance carries this accelerator")
+    else:
+        if instance.on_demand_usd_per_hour is not None:
+            on_demand = node_hours * instance.on_demand_usd_per_hour
+        else:
+            notes.append("on-demand price unknown")
+        if instance.spot_usd_per_hour_range is not None:
+            spot_low = node_hours * instance.spot_usd_per_hour_range[0]
+            spot_high = node_hours * instance.spot_usd_per_hour_range[1]
+        if instance.capacity_block_usd_per_hour is not None:
+            block = node_hours * instance.capacity_block_usd_per_hour
+    energy_kwh = energy_usd = None
+    if spec.tdp_w is not None:
+        energy_kwh = count * spec.tdp_w * a.power_fraction_of_tdp * hours * a.pue / 1000
+        if a.usd_per_kwh is not None:
+            energy_usd = energy_kwh * a.usd_per_kwh
+    else:
+        notes.append("energy unknown: no TDP")
+    return PlatformEstimate(
+        **base,
+        **{
+            **fitted,
+            "train_hours": hours,
+            "accelerator_hours": hours * count,
+            "on_demand_usd": on_demand,
+            "spot_usd_low": spot_low,
+            "spot_usd_high": spot_high,
+            "capacity_block_usd": block,
+            "energy_kwh": energy_kwh,
+            "energy_usd": energy_usd,
+            "usd_per_million_tokens": on_demand / (tokens / 1e6) if on_demand is not None else None,
+            "tokens_per_usd": tokens / on_demand if on_demand else None,
+        },
+        fits=True,
+        note="; ".join(notes),
+    )
+
+
+def measured_mfu(directory: Path) -> dict[str, tuple[float, str]]:
+    """Per accelerator, the MFU of its ok benchmark results at the largest world size measured (the closest to a
+    multi-node run; the best of those cells), with where it came from."""
+    from gaudi3_scale.bench.report import load_results
+    from gaudi3_scale.device.specs import find_accelerator
+
+    best: dict[str, tuple[tuple[int, float], float, str]] = {}
+    for item in load_results([directory]):
+        result = item.result
+        metrics = result.get("metrics") or {}
+        value = metrics.get("mfu")
+        if result["status"] != "ok" or value is None:
+            continue
+        cuda = result["environment"].get("cuda")
+        spec = find_accelerator(cuda["device"]) if cuda else None
+        name = spec.name if spec else ("cpu" if not cuda else None)
+        if name is None:
+            continue
+        cell = result["cell"]
+        where = f"measured: {cell['model']} {cell['strategy']} ×{cell['world_size']} {cell['precision']} ({item.path})"
+        rank = (cell["world_size"], float(value))
+        if name not in best or rank > best[name][0]:
+            best[name] = (rank, float(value), where)
+    if not best:
+        raise UserInputError(f"--from-benchmarks: {directory} holds no ok benchmark result with an MFU")
+    return {name: (value, where) for name, (_, value, where) in best.items()}
+
+
+def compare_training_cost(
+    model: str | ModelConfig,
+    tokens: str | float,
+    platforms: Sequence[str],
+    *,
+    mfu: float | None = 0.40,
+    from_benchmarks: Path | None = None,
+    nodes: int | None = None,
+    context_length: int | None = None,
+    catalog_file: Path | None = None,
+    assumptions: Assumptions | None = None,
+) -> CostComparison:
+    """One row per platform (see the module docstring). A model that fits on none of them is one line."""
+    a = assumptions or Assumptions()
+    if mfu is not None and not 0 < mfu <= 1:
+        raise UserInputError(f"--mfu: must be in (0, 1], got {mfu!r}")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise UserInputError(f"--nodes: must be a positive integer, got {nodes!r}")
+    if not platforms:
+        raise UserInputError("--platforms: name at least one (e.g. gaudi3,h100,a100)")
+    for name, value in (("--pue", a.pue), ("--power-fraction", a.power_fraction_of_tdp)):
+        if not math.isfinite(value) or value <= 0:
+            raise UserInputError(f"{name}: must be a positive number, got {value!r}")
+    if a.usd_per_kwh is not None and (not math.isfinite(a.usd_per_kwh) or a.usd_per_kwh < 0):
+        raise UserInputError(f"--usd-per-kwh: must be a non-negative number, got {a.usd_per_kwh!r}")
+    from gaudi3_scale.models.counting import count_parameters, flops_per_token
+
+    cfg = resolve_model(model, context_length)
+    count = parse_count(tokens, "--tokens")
+    measured = measured_mfu(from_benchmarks) if from_benchmarks is not None else {}
+    instances = load_instances(catalog_file)
+    per_token = flops_per_token(cfg)
+    training_flops = per_token * count
+    given = None if measured else mfu
+    rows = [
+        _row(
+            p.strip(),
+            cfg,
+            training_flops,
+            count,
+            nodes=nodes,
+            mfu=given,
+            measured=measured,
+            instances=instances,
+            a=a,
+        )
+        for p in dict.fromkeys(platforms)
+    ]
+    if not any(r.fits for r in rows):
+        raise UserInputError(
+            f"{cfg.name} (context {cfg.context_length:,}) fits on none of {', '.join(r.platform for r in rows)}: "
+            + "; ".join(f"{r.platform}: {r.note.removeprefix('does not fit: ')}" for r in rows)
+        )
+    return CostComparison(
+        model=cfg.name,
+        parameters=count_parameters(cfg),
+        flops_per_token=per_token,
+        context_length=cfg.context_length,
+        tokens=count,
+        training_flops=training_flops,
+        assumptions=a,
+        rows=rows,
+    )

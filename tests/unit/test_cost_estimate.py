@@ -1,0 +1,229 @@
+"""`gaudi3 cost compare` / CostAnalyzer: estimates against hand computations, unknown prices, reports, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cost import CostAnalyzer, compare_training_cost
+from gaudi3_scale.cost.estimate import DEFAULT_PUE, Assumptions, parse_count
+from gaudi3_scale.models import get_model_config
+from gaudi3_scale.tune.memory import estimate_memory
+
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "benchmark_cpu_small"
+
+# Llama 3 70B by hand (Meta's published shape): 80 layers, model dim 8192, 64 query heads of 128, 8 kv heads,
+# SwiGLU hidden 28672, vocabulary 128256, untied input embedding (a lookup: not a matmul) and output head.
+L, D, HEADS, KV, HD, FFN, V, T = 80, 8192, 64, 8, 128, 28672, 128256, 8192
+PER_LAYER = D * D + 2 * D * KV * HD + D * D + 3 * D * FFN + 2 * D  # q, k+v, o, SwiGLU, two RMSNorms
+N_MATMUL = L * PER_LAYER + D + D * V  # + final norm + output head
+FLOPS_PER_TOKEN = 6 * N_MATMUL + 12 * L * HEADS * HD * T  # PaLM App. B: 6N + attention
+H100_PEAK = 989.4e12  # NVIDIA H100 SXM dense BF16 (datasheet)
+P5_USD_PER_HOUR = 55.04  # p5.48xlarge on-demand us-east-1 (SkyPilot catalog snapshot), 8 × H100
+
+
+def test_llama3_70b_on_h100_matches_the_hand_computation() -> None:
+    assert N_MATMUL == 69_503_033_344
+    comparison = compare_training_cost("llama3-70b", "1T", ["h100"], mfu=0.40)
+    assert comparison.flops_per_token == FLOPS_PER_TOKEN
+    assert comparison.training_flops == FLOPS_PER_TOKEN * 1e12
+    row = comparison.rows[0]
+    # Fit: ZeRO-3 over 16 H100s is over 95 % of 80 GB per device, over 32 it is under → 4 nodes of 8.
+    budget = 0.95 * 80e9
+    per_device = {
+        n: estimate_memory(get_model_config("llama3-70b"), strategy="fsdp", world_size=n, precision="bf16-mixed",
+                           activation_checkpointing=True, device_kind="cuda").total_bytes
+        for n in (16, 32)
+    }  # fmt: skip
+    assert per_device[16] > budget >= per_device[32]
+    assert (row.min_accelerators, row.nodes, row.per_node, row.accelerators) == (32, 4, 8, 32)
+    hours = FLOPS_PER_TOKEN * 1e12 / (32 * H100_PEAK * 0.40) / 3600
+    assert row.train_hours == pytest.approx(hours, rel=1e-12)
+    assert row.train_hours == pytest.approx(10_559.91, abs=0.01)  # ≈ 440 days on 32 GPUs
+    assert row.accelerator_hours == pytest.approx(hours * 32, rel=1e-12)
+    assert row.on_demand_usd == pytest.approx(hours * 4 * P5_USD_PER_HOUR, rel=1e-12)
+    assert row.on_demand_usd == pytest.approx(2_324_870, rel=1e-6)
+    assert row.spot_usd_low == pytest.approx(hours * 4 * 10.24, rel=1e-12)
+    assert row.spot_usd_high == pytest.approx(hours * 4 * 55.04, rel=1e-12)
+    assert row.capacity_block_usd == pytest.approx(hours * 4 * 39.33, rel=1e-12)
+    assert row.usd_per_million_tokens == pytest.approx(row.on_demand_usd / 1e6, rel=1e-12)
+    assert row.tokens_per_usd == pytest.approx(1e12 / row.on_demand_usd, rel=1e-12)
+    # Energy: 32 GPUs × 700 W × hours × PUE 1.58; no $ without an electricity price.
+    assert row.energy_kwh == pytest.approx(32 * 700 * hours * DEFAULT_PUE / 1000, rel=1e-12)
+    assert row.energy_usd is None
+
+
+def test_more_nodes_shorten_the_run_at_the_same_cost() -> None:
+    four, eight = (
+        compare_training_cost("llama3-70b", "1T", ["h100"], mfu=0.4, nodes=n).rows[0] for n in (4, 8)
+    )
+    assert eight.accelerators == 64 and eight.train_hours == pytest.approx(four.train_hours / 2)
+    assert eight.on_demand_usd == pytest.approx(four.on_demand_usd)
+    too_few = compare_training_cost("llama3-70b", "1T", ["h100", "mi300x"], mfu=0.4, nodes=1).rows
+    assert not too_few[0].fits and "needs at least 32 devices" in too_few[0].note
+    assert too_few[1].fits  # 8 × 192 GB hold it
+
+
+def test_unknown_prices_stay_unknown(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    row = compare_training_cost("llama3-70b", "1T", ["gaudi3"], mfu=0.4).rows[0]
+    assert row.fits and row.train_hours is not None  # time is known, price is not
+    assert row.instance is None and "price unknown" in row.note
+    assert (row.on_demand_usd, row.spot_usd_low, row.capacity_block_usd, row.usd_per_million_tokens) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    code, out, _ = gaudi3_cli("cost", "compare", "--model", "llama3-70b", "--tokens", "1T", "--platforms",
+                              "gaudi3,h100")  # fmt: skip
+    assert code == 0
+    money = next(line for line in out.splitlines() if line.startswith("│ gaudi3") and "unknown" in line)
+    assert "$" not in money and money.count("unknown") >= 5
+    assert "$2.32M" in out  # the H100 row is priced
+
+
+def test_a_user_catalog_prices_gaudi3(tmp_path: Path) -> None:
+    catalog = tmp_path / "mine.yaml"
+    catalog.write_text(
+        "sources:\n  quote: our vendor quote (test fixture)\ninstances:\n"
+        "  - {provider: onprem, type: hls-gaudi3, accelerator: gaudi3, accelerators_per_node: 8, region: lab,\n"
+        "     on_demand_usd_per_hour: 40.0, spot_usd_per_hour_range: null, capacity_block_usd_per_hour: null,\n"
+        "     prices_date: 2026-11, sources: [quote]}\n"
+    )
+    row = compare_training_cost("llama3-70b", "1T", ["gaudi3"], mfu=0.4, catalog_file=catalog).rows[0]
+    hours = FLOPS_PER_TOKEN * 1e12 / (16 * 1677e12 * 0.4) / 3600
+    assert row.accelerators == 16 and row.instance == "onprem hls-gaudi3 lab"
+    assert row.on_demand_usd == pytest.approx(hours * 2 * 40.0, rel=1e-12)
+
+
+def test_malformed_catalog_override_is_one_line_exit_2(
+    tmp_path: Path, gaudi3_cli: Callable[..., tuple[int, str, str]]
+) -> None:
+    catalog = tmp_path / "bad.yaml"
+    catalog.write_text(
+        "sources:\n  q: quote\ninstances:\n"
+        "  - {provider: aws, type: p5.48xlarge, accelerator: h100-sxm, accelerators_per_node: 8, region: us-east-1,\n"
+        "     on_demand_usd_per_hour: -3, spot_usd_per_hour_range: null, capacity_block_usd_per_hour: null,\n"
+        "     prices_date: x, sources: [q]}\n"
+    )
+    code, out, err = gaudi3_cli(
+        "cost", "compare", "--model", "llama3-70b", "--tokens", "1T", "--catalog", str(catalog)
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1
+    assert "instances[0] (aws p5.48xlarge)" in lines[0] and "on_demand_usd_per_hour" in lines[0]
+
+
+def test_a_model_that_fits_nowhere_is_one_clear_line(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    with pytest.raises(UserInputError, match=r"fits on none of h100, a100: h100: even on 65,536 devices"):
+        compare_training_cost("llama3-8b", "1T", ["h100", "a100"], context_length=4_000_000)
+    code, out, err = gaudi3_cli("cost", "compare", "--model", "llama3-8b", "--tokens", "1T", "--platforms",
+                                "h100,a100", "--context-length", "4000000")  # fmt: skip
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "fits on none of h100, a100" in err and "activations of micro-batch 1" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--tokens", "lots"), "--tokens: expected a number with an optional K, M, B, T suffix"),
+        (("--tokens", "1T", "--platforms", "tpu9"), "--platforms: unknown accelerator 'tpu9'"),
+        (("--tokens", "1T", "--mfu", "1.5"), "--mfu: must be in (0, 1]"),
+        (
+            ("--tokens", "1T", "--mfu", "0.4", "--from-benchmarks", "."),
+            "--mfu and --from-benchmarks are exclusive",
+        ),
+        (("--tokens", "1T", "--nodes", "0"), "--nodes: must be a positive integer"),
+        (("--tokens", "1T", "--pue", "-1"), "--pue: must be a positive number"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(
+    args: tuple[str, ...], expected: str, gaudi3_cli: Callable[..., tuple[int, str, str]]
+) -> None:
+    code, out, err = gaudi3_cli("cost", "compare", "--model", "llama3-70b", *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and expected in err
+
+
+def test_unknown_model_names_the_presets() -> None:
+    with pytest.raises(UserInputError, match=r"--model: '13B' is not a model preset.*llama3-70b"):
+        compare_training_cost("13B", "1T", ["h100"])
+
+
+def test_parse_count() -> None:
+    assert (
+        parse_count("1T", "x") == 1e12
+        and parse_count("300b", "x") == 3e11
+        and parse_count("2.5e12", "x") == 2.5e12
+    )
+    assert parse_count(70e9, "x") == 70e9
+    for bad in ("", "-1T", "1X", "0"):
+        with pytest.raises(UserInputError):
+            parse_count(bad, "x")
+
+
+def test_measured_mfu_from_benchmark_results_replaces_the_assumed_one() -> None:
+    comparison = compare_training_cost("gpt2-124m", "1B", ["cpu", "h100"], from_benchmarks=RESULTS)
+    cpu, h100 = comparison.rows
+    # the 2-rank cells are the largest world size measured; the better of ddp (0.504) and fsdp (0.337)
+    assert cpu.mfu == pytest.approx(0.5043525586161877) and "ddp ×2" in cpu.mfu_source
+    assert (
+        cpu.fits and cpu.train_hours is not None and cpu.on_demand_usd is None
+    )  # no CPU price in the catalog
+    assert h100.mfu is None and h100.train_hours is None and "no benchmark result" in h100.note
+    assert cpu.peak_source.startswith("measured on this machine")
+
+
+def test_cost_analyzer_api_reports_and_plot(tmp_path: Path) -> None:
+    analyzer = CostAnalyzer(usd_per_kwh=0.10)
+    result = analyzer.compare_training_cost(
+        model_size="70B", dataset_tokens="1T", platforms=["gaudi3", "h100", "a100"], include_energy=True
+    )
+    assert [r.platform for r in result.rows] == ["gaudi3", "h100", "a100"]
+    h100 = result.rows[1]
+    assert h100.energy_usd == pytest.approx(h100.energy_kwh * 0.10)
+    without = analyzer.compare_training_cost(model_size="70B", dataset_tokens="1T", include_energy=False)
+    assert all(r.energy_kwh is None and r.energy_usd is None for r in without.rows)
+
+    figure = result.plot_tco_breakdown(tmp_path / "tco.png")
+    assert len(figure.axes) == 2 and (tmp_path / "tco.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pdf = result.generate_report(tmp_path / "cost_analysis.pdf")
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 10_000
+    html = result.generate_report(tmp_path / "cost_analysis.html").read_text()
+    assert "data:image/png;base64," in html and 'src="http' not in html and "<link" not in html
+    assert "<td>gaudi3</td>" in html and "unknown" in html and "Uptime Institute" in html
+    md = result.generate_report(tmp_path / "cost_analysis.md").read_text()
+    assert "| h100 |" in md and "![cost per platform" in md and (tmp_path / "cost_analysis.png").exists()
+    assert "6·N" in md and "skypilot" in md.lower()  # assumptions and sources travel with the numbers
+    with pytest.raises(UserInputError, match=r"report format must be one of \.md, \.html, \.pdf"):
+        result.generate_report(tmp_path / "cost.docx")
+
+
+def test_cli_writes_every_format(tmp_path: Path, gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, out, _ = gaudi3_cli("cost", "compare", "--model", "llama3-70b", "--tokens", "1T", "--platforms",
+                              "gaudi3,h100,a100", "--out", str(tmp_path))  # fmt: skip
+    assert code == 0
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "cost.json",
+        "cost.md",
+        "cost.png",
+        "cost.html",
+        "cost.pdf",
+    }
+    data = json.loads((tmp_path / "cost.json").read_text())
+    assert [r["platform"] for r in data["rows"]] == ["gaudi3", "h100", "a100"]
+    assert data["rows"][0]["on_demand_usd"] is None and data["assumptions"]["pue"] == DEFAULT_PUE
+    assert "fit and time" in out and "cost (USD)" in out
+
+
+def test_catalog_command_lists_sources(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, out, _ = gaudi3_cli("cost", "catalog")
+    assert code == 0 and "p4d.24xlarge" in out and "21.957642" in out and "Hot Chips" in out
+
+
+def test_assumptions_are_stated() -> None:
+    lines = Assumptions(pue=1.2, usd_per_kwh=0.05).lines()
+    assert any("PUE 1.2" in line and "$0.05/kWh" in line for line in lines)
