@@ -32,7 +32,7 @@ Section: TypeAlias = tuple[str, list[Block]]
 
 def _md(text: str) -> str:
     escaped = html.escape(text, quote=False).replace("\n", " ").replace("\r", " ")
-    for char in "\\`*_[]|":
+    for char in "\\`*_[]|$":  # $: GitHub reads $…$ as math
         escaped = escaped.replace(char, "\\" + char)
     return escaped
 

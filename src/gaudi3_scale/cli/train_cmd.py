@@ -1,7 +1,13 @@
-"""`gaudi3 train`: fit, then show a sample of what the model learned."""
+"""`gaudi3 train`: fit, then show a sample of what the model learned.
+
+Exit codes: 0 done (or stopped by Ctrl-C), 2 bad input, 3 cost.budget_usd reached, 4 paused by the spot policy
+(both with a committed checkpoint; not restartable on purpose, see `cost.live`), 128 + signal after a preemption
+checkpoint (restartable).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -13,12 +19,25 @@ __all__ = ["run_training"]
 
 
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
+    from gaudi3_scale.cost.live import BudgetExhaustedError
+
+    try:
+        _run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
+    except BudgetExhaustedError as exc:  # a resumed run that has no budget left: nothing was trained
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+
+
+def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
+    from gaudi3_scale.cost.live import STOP_HINTS, check_cost_config, stop_line
     from gaudi3_scale.distributed.launch import inside_launched_worker, launch
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():
         from gaudi3_scale.config.core import to_dict
+        from gaudi3_scale.train.cost_callback import check_resume_budget
         from gaudi3_scale.train.inference import read_checkpoint
-        from gaudi3_scale.train.trainer import check_resume_strategy, resume_checkpoint
+        from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
 
         # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
         # (The model section is compared in the workers, once the vocabulary is known.)
@@ -26,9 +45,11 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
             from gaudi3_scale.checkpoint.remote import open_remote
 
             open_remote(cfg.checkpoint.remote_url)  # a bad URL: one line here, not one from rank 0 alone
+        check_cost_config(cfg.cost)
         ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
         if ckpt is not None:
             check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
+            check_resume_budget(cfg, ckpt)
         launch(cfg.parallel, worker_args)
         return
     from gaudi3_scale.distributed.network import apply_network_preset
@@ -42,7 +63,7 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
     trainer = GaudiTrainer(cfg, progress=progress)
     summary = trainer.fit()
-    exit_code = preemption_exit_code(summary.get("stop_signal"))
+    exit_code = summary.get("stop_exit_code") or preemption_exit_code(summary.get("stop_signal"))
     if trainer.trainer is not None and not trainer.trainer.is_global_zero:
         sys.exit(exit_code)
     if cfg.benchmark.result and not exit_code and trainer.device_plan is not None:
@@ -60,6 +81,16 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
         model, tokenizer = load_for_generation(summary["checkpoint"])
         click.echo("---- sample ----")
         click.echo(generate_text(model, tokenizer, "", max_new_tokens=sample_tokens, seed=cfg.seed))
+    if exit_code in STOP_HINTS:
+        click.echo(
+            stop_line(
+                summary["stop_reason"],
+                exit_code,
+                checkpoint=cfg.checkpoint.enabled and bool(summary.get("checkpoint")),
+            ),
+            err=True,
+        )
+        sys.exit(exit_code)
     if exit_code:
         took = summary.get("signal_to_checkpoint_s")
         click.echo(

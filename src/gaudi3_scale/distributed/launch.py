@@ -7,6 +7,7 @@ with a c10d rendezvous. Inside a worker (LOCAL_RANK is set) nothing is launched 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Sequence
@@ -15,9 +16,12 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.network import apply_network_preset
 
-__all__ = ["RESTARTABLE_EXIT_CODES", "free_port", "inside_launched_worker", "launch"]
+__all__ = ["EXPLAINED_EXIT_CODES", "RESTARTABLE_EXIT_CODES", "free_port", "inside_launched_worker", "launch"]
 
 RESTARTABLE_EXIT_CODES = {138, 143}  # 128 + SIGUSR1, 128 + SIGTERM: a worker saved a checkpoint and stopped
+# Workers exiting with one of these already printed why in one line: 2 bad input, 3 cost budget reached, 4 paused
+# by the spot policy (cost.live BUDGET_EXIT_CODE / SPOT_PAUSE_EXIT_CODE). The launcher exits the same, quietly.
+EXPLAINED_EXIT_CODES = {2, 3, 4}
 
 
 def inside_launched_worker() -> bool:
@@ -80,7 +84,9 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         restartable = sorted(codes & RESTARTABLE_EXIT_CODES)
         if restartable:
             raise SystemExit(restartable[-1]) from None
-        if codes == {2}:
-            # Every failed worker refused bad input and already said why in one line: no launcher traceback.
-            raise SystemExit(2) from None
+        # The agent SIGTERMs the workers still running once one has exited non-zero: those are not causes.
+        causes = codes - {-signal.SIGTERM}
+        if len(causes) == 1 and causes <= EXPLAINED_EXIT_CODES:
+            # The failed workers stopped for the same reason and rank 0 said why in one line: no traceback.
+            raise SystemExit(causes.pop()) from None
         raise

@@ -294,11 +294,15 @@ class StepCheckpoint(pl.Callback):
         if self.save_requested:
             self.save(trainer, wait=True)  # an emergency save returns only once committed
             trainer.should_stop = True
-        elif self.every_steps and step % self.every_steps == 0:
+        elif self.periodic_due(step):
             if self.val_every_steps and step % self.val_every_steps == 0:
                 self._after_validation = True  # validation runs right after this hook: record its loss too
             else:
                 self.save(trainer)
+
+    def periodic_due(self, step: int) -> bool:
+        """Whether a periodic checkpoint falls on optimizer step `step` (a checkpoint boundary)."""
+        return bool(self.enabled and self.every_steps and step % self.every_steps == 0)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._after_validation and not trainer.sanity_checking:
@@ -311,9 +315,11 @@ class StepCheckpoint(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # What the manifest records about this checkpoint, next to the files' checksums.
+        # What the manifest records about this checkpoint, next to the files' checksums; other callbacks may
+        # have added entries of their own (LiveCost: the accrued cost).
         tokens_per_step = getattr(pl_module, "tokens_per_step", 0)
         self._meta = checkpoint[META_KEY] = {
+            **checkpoint.get(META_KEY, {}),
             "tokens_seen": trainer.global_step * tokens_per_step if tokens_per_step else None,
             "world_size": trainer.world_size,
             "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
@@ -415,6 +421,9 @@ class GracefulInterrupt(pl.Callback):
     agree by all-reducing the signal number (max), so all of them stop after the same step and save together.
     A second Ctrl-C aborts at once. `signal_name` and `signal_to_checkpoint_s` say what happened and how long the
     emergency checkpoint took from the signal to its commit.
+
+    `request(reason, exit_code=N)` stops the same way for a reason of the run's own (LiveCost: budget spent, spot
+    price too high); the exit code is agreed like the signal (max over ranks) and lands in `exit_code`.
     """
 
     def __init__(self, checkpoint: StepCheckpoint, console: Console | None = None) -> None:
@@ -426,6 +435,8 @@ class GracefulInterrupt(pl.Callback):
         self.signal_name: str | None = None
         self.reason: str | None = None  # the signal's name, or what requested the stop
         self.signal_to_checkpoint_s: float | None = None
+        self._exit_code = 0  # requested by this process, 0 = none
+        self.exit_code: int | None = None  # agreed by all ranks; None: the signal's convention applies
 
     @property
     def interrupted(self) -> bool:
@@ -442,13 +453,19 @@ class GracefulInterrupt(pl.Callback):
             f"\n[yellow]{self.reason}: saving a checkpoint after this step (Ctrl-C again aborts)"
         )
 
-    def request(self, reason: str, signum: int = signal.SIGTERM) -> None:
-        """Stop as if `signum` had arrived, for `reason` (callable from another thread, e.g. a spot watcher)."""
+    def request(self, reason: str, signum: int = signal.SIGTERM, *, exit_code: int | None = None) -> None:
+        """Stop as if `signum` had arrived, for `reason` (callable from another thread, e.g. a spot watcher).
+
+        With `exit_code` the process should end with that code instead of the signal's (see `exit_code`).
+        """
         if self._received:
             return
         self.reason = reason
+        self._exit_code = exit_code or 0
         self._received, self._received_at = signum, time.perf_counter()
-        self.console.print(f"\n[yellow]{reason}: saving a checkpoint after this step", highlight=False)
+        self.console.print(
+            f"\n[yellow]{reason}: saving a checkpoint after this step", highlight=False, soft_wrap=True
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for signum in PREEMPTION_SIGNALS:
@@ -460,12 +477,13 @@ class GracefulInterrupt(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not _at_step_boundary(pl_module) or self.signal_name is not None:
             return
-        agreed = self._received
+        agreed, exit_code = self._received, self._exit_code
         if trainer.world_size > 1:
-            flag = torch.tensor(self._received, device=pl_module.device)
-            agreed = int(trainer.strategy.reduce(flag, reduce_op="max"))
+            flags = torch.tensor([self._received, self._exit_code], device=pl_module.device)
+            agreed, exit_code = (int(v) for v in trainer.strategy.reduce(flags, reduce_op="max"))
         if agreed:
             self.signal_name = PREEMPTION_SIGNALS[signal.Signals(agreed)]
+            self.exit_code = exit_code or None
             if self._received_at is None:  # the signal reached another rank
                 self._received_at = time.perf_counter()
             self.checkpoint.save_requested = True  # StepCheckpoint (after us) saves now and stops the run

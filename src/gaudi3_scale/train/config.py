@@ -24,6 +24,7 @@ from gaudi3_scale.config.core import (
     to_dict,
 )
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models.config import ModelConfig
@@ -167,6 +168,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,15 +26,12 @@ from gaudi3_scale.checkpoint.manager import (
     CheckpointManager,
     RetentionPolicy,
     VerifiedCheckpointIO,
-    checkpoint_directory,
-    state_path,
 )
-from gaudi3_scale.checkpoint.manifest import verify_checkpoint
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
-from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.train.callbacks import (
@@ -45,9 +41,10 @@ from gaudi3_scale.train.callbacks import (
     StepCheckpoint,
 )
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.inference import read_checkpoint
+from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
+from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 
 if TYPE_CHECKING:
@@ -90,92 +87,16 @@ class _StoreConfig(pl.Callback):
         checkpoint[CONFIG_KEY] = self.config
 
 
-def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    ckpt = read_checkpoint(
-        checkpoint, mmap=True, verify=False, tensors=False
-    )  # resume_checkpoint() verified it
-    check_resume_strategy(ckpt, config.get("parallel", {}))
-    saved = ckpt.get(CONFIG_KEY)
-    if saved is None:
-        return
-    for section, keys in (
-        ("model", None),
-        ("train", ("global_batch_size",)),
-        ("data", ("source", "tokenizer")),
-    ):
-        old, new = saved.get(section, {}), config.get(section, {})
-        for key in keys or sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                raise UserInputError(
-                    f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
-                    f"{new.get(key)!r}; use the original value or a new --out directory"
-                )
-
-
-def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
-    """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
-    states = ckpt.get("optimizer_states") or []
-    saved = states[0] if states else {}
-    strategy = parallel.get("strategy")
-    world = int(parallel.get("nproc_per_node", 1)) * int(parallel.get("nnodes", 1))
-    if "zero_partitions" in saved:
-        want, ranks = f"deepspeed_zero{saved['zero_stage']}", saved["world_size"]
-        if strategy != want or world != ranks:
-            raise UserInputError(
-                f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
-                f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
-            )
-    elif states and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
-        raise UserInputError(
-            f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
-            "one with the strategy that wrote it, or start a new --out directory"
-        )
-
-
-def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The verified checkpoint state a run resumes from (train.resume: auto, never or a path), or None.
-
-    `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
-    With `checkpoint.remote_url` and no usable local checkpoint, the newest verified remote one is downloaded
-    first (a fresh machine resumes from the remote copy alone). The download happens in the process that launches
-    the ranks (or the only process), never in launched workers.
-    """
-    resume = cfg.train.resume
-    manager = CheckpointManager(cfg.output_dir / "checkpoints")
-    if resume == "auto":
-        found = manager.latest_valid(warn=warn)
-        if found is None and cfg.checkpoint.remote_url and not inside_launched_worker():
-            from gaudi3_scale.checkpoint.remote import fetch_latest
-
-            found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
-            if found is not None:
-                manager.mark_latest(found)
-        return state_path(found) if found is not None else None
-    if resume == "never":
-        if manager.steps():
-            raise UserInputError(
-                f"{manager.directory} already holds checkpoints and train.resume is 'never'; use --train.resume "
-                "auto to continue, or a new --out directory"
-            )
-        return None
-    directory = checkpoint_directory(resume)
-    if not directory.exists():
-        raise ConfigError(
-            "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
-        )
-    problems = verify_checkpoint(directory)
-    if problems:
-        raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")
-    return state_path(directory)
-
-
 class GaudiTrainer:
     """Train from a `RunConfig`; `fit()` returns the run summary (also written to `summary.json`).
 
     Pass `model`/`datamodule` to `fit` to train your own LightningModule with the same devices, precision,
     checkpointing and metrics. A module that sets `tokens_per_step` and `flops_per_token` also gets tokens/s and
     MFU.
+
+    With a `cost` price the run's cost is tracked live (`cost.live`); a run that reaches `cost.budget_usd` or is
+    paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
+    `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
     """
 
     def __init__(
@@ -196,6 +117,7 @@ class GaudiTrainer:
         self.module: pl.LightningModule | None = None
         self.datamodule: pl.LightningDataModule | None = None
         self.device_plan: DevicePlan | None = None
+        self._live_cost: LiveCost | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -318,6 +240,19 @@ class GaudiTrainer:
         if self.progress:
             callbacks.append(RichStepProgress(metrics, console=self.console))
         self._metrics, self._checkpoint, self._interrupt = metrics, checkpoint, interrupt
+        live = self._live_cost = build_live_cost(
+            self.config,
+            metrics,
+            interrupt,
+            checkpoint,
+            warn=self._warn,
+            note=self._note,
+            announce=self.progress,
+        )
+        if live is not None:
+            # First: a metrics record then holds the cost up to its own step, and a budget or spot stop it asks
+            # for is agreed (GracefulInterrupt) and saved (StepCheckpoint) after that very step.
+            callbacks.insert(0, live)
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator,
             "devices": self.config.parallel.nproc_per_node,
@@ -362,6 +297,10 @@ class GaudiTrainer:
         started = time.perf_counter()
         _quiet_lightning()
         self._plan_device()
+        check_cost_config(self.config.cost)  # a bad instance or unknown price: one line before any data work
+        ckpt_path = resume_checkpoint(self.config, warn=self._warn)
+        if ckpt_path is not None:
+            check_resume_budget(self.config, ckpt_path)  # spent: refused before any data work or file written
         # Python, numpy and torch global generators: nothing in our training draws from them (weights, data order
         # and dropout have their own seeded streams), but user code may, and checkpoints record them, so two runs
         # with the same seed must hold the same state. One stream per rank.
@@ -373,7 +312,6 @@ class GaudiTrainer:
         self.module, self.datamodule = model, datamodule
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        ckpt_path = resume_checkpoint(self.config, warn=self._warn)
         if _global_rank() == 0:
             save_yaml(self.config, out / "config.yaml")
         accumulation = getattr(model, "accumulation", 1)
@@ -391,6 +329,8 @@ class GaudiTrainer:
         finally:
             if watcher is not None:
                 watcher.stop()
+            if self._live_cost is not None and self._live_cost.spot is not None:
+                self._live_cost.spot.prices.close()
             mirror = self._checkpoint.mirror
             if mirror is not None:
                 if mirror.wait(self.config.checkpoint.remote_drain_timeout_s):
@@ -398,7 +338,13 @@ class GaudiTrainer:
                 mirror.close(timeout_s=self.config.checkpoint.remote_drain_timeout_s)
         records = read_metrics(out / "metrics.jsonl")
         last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
-        if self.config.train.val_every_steps and last_val != trainer.global_step and not trainer.interrupted:
+        stopped_to_save_cost = self._interrupt.exit_code is not None  # budget or spot price: spend no more
+        if (
+            self.config.train.val_every_steps
+            and last_val != trainer.global_step
+            and not trainer.interrupted
+            and not stopped_to_save_cost
+        ):
             trainer.validate(model, datamodule=datamodule, verbose=False)
             records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
@@ -446,6 +392,10 @@ class GaudiTrainer:
         if _global_rank() == 0:
             self.console.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
+    def _note(self, message: str) -> None:
+        if _global_rank() == 0:
+            self.console.print(message, highlight=False, soft_wrap=True)
+
     def _plot_title(self) -> str:
         name, model = self.config.name, self.config.model.name
         return name if name == model else f"{name} ({model})"
@@ -465,6 +415,7 @@ class GaudiTrainer:
             mfu_value = mfu(tokens_per_s, fpt, plan.peak_flops, self.trainer.world_size)
         committed = self._checkpoint.manager.committed()
         last = self._checkpoint.last_path or (committed[-1][1] if committed else None)
+        interrupt, live = self._interrupt, self._live_cost
         return {
             "name": self.config.name,
             "model": self.config.model.name,
@@ -478,11 +429,15 @@ class GaudiTrainer:
             "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in train), default=None),
             "wall_s": wall_s,
             "interrupted": bool(self.trainer.interrupted or self._checkpoint.save_requested),
-            "stop_signal": self._interrupt.signal_name,
-            "stop_reason": self._interrupt.reason if self._interrupt.signal_name else None,
-            "signal_to_checkpoint_s": self._interrupt.signal_to_checkpoint_s,
+            # A stop the run asked for itself (budget, spot price) has an exit code of its own and no signal.
+            "stop_signal": interrupt.signal_name if interrupt.exit_code is None else None,
+            "stop_reason": interrupt.reason if interrupt.signal_name else None,
+            "stop_exit_code": interrupt.exit_code,
+            "signal_to_checkpoint_s": interrupt.signal_to_checkpoint_s,
             "checkpoint_blocking_s": self._checkpoint.blocking_s,
             "checkpoint": str(last) if last else None,
             "device": plan.device_name if plan else None,
             "precision": plan.precision if plan else None,
+            "cost_usd": live.meter.cost_usd if live is not None else None,
+            "cost_budget_usd": live.meter.budget_usd if live is not None else None,
         }

@@ -1,0 +1,157 @@
+"""LiveCost: the training callback over `cost.live` (accrual, projections, budget, spot policy)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from gaudi3_scale.checkpoint.manager import META_KEY, checkpoint_directory
+from gaudi3_scale.checkpoint.manifest import read_manifest
+from gaudi3_scale.cost.live import (
+    BUDGET_EXIT_CODE,
+    COST_META_KEY,
+    SPOT_PAUSE_EXIT_CODE,
+    CostMeter,
+    SpotCheck,
+    budget_message,
+    build_spot_check,
+    check_budget_left,
+    check_cost_config,
+    uses_spot_quotes,
+)
+from gaudi3_scale.train.callbacks import GracefulInterrupt, RunMetrics, StepCheckpoint, _at_step_boundary
+from gaudi3_scale.train.config import RunConfig
+
+__all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
+
+
+class LiveCost(pl.Callback):
+    """Live cost at every optimizer step (accounting in `cost.live.CostMeter`): metrics, budget, spot policy.
+
+    It must come before RunMetrics, GracefulInterrupt and StepCheckpoint in the callback list: a metrics record
+    then shows the cost up to its own step, and a stop asked for at a step boundary happens after that very step.
+    Every rank keeps a meter, but only rank 0's clock decides: its stop request reaches the other ranks through
+    GracefulInterrupt's all-reduce. The accrued cost is written into every checkpoint's `gaudi3_meta` (so also its
+    manifest) and read back from it on resume, on the single-file and the sharded path alike.
+    """
+
+    def __init__(
+        self,
+        meter: CostMeter,
+        interrupt: GracefulInterrupt,
+        checkpoint: StepCheckpoint,
+        *,
+        warn: Callable[[str], None],
+        note: Callable[[str], None],
+        spot: SpotCheck | None = None,
+    ) -> None:
+        self.meter = meter
+        self.interrupt = interrupt
+        self.checkpoint = checkpoint
+        self.warn = warn
+        self.note = note  # a line for the user (not `log`: Lightning sets `callback.log` to the module's)
+        self.spot = spot  # rank 0 only: one price poller per run
+
+    def metrics(self) -> dict[str, Any]:
+        """Fields for RunMetrics' records (append this to `RunMetrics.sources`)."""
+        return {**self.meter.as_metrics(), **(self.spot.as_metrics() if self.spot is not None else {})}
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        stored = checkpoint.get(META_KEY, {}).get(COST_META_KEY)
+        if stored is not None:  # None: written before cost tracking was on; the sum starts here
+            self.meter.cost_usd = float(stored)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint.setdefault(META_KEY, {})[COST_META_KEY] = self.meter.cost_usd
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.start(trainer.global_step)
+        if self.spot is not None:
+            self.spot.warm()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not _at_step_boundary(pl_module):
+            return
+        step = trainer.global_step
+        meter = self.meter
+        meter.accrue(step)
+        if not trainer.is_global_zero:
+            return
+        if meter.passed_warning() and not meter.over_budget:  # both at once: the stop message says it all
+            self.warn(meter.warning_message(step))
+        if meter.over_budget:
+            assert meter.budget_usd is not None
+            reason = budget_message(meter.cost_usd, meter.budget_usd, f"after step {step}")
+            self.interrupt.request(reason, exit_code=BUDGET_EXIT_CODE)
+        elif self.spot is not None and self.checkpoint.periodic_due(step):
+            self._consult_spot(step)
+
+    def _consult_spot(self, step: int) -> None:
+        assert self.spot is not None
+        decision, changed = self.spot.consult()
+        if decision.usd_per_hour is not None:
+            self.meter.usd_per_hour_per_node = decision.usd_per_hour  # what the time from now on costs
+        if decision.action == "pause":
+            self.note(f"spot policy at step {step}: pause — {decision.reason}")
+            reason = f"spot pause: {decision.reason} (cost.spot_pause_above_usd_per_hour) after step {step}"
+            self.interrupt.request(reason, exit_code=SPOT_PAUSE_EXIT_CODE)
+        elif decision.action == "scale_up" and changed:
+            self.note(
+                f"spot policy at step {step}: scale up — {decision.reason}; capacity is cheap now: consider "
+                "more nodes (parallel.nnodes) at the next restart"
+            )
+
+
+def check_resume_budget(cfg: RunConfig, checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint whose accrued cost already reached `cost.budget_usd` (exit 3, one line).
+
+    The accrued cost is read from the manifest (the checkpoint's own `gaudi3_meta`, copied there at commit), so
+    this costs no checkpoint load and runs before any rank is launched.
+    """
+    directory = checkpoint_directory(checkpoint)
+    manifest = read_manifest(directory) or {}
+    stored = manifest.get(COST_META_KEY)
+    if cfg.cost.budget_usd is not None and stored is not None:
+        check_budget_left(cfg.cost.budget_usd, float(stored), directory.name)
+
+
+def build_live_cost(
+    config: RunConfig,
+    metrics: RunMetrics,
+    interrupt: GracefulInterrupt,
+    checkpoint: StepCheckpoint,
+    *,
+    warn: Callable[[str], None],
+    note: Callable[[str], None],
+    announce: bool = True,
+) -> LiveCost | None:
+    """Live cost tracking when `config.cost` resolves a price (else None); its fields join every metrics record.
+
+    `note` prints lines for the user (spot decisions; with `announce`, also the price in use)."""
+    cfg = config.cost
+    price = check_cost_config(cfg)
+    if price is None:
+        return None
+    meter = CostMeter(
+        usd_per_hour_per_node=price.usd_per_hour,
+        nodes=config.parallel.nnodes,
+        max_steps=config.train.max_steps,
+        budget_usd=cfg.budget_usd,
+        warn_at_fraction=cfg.warn_at_fraction,
+    )
+    spot: SpotCheck | None = None
+    if uses_spot_quotes(cfg) and int(os.environ.get("RANK", "0")) == 0:  # one price poller per run
+        spot = build_spot_check(cfg, warn=warn)
+    live = LiveCost(meter, interrupt, checkpoint, warn=warn, note=note, spot=spot)
+    metrics.sources.append(live.metrics)
+    if announce:
+        note(f"cost: ${meter.usd_per_hour:,.2f}/h for {meter.nodes} node(s), from {price.source}")
+    return live

@@ -1,0 +1,98 @@
+"""What a run resumes from (`train.resume`: auto, never or a path), and what refuses a resume: another model shape,
+global batch or dataset, or DeepSpeed partitions for another stage or world size. One line each, before training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.checkpoint.manager import CheckpointManager, checkpoint_directory, state_path
+from gaudi3_scale.checkpoint.manifest import verify_checkpoint
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.distributed.launch import inside_launched_worker
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.inference import read_checkpoint
+from gaudi3_scale.train.module import CONFIG_KEY
+
+__all__ = ["check_resume_compatible", "check_resume_strategy", "resume_checkpoint"]
+
+
+def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
+    ckpt = read_checkpoint(
+        checkpoint, mmap=True, verify=False, tensors=False
+    )  # resume_checkpoint() verified it
+    check_resume_strategy(ckpt, config.get("parallel", {}))
+    saved = ckpt.get(CONFIG_KEY)
+    if saved is None:
+        return
+    for section, keys in (
+        ("model", None),
+        ("train", ("global_batch_size",)),
+        ("data", ("source", "tokenizer")),
+    ):
+        old, new = saved.get(section, {}), config.get(section, {})
+        for key in keys or sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise UserInputError(
+                    f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
+                    f"{new.get(key)!r}; use the original value or a new --out directory"
+                )
+
+
+def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
+    """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
+    states = ckpt.get("optimizer_states") or []
+    saved = states[0] if states else {}
+    strategy = parallel.get("strategy")
+    world = int(parallel.get("nproc_per_node", 1)) * int(parallel.get("nnodes", 1))
+    if "zero_partitions" in saved:
+        want, ranks = f"deepspeed_zero{saved['zero_stage']}", saved["world_size"]
+        if strategy != want or world != ranks:
+            raise UserInputError(
+                f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
+                f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
+            )
+    elif states and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
+        raise UserInputError(
+            f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
+            "one with the strategy that wrote it, or start a new --out directory"
+        )
+
+
+def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The verified checkpoint state a run resumes from (train.resume: auto, never or a path), or None.
+
+    `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
+    With `checkpoint.remote_url` and no usable local checkpoint, the newest verified remote one is downloaded
+    first (a fresh machine resumes from the remote copy alone). The download happens in the process that launches
+    the ranks (or the only process), never in launched workers.
+    """
+    resume = cfg.train.resume
+    manager = CheckpointManager(cfg.output_dir / "checkpoints")
+    if resume == "auto":
+        found = manager.latest_valid(warn=warn)
+        if found is None and cfg.checkpoint.remote_url and not inside_launched_worker():
+            from gaudi3_scale.checkpoint.remote import fetch_latest
+
+            found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
+            if found is not None:
+                manager.mark_latest(found)
+        return state_path(found) if found is not None else None
+    if resume == "never":
+        if manager.steps():
+            raise UserInputError(
+                f"{manager.directory} already holds checkpoints and train.resume is 'never'; use --train.resume "
+                "auto to continue, or a new --out directory"
+            )
+        return None
+    directory = checkpoint_directory(resume)
+    if not directory.exists():
+        raise ConfigError(
+            "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
+        )
+    problems = verify_checkpoint(directory)
+    if problems:
+        raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")
+    return state_path(directory)
