@@ -16,6 +16,7 @@ EXPECTED = {
     "benchmark": [],
     "ckpt": [],
     "cost": [],
+    "dashboard": ["--host", "--port", "--runs", "--token"],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],

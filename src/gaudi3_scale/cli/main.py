@@ -16,6 +16,7 @@ import click
 from gaudi3_scale.cli.benchmark_cmd import benchmark
 from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.cost_cmd import cost
+from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.options import launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.tune_cmd import tune
@@ -152,6 +153,7 @@ cli.add_command(repro)
 cli.add_command(tune)
 cli.add_command(benchmark)
 cli.add_command(cost)
+cli.add_command(dashboard)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

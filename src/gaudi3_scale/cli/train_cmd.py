@@ -32,6 +32,7 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
     from gaudi3_scale.cost.live import STOP_HINTS, check_cost_config, stop_line
     from gaudi3_scale.distributed.launch import inside_launched_worker, launch
+    from gaudi3_scale.monitor.trackers import check_trackers
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():
         from gaudi3_scale.config.core import to_dict
@@ -46,6 +47,7 @@ def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: 
 
             open_remote(cfg.checkpoint.remote_url)  # a bad URL: one line here, not one from rank 0 alone
         check_cost_config(cfg.cost)
+        check_trackers(cfg.monitor)
         ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
         if ckpt is not None:
             check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])

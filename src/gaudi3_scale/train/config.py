@@ -28,6 +28,7 @@ from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.spot import AWS_SPOT_URL
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
@@ -168,6 +169,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:

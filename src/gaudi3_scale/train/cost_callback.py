@@ -23,8 +23,9 @@ from gaudi3_scale.cost.live import (
     check_cost_config,
     uses_spot_quotes,
 )
-from gaudi3_scale.train.callbacks import GracefulInterrupt, RunMetrics, StepCheckpoint, _at_step_boundary
+from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.step_metrics import RunMetrics, at_step_boundary
 
 __all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
 
@@ -78,7 +79,7 @@ class LiveCost(pl.Callback):
             self.spot.warm()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not _at_step_boundary(pl_module):
+        if not at_step_boundary(pl_module):
             return
         step = trainer.global_step
         meter = self.meter

@@ -34,21 +34,19 @@ from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.monitor.perf import mfu
-from gaudi3_scale.train.callbacks import (
-    GracefulInterrupt,
-    RichStepProgress,
-    RunMetrics,
-    StepCheckpoint,
-)
+from gaudi3_scale.monitor.trackers import build_trackers, check_trackers
+from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
+from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 if TYPE_CHECKING:
     from gaudi3_scale.checkpoint.remote import RemoteMirror
+    from gaudi3_scale.monitor.prometheus import MetricsEndpoint
 
 __all__ = ["GaudiTrainer"]
 
@@ -215,6 +213,7 @@ class GaudiTrainer:
             flops_per_token=flops_per_token,
             peak_flops_per_device=plan.peak_flops,
         )
+        trackers = build_trackers(self.config, out, metrics)  # monitor.loggers; None when none are named
         ckpt_cfg = self.config.checkpoint
         policy = RetentionPolicy(
             keep_last=ckpt_cfg.keep_last,
@@ -237,6 +236,7 @@ class GaudiTrainer:
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
         callbacks: list[pl.Callback] = [metrics, interrupt, checkpoint]
         callbacks.append(_StoreConfig(to_dict(self.config)))
+        callbacks.extend([trackers] if trackers is not None else [])
         if self.progress:
             callbacks.append(RichStepProgress(metrics, console=self.console))
         self._metrics, self._checkpoint, self._interrupt = metrics, checkpoint, interrupt
@@ -271,7 +271,7 @@ class GaudiTrainer:
             "check_val_every_n_epoch": None,
             "limit_val_batches": cfg.val_batches,
             "num_sanity_val_steps": 0,
-            "logger": False,
+            "logger": trackers.loggers if trackers is not None else False,
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
@@ -298,6 +298,7 @@ class GaudiTrainer:
         _quiet_lightning()
         self._plan_device()
         check_cost_config(self.config.cost)  # a bad instance or unknown price: one line before any data work
+        check_trackers(self.config.monitor)  # a tracker whose package is missing: likewise
         ckpt_path = resume_checkpoint(self.config, warn=self._warn)
         if ckpt_path is not None:
             check_resume_budget(self.config, ckpt_path)  # spent: refused before any data work or file written
@@ -323,10 +324,13 @@ class GaudiTrainer:
                 check_resume_compatible(ckpt_path, to_dict(self.config))
             if self.progress:
                 self.console.print(f"resuming from {ckpt_path}")
+        endpoint = self._start_metrics_endpoint(trainer)
         watcher = self._start_spot_watcher()
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
         finally:
+            if endpoint is not None:
+                endpoint.stop()
             if watcher is not None:
                 watcher.stop()
             if self._live_cost is not None and self._live_cost.spot is not None:
@@ -339,12 +343,19 @@ class GaudiTrainer:
         records = read_metrics(out / "metrics.jsonl")
         last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
         stopped_to_save_cost = self._interrupt.exit_code is not None  # budget or spot price: spend no more
-        if (
+        final_val = bool(
             self.config.train.val_every_steps
             and last_val != trainer.global_step
             and not trainer.interrupted
             and not stopped_to_save_cost
-        ):
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Only rank 0 writes metrics.jsonl and its last validation line may not be there yet when another rank
+            # reads it: rank 0 decides for all, or ranks that decided differently wait on each other for ever.
+            decision = [final_val]
+            torch.distributed.broadcast_object_list(decision, src=0)
+            final_val = bool(decision[0])
+        if final_val:
             trainer.validate(model, datamodule=datamodule, verbose=False)
             records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
@@ -375,6 +386,25 @@ class GaudiTrainer:
             mirror.submit(path)
         metrics.sources.append(lambda: mirror.status().as_metrics())
         return mirror
+
+    def _start_metrics_endpoint(self, trainer: pl.Trainer) -> MetricsEndpoint | None:
+        """This rank's Prometheus endpoint (`monitor.metrics_port`); a busy port is one line before training."""
+        cfg = self.config.monitor
+        if cfg.metrics_port is None:
+            return None
+        from gaudi3_scale.monitor.prometheus import start_exporter
+
+        endpoint = start_exporter(
+            cfg,
+            run=self.config.name,
+            out_dir=self.out_dir,
+            device=trainer.strategy.root_device,
+            tokens_per_step=self._metrics.tokens_per_step,
+            warn=self._warn,
+        )
+        self._metrics.listeners.append(endpoint.observe)
+        endpoint.exporter.track_checkpoint_saves(self._checkpoint.blocking_s)
+        return endpoint
 
     def _start_spot_watcher(self) -> SpotInterruptionWatcher | None:
         """One watcher per node (local rank 0): a notice there stops every rank through GracefulInterrupt."""

@@ -1,0 +1,50 @@
+"""Benchmark result sets under the runs directory: their `gaudi3 benchmark report` HTML and their cells."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.dashboard.formatting import MISSING, gib, percent, rate
+
+__all__ = ["benchmark_cells", "report_html"]
+
+
+def report_html(directory: Path) -> Path | None:
+    """The self-contained report.html of `gaudi3 benchmark report DIR --out DIR/report` (or --out DIR)."""
+    for path in (directory / "report" / "report.html", directory / "report.html"):
+        if path.is_file():
+            return path
+    return None
+
+
+def benchmark_cells(directory: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """One row per cell result (`bench.report.load_results`), or a one-line reason there are none."""
+    from gaudi3_scale.bench.report import load_results
+
+    try:
+        items = load_results([directory])
+    except UserInputError as exc:
+        return [], str(exc)
+    rows = []
+    for item in items:
+        result = item.result
+        cell, metrics = result["cell"], result.get("metrics") or {}
+        rows.append({
+            "id": cell["id"],
+            "model": cell["model"],
+            "strategy": cell["strategy"],
+            "world_size": cell["world_size"],
+            "precision": cell["precision"],
+            "micro_batch_size": cell["micro_batch_size"],
+            "status": result["status"],
+            "reason": result["reason"],
+            "tokens_per_s": rate(metrics.get("tokens_per_s")),
+            "mfu": percent(metrics.get("mfu")),
+            "peak_memory": gib(metrics.get("peak_memory_bytes")),
+            "scaling_efficiency": MISSING if metrics.get("scaling_efficiency") is None
+            else f"{metrics['scaling_efficiency']:.2f}",
+        })  # fmt: skip
+    rows.sort(key=lambda r: (r["model"], r["strategy"], r["world_size"], r["id"]))
+    return rows, None

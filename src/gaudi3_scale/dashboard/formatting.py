@@ -1,0 +1,69 @@
+"""How the dashboard writes numbers: one place, used by the templates and sent to the page scripts as text.
+
+Money goes through `cost.report.usd`, the formatter of `gaudi3 cost compare`, so both show the same strings.
+Unknown values are "unknown" (the cost module's word) or "—" for a metric a run has not logged yet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gaudi3_scale.cost.report import UNKNOWN, usd
+
+__all__ = ["UNKNOWN", "gib", "hours", "loss", "overview_text", "percent", "rate", "usd", "when"]
+
+MISSING = "—"
+
+
+def gib(value: float | None) -> str:
+    return MISSING if value is None else f"{value / 2**30:,.2f} GiB"
+
+
+def percent(value: float | None) -> str:
+    return MISSING if value is None else f"{value:.2%}"
+
+
+def loss(value: float | None) -> str:
+    return MISSING if value is None else f"{value:.4f}"
+
+
+def rate(value: float | None) -> str:
+    return MISSING if value is None else f"{value:,.0f}"
+
+
+def hours(value: float | None) -> str:
+    """Training time at the scale it is read: days, hours, minutes or seconds."""
+    if value is None:
+        return UNKNOWN
+    if value >= 48:
+        return f"{value / 24:,.1f} days"
+    if value >= 1:
+        return f"{value:,.1f} h"
+    if value >= 1 / 60:
+        return f"{value * 60:,.1f} min"
+    return f"{value * 3600:.3g} s"
+
+
+def when(unix_s: float | None) -> str:
+    """A Unix time as local date and time (the dashboard runs where its user is: `--host` defaults to loopback)."""
+    if unix_s is None:
+        return MISSING
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+
+
+def overview_text(run: dict[str, Any]) -> dict[str, str]:
+    """The formatted fields of `RunStore.overview`."""
+    step = MISSING if run["step"] is None else f"{run['step']:,}"
+    if run["max_steps"] is not None:
+        step += f" / {run['max_steps']:,}"
+    return {
+        "step": step,
+        "train_loss": loss(run["train_loss"]),
+        "val_loss": loss(run["val_loss"]),
+        "tokens_per_s": rate(run["tokens_per_s"]),
+        "mfu": percent(run["mfu"]),
+        "peak_memory": gib(run["peak_memory_bytes"]),
+        "cost": MISSING if run["cost_usd"] is None else usd(run["cost_usd"]),
+        "updated": when(run["updated_unix"]),
+    }

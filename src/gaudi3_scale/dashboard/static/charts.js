@@ -1,0 +1,171 @@
+// Line charts drawn as SVG: a few series of (x, y) points that grow as a run trains. Our own code, no library.
+//
+// A chart lives in a <figure class="chart" data-title="…">; it keeps every point, draws at most MAX_DRAWN per
+// series (every k-th point plus the last: enough for a curve on a 640-unit-wide plot) and sets the figure's
+// data-points to the number of points it holds, for people and tests.
+"use strict";
+
+(function () {
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  const WIDTH = 520;
+  const HEIGHT = 240;
+  const MARGIN = { left: 58, right: 14, top: 12, bottom: 28 };
+  const MAX_DRAWN = 1500;
+  const TICKS = 5;
+
+  function svgElement(name, attributes, parent) {
+    const element = document.createElementNS(SVG_NS, name);
+    for (const [key, value] of Object.entries(attributes)) element.setAttribute(key, String(value));
+    if (parent) parent.appendChild(element);
+    return element;
+  }
+
+  // A tick label as precise as the tick spacing needs: 12500 → "12.5k", 0.25 → "0.25", 0.4 (percent) → "40%".
+  function formatNumber(value, kind, step) {
+    if (kind === "percent") return formatNumber(value * 100, "number", (step || 0) * 100) + "%";
+    const abs = Math.abs(value);
+    for (const [scale, suffix] of [[1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
+      if (abs >= scale) return formatNumber(value / scale, "number", (step || 0) / scale) + suffix;
+    }
+    if (abs !== 0 && abs < 1e-3) return value.toExponential(1);
+    const decimals = step ? Math.min(6, Math.max(0, -Math.floor(Math.log10(step) + 1e-9))) : 2;
+    return Number(value.toFixed(decimals)).toString();
+  }
+
+  // Ticks at 1, 2 or 5 × 10^k spacing inside [low, high] (so steps read 0, 100, 200 …, not 0, 97.5, 195 …).
+  function niceTicks(low, high, count) {
+    const raw = (high - low) / count;
+    const magnitude = 10 ** Math.floor(Math.log10(raw));
+    const norm = raw / magnitude;
+    const step = (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * magnitude;
+    const ticks = [];
+    for (let v = Math.ceil(low / step) * step; v <= high + step * 1e-9; v += step) ticks.push(v);
+    return { ticks, step };
+  }
+
+  function drawn(points) {
+    if (points.length <= MAX_DRAWN) return points;
+    const stride = Math.ceil(points.length / MAX_DRAWN);
+    const kept = points.filter((_, i) => i % stride === 0);
+    if (kept[kept.length - 1] !== points[points.length - 1]) kept.push(points[points.length - 1]);
+    return kept;
+  }
+
+  function bounds(values, fixedLow, fixedHigh) {
+    let low = fixedLow === undefined ? Infinity : fixedLow;
+    let high = fixedHigh === undefined ? -Infinity : fixedHigh;
+    for (const value of values) {
+      if (value < low) low = value;
+      if (value > high) high = value;
+    }
+    if (low === high) {
+      const pad = Math.abs(low) * 0.1 || 1;
+      low -= pad;
+      high += pad;
+    }
+    return [low, high];
+  }
+
+  class LineChart {
+    // series: [{key, label, markers}]; options: {yFormat: "number" | "percent", yMin, yMax, xLabel}
+    constructor(figure, series, options) {
+      this.figure = figure;
+      this.series = series;
+      this.options = options || {};
+      this.points = new Map(series.map((s) => [s.key, []]));
+      const caption = document.createElement("figcaption");
+      caption.textContent = figure.dataset.title || "";
+      const legend = document.createElement("span");
+      legend.className = "legend";
+      series.forEach((s, i) => {
+        const swatch = document.createElement("span");
+        swatch.className = "swatch s" + i;
+        legend.appendChild(swatch);
+        legend.appendChild(document.createTextNode(s.label));
+      });
+      if (this.options.xLabel) legend.appendChild(document.createTextNode("  · x: " + this.options.xLabel));
+      caption.appendChild(legend);
+      figure.replaceChildren(caption);
+      this.svg = svgElement("svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, role: "img" }, figure);
+      this.svg.setAttribute("aria-label", figure.dataset.title || "chart");
+      this.render();
+    }
+
+    add(key, x, y) {
+      if (typeof x !== "number" || typeof y !== "number" || !isFinite(x) || !isFinite(y)) return false;
+      this.points.get(key).push([x, y]);
+      return true;
+    }
+
+    clear() {
+      for (const points of this.points.values()) points.length = 0;
+    }
+
+    count() {
+      let total = 0;
+      for (const points of this.points.values()) total += points.length;
+      return total;
+    }
+
+    render() {
+      const svg = this.svg;
+      svg.replaceChildren();
+      this.figure.dataset.points = String(this.count());
+      const all = [...this.points.values()].flat();
+      const left = MARGIN.left;
+      const right = WIDTH - MARGIN.right;
+      const top = MARGIN.top;
+      const bottom = HEIGHT - MARGIN.bottom;
+      svgElement("line", { x1: left, y1: bottom, x2: right, y2: bottom, class: "axis" }, svg);
+      if (all.length === 0) {
+        svgElement("text", { x: (left + right) / 2, y: (top + bottom) / 2, "text-anchor": "middle", class: "empty" }, svg)
+          .textContent = "waiting for metrics…";
+        return;
+      }
+      const o = this.options;
+      const [x0, x1] = bounds(all.map((p) => p[0]));
+      let [y0, y1] = bounds(all.map((p) => p[1]), o.yMin, o.yMax);
+      if (o.yMin === undefined) y0 -= (y1 - y0) * 0.05;
+      if (o.yMax === undefined) y1 += (y1 - y0) * 0.05;
+      const sx = (x) => left + ((x - x0) / (x1 - x0)) * (right - left);
+      const sy = (y) => bottom - ((y - y0) / (y1 - y0)) * (bottom - top);
+      const yTicks = niceTicks(y0, y1, TICKS);
+      for (const y of yTicks.ticks) {
+        svgElement("line", { x1: left, y1: sy(y), x2: right, y2: sy(y), class: "grid" }, svg);
+        svgElement("text", { x: left - 6, y: sy(y) + 4, "text-anchor": "end", class: "tick" }, svg)
+          .textContent = formatNumber(y, o.yFormat, yTicks.step);
+      }
+      const xTicks = niceTicks(x0, x1, TICKS);
+      for (const x of xTicks.ticks) {
+        svgElement("text", { x: sx(x), y: bottom + 18, "text-anchor": "middle", class: "tick" }, svg)
+          .textContent = formatNumber(x, "number", xTicks.step);
+      }
+      this.series.forEach((s, i) => {
+        const points = drawn(this.points.get(s.key));
+        if (points.length > 1) {
+          const path = points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
+          svgElement("polyline", { points: path, class: "line s" + i }, svg);
+        }
+        if (s.markers || points.length === 1) {
+          for (const p of points) svgElement("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, class: "marker s" + i }, svg);
+        }
+      });
+    }
+  }
+
+  async function fetchJSON(url) {
+    const response = await fetch(url, { credentials: "same-origin", cache: "no-store" });
+    if (!response.ok) {
+      let message = response.status + " " + response.statusText;
+      try {
+        message = (await response.json()).error || message;
+      } catch (ignored) {
+        // not JSON (a proxy's page): the status line says enough
+      }
+      throw new Error(message);
+    }
+    return response.json();
+  }
+
+  window.Gaudi3 = { LineChart, fetchJSON, formatNumber };
+})();

@@ -1,0 +1,277 @@
+"""Experiment trackers (`monitor.loggers`): Lightning's CSV, TensorBoard, MLflow and W&B loggers, fed our records.
+
+Our metrics are computed in `RunMetrics` (metrics.jsonl), not through `LightningModule.log`, so every numeric field
+of every record is forwarded to each logger under a namespaced name (`train/loss`, `perf/mfu`, `cost/usd` …, see
+`METRIC_NAMES`). The module's own `self.log` values (`val/loss`) reach the loggers through Lightning as usual; the
+hyperparameters (the resolved config, flattened to `section.field`) are logged once per fit, and the resolved
+config.yaml goes to MLflow as an artifact and to TensorBoard as text.
+
+Where the files go, under the run directory:
+
+    tensorboard/            event files; one directory for the whole run, resumed sessions append
+    csv/version_N/          metrics.csv + hparams.yaml; one version per session (Lightning's CSV writer would
+                            delete an existing metrics.csv otherwise)
+    mlruns/                 the MLflow file store (monitor.mlflow_tracking_uri null); one MLflow run per session
+    wandb/                  W&B's local files
+
+The loggers are built on global rank 0 only: they log from rank 0 anyway (`rank_zero_only`), and MLflow's file store
+is not safe against several processes creating it at once. The packages are checked on every rank, so a missing
+one stops every rank with the same line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import lightning.pytorch as pl
+import yaml
+from lightning.pytorch.loggers import Logger
+
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.monitor.config import MonitorConfig
+
+__all__ = [
+    "METRIC_NAMES",
+    "ExperimentTrackers",
+    "build_trackers",
+    "check_trackers",
+    "flatten_config",
+    "tracker_metrics",
+]
+
+TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
+
+# Record field (metrics.jsonl) → tracker metric name. Fields that already hold a "/" keep their name
+# (`checkpoint/remote_backlog`); others not listed here are forwarded under their own name.
+METRIC_NAMES: dict[str, str] = {
+    "train_loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "val_loss": "val/loss",
+    "tokens_per_s": "perf/tokens_per_s",
+    "samples_per_s": "perf/samples_per_s",
+    "step_time_s": "perf/step_time_s",
+    "data_wait_s": "perf/data_wait_s",
+    "window_steps": "perf/window_steps",
+    "mfu": "perf/mfu",
+    "peak_memory_bytes": "perf/peak_memory_bytes",
+    "peak_memory_bytes_per_rank": "perf/peak_memory_bytes_per_rank",  # a list: one series per rank, …/0, …/1
+    "cost_usd": "cost/usd",
+    "cost_usd_per_hour": "cost/usd_per_hour",
+    "cost_projected_usd": "cost/projected_usd",
+    "cost_budget_usd": "cost/budget_usd",
+    "cost_budget_remaining_usd": "cost/budget_remaining_usd",
+    "cost_budget_warning": "cost/budget_warning",
+    "projected_finish_unix": "cost/projected_finish_unix",
+    "spot_price_usd_per_hour": "cost/spot_price_usd_per_hour",
+    "spot_decision": "cost/spot_decision",
+}
+
+# Logged by the LightningModule itself (`self.log("val/loss")`), which Lightning passes on to the loggers: not
+# forwarded a second time.
+_LOGGED_BY_MODULE = frozenset({"val_loss"})
+
+
+class _Listeners(Protocol):
+    """What `build_trackers` needs of RunMetrics (monitor does not import train)."""
+
+    listeners: list[Callable[[dict[str, Any]], None]]
+
+
+def tracker_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record → {tracker name: value}: numbers and booleans only; `step` is the x axis, not a metric."""
+    metrics: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or key in _LOGGED_BY_MODULE:
+            continue
+        name = METRIC_NAMES.get(key, key)
+        if isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                if _is_number(item):
+                    metrics[f"{name}/{i}"] = float(item)
+        elif _is_number(value):
+            metrics[name] = float(value)
+    return metrics
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float) and value == value
+    )  # bool is an int; NaN is dropped (value != value)
+
+
+def flatten_config(config: Any) -> dict[str, Any]:
+    """The resolved config as `section.field` → value (scalars; lists stay lists), for `log_hyperparams`."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), value)
+        else:
+            flat[prefix] = node
+
+    walk("", to_dict(config))
+    return flat
+
+
+def check_trackers(monitor: MonitorConfig) -> None:
+    """Each configured tracker's package is installed (and W&B configured), or one line on `monitor.loggers`."""
+    for name in monitor.logger_names:
+        if name == "tensorboard" and not (_installed("tensorboard") or _installed("tensorboardX")):
+            raise ConfigError("monitor.loggers", f"tensorboard is not installed: {TRACKING_EXTRA}")
+        if name == "mlflow" and not _installed("mlflow"):
+            raise ConfigError("monitor.loggers", f"mlflow is not installed: {TRACKING_EXTRA}")
+        if name == "wandb":
+            if not _installed("wandb"):
+                raise ConfigError("monitor.loggers", "wandb is not installed: pip install wandb")
+            mode = os.environ.get("WANDB_MODE", "").lower()
+            if not os.environ.get("WANDB_API_KEY") and mode not in ("offline", "disabled", "dryrun"):
+                raise ConfigError(
+                    "monitor.loggers",
+                    "wandb is not configured: set WANDB_API_KEY, or WANDB_MODE=offline to write <out>/wandb/ "
+                    "and `wandb sync` it later",
+                )
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class ExperimentTrackers(pl.Callback):
+    """Feeds the loggers our records, the flat resolved config and config.yaml; fixes the step Lightning logs at.
+
+    Lightning logs `self.log` values at its count of batches, which under our manual gradient accumulation is the
+    count of micro-batches; a `step` metric, when logged, is used instead (Lightning's `log_metrics` docstring), so
+    validation values land on the optimizer step that metrics.jsonl records them at.
+    """
+
+    def __init__(self, loggers: list[Logger], config: Any) -> None:
+        self.loggers = loggers  # empty on ranks other than 0
+        self.config = config
+
+    def forward(self, record: dict[str, Any]) -> None:
+        """A RunMetrics listener: one record → every logger, at the record's optimizer step."""
+        metrics = tracker_metrics(record)
+        if not metrics:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=record["step"])
+            logger.save()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.loggers:
+            return
+        params = flatten_config(self.config)
+        config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)  # the text of config.yaml
+        for logger in self.loggers:
+            logger.log_hyperparams(params)
+            _log_config_file(logger, config_yaml)
+            logger.save()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            # Every rank logs it (the ranks agree on the value; sync_dist keeps Lightning from warning).
+            pl_module.log("step", float(trainer.global_step), sync_dist=True)
+
+
+def _log_config_file(logger: Logger, config_yaml: str) -> None:
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+    if isinstance(logger, MLFlowLogger):
+        assert logger.run_id is not None
+        logger.experiment.log_text(logger.run_id, config_yaml, "config.yaml")
+    elif isinstance(logger, TensorBoardLogger):
+        # Markdown: indented lines are a code block, so the YAML keeps its layout.
+        logger.experiment.add_text(
+            "config.yaml", "\n".join("    " + line for line in config_yaml.splitlines())
+        )
+    # CSV: hparams.yaml next to metrics.csv holds the same; W&B: its run config holds the hyperparameters.
+
+
+def build_trackers(config: Any, out_dir: Path, metrics: _Listeners) -> ExperimentTrackers | None:
+    """The loggers `config.monitor.loggers` names, as a callback subscribed to `metrics`; None when none are named.
+
+    `config` is the RunConfig (its `name` and `monitor` sections are read; all of it is logged).
+    """
+    monitor: MonitorConfig = config.monitor
+    names = monitor.logger_names
+    if not names:
+        return None
+    check_trackers(monitor)
+    loggers: list[Logger] = []
+    if int(os.environ.get("RANK", "0")) == 0:
+        loggers = [_BUILDERS[name](config, out_dir) for name in names]
+    trackers = ExperimentTrackers(loggers, config)
+    if loggers:
+        metrics.listeners.append(trackers.forward)
+    return trackers
+
+
+def _csv(config: Any, out_dir: Path) -> Logger:
+    from lightning.pytorch.loggers import CSVLogger
+
+    return CSVLogger(out_dir, name="csv")
+
+
+def _tensorboard(config: Any, out_dir: Path) -> Logger:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    # default_hp_metric off: no placeholder `hp_metric` = -1 series.
+    return TensorBoardLogger(out_dir, name="tensorboard", version="", default_hp_metric=False)
+
+
+def mlflow_tracking_uri(monitor: MonitorConfig, out_dir: Path) -> str:
+    """`monitor.mlflow_tracking_uri`, or the run's local file store `<out>/mlruns`."""
+    return monitor.mlflow_tracking_uri or (out_dir / "mlruns").resolve().as_uri()
+
+
+def _mlflow(config: Any, out_dir: Path) -> Logger:
+    uri = mlflow_tracking_uri(config.monitor, out_dir)
+    # Before mlflow is imported: it starts its usage telemetry at import unless this is set (documented in
+    # mlflow.environment_variables); a training run sends nothing anywhere it was not asked to.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if urlparse(uri).scheme in ("", "file"):
+        # MLflow 3 refuses the file store (maintenance mode) unless this is set; mlflow-skinny has no SQLAlchemy
+        # for its sqlite:// alternative, so the file store is the one local store that works with the extra.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    experiment = config.monitor.experiment or config.name
+    try:
+        client = MlflowClient(uri)
+        # Created here, so Lightning does not warn "Experiment with name … not found. Creating it."
+        if client.get_experiment_by_name(experiment) is None:
+            client.create_experiment(experiment)
+    except MlflowException as exc:
+        hint = ""
+        if urlparse(uri).scheme.startswith("sqlite") and not _installed("sqlalchemy"):
+            hint = " (sqlite:// needs SQLAlchemy: pip install mlflow, or use a file: URI)"
+        raise ConfigError(
+            "monitor.mlflow_tracking_uri", f"MLflow cannot use {uri!r}: {str(exc).splitlines()[0]}{hint}"
+        ) from None
+    return MLFlowLogger(experiment_name=experiment, run_name=config.name, tracking_uri=uri)
+
+
+def _wandb(config: Any, out_dir: Path) -> Logger:
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(
+        name=config.name, project=config.monitor.experiment or config.name, save_dir=str(out_dir)
+    )
+
+
+_BUILDERS: dict[str, Callable[[Any, Path], Logger]] = {
+    "csv": _csv,
+    "tensorboard": _tensorboard,
+    "mlflow": _mlflow,
+    "wandb": _wandb,
+}

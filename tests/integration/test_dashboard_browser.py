@@ -1,0 +1,196 @@
+"""The dashboard in headless Chromium (Selenium, Debian's chromium + chromedriver) against a real `gaudi3 train`:
+the run list, a chart that gains points while the run writes metrics, and the cost view's numbers.
+
+Screenshots go to test-artifacts/dashboard/ at the repository root. Without chromium or chromedriver these tests
+skip, unless GAUDI3_REQUIRE_SYSTEM_TOOLS=1 (CI), where they fail saying what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import missing_system_tool
+from gaudi3_scale.config.core import from_dict, to_dict
+from gaudi3_scale.cost.estimate import compare_training_cost
+from gaudi3_scale.cost.report import usd
+from gaudi3_scale.dashboard import build_server
+from gaudi3_scale.dashboard.costs import ASSUMED_MFU, PLATFORMS
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.registry import get_model_config
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+
+
+def _missing_tools() -> str | None:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.is_file()]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("the selenium package")
+    if not missing:
+        return None
+    return f"browser tests need {', '.join(missing)} (apt-get install chromium chromium-driver)"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    reason = _missing_tools()
+    if reason is not None:
+        missing_system_tool(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1400,1000"):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dashboard-runs")
+
+
+@pytest.fixture(scope="module")
+def dashboard(runs_dir: Path) -> Iterator[str]:
+    server = build_server(runs_dir, "127.0.0.1", 0, None)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def _wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _screenshot(driver: Any, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def _points(driver: Any, chart_id: str) -> int:
+    return int(driver.find_element("id", chart_id).get_attribute("data-points"))
+
+
+def _metric_lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
+@pytest.fixture
+def live_run(runs_dir: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A real `gaudi3 train` logging every step, long enough to be watched (stopped once the test has seen it)."""
+    out = runs_dir / "live"
+    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--model.num_layers", "1",
+            "--train.threads", "1", "--train.log_every_steps", "1", "--train.max_steps", "400",
+            "--train.val_every_steps", "100", "--sample-tokens", "0", "--no-progress"]  # fmt: skip
+    log = (runs_dir / "live.log").open("wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, out
+    if proc.poll() is None:
+        proc.terminate()  # SIGTERM: the trainer saves and exits (preemption handling)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def test_live_run_curves_grow_while_it_trains(
+    browser: Any, dashboard: str, live_run: tuple[subprocess.Popen[bytes], Path], runs_dir: Path
+) -> None:
+    proc, out = live_run
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: _metric_lines(metrics) >= 2 or proc.poll() is not None, 120, "the run's first metrics")
+    assert proc.poll() is None, (runs_dir / "live.log").read_text()[-2000:]
+
+    browser.get(f"{dashboard}/")
+    link = browser.find_element("css selector", 'tr[data-run="live"] a')
+    assert link.text == "live"
+    _screenshot(browser, "run-list")
+
+    link.click()
+    _wait_for(lambda: browser.current_url.endswith("/runs/live"), 30, "the run page")
+    first = _wait_for(lambda: _points(browser, "chart-loss"), 30, "the loss chart's first points")
+    lines_then = _metric_lines(metrics)
+    later = _wait_for(lambda: (n := _points(browser, "chart-loss")) > first and n, 60, "more loss points")
+    assert proc.poll() is None, "the run ended before the chart was seen to grow"
+    assert _metric_lines(metrics) > lines_then  # the points came from lines written meanwhile
+    for chart in ("chart-throughput", "chart-mfu"):
+        assert _points(browser, chart) > 0, chart
+    polylines = browser.find_elements("css selector", "#chart-loss svg polyline")
+    assert polylines and len(polylines[0].get_attribute("points").split()) > 1
+    assert browser.find_element("css selector", '#stats [data-field="step"]').text.endswith("/ 400")
+    assert browser.find_element("css selector", '[data-field="status"]').text == "running"
+    assert later > first
+    _screenshot(browser, "live-run")
+
+    browser.get(f"{dashboard}/system")
+    _wait_for(lambda: _points(browser, "chart-cpu") >= 2, 30, "two CPU samples")
+    assert browser.find_element("css selector", '#run-resources tr[data-run="live"]')
+    _screenshot(browser, "resources")
+
+
+def _priced_run(runs_dir: Path) -> tuple[str, dict[str, Any]]:
+    """A run of GPT-2 124M on 105B planned tokens with live cost records: real dollars on every priced platform."""
+    model = to_dict(get_model_config("gpt2-124m"))
+    config = {"name": "priced", "model": model, "train": {"max_steps": 200_000, "global_batch_size": 512}}
+    run = runs_dir / "priced"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    record = {"step": 10, "train_loss": 6.1, "tokens_per_s": 5e5, "mfu": 0.38, "peak_memory_bytes": 30 * 2**30,
+              "cost_usd": 321.09, "cost_usd_per_hour": 98.32, "cost_projected_usd": 40123.5,
+              "cost_budget_usd": 50000.0, "cost_budget_remaining_usd": 49678.91, "projected_finish_unix": 2e9}  # fmt: skip
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return "priced", config
+
+
+def test_cost_view_shows_the_cost_modules_numbers(browser: Any, dashboard: str, runs_dir: Path) -> None:
+    name, config = _priced_run(runs_dir)
+    tokens = 200_000 * 512 * config["model"]["context_length"]
+    expected = compare_training_cost(
+        from_dict(ModelConfig, config["model"]), tokens, list(PLATFORMS), mfu=ASSUMED_MFU
+    )
+    browser.get(f"{dashboard}/runs/{name}/cost")
+
+    def cell(platform: str, field: str) -> str:
+        selector = f'#tco tr[data-platform="{platform}"] td[data-field="{field}"]'
+        return browser.find_element("css selector", selector).text
+
+    for row in expected.rows:
+        assert cell(row.platform, "on_demand") == usd(row.on_demand_usd), row.platform
+        per_million = "unknown" if row.usd_per_million_tokens is None else f"{row.usd_per_million_tokens:,.4f}"  # fmt: skip
+        assert cell(row.platform, "per_million_tokens") == per_million, row.platform
+    shown = [cell(row.platform, "on_demand") for row in expected.rows]
+    assert "unknown" in shown and any(s.startswith("$") and s != "$0.00" for s in shown)
+    live = {key: browser.find_element("css selector", f'[data-live="{key}"]').text
+            for key in ("accrued", "projected", "budget")}  # fmt: skip
+    assert live == {"accrued": usd(321.09), "projected": usd(40123.5), "budget": usd(50000.0)}
+    _screenshot(browser, "cost")

@@ -1,0 +1,208 @@
+"""The shipped monitoring config against the real tools: promtool, and a Prometheus server scraping a 2-rank run.
+
+`promtool` and `prometheus` come from Debian's `prometheus` package. Without them these tests skip, unless
+GAUDI3_REQUIRE_SYSTEM_TOOLS=1 (CI) makes a missing binary a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import missing_system_tool
+from gaudi3_scale.monitor.prometheus import ASSETS_DIR, read_endpoints
+
+pytestmark = pytest.mark.integration
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        missing_system_tool(f"`{name}` is not on PATH (Debian/Ubuntu: apt-get install prometheus)")
+    return path
+
+
+def _promtool(*args: str) -> str:
+    done = subprocess.run(
+        [_tool("promtool"), *args], capture_output=True, text=True, cwd=ASSETS_DIR, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_shipped_config_rules_and_rule_tests_pass_promtool() -> None:
+    assert "SUCCESS" in _promtool("check", "config", "prometheus.yml")
+    assert "SUCCESS: 8 rules found" in _promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS" in _promtool("test", "rules", "alerts_test.yml")
+    # Every alert has a firing case in the rule tests.
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load((ASSETS_DIR / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+    }
+    tests = yaml.safe_load((ASSETS_DIR / "alerts_test.yml").read_text())["tests"]
+    fired = {case["alertname"] for t in tests for case in t["alert_rule_test"] if case["exp_alerts"]}
+    quiet = {case["alertname"] for t in tests for case in t["alert_rule_test"] if not case["exp_alerts"]}
+    assert fired == quiet == alerts
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_for(
+    what: str, check: Callable[[], Any], *, timeout_s: float, alive: Callable[[], str | None]
+) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        problem = alive()
+        if problem:
+            pytest.fail(f"waiting for {what}: {problem}")
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def training(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """`gaudi3 train` on 2 ranks (gloo) with a free metrics port each; stopped with SIGTERM when the test is done."""
+    out = tmp_path / "run"
+    log = (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen(
+        [*GAUDI3, "train", "--out", str(out), "--name", "prom", "--sample-tokens", "0", "--no-progress",
+         "--nproc-per-node", "2", "--parallel.strategy", "ddp", "--train.threads", "1", "--model.num_layers", "1",
+         "--train.max_steps", "5000", "--train.log_every_steps", "5", "--train.val_every_steps", "0",
+         "--checkpoint.every_steps", "0", "--optim.warmup_steps", "2", "--monitor.metrics_port", "0",
+         "--monitor.system_every_s", "1"],
+        stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        yield out, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # a failed test: the launcher and its ranks
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _query(base: str, promql: str) -> list[dict[str, Any]]:
+    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]  # type: ignore[no-any-return]
+
+
+def _by_rank(result: list[dict[str, Any]]) -> dict[str, Any]:
+    return {series["metric"]["rank"]: series for series in result if series["metric"].get("run") == "prom"}
+
+
+def test_prometheus_scrapes_both_ranks_of_a_real_run(
+    tmp_path: Path, training: tuple[Path, subprocess.Popen[str]]
+) -> None:
+    prometheus = _tool("prometheus")
+    out, proc = training
+
+    def alive() -> str | None:
+        code = proc.poll()
+        return (
+            None
+            if code is None
+            else f"gaudi3 train exited {code}: {(tmp_path / 'train.log').read_text()[-3000:]}"
+        )
+
+    _wait_for("both ranks' endpoint files", lambda: len(read_endpoints(out)) == 2, timeout_s=120, alive=alive)
+    # The shipped config, pointed at this run, scraping every second; the alerting rules load with it.
+    config = yaml.safe_load((ASSETS_DIR / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gaudi3"]
+    job["file_sd_configs"][0].update(
+        files=[str(out / "metrics_endpoints" / "file_sd" / "*.json")], refresh_interval="1s"
+    )
+    config["scrape_configs"] = [job]
+    shutil.copy(ASSETS_DIR / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )  # fmt: skip
+    try:
+
+        def both_alive() -> str | None:
+            if server.poll() is not None:
+                return f"prometheus exited {server.returncode}: {(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+            return alive()
+
+        def steps() -> dict[str, float] | None:
+            try:
+                found = _by_rank(_query(base, "gaudi3_steps_total"))
+            except OSError:  # not listening yet
+                return None
+            values = {rank: float(series["value"][1]) for rank, series in found.items()}
+            return values if set(values) == {"0", "1"} else None
+
+        first = _wait_for("both ranks' gaudi3_steps_total in PromQL", steps, timeout_s=60, alive=both_alive)
+        later = _wait_for(
+            "gaudi3_steps_total to increase",
+            lambda: (now := steps()) and all(now[r] > first[r] for r in first) and now,
+            timeout_s=60,
+            alive=both_alive,
+        )
+        assert set(later) == {"0", "1"}
+        loss = _by_rank(_query(base, "gaudi3_train_loss"))
+        assert set(loss) == {"0", "1"}
+        for series in loss.values():
+            value = float(series["value"][1])
+            assert math.isfinite(value) and 0 < value < math.log(65) + 1, series
+        tokens = _by_rank(_query(base, "gaudi3_tokens_per_second"))
+        assert set(tokens) == {"0", "1"} and all(float(s["value"][1]) > 0 for s in tokens.values())
+        # Counters only go up: every scraped sample of the last 30 s is at least the one before.
+        ranged = _by_rank(_query(base, "gaudi3_steps_total[30s]"))
+        for series in ranged.values():
+            values = [float(v) for _, v in series["values"]]
+            assert len(values) >= 2 and values == sorted(values) and values[-1] > values[0], series
+        # Each rank's own series: its process memory, from its own endpoint (two instances).
+        rss = _by_rank(_query(base, "gaudi3_process_resident_memory_bytes"))
+        assert set(rss) == {"0", "1"} and len({s["metric"]["instance"] for s in rss.values()}) == 2
+        assert all(float(s["value"][1]) > 50 * 2**20 for s in rss.values())
+        up = _query(base, 'up{job="gaudi3"}')
+        assert len(up) == 2 and all(s["value"][1] == "1" for s in up)
+        rules = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())["data"][
+            "groups"
+        ]
+        assert sum(len(g["rules"]) for g in rules) == 8 and all(
+            r["health"] != "err" for g in rules for r in g["rules"]
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on: the ranks save and exit 143
+    assert proc.wait(timeout=90) == 143, (tmp_path / "train.log").read_text()[-3000:]
+    assert read_endpoints(out) == []  # a clean stop removes the endpoint files

@@ -1,0 +1,355 @@
+"""The dashboard's JSON API and pages through Flask's test client: listing, incremental metrics, corrupt lines,
+checkpoint verification, cost numbers equal to the cost module's, auth off loopback, path traversal, read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gaudi3_scale.cli import dashboard_cmd
+from gaudi3_scale.config.core import from_dict
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cost import report as cost_report
+from gaudi3_scale.cost.estimate import compare_training_cost
+from gaudi3_scale.cost.report import usd
+from gaudi3_scale.dashboard import build_server, create_app
+from gaudi3_scale.dashboard.costs import ASSUMED_MFU, PLATFORMS
+from gaudi3_scale.dashboard.formatting import hours
+from gaudi3_scale.dashboard.security import COOKIE_NAME, TOKEN_ENV
+from gaudi3_scale.dashboard.server import resolve_token
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.registry import get_model_config
+
+CliResult = tuple[int, str, str]
+
+
+def _train_record(step: int, **extra: Any) -> dict[str, Any]:
+    return {"step": step, "train_loss": 4.0 - step / 100, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0 + step,
+            "step_time_s": 0.5, "mfu": 0.3, "peak_memory_bytes": 2**30 + step, **extra}  # fmt: skip
+
+
+def _config(model: str = "shakespeare-char", max_steps: int = 100, batch: int = 12) -> dict[str, Any]:
+    """A resolved config.yaml as `gaudi3 train` writes it (the model section is the preset's full shape)."""
+    from gaudi3_scale.config.core import to_dict
+
+    shape = to_dict(get_model_config(model))
+    shape["vocab_size"] = shape["vocab_size"] or 65
+    return {"name": "r", "model": shape, "train": {"max_steps": max_steps, "global_batch_size": batch}}
+
+
+def _make_run(runs: Path, name: str, records: list[dict[str, Any]], config: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    run = runs / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config or _config()))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Path:
+    directory = tmp_path / "runs"
+    _make_run(directory, "alpha", [_train_record(s) for s in (1, 2, 3)])
+    return directory
+
+
+@pytest.fixture
+def client(runs: Path) -> Any:
+    return create_app(runs).test_client()
+
+
+def test_run_list_names_runs_and_benchmarks_only(runs: Path, client: Any) -> None:
+    _make_run(runs, "beta", [_train_record(10), {"step": 10, "val_loss": 3.5}])
+    bench = runs / "bench-cpu"
+    (bench / "cells").mkdir(parents=True)
+    (bench / "matrix.yaml").write_text("name: cpu\n")
+    (bench / "report").mkdir()
+    (bench / "report" / "report.html").write_text("<html><body><h1>bench report</h1></body></html>")
+    (runs / "empty").mkdir()
+    (runs / "notes.txt").write_text("not a run")
+
+    data = client.get("/api/runs").get_json()
+    assert [r["name"] for r in data["runs"]] == ["alpha", "beta"]
+    beta = data["runs"][1]
+    assert beta["step"] == 10 and beta["val_loss"] == 3.5 and beta["text"]["val_loss"] == "3.5000"
+    assert beta["text"]["step"] == "10 / 100" and beta["peak_memory_bytes"] == 2**30 + 10
+    assert data["benchmarks"] == [{"name": "bench-cpu", "report": True}]
+    page = client.get("/").get_data(as_text=True)
+    assert 'href="/runs/alpha"' in page and 'href="/bench/bench-cpu"' in page and "empty" not in page
+    bench_page = client.get("/bench/bench-cpu").get_data(as_text=True)
+    assert 'src="/bench/bench-cpu/report.html"' in bench_page and "no benchmark results found" in bench_page
+    report = client.get("/bench/bench-cpu/report.html")
+    assert report.status_code == 200 and b"bench report" in report.data
+    assert "sandbox" in report.headers["Content-Security-Policy"]
+    assert client.get("/runs/bench-cpu").status_code == 404  # a benchmark is not a run
+
+
+def _bench_result(strategy: str, status: str, reason: str = "") -> dict[str, Any]:
+    """A valid benchmark result (bench.schema version 1) of a 1-rank CPU cell."""
+    from gaudi3_scale.bench.result import cell_section
+    from gaudi3_scale.bench.schema import validate_result
+
+    cell = cell_section(cell_id=f"tiny.{strategy}.w1", matrix="t", model="tiny", strategy=strategy, world_size=1,
+                        nnodes=1, micro_batch_size=4, global_batch_size=4, context_length=64, precision="32-true",
+                        data="synthetic")  # fmt: skip
+    metrics = None
+    if status == "ok":
+        metrics = {"tokens_per_s": 12345.6, "samples_per_s": 192.9, "peak_memory_bytes": 3 * 2**30,
+                   "step_time_s": {"mean": 0.02, "p50": 0.02, "p95": 0.03, "n": 8}, "h2d_gbps": None,
+                   "peak_memory_bytes_per_rank": [3 * 2**30], "mean_loss": 4.2, "mfu": 0.0123,
+                   "scaling_efficiency": 1.0}  # fmt: skip
+    result = {"schema": "gaudi3-scale/benchmark-result", "schema_version": 1, "cell": cell, "status": status,
+              "reason": reason, "metrics": metrics, "steps": {"warmup": 2, "measured": 8},
+              "environment": {"cpu": "test", "cuda": None}, "created": "2026-01-02T03:04:05+00:00"}  # fmt: skip
+    return validate_result(result, "test")
+
+
+def test_benchmark_cells_and_names_are_shown_escaped(runs: Path, client: Any) -> None:
+    bench = runs / "bench"
+    (bench / "cells").mkdir(parents=True)
+    (bench / "matrix.yaml").write_text("name: t\n")
+    for result in (_bench_result("ddp", "ok"), _bench_result("fsdp", "oom", "<script>alert(1)</script>")):
+        (bench / "cells" / result["cell"]["id"]).mkdir()
+        (bench / "cells" / result["cell"]["id"] / "result.json").write_text(json.dumps(result))
+    data = client.get("/api/benchmarks/bench").get_json()
+    assert data["report"] is None and data["problem"] is None
+    assert [(c["strategy"], c["status"], c["tokens_per_s"], c["mfu"]) for c in data["cells"]] == [
+        ("ddp", "ok", "12,346", "1.23%"), ("fsdp", "oom", "—", "—")]  # fmt: skip
+    page = client.get("/bench/bench").text
+    assert "12,346" in page and "<script>alert" not in page and "&lt;script&gt;alert(1)" in page
+    _make_run(runs, "<img src=x onerror=alert(1)>", [_train_record(1)])
+    index = client.get("/").text
+    assert "<img src=x" not in index and "&lt;img src=x onerror=alert(1)&gt;" in index
+    detail = client.get("/api/runs/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E").get_json()
+    assert detail["name"] == "<img src=x onerror=alert(1)>"
+
+
+def test_metrics_are_polled_incrementally_by_line_offset(runs: Path, client: Any) -> None:
+    first = client.get("/api/runs/alpha/metrics?since=0").get_json()
+    assert [r["step"] for r in first["records"]] == [1, 2, 3] and first["next"] == 3 and not first["reset"]
+    path = runs / "alpha" / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(_train_record(4)) + "\n" + json.dumps({"step": 4, "val_loss": 3.9}) + "\n")
+        f.write('{"step": 5, "train_lo')  # the trainer is in the middle of this line
+    second = client.get("/api/runs/alpha/metrics?since=3").get_json()
+    assert second["records"] == [_train_record(4), {"step": 4, "val_loss": 3.9}] and second["next"] == 5
+    assert second["run"]["unreadable_lines"] == 0  # a line being written is not a damaged one
+    with path.open("a") as f:
+        f.write('ss": 3.0}\n')
+    third = client.get("/api/runs/alpha/metrics?since=5").get_json()
+    assert third["records"] == [{"step": 5, "train_loss": 3.0}] and third["next"] == 6
+    assert client.get("/api/runs/alpha/metrics?since=6").get_json()["records"] == []
+    replaced = client.get("/api/runs/alpha/metrics?since=99").get_json()  # the file is shorter: start over
+    assert replaced["reset"] and len(replaced["records"]) == 6
+    for bad in ("-1", "abc", "1e3"):
+        response = client.get(f"/api/runs/alpha/metrics?since={bad}")
+        assert response.status_code == 400 and "since" in response.get_json()["error"]
+
+
+def test_corrupt_metrics_lines_are_a_warning_not_a_crash(runs: Path, client: Any) -> None:
+    path = runs / "alpha" / "metrics.jsonl"
+    lines = [json.dumps(_train_record(1)), "{not json", "", json.dumps(_train_record(2)), "[1, 2]",
+             '{"step": 3, "train_loss"']  # fmt: skip
+    path.write_text("\n".join(lines))  # the last line was cut off by a crash: no newline, and old
+    old = time.time() - 120
+    for written in (path, runs / "alpha" / "config.yaml"):
+        os.utime(written, (old, old))
+    metrics = client.get("/api/runs/alpha/metrics").get_json()
+    assert [r["step"] for r in metrics["records"]] == [1, 2]
+    assert metrics["run"]["warnings"] == ["3 unreadable lines in metrics.jsonl"]
+    assert metrics["run"]["status"] == "stopped"
+    for url in ("/", "/runs/alpha", "/runs/alpha/cost"):
+        page = client.get(url)
+        assert page.status_code == 200 and "3 unreadable lines in metrics.jsonl" in page.text
+    (runs / "alpha" / "config.yaml").write_text("model: [unclosed\n")
+    detail = client.get("/api/runs/alpha").get_json()
+    assert any(w.startswith("config.yaml unreadable") for w in detail["warnings"])
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 3-step run of a 1-layer model: its metrics, summary and committed checkpoint."""
+    from gaudi3_scale.config.core import parse_overrides
+    from gaudi3_scale.train import GaudiTrainer, build_run_config
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    args = ["--out_dir", str(out), "--train.threads", "1", "--model.num_layers", "1", "--train.max_steps", "3",
+            "--train.log_every_steps", "1", "--train.val_every_steps", "0", "--optim.warmup_steps", "1"]  # fmt: skip
+    GaudiTrainer(build_run_config(None, parse_overrides(args)), progress=False).fit()
+    return out
+
+
+def _checkpoints(client: Any, name: str) -> list[dict[str, Any]]:
+    """The run's checkpoints once none is still being hashed (a request waits ~2 s, a loaded machine may not)."""
+    for _ in range(60):
+        rows = client.get(f"/api/runs/{name}/checkpoints").get_json()["checkpoints"]
+        if all(r["status"] != "verifying" for r in rows):
+            return rows
+        time.sleep(0.5)
+    raise AssertionError(f"checkpoints of {name} still verifying: {rows}")
+
+
+@pytest.mark.integration
+def test_checkpoints_show_verification_status(trained_run: Path) -> None:
+    client = create_app(trained_run.parent).test_client()
+    [checkpoint] = _checkpoints(client, "tiny")
+    assert [checkpoint[k] for k in ("name", "latest", "status")] == ["step-00000003", True, "verified"]
+    assert checkpoint["problems"] == [] and checkpoint["step"] == 3 and checkpoint["size_bytes"] > 0
+
+    state = trained_run / "checkpoints" / "step-00000003" / "state.ckpt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    state.write_bytes(bytes(data))
+    [damaged] = _checkpoints(client, "tiny")
+    assert damaged["status"] == "damaged"
+    assert damaged["problems"] == ["step-00000003/state.ckpt: SHA-256 does not match the manifest (corrupt)"]
+    page = client.get("/runs/tiny/checkpoints").get_data(as_text=True)
+    assert 'data-status="damaged"' in page and "SHA-256 does not match" in page
+    overview = client.get("/api/runs/tiny").get_json()
+    assert overview["status"] == "finished" and overview["step"] == 3 and overview["summary"]["steps"] == 3
+
+
+def test_cost_view_numbers_equal_the_cost_module(tmp_path: Path) -> None:
+    # GPT-2 124M for 200k steps of 512 × 1024 tokens (105B tokens): real money on every priced platform.
+    config = _config("gpt2-124m", max_steps=200_000, batch=512)
+    cost = {"cost_usd": 1234.5678, "cost_usd_per_hour": 98.32, "cost_projected_usd": 45678.9,
+            "cost_budget_usd": 50000.0, "cost_budget_remaining_usd": 48765.4322, "projected_finish_unix": 2e9}  # fmt: skip
+    _make_run(tmp_path, "big", [_train_record(1, **cost)], config)
+    client = create_app(tmp_path).test_client()
+    data = client.get("/api/runs/big/cost").get_json()
+
+    live = data["live"]
+    assert [live["accrued"], live["projected"], live["budget"]] == [usd(v) for v in (1234.5678, 45678.9, 5e4)]
+    assert live["remaining"] == usd(48765.4322) and live["rate"] == f"{usd(98.32)}/h"
+    tokens = 200_000 * 512 * 1024
+    model = from_dict(ModelConfig, config["model"])
+    expected = compare_training_cost(model, tokens, list(PLATFORMS), mfu=ASSUMED_MFU)
+    comparison = data["comparison"]
+    assert (comparison["tokens"], comparison["model"], comparison["error"]) == (tokens, "gpt2-124m", None)
+    assert [r["platform"] for r in comparison["rows"]] == list(PLATFORMS)
+    for want, got in zip(expected.rows, comparison["rows"], strict=True):
+        assert got["on_demand_usd"] == want.on_demand_usd and got["train_hours"] == want.train_hours
+        assert got["on_demand"] == usd(want.on_demand_usd)
+        per_million = want.usd_per_million_tokens
+        assert got["per_million_tokens"] == ("unknown" if per_million is None else f"{per_million:,.4f}")
+        assert got["train_time"] == hours(want.train_hours) and got["fits"] == want.fits
+    # … and the very strings `gaudi3 cost compare` prints for these columns
+    cli_rows = cost_report.table_rows(expected)
+    column = {name: cost_report._HEADERS.index(name) for name in ("on-demand", "spot", "$/1M tok")}
+    for cli, got in zip(cli_rows, comparison["rows"], strict=True):
+        assert [got["on_demand"], got["spot"], got["per_million_tokens"]] == [cli[i] for i in column.values()]
+    shown = [r["on_demand"] for r in comparison["rows"]]
+    assert "unknown" in shown and any(s.startswith("$") and s != "$0.00" for s in shown)  # both cases covered
+    page = client.get("/runs/big/cost").get_data(as_text=True)
+    for row in comparison["rows"]:
+        assert f'<td data-field="on_demand">{row["on_demand"]}</td>' in page
+    assert usd(1234.5678) in page
+
+
+def test_cost_view_without_tracking_or_planned_tokens(runs: Path, client: Any) -> None:
+    (runs / "alpha" / "config.yaml").write_text(yaml.safe_dump({"model": {"name": "shakespeare-char"}}))
+    data = client.get("/api/runs/alpha/cost").get_json()
+    assert data["live"] == {"tracked": False, "budget": "none"}
+    assert "planned tokens are unknown" in data["comparison"]["error"]
+    assert "Cost tracking was off" in client.get("/runs/alpha/cost").get_data(as_text=True)
+
+
+def test_a_token_is_required_off_loopback(runs: Path) -> None:
+    with pytest.raises(ValueError, match="needs a token"):
+        create_app(runs, host="0.0.0.0")
+    token, generated = resolve_token("0.0.0.0", None)
+    assert generated and token is not None and len(token) >= 32
+    assert resolve_token("127.0.0.1", None) == (None, False) and resolve_token("::1", "t") == ("t", False)
+    assert dashboard_cmd.TOKEN_ENV == TOKEN_ENV
+
+    client = create_app(runs, host="0.0.0.0", token="s3cret-token").test_client()
+    for url in ("/", "/api/runs", "/runs/alpha", "/api/runs/alpha/metrics", "/static/charts.js"):
+        refused = client.get(url)
+        assert refused.status_code == 401, url
+        assert "Bearer" in refused.headers["WWW-Authenticate"]
+    assert client.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/api/runs?token=wrong").status_code == 401
+    assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+    assert client.get("/api/runs?token=s3cret-token").status_code == 200
+
+    # the URL the CLI prints: the token becomes a cookie and leaves the address bar
+    entered = client.get("/runs/alpha?token=s3cret-token")
+    assert entered.status_code == 303 and entered.headers["Location"] == "/runs/alpha"
+    assert f"{COOKIE_NAME}=s3cret-token" in entered.headers["Set-Cookie"]
+    assert "HttpOnly" in entered.headers["Set-Cookie"]
+    assert client.get("/runs/alpha").status_code == 200  # the cookie alone
+    assert client.get("/api/runs/alpha/metrics?since=0").status_code == 200
+
+
+def test_loopback_refuses_other_host_names(client: Any) -> None:
+    assert client.get("/api/runs", headers={"Host": "127.0.0.1:8080"}).status_code == 200
+    assert client.get("/api/runs", headers={"Host": "[::1]:8080"}).status_code == 200
+    rebound = client.get("/api/runs", headers={"Host": "attacker.example:8080"})  # DNS rebinding
+    assert rebound.status_code == 403
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["/runs/..", "/runs/%2e%2e", "/runs/%2E%2E/cost", "/runs/..%2F..%2Fetc%2Fpasswd", "/api/runs/..%2f..%2fetc%2fpasswd",
+     "/api/runs/%2Fetc%2Fpasswd/metrics", "/api/runs//etc/passwd", "/runs/../../etc/passwd", "/api/runs/outside",
+     "/api/runs/outside/metrics", "/runs/outside/loss.png", "/bench/..%2foutside/report.html", "/api/runs/.hidden",
+     "/runs/%00", "/static/..%2f..%2fcli%2fmain.py", "/api/runs/alpha%2F..%2F..%2Fsecret"],
+)  # fmt: skip
+def test_run_names_cannot_leave_the_runs_directory(runs: Path, client: Any, url: str) -> None:
+    secret = runs.parent / "secret"
+    _make_run(runs.parent, "secret", [{"step": 1, "train_loss": 42.0, "note": "SECRET"}])
+    (secret / "loss.png").write_bytes(b"SECRET")
+    (runs / "outside").symlink_to(secret, target_is_directory=True)
+    _make_run(runs, ".hidden", [_train_record(1)])
+    response = client.get(url)
+    assert response.status_code in (400, 404), (url, response.status_code)
+    assert b"SECRET" not in response.data and b"def main" not in response.data
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+def test_read_only(client: Any, method: str) -> None:
+    for url in ("/", "/api/runs", "/api/runs/alpha/metrics", "/no/such/page"):
+        response = client.open(url, method=method)
+        assert response.status_code == 405, (method, url)
+        assert response.headers["Allow"] == "GET, HEAD"
+    assert client.head("/api/runs").status_code == 200
+
+
+def test_cli_bad_input_is_one_line_exit_2(gaudi3_cli: Callable[..., CliResult], runs: Path) -> None:
+    for args, fragment in (
+        (["--runs", str(runs), "--port", "70000"], "--port: expected a TCP port 0..65535"),
+        (["--runs", str(runs), "--port", "-1"], "--port"),
+        (["--runs", str(runs), "--port", "http"], "--port"),
+        (["--runs", str(runs / "nope")], "--runs:"),
+    ):
+        code, _, err = gaudi3_cli("dashboard", *args)
+        assert code == 2 and err.count("\n") == 1 and fragment in err, (args, err)
+        assert "Traceback" not in err
+
+
+@pytest.fixture
+def served(runs: Path) -> Iterator[str]:
+    server = build_server(runs, "127.0.0.1", 0, None)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_served_by_werkzeug_threaded_server(served: str, runs: Path) -> None:
+    with urllib.request.urlopen(f"{served}/api/runs", timeout=10) as response:
+        assert json.loads(response.read())["runs"][0]["name"] == "alpha"
+    with urllib.request.urlopen(f"{served}/static/charts.js", timeout=10) as response:
+        script = response.read().decode()
+    assert "class LineChart" in script and "https://" not in script  # our own code, nothing from a CDN
+    with pytest.raises(UserInputError, match="cannot listen"):
+        build_server(runs, "127.0.0.1", int(served.rsplit(":", 1)[1]), None)
