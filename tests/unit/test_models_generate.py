@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gaudi3_scale.models import Transformer, build_model, generate, get_model_config
+from gaudi3_scale.models import Transformer, build_model, get_model_config
+from gaudi3_scale.models.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,21 @@
-"""Model zoo, single-device model code, parameter/FLOPs counting and sampling."""
+"""Model zoo, single-device model code, parameter/FLOPs counting and sampling (`models.generate.generate`: the
+function shares its module's name, so it is imported from the module).
+
+The config and the registry load at once; the torch pieces (the transformer, counting, sampling) on first access,
+so configs resolve without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.counting import count_parameters, flops_per_token, forward_flops_per_token
-from gaudi3_scale.models.generate import generate
 from gaudi3_scale.models.registry import get_model_config, list_models, register_model
-from gaudi3_scale.models.transformer import Transformer, TransformerBlock, build_model
+
+if TYPE_CHECKING:
+    from gaudi3_scale.models.counting import count_parameters, flops_per_token, forward_flops_per_token
+    from gaudi3_scale.models.transformer import Transformer, TransformerBlock, build_model
 
 __all__ = [
     "ModelConfig",
@@ -14,8 +25,22 @@ __all__ = [
     "count_parameters",
     "flops_per_token",
     "forward_flops_per_token",
-    "generate",
     "get_model_config",
     "list_models",
     "register_model",
 ]
+
+_LAZY = {
+    "count_parameters": "gaudi3_scale.models.counting",
+    "flops_per_token": "gaudi3_scale.models.counting",
+    "forward_flops_per_token": "gaudi3_scale.models.counting",
+    "Transformer": "gaudi3_scale.models.transformer",
+    "TransformerBlock": "gaudi3_scale.models.transformer",
+    "build_model": "gaudi3_scale.models.transformer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

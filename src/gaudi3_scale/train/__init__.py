@@ -1,7 +1,27 @@
-"""Training: the run config, the LightningModule, GaudiTrainer and its callbacks."""
+"""Training: the run config, the LightningModule, GaudiTrainer and its callbacks.
+
+The config names load at once; the Lightning pieces (`LanguageModel`, `GaudiTrainer`) on first access, so
+resolving or printing a config (`gaudi3 train --print-config`, a config error) does not pay for importing
+Lightning and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.train.config import OptimConfig, RunConfig, TrainConfig, build_run_config
-from gaudi3_scale.train.module import LanguageModel
-from gaudi3_scale.train.trainer import GaudiTrainer
+
+if TYPE_CHECKING:
+    from gaudi3_scale.train.module import LanguageModel
+    from gaudi3_scale.train.trainer import GaudiTrainer
 
 __all__ = ["GaudiTrainer", "LanguageModel", "OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
+
+_LAZY = {"LanguageModel": "gaudi3_scale.train.module", "GaudiTrainer": "gaudi3_scale.train.trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,8 @@ from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded, read_sharde
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import Tokenizer, load_tokenizer
-from gaudi3_scale.models import ModelConfig, build_model, generate
+from gaudi3_scale.models import ModelConfig, build_model
+from gaudi3_scale.models.generate import generate
 from gaudi3_scale.train.module import CONFIG_KEY
 
 __all__ = ["generate_text", "load_for_generation", "read_checkpoint", "read_model_state"]
