@@ -5,7 +5,9 @@
     python3 run.py test  [pytest options]         # ruff, mypy, then the whole pytest suite
 
 Needs only Python >= 3.11 with pip and venv. The install is skipped when pyproject.toml and the pinned
-constraints are unchanged since the last one (a stamp file in .venv records their hash).
+constraints are unchanged since the last one (a stamp file in .venv records their hash). `test` also sets up
+`.venv-tools` (checkov, pinned in requirements/tools.txt) the same way: a venv of its own, because its pins clash
+with ours.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".gaudi3-install"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+TOOLS = ROOT / ".venv-tools"  # the tests find checkov at .venv-tools/bin/checkov (tests/conftest.py)
+TOOLS_PINS = ROOT / "requirements/tools.txt"
 
 
-def _install_fingerprint() -> str:
+def _install_fingerprint(*files: str) -> str:
     h = hashlib.sha256(sys.version.encode())
-    for rel in ("pyproject.toml", "requirements/constraints.txt"):
+    for rel in files:
         h.update((ROOT / rel).read_bytes())
     return h.hexdigest()
 
 
 def ensure_venv() -> Path:
     python = BIN / "python"
-    fingerprint = _install_fingerprint()
+    fingerprint = _install_fingerprint("pyproject.toml", "requirements/constraints.txt")
     if python.exists() and STAMP.is_file() and STAMP.read_text().strip() == fingerprint:
         return python
     if not python.exists():
@@ -57,6 +61,21 @@ def ensure_venv() -> Path:
     return python
 
 
+def ensure_tools() -> None:
+    """`.venv-tools` with requirements/tools.txt, skipped when that file is unchanged since the last install."""
+    python = TOOLS / ("Scripts" if os.name == "nt" else "bin") / "python"
+    stamp = TOOLS / ".gaudi3-install"
+    fingerprint = _install_fingerprint(str(TOOLS_PINS.relative_to(ROOT)))
+    if python.exists() and stamp.is_file() and stamp.read_text().strip() == fingerprint:
+        return
+    if not python.exists():
+        print(f"creating the tools' virtual environment in {TOOLS}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(TOOLS)
+    print("installing the test tools (checkov) and their pinned dependencies", flush=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(TOOLS_PINS)], check=True)
+    stamp.write_text(fingerprint + "\n")
+
+
 def _run(cmd: list[str]) -> None:
     print("+ " + " ".join(cmd), flush=True)
     code = subprocess.run(cmd, cwd=ROOT).returncode
@@ -71,6 +90,7 @@ def main(argv: list[str]) -> None:
     verb, rest = argv[0], argv[1:]
     if verb == "train":
         os.execv(str(BIN / "gaudi3"), [str(BIN / "gaudi3"), "train", *rest])
+    ensure_tools()
     _run([str(BIN / "ruff"), "check", "src", "tests", "benchmarks", "run.py"])
     _run([str(BIN / "ruff"), "format", "--check", "src", "tests", "benchmarks", "run.py"])
     _run([str(BIN / "mypy")])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,5 +49,40 @@ def gaudi3_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
             code = exc.code if isinstance(exc.code, int) else 1
         out, err = capsys.readouterr()
         return code, out, err
+
+    return run
+
+
+# checkov lives in its own venv (its pins clash with ours); `python3 run.py test` creates it from
+# requirements/tools.txt.
+CHECKOV = Path(__file__).resolve().parents[1] / ".venv-tools" / "bin" / "checkov"
+# No network: --skip-download keeps it off the Prisma Cloud platform, BC_SKIP_MAPPING off the policy-id mapping
+# download, CKV_SKIP_PACKAGE_UPDATE_CHECK off PyPI's "newer version" check (made at import time).
+CHECKOV_OFFLINE_ENV = {"BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "True"}
+
+
+@pytest.fixture(scope="session")
+def checkov() -> Callable[..., dict[str, Any]]:
+    """Run checkov on a directory: `checkov(path, framework="terraform"|"kubernetes"|"dockerfile"|…)` → its JSON
+    report (`results.failed_checks` / `skipped_checks` / `passed_checks`, each with `check_id`; `summary`). Fails
+    when checkov could not parse a file or scanned nothing. Missing .venv-tools: skip (fail under CI)."""
+    if not CHECKOV.exists():
+        missing_system_tool(f"checkov is not installed at {CHECKOV} (`python3 run.py test` installs it)")
+
+    def run(directory: Path, *, framework: str) -> dict[str, Any]:
+        cmd = [str(CHECKOV), "--directory", str(directory), "--framework", framework, "--compact", "--quiet",
+               "--skip-download", "-o", "json"]  # fmt: skip
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **CHECKOV_OFFLINE_ENV}
+        )
+        try:
+            report = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            pytest.fail(f"checkov printed no JSON (exit {done.returncode}): {done.stderr[-2000:]}")
+        if not isinstance(report, dict) or "results" not in report:
+            pytest.fail(f"checkov scanned nothing in {directory} with --framework {framework}: {report}")
+        errors = report["results"].get("parsing_errors")
+        assert not errors, f"checkov could not parse {errors}"
+        return report
 
     return run

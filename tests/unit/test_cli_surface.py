@@ -17,6 +17,7 @@ EXPECTED = {
     "ckpt": [],
     "cost": [],
     "dashboard": ["--host", "--port", "--runs", "--token"],
+    "deploy": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],

@@ -17,12 +17,13 @@ from gaudi3_scale.cli.benchmark_cmd import benchmark
 from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.cost_cmd import cost
 from gaudi3_scale.cli.dashboard_cmd import dashboard
+from gaudi3_scale.cli.deploy_cmd import deploy
 from gaudi3_scale.cli.options import launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.tune_cmd import tune
 from gaudi3_scale.config.errors import UserInputError
 
-__all__ = ["VERBS", "cli", "main", "train_alias"]
+__all__ = ["VERBS", "benchmark_alias", "cli", "deploy_alias", "main", "train_alias"]
 
 _OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": ["-h", "--help"]}
 
@@ -154,6 +155,7 @@ cli.add_command(tune)
 cli.add_command(benchmark)
 cli.add_command(cost)
 cli.add_command(dashboard)
+cli.add_command(deploy)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 
@@ -176,6 +178,11 @@ def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> Non
 def benchmark_alias() -> None:
     """`gaudi3-benchmark …` is `gaudi3 benchmark …` (the name the seed promised)."""
     main(["benchmark", *sys.argv[1:]], prog_name="gaudi3-benchmark")
+
+
+def deploy_alias() -> None:
+    """`gaudi3-deploy …` is `gaudi3 deploy …`."""
+    main(["deploy", *sys.argv[1:]], prog_name="gaudi3-deploy")
 
 
 def train_alias() -> None:

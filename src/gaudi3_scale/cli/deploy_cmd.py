@@ -1,0 +1,163 @@
+"""`gaudi3 deploy render|collect|plan|apply|destroy` (alias `gaudi3-deploy …`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["deploy"]
+
+
+@click.group()
+def deploy() -> None:
+    """Terraform, Kubernetes, container and Metaflow files from one training config; validated offline."""
+
+
+@deploy.command(name="render")
+@click.option("--target", required=True, help="aws, azure, gcp, onprem or k8s")
+@click.option("--accelerator", required=True, help="gaudi3, gaudi2, h100, h200 or a100")
+@click.option("--nodes", type=int, required=True, help="machines (or pods) to train on")
+@click.option(
+    "--config", "config_path", required=True, type=click.Path(dir_okay=False), help="run config YAML"
+)
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="directory to render into"
+)
+@click.option("--per-node", type=int, help="accelerators per node (default: the catalog instance's, else 8)")
+@click.option("--image", help="container image the nodes run (default: gaudi3-scale-train:<version>)")
+@click.option("--region", help="cloud region (default: the catalog instance's)")
+@click.option("--hosts", help="onprem: comma-separated host names or addresses, the first one is the master")
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="a target option, repeatable (k8s: namespace, storage, storage_class, storage_size, credentials_secret, "
+    "cpu, memory, max_restarts, … — see the rendered README)",
+)
+@click.option(
+    "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"
+)
+def render_cmd(
+    target: str,
+    accelerator: str,
+    nodes: int,
+    config_path: str,
+    out_dir: str,
+    per_node: int | None,
+    image: str | None,
+    region: str | None,
+    hosts: str | None,
+    settings: tuple[str, ...],
+    force: bool,
+) -> None:
+    """Render the deployment of CONFIG on NODES machines with ACCELERATOR for TARGET into OUT."""
+    from gaudi3_scale.cli.config_cmd import resolve_config
+    from gaudi3_scale.config.core import to_dict
+    from gaudi3_scale.deploy.render import render, write_files
+    from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node
+
+    if not Path(config_path).is_file():
+        raise UserInputError(f"--config: {config_path} is not a file")
+    cfg = resolve_config(config_path, [])
+    spec = DeploySpec(
+        target=target,
+        accelerator=accelerator,
+        nodes=nodes,
+        per_node=per_node or default_per_node(target, accelerator),
+        config_path=Path(config_path),
+        run_config=to_dict(cfg),
+        name=cfg.name,
+        image=image or default_image(accelerator),
+        region=region,
+        hosts=tuple(h.strip() for h in (hosts or "").split(",") if h.strip()),
+        extra=_settings(settings),
+    )
+    files = render(spec)
+    written = write_files(files, Path(out_dir), force=force)
+    click.echo(f"{len(files)} file(s) for {target} ({len(written)} written, the rest unchanged) → {out_dir}/")
+
+
+def _settings(items: tuple[str, ...]) -> dict[str, object]:
+    """--set KEY=VALUE pairs; values are read as YAML scalars (3 → int, true → bool, text stays text)."""
+    import yaml
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserInputError(f"--set: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+@deploy.command(name="collect")
+@click.argument("logs", nargs=-1, type=click.Path(dir_okay=False))
+@click.option(
+    "--job", help="read the pod logs of this Kubernetes Job / PyTorchJob (with kubectl) instead of files"
+)
+@click.option("--namespace", help="the job's namespace (default: kubectl's current one)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="results directory")
+def collect_cmd(logs: tuple[str, ...], job: str | None, namespace: str | None, out_dir: str) -> None:
+    """Benchmark results a deployed run printed (GAUDI3-BENCHMARK-RESULT markers) from LOG files or a job's pods,
+    written as `gaudi3 benchmark collect` does (OUT/cells/<id>/result.json)."""
+    from gaudi3_scale.bench.result import write_result
+    from gaudi3_scale.deploy.collect import collect_results
+
+    if namespace and not job:
+        raise UserInputError("--namespace: only with --job NAME (log files carry no namespace)")
+    results = collect_results([Path(p) for p in logs], job, namespace)  # at least one, or UserInputError
+    for result in results:
+        write_result(result, Path(out_dir) / "cells" / result["cell"]["id"] / "result.json")
+    click.echo(f"{len(results)} result(s) → {out_dir}/cells/")
+
+
+_PATHS = click.argument("paths", nargs=-1, required=True, type=click.Path())
+_YES = click.option("--yes", is_flag=True, help="run the changing commands without asking")
+
+
+@deploy.command(name="plan")
+@_PATHS
+def plan_cmd(paths: tuple[str, ...]) -> None:
+    """Show what `apply` would change, changing nothing: terraform init + plan in a directory of *.tf files, or
+    kubectl apply --dry-run=server + diff for Kubernetes manifests (files or directories)."""
+    _tool("plan", paths, yes=False)
+
+
+@deploy.command(name="apply")
+@_PATHS
+@_YES
+def apply_cmd(paths: tuple[str, ...], yes: bool) -> None:
+    """Create or update the deployment (terraform apply, or kubectl apply) after a preview: with --yes, or a yes
+    at the prompt; with neither and no terminal to ask, print the commands and exit 2."""
+    _tool("apply", paths, yes=yes)
+
+
+@deploy.command(name="destroy")
+@_PATHS
+@_YES
+def destroy_cmd(paths: tuple[str, ...], yes: bool) -> None:
+    """Delete the deployment (terraform destroy, or kubectl delete): with --yes, or a yes at the prompt."""
+    _tool("destroy", paths, yes=yes)
+
+
+def _tool(action: str, paths: tuple[str, ...], *, yes: bool) -> None:
+    import sys
+
+    from gaudi3_scale.deploy.tools import ToolFailed, execute, find_deployment
+
+    deployment = find_deployment([Path(p) for p in paths])
+    confirm = (lambda q: click.confirm(q, default=False)) if sys.stdin.isatty() else None
+    try:
+        done = execute(deployment, action, yes=yes, confirm=confirm, echo=click.echo)
+    except ToolFailed as exc:
+        click.echo(f"gaudi3: error: {exc}", err=True)
+        raise SystemExit(1) from None
+    if not done:
+        raise SystemExit(1)

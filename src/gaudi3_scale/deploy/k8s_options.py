@@ -1,0 +1,189 @@
+"""The Kubernetes target's options (`DeploySpec.extra`, keys below), and the plan every manifest is rendered from.
+
+Every option has a default that renders a working job; `k8s_options(spec)` builds them with the config module's
+`from_dict`, so a wrong key or type is one line naming `k8s.<field>` and the allowed keys. `plan_job` resolves the
+defaults that depend on the run config (metrics port, restarts, the credentials Secret) and refuses what cannot work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gaudi3_scale.config.core import check_positive, check_range, from_dict
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.deploy.spec import DeploySpec
+
+__all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan_job"]
+
+GAUDI_RESOURCE = "habana.ai/gaudi"  # Habana device plugin
+GPU_RESOURCE = "nvidia.com/gpu"  # NVIDIA device plugin
+DEFAULT_METRICS_PORT = 9100  # for a run config's monitor.metrics_port 0; rank r serves on it + its local rank
+# A Kubernetes resource quantity: "64", "500m", "512Gi", "95000Mi" (apimachinery resource.Quantity, the common forms).
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # namespaces
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # most other object names
+
+
+@dataclass(frozen=True, kw_only=True)
+class K8sOptions:
+    namespace: str | None = field(
+        default=None, metadata={"help": "namespace to create and run in; null = the run name"}
+    )
+    storage: Literal["pvc", "emptydir"] = field(
+        default="pvc",
+        metadata={
+            "help": "pvc: outputs and checkpoints on a ReadWriteMany volume shared by every pod; emptydir: pod-local "
+            "scratch, allowed only with checkpoint.remote_url (the bucket is then the only durable copy)"
+        },
+    )
+    storage_class: str | None = field(
+        default=None,
+        metadata={"help": "StorageClass of the volume (must offer ReadWriteMany); null = the default"},
+    )
+    storage_size: str = field(default="500Gi", metadata={"help": "size of the volume"})
+    credentials_secret: str | None = field(
+        default=None,
+        metadata={
+            "help": "Secret whose keys become the pods' environment (the storage backend's credentials, e.g. "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://); null = <name>-checkpoint-credentials when "
+            "checkpoint.remote_url is set; '' = none (workload identity)"
+        },
+    )
+    rdzv_port: int = field(default=29400, metadata={"help": "c10d rendezvous port on the master pod"})
+    cpu: str | None = field(
+        default=None, metadata={"help": "CPU request = limit per pod; null = 8 per accelerator"}
+    )
+    memory: str | None = field(
+        default=None, metadata={"help": "memory request = limit per pod; null = 64Gi per accelerator"}
+    )
+    hugepages_2mi: str = field(
+        default="95000Mi",
+        metadata={"help": "Gaudi only: 2 MiB huge pages per pod (the Habana docs' example pod asks 95000Mi)"},
+    )
+    shm_size: str = field(default="64Gi", metadata={"help": "GPU only: size of the in-memory /dev/shm"})
+    max_restarts: int | None = field(
+        default=None,
+        metadata={"help": "worker-group restarts of the launcher; null = parallel.max_restarts, else 3"},
+    )
+    backoff_limit: int = field(default=3, metadata={"help": "pod re-creations before the job fails"})
+    grace_s: int = field(
+        default=120,
+        metadata={"help": "seconds between SIGTERM and SIGKILL: time for the preemption checkpoint"},
+    )
+    ttl_s: int = field(
+        default=7 * 24 * 3600,
+        metadata={"help": "seconds a finished job (and its pods' logs) is kept before it is deleted"},
+    )
+    run_as_user: int = field(
+        default=10001,
+        metadata={"help": "UID and GID the pods run as (the rendered Dockerfile's user, 10001)"},
+    )
+
+    def __post_init__(self) -> None:
+        names = {
+            "namespace": _DNS_LABEL,
+            "storage_class": _DNS_SUBDOMAIN,
+            "credentials_secret": _DNS_SUBDOMAIN,
+        }
+        for name, pattern in names.items():
+            value = getattr(self, name)
+            if value and not pattern.match(value):
+                raise ConfigError(
+                    name, f"must be a Kubernetes name (lower-case letters, digits, '-'), got {value!r}"
+                )
+        for name in ("storage_size", "cpu", "memory", "hugepages_2mi", "shm_size"):
+            value = getattr(self, name)
+            if value is not None and not _QUANTITY.match(value):
+                raise ConfigError(
+                    name, f"must be a Kubernetes quantity such as 64, 500m or 512Gi, got {value!r}"
+                )
+        check_range("rdzv_port", self.rdzv_port, 1, 65535)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        check_positive("backoff_limit", self.backoff_limit, allow_zero=True)
+        check_positive("grace_s", self.grace_s)
+        check_positive("ttl_s", self.ttl_s, allow_zero=True)
+        check_positive("run_as_user", self.run_as_user)
+
+
+def k8s_options(spec: DeploySpec) -> K8sOptions:
+    return from_dict(K8sOptions, spec.extra, prefix="k8s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPlan:
+    """The resolved settings every manifest is rendered from."""
+
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    nodes: int
+    per_node: int
+    gaudi: bool
+    metrics_port: int | None  # the first of a pod's Prometheus ports; None = no metrics endpoint
+    max_restarts: int
+    credentials_secret: str  # "" = none
+    opts: K8sOptions
+
+    @property
+    def accelerator_resource(self) -> str:
+        return GAUDI_RESOURCE if self.gaudi else GPU_RESOURCE
+
+    @property
+    def workspace_claim(self) -> str:
+        return f"{self.name}-workspace"
+
+    @property
+    def service_account(self) -> str:
+        return f"{self.name}-trainer"
+
+
+def _metrics_port(configured: int | None, per_node: int, rdzv_port: int) -> int | None:
+    """The run config's `monitor.metrics_port`, as the pods serve it. Metrics are exposed only when the config asks
+    for them: the image built from the same config (deploy/containers.py) has prometheus-client only then. A
+    config's 0 (a free port per rank) becomes the default port: a scrape config must be able to name the ports."""
+    if configured is None:
+        return None
+    port = configured or DEFAULT_METRICS_PORT
+    last = port + per_node - 1
+    if last > 65535:
+        raise UserInputError(f"monitor.metrics_port: {port} + {per_node - 1} local ranks is over 65535")
+    if port <= rdzv_port <= last:
+        raise UserInputError(f"k8s.rdzv_port: {rdzv_port} is one of the metrics ports {port}-{last}")
+    return port
+
+
+def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
+    if not spec.name[0].isalpha():
+        # PyTorchJob names are DNS-1035 labels (the operator's webhook), and so are the Services named after them.
+        raise UserInputError(f"the run name {spec.name!r} must start with a letter to name Kubernetes jobs")
+    cfg = spec.run_config
+    remote_url = cfg["checkpoint"]["remote_url"]
+    if opts.storage == "emptydir" and not remote_url:
+        raise UserInputError(
+            "k8s.storage: emptydir loses every checkpoint with its pod; set checkpoint.remote_url or use pvc"
+        )
+    metrics_port = _metrics_port(cfg["monitor"]["metrics_port"], spec.per_node, opts.rdzv_port)
+    secret = opts.credentials_secret
+    if secret is None:
+        secret = f"{spec.name}-checkpoint-credentials" if remote_url else ""
+    restarts = opts.max_restarts
+    if restarts is None:
+        restarts = cfg["parallel"]["max_restarts"] or 3  # a multi-pod job must survive a lost pod by default
+    return JobPlan(
+        name=spec.name,
+        namespace=opts.namespace or spec.name,
+        labels={
+            "app.kubernetes.io/name": "gaudi3-scale",
+            "app.kubernetes.io/instance": spec.name,
+            "app.kubernetes.io/component": "trainer",
+        },
+        nodes=spec.nodes,
+        per_node=spec.per_node,
+        gaudi=spec.accelerator.startswith("gaudi"),
+        metrics_port=metrics_port,
+        max_restarts=restarts,
+        credentials_secret=secret,
+        opts=opts,
+    )

@@ -1,0 +1,287 @@
+"""`gaudi3 deploy render --target k8s`: the manifests of one training run, under `k8s/`.
+
+    k8s/README.md                  how to apply them, and what each setting is for
+    k8s/base/00-namespace.yaml     Namespace (Pod Security labels)
+    k8s/base/01-rbac.yaml          ServiceAccount, Role and RoleBinding: least privilege, which here is nothing
+    k8s/base/02-config.yaml        ConfigMap: the resolved run config, mounted as /etc/gaudi3/run.yaml
+    k8s/base/03-storage.yaml       PersistentVolumeClaim (ReadWriteMany) for outputs and checkpoints (k8s.storage=pvc)
+    k8s/pytorchjob.yaml            the job, for clusters with the Kubeflow training operator …
+    k8s/indexed-job.yaml           … or the same job as a headless Service + indexed Job, without it (pick one)
+    k8s/monitoring/podmonitor.yaml PodMonitor (Prometheus Operator): every rank's /metrics
+
+The pods and the two job flavours are in `k8s_job.py`; the options (`DeploySpec.extra`) in `k8s_options.py`.
+Nothing here needs a cluster: the tests validate every manifest offline against the Kubernetes OpenAPI schemas
+(kubernetes-validate) and the PyTorchJob against our schema in `schemas/`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.k8s_job import (
+    CONFIG_DIR,
+    RETRYABLE_EXIT_CODES,
+    check_pod_config,
+    indexed_job,
+    pytorchjob,
+)
+from gaudi3_scale.deploy.k8s_options import JobPlan, k8s_options, plan_job
+from gaudi3_scale.deploy.render import register_renderer
+from gaudi3_scale.deploy.spec import DeploySpec
+
+__all__ = ["FILES", "render_k8s"]
+
+FILES = {
+    "namespace": "k8s/base/00-namespace.yaml",
+    "rbac": "k8s/base/01-rbac.yaml",
+    "config": "k8s/base/02-config.yaml",
+    "storage": "k8s/base/03-storage.yaml",
+    "pytorchjob": "k8s/pytorchjob.yaml",
+    "indexed": "k8s/indexed-job.yaml",
+    "podmonitor": "k8s/monitoring/podmonitor.yaml",
+    "readme": "k8s/README.md",
+}
+_URL_WITH_PASSWORD = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]*@"
+)  # scheme://user:password@
+GAUDI_NOTE = (
+    "Gaudi settings (hostIPC, SYS_NICE, hugepages-2Mi, HABANA_LOGS): not yet validated on Gaudi hardware."
+)
+
+
+def render_k8s(spec: DeploySpec) -> dict[str, str]:
+    plan = plan_job(spec, k8s_options(spec))
+    _refuse_inline_credentials(spec.run_config)
+    check_pod_config(plan, spec.run_config)
+    what = f"{spec.config_path.name} ({spec.accelerator} x {spec.nodes})"
+    notes = [f"Rendered by `gaudi3 deploy render --target k8s` from {what}."] + (
+        [GAUDI_NOTE] if plan.gaudi else []
+    )
+    files = {
+        FILES["namespace"]: _dump([_namespace(plan)], notes),
+        FILES["rbac"]: _dump(_rbac(plan), [*notes, *_RBAC_NOTE]),
+        FILES["config"]: _dump([_config_map(plan, spec)], notes),
+        FILES["pytorchjob"]: _dump([pytorchjob(plan, spec.image)], [*notes, *_PYTORCHJOB_NOTE]),
+        FILES["indexed"]: _dump(indexed_job(plan, spec.image), [*notes, *_INDEXED_NOTE]),
+        FILES["readme"]: _readme(plan, spec),
+    }
+    if plan.metrics_port is not None:
+        files[FILES["podmonitor"]] = _dump([_pod_monitor(plan)], [*notes, *_PODMONITOR_NOTE])
+    if plan.opts.storage == "pvc":
+        files[FILES["storage"]] = _dump([_volume_claim(plan)], [*notes, *_STORAGE_NOTE])
+    return dict(sorted(files.items()))
+
+
+_RBAC_NOTE = [
+    "The training pods call nothing on the API server: the rendezvous is c10d over pod DNS, checkpoints go to the",
+    "volume or the bucket, metrics are scraped. So the Role grants nothing (it is where a reviewed grant would go)",
+    "and the pods do not even mount a token (automountServiceAccountToken: false).",
+]
+_PYTORCHJOB_NOTE = [
+    "Needs the Kubeflow training operator (PyTorchJob v1, release-1.9). Apply this file OR indexed-job.yaml.",
+    f"restartPolicy ExitCode: the operator re-creates a pod that exits {', '.join(map(str, RETRYABLE_EXIT_CODES))};",
+    "any other exit (2 bad input, 3 cost budget, 4 spot pause) fails the job.",
+]
+_INDEXED_NOTE = [
+    "Without the training operator: a headless Service and an indexed Job. Apply this file OR pytorchjob.yaml.",
+    "Pod i is node i (JOB_COMPLETION_INDEX); pod 0 hosts the c10d rendezvous.",
+]
+_PODMONITOR_NOTE = [
+    "Needs the Prometheus Operator (monitoring.coreos.com/v1). Rank r of a pod serves metrics on port",
+    "monitor.metrics_port + its local rank; one endpoint per local rank.",
+]
+_STORAGE_NOTE = [
+    "Every pod writes its checkpoint shards into one directory, and a re-created pod resumes from it on any node:",
+    "the class must offer ReadWriteMany (NFS, CephFS, EFS, Filestore, Azure Files ...).",
+]
+
+
+def _refuse_inline_credentials(run_config: dict[str, Any]) -> None:
+    """The run config is written into a ConfigMap, readable by anyone who may read the namespace: a URL with a
+    password in it (checkpoint.remote_url, monitor.mlflow_tracking_uri …) is refused rather than published."""
+    for dotted, value in _strings(run_config, ""):
+        if _URL_WITH_PASSWORD.search(value):
+            raise UserInputError(
+                f"{dotted}: the URL carries a password, which would be written into the ConfigMap; remove it and "
+                "put the credentials in the Secret named by k8s.credentials_secret"
+            )
+
+
+def _strings(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(node, str):
+        yield prefix, node
+
+
+def _meta(plan: JobPlan, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": plan.namespace, "labels": dict(plan.labels)}
+
+
+def _namespace(plan: JobPlan) -> dict[str, Any]:
+    # Pod Security Standards: GPU pods meet "restricted". Gaudi pods need hostIPC and SYS_NICE (Habana's example
+    # pod), which even "baseline" forbids, so that namespace enforces nothing and warns at "restricted".
+    enforce = "privileged" if plan.gaudi else "restricted"
+    labels = {
+        **plan.labels,
+        "pod-security.kubernetes.io/enforce": enforce,
+        "pod-security.kubernetes.io/warn": "restricted",
+        "pod-security.kubernetes.io/audit": "restricted",
+    }
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": plan.namespace, "labels": labels}}
+
+
+def _rbac(plan: JobPlan) -> list[dict[str, Any]]:
+    name = plan.service_account
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(plan, name),
+            "automountServiceAccountToken": False,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(plan, name),
+            "rules": [],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(plan, name),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": plan.namespace}],
+        },
+    ]
+
+
+def _config_map(plan: JobPlan, spec: DeploySpec) -> dict[str, Any]:
+    text = yaml.safe_dump(spec.run_config, sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(plan, f"{plan.name}-config"),
+        "data": {"run.yaml": text},
+    }
+
+
+def _volume_claim(plan: JobPlan) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": plan.opts.storage_size}},
+    }
+    if plan.opts.storage_class:
+        spec["storageClassName"] = plan.opts.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(plan, plan.workspace_claim),
+        "spec": spec,
+    }
+
+
+def _pod_monitor(plan: JobPlan) -> dict[str, Any]:
+    endpoints = [
+        {"port": f"metrics-{i}", "path": "/metrics", "interval": "15s"} for i in range(plan.per_node)
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(plan, plan.name),
+        "spec": {"selector": {"matchLabels": dict(plan.labels)}, "podMetricsEndpoints": endpoints},
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (the ConfigMap's run.yaml reads as YAML, not one escaped line), and no
+    anchors: the Master and Worker templates are written out in full, as a reader expects."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def _dump(documents: list[dict[str, Any]], notes: list[str]) -> str:
+    head = "".join(f"# {line}\n" for line in notes)
+    body = "---\n".join(
+        yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+        for doc in documents
+    )
+    return head + body
+
+
+def _readme(plan: JobPlan, spec: DeploySpec) -> str:
+    storage = (
+        f"the ReadWriteMany volume `{plan.workspace_claim}`"
+        if plan.opts.storage == "pvc"
+        else "pod-local scratch; the bucket in checkpoint.remote_url is the only durable copy"
+    )
+    if plan.metrics_port is not None:
+        apply_monitoring = [
+            "kubectl apply -f k8s/monitoring/         # optional: needs the Prometheus Operator"
+        ]
+        metrics = [
+            f"- Metrics: rank r of a pod serves Prometheus metrics on port {plan.metrics_port} + its local rank,",
+            "  bound to 0.0.0.0; the prometheus.io annotations name local rank 0, the PodMonitor every rank.",
+        ]
+    else:
+        apply_monitoring = []
+        metrics = [
+            "- Metrics: off. Set monitor.metrics_port in the run config (the image then includes prometheus-client)",
+            "  to get per-rank ports, scrape annotations and a PodMonitor.",
+        ]
+    lines = [
+        f"# Kubernetes: {plan.name} ({spec.accelerator}, {plan.nodes} node(s) x {plan.per_node} per node)",
+        "",
+        "Apply the base, then ONE of the two job files:",
+        "",
+        "```",
+        "kubectl apply -f k8s/base/",
+        "kubectl apply -f k8s/pytorchjob.yaml     # with the Kubeflow training operator (PyTorchJob v1)",
+        "kubectl apply -f k8s/indexed-job.yaml    # or: plain Kubernetes >= 1.27 (indexed Job + headless Service)",
+        *apply_monitoring,
+        "```",
+        "",
+        f"- Image: `{spec.image}`, run as UID {plan.opts.run_as_user} with a read-only root filesystem.",
+        f"- Run config: ConfigMap `{plan.name}-config`, mounted as `{CONFIG_DIR}/run.yaml`; the pods' command line",
+        "  adds the launch geometry (nodes, ranks per node, node rank, rendezvous) and the metrics address.",
+        f"- Outputs and checkpoints: `/workspace/runs/{plan.name}` on {storage}.",
+        *metrics,
+        "- Benchmark results (benchmark.result: true) are read from the pods' logs:",
+        f"  `gaudi3 deploy collect --job {plan.name} --namespace {plan.namespace} --out results/`.",
+        "- Restarts: a pod that exits 143 or 138 (preempted, after a checkpoint) is re-created and resumes from the",
+        "  last checkpoint; 2 (bad input), 3 (cost budget reached) and 4 (spot pause) end the job. The launcher",
+        f"  restarts its workers up to {plan.max_restarts} times. Known limit: if the pod of node 0 (the rendezvous",
+        "  host) is lost alone, the other pods may fail with it; apply the job again to resume from the checkpoint.",
+    ]
+    if plan.credentials_secret:
+        lines += [
+            "",
+            f"The checkpoint bucket's credentials come from the Secret `{plan.credentials_secret}`: its keys become",
+            "environment variables of the pods. It is never rendered; create it yourself, e.g. for s3://",
+            "",
+            "```",
+            f"kubectl -n {plan.namespace} create secret generic {plan.credentials_secret} \\",
+            "  --from-literal=AWS_ACCESS_KEY_ID=<key-id> --from-literal=AWS_SECRET_ACCESS_KEY=<secret-key>",
+            "```",
+        ]
+    if plan.gaudi:
+        lines += ["", GAUDI_NOTE]
+    return "\n".join(lines) + "\n"
+
+
+register_renderer("k8s", render_k8s)

@@ -1,0 +1,196 @@
+"""`gaudi3 deploy render --target onprem --hosts a,b,c`: an Ansible inventory and playbook for machines you own.
+
+The first host is the master (node_rank 0, the c10d rendezvous on port 29500); each host gets its node_rank in the
+inventory. The playbook installs the node files of `deploy/bootstrap.py` (run config, node.env, the run script, a
+systemd unit) and starts the unit, which runs the training image with Docker: `cd ansible && ansible-playbook -i
+inventory.yaml playbook.yaml`. The machines need Docker and the accelerator's container runtime (the habana runtime for Gaudi,
+the NVIDIA container toolkit for GPUs), and must reach each other on every port (NCCL / HCCL pick theirs).
+
+Secrets are never rendered: each host reads them from `gaudi3_secrets_env_file` (default /etc/gaudi3/secrets.env,
+NAME=value lines, mode 0600), which you provision yourself, e.g. from an Ansible Vault. Checkpoints go where the run
+config's `checkpoint.remote_url` says (no bucket is created here).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+import yaml
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
+from gaudi3_scale.deploy.containers import IMAGE_UID
+from gaudi3_scale.deploy.render import register_renderer
+from gaudi3_scale.deploy.spec import DeploySpec
+
+__all__ = ["render_onprem"]
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*$"
+)
+GROUP = "gaudi3_nodes"
+ANSIBLE_DIR = "ansible"  # the rendered playbook's directory under --out (beside docker/)
+
+PLAYBOOK = """# Starts the gaudi3-scale training job on every host of inventory.yaml, rendered by `gaudi3 deploy render
+# --target onprem`:  ansible-playbook -i inventory.yaml playbook.yaml
+# Each host runs its ranks in the training image (gaudi3-train.service); secrets come from
+# gaudi3_secrets_env_file on the host, which you provision (e.g. from an Ansible Vault), never from these files.
+- name: Start gaudi3-scale training on every node
+  hosts: gaudi3_nodes
+  become: true
+  tasks:
+    - name: Check that Docker is installed
+      ansible.builtin.command: docker --version
+      changed_when: false
+
+    - name: Create the config directory
+      ansible.builtin.file:
+        path: /etc/gaudi3
+        state: directory
+        owner: root
+        group: root
+        mode: "0755"
+
+    - name: Create the workspace the container's user writes outputs and checkpoints to
+      ansible.builtin.file:
+        path: /var/lib/gaudi3
+        state: directory
+        owner: "{IMAGE_UID}"
+        group: "{IMAGE_UID}"
+        mode: "0750"
+
+    - name: Install the run config
+      ansible.builtin.copy:
+        src: files/run.yaml
+        dest: /etc/gaudi3/run.yaml
+        owner: root
+        group: root
+        mode: "0644"
+      notify: Restart training
+
+    - name: Install this node's rank and the master's address
+      ansible.builtin.template:
+        src: templates/node.env.j2
+        dest: /etc/gaudi3/node.env
+        owner: root
+        group: root
+        mode: "0644"
+      notify: Restart training
+
+    - name: Install the node's run script
+      ansible.builtin.copy:
+        src: files/gaudi3-node
+        dest: /usr/local/bin/gaudi3-node
+        owner: root
+        group: root
+        mode: "0755"
+      notify: Restart training
+
+    - name: Install the training service
+      ansible.builtin.copy:
+        src: files/gaudi3-train.service
+        dest: /etc/systemd/system/gaudi3-train.service
+        owner: root
+        group: root
+        mode: "0644"
+      notify: Restart training
+
+    - name: Pull the training image
+      ansible.builtin.command: docker pull {{ gaudi3_image }}
+      register: pull
+      changed_when: "'Downloaded newer image' in pull.stdout"
+      notify: Restart training
+
+    - name: Start training (now and at boot)
+      ansible.builtin.systemd_service:
+        name: gaudi3-train.service
+        enabled: true
+        state: started
+        daemon_reload: true
+
+  handlers:
+    - name: Restart training
+      ansible.builtin.systemd_service:
+        name: gaudi3-train.service
+        state: restarted
+        daemon_reload: true
+"""
+
+
+def _check_hosts(spec: DeploySpec) -> tuple[str, ...]:
+    example = ",".join(f"node{i}" for i in range(1, min(spec.nodes, 3) + 1))
+    if not spec.hosts:
+        raise UserInputError(
+            f"--hosts: onprem needs the machines to train on, one per node, the first is the master "
+            f"(e.g. --hosts {example})"
+        )
+    if len(spec.hosts) != spec.nodes:
+        raise UserInputError(
+            f"--hosts: {len(spec.hosts)} host(s) for --nodes {spec.nodes}; give exactly one host per node "
+            f"(the first is the master)"
+        )
+    for host in spec.hosts:
+        if not _is_address(host) and not _HOSTNAME.match(host):
+            raise UserInputError(f"--hosts: {host!r} is neither a host name nor an IP address")
+    if len(set(spec.hosts)) != len(spec.hosts):
+        raise UserInputError(f"--hosts: a host is listed twice in {','.join(spec.hosts)}")
+    return spec.hosts
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _rdzv_host(host: str) -> str:
+    """The master as it goes into HOST:PORT (an IPv6 address in brackets)."""
+    return f"[{host}]" if _is_address(host) and ipaddress.ip_address(host).version == 6 else host
+
+
+def render_onprem(spec: DeploySpec) -> dict[str, str]:
+    hosts = _check_hosts(spec)
+    inventory = {
+        "all": {
+            "children": {
+                GROUP: {
+                    "hosts": {host: {"node_rank": rank} for rank, host in enumerate(hosts)},
+                    "vars": {
+                        "gaudi3_master_addr": _rdzv_host(hosts[0]),
+                        "gaudi3_nnodes": spec.nodes,
+                        "gaudi3_nproc_per_node": spec.per_node,
+                        "gaudi3_image": spec.image,
+                        "gaudi3_secrets_env_file": "/etc/gaudi3/secrets.env",
+                    },
+                }
+            }
+        }
+    }
+    header = (
+        f"# The machines of {spec.name}, rendered by `gaudi3 deploy render --target onprem`: node_rank 0 is the\n"
+        f"# master (c10d rendezvous on port {RDZV_PORT}). Add ansible_user / ansible_host per host as you need.\n"
+    )
+    env = node_env(
+        node_rank="{{ node_rank }}",
+        nnodes="{{ gaudi3_nnodes }}",
+        nproc_per_node="{{ gaudi3_nproc_per_node }}",
+        rdzv_host="{{ gaudi3_master_addr }}",
+        image="{{ gaudi3_image }}",
+        checkpoint_url="",  # the run config's checkpoint.remote_url, unchanged
+        secrets_env_file="{{ gaudi3_secrets_env_file }}",
+    )
+    files = {
+        "inventory.yaml": header + yaml.safe_dump(inventory, sort_keys=False),
+        "playbook.yaml": PLAYBOOK.replace("{IMAGE_UID}", str(IMAGE_UID)),
+        "files/run.yaml": run_config_yaml(spec),
+        "files/gaudi3-node": run_script(spec),
+        "files/gaudi3-train.service": systemd_unit(fetch_secrets=False),
+        "templates/node.env.j2": "# {{ ansible_managed }}\n" + env,
+    }
+    return {f"{ANSIBLE_DIR}/{name}": text for name, text in files.items()}
+
+
+register_renderer("onprem", render_onprem)

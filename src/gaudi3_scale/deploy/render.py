@@ -1,0 +1,123 @@
+"""The renderer registry and the one function that writes rendered files.
+
+A renderer takes a `DeploySpec` and returns {relative path: file text}; `register_renderer` adds one per target
+(plain registry, filled by the target modules when `renderers()` first imports them). `write_files` never
+overwrites a file that differs unless told to, so a user's edits to a rendered tree are not lost silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.spec import DeploySpec
+
+__all__ = [
+    "CONTAINERS",
+    "Renderer",
+    "check_run_geometry",
+    "register_renderer",
+    "render",
+    "renderers",
+    "write_files",
+]
+
+Renderer = Callable[[DeploySpec], dict[str, str]]
+_RENDERERS: dict[str, Renderer] = {}
+# The modules that register renderers, imported on first use (each needs only the standard library and yaml).
+_MODULES = (
+    "gaudi3_scale.deploy.kubernetes",
+    "gaudi3_scale.deploy.terraform",
+    "gaudi3_scale.deploy.onprem",
+    "gaudi3_scale.deploy.containers",
+)
+CONTAINERS = "containers"  # not a target: the image files every target's nodes run, rendered with each target
+TAKES_OPTIONS = {"k8s"}  # targets that read `DeploySpec.extra` (`--set KEY=VALUE`); the others refuse options
+
+
+def register_renderer(target: str, renderer: Renderer) -> None:
+    if target in _RENDERERS:
+        raise ValueError(f"a renderer for {target!r} is registered already")
+    _RENDERERS[target] = renderer
+
+
+def renderers() -> dict[str, Renderer]:
+    for module in _MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return dict(_RENDERERS)
+
+
+def render(spec: DeploySpec) -> dict[str, str]:
+    """Every file of `spec`'s target: the target's own files plus the container files all targets ship."""
+    found = renderers()
+    if spec.target not in found:
+        available = ", ".join(sorted(set(found) - {CONTAINERS}))
+        raise UserInputError(f"--target {spec.target}: no renderer yet; available: {available}")
+    if spec.extra and spec.target not in TAKES_OPTIONS:
+        raise UserInputError(
+            f"--set: --target {spec.target} takes no options (only {', '.join(sorted(TAKES_OPTIONS))} does); "
+            "its settings are Terraform / Ansible variables in the rendered files"
+        )
+    check_run_geometry(spec)
+    files = dict(found[spec.target](spec))
+    if CONTAINERS in found:
+        files.update(found[CONTAINERS](spec))
+    return files
+
+
+def check_run_geometry(spec: DeploySpec) -> None:
+    """The run config must train on nodes × per_node ranks (e.g. its global batch must split over them): refused
+    here in one line, not by every node after it booted."""
+    import copy
+
+    from gaudi3_scale.config.core import apply_overrides, from_dict
+    from gaudi3_scale.config.errors import ConfigError
+    from gaudi3_scale.train.config import RunConfig  # no torch behind it
+
+    overrides = [
+        ("parallel.nnodes", str(spec.nodes)),
+        ("parallel.nproc_per_node", str(spec.per_node)),
+        ("parallel.node_rank", "0"),
+        ("parallel.rdzv_endpoint", "node-0:29500"),
+    ]
+    try:
+        from_dict(RunConfig, apply_overrides(RunConfig, copy.deepcopy(spec.run_config), overrides))
+    except ConfigError as exc:
+        raise UserInputError(f"{spec.nodes} node(s) × {spec.per_node} per node: {exc}") from None
+
+
+def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False) -> list[Path]:
+    """Write `files` under `out_dir` (each atomically). A file that exists with other content is refused (one
+    line naming it) unless `force`; identical files are left alone."""
+    root = out_dir.resolve()
+    targets = {}
+    for rel, text in files.items():
+        path = (root / rel).resolve()
+        if root not in path.parents:
+            raise ValueError(f"rendered path {rel!r} leaves the output directory")
+        targets[path] = text
+    clashes = [p for p, text in targets.items() if p.exists() and p.read_text() != text]
+    if clashes and not force:
+        raise UserInputError(
+            f"{clashes[0]} exists and differs from what would be rendered ({len(clashes)} such file(s)); "
+            "render into a new --out directory, or pass --force to overwrite"
+        )
+    written = []
+    for path, text in sorted(targets.items()):
+        if path.exists() and path.read_text() == text:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+        written.append(path)
+    return written

@@ -1,0 +1,86 @@
+"""What a deployment is rendered from: the target, the accelerator, the node count and the run config."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["ACCELERATORS", "TARGETS", "DeploySpec"]
+
+TARGETS = ("aws", "azure", "gcp", "onprem", "k8s")
+# Accelerators a deployment can ask for (names of device/accelerators.yaml entries, by their short alias).
+ACCELERATORS = {
+    "gaudi3": "gaudi3",
+    "gaudi2": "gaudi2",
+    "h100": "h100-sxm",
+    "h200": "h200-sxm",
+    "a100": "a100-sxm",
+}
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")  # a DNS-1123 label short enough for every cloud
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploySpec:
+    target: str  # one of TARGETS
+    accelerator: str  # a key of ACCELERATORS
+    nodes: int
+    config_path: Path  # the run config the job trains with (shipped into the image / a ConfigMap)
+    run_config: dict[str, Any]  # its resolved content (config.core.to_dict of the RunConfig)
+    name: str  # resource name prefix: the run name, DNS-safe
+    image: str  # container image the nodes / pods run
+    per_node: int = 8  # accelerators (and training processes) per node
+    region: str | None = None  # cloud region (default: the catalog instance's)
+    hosts: tuple[str, ...] = ()  # onprem: the machines
+    extra: dict[str, Any] = field(default_factory=dict)  # target-specific options
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise UserInputError(f"--target: must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.accelerator not in ACCELERATORS:
+            raise UserInputError(
+                f"--accelerator: must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}"
+            )
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise UserInputError(f"--nodes: must be a positive integer, got {self.nodes!r}")
+        if isinstance(self.per_node, bool) or not isinstance(self.per_node, int) or self.per_node < 1:
+            raise UserInputError(f"--per-node: must be a positive integer, got {self.per_node!r}")
+        if not _NAME.match(self.name):
+            raise UserInputError(
+                f"the run name {self.name!r} cannot name cloud resources: use 1-40 lower-case letters, digits "
+                "and '-' (set `name:` in the config or --name)"
+            )
+
+    @property
+    def accelerator_spec_name(self) -> str:
+        return ACCELERATORS[self.accelerator]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def default_image(accelerator: str) -> str:
+    """The train image `gaudi3 deploy render` refers to when --image is not given (built from the rendered
+    Dockerfile; the Gaudi variant is built on Intel's Gaudi base image)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tag = version("gaudi3-scale")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        tag = "dev"
+    flavour = "gaudi" if accelerator.startswith("gaudi") else "cuda"
+    return f"gaudi3-scale-train:{tag}-{flavour}"
+
+
+def default_per_node(target: str, accelerator: str) -> int:
+    """Accelerators per node: the catalog instance's for a cloud target (`deploy.terraform` picks the instance),
+    else 8 (8-device HGX / Gaudi OAM baseboards)."""
+    if target in ("aws", "azure", "gcp"):
+        from gaudi3_scale.deploy.terraform import instance_for
+
+        return instance_for(target, accelerator).accelerators_per_node
+    return 8

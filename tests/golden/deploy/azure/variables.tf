@@ -1,0 +1,112 @@
+variable "location" {
+  description = "Azure region (where your subscription has quota for instance_type)"
+  type        = string
+}
+
+variable "name" {
+  description = "prefix of every resource name (the run name)"
+  type        = string
+  default     = "golden"
+
+  validation {
+    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", var.name))
+    error_message = "name: 1-40 lower-case letters, digits and '-', not starting or ending with '-'"
+  }
+}
+
+variable "nodes" {
+  description = "machines to train on; node 0 is the rendezvous master"
+  type        = number
+  default     = 2
+
+  validation {
+    condition     = var.nodes >= 1
+    error_message = "nodes must be at least 1"
+  }
+}
+
+variable "nproc_per_node" {
+  description = "training processes per node (one per accelerator)"
+  type        = number
+  default     = 8
+}
+
+variable "instance_type" {
+  description = "machine type (from the gaudi3-scale instance catalog)"
+  type        = string
+  default     = "Standard_ND96isr_H100_v5"
+}
+
+variable "image" {
+  description = "training container image every node runs (must be pullable from the nodes)"
+  type        = string
+  default     = "registry.example.com/gaudi3-scale-train:golden-cuda"
+}
+
+variable "ssh_allowed_cidr" {
+  description = "CIDR allowed to reach the nodes on port 22; null: no SSH rule"
+  type        = string
+  default     = null
+}
+
+variable "secrets" {
+  description = "environment variable name -> the secret store's name for the value (read by each node at start; values never appear in Terraform files or state)"
+  type        = map(string)
+  default     = {}
+
+  validation {
+    condition     = alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])
+    error_message = "secrets: keys must be environment variable names"
+  }
+}
+
+variable "checkpoint_noncurrent_days" {
+  description = "days an overwritten or deleted checkpoint object version is kept"
+  type        = number
+  default     = 30
+}
+
+variable "image_id" {
+  description = "machine image of the nodes: one with the NVIDIA driver, InfiniBand drivers, Docker and the NVIDIA container toolkit (e.g. an Azure HPC image)"
+  type        = string
+}
+
+variable "subnet_id" {
+  description = "subnet of the nodes (with outbound internet access; the nodes get no public address); the checkpoint storage's private endpoint goes there too"
+  type        = string
+}
+
+variable "admin_username" {
+  description = "login user of the nodes"
+  type        = string
+  default     = "azureuser"
+}
+
+variable "ssh_public_key" {
+  description = "OpenSSH public key of admin_username (password login is off)"
+  type        = string
+}
+
+variable "os_disk_gb" {
+  description = "OS disk size (the image and local checkpoints live there)"
+  type        = number
+  default     = 512
+}
+
+variable "encryption_at_host" {
+  description = "encrypt temp disks and caches on the host (the subscription needs the EncryptionAtHost feature)"
+  type        = bool
+  default     = true
+}
+
+variable "checkpoint_replication" {
+  description = "replication of the checkpoint storage account"
+  type        = string
+  default     = "ZRS"
+}
+
+variable "key_vault_id" {
+  description = "Key Vault holding the secrets named in `secrets`; null: no secrets"
+  type        = string
+  default     = null
+}

@@ -1,0 +1,106 @@
+variable "project" {
+  description = "Google Cloud project id"
+  type        = string
+}
+
+variable "zone" {
+  description = "zone of the nodes (where the project has quota for instance_type)"
+  type        = string
+}
+
+variable "name" {
+  description = "prefix of every resource name (the run name)"
+  type        = string
+  default     = "golden"
+
+  validation {
+    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", var.name))
+    error_message = "name: 1-40 lower-case letters, digits and '-', not starting or ending with '-'"
+  }
+}
+
+variable "nodes" {
+  description = "machines to train on; node 0 is the rendezvous master"
+  type        = number
+  default     = 2
+
+  validation {
+    condition     = var.nodes >= 1
+    error_message = "nodes must be at least 1"
+  }
+}
+
+variable "nproc_per_node" {
+  description = "training processes per node (one per accelerator)"
+  type        = number
+  default     = 8
+}
+
+variable "instance_type" {
+  description = "machine type (from the gaudi3-scale instance catalog)"
+  type        = string
+  default     = "a3-highgpu-8g"
+}
+
+variable "image" {
+  description = "training container image every node runs (must be pullable from the nodes)"
+  type        = string
+  default     = "registry.example.com/gaudi3-scale-train:golden-cuda"
+}
+
+variable "ssh_allowed_cidr" {
+  description = "CIDR allowed to reach the nodes on port 22; null: no SSH rule"
+  type        = string
+  default     = null
+}
+
+variable "secrets" {
+  description = "environment variable name -> the secret store's name for the value (read by each node at start; values never appear in Terraform files or state)"
+  type        = map(string)
+  default     = {}
+
+  validation {
+    condition     = alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])
+    error_message = "secrets: keys must be environment variable names"
+  }
+}
+
+variable "checkpoint_noncurrent_days" {
+  description = "days an overwritten or deleted checkpoint object version is kept"
+  type        = number
+  default     = 30
+}
+
+variable "image_id" {
+  description = "boot image of the nodes: one with the NVIDIA driver, Docker and the NVIDIA container toolkit"
+  type        = string
+}
+
+variable "subnetwork" {
+  description = "name of the nodes' subnetwork in the zone's region (outbound access through Cloud NAT; the nodes get no public address)"
+  type        = string
+}
+
+variable "boot_disk_gb" {
+  description = "boot disk size (the image and local checkpoints live there)"
+  type        = number
+  default     = 500
+}
+
+variable "boot_disk_type" {
+  description = "boot disk type"
+  type        = string
+  default     = "pd-ssd"
+}
+
+variable "secure_boot" {
+  description = "Shielded VM secure boot (needs signed NVIDIA kernel modules in the image)"
+  type        = bool
+  default     = false
+}
+
+variable "checkpoint_kms_key" {
+  description = "Cloud KMS key for the checkpoint bucket; null: Google-managed encryption"
+  type        = string
+  default     = null
+}
