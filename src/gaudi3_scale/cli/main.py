@@ -20,6 +20,7 @@ from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.deploy_cmd import deploy
 from gaudi3_scale.cli.options import launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
+from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
 from gaudi3_scale.config.errors import UserInputError
 
@@ -52,6 +53,14 @@ def cli() -> None:
     "--sample-tokens", default=200, show_default=True, help="tokens of text to sample after training"
 )
 @click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
+@click.option(
+    "--profile",
+    is_flag=False,
+    flag_value="5:10",
+    default=None,
+    metavar="[START:END]",
+    help="record optimizer steps START..END-1 (alone: 5:10) with torch.profiler into <out>/profile/",
+)
 @launch_options
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train(
@@ -62,6 +71,7 @@ def train(
     list_fields: bool,
     sample_tokens: int,
     progress: bool,
+    profile: str | None,
     overrides: tuple[str, ...],
     **launch: Any,
 ) -> None:
@@ -71,7 +81,7 @@ def train(
     if list_fields:
         list_config_fields()
         return
-    overrides = (*overrides, *launch_overrides(launch))
+    overrides = (*overrides, *launch_overrides(launch), *_profile_overrides(profile))
     cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
     if print_config:
         import yaml
@@ -89,6 +99,18 @@ def train(
     worker_args += [*(["--resume", resume] if resume else []), "--sample-tokens", str(sample_tokens)]
     worker_args += [*([] if progress else ["--no-progress"]), *overrides]
     run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
+
+
+def _profile_overrides(profile: str | None) -> list[str]:
+    """`--profile START:END` as the `train.profile_*` overrides (the window is checked with the config)."""
+    if profile is None:
+        return []
+    start, sep, end = profile.partition(":")
+    if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
+        raise click.UsageError(
+            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {profile!r}"
+        )
+    return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={int(end) - int(start)}"]
 
 
 @cli.command()
@@ -151,6 +173,7 @@ def models_cmd() -> None:
 
 cli.add_command(ckpt)
 cli.add_command(repro)
+cli.add_command(smoke)
 cli.add_command(tune)
 cli.add_command(benchmark)
 cli.add_command(cost)

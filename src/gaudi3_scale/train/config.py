@@ -125,6 +125,14 @@ class TrainConfig:
             "never = start fresh (refused when checkpoints exist); or a checkpoint path"
         },
     )
+    profile_start_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "record optimizer steps from this one (counted from 0) with torch.profiler into <out>/profile/ "
+            "(a Chrome trace per rank, summary.txt); null = off"
+        },
+    )
+    profile_num_steps: int = field(default=5, metadata={"help": "optimizer steps the profiler records"})
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps"):
@@ -136,6 +144,17 @@ class TrainConfig:
         check_positive("spot_poll_s", self.spot_poll_s)
         if not self.spot_url.startswith(("http://", "https://")):
             raise ConfigError("spot_url", f"must be an http:// or https:// URL, got {self.spot_url!r}")
+        check_positive("profile_num_steps", self.profile_num_steps)
+        check_positive("profile_start_step", self.profile_start_step, allow_zero=True)
+        if (
+            self.profile_start_step is not None
+            and self.profile_start_step + self.profile_num_steps > self.max_steps
+        ):
+            raise ConfigError(
+                "profile_start_step",
+                f"steps {self.profile_start_step}..{self.profile_start_step + self.profile_num_steps - 1} go past "
+                f"the last step, {self.max_steps - 1} (train.max_steps {self.max_steps}); lower the start or the count",
+            )
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "micro_batch_size",

@@ -239,6 +239,19 @@ class GaudiTrainer:
         callbacks.extend([trackers] if trackers is not None else [])
         if self.progress:
             callbacks.append(RichStepProgress(metrics, console=self.console))
+        if cfg.profile_start_step is not None:
+            from gaudi3_scale.train.profile_callback import StepProfiler
+
+            callbacks.append(
+                StepProfiler(
+                    out,
+                    start_step=cfg.profile_start_step,
+                    num_steps=cfg.profile_num_steps,
+                    accelerator=plan.accelerator,
+                    note=self._note,
+                    warn=self._warn,
+                )
+            )
         self._metrics, self._checkpoint, self._interrupt = metrics, checkpoint, interrupt
         live = self._live_cost = build_live_cost(
             self.config,
