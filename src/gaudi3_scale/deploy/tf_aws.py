@@ -13,14 +13,12 @@ from __future__ import annotations
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
-    BOOTSTRAP,
     Variable,
     common_variables,
     default_region,
     instance_for,
     outputs_tf,
     render_bootstrap,
-    render_variables,
     secrets_fetcher,
     tf_files,
     versions_tf,
@@ -363,12 +361,4 @@ def render_aws(spec: DeploySpec) -> dict[str, str]:
             f"{spec.config_path}: the node bootstrap would be {len(bootstrap.encode()):,} bytes with this run config; "
             f"EC2 user data holds {_USER_DATA_BYTES:,}: shorten the config (drop fields left at their defaults)"
         )
-    return tf_files(
-        {
-            "versions.tf": VERSIONS,
-            "variables.tf": render_variables(variables),
-            "main.tf": MAIN,
-            "outputs.tf": OUTPUTS,
-            BOOTSTRAP: bootstrap,
-        }
-    )
+    return tf_files(versions=VERSIONS, variables=variables, main=MAIN, outputs=OUTPUTS, bootstrap=bootstrap)

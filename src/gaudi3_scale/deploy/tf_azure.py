@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
-    BOOTSTRAP,
     Variable,
     common_variables,
     default_region,
     instance_for,
     outputs_tf,
     render_bootstrap,
-    render_variables,
     secrets_fetcher,
     tf_files,
     versions_tf,
@@ -377,12 +375,4 @@ def render_azure(spec: DeploySpec) -> dict[str, str]:
             "KEY_VAULT_NAME": "${key_vault_name}",
         },
     )
-    return tf_files(
-        {
-            "versions.tf": VERSIONS,
-            "variables.tf": render_variables(variables),
-            "main.tf": MAIN,
-            "outputs.tf": OUTPUTS,
-            BOOTSTRAP: bootstrap,
-        }
-    )
+    return tf_files(versions=VERSIONS, variables=variables, main=MAIN, outputs=OUTPUTS, bootstrap=bootstrap)

@@ -61,8 +61,17 @@ def instance_for(target: str, accelerator: str) -> Instance:
     )
 
 
-def tf_files(files: dict[str, str]) -> dict[str, str]:
-    """`files` in their place under --out: one Terraform root module in terraform/."""
+def tf_files(
+    *, versions: str, variables: list[Variable], main: str, outputs: str, bootstrap: str
+) -> dict[str, str]:
+    """One cloud's Terraform root module, in its place under --out (terraform/): the same five files per cloud."""
+    files = {
+        "versions.tf": versions,
+        "variables.tf": render_variables(variables),
+        "main.tf": main,
+        "outputs.tf": outputs,
+        BOOTSTRAP: bootstrap,
+    }
     return {f"{TF_DIR}/{name}": text for name, text in files.items()}
 
 

@@ -14,14 +14,12 @@ import re
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
-    BOOTSTRAP,
     Variable,
     common_variables,
     default_region,
     instance_for,
     outputs_tf,
     render_bootstrap,
-    render_variables,
     secrets_fetcher,
     tf_files,
     versions_tf,
@@ -272,12 +270,4 @@ def render_gcp(spec: DeploySpec) -> dict[str, str]:
         fetch_secrets=secrets_fetcher("Google Secret Manager", _FETCH),
         pass_env={"GOOGLE_CLOUD_PROJECT": "${project}"},
     )
-    return tf_files(
-        {
-            "versions.tf": VERSIONS,
-            "variables.tf": render_variables(variables),
-            "main.tf": MAIN,
-            "outputs.tf": OUTPUTS,
-            BOOTSTRAP: bootstrap,
-        }
-    )
+    return tf_files(versions=VERSIONS, variables=variables, main=MAIN, outputs=OUTPUTS, bootstrap=bootstrap)
