@@ -12,10 +12,11 @@ import click
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from gaudi3_scale.cli.main import cli, main
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.data import load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model, get_model_config
 from gaudi3_scale.train.export import EXPORT_FORMATS, TIED_ALIAS, load_exported
 from gaudi3_scale.train.inference import load_for_generation, read_model_state
@@ -24,13 +25,14 @@ from gaudi3_scale.train.module import CONFIG_KEY
 pytestmark = pytest.mark.integration
 
 TRAIN = ["train", "--sample-tokens", "0", "--no-progress", "--train.val_every_steps", "0", "--model.name",
-         "llama-tiny", "--optim.warmup_steps", "1", "--train.max_steps", "2", "--checkpoint.every_steps", "2"]  # fmt: skip
+         "llama-tiny", "--optim.warmup_steps", "1", "--train.max_steps", "2", "--checkpoint.every_steps", "2",
+         "--data.tokenizer", "bpe", "--data.vocab_size", "384"]  # fmt: skip
 ATOL = 1e-5  # fp32; the kernels differ (SDPA vs HF eager attention, rotation order), so not bitwise
 
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A committed llama-tiny checkpoint (GQA, RoPE, untied) from a real 2-step training run."""
+    """A committed llama-tiny checkpoint (GQA, RoPE, untied; BPE tokenizer) from a real 2-step training run."""
     out = tmp_path_factory.mktemp("export") / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "gaudi3_scale.cli", *TRAIN, "--out", str(out)], capture_output=True, text=True
@@ -83,6 +85,12 @@ def test_trained_llama_to_hf_and_safetensors(
 
     assert _export(capsys, str(llama_ckpt), "--out", str(tmp_path / "hf"), "--format", "hf") == (0, "")
     torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=ATOL, rtol=0)
+    # The tokenizer travels with it: ours under tokenizer/, and at the top for transformers (and vLLM / TGI).
+    text = "ROMEO:\nWhat light through yonder window breaks?"
+    ids = load_tokenizer(llama_ckpt.parent.parent / "tokenizer").encode(text)
+    assert load_tokenizer(tmp_path / "hf" / "tokenizer").encode(text) == ids
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert hf_tokenizer(text)["input_ids"] == ids and hf_tokenizer.decode(ids) == text
 
     assert _export(capsys, str(llama_ckpt), "--out", str(tmp_path / "st")) == (0, "")
     _, state = read_model_state(llama_ckpt)
@@ -139,7 +147,7 @@ def test_existing_output_is_refused_unless_forced(
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
     assert _export(capsys, str(llama_ckpt), "--out", str(out), "--force") == (0, "")
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_config.json", "tokenizer"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or replaced directory left behind
 
     run = llama_ckpt.parent.parent
@@ -151,3 +159,67 @@ def test_cli_choices_are_the_export_formats() -> None:
     export = cli.commands["ckpt"].commands["export"]  # type: ignore[attr-defined]
     (fmt,) = (p for p in export.params if p.name == "fmt")
     assert isinstance(fmt.type, click.Choice) and tuple(fmt.type.choices) == EXPORT_FORMATS
+
+
+def test_register_round_trip(llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two registrations are versions 1 and 2 of one registered model; a version's artifacts load back as the
+    same model, with the checkpoint's config as parameters and its step as a metric."""
+    from mlflow.artifacts import download_artifacts
+
+    from gaudi3_scale.monitor.trackers import mlflow_client
+
+    uri = (tmp_path / "registry").as_uri()
+    for version, fmt in ((1, "safetensors"), (2, "hf")):
+        out = tmp_path / f"export-{version}"
+        args = [
+            str(llama_ckpt),
+            "--out",
+            str(out),
+            "--format",
+            fmt,
+            "--register",
+            "tiny-llama",
+            "--tracking-uri",
+            uri,
+        ]
+        assert _export(capsys, *args) == (0, "")
+    client = mlflow_client(uri)
+    versions = sorted(client.search_model_versions("name = 'tiny-llama'"), key=lambda v: int(v.version))
+    assert [(int(v.version), v.tags["format"], v.tags["step"]) for v in versions] == [
+        (1, "safetensors", "2"),
+        (2, "hf", "2"),
+    ]
+    run = client.get_run(versions[0].run_id)
+    assert run.data.params["model.name"] == "llama-tiny" and run.data.params["train.max_steps"] == "2"
+    assert run.data.metrics["step"] == 2.0 and run.info.status == "FINISHED"
+    assert run.data.tags["gaudi3.model.arch"] == "llama"
+
+    source = client.get_model_version_download_uri("tiny-llama", "1")
+    local = Path(download_artifacts(artifact_uri=source, dst_path=str(tmp_path / "dl")))
+    model, _ = load_for_generation(llama_ckpt)
+    tokens = torch.randint(0, model.config.padded_vocab_size, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(load_exported(local)(tokens), model(tokens))
+    assert (local / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("name", "uri", "expected"),
+    [
+        ("bad name/", None, "not a usable model name"),
+        ("tiny", "http://127.0.0.1:9", "is not usable"),  # nothing listens on the discard port
+    ],
+)
+def test_register_refusals_write_nothing(
+    llama_ckpt: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    uri: str | None,
+    expected: str,
+) -> None:
+    out = tmp_path / "out"
+    args = [str(llama_ckpt), "--out", str(out), "--register", name]
+    code, err = _export(capsys, *args, *(("--tracking-uri", uri) if uri else ()))
+    assert code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not out.exists() and not (llama_ckpt.parent.parent / "mlruns").exists()

@@ -168,26 +168,3 @@ def test_a_hanging_trial_is_killed_and_nothing_fitting_exits_1(tmp_path: Path) -
     assert trial["wall_s"] < 10  # killed, process group and all
     assert report["best"] is None and not (out / "best.yaml").exists()
     assert "limited by failures: no trial finished (1 timeout)" in proc.stdout
-
-
-def test_python_api_finds_a_micro_batch(tmp_path: Path) -> None:
-    from gaudi3_scale.tune.api import AdaptiveBatchFinder
-
-    finder = AdaptiveBatchFinder(
-        "shakespeare-char",
-        target_hpu_utilization=0.5,
-        precision="32-true",
-        global_batch_size=2,
-        activation_checkpointing=(False,),
-        compile=(False,),
-        threads=(1,),
-        measure_steps=1,
-        out_dir=tmp_path / "api",
-    )
-    micro = finder.find_optimal_batch_size()
-    assert finder.result is not None and finder.result.best is not None
-    assert micro in (1, 2) and micro == finder.result.best.candidate.micro_batch_size
-    assert finder.config.memory_budget_bytes is not None and finder.config.memory_budget_bytes > 2**30
-    assert finder.result.best_config is not None
-    assert finder.result.best_config.train.micro_batch_size == micro
-    assert (tmp_path / "api" / "best.yaml").is_file()

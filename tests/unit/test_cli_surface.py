@@ -50,7 +50,20 @@ def test_verbs_and_options_are_pinned() -> None:
 def test_ckpt_subcommands_are_pinned() -> None:
     group = cli.commands["ckpt"]
     assert isinstance(group, click.Group)
-    expected = {"list": ["--verify"], "verify": [], "diff": [], "export": ["--force", "--format", "--out"]}
+    expected = {
+        "list": ["--verify"],
+        "verify": [],
+        "diff": [],
+        "export": [
+            "--experiment",
+            "--force",
+            "--format",
+            "--out",
+            "--register",
+            "--tokenizer",
+            "--tracking-uri",
+        ],
+    }
     assert sorted(group.commands) == sorted(expected)
     for name, options in expected.items():
         assert _options(group.commands[name]) == options, name

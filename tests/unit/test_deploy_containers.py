@@ -18,6 +18,8 @@ from gaudi3_scale.deploy.containers import (
     CUDA_PYTHON_VERSION,
     GAUDI_BASE,
     IMAGE_UID,
+    MODEL_MOUNT,
+    SERVE_PORT,
     image_extras,
     render_containers,
 )
@@ -36,11 +38,9 @@ RUN_CONFIG: dict[str, Any] = {
     "checkpoint": {"remote_url": "s3://bucket/ckpt"},
 }
 VARIANTS = {"gaudi3": "gaudi3-scale-train:0.1.0-gaudi", "h100": "gaudi3-scale-train:0.1.0-cuda"}
-# checkov Dockerfile checks that fail on purpose, each skipped in the rendered file with this reason.
-CHECKOV_BASELINE = {
-    "CKV_DOCKER_2": "a training job serves nothing to probe; it ends with an exit status (Kubernetes ignores "
-    "HEALTHCHECK and watches the Job)",
-}
+# checkov Dockerfile checks that fail on purpose, each skipped in the rendered file with this reason: none since
+# the inference stage (gaudi3 serve) has a HEALTHCHECK.
+CHECKOV_BASELINE: dict[str, str] = {}
 
 
 def _spec(accelerator: str, run_config: dict[str, Any] | None = None) -> DeploySpec:
@@ -108,14 +108,18 @@ def test_stages_users_entrypoints_and_layer_order(accelerator: str) -> None:
     assert list(stages) == ["base", "builder", "train", "inference"]
     keywords = [k for k, _ in _instructions(dockerfile)]
     assert "ADD" not in keywords  # COPY only: no remote URLs or auto-extracted archives
-    assert "HEALTHCHECK" not in keywords  # none is claimed: batch jobs; see CHECKOV_BASELINE
+    # Only the server is probed: a training job serves nothing and ends with an exit status.
+    assert [stage for stage, lines in stages.items() if "HEALTHCHECK" in dict(lines)] == ["inference"]
+    assert f"http://127.0.0.1:{SERVE_PORT}/health" in dict(stages["inference"])["HEALTHCHECK"]
     users = [a for k, a in _instructions(dockerfile) if k == "USER"]
     assert users == [f"{IMAGE_UID}:{IMAGE_UID}"] and IMAGE_UID not in (0, 1000)  # inference inherits train's
     train, inference = dict(stages["train"]), dict(stages["inference"])
     assert json.loads(train["ENTRYPOINT"]) == ["gaudi3"]
     assert json.loads(train["CMD"]) == ["train", "--config", CONFIG_MOUNT]
     assert stages["inference"][0] == ("FROM", "train AS inference")
-    assert json.loads(inference["ENTRYPOINT"]) == ["gaudi3", "generate"]
+    assert json.loads(inference["ENTRYPOINT"]) == ["gaudi3", "serve"]
+    assert json.loads(inference["CMD"]) == [MODEL_MOUNT, "--host", "0.0.0.0", "--port", str(SERVE_PORT)]
+    assert inference["EXPOSE"] == str(SERVE_PORT)
     # Cache order: base sees only the dependency inputs, the source arrives in builder, the wheel in train.
     base_copies = [a for k, a in stages["base"] if k == "COPY"]
     assert base_copies == ["pyproject.toml requirements/constraints.txt /tmp/deps/"]
@@ -140,7 +144,7 @@ def test_gaudi_variant_builds_on_intels_image_pinned_and_keeps_its_torch() -> No
     assert "--system-site-packages" in dockerfile and "grep -v '^torch=='" in dockerfile
     assert "python:" not in base_from
     # DeepSpeed on Gaudi is Intel's fork, not PyPI's: not installed from the extra.
-    assert args["EXTRAS"] == "deploy,monitor,remote,report,tracking"
+    assert args["EXTRAS"] == "deploy,export,monitor,remote,report,tracking"
 
 
 def test_cuda_variant_is_python_slim_with_pypi_torch() -> None:
@@ -152,7 +156,7 @@ def test_cuda_variant_is_python_slim_with_pypi_torch() -> None:
     minimum = tuple(int(p) for p in requires.removeprefix(">=").split("."))
     assert tuple(int(p) for p in CUDA_PYTHON_VERSION.split("."))[:2] >= minimum
     assert "vault.habana.ai" not in dockerfile and "grep -v '^torch=='" not in dockerfile
-    assert args["EXTRAS"] == "deepspeed,deploy,monitor,remote,report,tracking"
+    assert args["EXTRAS"] == "deepspeed,deploy,export,monitor,remote,report,tracking"
 
 
 def test_every_base_image_tag_is_pinned() -> None:
@@ -210,10 +214,10 @@ def test_dockerignore_lets_in_exactly_what_the_build_copies() -> None:
 
 
 def test_image_extras_follow_the_run_config() -> None:
-    assert image_extras({}, "h100") == ["deploy", "report"]
-    assert image_extras({"monitor": {"loggers": "csv"}}, "h100") == ["deploy", "report"]
+    assert image_extras({}, "h100") == ["deploy", "export", "report"]
+    assert image_extras({"monitor": {"loggers": "csv"}}, "h100") == ["deploy", "export", "report"]
     assert image_extras({"monitor": {"loggers": "mlflow"}, "checkpoint": {"remote_url": ""}}, "a100") == [
-        "deploy", "report", "tracking"]  # fmt: skip
+        "deploy", "export", "report", "tracking"]  # fmt: skip
     assert "deepspeed" in image_extras({"parallel": {"strategy": "deepspeed_zero3"}}, "h200")
     assert "deepspeed" not in image_extras({"parallel": {"strategy": "deepspeed_zero3"}}, "gaudi2")
 

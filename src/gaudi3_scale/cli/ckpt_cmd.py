@@ -108,10 +108,57 @@ def diff(a: Path, b: Path) -> None:
     "hf: config.json + model.safetensors for transformers' LlamaForCausalLM (llama models only)",
 )
 @click.option("--force", is_flag=True, help="replace a non-empty --out directory")
-def export(checkpoint: Path, out_dir: Path, fmt: str, force: bool) -> None:
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    type=click.Path(path_type=Path),
+    help="directory holding tokenizer.json (default: the run's tokenizer/)",
+)
+@click.option(
+    "--register",
+    "register_name",
+    metavar="NAME",
+    help="also register the export as a new version of model NAME in an MLflow model registry",
+)
+@click.option(
+    "--tracking-uri",
+    metavar="URI",
+    help="MLflow tracking/registry URI for --register (default: $MLFLOW_TRACKING_URI, else <run>/mlruns)",
+)
+@click.option(
+    "--experiment", default="gaudi3-exports", show_default=True, help="MLflow experiment for --register"
+)
+def export(
+    checkpoint: Path,
+    out_dir: Path,
+    fmt: str,
+    force: bool,
+    tokenizer_dir: Path | None,
+    register_name: str | None,
+    tracking_uri: str | None,
+    experiment: str,
+) -> None:
     """Write a checkpoint's model weights as one safetensors file, or as a Hugging Face Llama directory."""
     from gaudi3_scale.train.export import export_checkpoint
 
-    written = export_checkpoint(checkpoint, out_dir, fmt=fmt, force=force)
+    client = uri = None
+    if register_name is not None:  # checked before anything is written
+        from gaudi3_scale.train.register import check_registry, registry_uri
+
+        uri = registry_uri(checkpoint, tracking_uri)
+        client = check_registry(register_name, uri)
+    written = export_checkpoint(checkpoint, out_dir, fmt=fmt, force=force, tokenizer_dir=tokenizer_dir)
     size_mb = sum(path.stat().st_size for path in written) / 1e6
-    click.echo(f"{out_dir}: {', '.join(path.name for path in written)} ({fmt}, {size_mb:,.1f} MB)")
+    names = ", ".join(path.relative_to(out_dir).as_posix() for path in written)
+    click.echo(f"{out_dir}: {names} ({fmt}, {size_mb:,.1f} MB)")
+    if register_name is not None:
+        from gaudi3_scale.train.register import register_export
+
+        registered = register_export(
+            out_dir, register_name, checkpoint=checkpoint, fmt=fmt, client=client, tracking_uri=str(uri),
+            experiment=experiment,
+        )  # fmt: skip
+        click.echo(
+            f"registered {registered.name} version {registered.version} in {registered.tracking_uri} "
+            f"(MLflow run {registered.run_id}; artifacts {registered.source})"
+        )

@@ -7,7 +7,9 @@ Stages, in cache order (what changes least comes first, so a source edit rebuild
                versions) + the non-root user
     builder    the gaudi3-scale wheel, built from the source tree
     train      base + the wheel; ENTRYPOINT gaudi3, CMD train --config /etc/gaudi3/run.yaml
-    inference  train with ENTRYPOINT gaudi3 generate (a one-shot CLI: the project has no model server)
+    inference  train with ENTRYPOINT gaudi3 serve: the OpenAI-compatible server on port 8000 (all interfaces inside
+               the container), serving the export or checkpoint mounted at /models/model; for production-scale
+               serving of a `--format hf` export, vLLM or TGI (docs/serving.md)
 
 The base follows the accelerator: Gaudi → Intel's PyTorch image (its own torch build, which must not be replaced
 by PyPI's); NVIDIA → `python:<version>-slim` + PyPI's torch wheel, which is built against CUDA and pulls the CUDA
@@ -27,6 +29,8 @@ __all__ = [
     "CUDA_PYTHON_VERSION",
     "GAUDI_BASE",
     "IMAGE_UID",
+    "MODEL_MOUNT",
+    "SERVE_PORT",
     "image_extras",
     "render_containers",
 ]
@@ -34,6 +38,8 @@ __all__ = [
 CONFIG_MOUNT = (
     "/etc/gaudi3/run.yaml"  # where the run config is mounted (ConfigMap, `docker run -v`, Ansible copy)
 )
+MODEL_MOUNT = "/models/model"  # the inference stage serves what is mounted here (an export or a checkpoint)
+SERVE_PORT = 8000
 IMAGE_UID = (
     10001  # not 1000: Ubuntu 24.04 images (Intel's Gaudi base among them) already have uid 1000 `ubuntu`
 )
@@ -46,8 +52,8 @@ CUDA_PYTHON_VERSION = "3.11.15"
 GAUDI_BASE = {"sw": "1.24.0", "os": "ubuntu24.04", "torch": "2.10.0", "tag": "1.24.0-1007"}
 NOT_VALIDATED = "not yet validated on Gaudi hardware"
 # Extras every image carries: the Metaflow flow's steps run in it (metaflow, which brings boto3 + requests for an
-# S3 datastore) and its report step writes a benchmark report (pandas).
-_ALWAYS = ("deploy", "report")
+# S3 datastore) and its report step writes a benchmark report (pandas); the inference stage loads safetensors exports.
+_ALWAYS = ("deploy", "export", "report")
 
 
 def image_extras(run_config: dict[str, Any], accelerator: str) -> list[str]:
@@ -78,6 +84,8 @@ def _header(spec: DeploySpec, gaudi: bool) -> str:
         "#   docker build -f docker/Dockerfile --target inference -t <name>-inference <gaudi3-scale checkout>",
         f"# The run config (docker/run.yaml here) is mounted at {CONFIG_MOUNT} (a ConfigMap on Kubernetes), not baked in:",
         f"#   docker run -v $PWD/docker/run.yaml:{CONFIG_MOUNT}:ro -v $PWD/runs:/workspace/runs {spec.image}",
+        f"# The inference image serves an export (gaudi3 ckpt export) mounted at {MODEL_MOUNT}:",
+        f"#   docker run -p {SERVE_PORT}:{SERVE_PORT} -v $PWD/export:{MODEL_MOUNT}:ro <name>-inference",
     ]
     if gaudi:
         lines += [
@@ -150,14 +158,17 @@ COPY --from=builder /wheels /tmp/wheels
 RUN python -m pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 WORKDIR /workspace
 USER {IMAGE_UID}:{IMAGE_UID}
-# checkov:skip=CKV_DOCKER_2: a training job serves nothing to probe; it ends with an exit status (Kubernetes ignores HEALTHCHECK and watches the Job)
+# No HEALTHCHECK for training: a job serves nothing to probe and ends with an exit status (the inference stage has one)
 ENTRYPOINT ["gaudi3"]
 CMD ["train", "--config", "{CONFIG_MOUNT}"]
 
-# ---- inference: `gaudi3 generate CHECKPOINT --prompt …`, one shot (the project has no model server) ----
+# ---- inference: `gaudi3 serve` (OpenAI /v1/completions) on an export or checkpoint mounted at {MODEL_MOUNT} ----
 FROM train AS inference
-ENTRYPOINT ["gaudi3", "generate"]
-CMD ["--help"]
+EXPOSE {SERVE_PORT}
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s \\
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{SERVE_PORT}/health', timeout=4)"]
+ENTRYPOINT ["gaudi3", "serve"]
+CMD ["{MODEL_MOUNT}", "--host", "0.0.0.0", "--port", "{SERVE_PORT}"]
 """
 
 

@@ -11,25 +11,47 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "apply_fsdp"]
+__all__ = ["apply_activation_checkpointing", "apply_fsdp", "find_blocks"]
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every transformer block in backward (Chen et al. 2016, "Training Deep Nets with Sublinear Memory").
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's list of repeated blocks: its `layers` (ours, Llama-style), else the largest `nn.ModuleList` whose
+    items all share one class (`transformer.h` in GPT-2-style models)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return layers
+    candidates = [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(item) for item in module}) == 1
+    ]
+    if not candidates:
+        raise ValueError(
+            f"activation checkpointing needs a model with a ModuleList of repeated blocks; "
+            f"{type(model).__name__} has none"
+        )
+    return max(candidates, key=len)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every transformer block in backward (Chen et al. 2016, "Training Deep Nets with Sublinear Memory");
+    returns how many blocks.
 
     The block's `forward` is replaced on the instance, not wrapped in another module, so parameter names — and
     therefore checkpoints — are the same with and without activation checkpointing.
     """
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError("activation checkpointing needs a model with a `layers` ModuleList of blocks")
+    layers = find_blocks(model)
     for block in layers:
         original = block.forward
+        if getattr(original, "activation_checkpointed", False):
+            continue  # applied already: checkpointing twice would recompute twice
 
         def checkpointed(*args: Any, _forward: Any = original, **kwargs: Any) -> Any:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         block.forward = functools.wraps(original)(checkpointed)
+        block.forward.activation_checkpointed = True  # type: ignore[attr-defined]
+    return len(layers)
 
 
 def apply_fsdp(

@@ -42,6 +42,8 @@ __all__ = [
     "build_trackers",
     "check_trackers",
     "flatten_config",
+    "mlflow_client",
+    "prepare_mlflow_environment",
     "tracker_metrics",
 ]
 
@@ -232,22 +234,34 @@ def mlflow_tracking_uri(monitor: MonitorConfig, out_dir: Path) -> str:
     return monitor.mlflow_tracking_uri or (out_dir / "mlruns").resolve().as_uri()
 
 
-def _mlflow(config: Any, out_dir: Path) -> Logger:
-    uri = mlflow_tracking_uri(config.monitor, out_dir)
+def mlflow_client(uri: str) -> Any:
+    """An `MlflowClient` for tracking and model registry at `uri`, with our environment set before the import."""
+    prepare_mlflow_environment(uri)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri, registry_uri=uri)
+
+
+def prepare_mlflow_environment(uri: str) -> None:
     # Before mlflow is imported: it starts its usage telemetry at import unless this is set (documented in
-    # mlflow.environment_variables); a training run sends nothing anywhere it was not asked to.
+    # mlflow.environment_variables); nothing is sent anywhere it was not asked to.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     if urlparse(uri).scheme in ("", "file"):
         # MLflow 3 refuses the file store (maintenance mode) unless this is set; mlflow-skinny has no SQLAlchemy
         # for its sqlite:// alternative, so the file store is the one local store that works with the extra.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def _mlflow(config: Any, out_dir: Path) -> Logger:
+    uri = mlflow_tracking_uri(config.monitor, out_dir)
     from lightning.pytorch.loggers import MLFlowLogger
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     experiment = config.monitor.experiment or config.name
+    prepare_mlflow_environment(uri)
+    from mlflow.exceptions import MlflowException
+
     try:
-        client = MlflowClient(uri)
+        client = mlflow_client(uri)
         # Created here, so Lightning does not warn "Experiment with name … not found. Creating it."
         if client.get_experiment_by_name(experiment) is None:
             client.create_experiment(experiment)

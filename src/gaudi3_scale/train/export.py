@@ -26,9 +26,10 @@ import torch
 from gaudi3_scale.checkpoint.manifest import fsync_directory
 from gaudi3_scale.config.core import from_dict, to_dict
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 from gaudi3_scale.models.transformer import INIT_STD
-from gaudi3_scale.train.inference import read_model_state
+from gaudi3_scale.train.inference import read_model_state, run_tokenizer_dir
 
 __all__ = ["EXPORT_FORMATS", "export_checkpoint", "hf_llama_config", "load_exported", "to_hf_llama"]
 
@@ -36,6 +37,9 @@ EXPORT_FORMATS = ("safetensors", "hf")
 WEIGHTS_NAME = "model.safetensors"
 MODEL_CONFIG_NAME = "model_config.json"  # format safetensors: our ModelConfig
 HF_CONFIG_NAME = "config.json"  # format hf: transformers' LlamaConfig
+TOKENIZER_DIR = "tokenizer"  # our tokenizer.json, as in <run>/tokenizer/ (read by gaudi3 serve and generate)
+# format hf with a Hugging Face tokenizer: tokenizer.json at the top plus this, which AutoTokenizer reads
+HF_TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TIED_ALIAS = "output.weight"  # the head shares tok_embeddings.weight when model.tie_embeddings is set
 _INSTALL = "pip install 'gaudi3-scale[export]'"
 
@@ -56,12 +60,19 @@ _HF_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "
 
 
 def export_checkpoint(
-    checkpoint: Path, out_dir: Path, *, fmt: str = "safetensors", force: bool = False
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    fmt: str = "safetensors",
+    force: bool = False,
+    tokenizer_dir: Path | None = None,
 ) -> list[Path]:
     """Write the model of `checkpoint` to `out_dir` in format `fmt`; returns the files written.
 
-    `out_dir` must be absent or empty unless `force`; it is written under a temporary name beside it and renamed
-    into place, so it is never left half-written.
+    The tokenizer (`tokenizer_dir`, default the run's `<run>/tokenizer/`) is copied to `<out>/tokenizer/` when
+    there is one; with `hf` and a Hugging Face tokenizer (bpe or a tokenizer.json) it is also written at the top as
+    transformers, vLLM and TGI expect. `out_dir` must be absent or empty unless `force`; it is written under a
+    temporary name beside it and renamed into place, so it is never left half-written.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if fmt not in EXPORT_FORMATS:
@@ -69,6 +80,7 @@ def export_checkpoint(
     _check_destination(checkpoint, out_dir, force=force)
     safetensors_torch = _import_safetensors()
     cfg, state = read_model_state(checkpoint, mmap=True)
+    tokenizer = _run_tokenizer(checkpoint, tokenizer_dir)
     state = _untied(cfg, _checked_state(cfg, state, checkpoint))
     if fmt == "hf":
         if cfg.arch != "llama":
@@ -86,7 +98,29 @@ def export_checkpoint(
         safetensors_torch.save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
         # safetensors writes through a private temp file (mode 0600); give the weights the umask's mode instead.
         (staging / WEIGHTS_NAME).chmod((staging / config_name).stat().st_mode)
-    return [out_dir / WEIGHTS_NAME, out_dir / config_name]
+        written = [WEIGHTS_NAME, config_name]
+        if tokenizer is not None:
+            (staging / TOKENIZER_DIR).mkdir()
+            written.append(tokenizer.save(staging / TOKENIZER_DIR).relative_to(staging).as_posix())
+            if fmt == "hf" and isinstance(tokenizer, HFTokenizer):
+                written += _write_hf_tokenizer(tokenizer, staging)
+    return [out_dir / name for name in written]
+
+
+def _run_tokenizer(checkpoint: Path, tokenizer_dir: Path | None) -> Tokenizer | None:
+    """The tokenizer to ship with the export: `tokenizer_dir` (must exist), else the run's if it has one."""
+    directory = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(checkpoint)
+    if tokenizer_dir is None and not (directory / TOKENIZER_FILE).is_file():
+        return None  # a bare checkpoint file, not inside a run directory
+    return load_tokenizer(directory)
+
+
+def _write_hf_tokenizer(tokenizer: HFTokenizer, directory: Path) -> list[str]:
+    (directory / TOKENIZER_FILE).write_text(tokenizer.to_json(), encoding="utf-8")
+    # No special tokens: our models are trained on raw text, with no BOS/EOS added.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False}
+    (directory / HF_TOKENIZER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return [TOKENIZER_FILE, HF_TOKENIZER_CONFIG_NAME]
 
 
 def load_exported(directory: Path) -> Transformer:
@@ -229,9 +263,12 @@ def _staged_directory(out_dir: Path, *, force: bool) -> Iterator[Path]:
     staging.mkdir(parents=True)
     try:
         yield staging
-        for path in staging.iterdir():
-            with path.open("rb") as fh:
-                os.fsync(fh.fileno())
+        for path in sorted(staging.rglob("*")):
+            if path.is_file():
+                with path.open("rb") as fh:
+                    os.fsync(fh.fileno())
+            else:
+                fsync_directory(path)
         fsync_directory(staging)
         _replace_directory(staging, out_dir, force=force)
     except BaseException:

@@ -18,7 +18,7 @@ from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.generate import generate
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["generate_text", "load_for_generation", "read_checkpoint", "read_model_state"]
+__all__ = ["generate_text", "load_for_generation", "read_checkpoint", "read_model_state", "run_tokenizer_dir"]
 
 
 def read_checkpoint(
@@ -63,6 +63,11 @@ def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, di
     return from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"]), state
 
 
+def run_tokenizer_dir(checkpoint: Path) -> Path:
+    """Where `gaudi3 train` keeps the tokenizer of `checkpoint`: `<run>/tokenizer/` beside `<run>/checkpoints/`."""
+    return checkpoint_directory(Path(checkpoint)).parent.parent / "tokenizer"
+
+
 def load_for_generation(
     checkpoint: str | Path, tokenizer_dir: str | Path | None = None
 ) -> tuple[nn.Module, Tokenizer]:
@@ -75,7 +80,7 @@ def load_for_generation(
     model = build_model(model_cfg)
     model.load_state_dict(state)
     model.eval()
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else checkpoint_directory(path).parent.parent / "tokenizer"
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(path)
     if not tok_dir.is_dir():
         raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
     return model, load_tokenizer(tok_dir)

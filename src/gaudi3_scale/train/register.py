@@ -1,0 +1,180 @@
+"""`gaudi3 ckpt export --register NAME`: an export as a new version of a model in an MLflow model registry.
+
+One MLflow run per registration (experiment `gaudi3-exports` unless given) holds the export directory as the
+artifact `model/`, the checkpoint's resolved config as parameters (`section.field`) and `config.yaml`, and its
+metrics (step, tokens seen and validation loss from the checkpoint's manifest; the run's `summary.json` when there
+is one). The model version points at that artifact and is tagged with the format, architecture, step and source
+checkpoint. The registry is the tracking store itself: a local file store `<run>/mlruns` by default (as the
+`mlflow` tracker uses), or any MLflow tracking URI (`--tracking-uri`, else `MLFLOW_TRACKING_URI`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gaudi3_scale.checkpoint.manager import checkpoint_directory
+from gaudi3_scale.checkpoint.manifest import read_manifest
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.models.counting import count_parameters
+from gaudi3_scale.train.inference import read_checkpoint
+from gaudi3_scale.train.module import CONFIG_KEY
+
+__all__ = ["DEFAULT_EXPERIMENT", "RegisteredVersion", "check_registry", "register_export", "registry_uri"]
+
+DEFAULT_EXPERIMENT = "gaudi3-exports"
+_TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
+# What the MLflow server and the file store both accept as a registered model name, and safe as a path part.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Documented in mlflow.environment_variables: fail fast instead of retrying an unreachable server for minutes.
+_HTTP_FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    name: str
+    version: int
+    source: str  # the artifact URI the version points at
+    run_id: str
+    tracking_uri: str
+
+
+def registry_uri(checkpoint: Path, tracking_uri: str | None = None) -> str:
+    """`tracking_uri`, else `MLFLOW_TRACKING_URI`, else the file store `mlruns/` of the checkpoint's run directory."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    directory = checkpoint_directory(Path(checkpoint)).resolve()
+    run_dir = directory.parent.parent if directory.parent.name == "checkpoints" else directory.parent
+    return (run_dir / "mlruns").as_uri()
+
+
+def check_registry(name: str, uri: str) -> Any:
+    """An MlflowClient for `uri` after checking `name`, the package and that the store answers (before any export
+    work), or one line saying what is wrong."""
+    if not _NAME.fullmatch(name):
+        raise UserInputError(
+            f"--register {name!r} is not a usable model name: use letters, digits, '.', '_' or '-' "
+            "(starting with a letter or digit, at most 128)"
+        )
+    try:
+        import mlflow  # noqa: F401  (only to know it is there)
+    except ImportError:
+        raise UserInputError(f"--register needs MLflow: {_TRACKING_EXTRA}") from None
+    for key, value in _HTTP_FAIL_FAST.items():
+        os.environ.setdefault(key, value)
+    from mlflow.exceptions import MlflowException
+
+    from gaudi3_scale.monitor.trackers import mlflow_client
+
+    try:
+        client = mlflow_client(uri)
+        client.search_registered_models(max_results=1)
+    except (MlflowException, OSError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = detail.split(" with exception")[0]  # drop urllib3's retry story after "API request to … failed"
+        raise UserInputError(
+            f"MLflow registry at {uri!r} is not usable: {detail[:300]}; pass --tracking-uri URI (a file: path, "
+            "or a reachable MLflow server)"
+        ) from None
+    return client
+
+
+def register_export(
+    export_dir: Path,
+    name: str,
+    *,
+    checkpoint: Path,
+    fmt: str,
+    client: Any,
+    tracking_uri: str,
+    experiment: str = DEFAULT_EXPERIMENT,
+) -> RegisteredVersion:
+    """Log `export_dir` with the checkpoint's config and metrics as an MLflow run; register it as a new version."""
+    ckpt = read_checkpoint(checkpoint, mmap=True)
+    config = ckpt.get(CONFIG_KEY) or {}
+    metrics = _checkpoint_metrics(checkpoint)
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    run = client.create_run(
+        experiment_id, run_name=f"{name}-export", tags=_tags(name, fmt, config, checkpoint)
+    )
+    run_id = run.info.run_id
+    try:
+        for key, value in _params(config).items():
+            client.log_param(run_id, key, value)
+        step = int(metrics.get("step", 0))
+        for key, value in metrics.items():
+            client.log_metric(run_id, key, value, step=step)
+        client.log_artifacts(run_id, str(export_dir), "model")
+        with tempfile.TemporaryDirectory() as tmp:
+            config_path = Path(tmp) / "config.yaml"
+            config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+            client.log_artifact(run_id, str(config_path))
+        if not client.search_registered_models(filter_string=f"name = '{name}'"):
+            client.create_registered_model(name, description="gaudi3-scale model exports")
+        version = client.create_model_version(
+            name,
+            f"{run.info.artifact_uri}/model",
+            run_id,
+            tags={"format": fmt, "step": str(step), "checkpoint": str(Path(checkpoint).resolve())},
+            description=f"{fmt} export of {checkpoint}",
+        )
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id)
+    return RegisteredVersion(name, int(version.version), version.source, run_id, tracking_uri)
+
+
+def _checkpoint_metrics(checkpoint: Path) -> dict[str, float]:
+    """step, tokens seen and validation loss from the manifest; train loss, val loss, tokens/s and MFU from the
+    run's summary.json when the checkpoint is the run's last."""
+    directory = checkpoint_directory(Path(checkpoint))
+    manifest = read_manifest(directory) if directory.is_dir() else None
+    metrics: dict[str, float] = {}
+    for key in ("step", "tokens_seen", "val_loss"):
+        value = (manifest or {}).get(key)
+        if isinstance(value, int | float) and value == value:
+            metrics[key] = float(value)
+    summary_path = directory.parent.parent / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        if summary.get("steps") == metrics.get("step"):
+            for key in ("train_loss", "val_loss", "tokens_per_s", "mfu"):
+                value = summary.get(key)
+                if isinstance(value, int | float) and value == value:
+                    metrics[f"run_{key}" if key in metrics else key] = float(value)
+    return metrics
+
+
+def _params(config: dict[str, Any]) -> dict[str, str]:
+    """The resolved config as `section.field` → text (MLflow params are strings of at most 6,000 characters)."""
+    from gaudi3_scale.monitor.trackers import flatten_config
+
+    return {key: str(value)[:6000] for key, value in flatten_config(config).items()}
+
+
+def _tags(name: str, fmt: str, config: dict[str, Any], checkpoint: Path) -> dict[str, str]:
+    model = config.get("model") or {}
+    tags = {
+        "gaudi3.format": fmt,
+        "gaudi3.checkpoint": str(Path(checkpoint).resolve()),
+        "gaudi3.registered": name,
+    }
+    for key in ("name", "arch"):
+        if model.get(key):
+            tags[f"gaudi3.model.{key}"] = str(model[key])
+    if model:
+        from gaudi3_scale.config.core import from_dict
+        from gaudi3_scale.models import ModelConfig
+
+        tags["gaudi3.model.parameters"] = str(count_parameters(from_dict(ModelConfig, model)))
+    return tags
