@@ -89,9 +89,7 @@ def test_optimizer_falls_back_and_precision_options_warn_once(
 def test_batch_finder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ns = _run("batch_finder", tmp_path, monkeypatch)
     best = ns["finder"].result.best
-    assert (
-        ns["micro_batch_size"] in (1, 2, 4) and ns["micro_batch_size"] == best.candidate.micro_batch_size
-    )
+    assert ns["micro_batch_size"] in (1, 2, 4) and ns["micro_batch_size"] == best.candidate.micro_batch_size
     assert ns["finder"].result.best_config.train.micro_batch_size == ns["micro_batch_size"]
     assert best.tokens_per_s > 0
     assert ns["finder"].config.memory_budget_bytes > 2**30 and (ns["finder"].out_dir / "best.yaml").is_file()

@@ -21,6 +21,8 @@ EXPECTED = {
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
+    "serve": ["--host", "--max-batch-size", "--max-prompt-tokens", "--max-queue", "--max-tokens-limit", "--name",
+              "--port", "--tokenizer"],
     "smoke": ["--keep", "--out", "--steps"],
     "repro": ["--config", "--keep", "--mode", "--out", "--steps",
               "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],

@@ -20,6 +20,7 @@ from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.deploy_cmd import deploy
 from gaudi3_scale.cli.options import launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
+from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
 from gaudi3_scale.config.errors import UserInputError
@@ -173,6 +174,7 @@ def models_cmd() -> None:
 
 cli.add_command(ckpt)
 cli.add_command(repro)
+cli.add_command(serve)
 cli.add_command(smoke)
 cli.add_command(tune)
 cli.add_command(benchmark)

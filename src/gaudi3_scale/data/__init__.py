@@ -7,8 +7,7 @@ Lightning import.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.dataset import PreparedData, load_prepared
@@ -22,6 +21,7 @@ from gaudi3_scale.data.tokenizers import (
     load_tokenizer,
     register_tokenizer,
 )
+from gaudi3_scale.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gaudi3_scale.data.datamodule import TokenDataModule
@@ -55,8 +55,4 @@ _LAZY = {
     "ValWindowDataset": "gaudi3_scale.data.loader",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -7,9 +7,9 @@ so configs resolve without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gaudi3_scale.lazy import lazy_exports
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import get_model_config, list_models, register_model
 
@@ -39,8 +39,4 @@ _LAZY = {
     "build_model": "gaudi3_scale.models.transformer",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

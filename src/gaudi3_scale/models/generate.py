@@ -10,7 +10,7 @@ from torch import nn
 
 from gaudi3_scale.models.config import ModelConfig
 
-__all__ = ["generate"]
+__all__ = ["generate", "sample_next_token"]
 
 
 def _check_args(prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -36,16 +36,32 @@ def _model_config(model: nn.Module) -> ModelConfig:
     return cfg
 
 
-def _sample(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    *,
+    top_p: float | None = None,
 ) -> torch.Tensor:
-    """logits [batch, vocab] → next token ids [batch, 1]."""
+    """logits [batch, vocab] → next token ids [batch, 1]; temperature 0 = greedy.
+
+    Filters apply in the order of transformers' samplers: temperature, then top_k, then top_p (nucleus sampling,
+    Holtzman et al. 2020, arXiv:1904.09751: the fewest most likely tokens whose probability reaches top_p).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_best = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # The probability mass of the more likely tokens: 0 for the most likely one, which therefore stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
@@ -73,7 +89,7 @@ def generate(
     try:
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -cfg.context_length :])[:, -1, : cfg.vocab_size].float()
-            tokens = torch.cat((tokens, _sample(logits, temperature, top_k, generator)), dim=1)
+            tokens = torch.cat((tokens, sample_next_token(logits, temperature, top_k, generator)), dim=1)
     finally:
         model.train(was_training)
     return tokens

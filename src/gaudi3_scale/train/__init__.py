@@ -7,9 +7,9 @@ Lightning and torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gaudi3_scale.lazy import lazy_exports
 from gaudi3_scale.train.config import OptimConfig, RunConfig, TrainConfig, build_run_config
 
 if TYPE_CHECKING:
@@ -20,8 +20,4 @@ __all__ = ["GaudiTrainer", "LanguageModel", "OptimConfig", "RunConfig", "TrainCo
 
 _LAZY = {"LanguageModel": "gaudi3_scale.train.module", "GaudiTrainer": "gaudi3_scale.train.trainer"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -79,7 +79,9 @@ def check_registry(name: str, uri: str) -> Any:
         client.search_registered_models(max_results=1)
     except (MlflowException, OSError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        detail = detail.split(" with exception")[0]  # drop urllib3's retry story after "API request to … failed"
+        detail = detail.split(" with exception")[
+            0
+        ]  # drop urllib3's retry story after "API request to … failed"
         raise UserInputError(
             f"MLflow registry at {uri!r} is not usable: {detail[:300]}; pass --tracking-uri URI (a file: path, "
             "or a reachable MLflow server)"
@@ -111,8 +113,8 @@ def register_export(
         for key, value in _params(config).items():
             client.log_param(run_id, key, value)
         step = int(metrics.get("step", 0))
-        for key, value in metrics.items():
-            client.log_metric(run_id, key, value, step=step)
+        for metric, number in metrics.items():
+            client.log_metric(run_id, metric, number, step=step)
         client.log_artifacts(run_id, str(export_dir), "model")
         with tempfile.TemporaryDirectory() as tmp:
             config_path = Path(tmp) / "config.yaml"

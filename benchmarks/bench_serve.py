@@ -1,0 +1,275 @@
+"""`gaudi3 serve` under load: continuous batching (`--max-batch-size 8`) against one request at a time (`1`).
+
+Both servers are real `gaudi3 serve` processes on 127.0.0.1 serving the same safetensors export: the
+shakespeare-char preset (4 layers, dim 128, context 64) with a byte tokenizer and RANDOM weights (throughput does
+not depend on what the weights say). For each number of concurrent clients, both servers are measured one after
+the other: every client sends `--requests` completions back to back (64 tokens each, sampled at temperature 0.8
+with a seed), and every response is checked to be complete (200, 64 tokens, finish_reason "length"). Each cell
+runs `--rounds` times, the two servers' order alternating, and pools its rounds.
+
+Recorded per cell: p50 / p95 request latency, requests/s, generated tokens/s, errors (must be 0), and the mean
+batch the engine ran (generated tokens / decode steps, from the server's /health counters).
+
+    python benchmarks/bench_serve.py            # writes benchmarks/results/serve/serve_cpu.json and .png
+    python benchmarks/bench_serve.py --quick    # fewer requests, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.data.tokenizers import ByteTokenizer
+from gaudi3_scale.models import build_model, count_parameters, get_model_config
+from gaudi3_scale.monitor.environment import environment_info
+from gaudi3_scale.train.export import export_checkpoint
+from gaudi3_scale.train.module import CONFIG_KEY
+
+RESULTS = Path(__file__).parent / "results" / "serve"
+PRESET = "shakespeare-char"
+MAX_TOKENS = 64
+BATCH_SIZES = (1, 8)  # --max-batch-size: one at a time vs the default
+CLIENTS = (1, 4, 16)
+SERVING = re.compile(r"^serving \S+ \(([\d,]+) parameters\) on http://127\.0\.0\.1:(\d+)$")
+
+
+def _build_export(directory: Path) -> Path:
+    """A random-weight model of the preset as a `gaudi3 ckpt export --format safetensors` directory."""
+    cfg = replace(get_model_config(PRESET), vocab_size=ByteTokenizer().vocab_size)
+    model = build_model(cfg, seed=0)
+    # A plain Lightning-style checkpoint file: what `gaudi3 train` writes, minus the optimizer state.
+    checkpoint = directory / "random.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                CONFIG_KEY: {"model": to_dict(cfg)}}, checkpoint)  # fmt: skip
+    tokenizer_dir = directory / "tokenizer"
+    tokenizer_dir.mkdir()
+    ByteTokenizer().save(tokenizer_dir)
+    export_checkpoint(checkpoint, directory / "export", tokenizer_dir=tokenizer_dir)
+    return directory / "export"
+
+
+def _start_server(export: Path, batch_size: int, log: Path) -> tuple[subprocess.Popen[str], int]:
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "serve", str(export), "--port", "0",
+           "--max-batch-size", str(batch_size)]  # fmt: skip
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    match = SERVING.match(line)
+    if match is None:
+        proc.kill()
+        raise RuntimeError(f"{cmd} did not start ({line!r}): {log.read_text()[-2000:]}")
+    return proc, int(match.group(2))
+
+
+def _post(port: int, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", data=data, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def _complete(port: int, prompt: str, seed: int) -> tuple[float, int, str | None]:
+    """(latency s, completion tokens, the problem if the response is not a complete 200)."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": seed}
+    start = time.perf_counter()
+    try:
+        answer = _post(port, "/v1/completions", body)
+    except (urllib.error.URLError, OSError) as exc:
+        return time.perf_counter() - start, 0, f"{type(exc).__name__}: {exc}"
+    latency = time.perf_counter() - start
+    tokens, choice = answer["usage"]["completion_tokens"], answer["choices"][0]
+    if tokens != MAX_TOKENS or choice["finish_reason"] != "length" or not choice["text"]:
+        return latency, tokens, f"incomplete: {tokens} tokens, finish_reason {choice['finish_reason']}"
+    return latency, tokens, None
+
+
+def _run_clients(port: int, clients: int, requests: int, progress: Progress, task: Any) -> dict[str, Any]:
+    """One round: `clients` threads, each sending `requests` completions back to back."""
+    before = _post(port, "/health")["engine"]
+    results: list[tuple[float, int, str | None]] = []
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        for i in range(requests):
+            outcome = _complete(port, f"Client {index}, request {i}:\n", seed=1000 * index + i)
+            with lock:
+                results.append(outcome)
+            progress.advance(task)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall_s = time.perf_counter() - start
+    after = _post(port, "/health")["engine"]
+    return {"results": results, "wall_s": wall_s, "decode_steps": after["decode_steps"] - before["decode_steps"],
+            "engine_tokens": after["generated_tokens"] - before["generated_tokens"]}  # fmt: skip
+
+
+def _summary(batch_size: int, clients: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell over its rounds: latencies pooled, throughput = everything generated / all the wall time."""
+    results = [r for one in rounds for r in one["results"]]
+    wall_s = sum(one["wall_s"] for one in rounds)
+    latencies = sorted(r[0] for r in results)
+    errors = [r[2] for r in results if r[2] is not None]
+    steps = sum(one["decode_steps"] for one in rounds)
+    return {
+        "max_batch_size": batch_size,
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": wall_s,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p95_s": latencies[round(0.95 * (len(latencies) - 1))],
+        "requests_per_s": len(results) / wall_s,
+        "generated_tokens_per_s": sum(r[1] for r in results) / wall_s,
+        "mean_batch_size": sum(one["engine_tokens"] for one in rounds) / steps if steps else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=8, help="requests per client per round")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds per cell, the servers' order alternated"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round of 2 requests per client; nothing is written"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve_cpu.json")
+    args = parser.parse_args()
+    requests, rounds = (2, 1) if args.quick else (args.requests, args.rounds)
+    cells: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        export = _build_export(Path(tmp))
+        servers = {b: _start_server(export, b, Path(tmp) / f"serve-b{b}.err") for b in BATCH_SIZES}
+        try:
+            for _, port in servers.values():  # warm-up: first-call allocations and thread pools
+                for seed in range(3):
+                    _complete(port, "warm-up", seed)
+            progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} requests"), TimeRemainingColumn())  # fmt: skip
+            with progress:
+                task = progress.add_task(
+                    "bench_serve", total=len(BATCH_SIZES) * sum(CLIENTS) * requests * rounds
+                )
+                for clients in CLIENTS:
+                    by_batch: dict[int, list[dict[str, Any]]] = {b: [] for b in BATCH_SIZES}
+                    # Side by side, the same load; who goes first alternates (drift, caches).
+                    for i in range(rounds):
+                        for batch_size in BATCH_SIZES if i % 2 == 0 else BATCH_SIZES[::-1]:
+                            progress.update(
+                                task, description=f"{clients} clients, --max-batch-size {batch_size}"
+                            )
+                            port = servers[batch_size][1]
+                            by_batch[batch_size].append(_run_clients(port, clients, requests, progress, task))
+                    cells += [_summary(b, clients, by_batch[b]) for b in BATCH_SIZES]
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
+    _print_table(cells)
+    cfg = replace(get_model_config(PRESET), vocab_size=ByteTokenizer().vocab_size)
+    report = {
+        "benchmark": "serve_cpu",
+        "command": f"python benchmarks/bench_serve.py --requests {requests} --rounds {rounds}",
+        "model": {
+            "preset": PRESET,
+            "parameters": count_parameters(cfg),
+            "vocab_size": cfg.vocab_size,
+            "context_length": cfg.context_length,
+            "tokenizer": "byte",
+            "weights": "random (seed 0): throughput does not depend on the weights' values",
+        },
+        "load": {
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.8,
+            "requests_per_client_per_round": requests,
+            "rounds": rounds,
+            "clients": list(CLIENTS),
+            "max_batch_sizes": list(BATCH_SIZES),
+        },
+        "cells": cells,
+        "batched_over_one_at_a_time_tokens_per_s": _speedups(cells),
+        "machine": environment_info(),
+    }
+    if any(c["errors"] for c in cells):
+        raise SystemExit(f"errors in {[c for c in cells if c['errors']]}")
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        _plot(cells, args.out.with_suffix(".png"))
+        print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
+
+
+def _speedups(cells: list[dict[str, Any]]) -> dict[str, float]:
+    by_key = {(c["clients"], c["max_batch_size"]): c["generated_tokens_per_s"] for c in cells}
+    low, high = BATCH_SIZES
+    return {f"{n} clients": by_key[(n, high)] / by_key[(n, low)] for n in CLIENTS}
+
+
+def _print_table(cells: list[dict[str, Any]]) -> None:
+    table = Table(title=f"gaudi3 serve, {PRESET} (random weights), {MAX_TOKENS} tokens per request")
+    for column in ("clients", "max batch", "p50 (s)", "p95 (s)", "req/s", "tokens/s", "mean batch", "errors"):
+        table.add_column(column, justify="right")
+    for c in cells:
+        table.add_row(str(c["clients"]), str(c["max_batch_size"]), f"{c['latency_p50_s']:.3f}",
+                      f"{c['latency_p95_s']:.3f}", f"{c['requests_per_s']:.2f}",
+                      f"{c['generated_tokens_per_s']:,.0f}", f"{c['mean_batch_size']:.2f}", str(c["errors"]))  # fmt: skip
+    Console().print(table)
+
+
+def _plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for batch_size, color in zip(BATCH_SIZES, ("#1f77b4", "#ff7f0e"), strict=True):
+        mine = [c for c in cells if c["max_batch_size"] == batch_size]
+        clients = [c["clients"] for c in mine]
+        label = f"--max-batch-size {batch_size}"
+        left.plot(clients, [c["generated_tokens_per_s"] for c in mine], marker="o", color=color, label=label)
+        right.plot(clients, [c["latency_p50_s"] for c in mine], marker="o", color=color, label=f"{label} p50")
+        right.plot(clients, [c["latency_p95_s"] for c in mine], marker="x", color=color, linestyle="--",
+                   label=f"{label} p95")  # fmt: skip
+    left.set_ylabel("generated tokens/s")
+    right.set_ylabel("request latency (s)")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(CLIENTS), [str(n) for n in CLIENTS])
+        ax.set_xlabel("concurrent clients")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"gaudi3 serve on CPU: {PRESET} shape, random weights, {MAX_TOKENS} tokens per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

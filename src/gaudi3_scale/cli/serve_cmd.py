@@ -1,0 +1,56 @@
+"""`gaudi3 serve`: an OpenAI-compatible completion server (POST /v1/completions) over a checkpoint or an export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+__all__ = ["serve"]
+
+
+@click.command()
+@click.argument("model_or_checkpoint", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, metavar="ADDRESS",
+              help="address to bind (0.0.0.0: every interface; there is no authentication)")  # fmt: skip
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port (0: any free port, printed on start)")  # fmt: skip
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="requests decoded together in one forward pass")  # fmt: skip
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="requests waiting for a batch slot; more are refused with 503")  # fmt: skip
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="longest prompt in tokens (default: the model's context length)")  # fmt: skip
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=512, show_default=True,
+              help="largest max_tokens a request may ask for")  # fmt: skip
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="directory with tokenizer.json (default: the run's or the export's tokenizer/)")  # fmt: skip
+@click.option("--name", help="model name clients send as `model` (default: the model config's name)")
+def serve(
+    model_or_checkpoint: Path,
+    host: str,
+    port: int,
+    max_batch_size: int,
+    max_queue: int,
+    max_prompt_tokens: int | None,
+    max_tokens_limit: int,
+    tokenizer_dir: Path | None,
+    name: str | None,
+) -> None:
+    """Serve a run, checkpoint or `ckpt export --format safetensors` directory over OpenAI's completions API."""
+    from gaudi3_scale.serve.loading import resolve_source
+
+    source = resolve_source(model_or_checkpoint)  # before the slow imports: a bad path fails at once
+    from gaudi3_scale.serve.lifecycle import bind_server, build_app, serve_until_signal, server_url
+
+    server = bind_server(host, port)  # before loading: a busy port fails at once too
+    try:
+        app = build_app(source, tokenizer_dir=tokenizer_dir, name=name, max_batch_size=max_batch_size,
+                        max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
+                        max_tokens_limit=max_tokens_limit)  # fmt: skip
+    except BaseException:
+        server.server_close()
+        raise
+    served = app.served
+    click.echo(f"serving {served.name} ({served.num_parameters:,} parameters) on {server_url(host, server)}")
+    serve_until_signal(server, app, click.echo)

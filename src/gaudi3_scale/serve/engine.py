@@ -1,0 +1,274 @@
+"""The decode loop: one thread owns the model and batches every active request at each step (continuous batching).
+
+Iteration-level scheduling as in Orca (Yu et al., OSDI 2022): requests join the batch between decode steps and
+leave it as soon as they finish, so a short request never waits for a long one. Each step right-pads every row's
+last `context_length` tokens into one [B, T] batch and runs ONE forward. Attention is causal and every row's
+positions start at 0, so the padding after a row's last real token cannot change that token's logits: no attention
+mask is needed, and each row reads its logits at its own last real position. No KV cache: like
+`models.generate.generate`, every step re-reads the (cropped) context.
+
+Sampling is per request with its own `torch.Generator`, so a seeded request gives the same tokens whatever it is
+batched with (up to float rounding of the batched matmuls, ~1e-7 here).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from gaudi3_scale.data.tokenizers import Tokenizer
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.generate import sample_next_token
+from gaudi3_scale.serve.protocol import CompletionRequest
+from gaudi3_scale.serve.text import TextStream
+
+__all__ = ["Completion", "Delta", "Engine", "EngineClosed", "QueueFull", "last_position_logits"]
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue holds (the HTTP layer answers 503)."""
+
+
+class EngineClosed(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of one completion; the last one has `finish_reason` ("length", "stop" or "error")."""
+
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why the completion was cut short
+
+
+class Completion:
+    """A submitted request as its HTTP handler sees it: `deltas()` until the last one, `cancel()` to drop it."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], request: CompletionRequest) -> None:
+        self.prompt_ids, self.request = prompt_ids, request
+        self._engine = engine
+        self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+
+    def put(self, delta: Delta) -> None:
+        self._queue.put(delta)
+
+    def cancel(self) -> None:
+        """The client went away: the engine drops this request at its next step."""
+        self.cancelled.set()
+
+    def deltas(self) -> Iterator[Delta]:
+        while True:
+            try:
+                delta = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._engine.is_alive():  # never wait forever on a loop that is gone
+                    yield Delta("", "error", error="the decode loop stopped")
+                    return
+                continue
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Active:
+    """A request in the batch: its tokens so far, its generator and its text."""
+
+    completion: Completion
+    tokens: list[int]
+    generator: torch.Generator
+    text: TextStream
+    generated: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (`GET /health` shows them); generated_tokens / decode_steps is the mean batch size."""
+
+    completed_requests: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    largest_batch: int = 0
+    active_requests: int = 0
+    queued_requests: int = 0
+
+
+def last_position_logits(model: nn.Module, contexts: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Next-token logits [B, vocab_size] (float32) of every context, from ONE forward of the right-padded batch."""
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(c) for c in contexts], device=device)
+    batch = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long, device=device)
+    for row, context in enumerate(contexts):
+        batch[row, : len(context)] = torch.tensor(context, dtype=torch.long)
+    logits = model(batch)
+    rows = torch.arange(len(contexts), device=device)
+    return logits[rows, lengths - 1, :vocab_size].float()
+
+
+class Engine:
+    """Owns the model; `submit` queues a request (bounded), the decode thread batches up to `max_batch_size`."""
+
+    def __init__(
+        self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int, max_queue: int
+    ) -> None:
+        assert max_batch_size >= 1 and max_queue >= 1, (max_batch_size, max_queue)
+        config = model.config
+        assert isinstance(config, ModelConfig) and config.vocab_size is not None, "a model from build_model"
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.context_length = config.context_length
+        # Never sample an id the tokenizer cannot decode (a model may pad its vocabulary beyond the tokenizer's).
+        self.vocab_size = min(config.vocab_size, tokenizer.vocab_size)
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self._pending: collections.deque[Completion] = collections.deque()
+        self._active: list[_Active] = []
+        self._wakeup = threading.Condition()
+        self._accepting, self._cancel_all = True, False
+        self._hurry = threading.Event()
+        self._stats = EngineStats()
+        self._started, self._finished = threading.Event(), threading.Event()
+
+    def start(self) -> Engine:
+        """Run the decode loop in a background thread (`gaudi3 serve` runs it in the main thread instead)."""
+        threading.Thread(target=self.run, name="gaudi3-serve-engine", daemon=True).start()
+        return self
+
+    def is_alive(self) -> bool:
+        """False once the decode loop has ended (and before, while it has not been started)."""
+        return not self._finished.is_set()
+
+    def submit(self, prompt_ids: list[int], request: CompletionRequest) -> Completion:
+        completion = Completion(self, prompt_ids, request)
+        with self._wakeup:
+            if not self._accepting:
+                raise EngineClosed("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"{len(self._pending)} requests are already waiting")
+            self._pending.append(completion)
+            self._wakeup.notify()
+        return completion
+
+    def stats(self) -> EngineStats:
+        with self._wakeup:
+            return replace(self._stats, active_requests=len(self._active), queued_requests=len(self._pending))
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def hurry(self) -> None:
+        """End a `close` now: whatever is still in flight is cancelled."""
+        self._hurry.set()
+
+    def close(self, grace_s: float) -> int:
+        """Take no new requests; finish the ones in flight (queued included) for up to `grace_s`, then cancel the
+        rest. Returns how many were cancelled."""
+        with self._wakeup:
+            self._accepting = False
+            self._wakeup.notify()
+        deadline = time.monotonic() + grace_s
+        while self.is_alive() and time.monotonic() < deadline and not self._hurry.wait(0.02):
+            with self._wakeup:
+                if not self._active and not self._pending:
+                    break
+        with self._wakeup:
+            left = len(self._active) + len(self._pending)
+            self._cancel_all = True
+            self._wakeup.notify()
+        if self._started.is_set():
+            self._finished.wait()
+        return left
+
+    def run(self) -> None:
+        """The decode loop, in the calling thread, until `close` (from another thread) ends it."""
+        assert not self._started.is_set(), "the decode loop runs once"
+        self._started.set()
+        try:
+            with torch.inference_mode():
+                while self._admit():
+                    try:
+                        self._step()
+                    except Exception as exc:  # a failed forward must not strand the clients of this batch
+                        print(
+                            f"gaudi3 serve: decode step failed: {type(exc).__name__}: {exc}", file=sys.stderr
+                        )
+                        for state in self._active:
+                            state.completion.put(
+                                Delta("", "error", state.generated, error=f"decode failed: {exc}")
+                            )
+                        self._active.clear()
+        finally:
+            self._finished.set()
+
+    def _admit(self) -> bool:
+        """Wait for work, move waiting requests into the batch; False when the loop should end."""
+        with self._wakeup:
+            while not (self._pending or self._active or self._cancel_all):
+                if not self._accepting:
+                    return False
+                self._wakeup.wait()
+            if self._cancel_all:
+                for completion in [*(s.completion for s in self._active), *self._pending]:
+                    completion.put(Delta("", "error", error="the server shut down before it finished"))
+                self._active.clear()
+                self._pending.clear()
+                return False
+            self._active = [s for s in self._active if not s.completion.cancelled.is_set()]
+            while self._pending and len(self._active) < self.max_batch_size:
+                completion = self._pending.popleft()
+                if not completion.cancelled.is_set():
+                    self._active.append(self._activate(completion))
+            self._stats.largest_batch = max(self._stats.largest_batch, len(self._active))
+            return True
+
+    def _activate(self, completion: Completion) -> _Active:
+        request = completion.request
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        return _Active(completion, list(completion.prompt_ids), generator,
+                       TextStream(self.tokenizer.decode, request.stop))  # fmt: skip
+
+    def _step(self) -> None:
+        if not self._active:
+            return
+        contexts = [state.tokens[-self.context_length :] for state in self._active]
+        logits = last_position_logits(self.model, contexts, self.vocab_size)
+        next_ids = []
+        for row, state in enumerate(self._active):
+            request = state.completion.request
+            next_ids.append(sample_next_token(logits[row : row + 1], request.temperature, request.top_k,
+                                              state.generator, top_p=request.top_p))  # fmt: skip
+        tokens = torch.cat(next_ids).view(-1).tolist()
+        done = [self._advance(state, int(token)) for state, token in zip(self._active, tokens, strict=True)]
+        with self._wakeup:
+            self._stats.decode_steps += 1
+            self._stats.generated_tokens += len(self._active)
+            self._stats.completed_requests += sum(done)
+            self._active = [s for s, d in zip(self._active, done, strict=True)
+                            if not d and not s.completion.cancelled.is_set()]  # fmt: skip
+
+    def _advance(self, state: _Active, token: int) -> bool:
+        """Append one sampled token and send its text; True if the request is done (it then leaves the batch)."""
+        state.tokens.append(token)
+        state.generated += 1
+        text = state.text.push(token)
+        finish = None
+        if state.text.stopped:
+            finish = "stop"
+        elif state.generated >= state.completion.request.max_tokens:
+            finish, text = "length", text + state.text.flush()
+        if text or finish:
+            state.completion.put(Delta(text, finish, state.generated))
+        return finish is not None

@@ -1,0 +1,124 @@
+"""What `gaudi3 serve MODEL_OR_CHECKPOINT` can serve, and loading it with its tokenizer.
+
+    run directory            its newest checkpoint that verifies (`<run>/checkpoints/`), tokenizer `<run>/tokenizer/`
+    step-X/ or its state.ckpt a `gaudi3 train` checkpoint (`train.inference.load_for_generation`)
+    safetensors export       `gaudi3 ckpt export --format safetensors`: model_config.json + model.safetensors,
+                             tokenizer `<export>/tokenizer/`
+    Hugging Face export      refused: that is what vLLM and TGI serve (docs/serving.md)
+
+`resolve_source` only looks at the file system, so a bad path fails before the port is bound or torch loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gaudi3_scale.data.tokenizers import Tokenizer
+
+__all__ = ["ModelSource", "ServedModel", "load_served_model", "resolve_source"]
+
+# = train.export.MODEL_CONFIG_NAME / HF_CONFIG_NAME / TOKENIZER_DIR, spelled out so that resolving a path does not
+# import torch (a test checks they agree)
+EXPORT_CONFIG = "model_config.json"
+HF_CONFIG = "config.json"
+EXPORT_TOKENIZER_DIR = "tokenizer"
+_WHAT = (
+    "pass a `gaudi3 train` run directory, a checkpoint (step-X/ or its state.ckpt) or a "
+    "`gaudi3 ckpt export --format safetensors` directory"
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["checkpoint", "export"]
+    path: Path  # the checkpoint (step dir or file) or the export directory
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    model: nn.Module  # eval mode
+    tokenizer: Tokenizer
+    config: ModelConfig
+    name: str  # what clients send as `model`
+    num_parameters: int
+    source: ModelSource
+
+
+def resolve_source(path: Path) -> ModelSource:
+    """Which kind of model `path` holds; one line naming what to pass instead when it is none of them."""
+    path = Path(path)
+    if not path.exists():
+        raise UserInputError(f"{str(path)!r} does not exist; {_WHAT}")
+    if path.is_dir() and (path / EXPORT_CONFIG).is_file():
+        return ModelSource("export", path)
+    if path.is_dir() and (path / HF_CONFIG).is_file():
+        raise UserInputError(
+            f"{str(path)!r} is a Hugging Face export (config.json, no {EXPORT_CONFIG}); serve it with vLLM or "
+            "TGI (docs/serving.md), or export the checkpoint with `gaudi3 ckpt export --format safetensors`"
+        )
+    if (path / "checkpoints").is_dir():  # a run directory
+        return ModelSource("checkpoint", _newest_checkpoint(path / "checkpoints"))
+    if path.is_dir() and any(path.glob("step-*")):  # a run's checkpoints/
+        return ModelSource("checkpoint", _newest_checkpoint(path))
+    return ModelSource("checkpoint", path)
+
+
+def _newest_checkpoint(checkpoints: Path) -> Path:
+    from gaudi3_scale.checkpoint.manager import CheckpointManager
+
+    skipped: list[str] = []
+    newest = CheckpointManager(checkpoints).latest_valid(warn=skipped.append)
+    if newest is None:
+        reason = f" ({skipped[0]})" if skipped else ""
+        raise UserInputError(f"{str(checkpoints)!r} holds no checkpoint that verifies{reason}; {_WHAT}")
+    return newest
+
+
+def load_served_model(
+    source: ModelSource, *, tokenizer_dir: Path | None = None, name: str | None = None
+) -> ServedModel:
+    """The model (eval mode; on the GPU when there is one) and its tokenizer, checked against each other."""
+    import torch
+
+    from gaudi3_scale.data import load_tokenizer
+    from gaudi3_scale.models import count_parameters
+
+    if source.kind == "export":
+        from gaudi3_scale.train.export import load_exported
+
+        model: nn.Module = load_exported(source.path)
+        tokenizer = load_tokenizer(_export_tokenizer_dir(source.path, tokenizer_dir))
+    else:
+        from gaudi3_scale.train.inference import load_for_generation
+
+        model, tokenizer = load_for_generation(source.path, tokenizer_dir)
+    cfg = model.config
+    assert isinstance(cfg, ModelConfig) and cfg.vocab_size is not None, "loaders build with build_model"
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise UserInputError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model {cfg.name!r} only {cfg.vocab_size}; "
+            "pass the tokenizer it was trained with (--tokenizer DIR)"
+        )
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    return ServedModel(model.eval(), tokenizer, cfg, name or cfg.name, count_parameters(cfg), source)
+
+
+def _export_tokenizer_dir(export: Path, tokenizer_dir: Path | None) -> Path:
+    if tokenizer_dir is not None:
+        return Path(tokenizer_dir)
+    directory = export / EXPORT_TOKENIZER_DIR
+    if not directory.is_dir():
+        raise UserInputError(
+            f"{str(export)!r} has no tokenizer/ directory; pass --tokenizer DIR (a directory with "
+            "tokenizer.json, e.g. the run's tokenizer/) or re-export the checkpoint from its run directory"
+        )
+    return directory

@@ -1,0 +1,296 @@
+"""The OpenAI completions API as `gaudi3 serve` speaks it: request validation, response and error bodies.
+
+Shapes follow OpenAI's legacy completions reference (https://platform.openai.com/docs/api-reference/completions):
+the request fields below, `text_completion` objects, `data: {chunk}` Server-Sent Events ending in `data: [DONE]`,
+and errors as `{"error": {"message", "type", "param", "code"}}`. `top_k` is an extension (vLLM has it too).
+No torch here: the HTTP layer validates a request before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.tokenizers import Tokenizer
+
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "CompletionRequest",
+    "RequestError",
+    "completion_body",
+    "encode_prompt",
+    "error_body",
+    "new_completion_id",
+    "parse_completion_request",
+    "sse_event",
+    "stream_chunk",
+]
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_STOP_STRINGS = 4  # OpenAI: "up to 4 sequences"
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+# Fields of OpenAI's request that we accept only at their default (the value that changes nothing).
+_ONLY_DEFAULT: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "logprobs": None,
+    "suffix": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+}
+_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "echo",
+           "user", *_ONLY_DEFAULT}  # fmt: skip
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
+
+
+def error_body(
+    message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest:
+    """A validated `POST /v1/completions` body."""
+
+    model: str
+    prompt: str
+    max_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float | None
+    top_k: int | None
+    seed: int | None  # None: a fresh random seed per request
+    stream: bool
+    stop: tuple[str, ...]
+    echo: bool
+
+
+def _invalid(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param=param)
+
+
+def _number(body: dict[str, Any], name: str, default: float | None, low: float, high: float) -> float | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _invalid(f"{name} must be a number from {low:g} to {high:g}, got {json.dumps(value)}.", name)
+    if not low <= value <= high:
+        raise _invalid(f"{name} must be from {low:g} to {high:g}, got {value:g}.", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{name} must be an integer from {low} to {high}, got {json.dumps(value)}.", name)
+    if not low <= value <= high:
+        raise _invalid(f"{name} must be from {low} to {high}, got {value}.", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _invalid(f"{name} must be true or false, got {json.dumps(value)}.", name)
+    return value
+
+
+def _max_tokens(body: dict[str, Any], limit: int) -> int:
+    value = body.get("max_tokens")
+    if value is None:
+        return min(DEFAULT_MAX_TOKENS, limit)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _invalid(
+            f"max_tokens must be an integer from 1 to {limit}, got {json.dumps(value)}.", "max_tokens"
+        )
+    if value > limit:
+        raise _invalid(
+            f"max_tokens is {value}, over this server's limit of {limit} (gaudi3 serve --max-tokens-limit); "
+            f"ask for at most {limit}.",
+            "max_tokens",
+        )
+    return value
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _invalid(
+            f"prompt must be a string (or a list of exactly one string), got {json.dumps(prompt)[:80]}.",
+            "prompt",
+        )
+    return prompt
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or not 0 < len(stops) <= MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise _invalid(
+            f"stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings, "
+            f"got {json.dumps(stop)[:80]}.",
+            "stop",
+        )
+    return tuple(stops)
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise _invalid(
+            f"Unrecognized request argument {unknown[0]!r}; accepted: {', '.join(sorted(_FIELDS))}.",
+            unknown[0],
+        )
+    for name, default in _ONLY_DEFAULT.items():
+        value = body.get(name, default)
+        if value is not None and value != default and not (name == "logit_bias" and value == {}):
+            raise _invalid(
+                f"{name}={json.dumps(value)[:40]} is not supported by this server; "
+                f"leave it out or set it to {json.dumps(default)}.",
+                name,
+            )
+
+
+def parse_completion_request(raw: bytes, *, served_model: str, max_tokens_limit: int) -> CompletionRequest:
+    """A `POST /v1/completions` body checked field by field; `RequestError` names the first problem."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _invalid(f"The request body is not valid JSON ({exc}); send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise _invalid(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
+    _check_fields(body)
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise RequestError(
+            404,
+            f"The model {json.dumps(model)} does not exist; this server serves {served_model!r}.",
+            param="model",
+            code="model_not_found",
+        )
+    max_tokens = _max_tokens(body, max_tokens_limit)
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE)
+    assert temperature is not None
+    top_p = _number(body, "top_p", None, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _invalid("top_p must be above 0 and at most 1, got 0.", "top_p")
+    return CompletionRequest(
+        model=served_model,
+        prompt=_prompt(body),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_integer(body, "top_k", None, 1, 2**31),
+        seed=_integer(body, "seed", None, 0, MAX_SEED),
+        stream=_boolean(body, "stream"),
+        stop=_stop(body),
+        echo=_boolean(body, "echo"),
+    )
+
+
+def encode_prompt(prompt: str, tokenizer: Tokenizer, *, max_prompt_tokens: int) -> list[int]:
+    """The prompt's token ids, or a 400 when it encodes to nothing, to unknown symbols, or to too many tokens."""
+    try:
+        ids = tokenizer.encode(prompt)
+    except UserInputError as exc:  # e.g. a character outside a char tokenizer's alphabet
+        raise _invalid(f"prompt cannot be encoded: {exc}.", "prompt") from None
+    if not ids:
+        raise _invalid(
+            "prompt encodes to no tokens; send at least one character (there is no start-of-text token).",
+            "prompt",
+        )
+    if len(ids) > max_prompt_tokens:
+        raise RequestError(
+            400,
+            f"prompt is {len(ids)} tokens long, over this server's limit of {max_prompt_tokens} tokens "
+            "(gaudi3 serve --max-prompt-tokens); shorten it.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    return ids
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion_body(
+    completion_id: str,
+    model: str,
+    *,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    created_s: int | None = None,
+) -> dict[str, Any]:
+    """A finished completion: OpenAI's `text_completion` object with `usage`."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()) if created_s is None else created_s,
+        "model": model,
+        "choices": [_choice(text, finish_reason)],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def stream_chunk(
+    completion_id: str, model: str, created_s: int, text: str, finish_reason: str | None = None
+) -> bytes:
+    """One Server-Sent Event of a streamed completion (OpenAI sends no `usage` in these by default)."""
+    chunk = {"id": completion_id, "object": "text_completion", "created": created_s, "model": model,
+             "choices": [_choice(text, finish_reason)]}  # fmt: skip
+    return sse_event(chunk)
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,478 @@
+"""`gaudi3 serve` against a real tiny model: real server processes on 127.0.0.1, real HTTP, real signals.
+
+One llama-tiny run (BPE tokenizer, 2 steps) is trained per module; two servers start side by side: one on the run
+directory (batch 4) and one on its safetensors export (batch 1, queue 1), the latter for back-pressure and
+shutdown (its last test sends SIGTERM). References come from the library: `models.generate.generate`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import CliResult
+from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.data.tokenizers import ByteTokenizer
+from gaudi3_scale.models import build_model, count_parameters, get_model_config
+from gaudi3_scale.models.generate import generate, sample_next_token
+from gaudi3_scale.serve import loading
+from gaudi3_scale.serve.engine import Engine, last_position_logits
+from gaudi3_scale.serve.protocol import CompletionRequest
+from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train import export as exporter
+from gaudi3_scale.train.export import export_checkpoint
+from gaudi3_scale.train.inference import load_for_generation
+
+pytestmark = pytest.mark.integration
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+START_TIMEOUT_S = 90.0
+SERVING = re.compile(r"^serving (\S+) \(([\d,]+) parameters\) on http://127\.0\.0\.1:(\d+)$")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    port: int
+    name: str
+    start_line: str
+    stderr_path: Path
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, raw: bytes | None = None
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def complete(self, **body: Any) -> dict[str, Any]:
+        status, answer = self.request("POST", "/v1/completions", body)
+        assert status == 200, answer
+        return answer
+
+    def stream(self, **body: Any) -> list[dict[str, Any] | str]:
+        """The `data:` payloads of a streamed completion, parsed ("[DONE]" kept as a string)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+        events = resp.read().decode().split("\n\n")
+        conn.close()
+        assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1]), events
+        return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events[:-1]]
+
+    def health(self) -> dict[str, Any]:
+        status, body = self.request("GET", "/health")
+        assert status == 200
+        return body
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+
+def _start(args: list[str], stderr_path: Path) -> subprocess.Popen[str]:
+    with stderr_path.open("w") as err:
+        return subprocess.Popen([*GAUDI3, "serve", *args, "--port", "0"], stdout=subprocess.PIPE, stderr=err,
+                                text=True)  # fmt: skip
+
+
+def _await_start(proc: subprocess.Popen[str], stderr_path: Path) -> Server:
+    """The server once it prints its line (the port comes from it)."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and selector.select(timeout=deadline - time.monotonic()):
+        line = proc.stdout.readline().strip()
+        if match := SERVING.match(line):
+            return Server(proc, int(match.group(3)), match.group(1), line, stderr_path)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"gaudi3 serve did not start: {stderr_path.read_text()[-3000:]}")
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+    server.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real llama-tiny run: 2 steps, BPE tokenizer (characters span several tokens), one committed checkpoint."""
+    out = tmp_path_factory.mktemp("serve") / "run"
+    overrides = ["--out_dir", str(out), "--train.threads", "2", "--train.max_steps", "2", "--model.name",
+                 "llama-tiny", "--optim.warmup_steps", "1", "--train.val_every_steps", "0",
+                 "--checkpoint.every_steps", "2", "--data.tokenizer", "bpe", "--data.vocab_size", "384"]  # fmt: skip
+    GaudiTrainer(build_run_config(None, parse_overrides(overrides)), progress=False).fit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    logs = tmp_path_factory.mktemp("serve-logs")
+    export = run_dir.parent / "export"
+    export_checkpoint(run_dir / "checkpoints" / "step-00000002", export)
+    small = [
+        "--max-batch-size",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-tokens-limit",
+        "4096",
+        "--name",
+        "tiny-export",
+    ]
+    procs = [  # started together: their imports overlap
+        _start([str(run_dir), "--max-batch-size", "4"], logs / "run.err"),
+        _start([str(export), *small], logs / "export.err"),
+    ]
+    started = (_await_start(procs[0], logs / "run.err"), _await_start(procs[1], logs / "export.err"))
+    yield started
+    for server in started:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def server(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def export_server(servers: tuple[Server, Server]) -> Server:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir: Path) -> Callable[..., str]:
+    """The completion text `models.generate.generate` gives for the same request, one sequence alone."""
+    model, tok = load_for_generation(run_dir / "checkpoints" / "step-00000002")
+
+    def complete(prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0, **kw: Any) -> str:
+        ids = tok.encode(prompt)
+        out = generate(model, torch.tensor([ids]), max_new_tokens=max_tokens, temperature=temperature,
+                       generator=torch.Generator().manual_seed(seed), **kw)  # fmt: skip
+        return tok.decode(out[0, len(ids) :].tolist())
+
+    return complete
+
+
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "KING", "O, what a rogue",
+           "To be, or not", "Speak, speak.", "All:\nResolved.", "MENENIUS:\nWhy, masters"]  # fmt: skip
+
+
+# ---- the batched forward, without HTTP ----------------------------------------------------------------------
+
+
+def _random_model(name: str) -> torch.nn.Module:
+    cfg = replace(get_model_config(name), vocab_size=256, context_length=16)
+    return build_model(cfg, seed=0).eval()
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "shakespeare-char"])  # RoPE and learned positions
+def test_right_padded_batch_gives_each_rows_own_logits(name: str) -> None:
+    model = _random_model(name)
+    generator = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 16, 7, 1, 12)]
+    with torch.inference_mode():
+        batched = last_position_logits(model, contexts, 256)
+        alone = torch.cat([model(torch.tensor([c]))[:, -1, :256] for c in contexts])
+    assert batched.shape == (5, 256)
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)  # float rounding only, ~2e-7 here
+    assert not torch.allclose(batched[0], batched[2])  # rows are not all the same context
+
+
+def test_engine_batches_requests_exactly_like_generate_alone() -> None:
+    """6 requests, batch of 4: two wait and join mid-way; contexts outgrow context_length (16) and are cropped."""
+    model, tok = _random_model("llama-tiny"), ByteTokenizer()
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8).start()
+    cases = [("abc", 20, 0.0, None), ("hello there", 30, 0.0, None), ("x", 12, 0.9, 7),
+             ("a longer prompt!", 25, 1.0, 11), ("zz", 5, 0.0, None), ("seeded", 18, 0.7, 3)]  # fmt: skip
+    completions = []
+    for prompt, max_tokens, temperature, seed in cases:
+        request = CompletionRequest(model="m", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                    top_p=None, top_k=None, seed=seed, stream=False, stop=(), echo=False)  # fmt: skip
+        completions.append(engine.submit(tok.encode(prompt), request))
+    texts = ["".join(d.text for d in c.deltas()) for c in completions]
+    assert engine.close(grace_s=5.0) == 0
+    for (prompt, max_tokens, temperature, seed), text in zip(cases, texts, strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        out = generate(model, ids, max_new_tokens=max_tokens, temperature=temperature,
+                       generator=torch.Generator().manual_seed(seed or 0))  # fmt: skip
+        assert text == tok.decode(out[0, ids.shape[1] :].tolist()), prompt
+    stats = engine.stats()
+    assert stats.largest_batch == 4 and stats.completed_requests == 6
+    assert stats.generated_tokens == sum(c[1] for c in cases)
+    assert stats.decode_steps < stats.generated_tokens / 2  # batching: far fewer forwards than tokens
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    draws = [int(sample_next_token(logits, 1.0, None, generator, top_p=0.7)) for _ in range(400)]
+    assert set(draws) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    assert 0.55 < draws.count(0) / 400 < 0.70  # renormalized: 0.5 / 0.8 = 0.625
+    assert {int(sample_next_token(logits, 1.0, None, generator, top_p=1e-6)) for _ in range(50)} == {0}
+
+
+# ---- the HTTP server ----------------------------------------------------------------------------------------
+
+
+def test_start_line_health_and_models(server: Server, run_dir: Path) -> None:
+    model, _ = load_for_generation(run_dir / "checkpoints" / "step-00000002")
+    assert server.name == "llama-tiny"
+    assert f"({count_parameters(model.config):,} parameters)" in server.start_line
+    health = server.health()
+    assert health["status"] == "ok" and health["model"] == "llama-tiny"
+    assert server.request("GET", "/v1/models") == (200, {"object": "list", "data": [
+        {"id": "llama-tiny", "object": "model", "created": pytest.approx(time.time(), abs=600),
+         "owned_by": "gaudi3-scale"}]})  # fmt: skip
+    assert server.request("GET", "/v1/models/llama-tiny")[1]["id"] == "llama-tiny"
+
+
+def test_greedy_completion_is_deterministic_and_equals_generate(
+    server: Server, reference: Callable[..., str]
+) -> None:
+    answer = server.complete(model="llama-tiny", prompt="ROMEO:", max_tokens=24, temperature=0)
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0 and choice["logprobs"] is None
+    assert choice["text"] == reference("ROMEO:", 24)
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24,
+                               "total_tokens": prompt_tokens + 24}  # fmt: skip
+    again = server.complete(prompt=["ROMEO:"], max_tokens=24, temperature=0)  # model left out: the served one
+    assert again["choices"][0]["text"] == choice["text"] and again["id"] != answer["id"]
+
+
+def test_seeded_sampling_is_reproducible(server: Server, reference: Callable[..., str]) -> None:
+    body = {"prompt": "KING", "max_tokens": 20, "temperature": 0.9, "top_k": 50}
+    first = server.complete(**body, seed=1234)["choices"][0]["text"]
+    assert server.complete(**body, seed=1234)["choices"][0]["text"] == first
+    assert first == reference("KING", 20, temperature=0.9, seed=1234, top_k=50)
+    assert server.complete(**body, seed=4321)["choices"][0]["text"] != first
+
+
+def test_concurrent_requests_each_get_their_own_completion(server: Server) -> None:
+    """8 clients at once (batch 4): greedy and seeded, different lengths, so requests join and leave mid-batch."""
+    bodies = [{"prompt": p, "max_tokens": 8 + 5 * i, "temperature": 0.8 if i % 2 else 0.0, "seed": 100 + i}
+              for i, p in enumerate(PROMPTS)]  # fmt: skip
+    results: list[dict[str, Any] | None] = [None] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def client(i: int) -> None:
+        start.wait()
+        results[i] = server.complete(**bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    # Really batched, and never beyond --max-batch-size.
+    assert 2 <= server.health()["engine"]["largest_batch"] <= 4
+    assert len({r["id"] for r in results if r}) == len(bodies)
+    for body, result in zip(bodies, results, strict=True):
+        assert result is not None
+        alone = server.complete(**body)
+        assert result["choices"][0]["text"] == alone["choices"][0]["text"], body
+        assert result["usage"]["completion_tokens"] == body["max_tokens"]
+
+
+def test_stream_concatenates_to_the_completion(server: Server) -> None:
+    body = {"prompt": "O, what a rogue", "max_tokens": 30, "temperature": 0.7, "seed": 5}
+    events = server.stream(**body)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert len(chunks) == len(events) - 1 >= 10  # token by token, not one blob
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "text_completion" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    text = server.complete(**body)["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    echoed = server.stream(**body, echo=True)
+    assert "".join(c["choices"][0]["text"] for c in echoed[:-1]) == body["prompt"] + text
+
+
+def test_stop_strings_end_the_completion_before_them(server: Server) -> None:
+    body = {"prompt": "To be, or not", "max_tokens": 40, "temperature": 0}
+    full = server.complete(**body)["choices"][0]["text"]
+    match = re.search(r"[A-Za-z]{2}", full[3:])  # a stop string that really occurs, past the first tokens
+    assert match, full
+    stop = match.group()
+    expected = full[: full.index(stop)]
+    answer = server.complete(**body, stop=["never-appears", stop])
+    assert answer["choices"][0] == {"text": expected, "index": 0, "logprobs": None, "finish_reason": "stop"}
+    assert answer["usage"]["completion_tokens"] < 40
+    events = server.stream(**body, stop=stop)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        (b'{"prompt": "ROMEO:", ', 400, None, ["not valid JSON"]),
+        ({"prompt": "word " * 200}, 400, "prompt", ["over this server's limit of 64 tokens"]),
+        ({"prompt": "ROMEO:", "max_tokens": 600}, 400, "max_tokens", ["max_tokens is 600", "limit of 512"]),
+        ({"prompt": "ROMEO:", "max_tokens": "many"}, 400, "max_tokens", ["integer from 1 to 512"]),
+        ({"prompt": "ROMEO:", "temperature": [1]}, 400, "temperature", ["number"]),
+        ({"prompt": {"text": "ROMEO:"}}, 400, "prompt", ["must be a string"]),
+        ({"prompt": ""}, 400, "prompt", ["encodes to no tokens"]),
+        ({"prompt": "ROMEO:", "n": 3}, 400, "n", ["not supported"]),
+        ({"prompt": "ROMEO:", "model": "gpt-4"}, 404, "model", ["does not exist", "llama-tiny"]),
+    ],
+)
+def test_bad_requests_are_refused_with_one_clear_sentence(
+    server: Server, body: Any, status: int, param: str | None, words: list[str]
+) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = server.request("POST", "/v1/completions", raw=raw)
+    assert got == status
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and "\n" not in error["message"] and error["message"].endswith(".")
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+def test_unknown_paths_methods_and_huge_bodies(server: Server) -> None:
+    status, answer = server.request("GET", "/v1/chat/completions")
+    assert status == 404 and "POST /v1/completions" in answer["error"]["message"]
+    assert server.request("GET", "/v1/models/other")[0] == 404
+    status, answer = server.request("GET", "/v1/completions")
+    assert status == 405 and "use POST" in answer["error"]["message"]
+    assert server.request("DELETE", "/health")[0] == 405
+    huge = json.dumps({"prompt": "a" * (2 << 20)}).encode()  # sent in full; the answer still arrives
+    status, answer = server.request("POST", "/v1/completions", raw=huge)
+    assert status == 413 and "limit of 1048576 bytes" in answer["error"]["message"]
+    assert server.health()["status"] == "ok"  # and the server is still up
+
+
+def test_export_serves_the_same_model(export_server: Server, server: Server) -> None:
+    assert export_server.name == "tiny-export" and export_server.health()["model"] == "tiny-export"
+    body = {"prompt": "Speak, speak.", "max_tokens": 16, "temperature": 0}
+    assert (export_server.complete(**body)["choices"][0]["text"]
+            == server.complete(**body)["choices"][0]["text"])  # fmt: skip
+    assert export_server.request("POST", "/v1/completions", {**body, "model": "llama-tiny"})[0] == 404
+
+
+def _wait_for(server: Server, key: str, value: int) -> None:
+    deadline = time.monotonic() + 20
+    while server.health()["engine"][key] != value:
+        assert time.monotonic() < deadline, server.health()
+        time.sleep(0.01)
+
+
+def test_full_queue_is_503_and_a_gone_client_frees_its_slot(export_server: Server) -> None:
+    """Batch 1, queue 1: A streams (active), B waits (queued), C is refused; A hangs up and B is served."""
+    long = http.client.HTTPConnection("127.0.0.1", export_server.port, timeout=60)
+    long.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "KING", "max_tokens": 4096, "stream": True})
+    )
+    response = long.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: {")  # A is in the batch
+    queued: list[tuple[int, Any]] = []
+    waiter = threading.Thread(target=lambda: queued.append(
+        export_server.request("POST", "/v1/completions", {"prompt": "KING", "max_tokens": 4})))  # fmt: skip
+    waiter.start()
+    _wait_for(export_server, "queued_requests", 1)
+    status, answer = export_server.request("POST", "/v1/completions", {"prompt": "KING"})
+    assert status == 503 and answer["error"]["code"] == "queue_full"
+    assert "1 requests are already waiting" in answer["error"]["message"]
+    response.close()
+    long.close()  # A's handler fails to write, cancels A; B takes its slot
+    waiter.join(timeout=30)
+    assert queued and queued[0][0] == 200 and queued[0][1]["usage"]["completion_tokens"] == 4
+    assert export_server.health()["engine"]["completed_requests"] >= 1
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits_0(export_server: Server) -> None:
+    """Runs last on this server: SIGTERM stops accepting, the request in flight still gets all its tokens."""
+    results: list[tuple[int, Any]] = []
+    body = {"prompt": "MENENIUS:", "max_tokens": 600, "temperature": 0}  # ~1.5 s of decoding here
+    client = threading.Thread(
+        target=lambda: results.append(export_server.request("POST", "/v1/completions", body))
+    )
+    client.start()
+    _wait_for(export_server, "active_requests", 1)
+    export_server.proc.send_signal(signal.SIGTERM)
+    client.join(timeout=60)
+    assert export_server.proc.wait(timeout=60) == 0, export_server.stderr()
+    status, answer = results[0]
+    assert status == 200 and answer["usage"]["completion_tokens"] == 600
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert export_server.proc.stdout is not None
+    assert "stopped after" in export_server.proc.stdout.read()
+    with pytest.raises(OSError):  # nobody listens any more
+        socket.create_connection(("127.0.0.1", export_server.port), timeout=5)
+
+
+# ---- refusals at start ----------------------------------------------------------------------------------------
+
+
+def _one_line_error(result: CliResult) -> str:
+    code, out, err = result
+    assert code == 2 and out == "", (code, out, err)
+    assert err.startswith("gaudi3: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_loading_spells_the_exporters_file_names() -> None:
+    assert (loading.EXPORT_CONFIG, loading.HF_CONFIG, loading.EXPORT_TOKENIZER_DIR) == (
+        exporter.MODEL_CONFIG_NAME, exporter.HF_CONFIG_NAME, exporter.TOKENIZER_DIR)  # fmt: skip
+
+
+def test_bad_model_paths_exit_2_with_one_line(
+    gaudi3_cli: Callable[..., CliResult], run_dir: Path, tmp_path: Path
+) -> None:
+    assert "does not exist" in _one_line_error(gaudi3_cli("serve", str(tmp_path / "missing"), "--port", "0"))
+    hf = tmp_path / "hf-export"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    message = _one_line_error(gaudi3_cli("serve", str(hf), "--port", "0"))
+    assert "vLLM" in message and "--format safetensors" in message
+    broken = tmp_path / "step-00000002"
+    broken.mkdir()
+    state = (run_dir / "checkpoints" / "step-00000002" / "state.ckpt").read_bytes()
+    (broken / "state.ckpt").write_bytes(state[: len(state) // 2])
+    (broken / "manifest.json").write_bytes(
+        (run_dir / "checkpoints" / "step-00000002" / "manifest.json").read_bytes()
+    )
+    assert "not usable" in _one_line_error(gaudi3_cli("serve", str(broken), "--port", "0"))
+    empty_run = tmp_path / "empty-run"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    assert "no checkpoint that verifies" in _one_line_error(
+        gaudi3_cli("serve", str(empty_run), "--port", "0")
+    )
+
+
+def test_busy_port_exits_2_with_one_line(gaudi3_cli: Callable[..., CliResult], run_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        message = _one_line_error(gaudi3_cli("serve", str(run_dir), "--port", port))
+    assert f"--port {port}: cannot listen there" in message and "in use" in message
