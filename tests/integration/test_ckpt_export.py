@@ -3,8 +3,11 @@ transformers loads with our logits, and one-line refusals that leave the output 
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,11 +19,14 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from gaudi3_scale.cli.main import cli, main
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model, get_model_config
+from gaudi3_scale.serve.loading import load_served_model, resolve_source
 from gaudi3_scale.train.export import EXPORT_FORMATS, TIED_ALIAS, load_exported
 from gaudi3_scale.train.inference import load_for_generation, read_model_state
 from gaudi3_scale.train.module import CONFIG_KEY
+from gaudi3_scale.train.register import fetch_registered
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +97,8 @@ def test_trained_llama_to_hf_and_safetensors(
     assert load_tokenizer(tmp_path / "hf" / "tokenizer").encode(text) == ids
     hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert hf_tokenizer(text)["input_ids"] == ids and hf_tokenizer.decode(ids) == text
+    with torch.no_grad():  # and it reads back into our model: the RoPE permutation undone exactly
+        assert torch.equal(load_exported(tmp_path / "hf")(tokens), ours)
 
     assert _export(capsys, str(llama_ckpt), "--out", str(tmp_path / "st")) == (0, "")
     _, state = read_model_state(llama_ckpt)
@@ -116,6 +124,46 @@ def test_tied_biased_padded_llama_to_hf(tmp_path: Path, capsys: pytest.CaptureFi
         ours = model(tokens)
     assert ours.shape[-1] == 80
     torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=ATOL, rtol=0)
+    back = load_exported(tmp_path / "hf")
+    assert (back.config.padded_vocab_size, back.config.tie_embeddings, back.config.bias) == (80, True, True)
+    assert (back.config.rope_theta, back.config.norm_eps, back.config.kv_heads) == (500000.0, 1e-6, 2)
+    with torch.no_grad():
+        assert torch.equal(back(tokens), ours)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "mistral"}, "model_type 'mistral'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope type 'yarn' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"head_dim": 8}, "head_dim 8 is not supported (only 16)"),
+        (
+            {"num_hidden_layers": None},
+            "num_hidden_layers is None; a LlamaForCausalLM config needs an integer",
+        ),
+        (
+            {"num_key_value_heads": 3},
+            "not a model this project can build (num_kv_heads: must divide num_heads",
+        ),
+        ({"num_hidden_layers": -1}, "num_layers"),
+    ],
+)
+def test_hf_exports_we_cannot_compute_exactly_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, object], message: str
+) -> None:
+    cfg = get_model_config("llama-tiny").resolve_vocab(65)
+    _save_plain_checkpoint(cfg, tmp_path / "tiny.ckpt")
+    assert (
+        _export(capsys, str(tmp_path / "tiny.ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf")[0] == 0
+    )
+    config_path = tmp_path / "hf" / "config.json"
+    config = {**json.loads(config_path.read_text()), **change}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(UserInputError, match=re.escape(message)) as raised:
+        load_exported(tmp_path / "hf")
+    assert "\n" not in str(raised.value) and str(config_path) in str(raised.value)
 
 
 def test_gpt2_exports_as_safetensors_but_not_as_hf(
@@ -161,7 +209,12 @@ def test_cli_choices_are_the_export_formats() -> None:
     assert isinstance(fmt.type, click.Choice) and tuple(fmt.type.choices) == EXPORT_FORMATS
 
 
-def test_register_round_trip(llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_register_round_trip(
+    llama_ckpt: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
     """Two registrations are versions 1 and 2 of one registered model; a version's artifacts load back as the
     same model, with the checkpoint's config as parameters and its step as a metric."""
     from mlflow.artifacts import download_artifacts
@@ -201,6 +254,25 @@ def test_register_round_trip(llama_ckpt: Path, tmp_path: Path, capsys: pytest.Ca
     with torch.no_grad():
         assert torch.equal(load_exported(local)(tokens), model(tokens))
     assert (local / "tokenizer" / "tokenizer.json").is_file()
+
+    # What `gaudi3 serve models:/tiny-llama/2` loads: version 2 (format hf) fetched from the registry, then cached.
+    cache = tmp_path / "cache"
+    fetched = fetch_registered("models:/tiny-llama/2", uri, cache)
+    served = load_served_model(resolve_source(fetched))
+    with torch.no_grad():
+        assert torch.equal(served.model(tokens), model(tokens))
+    assert fetch_registered("models:/tiny-llama/2", uri, cache) == fetched  # reused, not downloaded again
+    assert [p.name for p in fetched.parent.iterdir()] == ["2"]  # no temporary directory left behind
+    capsys.readouterr()  # MLflow's download progress bar
+    for bad, message in [
+        ("models:/tiny-llama/9", "no such model version in file:"),
+        ("models:/tiny-llama", "models:/NAME/VERSION"),
+        ("models:/nobody/1", "(versions of 'nobody': none)"),
+    ]:
+        code, out, err = gaudi3_cli("serve", bad, "--tracking-uri", uri, "--port", "0")
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, (bad, err)
+    code, _, err = gaudi3_cli("serve", str(fetched), "--tracking-uri", uri)
+    assert code == 2 and "--tracking-uri is for a registered model argument" in err
 
 
 @pytest.mark.parametrize(

@@ -134,8 +134,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     logs = tmp_path_factory.mktemp("serve-logs")
-    export = run_dir.parent / "export"
-    export_checkpoint(run_dir / "checkpoints" / "step-00000002", export)
+    export = run_dir.parent / "export-hf"  # the format a model registry holds (ckpt export --register)
+    export_checkpoint(run_dir / "checkpoints" / "step-00000002", export, fmt="hf")
     small = [
         "--max-batch-size",
         "1",
@@ -371,7 +371,18 @@ def test_unknown_paths_methods_and_huge_bodies(server: Server) -> None:
     assert server.health()["status"] == "ok"  # and the server is still up
 
 
-def test_export_serves_the_same_model(export_server: Server, server: Server) -> None:
+def test_safetensors_export_loads_the_checkpoints_model(run_dir: Path) -> None:
+    export = run_dir.parent / "export-safetensors"
+    export_checkpoint(run_dir / "checkpoints" / "step-00000002", export)
+    served = loading.load_served_model(loading.resolve_source(export))
+    reference, tokenizer = load_for_generation(run_dir / "checkpoints" / "step-00000002")
+    assert served.tokenizer.to_json() == tokenizer.to_json() and served.name == "llama-tiny"
+    tokens = torch.randint(0, 384, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(served.model(tokens), reference(tokens))
+
+
+def test_hf_export_serves_the_same_model(export_server: Server, server: Server) -> None:
     assert export_server.name == "tiny-export" and export_server.health()["model"] == "tiny-export"
     body = {"prompt": "Speak, speak.", "max_tokens": 16, "temperature": 0}
     assert (export_server.complete(**body)["choices"][0]["text"]
@@ -449,11 +460,16 @@ def test_bad_model_paths_exit_2_with_one_line(
     gaudi3_cli: Callable[..., CliResult], run_dir: Path, tmp_path: Path
 ) -> None:
     assert "does not exist" in _one_line_error(gaudi3_cli("serve", str(tmp_path / "missing"), "--port", "0"))
-    hf = tmp_path / "hf-export"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    message = _one_line_error(gaudi3_cli("serve", str(hf), "--port", "0"))
-    assert "vLLM" in message and "--format safetensors" in message
+    not_llama = tmp_path / "hf-export"
+    not_llama.mkdir()
+    (not_llama / "config.json").write_text('{"model_type": "gpt2"}')
+    (not_llama / "model.safetensors").write_bytes(b"")
+    (not_llama / "tokenizer.json").write_text('{"type": "byte"}')
+    message = _one_line_error(gaudi3_cli("serve", str(not_llama), "--port", "0"))
+    assert "model_type 'gpt2'; only Llama" in message
+    (not_llama / "config.json").write_bytes((run_dir.parent / "export-hf" / "config.json").read_bytes())
+    message = _one_line_error(gaudi3_cli("serve", str(not_llama), "--port", "0"))
+    assert "model.safetensors: not a readable safetensors file" in message
     broken = tmp_path / "step-00000002"
     broken.mkdir()
     state = (run_dir / "checkpoints" / "step-00000002" / "state.ckpt").read_bytes()

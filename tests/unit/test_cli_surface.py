@@ -22,7 +22,7 @@ EXPECTED = {
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
     "serve": ["--host", "--max-batch-size", "--max-prompt-tokens", "--max-queue", "--max-tokens-limit", "--name",
-              "--port", "--tokenizer"],
+              "--port", "--tokenizer", "--tracking-uri"],
     "smoke": ["--keep", "--out", "--steps"],
     "repro": ["--config", "--keep", "--mode", "--out", "--steps",
               "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import click
 
+from gaudi3_scale.config.errors import UserInputError
+
 __all__ = ["serve"]
 
 
 @click.command()
-@click.argument("model_or_checkpoint", type=click.Path(path_type=Path))
+@click.argument("model_or_checkpoint")
 @click.option("--host", default="127.0.0.1", show_default=True, metavar="ADDRESS",
               help="address to bind (0.0.0.0: every interface; there is no authentication)")  # fmt: skip
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
@@ -26,8 +28,10 @@ __all__ = ["serve"]
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
               help="directory with tokenizer.json (default: the run's or the export's tokenizer/)")  # fmt: skip
 @click.option("--name", help="model name clients send as `model` (default: the model config's name)")
+@click.option("--tracking-uri", metavar="URI",
+              help="MLflow registry for a models:/NAME/VERSION argument (default: $MLFLOW_TRACKING_URI)")  # fmt: skip
 def serve(
-    model_or_checkpoint: Path,
+    model_or_checkpoint: str,
     host: str,
     port: int,
     max_batch_size: int,
@@ -36,11 +40,22 @@ def serve(
     max_tokens_limit: int,
     tokenizer_dir: Path | None,
     name: str | None,
+    tracking_uri: str | None,
 ) -> None:
-    """Serve a run, checkpoint or `ckpt export --format safetensors` directory over OpenAI's completions API."""
+    """Serve a run, checkpoint, `ckpt export` directory or registered model (models:/NAME/VERSION) over OpenAI's
+    completions API."""
     from gaudi3_scale.serve.loading import resolve_source
 
-    source = resolve_source(model_or_checkpoint)  # before the slow imports: a bad path fails at once
+    path = Path(model_or_checkpoint)
+    if tracking_uri is not None and not model_or_checkpoint.startswith("models:/"):
+        raise UserInputError("--tracking-uri is for a registered model argument (models:/NAME/VERSION) only")
+    if model_or_checkpoint.startswith("models:/"):
+        from gaudi3_scale.data.sources import default_cache_dir
+        from gaudi3_scale.train.register import fetch_registered
+
+        path = fetch_registered(model_or_checkpoint, tracking_uri, default_cache_dir() / "registry")
+        name = name or model_or_checkpoint.split("/")[1]
+    source = resolve_source(path)  # before the slow imports: a bad path fails at once
     from gaudi3_scale.serve.lifecycle import bind_server, build_app, serve_until_signal, server_url
 
     server = bind_server(host, port)  # before loading: a busy port fails at once too

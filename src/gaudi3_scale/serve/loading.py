@@ -2,9 +2,8 @@
 
     run directory            its newest checkpoint that verifies (`<run>/checkpoints/`), tokenizer `<run>/tokenizer/`
     step-X/ or its state.ckpt a `gaudi3 train` checkpoint (`train.inference.load_for_generation`)
-    safetensors export       `gaudi3 ckpt export --format safetensors`: model_config.json + model.safetensors,
-                             tokenizer `<export>/tokenizer/`
-    Hugging Face export      refused: that is what vLLM and TGI serve (docs/serving.md)
+    export                   `gaudi3 ckpt export` (either format: model_config.json or a Llama config.json, plus
+                             model.safetensors), tokenizer `<export>/tokenizer/`, else an HF tokenizer.json at the top
 
 `resolve_source` only looks at the file system, so a bad path fails before the port is bound or torch loads.
 """
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.tokenizers import TOKENIZER_FILE
 from gaudi3_scale.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ HF_CONFIG = "config.json"
 EXPORT_TOKENIZER_DIR = "tokenizer"
 _WHAT = (
     "pass a `gaudi3 train` run directory, a checkpoint (step-X/ or its state.ckpt) or a "
-    "`gaudi3 ckpt export --format safetensors` directory"
+    "`gaudi3 ckpt export` directory"
 )
 
 
@@ -57,13 +57,8 @@ def resolve_source(path: Path) -> ModelSource:
     path = Path(path)
     if not path.exists():
         raise UserInputError(f"{str(path)!r} does not exist; {_WHAT}")
-    if path.is_dir() and (path / EXPORT_CONFIG).is_file():
+    if path.is_dir() and ((path / EXPORT_CONFIG).is_file() or (path / HF_CONFIG).is_file()):
         return ModelSource("export", path)
-    if path.is_dir() and (path / HF_CONFIG).is_file():
-        raise UserInputError(
-            f"{str(path)!r} is a Hugging Face export (config.json, no {EXPORT_CONFIG}); serve it with vLLM or "
-            "TGI (docs/serving.md), or export the checkpoint with `gaudi3 ckpt export --format safetensors`"
-        )
     if (path / "checkpoints").is_dir():  # a run directory
         return ModelSource("checkpoint", _newest_checkpoint(path / "checkpoints"))
     if path.is_dir() and any(path.glob("step-*")):  # a run's checkpoints/
@@ -115,10 +110,10 @@ def load_served_model(
 def _export_tokenizer_dir(export: Path, tokenizer_dir: Path | None) -> Path:
     if tokenizer_dir is not None:
         return Path(tokenizer_dir)
-    directory = export / EXPORT_TOKENIZER_DIR
-    if not directory.is_dir():
-        raise UserInputError(
-            f"{str(export)!r} has no tokenizer/ directory; pass --tokenizer DIR (a directory with "
-            "tokenizer.json, e.g. the run's tokenizer/) or re-export the checkpoint from its run directory"
-        )
-    return directory
+    for directory in (export / EXPORT_TOKENIZER_DIR, export):  # ours, else a Hugging Face tokenizer.json
+        if (directory / TOKENIZER_FILE).is_file():
+            return directory
+    raise UserInputError(
+        f"{str(export)!r} has no tokenizer (tokenizer/ or tokenizer.json); pass --tokenizer DIR (a directory "
+        "with tokenizer.json, e.g. the run's tokenizer/) or re-export the checkpoint from its run directory"
+    )

@@ -10,6 +10,7 @@ checkpoint. The registry is the tracking store itself: a local file store `<run>
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,12 +28,22 @@ from gaudi3_scale.models.counting import count_parameters
 from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["DEFAULT_EXPERIMENT", "RegisteredVersion", "check_registry", "register_export", "registry_uri"]
+__all__ = [
+    "DEFAULT_EXPERIMENT",
+    "MODEL_URI_PREFIX",
+    "RegisteredVersion",
+    "check_registry",
+    "fetch_registered",
+    "register_export",
+    "registry_uri",
+]
 
 DEFAULT_EXPERIMENT = "gaudi3-exports"
 _TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
 # What the MLflow server and the file store both accept as a registered model name, and safe as a path part.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MODEL_URI_PREFIX = "models:/"  # MLflow's URI of a registered model version: models:/NAME/VERSION
+_MODEL_URI = re.compile(r"models:/(?P<name>[^/]+)/(?P<version>[1-9][0-9]*)")
 # Documented in mlflow.environment_variables: fail fast instead of retrying an unreachable server for minutes.
 _HTTP_FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
@@ -56,18 +67,18 @@ def registry_uri(checkpoint: Path, tracking_uri: str | None = None) -> str:
     return (run_dir / "mlruns").as_uri()
 
 
-def check_registry(name: str, uri: str) -> Any:
+def check_registry(name: str, uri: str, *, asked_by: str = "--register") -> Any:
     """An MlflowClient for `uri` after checking `name`, the package and that the store answers (before any export
     work), or one line saying what is wrong."""
     if not _NAME.fullmatch(name):
         raise UserInputError(
-            f"--register {name!r} is not a usable model name: use letters, digits, '.', '_' or '-' "
+            f"{asked_by} {name!r} is not a usable model name: use letters, digits, '.', '_' or '-' "
             "(starting with a letter or digit, at most 128)"
         )
     try:
         import mlflow  # noqa: F401  (only to know it is there)
     except ImportError:
-        raise UserInputError(f"--register needs MLflow: {_TRACKING_EXTRA}") from None
+        raise UserInputError(f"{asked_by} needs MLflow: {_TRACKING_EXTRA}") from None
     for key, value in _HTTP_FAIL_FAST.items():
         os.environ.setdefault(key, value)
     from mlflow.exceptions import MlflowException
@@ -79,14 +90,55 @@ def check_registry(name: str, uri: str) -> Any:
         client.search_registered_models(max_results=1)
     except (MlflowException, OSError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        detail = detail.split(" with exception")[
-            0
-        ]  # drop urllib3's retry story after "API request to … failed"
+        # Drop urllib3's retry story after "API request to … failed".
+        detail = detail.split(" with exception")[0]
         raise UserInputError(
             f"MLflow registry at {uri!r} is not usable: {detail[:300]}; pass --tracking-uri URI (a file: path, "
             "or a reachable MLflow server)"
         ) from None
     return client
+
+
+def fetch_registered(model_uri: str, tracking_uri: str | None, cache_dir: Path) -> Path:
+    """The export directory of `models:/NAME/VERSION`, downloaded from the registry at `tracking_uri` (else
+    `MLFLOW_TRACKING_URI`) into `cache_dir`, or one line saying what is wrong. A version's artifacts do not change,
+    so a complete earlier download is reused; a download lands under a temporary name and is renamed into place."""
+    match = _MODEL_URI.fullmatch(model_uri)
+    if match is None:
+        raise UserInputError(
+            f"{model_uri!r}: a registered model is named models:/NAME/VERSION (VERSION a number, e.g. models:/tiny/1)"
+        )
+    name, version = match["name"], match["version"]
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise UserInputError(
+            f"{model_uri}: pass --tracking-uri URI (or set MLFLOW_TRACKING_URI) to say which registry"
+        )
+    client = check_registry(name, uri, asked_by=model_uri)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        source = client.get_model_version_download_uri(name, version)
+    except MlflowException:
+        known = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise UserInputError(
+            f"{model_uri}: no such model version in {uri} (versions of {name!r}: "
+            f"{', '.join(map(str, known)) or 'none'})"
+        ) from None
+    target = Path(cache_dir) / hashlib.sha256(uri.encode()).hexdigest()[:12] / name / version
+    if target.is_dir():
+        return target
+    from mlflow.artifacts import download_artifacts
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{version}-") as tmp:
+        local = Path(download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=uri))
+        try:
+            local.rename(target)
+        except OSError:
+            if not target.is_dir():  # not another process that downloaded the same version first
+                raise
+    return target
 
 
 def register_export(
