@@ -94,8 +94,8 @@ def main(argv: list[str]) -> None:
     _run([str(BIN / "ruff"), "check", "src", "tests", "benchmarks", "run.py"])
     _run([str(BIN / "ruff"), "format", "--check", "src", "tests", "benchmarks", "run.py"])
     _run([str(BIN / "mypy")])
-    # Two workers, each test file on one of them (its module-scoped fixtures then run once): 27 min -> 21 min for
-    # the whole suite on 2 cores (2026-11-25). GAUDI3_TEST_WORKERS=0 runs in this process; `-n K` in the options wins.
+    # Two workers, each test file on one of them (its module-scoped fixtures then run once): 27 min -> 21-25 min
+    # for the whole suite on 2 cores (2026-11-25). GAUDI3_TEST_WORKERS=0 runs in this process; `-n K` in the options wins.
     workers = os.environ.get("GAUDI3_TEST_WORKERS", "2")
     _run([str(python), "-m", "pytest", "-n", workers, "--dist", "loadfile", *rest])
 
