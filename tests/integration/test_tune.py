@@ -168,3 +168,20 @@ def test_a_hanging_trial_is_killed_and_nothing_fitting_exits_1(tmp_path: Path) -
     assert trial["wall_s"] < 10  # killed, process group and all
     assert report["best"] is None and not (out / "best.yaml").exists()
     assert "limited by failures: no trial finished (1 timeout)" in proc.stdout
+
+
+def test_trials_are_ranked_by_synchronised_time(tmp_path: Path) -> None:
+    """On a fake asynchronous device (tests/assets/fake_device_site) micro-batch 4 takes 150 ms of device time per
+    forward and the others 5 ms, while the host needs about as long for each: a host clock would pick micro-batch
+    4 (fewest launches). Timed after a synchronise, micro-batch 4 is the slowest and 2 wins (1 runs four forwards)."""
+    site = Path(__file__).resolve().parents[1] / "assets" / "fake_device_site"
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_DEVICE_S_BY_BATCH": "4:0.15,2:0.005,1:0.005"}  # fmt: skip
+    out = tmp_path / "tune"
+    proc = _gaudi3("tune", "--global-batch", "4", "--precisions", "32-true", "--activation-checkpointing", "off",
+                   *SHORT, "--model.num_layers", "1", "--out", str(out), env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = _report(out)
+    trials = {t["candidate"]["micro_batch_size"]: t for t in report["trials"] if t["status"] == "ok"}
+    assert trials[4]["step_time_s"] >= 0.95 * 0.15, trials[4]
+    assert report["best"]["candidate"]["micro_batch_size"] == 2, report["trials"]

@@ -59,6 +59,24 @@ def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
             "train.compile",
             "deepspeed_zero2",
         ),
+        (["--model.pad_vocab_to_multiple", "48"], "model.pad_vocab_to_multiple", "positive power of two"),
+        (["--model.pad_vocab_to_multiple", "0"], "model.pad_vocab_to_multiple", "positive power of two"),
+        (["--train.throughput_warmup_steps", "2000"], "train.throughput_warmup_steps", "0 to 1999"),
+        (["--train.throughput_warmup_steps", "-1"], "train.throughput_warmup_steps", ">= 0"),
+        (["--train.compile_mode", "reduce-overhead"], "train.compile_mode", "train.compile true"),
+        (["--train.compile_mode", "fast"], "train.compile_mode", "reduce-overhead"),
+        (
+            [
+                "--train.compile",
+                "true",
+                "--train.compile_mode",
+                "reduce-overhead",
+                "--parallel.strategy",
+                "fsdp",
+            ],
+            "train.compile_mode",
+            "auto, single or ddp",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(

@@ -41,7 +41,8 @@ def _lookup_only_embeddings(model: Transformer) -> list[torch.Tensor]:
 def count_parameters(
     cfg: ModelConfig, *, trainable_only: bool = True, exclude_embeddings: bool = False
 ) -> int:
-    """Parameters of the model `cfg` describes; tied weights are counted once.
+    """Parameters of the model `cfg` describes; tied weights are counted once, vocabulary padding rows not at all
+    (they are never sampled, so a padded GPT-2 still counts its published 124 M).
 
     exclude_embeddings drops the lookup-only tables (see the module docstring), leaving the matmul parameters.
     """
@@ -52,7 +53,10 @@ def count_parameters(
     if exclude_embeddings:
         lookup = {id(p) for p in _lookup_only_embeddings(model)}
         params = [p for p in params if id(p) not in lookup]
-    return sum(p.numel() for p in params)
+    assert cfg.vocab_size is not None  # build_model refused an unresolved vocabulary
+    padding_rows = cfg.padded_vocab_size - cfg.vocab_size
+    vocab_tables = {id(model.tok_embeddings.weight), id(model.output.weight)}
+    return sum(p.numel() - (padding_rows * cfg.dim if id(p) in vocab_tables else 0) for p in params)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:

@@ -34,6 +34,8 @@ from gaudi3_scale.train.spot import AWS_SPOT_URL
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
 
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs on CUDA
 
 
 @dataclass(kw_only=True)
@@ -98,7 +100,28 @@ class TrainConfig:
         default="auto",
         metadata={"help": "where to train; hpu = Intel Gaudi (not yet validated on Gaudi hardware)"},
     )
-    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the model together with its loss (one compiled region)"},
+    )
+    compile_mode: CompileMode = field(
+        default="default",
+        metadata={
+            "help": "torch.compile mode: reduce-overhead also captures CUDA graphs (CUDA only; for small models "
+            "whose steps are bound by kernel launches), max-autotune also searches kernel configurations"
+        },
+    )
+    tf32: bool = field(
+        default=True,
+        metadata={"help": "TF32 tensor cores for fp32 matmuls and convolutions on CUDA GPUs that have them"},
+    )
+    throughput_warmup_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "first optimizer steps of each process left out of the summary's tokens/s, MFU and step "
+            "time (reported as warmup_s); null = 2, or 5 with train.compile, at most max_steps - 1"
+        },
+    )
     hpu_graphs: bool = field(
         default=False,
         metadata={
@@ -155,11 +178,31 @@ class TrainConfig:
                 f"steps {self.profile_start_step}..{self.profile_start_step + self.profile_num_steps - 1} go past "
                 f"the last step, {self.max_steps - 1} (train.max_steps {self.max_steps}); lower the start or the count",
             )
+        check_positive("throughput_warmup_steps", self.throughput_warmup_steps, allow_zero=True)
+        if self.throughput_warmup_steps is not None and self.throughput_warmup_steps >= self.max_steps:
+            raise ConfigError(
+                "throughput_warmup_steps",
+                f"{self.throughput_warmup_steps} leaves no measured step of train.max_steps {self.max_steps}; "
+                f"allowed: 0 to {self.max_steps - 1}, or null for the default rule",
+            )
+        if self.compile_mode != "default" and not self.compile:
+            raise ConfigError(
+                "compile_mode",
+                f"{self.compile_mode} is a torch.compile mode; set train.compile true as well, or leave it default",
+            )
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "micro_batch_size",
                 f"must divide global_batch_size ({self.global_batch_size}), got {self.micro_batch_size}",
             )
+
+    def resolved_throughput_warmup_steps(self) -> int:
+        """The warm-up steps left out of steady-state throughput (see `monitor.clock`)."""
+        if self.throughput_warmup_steps is not None:
+            return self.throughput_warmup_steps
+        from gaudi3_scale.monitor.clock import default_throughput_warmup_steps
+
+        return min(default_throughput_warmup_steps(compile=self.compile), self.max_steps - 1)
 
     def gradient_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step per rank: global = micro × accumulation × data-parallel ranks."""
@@ -205,6 +248,13 @@ class RunConfig:
                 )
         # Fail before launching anything when the batch does not split over the ranks.
         self.train.gradient_accumulation(self.parallel.world_size)
+        graphs = self.train.compile_mode == "reduce-overhead"
+        if graphs and self.parallel.strategy not in ("auto", "single", "ddp"):
+            raise ConfigError(
+                "train.compile_mode",
+                f"reduce-overhead (CUDA graphs) runs with parallel.strategy auto, single or ddp, not "
+                f"{self.parallel.strategy}: sharded parameters are gathered outside any graph",
+            )
         if self.train.compile and self.parallel.strategy == "deepspeed_zero3":
             raise ConfigError(
                 "train.compile",

@@ -79,4 +79,16 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             value = summary[key]
             text = f"{value:.2%}" if key == "mfu" and isinstance(value, float) else _fmt(value)
             table.add_row(label, text)
+        if key == "step_time_s" and summary.get("measured_steps"):
+            table.add_row("measured over", _measured_over(summary))
     (console or Console()).print(table)
+
+
+def _measured_over(summary: dict[str, Any]) -> str:
+    """Which steps tokens/s, MFU and step time are over, and what the warm-up took."""
+    steps, warmup = summary["measured_steps"], summary.get("warmup_steps") or 0
+    if summary.get("throughput_includes_warmup"):
+        return f"{steps} steps, warm-up included (no step after it in this process)"
+    if not warmup:
+        return f"{steps} steps"
+    return f"{steps} steps after {warmup} warm-up steps ({_fmt(summary.get('warmup_s'))} s)"

@@ -15,14 +15,24 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["check_resume_compatible", "check_resume_strategy", "resume_checkpoint"]
+__all__ = ["check_resume_compatible", "check_resume_strategy", "resume_checkpoint", "saved_run_config"]
+
+
+def _read_meta(checkpoint: Path) -> dict[str, Any]:
+    return read_checkpoint(
+        checkpoint, mmap=True, verify=False, tensors=False
+    )  # resume_checkpoint() verified it
+
+
+def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The resolved run config a checkpoint was trained with (None for checkpoints that predate storing it)."""
+    saved = _read_meta(checkpoint).get(CONFIG_KEY)
+    return saved if isinstance(saved, dict) else None
 
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
-    ckpt = read_checkpoint(
-        checkpoint, mmap=True, verify=False, tensors=False
-    )  # resume_checkpoint() verified it
+    ckpt = _read_meta(checkpoint)
     check_resume_strategy(ckpt, config.get("parallel", {}))
     saved = ckpt.get(CONFIG_KEY)
     if saved is None:

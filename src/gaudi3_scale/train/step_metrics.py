@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 
 __all__ = ["RichStepProgress", "RunMetrics", "at_step_boundary"]
@@ -44,13 +45,17 @@ class RunMetrics(pl.Callback):
     train_loss is the mean over the steps since the previous record (as Lightning's epoch-level logging does),
     not the last step's noisy value.
 
-    tokens/s is measured over the steps since the previous record with validation and checkpoint time excluded,
-    so the figure is training throughput, not wall-clock average. samples/s counts the sequences of this rank's
-    micro-batches times the world size (ranks get equal batches).
+    Time is read from a `DeviceClock`: the device is synchronised at every reading, so on an accelerator a window
+    measures finished work, not kernel launches. Readings are taken only at boundaries — the end of a logging
+    window, the end of the warm-up, and around pauses (validation, checkpoint saves), whose time is left out — so
+    the steps in between stay asynchronous. tokens/s in a record is its window's (raw: the first window includes
+    warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process.
 
-    data_wait_s is the mean time per step this rank spent between the end of one micro-batch and the start of the
-    next: mostly the data loader's `next()`, plus the other callbacks' per-batch hooks; validation and checkpoint
-    saves (paused time) are not counted.
+    samples/s counts the sequences of this rank's micro-batches times the world size (ranks get equal batches).
+
+    data_wait_s is the mean host time per step this rank spent between the end of one micro-batch and the start of
+    the next: mostly the data loader's `next()`, plus the other callbacks' per-batch hooks; validation and
+    checkpoint saves (paused time) are not counted.
 
     `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter.
     """
@@ -63,28 +68,36 @@ class RunMetrics(pl.Callback):
         tokens_per_step: int,
         flops_per_token: float | None,
         peak_flops_per_device: float | None,
+        warmup_steps: int = 0,
     ) -> None:
         self.path = path
         self.log_every_steps = log_every_steps
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
+        self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
         self.latest: dict[str, Any] = {}
         self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
         self.history: list[dict[str, Any]] = []
         self._is_writer = False
         self._loss_sum: Any = None
-        self._window_start = 0.0
-        self._window_steps = 0
-        self._paused_s = 0.0
+        self._clock: DeviceClock | None = None
+        self._mark = 0.0  # the last clock reading
+        self._paused_since_mark = 0.0
         self._pause_start = 0.0
         self._paused_total_s = 0.0  # never reset: data-wait gaps subtract the pauses inside them
+        self._session_steps = 0  # optimizer steps this process has run
+        self._segment_steps = 0  # ... since the last reading
+        self._window_s = 0.0
+        self._window_steps = 0
         self._batch_end: float | None = None
         self._paused_at_batch_end = 0.0
         self._window_wait_s = 0.0
         self._window_samples: int | None = 0
-        self.train_s = 0.0
+        self.warmup_s = 0.0  # active time of the warm-up steps (compilation included)
+        self.warmup_steps_done = 0
+        self.train_s = 0.0  # active time of the measured steps after warm-up
         self.train_steps = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -92,22 +105,48 @@ class RunMetrics(pl.Callback):
         if self._is_writer:
             assert self.path is not None
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._window_start = time.perf_counter()
+        self._clock = DeviceClock(pl_module.device)
+        self._mark = self._clock.now()
+
+    def _now(self) -> float:
+        assert self._clock is not None, "on_train_start() starts the clock"
+        return self._clock.now()
+
+    def _read(self) -> float:
+        """Active (unpaused) seconds since the previous reading, booked to the warm-up or to the measured steps.
+
+        A reading is taken at the end of the warm-up, so a segment never straddles it.
+        """
+        now = self._now()
+        active = max(0.0, now - self._mark - self._paused_since_mark)
+        self._mark, self._paused_since_mark = now, 0.0
+        if self._session_steps <= self.warmup_steps:
+            self.warmup_s += active
+            self.warmup_steps_done += self._segment_steps
+        else:
+            self.train_s += active
+            self.train_steps += self._segment_steps
+        self._segment_steps = 0
+        self._window_s += active
+        return active
 
     def pause(self) -> None:
-        """Stop the throughput clock (validation, checkpointing); `resume` restarts it."""
-        self._pause_start = time.perf_counter()
+        """Stop the throughput clock (validation, checkpointing); `resume` restarts it. Both synchronise: the
+        training work queued before the pause counts as training, the paused work does not."""
+        self._pause_start = self._now()
 
     def resume(self) -> None:
-        paused = time.perf_counter() - self._pause_start
-        self._paused_s += paused
+        paused = self._now() - self._pause_start
+        self._paused_since_mark += paused
         self._paused_total_s += paused
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.pause()
+        if self._clock is not None:  # not for a validation outside fit
+            self.pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.resume()
+        if self._clock is not None:
+            self.resume()
         val = trainer.callback_metrics.get("val/loss")
         if val is None or trainer.sanity_checking:
             return
@@ -134,18 +173,25 @@ class RunMetrics(pl.Callback):
             self._step_end(trainer, pl_module)
         self._batch_end, self._paused_at_batch_end = time.perf_counter(), self._paused_total_s
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._segment_steps:  # steps after the last record (a stop between records): book their time
+            self._read()
+
     def _step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window_steps += 1
+        self._segment_steps += 1
+        self._session_steps += 1
         loss = getattr(pl_module, "last_loss", None)
         if loss is not None:  # summed on device: no host sync until the record is written
             self._loss_sum = loss if self._window_steps == 1 else self._loss_sum + loss
+        if self._session_steps == self.warmup_steps:
+            self._read()  # the end of the warm-up
         step = trainer.global_step
         if step % self.log_every_steps and step != trainer.max_steps:
             return
-        now = time.perf_counter()
-        elapsed = now - self._window_start - self._paused_s
-        self.train_s += elapsed
-        self.train_steps += self._window_steps
+        if self._segment_steps:
+            self._read()
+        elapsed = self._window_s
         tokens_per_s = self.tokens_per_step * self._window_steps / elapsed if elapsed > 0 else 0.0
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         record: dict[str, Any] = {
@@ -169,7 +215,7 @@ class RunMetrics(pl.Callback):
             )
         self.latest.update(record)
         self._write(trainer, record)
-        self._window_start, self._window_steps, self._paused_s = time.perf_counter(), 0, 0.0
+        self._window_s, self._window_steps = 0.0, 0
         self._window_wait_s, self._window_samples = 0.0, 0
 
     def _samples_per_s(self, world_size: int, elapsed: float) -> float | None:
@@ -195,8 +241,26 @@ class RunMetrics(pl.Callback):
         mean = self._loss_sum.detach().float() / self._window_steps
         return float(trainer.strategy.reduce(mean, reduce_op="mean"))
 
-    def mean_tokens_per_s(self) -> float:
-        return self.tokens_per_step * self.train_steps / self.train_s if self.train_s > 0 else 0.0
+    def steady_state(self) -> dict[str, Any]:
+        """Throughput over the measured steps of this process (after its first `warmup_steps`): `tokens_per_s`,
+        `step_time_s` (consistent: tokens/s = tokens per step / step time), `measured_steps`, and the warm-up on
+        its own (`warmup_steps`, `warmup_s`, compilation included).
+
+        When this process ran no step past the warm-up (e.g. a resume close to the end), the warm-up steps are
+        measured instead and `includes_warmup` says so; with no step at all the figures are None.
+        """
+        steps, seconds, includes_warmup = self.train_steps, self.train_s, False
+        if not steps:
+            steps, seconds, includes_warmup = self.warmup_steps_done, self.warmup_s, True
+        step_time_s = seconds / steps if steps and seconds > 0 else None
+        return {
+            "tokens_per_s": self.tokens_per_step / step_time_s if step_time_s else None,
+            "step_time_s": step_time_s,
+            "measured_steps": steps,
+            "warmup_steps": self.warmup_steps_done,
+            "warmup_s": self.warmup_s,
+            "includes_warmup": includes_warmup and steps > 0,
+        }
 
     def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
         self.history.append(record)

@@ -33,6 +33,7 @@ from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
+from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.monitor.trackers import build_trackers, check_trackers
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
@@ -40,7 +41,7 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
-from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint
+from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint, saved_run_config
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
@@ -121,7 +122,7 @@ class GaudiTrainer:
     def out_dir(self) -> Path:
         return self.config.output_dir
 
-    def _build_default(self) -> tuple[LanguageModel, TokenDataModule]:
+    def _build_default(self, resume_from: Path | None) -> tuple[LanguageModel, TokenDataModule]:
         cfg = self.config
         prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
         vocab = prepared.vocab_size
@@ -134,6 +135,7 @@ class GaudiTrainer:
             )
         else:
             model_cfg = cfg.model
+        model_cfg = self._resolve_padding(model_cfg, resume_from)
         self.config = dataclasses.replace(cfg, model=model_cfg)
         world = self._world_size()
         micro = cfg.train.resolved_micro_batch(world)
@@ -145,6 +147,7 @@ class GaudiTrainer:
             accumulation=accumulation,
             seed=cfg.seed,
             compile=cfg.train.compile,
+            compile_mode=cfg.train.compile_mode,
             strategy=resolve_strategy(cfg.parallel, world),
             activation_checkpointing=cfg.parallel.activation_checkpointing,
             hpu_graphs=cfg.train.hpu_graphs,
@@ -165,6 +168,15 @@ class GaudiTrainer:
             prepared.tokenizer.save(tokenizer_dir)
         return module, datamodule
 
+    def _resolve_padding(self, model_cfg: ModelConfig, resume_from: Path | None) -> ModelConfig:
+        """Vocabulary padding left null: the checkpoint's when resuming (its weights have that many rows, whatever
+        device resumes them), else the device default (`ModelConfig.resolve_padding`)."""
+        if model_cfg.pad_vocab_to_multiple is None and resume_from is not None:
+            saved = (saved_run_config(resume_from) or {}).get("model", {}).get("pad_vocab_to_multiple")
+            if saved is not None:
+                return dataclasses.replace(model_cfg, pad_vocab_to_multiple=saved)
+        return model_cfg.resolve_padding(self._plan_device().accelerator)
+
     def _plan_device(self) -> DevicePlan:
         """Threads, device and precision; run first, so a missing accelerator fails before any data work."""
         if self.device_plan is None:
@@ -176,11 +188,22 @@ class GaudiTrainer:
             if cfg.hpu_graphs:
                 os.environ.setdefault("PT_HPU_LAZY_MODE", "1")  # HPU graphs run in lazy mode only
             self.device_plan = plan_device(cfg.device, cfg.precision, threads=threads)
-            if cfg.hpu_graphs and self.device_plan.accelerator != "hpu":
+            accelerator = self.device_plan.accelerator
+            if cfg.hpu_graphs and accelerator != "hpu":
                 raise ConfigError(
                     "train.hpu_graphs",
-                    f"needs Intel Gaudi (train.device hpu), but this run trains on {self.device_plan.accelerator}",
+                    f"needs Intel Gaudi (train.device hpu), but this run trains on {accelerator}",
                 )
+            if cfg.compile_mode == "reduce-overhead" and accelerator != "cuda":
+                raise ConfigError(
+                    "train.compile_mode",
+                    f"reduce-overhead captures CUDA graphs, which need a CUDA device, but this run trains on "
+                    f"{accelerator}; allowed here: default, max-autotune, max-autotune-no-cudagraphs",
+                )
+            if accelerator == "cuda" and cfg.tf32:
+                # fp32 matmuls on TF32 tensor cores (Ampere and newer; a no-op before): what 32-true runs and the
+                # fp32 parts of mixed precision want on these GPUs (torch's default is full fp32, "highest").
+                torch.set_float32_matmul_precision("high")
         return self.device_plan
 
     def _world_size(self) -> int:
@@ -212,6 +235,7 @@ class GaudiTrainer:
             tokens_per_step=tokens_per_step,
             flops_per_token=flops_per_token,
             peak_flops_per_device=plan.peak_flops,
+            warmup_steps=cfg.resolved_throughput_warmup_steps(),
         )
         trackers = build_trackers(self.config, out, metrics)  # monitor.loggers; None when none are named
         ckpt_cfg = self.config.checkpoint
@@ -322,7 +346,7 @@ class GaudiTrainer:
         if model is None:
             if datamodule is not None:
                 raise ValueError("pass a datamodule together with your own model, or neither")
-            model, datamodule = self._build_default()
+            model, datamodule = self._build_default(ckpt_path)
         self.module, self.datamodule = model, datamodule
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
@@ -447,10 +471,10 @@ class GaudiTrainer:
         assert self.trainer is not None
         train = [r for r in records if r.get("train_loss") is not None]
         val = [r for r in records if r.get("val_loss") is not None]
-        metrics = self._metrics
-        tokens_per_s = metrics.mean_tokens_per_s() if metrics.train_steps else None
-        if tokens_per_s is None and train:
-            tokens_per_s = train[-1].get("tokens_per_s")  # a resumed, already finished run
+        steady = self._metrics.steady_state()
+        tokens_per_s, step_time_s = steady["tokens_per_s"], steady["step_time_s"]
+        if tokens_per_s is None and train:  # a resumed, already finished run: what its last window measured
+            tokens_per_s, step_time_s = train[-1].get("tokens_per_s"), train[-1].get("step_time_s")
         fpt = getattr(self.module, "flops_per_token", None)
         plan = self.device_plan
         mfu_value = None
@@ -468,7 +492,13 @@ class GaudiTrainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu_value,
             "mfu_peak_source": plan.peak_source if plan else None,
-            "step_time_s": train[-1].get("step_time_s") if train else None,
+            "step_time_s": step_time_s,
+            # tokens/s, MFU and step time are over the measured steps, after this process's warm-up steps
+            # (train.throughput_warmup_steps), whose time (compilation included) is reported on its own.
+            "measured_steps": steady["measured_steps"],
+            "warmup_steps": steady["warmup_steps"],
+            "warmup_s": steady["warmup_s"],
+            "throughput_includes_warmup": steady["includes_warmup"],
             "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in train), default=None),
             "wall_s": wall_s,
             "interrupted": bool(self.trainer.interrupted or self._checkpoint.save_requested),
