@@ -33,7 +33,7 @@ from gaudi3_scale.train.spot import AWS_SPOT_URL
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
 
-Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
 
 
 @dataclass(kw_only=True)
