@@ -45,7 +45,7 @@ def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
         (["--model.num_layer", "3"], "model.num_layer", "num_layers"),
         (["--train.max_steps", "ten"], "train.max_steps", "integer"),
         (["--train.max_steps", "0"], "train.max_steps", "> 0"),
-        (["--train.precision", "fp8"], "train.precision", "bf16-mixed"),
+        (["--train.precision", "int8"], "train.precision", "bf16-mixed"),
         (["--model.dim", "130"], "model.dim", "divisible by num_heads"),
         (["--train.micro_batch_size", "5"], "train.micro_batch_size", "divide global_batch_size"),
         (["--optim.min_lr", "0.1"], "optim.min_lr", "<= lr"),

@@ -300,7 +300,8 @@ def test_every_registry_model_is_estimated() -> None:
     [
         ({"world_size": 0}, UserInputError, "world_size must be a positive number of ranks, got 0"),
         ({"strategy": "zero9"}, ConfigError, "parallel.strategy: must be one of auto, ddp"),
-        ({"precision": "fp8"}, ConfigError, "train.precision: must be one of"),
+        ({"precision": "int8"}, ConfigError, "train.precision: must be one of"),
+        ({"precision": "fp8", "device_kind": "cpu"}, ConfigError, "train.precision: fp8 needs cuda"),
         (
             {"precision": "16-mixed", "device_kind": "cpu"},
             ConfigError,

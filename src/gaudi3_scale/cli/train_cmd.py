@@ -73,7 +73,7 @@ def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: 
 
         plan = trainer.device_plan
         emit_run_result(
-            trainer.config, trainer.out_dir, precision=plan.precision, accelerator=plan.accelerator
+            trainer.config, trainer.out_dir, precision=plan.precision_name, accelerator=plan.accelerator
         )
     written = "config.yaml, metrics.jsonl, summary.json, loss.png" + (
         ", checkpoints/" if summary.get("checkpoint") else ""

@@ -67,6 +67,8 @@ def image_extras(run_config: dict[str, Any], accelerator: str) -> list[str]:
     loggers = {n.strip().lower() for n in str(monitor.get("loggers") or "").split(",")}
     if loggers & {"tensorboard", "mlflow"}:
         extras.append("tracking")
+    if run_config.get("train", {}).get("precision") == "fp8":
+        extras.append("fp8")
     # DeepSpeed on Gaudi is Intel's fork (HabanaAI/DeepSpeed@<SW version>), not PyPI's: left to the user there.
     strategy = str(run_config.get("parallel", {}).get("strategy", ""))
     if strategy.startswith("deepspeed") and not accelerator.startswith("gaudi"):

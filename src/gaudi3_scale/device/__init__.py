@@ -7,13 +7,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gaudi3_scale.device.float8 import apply_float8, check_float8_supported
     from gaudi3_scale.device.select import DevicePlan, plan_device
     from gaudi3_scale.device.specs import ACCELERATORS, AcceleratorSpec, find_accelerator
 
-__all__ = ["ACCELERATORS", "AcceleratorSpec", "DevicePlan", "find_accelerator", "plan_device"]
+__all__ = [
+    "ACCELERATORS",
+    "AcceleratorSpec",
+    "DevicePlan",
+    "apply_float8",
+    "check_float8_supported",
+    "find_accelerator",
+    "plan_device",
+]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("apply_float8", "check_float8_supported"):
+        from gaudi3_scale.device import float8
+
+        return getattr(float8, name)
     if name in ("DevicePlan", "plan_device"):
         from gaudi3_scale.device import select
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.device.float8 import check_float8_supported
 from gaudi3_scale.device.specs import AcceleratorSpec, find_accelerator
 
 __all__ = ["DevicePlan", "cpu_model_name", "measure_cpu_matmul_flops", "measured_cpu_spec", "plan_device"]
@@ -23,6 +24,14 @@ class DevicePlan:
     device_name: str
     peak_flops: float | None  # FLOP/s per device that MFU divides by; None = unknown
     peak_source: str
+    # train.precision fp8: swap the eligible linears for torchao's Float8Linear (device/float8.py); `precision`
+    # is then the bf16-mixed that Lightning runs around them.
+    float8: bool = False
+
+    @property
+    def precision_name(self) -> str:
+        """The precision as the run config names it (fp8 runs hold bf16-mixed for Lightning)."""
+        return "fp8" if self.float8 else self.precision
 
 
 def cpu_model_name() -> str:
@@ -82,6 +91,8 @@ def measured_cpu_spec(threads: int | None = None) -> AcceleratorSpec:
 
 def _plan_hpu(precision: str) -> DevicePlan:
     """Not yet validated on Gaudi hardware."""
+    if precision == "fp8":
+        check_float8_supported("hpu")  # refused on Gaudi, whether or not one is present
     from gaudi3_scale.device.hpu import apply_hpu_environment, hpu_environment, require_hpu, torch_hpu
 
     apply_hpu_environment(hpu_environment())  # before habana_frameworks is first imported
@@ -96,21 +107,36 @@ def _plan_hpu(precision: str) -> DevicePlan:
     return _accelerator_plan("hpu", str(torch_hpu().get_device_name()), precision)
 
 
-def _accelerator_plan(accelerator: str, name: str, precision: str) -> DevicePlan:
-    """MFU peak from the sourced spec table; bf16 tensor-core peaks do not apply to fp32 runs (left unknown)."""
+def _accelerator_plan(accelerator: str, name: str, precision: str, *, float8: bool = False) -> DevicePlan:
+    """MFU peak from the sourced spec table; bf16 tensor-core peaks do not apply to fp32 runs (left unknown).
+
+    An fp8 run is measured against the BF16 dense peak too, as torchtitan does (its `get_peak_flops` is the BF16
+    peak whatever the float8 setting): the model FLOPs are the same, so fp8 and bf16 MFU compare directly and a
+    speed-up shows as a higher MFU. Against the FP8 peak (twice the BF16 one on Hopper) the same run would read half.
+    `peak_source` says which peak was used and gives the FP8 one for conversion.
+    """
     spec = find_accelerator(name)
     peak = spec.bf16_dense_tflops * 1e12 if spec and precision != "32-true" else None
+    source = spec.source if spec and peak else "unknown"
+    if float8 and spec and peak:
+        fp8 = f"{spec.fp8_dense_tflops:g} TFLOP/s" if spec.fp8_dense_tflops else "unknown"
+        source = f"BF16 dense peak, used for fp8 runs too so they compare with bf16 (FP8 dense peak {fp8}); {source}"
     return DevicePlan(
         accelerator=accelerator,
         precision=precision,
         device_name=name,
         peak_flops=peak,
-        peak_source=spec.source if spec and peak else "unknown",
+        peak_source=source,
+        float8=float8,
     )
 
 
 def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
-    """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named)."""
+    """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named).
+
+    `precision="fp8"` (torchao float8 linears) runs on CUDA GPUs of compute capability 8.9 or newer with torchao
+    installed: the plan holds Lightning's "bf16-mixed" and `float8=True`. Elsewhere it is refused.
+    """
     if device == "auto":
         # Gaudi only when asked for: its environment must be set before habana_frameworks is imported.
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,11 +151,16 @@ def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
         bf16_ok = torch.cuda.is_bf16_supported()
         if precision == "auto":
             precision = "bf16-mixed" if bf16_ok else "16-mixed"
+        if precision == "fp8":
+            check_float8_supported("cuda")
+            return _accelerator_plan("cuda", name, "bf16-mixed", float8=True)
         if precision.startswith("bf16") and not bf16_ok:
             raise ConfigError("train.precision", f"{name} has no bf16 support; use 16-mixed or 32-true")
         return _accelerator_plan("cuda", name, precision)
     if precision == "auto":
         precision = "32-true"
+    if precision == "fp8":
+        check_float8_supported("cpu")
     if precision == "16-mixed":
         raise ConfigError(
             "train.precision", "16-mixed needs a GPU; on cpu use 32-true, bf16-mixed or bf16-true"

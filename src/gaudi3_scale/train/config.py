@@ -33,7 +33,7 @@ from gaudi3_scale.train.spot import AWS_SPOT_URL
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
 
-Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs on CUDA
 
@@ -94,7 +94,11 @@ class TrainConfig:
     )
     log_every_steps: int = field(default=10, metadata={"help": "write metrics.jsonl every N optimizer steps"})
     precision: Precision = field(
-        default="auto", metadata={"help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it"}
+        default="auto",
+        metadata={
+            "help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it; fp8 = bf16-mixed with torchao "
+            "float8 linears (NVIDIA compute capability >= 8.9, the fp8 extra)"
+        },
     )
     device: Literal["auto", "cpu", "cuda", "hpu"] = field(
         default="auto",

@@ -87,6 +87,7 @@ class LanguageModel(pl.LightningModule):
         seed: int = 0,
         compile: bool = False,
         compile_mode: str = "default",
+        float8: bool = False,
         strategy: str = "single",
         activation_checkpointing: bool = False,
         hpu_graphs: bool = False,
@@ -103,6 +104,7 @@ class LanguageModel(pl.LightningModule):
         self.seed = seed
         self.compile_model = compile
         self.compile_mode = compile_mode
+        self.float8 = float8
         self.strategy_name = strategy
         self.activation_checkpointing = activation_checkpointing
         self.hpu_graphs = hpu_graphs
@@ -125,7 +127,11 @@ class LanguageModel(pl.LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = build_model(self.model_cfg)
-        # torchtitan's order: activation checkpointing → compile → FSDP.
+        # torchtitan's order: float8 linears → activation checkpointing → compile → FSDP.
+        if self.float8:
+            from gaudi3_scale.device.float8 import apply_float8
+
+            apply_float8(model)
         if self.activation_checkpointing:
             apply_activation_checkpointing(model)
         loss_fn = _bind_loss(model)

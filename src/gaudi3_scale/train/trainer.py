@@ -148,6 +148,7 @@ class GaudiTrainer:
             seed=cfg.seed,
             compile=cfg.train.compile,
             compile_mode=cfg.train.compile_mode,
+            float8=self._plan_device().float8,
             strategy=resolve_strategy(cfg.parallel, world),
             activation_checkpointing=cfg.parallel.activation_checkpointing,
             hpu_graphs=cfg.train.hpu_graphs,
@@ -510,7 +511,7 @@ class GaudiTrainer:
             "checkpoint_blocking_s": self._checkpoint.blocking_s,
             "checkpoint": str(last) if last else None,
             "device": plan.device_name if plan else None,
-            "precision": plan.precision if plan else None,
+            "precision": plan.precision_name if plan else None,
             "cost_usd": live.meter.cost_usd if live is not None else None,
             "cost_budget_usd": live.meter.budget_usd if live is not None else None,
         }

@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 DEVICE_KINDS = ("cpu", "cuda", "hpu")
-PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8")
 OPTIMIZER_STATES = {"adamw": 2}  # tensors of optimizer state per parameter: AdamW's exp_avg and exp_avg_sq
 
 # Empirical, calibrated by benchmarks/bench_memory_estimate.py (2026-11-23; torch 2.13 CPU, Lightning 2.6, Python
@@ -397,6 +397,12 @@ def _resolve(strategy: str, world_size: int, precision: str, device_kind: str) -
         strategy = "ddp" if world_size > 1 or device_kind == "hpu" else "single"
     if precision == "auto":
         precision = "32-true" if device_kind == "cpu" else "bf16-mixed"
+    if precision == "fp8":
+        if device_kind != "cuda":
+            raise ConfigError("train.precision", "fp8 needs cuda (compute capability >= 8.9); use bf16-mixed")
+        # torchao's Float8Linear keeps bf16-mixed's weights, gradients and optimizer state and casts to FP8 inside
+        # each matmul, so its memory is bf16-mixed's (its temporary FP8 copies are smaller than the bf16 ones).
+        precision = "bf16-mixed"
     if precision == "16-mixed" and (device_kind != "cuda" or strategy in ("fsdp", "fsdp_grad_op")):
         raise ConfigError(
             "train.precision",

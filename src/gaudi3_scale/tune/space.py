@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.device.float8 import float8_unsupported_reason
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
@@ -158,7 +159,10 @@ def _cpu_has_bf16() -> bool:
 
 def supported_precisions(device: str) -> tuple[str, ...]:
     if device == "cuda":
-        return ("bf16-mixed",) if torch.cuda.is_bf16_supported() else ("16-mixed", "32-true")
+        if not torch.cuda.is_bf16_supported():
+            return ("16-mixed", "32-true")
+        # fp8 only where it would run: compute capability >= 8.9 and torchao installed (device/float8.py).
+        return ("bf16-mixed", "fp8") if float8_unsupported_reason("cuda") is None else ("bf16-mixed",)
     if device == "hpu":
         return ("bf16-mixed",)  # not yet validated on Gaudi hardware
     return ("32-true", "bf16-mixed") if _cpu_has_bf16() else ("32-true",)

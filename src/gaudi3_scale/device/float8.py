@@ -1,0 +1,109 @@
+"""FP8 training of the transformer's linear layers through torchao's float8 (`train.precision fp8`).
+
+Why: an FP8 matmul moves and multiplies half the bytes of a BF16 one. The formats are E4M3 for weights and
+activations and E5M2 for gradients (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433).
+torchao's `convert_to_float8_training` swaps each chosen `nn.Linear` for a `Float8Linear` that casts its input,
+weight and output gradient to FP8 on the fly and multiplies with `torch._scaled_mm`; master weights, optimizer
+state and every other op stay in high precision, so Lightning's bf16-mixed runs around it. Scales are dynamic:
+taken from each tensor's current absolute maximum. "tensorwise" (one scale per tensor, cuBLAS kernel) is torchao's
+default recipe and its fastest; "rowwise" (one scale per row, rounded to a power of two) is more accurate, and its
+CUTLASS kernel is Hopper-only in PyTorch (sm_90, pytorch/pytorch#145728).
+
+FP8 tensor cores start at compute capability 8.9 (Ada, Hopper), the bound torchtitan checks too. On Gaudi 3 the FP8
+and BF16 dense peaks are equal (1,835 TFLOP/s on Intel's spec sheet), so FP8 there would save memory and bandwidth,
+not matmul peak; Gaudi's FP8 training goes through Intel Gaudi's Transformer Engine
+(docs.habana.ai/en/latest/PyTorch/PyTorch_FP8_Training/), not torchao, and is not yet validated on Gaudi hardware,
+so this option refuses hpu.
+
+Order, as torchtitan applies it: `apply_float8` on the freshly built model (meta device is fine), then tensor
+parallel, activation checkpointing, torch.compile and FSDP. torchao's casts are separate kernels in eager mode;
+torch.compile fuses them, which is where the speed comes from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from gaudi3_scale.config.errors import ConfigError
+
+__all__ = [
+    "FLOAT8_RECIPES",
+    "Float8Recipe",
+    "apply_float8",
+    "check_float8_supported",
+    "float8_unsupported_reason",
+]
+
+Float8Recipe = Literal["tensorwise", "rowwise"]
+FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
+
+MIN_CAPABILITY = (8, 9)  # first compute capability with FP8 tensor cores (Ada)
+_NO_TORCHAO = "fp8 training needs torchao: pip install 'gaudi3-scale[fp8]'"
+_NEEDS_GPU = "fp8 training needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper or newer)"
+# The head stays in high precision, as torchtitan's float8 configs keep it (filter_fqns ["output"]): its logits feed
+# the softmax over the whole vocabulary, where FP8 rounding reaches the loss most directly; in GPT-2 its weight is
+# also the token embedding (tied), which an embedding lookup reads, not a matmul.
+_SKIPPED_NAMES = ("output",)
+
+
+def float8_unsupported_reason(device_type: str, *, device_index: int | None = None) -> str | None:
+    """Why fp8 training cannot run on this device (one line, without the field name), or None when it can."""
+    if device_type == "hpu":
+        return "fp8 through this option is not yet validated on Gaudi hardware; use bf16-mixed"
+    if device_type != "cuda":
+        return f"{_NEEDS_GPU}; allowed on {device_type}: 32-true, bf16-mixed, bf16-true"
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device_index)
+        allowed = "bf16-mixed, bf16-true, 32-true" if torch.cuda.is_bf16_supported() else "16-mixed, 32-true"
+        return f"{_NEEDS_GPU}; {name} has {capability[0]}.{capability[1]}; allowed here: {allowed}"
+    return _NO_TORCHAO if _import_float8() is None else None
+
+
+def check_float8_supported(device_type: str, *, device_index: int | None = None) -> None:
+    """Refuse `train.precision fp8` where it cannot run: one line naming the field (exit code 2 in the CLI)."""
+    reason = float8_unsupported_reason(device_type, device_index=device_index)
+    if reason is not None:
+        raise ConfigError("train.precision", reason)
+
+
+def apply_float8(model: nn.Module, *, recipe: str = "tensorwise") -> int:
+    """Swap the eligible `nn.Linear` layers of `model` for torchao's `Float8Linear`, in place; how many were swapped.
+
+    Skipped: the output head (`output`) and every linear whose in or out features are not multiples of 16 (what
+    `torch._scaled_mm` requires). Layers already swapped are left alone, so a second call returns 0. `Float8Linear`
+    keeps the very `weight` and `bias` Parameters, so state-dict keys, weight tying and checkpoints stay exactly
+    those of a bf16 run. Call it before activation checkpointing, torch.compile and FSDP.
+    """
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"float8 recipe {recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}")
+    float8 = _import_float8()
+    if float8 is None:
+        raise ConfigError("train.precision", _NO_TORCHAO)
+    eligible = {name for name, module in model.named_modules() if _eligible(name, module)}
+    if eligible:
+        float8.convert_to_float8_training(
+            model,
+            config=float8.Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda module, name: name in eligible,
+        )
+    return len(eligible)
+
+
+def _eligible(name: str, module: nn.Module) -> bool:
+    # Exactly nn.Linear: a Float8Linear (a subclass) is already converted, and other subclasses are not ours to swap.
+    if type(module) is not nn.Linear or name in _SKIPPED_NAMES:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def _import_float8() -> Any | None:
+    """`torchao.float8`, imported on first use (the `fp8` extra); None when torchao is not installed."""
+    try:
+        import torchao.float8
+    except ImportError:
+        return None
+    return torchao.float8
