@@ -15,6 +15,10 @@ from gaudi3_scale.models.config import ModelConfig
         ("gpt2-350m", 354_823_168),  # HF gpt2-medium
         ("llama3-8b", 8_030_261_248),  # HF meta-llama/Meta-Llama-3-8B safetensors metadata
         ("llama3-70b", 70_553_706_496),  # HF meta-llama/Meta-Llama-3-70B safetensors metadata
+        (
+            "llama3.2-1b",
+            1_235_814_400,
+        ),  # the config.json shapes summed; HF meta-llama/Llama-3.2-1B page: 1.24B
     ],
 )
 def test_published_parameter_counts(name: str, expected: int) -> None:

@@ -17,6 +17,7 @@ PRESET_NAMES = [
     "llama-tiny",
     "llama3-70b",
     "llama3-8b",
+    "llama3.2-1b",
     "shakespeare-char",
 ]
 

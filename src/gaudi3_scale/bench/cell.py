@@ -23,7 +23,13 @@ from gaudi3_scale.bench.result import (
 if TYPE_CHECKING:
     from gaudi3_scale.train.config import RunConfig
 
-__all__ = ["cell_of_config", "emit_run_result"]
+__all__ = ["cell_of_config", "cell_warmup_steps", "emit_run_result"]
+
+
+def cell_warmup_steps(cfg: RunConfig) -> int:
+    """Steps a cell's result leaves out: its own setting, else those the run's summary leaves out."""
+    warmup = cfg.benchmark.warmup_steps
+    return warmup if warmup is not None else cfg.train.resolved_throughput_warmup_steps()
 
 
 def cell_of_config(cfg: RunConfig, *, precision: str) -> dict[str, Any]:
@@ -58,7 +64,7 @@ def emit_run_result(cfg: RunConfig, out_dir: Path, *, precision: str, accelerato
     result = result_from_metrics(
         cell_of_config(cfg, precision=precision),
         records,
-        warmup_steps=cfg.benchmark.warmup_steps,
+        warmup_steps=cell_warmup_steps(cfg),
         h2d_gbps=measure_h2d_gbps(torch.device(accelerator)),
         environment=environment_info(),
     )

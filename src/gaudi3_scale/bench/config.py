@@ -22,9 +22,12 @@ class BenchmarkConfig:
             "between GAUDI3-BENCHMARK-RESULT markers on stdout (for `gaudi3 benchmark collect` on pod logs)"
         },
     )
-    warmup_steps: int = field(
-        default=3,
-        metadata={"help": "first optimizer steps left out of the benchmark result (warm-up, compile)"},
+    warmup_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "first optimizer steps left out of the benchmark result (warm-up, compile); null = the "
+            "run's train.throughput_warmup_steps rule, the steps its summary leaves out"
+        },
     )
     cell_id: str | None = field(
         default=None,

@@ -21,7 +21,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -165,26 +164,20 @@ def measure_h2d_gbps(device: Any, *, size_bytes: int = 256 * 2**20, repeats: int
     """Pinned host → device copy bandwidth in GB/s (1e9 bytes), best of `repeats`; None on CPU (no device memory)."""
     import torch
 
+    from gaudi3_scale.monitor.clock import DeviceClock
+
     if device.type == "cpu":
         return None
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda"  # hpu: not yet validated on Gaudi hardware
     host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=cuda)  # page-locked: DMA at full speed
     target = torch.empty(size_bytes, dtype=torch.uint8, device=device)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-        else:  # hpu: not yet validated on Gaudi hardware
-            torch.hpu.synchronize()  # type: ignore[attr-defined]
-
+    clock = DeviceClock(device)
     target.copy_(host, non_blocking=True)
-    sync()
     best = math.inf
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock.now()
         target.copy_(host, non_blocking=True)
-        sync()
-        best = min(best, time.perf_counter() - started)
+        best = min(best, clock.now() - started)
     return size_bytes / best / 1e9
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gaudi3_scale.bench.cell import cell_of_config
+from gaudi3_scale.bench.cell import cell_of_config, cell_warmup_steps
 from gaudi3_scale.bench.collect import collect_from_lines
 from gaudi3_scale.bench.matrix import Cell, MatrixConfig
 from gaudi3_scale.bench.result import failed_result, write_result
@@ -67,7 +67,7 @@ def _run_cell(cell: Cell, cell_dir: Path, timeout_s: float, environment: dict[st
     command = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--config", str(cell_dir / "cell.yaml"),
                "--out", str(run_dir), "--resume", "never", "--no-progress", "--sample-tokens", "0"]  # fmt: skip
     job = run_job(command, cell_dir / "train.log", timeout_s=timeout_s)
-    warmup = cell.config.benchmark.warmup_steps
+    warmup = cell_warmup_steps(cell.config)
     with job.log_path.open(errors="replace") as log:
         printed = collect_from_lines(log, str(job.log_path))
     if printed and job.status != "timeout":

@@ -51,6 +51,11 @@ PRESETS: list[dict[str, Any]] = [
     # from ffn_dim_multiplier=1.3 and multiple_of=1024 / 4096; context 8192 from the model card.
     dict(name="llama3-8b", num_layers=32, num_heads=32, dim=4096, ffn_dim=14336, **_LLAMA3),
     dict(name="llama3-70b", num_layers=80, num_heads=64, dim=8192, ffn_dim=28672, **_LLAMA3),
+    # meta-llama/Llama-3.2-1B config.json (2024-09-25): hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate
+    # 8192, tied embeddings. Its rope_scaling (llama3 type, factor 32, for 128k contexts) is not modelled: the
+    # context here is its original_max_position_embeddings, 8192, where that scaling does not apply.
+    dict(name="llama3.2-1b", num_layers=16, num_heads=32, dim=2048, ffn_dim=8192,
+         **{**_LLAMA3, "tie_embeddings": True}),
     # Not a published model: the smallest Llama-shaped net that still exercises GQA (2 query heads per kv head)
     # and RoPE, for tests and smoke runs. ffn_dim = 3·dim, near Llama's 8/3·dim.
     dict(name="llama-tiny", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, dim=64, ffn_dim=192,

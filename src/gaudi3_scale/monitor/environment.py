@@ -17,7 +17,7 @@ from gaudi3_scale.device.select import cpu_model_name
 
 __all__ = ["environment_info"]
 
-_PACKAGES = ("gaudi3-scale", "torch", "lightning", "numpy", "tokenizers")
+_PACKAGES = ("gaudi3-scale", "torch", "lightning", "numpy", "tokenizers", "torchao", "triton", "deepspeed")
 
 
 def _git_commit() -> str | None:

@@ -1,8 +1,8 @@
 """One tuning trial: a short real training run of one candidate, in its own process group, through `gaudi3 train`.
 
 The trial launches exactly what training launches (the same CLI and launcher, several ranks included), with
-checkpoints off, a step logged every step, and `warmup_steps` (+2 with `torch.compile`) excluded from the
-measurement. Whatever happens to it ends the trial, never the tuner: `distributed.jobs.run_job` supervises it
+checkpoints off, a step logged every step, and `warmup_steps` (+3 with `torch.compile`, the rule of
+`monitor.clock`) excluded from the measurement; step times come from the run's synchronised clock. Whatever happens to it ends the trial, never the tuner: `distributed.jobs.run_job` supervises it
 (out of memory, crash, timeout; see there), and on CPU the ranks' own peak RSS is checked against the budget at the
 end as well.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gaudi3_scale.distributed.jobs import run_job
+from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
 from gaudi3_scale.tune.space import Candidate
 
 __all__ = ["TrialResult", "TrialSettings", "run_trial"]
@@ -35,7 +36,7 @@ class TrialSettings:
 
     def steps(self, candidate: Candidate) -> tuple[int, int]:
         """(steps excluded from the measurement, total steps)."""
-        warmup = self.warmup_steps + (2 if candidate.compile else 0)
+        warmup = self.warmup_steps + (COMPILE_WARMUP_STEPS if candidate.compile else 0)
         return warmup, warmup + self.measure_steps
 
 
@@ -72,7 +73,7 @@ class TrialResult:
 
 
 def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, out: Path) -> list[str]:
-    _, total = settings.steps(candidate)
+    warmup, total = settings.steps(candidate)
     return [
         sys.executable,
         "-m",
@@ -91,6 +92,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         str(settings.world_size),
         *candidate.overrides(),
         f"--train.max_steps={total}",
+        f"--train.throughput_warmup_steps={warmup}",
         "--train.log_every_steps=1",
         "--train.val_every_steps=0",
         "--train.val_batches=1",

@@ -1,0 +1,372 @@
+"""`gaudi3 train` against a minimal plain-PyTorch loop on the same model code and batch, alternated in one run.
+
+Each cell runs both sides in fresh processes, alternated (plain, gaudi3, plain, gaudi3, ...) so drift hits both:
+
+  plain   build_model → AdamW (fused on CUDA) → bf16 autocast → loss = cross-entropy of the model's logits, the two
+          in one torch.compile region when compiled → backward → clip 1.0 → step; uniformly random token batches
+          from pinned host memory, copied non-blocking; TF32 on. What nanoGPT's train.py does, on our model code.
+  gaudi3  `gaudi3 train` on `data.source synthetic` (uniformly random ids) with the same shape, batch, precision
+          and compile setting, checkpoints and validation off; its summary.json (steady state, device-synchronised).
+
+Both leave out the same warm-up steps and time the same measured steps after a device synchronise. MFU is
+6N + 12·L·H·Q·T FLOPs per token (models/counting.py) over the device's dense BF16 peak (device/accelerators.yaml;
+on CPU the measured fp32 matmul peak). Results go to JSON (device, library versions, every run) and a PNG.
+
+    python benchmarks/bench_gpu.py                            # all cells of the device's set (GPU: the H100 set)
+    python benchmarks/bench_gpu.py --cells gpt2-mb12-compiled  # some cells; results merge into the same JSON
+    python benchmarks/bench_gpu.py --small                     # the tiny CPU set (the default without CUDA)
+    python benchmarks/bench_gpu.py --list                      # the cells
+
+A device call on the lent GPU machine is limited to 10 minutes: run the GPU set a few cells at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    name: str
+    model: str  # registry preset
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int  # the synthetic ids' range; the model's vocabulary
+    context_length: int
+    micro_batch_size: int
+    precision: str  # a train.precision value
+    compile: bool
+    warmup_steps: int
+    measured_steps: int
+    loss_steps: int = 0  # > 0: also train this many steps on the bundled corpus and report the final loss
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.context_length
+
+
+def _gpt2(mb: int, compile: bool) -> Cell:
+    """nanoGPT's GPT-2 124M benchmark shape: bias off, context 1024, bf16 autocast."""
+    mode = "compiled" if compile else "eager"
+    return Cell(name=f"gpt2-mb{mb}-{mode}", model="gpt2-124m", model_overrides={"bias": False}, vocab_size=50257,
+                context_length=1024, micro_batch_size=mb, precision="bf16-mixed", compile=compile,
+                warmup_steps=5 if compile else 2, measured_steps=40)  # fmt: skip
+
+
+def _llama(precision: str) -> Cell:
+    return Cell(name=f"llama3.2-1b-{precision}-compiled", model="llama3.2-1b", vocab_size=128256,
+                context_length=2048, micro_batch_size=8, precision=precision, compile=True, warmup_steps=5,
+                measured_steps=20, loss_steps=200)  # fmt: skip
+
+
+GPU_CELLS = [_gpt2(12, False), _gpt2(12, True), _gpt2(32, False), _gpt2(32, True), _llama("bf16-mixed"),
+             _llama("fp8")]  # fmt: skip
+_TINY = {"arch": "gpt2", "num_layers": 2, "num_heads": 2, "dim": 64, "bias": False}
+CPU_CELLS = [
+    Cell(name="tiny-eager", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
+         micro_batch_size=8, precision="32-true", compile=False, warmup_steps=2, measured_steps=20),
+    Cell(name="tiny-compiled", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
+         micro_batch_size=8, precision="32-true", compile=True, warmup_steps=5, measured_steps=20),
+]  # fmt: skip
+
+
+# ---- the plain loop (runs in a worker process: `bench_gpu.py --worker plain CELL_JSON`) ------------------------
+def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from gaudi3_scale.models import build_model, get_model_config
+    from gaudi3_scale.monitor.clock import DeviceClock
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    cfg = _model_config(cell, get_model_config).resolve_padding(device.type)
+    torch.manual_seed(0)
+    with device:
+        model = build_model(cfg)
+    if cell.precision == "fp8":
+        from gaudi3_scale.device.float8 import apply_float8
+
+        apply_float8(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), fused=True)
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    step_fn = torch.compile(loss_fn) if cell.compile else loss_fn
+    bf16 = cell.precision in ("bf16-mixed", "fp8")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cell.vocab_size, size=4_000_000, dtype=np.int64)  # like the synthetic source
+    pin = device.type == "cuda"
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = rng.integers(0, len(tokens) - cell.context_length - 1, size=cell.micro_batch_size)
+        window = tokens[starts[:, None] + np.arange(cell.context_length + 1)]
+        x, y = torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(window[:, 1:].copy())
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    clock = DeviceClock(device)
+    started = 0.0
+    for step in range(cell.warmup_steps + cell.measured_steps):
+        if step == cell.warmup_steps:
+            started = clock.now()
+        x, y = batch()
+        with autocast:
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step_time_s = (clock.now() - started) / cell.measured_steps
+    return {"step_time_s": step_time_s, "final_loss": float(loss.detach())}
+
+
+def _model_config(cell: Cell, get_model_config: Any) -> Any:
+    from dataclasses import replace
+
+    cfg = get_model_config(cell.model)
+    return replace(
+        cfg, **cell.model_overrides, vocab_size=cell.vocab_size, context_length=cell.context_length
+    )
+
+
+# ---- the gaudi3 side ---------------------------------------------------------------------------------------------
+def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> list[str]:
+    model = [f"--model.{k}={v}".lower() if isinstance(v, bool) else f"--model.{k}={v}"
+             for k, v in cell.model_overrides.items()]  # fmt: skip
+    return [
+        f"--model.name={cell.model}", *model, f"--model.context_length={cell.context_length}",
+        f"--model.vocab_size={cell.vocab_size}", f"--data.source={source}",
+        f"--train.micro_batch_size={cell.micro_batch_size}", f"--train.global_batch_size={cell.micro_batch_size}",
+        f"--train.precision={cell.precision}", f"--train.compile={str(cell.compile).lower()}",
+        f"--train.max_steps={steps}", f"--train.throughput_warmup_steps={warmup}",
+        "--train.val_every_steps=0", "--train.val_batches=1", "--checkpoint.enabled=false",
+        "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
+    ]  # fmt: skip
+
+
+def run_gaudi3(cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
+    steps = cell.warmup_steps + cell.measured_steps
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--resume", "never",
+           "--no-progress", "--sample-tokens", "0",
+           *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    summary = json.loads((out / "summary.json").read_text())
+    return {"status": "ok", "step_time_s": summary["step_time_s"], "measured_steps": summary["measured_steps"],
+            "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"]}  # fmt: skip
+
+
+def run_plain(cell: Cell, device: str, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", "plain", json.dumps(asdict(cell)), "--device", device]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+# ---- measurement, ratios, output ---------------------------------------------------------------------------------
+def _peak_flops(device: str) -> tuple[float | None, str]:
+    import torch
+
+    from gaudi3_scale.device.select import measure_cpu_matmul_flops
+    from gaudi3_scale.device.specs import find_accelerator
+
+    if device == "cpu":
+        threads = torch.get_num_threads()
+        return measure_cpu_matmul_flops(threads), f"measured fp32 matmul peak with {threads} threads"
+    spec = find_accelerator(torch.cuda.get_device_name())
+    if spec is None:
+        return None, "unknown accelerator"
+    return spec.bf16_dense_tflops * 1e12, f"{spec.name} dense BF16 peak: {spec.source}"
+
+
+def summarize(cell: Cell, runs: dict[str, list[dict[str, Any]]], peak: float | None) -> dict[str, Any]:
+    from gaudi3_scale.models import flops_per_token, get_model_config
+
+    fpt = flops_per_token(_model_config(cell, get_model_config))
+    out: dict[str, Any] = {"cell": asdict(cell), "flops_per_token": fpt, "runs": runs}
+    for side in ("plain", "gaudi3"):
+        ok = [r["step_time_s"] for r in runs[side] if r.get("status") == "ok"]
+        if not ok:
+            out[side] = None
+            continue
+        step = statistics.median(ok)
+        tps = cell.tokens_per_step / step
+        out[side] = {
+            "ms_per_step": step * 1e3,
+            "tokens_per_s": tps,
+            "mfu": tps * fpt / peak if peak else None,
+        }
+    if out["plain"] and out["gaudi3"]:
+        out["ratio_tokens_per_s"] = out["gaudi3"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in results["cells"].values() if c.get("plain") and c.get("gaudi3")]
+    if not cells:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cells)), 4), dpi=110)
+    xs = range(len(cells))
+    for offset, side in ((-0.2, "plain"), (0.2, "gaudi3")):
+        ax.bar([x + offset for x in xs], [c[side]["ms_per_step"] for c in cells], width=0.4, label=side)
+    for x, c in zip(xs, cells, strict=True):
+        ax.annotate(f"×{c['ratio_tokens_per_s']:.3f}", (x, max(c["plain"]["ms_per_step"], c["gaudi3"]["ms_per_step"])),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(list(xs), [c["cell"]["name"] for c in cells], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms per optimizer step (median)")
+    machine = results["machine"]
+    device = (machine.get("cuda") or {}).get("device") or machine.get("cpu")
+    ax.set_title(f"gaudi3 train vs a plain PyTorch loop — {device}  (×: tokens/s ratio)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", choices=["plain"], help=argparse.SUPPRESS)
+    parser.add_argument("cell_json", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--small", action="store_true", help="the tiny CPU cell set (the default without CUDA)"
+    )
+    parser.add_argument("--cells", help="comma-separated cell names (default: the whole set)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternated plain/gaudi3 pairs per cell")
+    parser.add_argument("--measured-steps", type=int, help="override every cell's measured steps")
+    parser.add_argument("--no-loss", action="store_true", help="skip the 200-step loss runs of the fp8 cells")
+    parser.add_argument(
+        "--out", type=Path, help="result JSON (merged by cell; default results/gpu_<device>.json)"
+    )
+    parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    args = parser.parse_args()
+    if args.worker:
+        cell = Cell(**json.loads(args.cell_json))
+        print(json.dumps(plain_loop(cell, args.device or "cpu")))
+        return
+
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from gaudi3_scale.monitor.environment import environment_info
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cells = CPU_CELLS if args.small or device == "cpu" else GPU_CELLS
+    if args.list:
+        for c in cells:
+            print(f"{c.name:32s} {c.model} mb {c.micro_batch_size} ctx {c.context_length} {c.precision} "
+                  f"{'compiled' if c.compile else 'eager'}")  # fmt: skip
+        return
+    if args.cells:
+        wanted = args.cells.split(",")
+        unknown = sorted(set(wanted) - {c.name for c in cells})
+        if unknown:
+            parser.error(f"unknown cell(s) {', '.join(unknown)}; valid: {', '.join(c.name for c in cells)}")
+        cells = [c for c in cells if c.name in wanted]
+    if args.measured_steps:
+        cells = [Cell(**{**asdict(c), "measured_steps": args.measured_steps}) for c in cells]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    out = args.out or RESULTS / f"gpu_{'cpu' if device == 'cpu' else 'cuda'}.json"
+    results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"cells": {}}
+    results.update(benchmark="bench_gpu", machine=environment_info())
+    peak, peak_source = _peak_flops(device)
+    results["peak_flops"], results["peak_source"] = peak, peak_source
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    with progress, tempfile.TemporaryDirectory() as tmp:
+        task = progress.add_task("bench_gpu", total=len(cells) * args.repeats * 2)
+        for cell in cells:
+            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "gaudi3": []}
+            for i in range(args.repeats):
+                progress.update(task, description=f"{cell.name} #{i} plain")
+                runs["plain"].append(run_plain(cell, device, env))
+                progress.advance(task)
+                progress.update(task, description=f"{cell.name} #{i} gaudi3")
+                runs["gaudi3"].append(run_gaudi3(cell, Path(tmp) / f"{cell.name}-{i}", env))
+                progress.advance(task)
+            results["cells"][cell.name] = summarize(cell, runs, peak)
+            _print_cell(results["cells"][cell.name])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(
+                json.dumps(results, indent=2) + "\n"
+            )  # after every cell: a killed run keeps the rest
+    if not args.no_loss:
+        _loss_check(cells, device, env, results, out)
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _print_cell(result: dict[str, Any]) -> None:
+    name = result["cell"]["name"]
+    plain, ours = result.get("plain"), result.get("gaudi3")
+    if not plain or not ours:
+        print(f"{name}: failed: {result['runs']}")
+        return
+    mfu = f"  MFU {ours['mfu']:.1%}" if ours.get("mfu") else ""
+    print(f"{name:32s} plain {plain['ms_per_step']:8.2f} ms  gaudi3 {ours['ms_per_step']:8.2f} ms  "
+          f"{ours['tokens_per_s']:12,.0f} tok/s{mfu}  ×{result['ratio_tokens_per_s']:.3f}")  # fmt: skip
+
+
+def _loss_check(
+    cells: list[Cell], device: str, env: dict[str, str], results: dict[str, Any], out: Path
+) -> None:
+    """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16, final losses."""
+    for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
+        losses: dict[str, Any] = {}
+        for precision in ("bf16-mixed", "fp8"):
+            variant = Cell(**{**asdict(cell), "precision": precision})
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", tmp, "--resume", "never",
+                       "--no-progress", "--sample-tokens", "0",
+                       *gaudi3_overrides(variant, steps=cell.loss_steps, warmup=5, source="tinyshakespeare")]  # fmt: skip
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                summary = json.loads((Path(tmp) / "summary.json").read_text()) if done.returncode == 0 else {}
+            losses[precision] = summary.get("train_loss")
+        bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
+        relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
+        results["cells"][cell.name]["loss_after_steps"] = {
+            "steps": cell.loss_steps,
+            **losses,
+            "relative": relative,
+        }
+        print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative})")
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
