@@ -51,6 +51,13 @@ class Cell:
     warmup_steps: int
     measured_steps: int
     loss_steps: int = 0  # > 0: also train this many steps on the bundled corpus and report the final loss
+    # Knobs of the defaults under test (--ablation); None / True = the default each side picks by itself.
+    pad_vocab_to_multiple: int | None = None  # both sides
+    compile_mode: str = "default"  # both sides
+    loss_in_compile: bool = (
+        True  # plain loop only: False compiles the model alone, the loss runs eagerly after it
+    )
+    pin_memory: bool = True  # plain loop only: False copies batches from pageable memory
 
     @property
     def tokens_per_step(self) -> int:
@@ -73,6 +80,19 @@ def _llama(precision: str) -> Cell:
 
 GPU_CELLS = [_gpt2(12, False), _gpt2(12, True), _gpt2(32, False), _gpt2(32, True), _llama("bf16-mixed"),
              _llama("fp8")]  # fmt: skip
+
+
+def _variant(base: Cell, label: str, **change: Any) -> Cell:
+    return Cell(**{**asdict(base), **change, "name": f"{base.name} | {label}"})
+
+
+# --ablation: each default against the same cell without it. (base, variant, the sides whose code has the knob)
+GPU_ABLATION: list[tuple[Cell, Cell, tuple[str, ...]]] = [
+    (_gpt2(32, True), _variant(_gpt2(32, True), "vocab not padded", pad_vocab_to_multiple=1), ("plain", "gaudi3")),
+    (_gpt2(32, True), _variant(_gpt2(32, True), "loss outside compile", loss_in_compile=False), ("plain",)),
+    (_gpt2(32, True), _variant(_gpt2(32, True), "pageable batches", pin_memory=False), ("plain",)),
+    (_gpt2(12, True), _variant(_gpt2(12, True), "CUDA graphs", compile_mode="reduce-overhead"), ("plain", "gaudi3")),
+]  # fmt: skip
 _TINY = {"arch": "gpt2", "num_layers": 2, "num_heads": 2, "dim": 64, "bias": False}
 CPU_CELLS = [
     Cell(name="tiny-eager", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
@@ -80,6 +100,12 @@ CPU_CELLS = [
     Cell(name="tiny-compiled", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
          micro_batch_size=8, precision="32-true", compile=True, warmup_steps=5, measured_steps=20),
 ]  # fmt: skip
+# On CPU the measured decision is the other way round: padding the vocabulary only adds work.
+_CHAR = Cell(**{**asdict(CPU_CELLS[0]), "name": "char-eager", "vocab_size": 65})
+CPU_ABLATION: list[tuple[Cell, Cell, tuple[str, ...]]] = [
+    (_CHAR, _variant(_CHAR, "vocab padded to 64", pad_vocab_to_multiple=64), ("plain", "gaudi3")),
+    (CPU_CELLS[1], _variant(CPU_CELLS[1], "loss outside compile", loss_in_compile=False), ("plain",)),
+]
 
 
 # ---- the plain loop (runs in a worker process: `bench_gpu.py --worker plain CELL_JSON`) ------------------------
@@ -111,12 +137,22 @@ def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
         logits = model(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
-    step_fn = torch.compile(loss_fn) if cell.compile else loss_fn
+    mode = None if cell.compile_mode == "default" else cell.compile_mode
+    step_fn = loss_fn
+    if cell.compile and cell.loss_in_compile:
+        step_fn = torch.compile(loss_fn, mode=mode)
+    elif cell.compile:
+        compiled_model = torch.compile(model, mode=mode)
+
+        def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = compiled_model(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
     bf16 = cell.precision in ("bf16-mixed", "fp8")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cell.vocab_size, size=4_000_000, dtype=np.int64)  # like the synthetic source
-    pin = device.type == "cuda"
+    pin = device.type == "cuda" and cell.pin_memory
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         starts = rng.integers(0, len(tokens) - cell.context_length - 1, size=cell.micro_batch_size)
@@ -132,6 +168,8 @@ def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
         if step == cell.warmup_steps:
             started = clock.now()
         x, y = batch()
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             loss = step_fn(x, y)
         loss.backward()
@@ -146,9 +184,8 @@ def _model_config(cell: Cell, get_model_config: Any) -> Any:
     from dataclasses import replace
 
     cfg = get_model_config(cell.model)
-    return replace(
-        cfg, **cell.model_overrides, vocab_size=cell.vocab_size, context_length=cell.context_length
-    )
+    return replace(cfg, **cell.model_overrides, vocab_size=cell.vocab_size, context_length=cell.context_length,
+                   pad_vocab_to_multiple=cell.pad_vocab_to_multiple)  # fmt: skip
 
 
 # ---- the gaudi3 side ---------------------------------------------------------------------------------------------
@@ -163,6 +200,8 @@ def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> lis
         f"--train.max_steps={steps}", f"--train.throughput_warmup_steps={warmup}",
         "--train.val_every_steps=0", "--train.val_batches=1", "--checkpoint.enabled=false",
         "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
+        *([f"--model.pad_vocab_to_multiple={cell.pad_vocab_to_multiple}"] if cell.pad_vocab_to_multiple else []),
+        *([f"--train.compile_mode={cell.compile_mode}"] if cell.compile_mode != "default" else []),
     ]  # fmt: skip
 
 
@@ -270,6 +309,9 @@ def main() -> None:
         "--out", type=Path, help="result JSON (merged by cell; default results/gpu_<device>.json)"
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument(
+        "--ablation", action="store_true", help="each accelerator default against the same cell without it"
+    )
     args = parser.parse_args()
     if args.worker:
         cell = Cell(**json.loads(args.cell_json))
@@ -309,26 +351,77 @@ def main() -> None:
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with progress, tempfile.TemporaryDirectory() as tmp:
-        task = progress.add_task("bench_gpu", total=len(cells) * args.repeats * 2)
-        for cell in cells:
-            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "gaudi3": []}
-            for i in range(args.repeats):
-                progress.update(task, description=f"{cell.name} #{i} plain")
-                runs["plain"].append(run_plain(cell, device, env))
-                progress.advance(task)
-                progress.update(task, description=f"{cell.name} #{i} gaudi3")
-                runs["gaudi3"].append(run_gaudi3(cell, Path(tmp) / f"{cell.name}-{i}", env))
-                progress.advance(task)
-            results["cells"][cell.name] = summarize(cell, runs, peak)
-            _print_cell(results["cells"][cell.name])
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(
-                json.dumps(results, indent=2) + "\n"
-            )  # after every cell: a killed run keeps the rest
-    if not args.no_loss:
-        _loss_check(cells, device, env, results, out)
+        measure = _Measure(device, env, Path(tmp), progress, args.repeats)
+        if args.ablation:
+            pairs = CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION
+            measure.task = progress.add_task(
+                "ablation", total=sum(2 * len(sides) for *_, sides in pairs) * args.repeats
+            )
+            for base, variant, sides in pairs:
+                results.setdefault("ablation", {})[variant.name] = measure.ablation(base, variant, sides)
+                _write(results, out)
+        else:
+            measure.task = progress.add_task("bench_gpu", total=len(cells) * args.repeats * 2)
+            for cell in cells:
+                runs = measure.runs(cell, ("plain", "gaudi3"))
+                results["cells"][cell.name] = summarize(cell, runs, peak)
+                _print_cell(results["cells"][cell.name])
+                _write(results, out)  # after every cell: a killed run keeps the rest
+    if not args.no_loss and not args.ablation:
+        _loss_check(cells, env, results, out)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _write(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+class _Measure:
+    """Runs cells side by side (alternated) and advances one progress bar."""
+
+    def __init__(self, device: str, env: dict[str, str], tmp: Path, progress: Any, repeats: int) -> None:
+        self.device, self.env, self.tmp, self.progress, self.repeats = device, env, tmp, progress, repeats
+        self.task: Any = None
+
+    def one(self, cell: Cell, side: str, i: int) -> dict[str, Any]:
+        self.progress.update(self.task, description=f"{cell.name} #{i} {side}")
+        if side == "plain":
+            run = run_plain(cell, self.device, self.env)
+        else:
+            run = run_gaudi3(
+                cell, self.tmp / f"{cell.name.replace(' | ', '-').replace(' ', '_')}-{i}", self.env
+            )
+        self.progress.advance(self.task)
+        return run
+
+    def runs(self, cell: Cell, sides: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        for i in range(self.repeats):
+            for side in sides:
+                runs[side].append(self.one(cell, side, i))
+        return runs
+
+    def ablation(self, base: Cell, variant: Cell, sides: tuple[str, ...]) -> dict[str, Any]:
+        """Base and variant alternated on each side; the variant's step time over the default's."""
+        out: dict[str, Any] = {"base": base.name}
+        for side in sides:
+            times: dict[str, list[float]] = {"base": [], "variant": []}
+            for i in range(self.repeats):
+                for key, cell in (("base", base), ("variant", variant)):
+                    run = self.one(cell, side, i)
+                    if run.get("status") == "ok":
+                        times[key].append(run["step_time_s"])
+            if times["base"] and times["variant"]:
+                b, v = statistics.median(times["base"]), statistics.median(times["variant"])
+                out[side] = {"default_ms_per_step": b * 1e3, "variant_ms_per_step": v * 1e3,
+                             "variant_step_time_over_default": v / b}  # fmt: skip
+                print(f"{variant.name:48s} {side:6s} default {b * 1e3:8.2f} ms  variant {v * 1e3:8.2f} ms  "
+                      f"×{v / b:.3f}")  # fmt: skip
+            else:
+                out[side] = {"failed": times}
+        return out
 
 
 def _print_cell(result: dict[str, Any]) -> None:
@@ -342,9 +435,7 @@ def _print_cell(result: dict[str, Any]) -> None:
           f"{ours['tokens_per_s']:12,.0f} tok/s{mfu}  ×{result['ratio_tokens_per_s']:.3f}")  # fmt: skip
 
 
-def _loss_check(
-    cells: list[Cell], device: str, env: dict[str, str], results: dict[str, Any], out: Path
-) -> None:
+def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path) -> None:
     """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16, final losses."""
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
         losses: dict[str, Any] = {}
@@ -365,7 +456,7 @@ def _loss_check(
             "relative": relative,
         }
         print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative})")
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        _write(results, out)
 
 
 if __name__ == "__main__":
