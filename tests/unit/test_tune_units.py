@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
+from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.distributed.jobs import classify_failure
 from gaudi3_scale.train.config import build_run_config
@@ -182,3 +184,35 @@ def test_a_rank_s_own_error_beats_the_launcher_s_report_of_it() -> None:
     )
     status, reason = classify_failure(output.replace("gaudi3: error: ", "ValueError: "), 1)
     assert reason.startswith("exit code 1: ValueError: parallel.strategy deepspeed_zero2")
+
+
+def _modelled_search(cuda_graphs: bool, tmp_path: Path) -> list:
+    """The search over a 1-rank space with trials whose tokens/s is a function of the candidate (a stand-in for
+    measured trials: here only the order of the search is under test): compile wins, CUDA graphs win more."""
+    from dataclasses import replace
+
+    from gaudi3_scale.tune.config import TuneConfig
+    from gaudi3_scale.tune.search import TrialCache, search
+    from gaudi3_scale.tune.trial import TrialResult
+
+    base = build_run_config(None, parse_overrides(["--train.global_batch_size", "4"]))
+    cache = TrialCache(tmp_path / "trials.jsonl", "fingerprint")
+    space = replace(build_space(base, world_size=1, compile=(False, True), threads=(1,),
+                                activation_checkpointing=(False,), precisions=("32-true",)), cuda_graphs=cuda_graphs)  # fmt: skip
+
+    def run(c, estimate):
+        speed = 1000.0 * c.micro_batch_size * (1.5 if c.compile else 1.0)
+        speed *= 1.3 if c.compile_mode == "reduce-overhead" else 1.0
+        return TrialResult(candidate=c, status="ok", tokens_per_s=speed, step_time_s=1 / speed)
+
+    outcome = search(space, TuneConfig(), run=run, estimate=lambda c: None, cache=cache)
+    return [outcome.best, outcome.results]
+
+
+def test_cuda_graphs_are_tried_once_compile_wins_and_only_where_the_space_allows(tmp_path: Path) -> None:
+    best, results = _modelled_search(cuda_graphs=True, tmp_path=tmp_path / "a")
+    assert best.candidate.compile and best.candidate.compile_mode == "reduce-overhead"
+    assert "--train.compile_mode=reduce-overhead" in best.candidate.overrides()
+    assert "compile reduce-overhead" in best.candidate.label(1)
+    best, results = _modelled_search(cuda_graphs=False, tmp_path=tmp_path / "b")
+    assert best.candidate.compile and all(r.candidate.compile_mode == "default" for r in results)

@@ -230,7 +230,10 @@ class GracefulInterrupt(pl.Callback):
     """SIGTERM, SIGUSR1 or Ctrl-C: finish the current optimizer step, save a checkpoint on every rank, stop.
 
     A signal may reach only some ranks (a preempted node, `kill` of one process); at every step boundary the ranks
-    agree by all-reducing the signal number (max), so all of them stop after the same step and save together.
+    agree by all-reducing the signal number (max), so all of them stop after the same step and save together. The
+    all-reduce issued at one boundary is read at the next: waiting for it at once would block the host on the
+    device every step (the host could no longer run ahead of an asynchronous accelerator), so a stop lands one
+    step after the signal is seen.
     A second Ctrl-C aborts at once. `signal_name` and `signal_to_checkpoint_s` say what happened and how long the
     emergency checkpoint took from the signal to its commit.
 
@@ -248,6 +251,9 @@ class GracefulInterrupt(pl.Callback):
         self.reason: str | None = None  # the signal's name, or what requested the stop
         self.signal_to_checkpoint_s: float | None = None
         self._exit_code = 0  # requested by this process, 0 = none
+        self._in_flight: tuple[Any, torch.Tensor] | None = (
+            None  # the previous boundary's all-reduce and its flags
+        )
         self.exit_code: int | None = None  # agreed by all ranks; None: the signal's convention applies
 
     @property
@@ -291,8 +297,7 @@ class GracefulInterrupt(pl.Callback):
             return
         agreed, exit_code = self._received, self._exit_code
         if trainer.world_size > 1:
-            flags = torch.tensor([self._received, self._exit_code], device=pl_module.device)
-            agreed, exit_code = (int(v) for v in trainer.strategy.reduce(flags, reduce_op="max"))
+            agreed, exit_code = self._agree(pl_module.device)
         if agreed:
             self.signal_name = PREEMPTION_SIGNALS[signal.Signals(agreed)]
             self.exit_code = exit_code or None
@@ -300,7 +305,28 @@ class GracefulInterrupt(pl.Callback):
                 self._received_at = time.perf_counter()
             self.checkpoint.save_requested = True  # StepCheckpoint (after us) saves now and stops the run
 
+    def _agree(self, device: torch.device) -> tuple[int, int]:
+        """(signal, exit code), the max over ranks of what each had at the previous step boundary; issues this
+        boundary's all-reduce without waiting for it. Every rank reads the same result, so all stop together."""
+        flags = torch.tensor([self._received, self._exit_code], dtype=torch.int64)
+        if device.type == "cuda":  # a pinned source: the copy is queued, not waited for
+            flags = flags.pin_memory().to(device, non_blocking=True)
+        else:
+            flags = flags.to(device)
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        previous, self._in_flight = self._in_flight, (work, flags)
+        if previous is None:
+            return 0, 0
+        previous[0].wait()
+        signum, exit_code = previous[1].tolist()
+        return int(signum), int(exit_code)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if (
+            self._in_flight is not None
+        ):  # the last boundary's all-reduce: every rank issued it, so it completes
+            self._in_flight[0].wait()
+            self._in_flight = None
         if self.signal_name is not None and self._received_at is not None:
             self.signal_to_checkpoint_s = self.checkpoint.committed_at - self._received_at
         for signum, previous in self._previous.items():

@@ -253,6 +253,12 @@ class _Search:
             r = self.evaluate(replace(base, compile=True))
             if self._faster(r, best):
                 best = r
+        base = best.candidate
+        # CUDA graphs replay a whole step's kernels with one launch: worth it where launches bound the step.
+        if self.space.cuda_graphs and base.compile and base.strategy in ("auto", "ddp"):
+            r = self.evaluate(replace(base, compile_mode="reduce-overhead"))
+            if self._faster(r, best):
+                best = r
 
     def limit_line(self, best: TrialResult | None) -> str:
         if best is None:

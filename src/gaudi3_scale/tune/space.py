@@ -43,6 +43,7 @@ class Candidate:
     activation_checkpointing: bool
     compile: bool
     threads: int | None  # intra-op threads per rank (CPU); None = the run's default
+    compile_mode: str = "default"  # reduce-overhead: CUDA graphs too (tried on CUDA once compile wins)
 
     def accumulation(self, world_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * world_size)
@@ -64,6 +65,8 @@ class Candidate:
         ]
         if self.threads is not None:
             out.append(f"--train.threads={self.threads}")
+        if self.compile_mode != "default":
+            out.append(f"--train.compile_mode={self.compile_mode}")
         return out
 
     def label(self, world_size: int) -> str:
@@ -76,7 +79,7 @@ class Candidate:
         if self.activation_checkpointing:
             parts.append("ckpt")
         if self.compile:
-            parts.append("compile")
+            parts.append("compile" if self.compile_mode == "default" else f"compile {self.compile_mode}")
         if self.threads is not None:
             parts.append(f"{self.threads} thr")
         return " ".join(parts)
@@ -92,6 +95,8 @@ class SearchSpace:
     activation_checkpointing: tuple[bool, ...]
     compile: tuple[bool, ...]
     threads: tuple[int | None, ...]
+    # After compile wins on CUDA, the refinement tries CUDA graphs (train.compile_mode reduce-overhead) too.
+    cuda_graphs: bool = False
 
     def micro_batches(self, global_batch: int) -> list[int]:
         return divisors(global_batch // self.world_size)
@@ -234,4 +239,5 @@ def build_space(
         activation_checkpointing=activation_checkpointing,
         compile=compile,
         threads=threads,
+        cuda_graphs=device == "cuda" and True in compile,
     )
