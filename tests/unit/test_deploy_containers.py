@@ -222,16 +222,44 @@ def test_image_extras_follow_the_run_config() -> None:
     assert "deepspeed" not in image_extras({"parallel": {"strategy": "deepspeed_zero3"}}, "gaudi2")
 
 
-def test_run_config_and_metaflow_launcher() -> None:
+def _run_launcher(script: str, tmp_path: Path, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Run metaflow/run.sh for real with a `python` that records its argv and environment: (argv, env)."""
+    (tmp_path / "metaflow").mkdir(exist_ok=True)
+    launcher = tmp_path / "metaflow" / "run.sh"
+    launcher.write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "record.json"
+    fake = bin_dir / "python"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+    )
+    fake.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    subprocess.run(["sh", str(launcher), "--steps", "5"], env={**base, **env}, cwd=tmp_path, check=True)
+    done = json.loads(record.read_text())
+    return done["argv"], done["env"]
+
+
+def test_run_config_and_metaflow_launcher(tmp_path: Path) -> None:
     import yaml
 
     files = render_containers(_spec("gaudi3"))
     assert yaml.safe_load(files["docker/run.yaml"]) == RUN_CONFIG
     script = files["metaflow/run.sh"]
-    assert 'python -m gaudi3_scale.deploy.flow run --config "$here/../docker/run.yaml"' in script
-    assert "GAUDI3_METAFLOW_DEVICES:-8" in script and "GAUDI3_METAFLOW_ACCELERATOR:-gaudi3" in script
-    assert f"METAFLOW_KUBERNETES_CONTAINER_IMAGE:-{VARIANTS['gaudi3']}" in script
     subprocess.run(["sh", "-n", "-c", script], check=True)  # valid shell
+    argv, env = _run_launcher(script, tmp_path, {})
+    assert argv == ["-m", "gaudi3_scale.deploy.flow", "run", "--config", f"{tmp_path}/metaflow/../docker/run.yaml",
+                    "--out", "runs/golden-flow", "--accelerator", "gaudi3", "--steps", "5"]  # fmt: skip
+    assert env["GAUDI3_METAFLOW_DEVICES"] == "8" and env["GAUDI3_METAFLOW_ACCELERATOR"] == "gaudi3"
+    assert env["METAFLOW_KUBERNETES_CONTAINER_IMAGE"] == VARIANTS["gaudi3"]
+    # The environment overrides each of the render's choices.
+    overrides = {"GAUDI3_METAFLOW_DEVICES": "2", "GAUDI3_METAFLOW_ACCELERATOR": "h100",
+                 "METAFLOW_KUBERNETES_CONTAINER_IMAGE": "other:2"}  # fmt: skip
+    argv, env = _run_launcher(script, tmp_path, overrides)
+    assert argv[argv.index("--accelerator") + 1] == "h100"
+    assert {k: env[k] for k in overrides} == overrides
 
 
 @pytest.mark.parametrize("accelerator", sorted(VARIANTS))

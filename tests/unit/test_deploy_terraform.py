@@ -25,8 +25,10 @@ import jinja2
 import pytest
 import yaml
 
+from deploy_readers import templatefile
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy import tf_common
+from gaudi3_scale.deploy.quoting import hcl_string
 from gaudi3_scale.deploy.render import renderers
 from gaudi3_scale.deploy.spec import DeploySpec, default_per_node
 from gaudi3_scale.deploy.terraform import instance_for
@@ -265,18 +267,6 @@ def test_gcp_takes_a_zone_as_its_region() -> None:
 
 # ---- the node bootstrap -----------------------------------------------------------------------------------------
 
-_LOOP = "%{ for env_name, ref in secrets ~}\n${env_name}=${ref}\n%{ endfor ~}\n"
-_NOT_ESCAPED = re.compile(r"(?<!\$)\$\{|(?<!%)%\{")
-
-
-def _templatefile(text: str, values: dict[str, Any]) -> str:
-    """What Terraform's templatefile() makes of the bootstrap: its one for-loop, `${name}` interpolations, and the
-    `$${` / `%%{` escapes. Anything else in template syntax fails here (Terraform would need to evaluate it)."""
-    text = text.replace(_LOOP, "".join(f"{k}={v}\n" for k, v in sorted(values["secrets"].items())))
-    text = re.sub(r"(?<!\$)\$\{([a-z_]+)\}", lambda m: str(values[m.group(1)]), text)
-    assert not _NOT_ESCAPED.search(text), _NOT_ESCAPED.search(text)
-    return text.replace("$${", "${").replace("%%{", "%{")
-
 
 def _template_values(target: str) -> dict[str, Any]:
     values = dict(node_rank=1, rdzv_host="10.0.0.5", nnodes=2, nproc_per_node=8, image="img:1",
@@ -307,7 +297,7 @@ def _fake_command(directory: Path, name: str, body: str) -> None:
 def test_the_bootstrap_starts_the_launcher_with_this_nodes_rank(
     target: str, rendered: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
-    script = _templatefile(rendered[target][tf_common.BOOTSTRAP], _template_values(target))
+    script = templatefile(rendered[target][tf_common.BOOTSTRAP], _template_values(target))
     subprocess.run(["bash", "-n", "-c", script], check=True)
     files = _heredocs(script)
     assert yaml.safe_load(files["/etc/gaudi3/run.yaml"]) == RUN_CONFIG
@@ -338,7 +328,7 @@ def test_the_bootstrap_starts_the_launcher_with_this_nodes_rank(
 def test_the_aws_secrets_script_writes_a_private_env_file(
     rendered: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
-    script = _templatefile(rendered["aws"][tf_common.BOOTSTRAP], _template_values("aws"))
+    script = templatefile(rendered["aws"][tf_common.BOOTSTRAP], _template_values("aws"))
     files = _heredocs(script)
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "secret-refs").write_text(files["/etc/gaudi3/secret-refs"])
@@ -359,7 +349,7 @@ def test_the_aws_secrets_script_writes_a_private_env_file(
 def _hcl_literal(value: Any) -> str:
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_hcl_literal(v)}" for k, v in value.items()) + " }"
-    return str(value) if isinstance(value, int) else tf_common.hcl_string(str(value))
+    return str(value) if isinstance(value, int) else hcl_string(str(value))
 
 
 @pytest.mark.skipif(
@@ -378,7 +368,7 @@ def test_terraform_itself_fills_in_the_bootstrap_the_same_way(
     assert done.returncode == 0, done.stderr
     body = re.search(r"<<EOT\n(.*)\nEOT", done.stdout, re.S)
     assert body is not None, done.stdout[:500]
-    assert body.group(1).rstrip() == _templatefile(rendered["azure"][tf_common.BOOTSTRAP], values).rstrip()
+    assert body.group(1).rstrip() == templatefile(rendered["azure"][tf_common.BOOTSTRAP], values).rstrip()
 
 
 # ---- checkov ----------------------------------------------------------------------------------------------------
@@ -518,8 +508,8 @@ def test_onprem_inventory_ranks_the_hosts_and_the_playbook_installs_the_node(
     [
         ((), "--hosts: onprem needs the machines to train on"),
         (("a", "b"), "--hosts: 2 host(s) for --nodes 3"),
-        (("a", "b", "a"), "a host is listed twice"),
-        (("a", "b c", "d"), "'b c' is neither a host name nor an IP address"),
+        (("a", "b", "a"), "--hosts: 'a' is listed twice"),
+        (("a", "b c", "d"), "--hosts: each host must be a host name"),
     ],
 )
 def test_onprem_host_mistakes_are_one_line(hosts: tuple[str, ...], message: str) -> None:

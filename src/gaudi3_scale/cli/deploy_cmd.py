@@ -71,7 +71,7 @@ def render_cmd(
         config_path=Path(config_path),
         run_config=to_dict(cfg),
         name=cfg.name,
-        image=image or default_image(accelerator),
+        image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,
         hosts=tuple(h.strip() for h in (hosts or "").split(",") if h.strip()),
         extra=_settings(settings),

@@ -14,8 +14,7 @@ written at start from the cloud's secret store (Terraform targets) or provisione
 
 from __future__ import annotations
 
-import yaml
-
+from gaudi3_scale.deploy.quoting import comment, yaml_text
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = ["RDZV_PORT", "node_env", "run_config_yaml", "run_script", "systemd_unit"]
@@ -117,7 +116,8 @@ def node_env(
 
 def run_config_yaml(spec: DeploySpec) -> str:
     """The run config the nodes train with, as the YAML `gaudi3 train --config` reads."""
-    header = (
-        f"# The run config of {spec.name}, resolved by `gaudi3 deploy render` from {spec.config_path.name}.\n"
+    source = comment(spec.config_path.name)
+    return (
+        f"# The run config of {spec.name}, resolved by `gaudi3 deploy render` from {source}.\n"
+        + yaml_text(spec.run_config)
     )
-    return header + yaml.safe_dump(spec.run_config, sort_keys=False)

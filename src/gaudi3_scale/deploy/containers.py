@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gaudi3_scale.deploy.quoting import comment, dockerfile_exec, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import CONTAINERS, register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
 
@@ -78,24 +79,25 @@ def image_extras(run_config: dict[str, Any], accelerator: str) -> list[str]:
 
 def _header(spec: DeploySpec, gaudi: bool) -> str:
     base = "Intel's Gaudi PyTorch image" if gaudi else "python slim + PyPI's CUDA torch wheel"
+    image = sh_quote(spec.image)  # the comments show commands to copy into a shell
     lines = [
-        "# syntax=docker/dockerfile:1",
-        f"# gaudi3-scale images for run {spec.name!r} on {spec.accelerator} ({base}).",
-        "# Build from a gaudi3-scale source checkout (the build context); this file's directory holds its ignore file:",
-        f"#   docker build -f docker/Dockerfile --target train -t {spec.image} <gaudi3-scale checkout>",
-        "#   docker build -f docker/Dockerfile --target inference -t <name>-inference <gaudi3-scale checkout>",
-        f"# The run config (docker/run.yaml here) is mounted at {CONFIG_MOUNT} (a ConfigMap on Kubernetes), not baked in:",
-        f"#   docker run -v $PWD/docker/run.yaml:{CONFIG_MOUNT}:ro -v $PWD/runs:/workspace/runs {spec.image}",
-        f"# The inference image serves an export (gaudi3 ckpt export) mounted at {MODEL_MOUNT}:",
-        f"#   docker run -p {SERVE_PORT}:{SERVE_PORT} -v $PWD/export:{MODEL_MOUNT}:ro <name>-inference",
+        "syntax=docker/dockerfile:1",
+        f"gaudi3-scale images for run {spec.name!r} on {spec.accelerator} ({base}).",
+        "Build from a gaudi3-scale source checkout (the build context); this file's directory holds its ignore file:",
+        f"  docker build -f docker/Dockerfile --target train -t {image} <gaudi3-scale checkout>",
+        "  docker build -f docker/Dockerfile --target inference -t <name>-inference <gaudi3-scale checkout>",
+        f"The run config (docker/run.yaml here) is mounted at {CONFIG_MOUNT} (a ConfigMap on Kubernetes), not baked in:",
+        f"  docker run -v $PWD/docker/run.yaml:{CONFIG_MOUNT}:ro -v $PWD/runs:/workspace/runs {image}",
+        f"The inference image serves an export (gaudi3 ckpt export) mounted at {MODEL_MOUNT}:",
+        f"  docker run -p {SERVE_PORT}:{SERVE_PORT} -v $PWD/export:{MODEL_MOUNT}:ro <name>-inference",
     ]
     if gaudi:
         lines += [
-            f"# The Gaudi variant is {NOT_VALIDATED}. Run it with Habana's runtime, e.g. `--runtime=habana",
-            "# -e HABANA_VISIBLE_DEVICES=all --cap-add=sys_nice --ipc=host`; whether the non-root user can open the",
-            "# devices depends on the host's device permissions.",
+            f"The Gaudi variant is {NOT_VALIDATED}. Run it with Habana's runtime, e.g. `--runtime=habana",
+            "-e HABANA_VISIBLE_DEVICES=all --cap-add=sys_nice --ipc=host`; whether the non-root user can open the",
+            "devices depends on the host's device permissions.",
         ]
-    return "\n".join(lines) + "\n"
+    return "".join(f"# {comment(line)}\n" for line in lines)
 
 
 def _base_stage(gaudi: bool, extras: list[str]) -> str:
@@ -146,6 +148,9 @@ def _base_stage(gaudi: bool, extras: list[str]) -> str:
     )
 
 
+_HEALTH_PROBE = (
+    f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{SERVE_PORT}/health', timeout=4)"
+)
 _LATER_STAGES = f"""
 # ---- builder: the wheel, from the source tree (only this stage and the next see src/) ----
 FROM base AS builder
@@ -161,16 +166,16 @@ RUN python -m pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 WORKDIR /workspace
 USER {IMAGE_UID}:{IMAGE_UID}
 # No HEALTHCHECK for training: a job serves nothing to probe and ends with an exit status (the inference stage has one)
-ENTRYPOINT ["gaudi3"]
-CMD ["train", "--config", "{CONFIG_MOUNT}"]
+ENTRYPOINT {dockerfile_exec(["gaudi3"])}
+CMD {dockerfile_exec(["train", "--config", CONFIG_MOUNT])}
 
 # ---- inference: `gaudi3 serve` (OpenAI /v1/completions) on an export or checkpoint mounted at {MODEL_MOUNT} ----
 FROM train AS inference
 EXPOSE {SERVE_PORT}
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s \\
-  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{SERVE_PORT}/health', timeout=4)"]
-ENTRYPOINT ["gaudi3", "serve"]
-CMD ["{MODEL_MOUNT}", "--host", "0.0.0.0", "--port", "{SERVE_PORT}"]
+  CMD {dockerfile_exec(["python", "-c", _HEALTH_PROBE])}
+ENTRYPOINT {dockerfile_exec(["gaudi3", "serve"])}
+CMD {dockerfile_exec([MODEL_MOUNT, "--host", "0.0.0.0", "--port", str(SERVE_PORT)])}
 """
 
 
@@ -198,35 +203,48 @@ DOCKERIGNORE = """\
 
 
 def render_metaflow(spec: DeploySpec) -> dict[str, str]:
-    script = f"""\
-#!/bin/sh
-# Run {spec.name}'s pipeline (prepare → tune → train → report) with Metaflow: gaudi3_scale.deploy.flow.
-#   locally:        sh metaflow/run.sh [--tune on --time-budget-min 30] [--steps N]
-#   on Kubernetes:  GAUDI3_METAFLOW_KUBERNETES=1 sh metaflow/run.sh --out /mnt/shared/{spec.name}-flow
-# Kubernetes needs a Metaflow S3/GS/Azure datastore (`metaflow configure kubernetes`), and --out on a volume every
-# step's pod mounts (METAFLOW_KUBERNETES_PERSISTENT_VOLUME_CLAIMS='{{"claim": "/mnt/shared"}}').
-# Metaflow needs a user name: USERNAME or METAFLOW_USER.
-set -eu
-here=$(cd "$(dirname "$0")" && pwd)
-export GAUDI3_METAFLOW_ACCELERATOR="${{GAUDI3_METAFLOW_ACCELERATOR:-{spec.accelerator}}}"
-export GAUDI3_METAFLOW_DEVICES="${{GAUDI3_METAFLOW_DEVICES:-{spec.per_node}}}"
-export METAFLOW_KUBERNETES_CONTAINER_IMAGE="${{METAFLOW_KUBERNETES_CONTAINER_IMAGE:-{spec.image}}}"
-exec python -m gaudi3_scale.deploy.flow run --config "$here/../docker/run.yaml" --out "runs/{spec.name}-flow" \\
-  --accelerator "$GAUDI3_METAFLOW_ACCELERATOR" "$@"
-"""
+    out = f"runs/{spec.name}-flow"
+    # This render's choices are shell words of their own (sh_quote), then used as "$name": no value is ever
+    # spliced into shell syntax.
+    choices = {
+        "accelerator": spec.accelerator,
+        "devices": str(spec.per_node),
+        "image": spec.image,
+        "out": out,
+    }
+    lines = [
+        f"Run {spec.name}'s pipeline (prepare → tune → train → report) with Metaflow: gaudi3_scale.deploy.flow.",
+        "  locally:        sh metaflow/run.sh [--tune on --time-budget-min 30] [--steps N]",
+        f"  on Kubernetes:  GAUDI3_METAFLOW_KUBERNETES=1 sh metaflow/run.sh --out {sh_quote(f'/mnt/shared/{spec.name}-flow')}",
+        "Kubernetes needs a Metaflow S3/GS/Azure datastore (`metaflow configure kubernetes`), and --out on a "
+        "volume every",
+        """step's pod mounts (METAFLOW_KUBERNETES_PERSISTENT_VOLUME_CLAIMS='{"claim": "/mnt/shared"}').""",
+        "Metaflow needs a user name: USERNAME or METAFLOW_USER.",
+    ]
+    script = (
+        "#!/bin/sh\n" + "".join(f"# {comment(line)}\n" for line in lines) + "set -eu\n"
+        'here=$(cd "$(dirname "$0")" && pwd)\n'
+        "# This render's choices; GAUDI3_METAFLOW_ACCELERATOR, GAUDI3_METAFLOW_DEVICES and\n"
+        "# METAFLOW_KUBERNETES_CONTAINER_IMAGE in the environment override the first three.\n"
+        + " ".join(f"{name}={sh_quote(value)}" for name, value in choices.items())
+        + "\n"
+        'export GAUDI3_METAFLOW_ACCELERATOR="${GAUDI3_METAFLOW_ACCELERATOR:-$accelerator}"\n'
+        'export GAUDI3_METAFLOW_DEVICES="${GAUDI3_METAFLOW_DEVICES:-$devices}"\n'
+        'export METAFLOW_KUBERNETES_CONTAINER_IMAGE="${METAFLOW_KUBERNETES_CONTAINER_IMAGE:-$image}"\n'
+        'exec python -m gaudi3_scale.deploy.flow run --config "$here/../docker/run.yaml" --out "$out" \\\n'
+        '  --accelerator "$GAUDI3_METAFLOW_ACCELERATOR" "$@"\n'
+    )
     return {"metaflow/run.sh": script}
 
 
 def render_containers(spec: DeploySpec) -> dict[str, str]:
-    import yaml
-
     config = (
         f"# The run config the images train with (resolved by `gaudi3 deploy render`), for {CONFIG_MOUNT}.\n"
     )
     return {
         "docker/Dockerfile": render_dockerfile(spec),
         "docker/Dockerfile.dockerignore": DOCKERIGNORE,
-        "docker/run.yaml": config + yaml.safe_dump(spec.run_config, sort_keys=False),
+        "docker/run.yaml": config + yaml_text(spec.run_config),
         **render_metaflow(spec),
     }
 

@@ -24,6 +24,7 @@ from typing import Any
 from gaudi3_scale.config.core import apply_overrides, from_dict, parse_overrides
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.deploy.k8s_options import JobPlan
+from gaudi3_scale.deploy.quoting import k8s_literal
 
 __all__ = [
     "CONFIG_DIR",
@@ -43,14 +44,18 @@ OPERATOR_PORT_NAME = "pytorchjob-port"  # its master Service exposes this port a
 
 
 def _train_args(plan: JobPlan, *, node_rank: str, rdzv_endpoint: str) -> list[str]:
+    """The launcher's arguments. `node_rank` is a `$(VAR)` Kubernetes expands; every other value is literal."""
     args = [
-        "train", "--config", f"{CONFIG_DIR}/run.yaml", "--out", f"{WORKSPACE}/runs/{plan.name}",
+        "train", "--config", f"{CONFIG_DIR}/run.yaml", "--out", k8s_literal(f"{WORKSPACE}/runs/{plan.name}"),
         "--no-progress", "--sample-tokens", "0",
         f"--parallel.nnodes={plan.nodes}", f"--parallel.nproc_per_node={plan.per_node}",
         f"--parallel.max_restarts={plan.max_restarts}",
     ]  # fmt: skip
     if plan.nodes > 1:
-        args += [f"--parallel.node_rank={node_rank}", f"--parallel.rdzv_endpoint={rdzv_endpoint}"]
+        args += [
+            f"--parallel.node_rank={node_rank}",
+            f"--parallel.rdzv_endpoint={k8s_literal(rdzv_endpoint)}",
+        ]
     if plan.metrics_port is not None:  # 0.0.0.0: the default 127.0.0.1 cannot be scraped from outside the pod
         args += [f"--monitor.metrics_port={plan.metrics_port}", "--monitor.metrics_host=0.0.0.0"]
     return args
@@ -71,7 +76,8 @@ def check_pod_config(plan: JobPlan, run_config: dict[str, Any]) -> None:
 
 def _env(plan: JobPlan, extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
     env = [
-        {"name": "GAUDI3_RUN_ID", "value": plan.name},  # the c10d rendezvous id, equal on every pod
+        # the c10d rendezvous id, equal on every pod
+        {"name": "GAUDI3_RUN_ID", "value": k8s_literal(plan.name)},
         {"name": "GAUDI3_CACHE", "value": "/cache"},  # prepared data: pod-local scratch
         # The root filesystem is read-only: per-user caches (triton, matplotlib, torch inductor) go to /tmp.
         {"name": "HOME", "value": "/tmp"},

@@ -7,12 +7,12 @@ defaults that depend on the run config (metrics port, restarts, the credentials 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gaudi3_scale.config.core import check_positive, check_range, from_dict
-from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.grammar import check_dns_label, check_dns_subdomain, check_quantity
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan_job"]
@@ -20,10 +20,6 @@ __all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan
 GAUDI_RESOURCE = "habana.ai/gaudi"  # Habana device plugin
 GPU_RESOURCE = "nvidia.com/gpu"  # NVIDIA device plugin
 DEFAULT_METRICS_PORT = 9100  # for a run config's monitor.metrics_port 0; rank r serves on it + its local rank
-# A Kubernetes resource quantity: "64", "500m", "512Gi", "95000Mi" (apimachinery resource.Quantity, the common forms).
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # namespaces
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # most other object names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +48,11 @@ class K8sOptions:
         },
     )
     rdzv_port: int = field(default=29400, metadata={"help": "c10d rendezvous port on the master pod"})
-    cpu: str | None = field(
+    # Quantities may be written as YAML numbers (--set cpu=16): each is kept as its text.
+    cpu: str | int | float | None = field(
         default=None, metadata={"help": "CPU request = limit per pod; null = 8 per accelerator"}
     )
-    memory: str | None = field(
+    memory: str | int | float | None = field(
         default=None, metadata={"help": "memory request = limit per pod; null = 64Gi per accelerator"}
     )
     hugepages_2mi: str = field(
@@ -82,23 +79,17 @@ class K8sOptions:
     )
 
     def __post_init__(self) -> None:
-        names = {
-            "namespace": _DNS_LABEL,
-            "storage_class": _DNS_SUBDOMAIN,
-            "credentials_secret": _DNS_SUBDOMAIN,
-        }
-        for name, pattern in names.items():
-            value = getattr(self, name)
-            if value and not pattern.match(value):
-                raise ConfigError(
-                    name, f"must be a Kubernetes name (lower-case letters, digits, '-'), got {value!r}"
-                )
+        # Each value is written into the manifests: held to its Kubernetes grammar (deploy/grammar.py).
+        if self.namespace is not None:
+            check_dns_label(self.namespace, "namespace")
+        if self.storage_class is not None:
+            check_dns_subdomain(self.storage_class, "storage_class")
+        if self.credentials_secret:  # '' = none
+            check_dns_subdomain(self.credentials_secret, "credentials_secret")
         for name in ("storage_size", "cpu", "memory", "hugepages_2mi", "shm_size"):
             value = getattr(self, name)
-            if value is not None and not _QUANTITY.match(value):
-                raise ConfigError(
-                    name, f"must be a Kubernetes quantity such as 64, 500m or 512Gi, got {value!r}"
-                )
+            if value is not None:
+                object.__setattr__(self, name, check_quantity(value, name))
         check_range("rdzv_port", self.rdzv_port, 1, 65535)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_positive("backoff_limit", self.backoff_limit, allow_zero=True)

@@ -20,8 +20,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import yaml
-
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.k8s_job import (
     CONFIG_DIR,
@@ -31,6 +29,7 @@ from gaudi3_scale.deploy.k8s_job import (
     pytorchjob,
 )
 from gaudi3_scale.deploy.k8s_options import JobPlan, k8s_options, plan_job
+from gaudi3_scale.deploy.quoting import comment, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
 
@@ -163,7 +162,7 @@ def _rbac(plan: JobPlan) -> list[dict[str, Any]]:
 
 
 def _config_map(plan: JobPlan, spec: DeploySpec) -> dict[str, Any]:
-    text = yaml.safe_dump(spec.run_config, sort_keys=False)
+    text = yaml_text(spec.run_config)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -199,29 +198,11 @@ def _pod_monitor(plan: JobPlan) -> dict[str, Any]:
     }
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings (the ConfigMap's run.yaml reads as YAML, not one escaped line), and no
-    anchors: the Master and Worker templates are written out in full, as a reader expects."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _represent_str)
-
-
 def _dump(documents: list[dict[str, Any]], notes: list[str]) -> str:
-    head = "".join(f"# {line}\n" for line in notes)
-    body = "---\n".join(
-        yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
-        for doc in documents
-    )
-    return head + body
+    """The notes as comments, then the documents (yaml_text writes no anchors: the Master and Worker templates
+    are written out in full, as a reader expects)."""
+    head = "".join(f"# {comment(line)}\n" for line in notes)
+    return head + "---\n".join(yaml_text(doc) for doc in documents)
 
 
 def _readme(plan: JobPlan, spec: DeploySpec) -> str:
@@ -262,7 +243,7 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
         f"- Outputs and checkpoints: `/workspace/runs/{plan.name}` on {storage}.",
         *metrics,
         "- Benchmark results (benchmark.result: true) are read from the pods' logs:",
-        f"  `gaudi3 deploy collect --job {plan.name} --namespace {plan.namespace} --out results/`.",
+        f"  `gaudi3 deploy collect --job {sh_quote(plan.name)} --namespace {sh_quote(plan.namespace)} --out results/`.",
         "- Restarts: a pod that exits 143 or 138 (preempted, after a checkpoint) is re-created and resumes from the",
         "  last checkpoint; 2 (bad input), 3 (cost budget reached) and 4 (spot pause) end the job. The launcher",
         f"  restarts its workers up to {plan.max_restarts} times. Known limit: if the pod of node 0 (the rendezvous",
@@ -275,7 +256,7 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
             "environment variables of the pods. It is never rendered; create it yourself, e.g. for s3://",
             "",
             "```",
-            f"kubectl -n {plan.namespace} create secret generic {plan.credentials_secret} \\",
+            f"kubectl -n {sh_quote(plan.namespace)} create secret generic {sh_quote(plan.credentials_secret)} \\",
             "  --from-literal=AWS_ACCESS_KEY_ID=<key-id> --from-literal=AWS_SECRET_ACCESS_KEY=<secret-key>",
             "```",
         ]

@@ -14,21 +14,16 @@ config's `checkpoint.remote_url` says (no bucket is created here).
 from __future__ import annotations
 
 import ipaddress
-import re
-
-import yaml
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
 from gaudi3_scale.deploy.containers import IMAGE_UID
+from gaudi3_scale.deploy.quoting import yaml_text
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = ["render_onprem"]
 
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*$"
-)
 GROUP = "gaudi3_nodes"
 ANSIBLE_DIR = "ansible"  # the rendered playbook's directory under --out (beside docker/)
 
@@ -97,7 +92,7 @@ PLAYBOOK = """# Starts the gaudi3-scale training job on every host of inventory.
       notify: Restart training
 
     - name: Pull the training image
-      ansible.builtin.command: docker pull {{ gaudi3_image }}
+      ansible.builtin.command: docker pull {{ gaudi3_image | quote }}
       register: pull
       changed_when: "'Downloaded newer image' in pull.stdout"
       notify: Restart training
@@ -130,11 +125,10 @@ def _check_hosts(spec: DeploySpec) -> tuple[str, ...]:
             f"--hosts: {len(spec.hosts)} host(s) for --nodes {spec.nodes}; give exactly one host per node "
             f"(the first is the master)"
         )
-    for host in spec.hosts:
-        if not _is_address(host) and not _HOSTNAME.match(host):
-            raise UserInputError(f"--hosts: {host!r} is neither a host name nor an IP address")
+    # Each host's grammar is checked where the spec is built (DeploySpec: host name or IP address).
     if len(set(spec.hosts)) != len(spec.hosts):
-        raise UserInputError(f"--hosts: a host is listed twice in {','.join(spec.hosts)}")
+        twice = sorted({h for h in spec.hosts if spec.hosts.count(h) > 1})
+        raise UserInputError(f"--hosts: {twice[0]!r} is listed twice; give each machine once")
     return spec.hosts
 
 
@@ -183,7 +177,7 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
         secrets_env_file="{{ gaudi3_secrets_env_file }}",
     )
     files = {
-        "inventory.yaml": header + yaml.safe_dump(inventory, sort_keys=False),
+        "inventory.yaml": header + yaml_text(inventory),
         "playbook.yaml": PLAYBOOK.replace("{IMAGE_UID}", str(IMAGE_UID)),
         "files/run.yaml": run_config_yaml(spec),
         "files/gaudi3-node": run_script(spec),

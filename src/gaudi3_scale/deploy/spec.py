@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.grammar import RUN_NAME, check_host, check_image, check_region, matches
 
 __all__ = ["ACCELERATORS", "TARGETS", "DeploySpec"]
 
@@ -20,7 +21,6 @@ ACCELERATORS = {
     "h200": "h200-sxm",
     "a100": "a100-sxm",
 }
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")  # a DNS-1123 label short enough for every cloud
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +31,10 @@ class DeploySpec:
     config_path: Path  # the run config the job trains with (shipped into the image / a ConfigMap)
     run_config: dict[str, Any]  # its resolved content (config.core.to_dict of the RunConfig)
     name: str  # resource name prefix: the run name, DNS-safe
-    image: str  # container image the nodes / pods run
+    image: str  # container image the nodes / pods run: an OCI image reference
     per_node: int = 8  # accelerators (and training processes) per node
-    region: str | None = None  # cloud region (default: the catalog instance's)
-    hosts: tuple[str, ...] = ()  # onprem: the machines
+    region: str | None = None  # cloud targets: region (gcp: zone); default: the catalog instance's
+    hosts: tuple[str, ...] = ()  # onprem: the machines (host names or IP addresses)
     extra: dict[str, Any] = field(default_factory=dict)  # target-specific options
 
     def __post_init__(self) -> None:
@@ -48,11 +48,22 @@ class DeploySpec:
             raise UserInputError(f"--nodes: must be a positive integer, got {self.nodes!r}")
         if isinstance(self.per_node, bool) or not isinstance(self.per_node, int) or self.per_node < 1:
             raise UserInputError(f"--per-node: must be a positive integer, got {self.per_node!r}")
-        if not _NAME.match(self.name):
+        if not matches(RUN_NAME, self.name):
             raise UserInputError(
                 f"the run name {self.name!r} cannot name cloud resources: use 1-40 lower-case letters, digits "
                 "and '-' (set `name:` in the config or --name)"
             )
+        # Every value below reaches rendered files: each is held to its field's grammar (deploy/grammar.py), and an
+        # option the target does not use is refused rather than silently ignored.
+        check_image(self.image)
+        if self.region is not None:
+            check_region(self.target, self.region)
+        if self.hosts and self.target != "onprem":
+            raise UserInputError(
+                f"--hosts: only --target onprem takes hosts (--target {self.target} does not)"
+            )
+        for host in self.hosts:
+            check_host(host)
 
     @property
     def accelerator_spec_name(self) -> str:
@@ -72,6 +83,7 @@ def default_image(accelerator: str) -> str:
         tag = version("gaudi3-scale")
     except PackageNotFoundError:  # a source checkout that was never installed
         tag = "dev"
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "-", tag)  # a PEP 440 local version's `+` is not allowed in an image tag
     flavour = "gaudi" if accelerator.startswith("gaudi") else "cuda"
     return f"gaudi3-scale-train:{tag}-{flavour}"
 

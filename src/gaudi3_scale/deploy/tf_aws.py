@@ -18,6 +18,7 @@ from gaudi3_scale.deploy.tf_common import (
     default_region,
     instance_for,
     outputs_tf,
+    region_variable,
     render_bootstrap,
     secrets_fetcher,
     tf_files,
@@ -337,7 +338,7 @@ def render_aws(spec: DeploySpec) -> dict[str, str]:
     region = default_region(spec, instance)
     efa = instance.type.startswith(_EFA_PREFIXES)
     variables = [
-        Variable("region", "string", "AWS region", region),
+        region_variable("aws", "region", "AWS region", region),
         *common_variables(spec, instance.type),
         Variable("ami_id", "string", "machine image of the nodes: one with the NVIDIA driver, Docker, the NVIDIA "
                  "container toolkit, the EFA driver and the AWS CLI (an AWS Deep Learning Base GPU AMI has them)"),

@@ -10,6 +10,8 @@ authenticate with their user-assigned identity (AZURE_CLIENT_ID); `checkpoint.re
 
 from __future__ import annotations
 
+from gaudi3_scale.deploy.grammar import KEY_VAULT_NAME
+from gaudi3_scale.deploy.quoting import hcl_string
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
     Variable,
@@ -17,6 +19,7 @@ from gaudi3_scale.deploy.tf_common import (
     default_region,
     instance_for,
     outputs_tf,
+    region_variable,
     render_bootstrap,
     secrets_fetcher,
     tf_files,
@@ -24,6 +27,13 @@ from gaudi3_scale.deploy.tf_common import (
 )
 
 __all__ = ["render_azure"]
+
+# The vault's name (the id's last segment) goes into the node bootstrap's environment file: held to Key Vault's
+# naming rule, so that no other text can.
+_KEY_VAULT_ID = (
+    f"var.key_vault_id == null || can(regex({hcl_string('/vaults/' + KEY_VAULT_NAME + '$')}, var.key_vault_id))",
+    "key_vault_id: the resource id of a Key Vault (ending /vaults/<3-24 letters, digits, '-'>)",
+)
 
 VERSIONS = versions_tf(
     "azurerm",
@@ -350,8 +360,8 @@ def render_azure(spec: DeploySpec) -> dict[str, str]:
     instance = instance_for("azure", spec.accelerator)
     location = default_region(spec, instance)
     variables = [
-        Variable("location", "string", "Azure region (where your subscription has quota for instance_type)",
-                 location),
+        region_variable("azure", "location", "Azure region (where your subscription has quota for instance_type)",
+                        location),
         *common_variables(spec, instance.type),
         Variable("image_id", "string", "machine image of the nodes: one with the NVIDIA driver, InfiniBand drivers, "
                  "Docker and the NVIDIA container toolkit (e.g. an Azure HPC image)"),
@@ -364,7 +374,7 @@ def render_azure(spec: DeploySpec) -> dict[str, str]:
                  "the EncryptionAtHost feature)", True),
         Variable("checkpoint_replication", "string", "replication of the checkpoint storage account", "ZRS"),
         Variable("key_vault_id", "string", "Key Vault holding the secrets named in `secrets`; null: no secrets",
-                 None),
+                 None, (_KEY_VAULT_ID,)),
     ]  # fmt: skip
     bootstrap = render_bootstrap(
         spec,

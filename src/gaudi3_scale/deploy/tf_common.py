@@ -10,7 +10,6 @@ Terraform's state): the `secrets` variable maps environment variable names to na
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,8 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.cost.catalog import Instance, load_instances
 from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
 from gaudi3_scale.deploy.containers import IMAGE_UID
+from gaudi3_scale.deploy.grammar import OCI_REFERENCE, REGIONS, RUN_NAME, SECRET_NAME, anchored
+from gaudi3_scale.deploy.quoting import hcl_string, sh_heredoc, tftpl_literal
 from gaudi3_scale.deploy.spec import ACCELERATORS, DeploySpec
 
 __all__ = [
@@ -26,8 +27,9 @@ __all__ = [
     "Variable",
     "common_variables",
     "default_region",
-    "hcl_string",
     "instance_for",
+    "regex_validation",
+    "region_variable",
     "render_bootstrap",
     "render_variables",
     "secrets_fetcher",
@@ -37,7 +39,6 @@ __all__ = [
 BOOTSTRAP = "bootstrap.sh.tftpl"  # the per-node script, filled in by Terraform's templatefile()
 TF_DIR = "terraform"  # the rendered Terraform's directory under --out (beside docker/ and the other targets')
 UNKNOWN_REGION = "unknown"  # the catalog's region of an entry with no sourced region (cost/instances.yaml)
-_EOF = "GAUDI3_EOF"
 
 
 def instance_for(target: str, accelerator: str) -> Instance:
@@ -75,16 +76,6 @@ def tf_files(
     return {f"{TF_DIR}/{name}": text for name, text in files.items()}
 
 
-def hcl_string(value: str) -> str:
-    """A quoted HCL string literal: JSON escapes, and template sequences (`${`, `%{`) taken literally."""
-    return json.dumps(value, ensure_ascii=False).replace("${", "$${").replace("%{", "%%{")
-
-
-def _literal(text: str) -> str:
-    """`text` inside a Terraform template file, taken literally (bash's `${x}` stays bash's)."""
-    return text.replace("${", "$${").replace("%{", "%%{")
-
-
 def _hcl_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -94,7 +85,9 @@ def _hcl_value(value: Any) -> str:
         return "null"
     if isinstance(value, dict):
         return (
-            "{}" if not value else "{ " + ", ".join(f"{k} = {_hcl_value(v)}" for k, v in value.items()) + " }"
+            "{}"
+            if not value
+            else "{ " + ", ".join(f"{hcl_string(str(k))} = {_hcl_value(v)}" for k, v in value.items()) + " }"
         )
     return hcl_string(str(value))
 
@@ -108,7 +101,22 @@ class Variable:
     type: str
     description: str
     default: Any = REQUIRED
-    validation: tuple[str, str] | None = None  # (condition, error message)
+    validations: tuple[tuple[str, str], ...] = ()  # (condition, error message) each
+
+
+def regex_validation(name: str, pattern: str, message: str) -> tuple[str, str]:
+    """A validation block holding `var.<name>` to a grammar of `deploy/grammar.py`: a `-var` override is checked
+    against the same pattern as the rendered default. Such values are written into the node bootstrap by
+    templatefile() as they are, so this is what keeps a newline or a quote out of its heredocs and env file."""
+    return f"can(regex({hcl_string(anchored(pattern))}, var.{name}))", message
+
+
+def region_variable(target: str, name: str, description: str, default: Any) -> Variable:
+    """The cloud's region (gcp: zone) variable, validated like --region."""
+    pattern, allowed = REGIONS[target]
+    return Variable(
+        name, "string", description, default, (regex_validation(name, pattern, f"{name}: {allowed}"),)
+    )
 
 
 def render_variables(variables: list[Variable]) -> str:
@@ -120,8 +128,7 @@ def render_variables(variables: list[Variable]) -> str:
             attrs.append(("default", _hcl_value(v.default)))
         width = max(len(k) for k, _ in attrs)
         lines = [f'variable "{v.name}" {{'] + [f"  {k.ljust(width)} = {val}" for k, val in attrs]
-        if v.validation:
-            condition, message = v.validation
+        for condition, message in v.validations:
             lines += ["", "  validation {", f"    condition     = {condition}",
                       f"    error_message = {hcl_string(message)}", "  }"]  # fmt: skip
         blocks.append("\n".join([*lines, "}"]))
@@ -132,20 +139,23 @@ def common_variables(spec: DeploySpec, instance_type: str) -> list[Variable]:
     """The variables every cloud has, with the render's choices as defaults."""
     return [
         Variable("name", "string", "prefix of every resource name (the run name)", spec.name,
-                 ('can(regex("^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", var.name))',
-                  "name: 1-40 lower-case letters, digits and '-', not starting or ending with '-'")),
+                 (regex_validation("name", RUN_NAME,
+                                   "name: 1-40 lower-case letters, digits and '-', not starting or ending with '-'"),)),
         Variable("nodes", "number", "machines to train on; node 0 is the rendezvous master", spec.nodes,
-                 ("var.nodes >= 1", "nodes must be at least 1")),
+                 (("var.nodes >= 1", "nodes must be at least 1"),)),
         Variable("nproc_per_node", "number", "training processes per node (one per accelerator)", spec.per_node),
         Variable("instance_type", "string", "machine type (from the gaudi3-scale instance catalog)", instance_type),
         Variable("image", "string", "training container image every node runs (must be pullable from the nodes)",
-                 spec.image),
+                 spec.image, (regex_validation("image", OCI_REFERENCE, "image: an OCI image reference such as "
+                                               "registry.example.com/team/train:1.0"),)),
         Variable("ssh_allowed_cidr", "string", "CIDR allowed to reach the nodes on port 22; null: no SSH rule",
                  None),
         Variable("secrets", "map(string)", "environment variable name -> the secret store's name for the value "
                  "(read by each node at start; values never appear in Terraform files or state)", {},
-                 ('alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])',
-                  "secrets: keys must be environment variable names")),
+                 (('alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])',
+                   "secrets: keys must be environment variable names"),
+                  (f"alltrue([for v in values(var.secrets) : can(regex({hcl_string(anchored(SECRET_NAME))}, v))])",
+                   "secrets: values must be secret names (letters, digits, '/', '_', '.', '-')"))),
         Variable("checkpoint_noncurrent_days", "number",
                  "days an overwritten or deleted checkpoint object version is kept", 30),
     ]  # fmt: skip
@@ -173,13 +183,13 @@ def render_bootstrap(spec: DeploySpec, *, fetch_secrets: str, pass_env: dict[str
         pass_env=pass_env,
     )
     files = [
-        ("/etc/gaudi3/run.yaml", "0644", _literal(run_config_yaml(spec))),
+        ("/etc/gaudi3/run.yaml", "0644", tftpl_literal(run_config_yaml(spec))),
         ("/etc/gaudi3/node.env", "0644", env),
         ("/etc/gaudi3/secret-refs", "0644",
          "%{ for env_name, ref in secrets ~}\n${env_name}=${ref}\n%{ endfor ~}\n"),
-        ("/usr/local/bin/gaudi3-secrets", "0755", _literal(fetch_secrets)),
-        ("/usr/local/bin/gaudi3-node", "0755", _literal(run_script(spec))),
-        ("/etc/systemd/system/gaudi3-train.service", "0644", _literal(systemd_unit(fetch_secrets=True))),
+        ("/usr/local/bin/gaudi3-secrets", "0755", tftpl_literal(fetch_secrets)),
+        ("/usr/local/bin/gaudi3-node", "0755", tftpl_literal(run_script(spec))),
+        ("/etc/systemd/system/gaudi3-train.service", "0644", tftpl_literal(systemd_unit(fetch_secrets=True))),
     ]  # fmt: skip
     parts = [
         "#!/bin/bash\n"
@@ -192,11 +202,7 @@ def render_bootstrap(spec: DeploySpec, *, fetch_secrets: str, pass_env: dict[str
         f"install -d -m 0750 -o {IMAGE_UID} -g {IMAGE_UID} /var/lib/gaudi3\n"
     ]
     for path, mode, text in files:
-        if _EOF in text.splitlines():
-            raise UserInputError(
-                f"{spec.config_path}: a line reads {_EOF!r}, which ends the node bootstrap's heredoc"
-            )
-        parts.append(f"cat > {path} <<'{_EOF}'\n{text}{_EOF}\nchmod {mode} {path}\n")
+        parts.append(sh_heredoc(f"cat > {path}", text) + f"chmod {mode} {path}\n")
     parts.append("systemctl daemon-reload\nsystemctl enable --now gaudi3-train.service\n")
     return "".join(parts)
 

@@ -9,16 +9,18 @@ Only the first network interface is configured: the GPUDirect NICs of A3 machine
 
 from __future__ import annotations
 
-import re
-
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.grammar import GCP_PROJECT
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
+    REQUIRED,
     Variable,
     common_variables,
     default_region,
     instance_for,
     outputs_tf,
+    regex_validation,
+    region_variable,
     render_bootstrap,
     secrets_fetcher,
     tf_files,
@@ -26,8 +28,6 @@ from gaudi3_scale.deploy.tf_common import (
 )
 
 __all__ = ["render_gcp"]
-
-_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 
 VERSIONS = versions_tf("google", "hashicorp/google", "~> 6.0")
 
@@ -242,17 +242,13 @@ def render_gcp(spec: DeploySpec) -> dict[str, str]:
             f"the run name {spec.name!r} cannot name Google Cloud resources: it must start with a letter "
             "(set `name:` in the config or --name)"
         )
-    zone = default_region(spec, instance)
-    if isinstance(zone, str) and not _ZONE.match(zone):
-        raise UserInputError(
-            f"--region {zone}: gcp needs a zone such as us-central1-a (a compact placement policy is per zone)"
-        )
+    zone = default_region(spec, instance)  # --region is a zone here (deploy/grammar.py REGIONS["gcp"])
     # A3 Ultra machines boot from Hyperdisk only; the others take a persistent disk.
     disk_type = "hyperdisk-balanced" if instance.type.startswith("a3-ultragpu") else "pd-ssd"
     variables = [
-        Variable("project", "string", "Google Cloud project id"),
-        Variable("zone", "string", "zone of the nodes (where the project has quota for instance_type)",
-                 zone),
+        Variable("project", "string", "Google Cloud project id", REQUIRED,
+                 (regex_validation("project", GCP_PROJECT, "project: a Google Cloud project id such as my-project"),)),
+        region_variable("gcp", "zone", "zone of the nodes (where the project has quota for instance_type)", zone),
         *common_variables(spec, instance.type),
         Variable("image_id", "string", "boot image of the nodes: one with the NVIDIA driver, Docker and the NVIDIA "
                  "container toolkit"),

@@ -2,6 +2,11 @@ variable "region" {
   description = "AWS region"
   type        = string
   default     = "us-east-1"
+
+  validation {
+    condition     = can(regex("^[a-z]{2}(?:-[a-z]+)+-[0-9]+$", var.region))
+    error_message = "region: an AWS region such as us-east-1 or us-gov-west-1"
+  }
 }
 
 variable "name" {
@@ -42,6 +47,11 @@ variable "image" {
   description = "training container image every node runs (must be pullable from the nodes)"
   type        = string
   default     = "registry.example.com/gaudi3-scale-train:golden-cuda"
+
+  validation {
+    condition     = can(regex("^(?:(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\\[(?:[a-fA-F0-9:]+)\\])(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$", var.image))
+    error_message = "image: an OCI image reference such as registry.example.com/team/train:1.0"
+  }
 }
 
 variable "ssh_allowed_cidr" {
@@ -58,6 +68,11 @@ variable "secrets" {
   validation {
     condition     = alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])
     error_message = "secrets: keys must be environment variable names"
+  }
+
+  validation {
+    condition     = alltrue([for v in values(var.secrets) : can(regex("^[A-Za-z0-9/_.-]{1,512}$", v))])
+    error_message = "secrets: values must be secret names (letters, digits, '/', '_', '.', '-')"
   }
 }
 

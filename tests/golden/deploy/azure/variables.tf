@@ -1,6 +1,11 @@
 variable "location" {
   description = "Azure region (where your subscription has quota for instance_type)"
   type        = string
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9]{1,39}$", var.location))
+    error_message = "location: an Azure location name such as eastus or westeurope (lower-case, no spaces)"
+  }
 }
 
 variable "name" {
@@ -41,6 +46,11 @@ variable "image" {
   description = "training container image every node runs (must be pullable from the nodes)"
   type        = string
   default     = "registry.example.com/gaudi3-scale-train:golden-cuda"
+
+  validation {
+    condition     = can(regex("^(?:(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\\[(?:[a-fA-F0-9:]+)\\])(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$", var.image))
+    error_message = "image: an OCI image reference such as registry.example.com/team/train:1.0"
+  }
 }
 
 variable "ssh_allowed_cidr" {
@@ -57,6 +67,11 @@ variable "secrets" {
   validation {
     condition     = alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])
     error_message = "secrets: keys must be environment variable names"
+  }
+
+  validation {
+    condition     = alltrue([for v in values(var.secrets) : can(regex("^[A-Za-z0-9/_.-]{1,512}$", v))])
+    error_message = "secrets: values must be secret names (letters, digits, '/', '_', '.', '-')"
   }
 }
 
@@ -109,4 +124,9 @@ variable "key_vault_id" {
   description = "Key Vault holding the secrets named in `secrets`; null: no secrets"
   type        = string
   default     = null
+
+  validation {
+    condition     = var.key_vault_id == null || can(regex("/vaults/[a-zA-Z0-9-]{3,24}$", var.key_vault_id))
+    error_message = "key_vault_id: the resource id of a Key Vault (ending /vaults/<3-24 letters, digits, '-'>)"
+  }
 }

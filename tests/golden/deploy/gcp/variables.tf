@@ -1,11 +1,21 @@
 variable "project" {
   description = "Google Cloud project id"
   type        = string
+
+  validation {
+    condition     = can(regex("^(?:[a-z][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$", var.project))
+    error_message = "project: a Google Cloud project id such as my-project"
+  }
 }
 
 variable "zone" {
   description = "zone of the nodes (where the project has quota for instance_type)"
   type        = string
+
+  validation {
+    condition     = can(regex("^[a-z]+-[a-z]+[0-9]+-[a-z]$", var.zone))
+    error_message = "zone: gcp needs a zone such as us-central1-a (a compact placement policy is per zone)"
+  }
 }
 
 variable "name" {
@@ -46,6 +56,11 @@ variable "image" {
   description = "training container image every node runs (must be pullable from the nodes)"
   type        = string
   default     = "registry.example.com/gaudi3-scale-train:golden-cuda"
+
+  validation {
+    condition     = can(regex("^(?:(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\\[(?:[a-fA-F0-9:]+)\\])(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$", var.image))
+    error_message = "image: an OCI image reference such as registry.example.com/team/train:1.0"
+  }
 }
 
 variable "ssh_allowed_cidr" {
@@ -62,6 +77,11 @@ variable "secrets" {
   validation {
     condition     = alltrue([for k in keys(var.secrets) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", k))])
     error_message = "secrets: keys must be environment variable names"
+  }
+
+  validation {
+    condition     = alltrue([for v in values(var.secrets) : can(regex("^[A-Za-z0-9/_.-]{1,512}$", v))])
+    error_message = "secrets: values must be secret names (letters, digits, '/', '_', '.', '-')"
   }
 }
 

@@ -7,8 +7,11 @@
 # Metaflow needs a user name: USERNAME or METAFLOW_USER.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-export GAUDI3_METAFLOW_ACCELERATOR="${GAUDI3_METAFLOW_ACCELERATOR:-h100}"
-export GAUDI3_METAFLOW_DEVICES="${GAUDI3_METAFLOW_DEVICES:-8}"
-export METAFLOW_KUBERNETES_CONTAINER_IMAGE="${METAFLOW_KUBERNETES_CONTAINER_IMAGE:-gaudi3-scale-train:0.1.0-cuda}"
-exec python -m gaudi3_scale.deploy.flow run --config "$here/../docker/run.yaml" --out "runs/golden-flow" \
+# This render's choices; GAUDI3_METAFLOW_ACCELERATOR, GAUDI3_METAFLOW_DEVICES and
+# METAFLOW_KUBERNETES_CONTAINER_IMAGE in the environment override the first three.
+accelerator=h100 devices=8 image=gaudi3-scale-train:0.1.0-cuda out=runs/golden-flow
+export GAUDI3_METAFLOW_ACCELERATOR="${GAUDI3_METAFLOW_ACCELERATOR:-$accelerator}"
+export GAUDI3_METAFLOW_DEVICES="${GAUDI3_METAFLOW_DEVICES:-$devices}"
+export METAFLOW_KUBERNETES_CONTAINER_IMAGE="${METAFLOW_KUBERNETES_CONTAINER_IMAGE:-$image}"
+exec python -m gaudi3_scale.deploy.flow run --config "$here/../docker/run.yaml" --out "$out" \
   --accelerator "$GAUDI3_METAFLOW_ACCELERATOR" "$@"
