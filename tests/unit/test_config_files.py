@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gaudi3_scale.config import files
 from gaudi3_scale.config.errors import ConfigError, UserInputError
@@ -155,6 +157,8 @@ def test_size_limit_and_file_kinds(tmp_path: Path) -> None:
         ("when: 2020-13-45\n", "cannot read '2020-13-45' at line 1, column 7: month must be in 1..12"),
         ("a: \x08\n", "not valid YAML"),
         ("a: !!python/object:os.system x\n", "not valid YAML"),
+        ("a: !!int\n", "cannot read ''"),  # PyYAML: IndexError
+        ("a: !!float ''\n", "cannot read ''"),
         ("model: {num_layers: [\n", "not valid YAML at line 2"),
         ("- 1\n- 2\n", "must hold a mapping (key: value), got a list"),
         ("a: 1\n---\nb: 2\n", "holds 2 YAML documents"),
@@ -221,3 +225,28 @@ def test_a_command_line_value_over_a_limit_names_the_field(text: str, needle: st
     with pytest.raises(ConfigError) as info:
         parse_yaml_value(text, field="seed")
     assert info.value.field == "seed" and needle in str(info.value) and len(str(info.value)) < 200
+
+
+def test_blank_command_line_values_keep_their_meaning() -> None:
+    assert parse_yaml_value("", field="out_dir") == ""  # an empty text field
+    assert parse_yaml_value(" ", field="out_dir") is None  # YAML: null, as before the limits
+    assert parse_yaml_value("3", field="x") == 3 and parse_yaml_value("true", field="x") is True
+
+
+_PIECES = [*"[]{}:,-?&*!|>'\"%@`#\n \t0123456789abc.e+_x<", "!!int ", "!!float ", "!!timestamp ", "!!binary ",
+           "!!set ", "!!omap ", "!!pairs ", "<<: ", "&a ", "*a", "---\n", "2020-13-45", "\x00", "\ufeff", "0x", "1:2"]  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.lists(st.sampled_from(_PIECES), max_size=40).map("".join))
+def test_fuzzed_yaml_and_json_raise_nothing_but_one_line_user_errors(text: str) -> None:
+    """20,000 examples of this found PyYAML's IndexError on an empty `!!int`; 150 keep it from coming back."""
+    for parse in (
+        lambda: parse_yaml(text, where="w", expect=None),
+        lambda: parse_json(text, where="w", expect=None),
+        lambda: parse_yaml_value(text, field="f"),
+    ):
+        try:
+            parse()
+        except UserInputError as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 300

@@ -137,7 +137,9 @@ class _Loader(yaml.SafeLoader):
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep=deep)
-        except (ValueError, OverflowError) as exc:  # e.g. `2020-13-45` read as a date; not a YAMLError
+        # PyYAML's constructors raise these, not a YAMLError, on some malformed scalars: `2020-13-45` read as a
+        # date (ValueError), an empty `!!int` or `!!float` (IndexError).
+        except (ValueError, OverflowError, IndexError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, UserInputError):
                 raise
             raise _Refused(
@@ -251,14 +253,16 @@ def parse_yaml_value(text: str, *, field: str) -> Any:
     Text that is not valid YAML stays text (`--data.source 'a: b: c'`); a value over a limit (deep nesting, an
     alias bomb, a 5,000-digit integer) is refused as `ConfigError(field, …)`.
     """
-    if not text.strip():
-        return text
+    if text == "":
+        return text  # an empty string stays one ("" sets a text field to empty); blanks read as null
     try:
         docs = list(_yaml_documents(text))
     except _Refused as exc:
         if not exc.limit:
             return text
         raise ConfigError(field, exc.problem) from None
+    if not docs:
+        return None
     return docs[0] if len(docs) == 1 else text
 
 
