@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from gaudi3_scale.cli.errors import MAX_ERROR_CHARS
 from gaudi3_scale.cli.main import main
+from gaudi3_scale.config.errors import UserInputError
 
 _KEYS = ["--model.num_layers", "--model.dim", "--train.max_steps", "--train.precision", "--optim.lr",
          "--train.micro_batch_size", "--data.val_fraction", "--model.arch", "--nope", "--train", "-x", "--"]  # fmt: skip
@@ -282,6 +283,22 @@ def test_every_verb_answers_hostile_input_with_a_result_or_one_line(
     args = build(paths[file_name], value, paths)
     code, _, err = run_cli(args, capsys)
     assert_answered(args, code, err)
+
+
+def test_the_pools_of_the_training_verbs_hold_nothing_valid(
+    paths: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Runs first (file order): a pool entry that validates would make the fuzz below train for minutes."""
+    from gaudi3_scale.cli.options import Count
+
+    for name in _RUN_FILES:
+        code, _, err = run_cli(["train", "--print-config", "--config", str(paths[name])], capsys)
+        assert code == 2, (name, err)
+    for value in _RUN_VALUES:
+        code, _, err = run_cli(["train", "--print-config", "--seed", value], capsys)
+        assert code == 2, (value[:40], err)
+        with pytest.raises(UserInputError):
+            Count().convert(value, None, None)  # repro --steps, smoke --steps
 
 
 @pytest.mark.parametrize("verb", sorted(NEVER_RUNS))

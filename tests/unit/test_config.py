@@ -199,3 +199,11 @@ def test_fuzzed_overrides_never_raise_anything_but_user_errors(key: str, value: 
         build_run_config(None, [(key, value)])
     except UserInputError as exc:
         assert "\n" not in str(exc) and len(str(exc)) < 500
+
+
+@pytest.mark.parametrize("value", ["١٢", "１２", "1_000.5", "nan", "infinity"])
+def test_numbers_on_the_command_line_are_plain_ascii(value: str) -> None:
+    """float() takes Arabic-Indic and full-width digits; an override must not (the CLI's own flags do not)."""
+    with pytest.raises(ConfigError, match=r"^seed: expected an integer"):
+        build_run_config(None, [("seed", value)])
+    assert build_run_config(None, [("optim.lr", "3e-4")]).optim.lr == 3e-4  # YAML 1.1 reads it as text

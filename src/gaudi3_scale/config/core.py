@@ -27,7 +27,7 @@ import yaml
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.files import load_yaml_file, parse_yaml_value
-from gaudi3_scale.config.numbers import check_number, check_positive, check_range
+from gaudi3_scale.config.numbers import check_number, check_positive, check_range, is_number_text
 
 __all__ = [
     "apply_overrides",
@@ -249,7 +249,7 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
     for key, raw in overrides:
         _lookup_type(cls, key)  # fail early on unknown fields
         value = parse_yaml_value(raw, field=key)
-        if isinstance(value, str) and _looks_like_float(value):
+        if isinstance(value, str) and is_number_text(value):
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
         node = data
         *parents, leaf = key.split(".")
@@ -261,14 +261,6 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
             node = child
         node[leaf] = value
     return data
-
-
-def _looks_like_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return text.strip().lower() not in {"nan", "inf", "-inf", "+inf", "infinity", "-infinity"}
 
 
 def load_yaml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:

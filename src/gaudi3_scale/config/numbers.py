@@ -30,6 +30,7 @@ __all__ = [
     "check_range",
     "check_seconds",
     "check_seed",
+    "is_number_text",
     "parse_number",
 ]
 
@@ -99,6 +100,12 @@ def check_seconds(name: str, value: float | None, *, allow_zero: bool = False) -
     """A duration: finite, > 0 (or >= 0), at most `MAX_SECONDS`."""
     check_positive(name, value, allow_zero=allow_zero)
     check_number(name, value, high=MAX_SECONDS)
+
+
+def is_number_text(text: str) -> bool:
+    """A plain decimal number in ASCII (`3`, `-0.5`, `1e-3`): what `float()` takes, minus nan, inf, `1_000` and
+    other scripts' digits (`float('١٢')` is 12.0)."""
+    return bool(_FLOAT_TEXT.fullmatch(text.strip()))
 
 
 def parse_number(name: str, text: str, *, integer: bool) -> int | float:
