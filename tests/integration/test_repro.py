@@ -128,7 +128,7 @@ def test_a_failing_run_is_one_line_naming_it(tmp_path: Path, capsys: pytest.Capt
     [
         (["--mode", "bogus"], "Invalid value for '--mode': 'bogus' is not one of 'twice', 'resume'"),
         (["--mode", "resume", "--steps", "1"], "--steps: resume mode needs at least 2 steps, got 1"),
-        (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+        (["--steps", "0"], "--steps: must be a positive integer, got 0"),
         (["--model.nope", "1"], "model.nope: unknown field in model"),
         (
             ["--train.global_batch_size", "5", "--nproc-per-node", "2"],

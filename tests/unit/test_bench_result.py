@@ -109,7 +109,7 @@ def test_schema_names_the_first_bad_field(edit: Any, message: str) -> None:
 def test_load_result_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "result.json"
     path.write_text('{"schema": ')
-    with pytest.raises(UserInputError, match=rf"^{path}: not valid JSON \(line 1"):
+    with pytest.raises(UserInputError, match=rf"^benchmark result '{path}': not valid JSON at line 1"):
         load_result(path)
     write_result(_ok(), path)
     assert load_result(path) == json.loads(path.read_text())

@@ -75,7 +75,7 @@ def test_benchmark_subcommands_are_pinned() -> None:
     group = cli.commands["benchmark"]
     assert isinstance(group, click.Group)
     expected = {
-        "run": ["--cell-timeout-s", "--matrix", "--out", "--retry-failed"],
+        "run": ["--cell-timeout-s", "--dry-run", "--matrix", "--out", "--retry-failed"],
         "collect": ["--out"],
         "report": ["--label", "--out", "--price", "--title"],
         "matrices": [],

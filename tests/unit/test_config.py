@@ -90,6 +90,39 @@ def test_bad_values_name_the_field_and_what_is_allowed(
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "name", ["..", ".", ".hidden", "a/b", "a\\b", "a b", "a\nb", "", "x" * 129, "café", "run\x00", "-rf"]
+)
+def test_a_run_name_is_one_safe_path_component(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"^name: must be 1 to 128 letters, digits"):
+        RunConfig(name=name)
+
+
+@pytest.mark.parametrize("name", ["shakespeare-char", "llama3.2-1b", "run_2", "A.b-c_9", "x" * 128, "7"])
+def test_good_run_names_pass(name: str) -> None:
+    assert RunConfig(name=name).output_dir == Path("runs") / name
+
+
+def test_the_run_name_defaults_to_the_model_preset(tmp_path: Path) -> None:
+    assert build_run_config(None, parse_overrides(["--model.name", "gpt2-124m"])).output_dir == Path(
+        "runs/gpt2-124m"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {name: llama-tiny}\n")
+    assert build_run_config(path).name == "llama-tiny"
+    path.write_text("name: mine\nmodel: {name: llama-tiny}\n")
+    assert build_run_config(path).name == "mine"  # a named run keeps its name
+
+
+def test_a_matrix_without_its_required_name_is_one_line(tmp_path: Path) -> None:
+    from gaudi3_scale.bench.matrix import load_matrix
+
+    path = tmp_path / "m.yaml"
+    path.write_text("description: no name\n")
+    with pytest.raises(UserInputError, match=r"m\.yaml: name: is required: the matrix's name"):
+        load_matrix(path)
+
+
 def test_unknown_yaml_section(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  max_steps: 3\n")
@@ -104,6 +137,9 @@ def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
         build_run_config(path)
     path.write_text("model: {num_layers: [\n")
     with pytest.raises(UserInputError, match="not valid YAML at line"):
+        build_run_config(path)
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(UserInputError, match=r"is not UTF-8 text: byte 0xe9 at offset 9 \(line 1\)"):
         build_run_config(path)
 
 
@@ -145,13 +181,29 @@ _FIELDS = [
 ]
 
 
+_HOSTILE = ["9" * 5000, "1e300", "1e400", "nan", "-inf", "{a: " * 200, "[" * 3000, "&a [*a]", "2020-13-45", "\x00",
+            "!!binary aGVsbG8=", "!!set {a}", "0b" + "1" * 300, "1:2:3:4:5", "..", "a\nb"]  # fmt: skip
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     key=st.sampled_from(_FIELDS) | st.text(min_size=1, max_size=12),
-    value=st.text(max_size=12) | st.integers(-5, 10**6).map(str) | st.floats(allow_nan=True).map(str),
+    value=st.text(max_size=12)
+    | st.integers(-5, 10**6).map(str)
+    | st.floats(allow_nan=True).map(str)
+    | st.integers(-(2**80), 2**80).map(str)
+    | st.sampled_from(_HOSTILE),
 )
 def test_fuzzed_overrides_never_raise_anything_but_user_errors(key: str, value: str) -> None:
     try:
         build_run_config(None, [(key, value)])
     except UserInputError as exc:
-        assert "\n" not in str(exc)
+        assert "\n" not in str(exc) and len(str(exc)) < 500
+
+
+@pytest.mark.parametrize("value", ["١٢", "１２", "1_000.5", "nan", "infinity"])
+def test_numbers_on_the_command_line_are_plain_ascii(value: str) -> None:
+    """float() takes Arabic-Indic and full-width digits; an override must not (the CLI's own flags do not)."""
+    with pytest.raises(ConfigError, match=r"^seed: expected an integer"):
+        build_run_config(None, [("seed", value)])
+    assert build_run_config(None, [("optim.lr", "3e-4")]).optim.lr == 3e-4  # YAML 1.1 reads it as text

@@ -74,7 +74,7 @@ def test_synthetic_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"^data\.vocab_size: .* has 512 ids; .* synthetic:1000$"):
         _data(source="synthetic:512", vocab_size=1000)
     assert _data(source="synthetic:512", vocab_size=512).vocab_size == 512  # agreeing is fine
-    with pytest.raises(ConfigError, match=r"^data\.split_seed: must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^data\.split_seed: must be an integer from 0 to 4,294,967,295"):
         _data(source="synthetic", split_seed=-1)
 
 

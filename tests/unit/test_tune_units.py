@@ -79,12 +79,14 @@ def test_parse_bytes_refuses_what_it_cannot_read(text: str) -> None:
 
 
 def test_tune_config_refuses_bad_values() -> None:
-    with pytest.raises(UserInputError, match="--world-size must be at least 1"):
+    with pytest.raises(UserInputError, match="world_size: must be >= 1, got 0"):
         TuneConfig(world_size=0)
     with pytest.raises(UserInputError, match="target_utilization"):
         TuneConfig(target_utilization=1.5)
-    with pytest.raises(UserInputError, match="--time-budget-min must be positive"):
+    with pytest.raises(UserInputError, match="time_budget_s: must be > 0"):
         TuneConfig(time_budget_s=0)
+    with pytest.raises(UserInputError, match="trial_timeout_s: must be a finite number, got nan"):
+        TuneConfig(trial_timeout_s=float("nan"))
 
 
 def test_divisors_and_candidates_keep_the_global_batch() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 from gaudi3_scale.bench.result import BEGIN, CHUNK, END
 from gaudi3_scale.bench.schema import validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import parse_json
 
 __all__ = ["collect_from_lines", "collect_logs"]
 
@@ -67,10 +67,7 @@ def _assemble(cell_id: str, p: _Pending, source: str) -> dict[str, Any]:
         raise UserInputError(f"{where}: result of cell {cell_id} is not valid base64 text") from None
     if hashlib.sha256(text.encode()).hexdigest() != p.digest:
         raise UserInputError(f"{where}: result of cell {cell_id} does not match its sha256 (a mangled chunk)")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserInputError(f"{where}: result of cell {cell_id} is not valid JSON ({exc.msg})") from None
+    obj = parse_json(text, where=f"{where}: result of cell {cell_id}", expect=None)
     return validate_result(obj, where)
 
 

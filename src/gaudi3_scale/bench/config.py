@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from gaudi3_scale.config.core import check_positive
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.core import check_name, check_positive
 
 __all__ = ["BenchmarkConfig"]
-
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(kw_only=True)
@@ -37,7 +33,4 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
-        if self.cell_id is not None and not _ID.match(self.cell_id):
-            raise ConfigError(
-                "cell_id", f"must be letters, digits, '.', '_' or '-' (no spaces), got {self.cell_id!r}"
-            )
+        check_name("cell_id", self.cell_id)  # it names the cell's directory

@@ -23,6 +23,7 @@ runs, as one line naming the cell and the field.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -30,12 +31,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.core import check_positive, from_dict, load_yaml, merge_mappings
-from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.numbers import check_seconds
 
 if TYPE_CHECKING:
     from gaudi3_scale.train.config import RunConfig
 
-__all__ = ["Cell", "MatrixConfig", "list_matrices", "load_matrix"]
+__all__ = ["MAX_CELLS", "Cell", "MatrixConfig", "list_matrices", "load_matrix"]
+
+MAX_CELLS = 1000  # every cell's run config is built when the matrix loads; a typo should not take minutes
+_AXES = ("models", "strategies", "world_sizes", "micro_batch_sizes", "precisions")
 
 
 @dataclass(kw_only=True)
@@ -65,21 +70,26 @@ class MatrixConfig:
     )
 
     def __post_init__(self) -> None:
-        for axis in ("models", "strategies", "world_sizes", "micro_batch_sizes", "precisions"):
+        for axis in _AXES:
             values = getattr(self, axis)
             if not values:
                 raise ConfigError(axis, "must list at least one value")
             if len(set(values)) != len(values):
-                raise ConfigError(axis, f"lists a value twice: {values}")
+                raise ConfigError(axis, f"lists a value twice: {brief(values)}")
         for name in ("world_sizes", "micro_batch_sizes"):
             for v in getattr(self, name):
                 check_positive(name, v)
         check_positive("accumulation", self.accumulation)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("measure_steps", self.measure_steps)
-        check_positive("timeout_s", self.timeout_s)
+        check_seconds("timeout_s", self.timeout_s)
         if not isinstance(self.base, Mapping):
-            raise ConfigError("base", f"expected a mapping of run-config sections, got {self.base!r}")
+            raise ConfigError("base", f"expected a mapping of run-config sections, got {brief(self.base)}")
+        cells = math.prod(len(getattr(self, axis)) for axis in _AXES)
+        if cells > MAX_CELLS:
+            raise ConfigError(
+                "", f"its axes make {cells:,} cells; at most {MAX_CELLS:,} (split the matrix in several)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +127,7 @@ def load_matrix(spec: str | Path) -> tuple[MatrixConfig, list[Cell]]:
             )
         path = shipped
     try:
-        matrix = from_dict(MatrixConfig, load_yaml(path))
+        matrix = from_dict(MatrixConfig, load_yaml(path, what="matrix file"))
     except ConfigError as exc:
         raise UserInputError(f"{path}: {exc}") from None
     return matrix, _cells(matrix, path)

@@ -13,7 +13,6 @@ come from the command line until a cost catalog exists, and the reports say so.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any, TypeAlias
 from gaudi3_scale.bench.plots import PLOTS, group_rows, write_plots
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import parse_json
 from gaudi3_scale.document import Block, Image, Section, Table, to_html, to_markdown
 
 __all__ = ["PRICE_NOTE", "LabelledResult", "ReportFiles", "load_results", "write_report"]
@@ -123,11 +123,7 @@ def _read_if_result(path: Path) -> dict[str, Any] | None:
         raise UserInputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if RESULT_SCHEMA not in text:
         return None  # cheap: other JSON (configs, manifests, tokenizers) is never parsed
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserInputError(f"{path}: names the benchmark result schema but is not valid JSON "
-                             f"(line {exc.lineno}, column {exc.colno}: {exc.msg})") from None  # fmt: skip
+    obj = parse_json(text, where=f"{path} (names the benchmark result schema)", expect=None)
     if not isinstance(obj, dict) or obj.get("schema") != RESULT_SCHEMA:
         return None
     return validate_result(obj, str(path))

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import load_json_file
 
 __all__ = [
     "RESULT_SCHEMA",
@@ -162,14 +163,5 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
 
 def load_result(path: Path) -> dict[str, Any]:
     """Read and validate one result file; every problem is one UserInputError line naming the file."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserInputError(f"{path}: cannot read benchmark result ({exc.strerror or exc})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserInputError(
-            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        ) from None
+    obj = load_json_file(path, what="benchmark result", expect=None)
     return validate_result(obj, str(path))

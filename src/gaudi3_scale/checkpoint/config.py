@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.numbers import check_seconds
 
 __all__ = ["CheckpointConfig"]
 
@@ -48,7 +49,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_positive("keep_last", self.keep_last)
-        check_positive("remote_max_backoff_s", self.remote_max_backoff_s)
-        check_positive("remote_drain_timeout_s", self.remote_drain_timeout_s, allow_zero=True)
+        check_seconds("remote_max_backoff_s", self.remote_max_backoff_s)
+        check_seconds("remote_drain_timeout_s", self.remote_drain_timeout_s, allow_zero=True)
         for name in ("every_steps", "keep_every_steps", "keep_best"):
             check_positive(name, getattr(self, name), allow_zero=True)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cli.options import Seconds
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.numbers import parse_number
 
 __all__ = ["benchmark"]
 
@@ -22,22 +24,28 @@ def benchmark() -> None:
 )
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="results directory")
 @click.option(
-    "--cell-timeout-s", type=float, help="kill a cell after this many seconds (default: the matrix's)"
+    "--cell-timeout-s", type=Seconds(), help="kill a cell after this many seconds (default: the matrix's)"
 )
 @click.option(
     "--retry-failed", is_flag=True, help="run failed, OOM and timed-out cells again (ok cells are kept)"
 )
-def run_cmd(matrix_spec: str, out_dir: str, cell_timeout_s: float | None, retry_failed: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="validate the matrix and list its cells; run nothing")
+def run_cmd(
+    matrix_spec: str, out_dir: str, cell_timeout_s: float | None, retry_failed: bool, dry_run: bool
+) -> None:
     """Run every cell of a matrix (resumable: cells with a result are skipped). Exit 0 when all cells are ok,
     1 when some failed (they are recorded with their reason), 2 on bad input."""
     from gaudi3_scale.bench.matrix import load_matrix
     from gaudi3_scale.bench.runner import run_matrix
     from gaudi3_scale.cli.config_cmd import wide_console
 
-    if cell_timeout_s is not None and cell_timeout_s <= 0:
-        raise UserInputError(f"--cell-timeout-s must be positive, got {cell_timeout_s:g}")
     matrix, cells = load_matrix(matrix_spec)
     console = wide_console()
+    if dry_run:
+        for cell in cells:
+            console.print(f"{cell.id}: {cell.label}", highlight=False)
+        console.print(f"matrix {matrix.name}: {len(cells)} cells (dry run: nothing run)", highlight=False)
+        return
     console.print(f"matrix {matrix.name}: {len(cells)} cells → {out_dir}/cells/", highlight=False)
     outcome = run_matrix(matrix, cells, Path(out_dir), timeout_s=cell_timeout_s, retry_failed=retry_failed,
                          console=console)  # fmt: skip
@@ -96,11 +104,13 @@ def _prices(items: tuple[str, ...]) -> dict[str, float]:
     for item in items:
         label, sep, value = item.partition("=")
         try:
-            price = float(value)
-        except ValueError:
+            price = float(parse_number("--price", value, integer=False))
+        except ConfigError:
             price = -1.0
         if not sep or not label or price <= 0:
-            raise UserInputError(f"--price: expected LABEL=USD_PER_HOUR with a positive price, got {item!r}")
+            raise UserInputError(
+                f"--price: expected LABEL=USD_PER_HOUR with a positive price, got {brief(item)}"
+            )
         out[label] = price
     return out
 

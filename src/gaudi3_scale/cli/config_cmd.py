@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from gaudi3_scale.config.core import field_help, iter_fields, parse_overrides
+from gaudi3_scale.config.core import field_help, iter_fields, parse_overrides, type_name
 from gaudi3_scale.train.config import RunConfig, build_run_config
 
 __all__ = ["list_config_fields", "print_models", "resolve_config", "wide_console"]
@@ -40,7 +40,7 @@ def list_config_fields() -> None:
     table.add_column("type")
     table.add_column("help")
     for name, tp, f in iter_fields(RunConfig):
-        table.add_row(f"--{name}", str(tp).replace("typing.", ""), field_help(f))
+        table.add_row(f"--{name}", type_name(tp), field_help(f))
     wide_console().print(table)
 
 

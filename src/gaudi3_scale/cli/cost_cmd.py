@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from gaudi3_scale.cli.options import Count, Number
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["cost"]
@@ -24,22 +25,32 @@ def cost() -> None:
     help="comma-separated accelerators (catalog names or aliases: gaudi3, gaudi2, h100, h200, a100, a100-40gb, "
     "mi300x) or cpu (measured on this machine)",
 )  # fmt: skip
-@click.option("--mfu", type=float, help="model FLOPs utilization assumed on every platform [default: 0.40]")
+@click.option(
+    "--mfu",
+    type=Number(integer=False),
+    help="model FLOPs utilization assumed on every platform [default: 0.40]",
+)
 @click.option(
     "--from-benchmarks", type=click.Path(file_okay=False),
     help="benchmark results directory: use each accelerator's best measured MFU instead of --mfu",
 )  # fmt: skip
-@click.option("--nodes", type=int, help="nodes to train on (default: the fewest that fit the model)")
-@click.option("--context-length", type=int, help="tokens per sequence (default: the model's)")
+@click.option("--nodes", type=Count(), help="nodes to train on (default: the fewest that fit the model)")
+@click.option("--context-length", type=Count(), help="tokens per sequence (default: the model's)")
 @click.option(
     "--catalog", "catalog_file", type=click.Path(dir_okay=False), help="instance catalog override YAML"
 )
 @click.option(
-    "--pue", type=float, help="power usage effectiveness [default: 1.58, Uptime Institute 2023 average]"
+    "--pue",
+    type=Number(integer=False),
+    help="power usage effectiveness [default: 1.58, Uptime Institute 2023 average]",
 )
-@click.option("--power-fraction", type=float, default=1.0, show_default=True, help="average power ÷ TDP")
 @click.option(
-    "--usd-per-kwh", type=float, help="electricity price for the energy $ column (default: unknown)"
+    "--power-fraction", type=Number(integer=False), default=1.0, show_default=True, help="average power ÷ TDP"
+)
+@click.option(
+    "--usd-per-kwh",
+    type=Number(integer=False),
+    help="electricity price for the energy $ column (default: unknown)",
 )
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="also write cost.json, cost.md + cost.png, cost.html and cost.pdf here")  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from gaudi3_scale.cli.options import Port
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["dashboard"]
@@ -32,15 +33,15 @@ TOKEN_ENV = "GAUDI3_DASHBOARD_TOKEN"
     metavar="ADDRESS",
     help="address to bind; anything but loopback requires a token",
 )
-@click.option("--port", default="8080", show_default=True, metavar="PORT", help="TCP port (0: any free port)")
+@click.option(
+    "--port", type=Port(), default=8080, show_default=True, metavar="PORT", help="TCP port (0: any free port)"
+)
 @click.option("--token", envvar=TOKEN_ENV, show_envvar=True, metavar="TOKEN",
               help="token every request must carry (default off loopback: a random one, printed with the URL)")  # fmt: skip
-def dashboard(runs_dir: str, host: str, port: str, token: str | None) -> None:
+def dashboard(runs_dir: str, host: str, port: int, token: str | None) -> None:
     """Web dashboard: run list, live loss/throughput/MFU, resources, cost and TCO, benchmarks, checkpoints."""
     if importlib.util.find_spec("flask") is None:
         raise UserInputError(f"the dashboard needs Flask: {_INSTALL}")
-    if not port.isdecimal() or not 0 <= int(port) <= 65535:
-        raise UserInputError(f"--port: expected a TCP port 0..65535 (0: any free port), got {port!r}")
     runs = Path(runs_dir)
     if not runs.is_dir():
         raise UserInputError(f"--runs: {runs_dir!r} is not a directory (train with --out {runs_dir}/NAME)")
@@ -49,7 +50,7 @@ def dashboard(runs_dir: str, host: str, port: str, token: str | None) -> None:
     from gaudi3_scale.dashboard.server import build_server, dashboard_url, resolve_token, serve
 
     required, generated = resolve_token(host, token)
-    server = build_server(runs, host, int(port), required)
+    server = build_server(runs, host, port, required)
     click.echo(f"dashboard of {runs.resolve()} at {dashboard_url(host, server.port, required)}")
     if generated:
         click.echo(f"  bound to {host}: every request needs this token (set your own with --token or "

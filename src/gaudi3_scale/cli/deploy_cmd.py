@@ -6,7 +6,10 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cli.errors import print_error
+from gaudi3_scale.cli.options import Count
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.files import parse_yaml_value
 
 __all__ = ["deploy"]
 
@@ -19,14 +22,16 @@ def deploy() -> None:
 @deploy.command(name="render")
 @click.option("--target", required=True, help="aws, azure, gcp, onprem or k8s")
 @click.option("--accelerator", required=True, help="gaudi3, gaudi2, h100, h200 or a100")
-@click.option("--nodes", type=int, required=True, help="machines (or pods) to train on")
+@click.option("--nodes", type=Count(), required=True, help="machines (or pods) to train on")
 @click.option(
     "--config", "config_path", required=True, type=click.Path(dir_okay=False), help="run config YAML"
 )
 @click.option(
     "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="directory to render into"
 )
-@click.option("--per-node", type=int, help="accelerators per node (default: the catalog instance's, else 8)")
+@click.option(
+    "--per-node", type=Count(), help="accelerators per node (default: the catalog instance's, else 8)"
+)
 @click.option("--image", help="container image the nodes run (default: gaudi3-scale-train:<version>)")
 @click.option("--region", help="cloud region (default: the catalog instance's)")
 @click.option("--hosts", help="onprem: comma-separated host names or addresses, the first one is the master")
@@ -62,12 +67,12 @@ def render_cmd(
 
     if not Path(config_path).is_file():
         raise UserInputError(f"--config: {config_path} is not a file")
-    cfg = resolve_config(config_path, [])
+    cfg = resolve_config(config_path, [])  # what is in the file: one line naming it
     spec = DeploySpec(
         target=target,
         accelerator=accelerator,
         nodes=nodes,
-        per_node=per_node or default_per_node(target, accelerator),
+        per_node=per_node if per_node is not None else default_per_node(target, accelerator),
         config_path=Path(config_path),
         run_config=to_dict(cfg),
         name=cfg.name,
@@ -82,18 +87,14 @@ def render_cmd(
 
 
 def _settings(items: tuple[str, ...]) -> dict[str, object]:
-    """--set KEY=VALUE pairs; values are read as YAML scalars (3 → int, true → bool, text stays text)."""
-    import yaml
-
+    """--set KEY=VALUE pairs; values are read as YAML (3 → int, true → bool, text that is not YAML stays text),
+    with the limits of every config value (nesting, aliases, integer length)."""
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise UserInputError(f"--set: expected KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            out[key.strip()] = value
+            raise UserInputError(f"--set: expected KEY=VALUE, got {brief(item)}")
+        out[key.strip()] = parse_yaml_value(value, field=f"--set {key.strip()}") if value.strip() else ""
     return out
 
 
@@ -157,7 +158,7 @@ def _tool(action: str, paths: tuple[str, ...], *, yes: bool) -> None:
     try:
         done = execute(deployment, action, yes=yes, confirm=confirm, echo=click.echo)
     except ToolFailed as exc:
-        click.echo(f"gaudi3: error: {exc}", err=True)
+        print_error(str(exc))
         raise SystemExit(1) from None
     if not done:
         raise SystemExit(1)

@@ -18,12 +18,14 @@ from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.cost_cmd import cost
 from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.deploy_cmd import deploy
-from gaudi3_scale.cli.options import launch_options, launch_overrides
+from gaudi3_scale.cli.errors import print_error
+from gaudi3_scale.cli.options import Count, Number, Seed, launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.numbers import parse_number
 
 __all__ = ["VERBS", "benchmark_alias", "cli", "deploy_alias", "main", "train_alias"]
 
@@ -31,7 +33,7 @@ _OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True, "help_op
 
 
 def _fail(message: str) -> None:
-    click.echo(f"gaudi3: error: {message}", err=True)
+    print_error(message)
     sys.exit(2)
 
 
@@ -51,7 +53,11 @@ def cli() -> None:
 @click.option("--print-config", is_flag=True, help="print the resolved config as YAML and exit")
 @click.option("--list-fields", is_flag=True, help="list every config field with its help and exit")
 @click.option(
-    "--sample-tokens", default=200, show_default=True, help="tokens of text to sample after training"
+    "--sample-tokens",
+    type=Count(low=0),
+    default=200,
+    show_default=True,
+    help="tokens of text to sample after training",
 )
 @click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
 @click.option(
@@ -106,12 +112,16 @@ def _profile_overrides(profile: str | None) -> list[str]:
     """`--profile START:END` as the `train.profile_*` overrides (the window is checked with the config)."""
     if profile is None:
         return []
-    start, sep, end = profile.partition(":")
-    if not (sep and start.isdigit() and end.isdigit() and int(start) < int(end)):
+    start_text, sep, end_text = profile.partition(":")
+    try:
+        start, end = (int(parse_number("--profile", t, integer=True)) for t in (start_text, end_text))
+    except ConfigError:
+        start = end = -1
+    if not (sep and 0 <= start < end):
         raise click.UsageError(
-            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {profile!r}"
+            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {brief(profile)}"
         )
-    return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={int(end) - int(start)}"]
+    return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={end - start}"]
 
 
 @cli.command()
@@ -119,13 +129,17 @@ def _profile_overrides(profile: str | None) -> list[str]:
 @click.option(
     "--tokenizer", default="char", show_default=True, help="char, byte, bpe, or a tokenizer.json path"
 )
-@click.option("--vocab-size", type=int, help="vocabulary size to train (bpe)")
+@click.option("--vocab-size", type=Count(), help="vocabulary size to train (bpe)")
 @click.option(
-    "--val-fraction", type=float, default=0.1, show_default=True, help="tail of each source held out"
+    "--val-fraction",
+    type=Number(integer=False),
+    default=0.1,
+    show_default=True,
+    help="tail of each source held out",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="split seed (document order)")
+@click.option("--seed", type=Seed(), default=0, show_default=True, help="split seed (document order)")
 @click.option("--out", "out_dir", help="output directory (default: the cache directory)")
-@click.option("--workers", type=int, default=1, show_default=True, help="tokenizer worker processes")
+@click.option("--workers", type=Count(), default=1, show_default=True, help="tokenizer worker processes")
 @click.option("--force", is_flag=True, help="rebuild even when the inputs are unchanged")
 def prepare(sources: tuple[str, ...], **options: Any) -> None:
     """Tokenize text files, globs, directories or a bundled corpus into train/val token shards."""
@@ -137,12 +151,12 @@ def prepare(sources: tuple[str, ...], **options: Any) -> None:
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prompt", default="", help="text to continue (default: a newline)")
-@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--max-new-tokens", type=Count(low=0), default=200, show_default=True)
 @click.option(
-    "--temperature", type=click.FloatRange(min=0.0), default=0.8, show_default=True, help="0 = greedy"
+    "--temperature", type=Number(integer=False, low=0), default=0.8, show_default=True, help="0 = greedy"
 )
-@click.option("--top-k", type=click.IntRange(min=1), default=200, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--top-k", type=Count(), default=200, show_default=True)
+@click.option("--seed", type=Seed(), default=0, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", help="tokenizer directory (default: <run>/tokenizer)")
 def generate(
     checkpoint: str,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gaudi3_scale.cli.options import launch_options, launch_overrides
+from gaudi3_scale.cli.errors import print_error
+from gaudi3_scale.cli.options import Count, launch_options, launch_overrides
 from gaudi3_scale.config.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ REPORT_NAME = "repro.json"
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML")
 @click.option(
     "--steps",
-    type=click.IntRange(min=1),
+    type=Count(),
     help="optimizer steps per run (default: the config's train.max_steps)",
 )
 @click.option(
@@ -103,7 +104,7 @@ def _run_both(plan: ReproPlan, commands: list[list[str]], directory: Path, repor
         if code != 0:
             message = f"run {run.name} ({run.label}) failed with exit {code}: {_tail(log)}"
             _write_report(directory, {**report, "verdict": "failed", "error": message})
-            click.echo(f"gaudi3: error: {message} (log: {log})", err=True)
+            print_error(f"{message} (log: {log})")
             sys.exit(2)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from gaudi3_scale.cli.options import Count, Port
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["serve"]
@@ -15,15 +16,15 @@ __all__ = ["serve"]
 @click.argument("model_or_checkpoint")
 @click.option("--host", default="127.0.0.1", show_default=True, metavar="ADDRESS",
               help="address to bind (0.0.0.0: every interface; there is no authentication)")  # fmt: skip
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+@click.option("--port", type=Port(), default=8000, show_default=True,
               help="TCP port (0: any free port, printed on start)")  # fmt: skip
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--max-batch-size", type=Count(), default=8, show_default=True,
               help="requests decoded together in one forward pass")  # fmt: skip
-@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+@click.option("--max-queue", type=Count(), default=64, show_default=True,
               help="requests waiting for a batch slot; more are refused with 503")  # fmt: skip
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--max-prompt-tokens", type=Count(), default=None,
               help="longest prompt in tokens (default: the model's context length)")  # fmt: skip
-@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--max-tokens-limit", type=Count(), default=512, show_default=True,
               help="largest max_tokens a request may ask for")  # fmt: skip
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
               help="directory with tokenizer.json (default: the run's or the export's tokenizer/)")  # fmt: skip

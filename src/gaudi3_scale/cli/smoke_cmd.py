@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from gaudi3_scale.cli.options import Count
 from gaudi3_scale.config.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ BUDGET_S = 120.0  # the smoke tier's promise: 100 steps + checkpoint round trip 
     type=click.Path(file_okay=False, path_type=Path),
     help="new or empty directory for the run (default: a temporary directory, removed afterwards unless --keep)",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="optimizer steps")
+@click.option("--steps", type=Count(), default=100, show_default=True, help="optimizer steps")
 @click.option("--keep", is_flag=True, help="keep the temporary run directory (--out is always kept)")
 def smoke(out_dir: Path | None, steps: int, keep: bool) -> None:
     """Smoke test: train, save a checkpoint, verify its checksums and reload it; each stage timed."""

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cli.options import Count, Number, Seconds
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, check_number, parse_number
 
 __all__ = ["tune"]
 
@@ -22,11 +24,12 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     if items is None:
         return None
     try:
-        values = tuple(int(v) for v in items)
-    except ValueError:
-        raise UserInputError(f"{flag}: expected comma-separated whole numbers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise UserInputError(f"{flag}: every value must be at least 1, got {text!r}")
+        values = tuple(int(parse_number(flag, v, integer=True)) for v in items)
+        for v in values:
+            check_number(flag, v, low=1, high=INT32_MAX)
+    except ConfigError as exc:
+        raise UserInputError(f"{flag}: expected comma-separated whole numbers >= 1, got {brief(text)} "
+                             f"({exc.problem})") from None  # fmt: skip
     return values
 
 
@@ -36,19 +39,23 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 )
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML to tune")
 @click.option(
-    "--world-size", type=int, help="ranks on this node (default: the config's parallel.nproc_per_node)"
+    "--world-size", type=Count(), help="ranks on this node (default: the config's parallel.nproc_per_node)"
 )
 @click.option(
     "--memory-budget", help="memory per rank a config may use, e.g. 16GiB (default: device × target)"
 )
 @click.option(
     "--target-utilization",
-    type=float,
+    type=Number(integer=False, low=0.05, high=1.0, expected="must be a fraction from 0.05 to 1"),
     default=0.95,
     show_default=True,
     help="fraction of device memory a config may use when --memory-budget is not given",
 )
-@click.option("--time-budget-min", type=float, help="start no trial after this many minutes")
+@click.option(
+    "--time-budget-min",
+    type=Number(integer=False, above=0, high=MAX_SECONDS / 60),
+    help="start no trial after this many minutes",
+)
 @click.option(
     "--global-batch",
     help="global batch(es) in sequences to consider, comma-separated (default: the config's)",
@@ -81,10 +88,12 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     show_default=True,
     help="learning-rate rescaling when the global batch changes",
 )
-@click.option("--warmup-steps", type=int, default=2, show_default=True, help="unmeasured steps per trial")
-@click.option("--measure-steps", type=int, default=5, show_default=True, help="measured steps per trial")
 @click.option(
-    "--trial-timeout-s", type=float, default=300.0, show_default=True, help="kill a trial after this"
+    "--warmup-steps", type=Count(low=0), default=2, show_default=True, help="unmeasured steps per trial"
+)
+@click.option("--measure-steps", type=Count(), default=5, show_default=True, help="measured steps per trial")
+@click.option(
+    "--trial-timeout-s", type=Seconds(), default=300.0, show_default=True, help="kill a trial after this"
 )
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="results (default runs/<name>-tune)")
 @click.option(
@@ -131,6 +140,10 @@ def tune(
     base = resolve_config(config_path, overrides)
     world = world_size if world_size is not None else base.parallel.world_size
     budget = parse_bytes(memory_budget) if memory_budget else None
+    global_batches, thread_counts = (
+        _ints(global_batch, "--global-batch"),
+        _ints(threads, "--threads"),
+    )  # all checked
     console = wide_console()
     if estimate_only:
         from gaudi3_scale.tune.estimate_table import print_estimate_table
@@ -145,12 +158,12 @@ def tune(
     space = build_space(
         base,
         world_size=world,
-        global_batches=_ints(global_batch, "--global-batch"),
+        global_batches=global_batches,
         strategies=_csv(strategies),
         precisions=_csv(precisions),
         activation_checkpointing=ONOFF[ckpt],
         compile=ONOFF[compile_],
-        threads=_ints(threads, "--threads"),
+        threads=thread_counts,
     )
     config = TuneConfig(
         world_size=world,

@@ -6,7 +6,9 @@ dotted command-line overrides (`--model.num_layers 6`), and turn them back into 
 ``field(metadata={"help": "..."})`` and doubles as CLI help.
 
 Validation of values lives in each section's ``__post_init__``; it raises `ConfigError(field, msg)` with the
-field name relative to the section, and `from_dict` prefixes the dotted path of the section.
+field name relative to the section, and `from_dict` prefixes the dotted path of the section. Numbers are checked
+by `config.numbers` (finite, 64-bit, in range), files and values read by `config.files` (size, UTF-8, nesting,
+aliases).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -23,11 +25,14 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
-from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.files import load_yaml_file, parse_yaml_value
+from gaudi3_scale.config.numbers import check_number, check_positive, check_range, is_number_text
 
 __all__ = [
     "apply_overrides",
     "check_choice",
+    "check_name",
     "check_positive",
     "check_range",
     "config_sha256",
@@ -39,6 +44,7 @@ __all__ = [
     "parse_overrides",
     "save_yaml",
     "to_dict",
+    "type_name",
 ]
 
 T = TypeVar("T")
@@ -64,12 +70,29 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
+def type_name(tp: Any) -> str:
+    """A field type as a reader writes it: `int`, `str | None`, `list[int]`, `auto | cpu | cuda`."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join(type_name(a) for a in get_args(tp))
+    if origin is not None:
+        args = ", ".join(type_name(a) for a in get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]" if args else str(origin.__name__)
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "any"
+    return str(getattr(tp, "__name__", tp))
+
+
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     """Convert `value` (from YAML or a parsed CLI string) to `tp`, or raise ConfigError naming `path`."""
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, Mapping):
-            raise ConfigError(path, f"expected a mapping of fields, got {value!r}")
+            raise ConfigError(path, f"expected a mapping of fields, got {brief(value)}")
         return from_dict(tp, value, prefix=path)
     if origin in (types.UnionType, typing.Union):
         options = get_args(tp)
@@ -83,15 +106,15 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return _coerce(opt, value, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(path, f"expected {_describe(tp)}, got {brief(value)}")
     if origin is Literal:
         allowed = get_args(tp)
-        if value not in allowed:
-            raise ConfigError(path, f"got {value!r}; allowed: {', '.join(str(a) for a in allowed)}")
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(path, f"got {brief(value)}; allowed: {', '.join(str(a) for a in allowed)}")
         return value
     if origin in (list, tuple):
         if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-            raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+            raise ConfigError(path, f"expected {_describe(tp)}, got {brief(value)}")
         (inner, *_) = get_args(tp) or (Any,)
         items = [_coerce(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -100,23 +123,23 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(path, f"expected true or false, got {value!r}")
+        raise ConfigError(path, f"expected true or false, got {brief(value)}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(path, f"expected an integer, got {value!r}")
+            value = int(value)  # 1e3 is 1000; 1e300 is then refused as wider than 64 bits
+        if isinstance(value, int) and not isinstance(value, bool):
+            check_number(path, value)
+            return value
+        raise ConfigError(path, f"expected an integer, got {brief(value)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(float(value)):
-                raise ConfigError(path, f"expected a finite number, got {value!r}")
+            check_number(path, value)
             return float(value)
-        raise ConfigError(path, f"expected a number, got {value!r}")
+        raise ConfigError(path, f"expected a number, got {brief(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(path, f"expected a string, got {value!r}")
+        raise ConfigError(path, f"expected a string, got {brief(value)}")
     raise TypeError(f"unsupported config field type {tp!r} at {path}")  # programming error, not user input
 
 
@@ -127,7 +150,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError naming the field."""
     if not isinstance(data, Mapping):
-        raise ConfigError(prefix, f"expected a mapping of fields, got {data!r}")
+        raise ConfigError(prefix, f"expected a mapping of fields, got {brief(data)}")
     assert dataclasses.is_dataclass(cls)
     hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -135,8 +158,15 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         if key not in known:
             allowed = ", ".join(sorted(known))
-            raise ConfigError(_join(prefix, str(key)), f"unknown field; allowed: {allowed}")
+            raise ConfigError(_join(prefix, brief(key).strip("'")), f"unknown field; allowed: {allowed}")
         kwargs[key] = _coerce(hints[key], value, _join(prefix, key))
+    for name, f in known.items():
+        if (
+            name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            raise ConfigError(_join(prefix, name), f"is required: {field_help(f) or _describe(hints[name])}")
     try:
         return cls(**kwargs)
     except ConfigError as exc:
@@ -183,7 +213,7 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise UserInputError(
-                f"unexpected argument {arg!r}; config overrides look like --section.field VALUE"
+                f"unexpected argument {brief(arg)}; config overrides look like --section.field VALUE"
             )
         key = arg[2:]
         if "=" in key:
@@ -218,11 +248,8 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
     """Set dotted keys in a raw config dict; values are parsed as YAML scalars (so `6`, `3e-4`, `true`, `null`)."""
     for key, raw in overrides:
         _lookup_type(cls, key)  # fail early on unknown fields
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and _looks_like_float(value):
+        value = parse_yaml_value(raw, field=key)
+        if isinstance(value, str) and is_number_text(value):
             value = float(value)  # YAML 1.1 reads "1e-3" as a string
         node = data
         *parents, leaf = key.split(".")
@@ -236,30 +263,9 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
     return data
 
 
-def _looks_like_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return text.strip().lower() not in {"nan", "inf", "-inf", "+inf", "infinity", "-infinity"}
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserInputError(f"config file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserInputError(f"config file {str(p)!r} is not valid YAML{where}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserInputError(
-            f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
-        )
+def load_yaml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:
+    """A YAML file holding a mapping (empty: {}), read by `config.files` with its limits."""
+    data: dict[str, Any] = load_yaml_file(path, what=what, expect=dict)
     return data
 
 
@@ -278,21 +284,26 @@ def save_yaml(obj: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
 
 
-# ---- validation helpers used by section __post_init__ -------------------------------------------------------
+# ---- validation helpers used by section __post_init__ (numbers: config.numbers) ----------------------------------
 
 
-def check_positive(name: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+NAME_MAX_CHARS = 128
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(name: str, value: str | None) -> None:
+    """A name that becomes one path component (`runs/<name>/`): letters, digits, '.', '_', '-', not starting with
+    '.', at most `NAME_MAX_CHARS`. So `..`, `a/b`, a newline or an empty name never reach the file system."""
     if value is None:
         return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-def check_range(name: str, value: float | None, low: float, high: float) -> None:
-    if value is not None and not (low <= value <= high):
-        raise ConfigError(name, f"must be between {low} and {high}, got {value}")
+    if not (isinstance(value, str) and len(value) <= NAME_MAX_CHARS and _NAME.fullmatch(value)):
+        raise ConfigError(
+            name,
+            f"must be 1 to {NAME_MAX_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit "
+            f"(it names a directory), got {brief(value)}",
+        )
 
 
 def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        raise ConfigError(name, f"got {value!r}; allowed: {', '.join(allowed)}")
+        raise ConfigError(name, f"got {brief(value)}; allowed: {', '.join(allowed)}")

@@ -1,13 +1,21 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and how a user's value is shown in it.
 
 Anything the user can get wrong (a config field, a CLI flag, a dataset on disk) raises `UserInputError` with a
 message of one line naming *what* is wrong, *where* (a dotted field or a path) and *what is allowed*. The CLI turns
 it into that line on stderr and exit code 2, without a traceback.
+
+A message quotes the user's value with `brief`, never with a bare ``repr``: a value can be a 5,000-digit integer
+(whose ``str`` Python refuses), or a list that YAML aliases make a billion items long, and the line must stay short
+and cheap to build whatever the value is.
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "UserInputError"]
+import math
+import reprlib
+from typing import Any
+
+__all__ = ["ConfigError", "UserInputError", "brief"]
 
 
 class UserInputError(ValueError):
@@ -21,8 +29,37 @@ class UserInputError(ValueError):
 
 
 class ConfigError(UserInputError):
-    """An invalid config field; the message starts with the dotted field name."""
+    """An invalid config field; the message starts with the dotted field name (`problem` is the rest)."""
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.problem = message
         super().__init__(f"{field}: {message}" if field else message)
+
+
+class _Brief(reprlib.Repr):
+    """`reprlib` with limits that bound both the text and the time: at most ~4 levels × 6 items are visited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxset = self.maxdict = 5
+        self.maxstring = 60
+        self.maxother = 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if abs(x) < 10**40:
+            return repr(x)
+        # repr() of an integer above 4,300 digits raises ValueError; its size is what the reader needs anyway.
+        digits = int(x.bit_length() * math.log10(2)) + 1
+        return f"{'-' if x < 0 else ''}<an integer of about {digits:,} digits>"
+
+
+_BRIEF = _Brief()
+BRIEF_CHARS = 120
+
+
+def brief(value: Any) -> str:
+    """`repr(value)` for an error message: at most `BRIEF_CHARS` characters, and quick, whatever the value."""
+    text = _BRIEF.repr(value)
+    return text if len(text) <= BRIEF_CHARS else f"{text[: BRIEF_CHARS - 12]}…{text[-11:]}"

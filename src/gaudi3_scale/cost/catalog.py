@@ -13,14 +13,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.files import parse_yaml, read_text_file
 from gaudi3_scale.device.specs import ACCELERATORS
 
 __all__ = ["Instance", "load_instances"]
 
 _PRICES = ("on_demand_usd_per_hour", "capacity_block_usd_per_hour")
+_MAX_PER_NODE = 1024  # accelerators on one node; the largest today carry 8 (16 on a few NVL/UBB boards)
 _FIELDS = {"provider", "type", "accelerator", "accelerators_per_node", "region", "spot_usd_per_hour_range",
            "prices_date", "sources", *_PRICES}  # fmt: skip
 
@@ -52,15 +52,22 @@ def _price(value: Any, where: str, name: str) -> float | None:
         or not math.isfinite(value)
         or value <= 0
     ):
-        raise UserInputError(f"{where}: {name} must be a positive number or null, got {value!r}")
+        raise UserInputError(f"{where}: {name} must be a positive number or null, got {brief(value)}")
     return float(value)
+
+
+def _shown(value: Any) -> str:
+    """A catalog value in a message: short text as it is, anything else as `brief` shows it."""
+    return value if isinstance(value, str) and len(value) <= 60 else brief(value)
 
 
 def _instance(entry: Any, sources: dict[str, str], where: str) -> Instance:
     if not isinstance(entry, dict):
-        raise UserInputError(f"{where}: expected a mapping of instance fields, got {entry!r}")
-    label = f"{where} ({entry.get('provider')} {entry.get('type')})"
-    unknown = sorted(set(entry) - _FIELDS)
+        raise UserInputError(f"{where}: expected a mapping of instance fields, got {brief(entry)}")
+    label = f"{where} ({_shown(entry.get('provider'))} {_shown(entry.get('type'))})"
+    unknown = sorted(
+        _shown(k) for k in set(entry) - _FIELDS
+    )  # a key may be anything YAML reads: `1:`, `null:`
     missing = sorted(_FIELDS - set(entry))
     if unknown or missing:
         what = (
@@ -69,21 +76,23 @@ def _instance(entry: Any, sources: dict[str, str], where: str) -> Instance:
         raise UserInputError(f"{label}: {what}; fields: {', '.join(sorted(_FIELDS))}")
     for name in ("provider", "type", "region", "prices_date"):
         if not isinstance(entry[name], str) or not entry[name]:
-            raise UserInputError(f"{label}: {name} must be a non-empty string, got {entry[name]!r}")
-    if entry["accelerator"] not in (*ACCELERATORS, "cpu"):
+            raise UserInputError(f"{label}: {name} must be a non-empty string, got {brief(entry[name])}")
+    if not isinstance(entry["accelerator"], str) or entry["accelerator"] not in (*ACCELERATORS, "cpu"):
         raise UserInputError(
-            f"{label}: accelerator {entry['accelerator']!r} is not in the catalog; known: "
+            f"{label}: accelerator {brief(entry['accelerator'])} is not in the catalog; known: "
             f"{', '.join(ACCELERATORS)}, cpu"
         )
     count = entry["accelerators_per_node"]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise UserInputError(f"{label}: accelerators_per_node must be a positive integer, got {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_PER_NODE:
+        raise UserInputError(
+            f"{label}: accelerators_per_node must be an integer from 1 to {_MAX_PER_NODE}, got {brief(count)}"
+        )
     spot = entry["spot_usd_per_hour_range"]
     spot_range = None
     if spot is not None:
         if not isinstance(spot, list) or len(spot) != 2:
             raise UserInputError(
-                f"{label}: spot_usd_per_hour_range must be [low, high] or null, got {spot!r}"
+                f"{label}: spot_usd_per_hour_range must be [low, high] or null, got {brief(spot)}"
             )
         low, high = (_price(v, label, "spot_usd_per_hour_range") for v in spot)
         assert low is not None and high is not None
@@ -91,9 +100,14 @@ def _instance(entry: Any, sources: dict[str, str], where: str) -> Instance:
             raise UserInputError(f"{label}: spot_usd_per_hour_range low {low} is above high {high}")
         spot_range = (low, high)
     cited = entry["sources"]
-    if not isinstance(cited, list) or not cited or any(s not in sources for s in cited):
+    if (
+        not isinstance(cited, list)
+        or not cited
+        or any(not isinstance(s, str) or s not in sources for s in cited)
+    ):
         raise UserInputError(
-            f"{label}: sources must list keys of the file's sources ({', '.join(sources) or 'none'}), got {cited!r}"
+            f"{label}: sources must list keys of the file's sources ({', '.join(sources) or 'none'}), "
+            f"got {brief(cited)}"
         )
     return Instance(
         provider=entry["provider"],
@@ -112,15 +126,14 @@ def _instance(entry: Any, sources: dict[str, str], where: str) -> Instance:
 
 
 def _read(text: str, where: str) -> list[Instance]:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserInputError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    raw = parse_yaml(text, where=where, expect=None)
     if not isinstance(raw, dict) or not isinstance(raw.get("instances"), list):
         raise UserInputError(f"{where}: expected a mapping with an 'instances' list (and 'sources')")
     sources = raw.get("sources") or {}
-    if not isinstance(sources, dict) or not all(isinstance(v, str) and v for v in sources.values()):
-        raise UserInputError(f"{where}: sources must map keys to non-empty citations")
+    if not isinstance(sources, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in sources.items()
+    ):
+        raise UserInputError(f"{where}: sources must map names to non-empty citations (text: text)")
     return [_instance(e, sources, f"{where}: instances[{i}]") for i, e in enumerate(raw["instances"])]
 
 
@@ -129,11 +142,6 @@ def load_instances(user_file: Path | None = None) -> dict[tuple[str, str, str], 
     shipped = (resources.files("gaudi3_scale.cost") / "instances.yaml").read_text()
     found = {i.key: i for i in _read(shipped, "instances.yaml")}
     if user_file is not None:
-        try:
-            text = user_file.read_text()
-        except OSError as exc:
-            raise UserInputError(
-                f"{user_file}: cannot read the catalog file ({exc.strerror or exc})"
-            ) from None
+        text = read_text_file(user_file, what="catalog file")
         found.update({i.key: i for i in _read(text, str(user_file))})
     return found

@@ -7,12 +7,12 @@ listed, is its price known) is checked when the run starts, before any rank is l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import check_seconds
 
 __all__ = ["PRICINGS", "CostConfig"]
 
@@ -95,11 +95,9 @@ class CostConfig:
                     f"expected provider/type/region (e.g. aws/p5.48xlarge/us-east-1), got {self.instance!r}",
                 )
         check_choice("pricing", self.pricing, PRICINGS)
-        for name in ("price_usd_per_hour", "budget_usd", "spot_ttl_s", *_SPOT_ONLY):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(name, f"must be a finite number, got {value}")
-            check_positive(name, value)
+        for name in ("price_usd_per_hour", "budget_usd", *_SPOT_ONLY):
+            check_positive(name, getattr(self, name))
+        check_seconds("spot_ttl_s", self.spot_ttl_s)
         if not 0 < self.warn_at_fraction < 1:
             raise ConfigError(
                 "warn_at_fraction", f"must be between 0 and 1 (exclusive), got {self.warn_at_fraction}"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from gaudi3_scale.config.core import check_positive, check_range
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seed
 from gaudi3_scale.data.sources import DEFAULT_SYNTHETIC_VOCAB, synthetic_vocab
 
 __all__ = ["DataConfig"]
@@ -50,9 +51,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_range("val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("vocab_size", self.vocab_size)
-        check_positive("prepare_workers", self.prepare_workers)
-        check_positive("loader_workers", self.loader_workers, allow_zero=True)
-        check_positive("split_seed", self.split_seed, allow_zero=True)  # numpy seeds must be >= 0
+        check_number("prepare_workers", self.prepare_workers, low=1, high=INT32_MAX)  # process counts: C ints
+        check_number("loader_workers", self.loader_workers, low=0, high=INT32_MAX)
+        check_seed("split_seed", self.split_seed)
         check_positive("synthetic_tokens", self.synthetic_tokens)
         vocab = synthetic_vocab(self.source)
         if vocab is not None and self.vocab_size not in (None, vocab):

@@ -148,8 +148,10 @@ def _sha256_json(obj: Any) -> str:
 def _settings(cfg: DataConfig, source: ResolvedSource) -> dict[str, Any]:
     """Everything besides the source files' content that changes the output."""
     tokenizer_file = Path(cfg.tokenizer) if is_tokenizer_path(cfg.tokenizer) else None
-    if tokenizer_file is not None and not tokenizer_file.is_file():
-        load_tokenizer_file(tokenizer_file)  # raises the one-line error, before any directory is touched
+    if tokenizer_file is not None:
+        # Read and checked here, before any directory is touched or progress bar drawn: a missing, binary or
+        # malformed tokenizer.json is one line (the workers read it again; a second read is cheap next to tokenizing).
+        load_tokenizer_file(tokenizer_file)
     return {
         "source": source.key,
         "tokenizer": str(tokenizer_file.resolve()) if tokenizer_file else cfg.tokenizer,

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.files import parse_json, read_text_file
 
 __all__ = [
     "TOKENIZER_FILE",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_MAX_BYTES = 64 << 20  # Hugging Face tokenizer.json files run to ~20 MB (large vocabularies)
 _CHAR_TYPE = "gaudi3-char"
 _BYTE_TYPE = "gaudi3-byte"
 _SYNTHETIC_TYPE = "gaudi3-synthetic"
@@ -297,12 +299,7 @@ def build_tokenizer(
 
 def tokenizer_from_json(text: str, *, where: str = "tokenizer.json") -> Tokenizer:
     """Inverse of `Tokenizer.to_json`; Hugging Face files are recognised by their ``model`` key."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserInputError(
-            f"{where}: not valid JSON (line {exc.lineno}); expected a tokenizer.json"
-        ) from None
+    data = parse_json(text, where=f"{where} (a tokenizer.json)", expect=None)
     if not isinstance(data, dict):
         raise UserInputError(f"{where}: expected a JSON object describing a tokenizer")
     if data.get("type") == _CHAR_TYPE:
@@ -338,7 +335,11 @@ def load_tokenizer_file(path: Path) -> Tokenizer:
             f"{str(path)!r} is not a registered kind ({', '.join(sorted(_BUILDERS))}) "
             "nor an existing tokenizer.json file",
         )
-    return tokenizer_from_json(path.read_text(encoding="utf-8"), where=str(path))
+    return tokenizer_from_json(_read_tokenizer_file(path), where=str(path))
+
+
+def _read_tokenizer_file(path: Path) -> str:
+    return read_text_file(path, what="tokenizer file", max_bytes=TOKENIZER_MAX_BYTES)
 
 
 def load_tokenizer(prepared_dir: Path) -> Tokenizer:
@@ -348,4 +349,4 @@ def load_tokenizer(prepared_dir: Path) -> Tokenizer:
         raise UserInputError(
             f"{path}: missing; the prepared dataset has no tokenizer, re-run `gaudi3 prepare --force`"
         )
-    return tokenizer_from_json(path.read_text(encoding="utf-8"), where=str(path))
+    return tokenizer_from_json(_read_tokenizer_file(path), where=str(path))

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import parse_yaml_documents, read_text_file
 
 __all__ = [
     "ACTIONS",
@@ -95,14 +94,12 @@ class Commands:
 
 def _manifest_docs(path: Path) -> list[dict[str, Any]] | None:
     """The documents of a Kubernetes manifest file; None for other YAML (configs, Ansible)."""
-    text = path.read_text()
+    text = read_text_file(path, what="manifest")  # UTF-8 and size limits: one line naming the file
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
+        docs = [d for d in parse_yaml_documents(text, where=str(path)) if d is not None]
+    except UserInputError as exc:
         if "apiVersion" in text:
-            raise UserInputError(
-                f"{path}: looks like a Kubernetes manifest but is not valid YAML ({exc})"
-            ) from None
+            raise UserInputError(f"looks like a Kubernetes manifest, but {exc}") from None
         return None  # some other YAML-ish file (e.g. an Ansible template): not ours to judge
     if docs and all(isinstance(d, dict) and "apiVersion" in d and "kind" in d for d in docs):
         return docs

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-import yaml
+from gaudi3_scale.config.files import parse_yaml
 
 __all__ = ["ACCELERATORS", "AcceleratorSpec", "accelerator_named", "find_accelerator"]
 
@@ -32,7 +32,7 @@ _DATA = "accelerators.yaml"
 
 def _load() -> dict[str, AcceleratorSpec]:
     """The shipped table (`device/accelerators.yaml`); a malformed entry is a programming error caught by the tests."""
-    raw = yaml.safe_load((resources.files("gaudi3_scale.device") / _DATA).read_text())
+    raw = parse_yaml((resources.files("gaudi3_scale.device") / _DATA).read_text(), where=_DATA)
     sources: dict[str, str] = raw["sources"]
     specs = {}
     for entry in raw["accelerators"]:

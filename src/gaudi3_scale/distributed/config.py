@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import INT32_MAX, check_number
 from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
 __all__ = ["STRATEGIES", "ParallelConfig"]
@@ -52,8 +54,8 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        check_positive("nproc_per_node", self.nproc_per_node)
-        check_positive("nnodes", self.nnodes)
+        check_number("nproc_per_node", self.nproc_per_node, low=1, high=INT32_MAX)  # torchrun takes C ints
+        check_number("nnodes", self.nnodes, low=1, high=INT32_MAX)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         if self.network_preset is not None:
             check_choice("network_preset", self.network_preset, sorted(NETWORK_PRESETS))
@@ -65,7 +67,7 @@ class ParallelConfig:
             raise ConfigError("rdzv_endpoint", "is required when nnodes > 1 (HOST:PORT of node 0)")
         if self.rdzv_endpoint is not None:
             host, sep, port = self.rdzv_endpoint.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not sep or not host or not re.fullmatch("[0-9]{1,5}", port) or not 0 < int(port) < 65536:
                 raise ConfigError("rdzv_endpoint", f"must be HOST:PORT, got {self.rdzv_endpoint!r}")
 
     @property

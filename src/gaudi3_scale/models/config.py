@@ -7,6 +7,7 @@ from typing import Literal
 
 from gaudi3_scale.config.core import check_positive, check_range
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import check_number
 
 __all__ = ["ACCELERATOR_VOCAB_MULTIPLE", "ModelConfig"]
 
@@ -59,6 +60,7 @@ class ModelConfig:
         for name in ("num_layers", "num_heads", "dim", "context_length"):
             check_positive(name, getattr(self, name))
         pad = self.pad_vocab_to_multiple
+        check_number("pad_vocab_to_multiple", pad)  # 64 bits: 2**70 is a power of two too
         if pad is not None and (pad < 1 or pad & (pad - 1)):
             raise ConfigError(
                 "pad_vocab_to_multiple",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import check_seconds
 
 __all__ = ["LOGGERS", "MonitorConfig"]
 
@@ -54,7 +54,7 @@ class MonitorConfig:
             raise ConfigError("metrics_port", f"must be 0..65535 or null, got {self.metrics_port}")
         if not self.metrics_host:
             raise ConfigError("metrics_host", "must be an address such as 127.0.0.1 or 0.0.0.0")
-        check_positive("system_every_s", self.system_every_s)
+        check_seconds("system_every_s", self.system_every_s)
         unknown = [name for name in self.logger_names if name not in LOGGERS]
         if unknown:
             raise ConfigError(

@@ -16,6 +16,7 @@ from gaudi3_scale.bench.config import BenchmarkConfig
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
+    check_name,
     check_positive,
     check_range,
     from_dict,
@@ -24,6 +25,7 @@ from gaudi3_scale.config.core import (
     to_dict,
 )
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
 from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
@@ -167,8 +169,8 @@ class TrainConfig:
         check_positive("val_every_steps", self.val_every_steps, allow_zero=True)
         check_positive("global_batch_tokens", self.global_batch_tokens)
         check_positive("micro_batch_size", self.micro_batch_size)
-        check_positive("threads", self.threads)
-        check_positive("spot_poll_s", self.spot_poll_s)
+        check_number("threads", self.threads, low=1, high=INT32_MAX)  # torch.set_num_threads takes a C int
+        check_seconds("spot_poll_s", self.spot_poll_s)
         if not self.spot_url.startswith(("http://", "https://")):
             raise ConfigError("spot_url", f"must be an http:// or https:// URL, got {self.spot_url!r}")
         check_positive("profile_num_steps", self.profile_num_steps)
@@ -225,7 +227,12 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    name: str = field(default="shakespeare-char", metadata={"help": "run name; outputs go to runs/<name>/"})
+    name: str = field(
+        default="shakespeare-char",
+        metadata={
+            "help": "run name, outputs go to runs/<name>/ (letters, digits, . _ -); default: the model.name preset"
+        },
+    )
     out_dir: str | None = field(default=None, metadata={"help": "output directory; null = runs/<name>"})
     seed: int = field(default=1337, metadata={"help": "seed for weights, data order and dropout"})
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -239,8 +246,8 @@ class RunConfig:
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError("name", f"must be a non-empty name without '/', got {self.name!r}")
+        check_name("name", self.name)
+        check_seed("seed", self.seed)
         tokens = self.train.global_batch_tokens
         if tokens is not None:
             size = _batch_size_from_tokens(tokens, self.model.context_length)
@@ -328,5 +335,6 @@ def build_run_config(
     except ValueError as exc:
         raise ConfigError("model.name", str(exc)) from None
     raw["model"] = merge_mappings(preset, model_raw)
+    raw.setdefault("name", preset_name)  # runs/<preset>/ unless the run is named
     _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)

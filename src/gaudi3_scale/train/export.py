@@ -26,6 +26,7 @@ import torch
 from gaudi3_scale.checkpoint.manifest import fsync_directory
 from gaudi3_scale.config.core import from_dict, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 from gaudi3_scale.models.transformer import INIT_STD
@@ -148,10 +149,7 @@ def load_exported(directory: Path) -> Transformer:
             raise UserInputError(
                 f"{str(path)!r} does not exist; pass a directory written by `gaudi3 ckpt export`"
             )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserInputError(f"{config_path}: not valid JSON (line {exc.lineno})") from None
+    config = load_json_file(config_path, what="model config")
     if config_name == HF_CONFIG_NAME:
         cfg = hf_llama_model_config(config, name=directory.name, where=str(config_path))
     else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaudi3_scale.config.core import check_positive, check_range
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.numbers import INT32_MAX, INT64_MAX, check_number, check_seconds
 from gaudi3_scale.tune.lr import LR_RULES, LrRule
 
 __all__ = ["TuneConfig", "parse_bytes"]
@@ -26,17 +27,15 @@ class TuneConfig:
     trial_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise UserInputError(f"--world-size must be at least 1, got {self.world_size}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise UserInputError(f"--memory-budget must be positive, got {self.memory_budget_bytes} bytes")
+        check_number("world_size", self.world_size, low=1, high=INT32_MAX)
+        check_positive("memory_budget_bytes", self.memory_budget_bytes)
         check_range("target_utilization", self.target_utilization, 0.05, 1.0)
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise UserInputError(f"--time-budget-min must be positive, got {self.time_budget_s / 60:g}")
+        check_seconds("time_budget_s", self.time_budget_s)
         check_range("min_gain", self.min_gain, 0.0, 1.0)
+        check_range("dominated_below", self.dominated_below, 0.0, 1.0)
         check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         check_positive("measure_steps", self.measure_steps)
-        check_positive("trial_timeout_s", self.trial_timeout_s)
+        check_seconds("trial_timeout_s", self.trial_timeout_s)
         if self.lr_rule not in LR_RULES:
             raise UserInputError(f"--lr-rule must be one of {', '.join(LR_RULES)}, got {self.lr_rule!r}")
 
@@ -53,9 +52,9 @@ def parse_bytes(text: str, *, flag: str = "--memory-budget") -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise UserInputError(
-            f"{flag}: cannot read {text!r}; give a size like 16GiB, 512MiB, 80GB or a number of bytes"
+            f"{flag}: cannot read {brief(text)}; give a size like 16GiB, 512MiB, 80GB or a number of bytes"
         )
     value = float(match.group(1)) * _UNITS[unit]
-    if value < 1:
-        raise UserInputError(f"{flag}: must be positive, got {text!r}")
+    if not 1 <= value <= INT64_MAX:  # 1e400 is inf; int(inf) would raise OverflowError
+        raise UserInputError(f"{flag}: must be from 1 byte to 2**63 - 1 bytes, got {brief(text)}")
     return int(value)
