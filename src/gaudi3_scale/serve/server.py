@@ -106,25 +106,20 @@ def _methods(path: str) -> tuple[str, ...] | None:
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     server_version = "gaudi3-serve"
-    default_request_version = (
-        "HTTP/1.0"  # not 0.9: a refusal of a malformed request line still has a status line
-    )
+    # not 0.9: the refusal of a malformed request line still gets a status line and headers
+    default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(
-            self.server.client_timeout_s
-        )  # until the request's own deadline takes over
+        # until the request's own deadline takes over (handle_one_request)
+        self.connection.settimeout(self.server.client_timeout_s)
 
     def handle_one_request(self) -> None:
         """One request (the connection then closes): its head and body within `client_timeout_s` in all, then
         `_route`, whatever the method."""
         self.close_connection = True
-        self.requestline, self.command, self.request_version = (
-            "",
-            "",
-            self.default_request_version,
-        )  # until parsed
+        self.requestline, self.command = "", ""  # until parse_request sets them
+        self.request_version = self.default_request_version
         self._deadline = time.monotonic() + self.server.client_timeout_s
         try:
             try:
