@@ -12,6 +12,12 @@ batch the engine ran (generated tokens / decode steps, from the server's /health
 
     python benchmarks/bench_serve.py            # writes benchmarks/results/serve/serve_cpu.json and .png
     python benchmarks/bench_serve.py --quick    # fewer requests, nothing written
+
+`--burst 200,1000` measures something else: N clients connecting at the same instant to one server with the
+default limits (`--max-batch-size 8 --max-queue 64`), each asking for 4 tokens. Every client must get an HTTP
+answer, 200 or 503 `queue_full` (a connection reset or any other outcome is an error); recorded per burst: the
+count of each outcome, the time until the last answer, and p50 / p95 time to a 200 and to a 503. Written to
+benchmarks/results/serve/serve_burst_cpu.json.
 """
 
 from __future__ import annotations
@@ -126,6 +132,85 @@ def _run_clients(port: int, clients: int, requests: int, progress: Progress, tas
             "engine_tokens": after["generated_tokens"] - before["generated_tokens"]}  # fmt: skip
 
 
+def _burst(port: int, clients: int) -> dict[str, Any]:
+    """`clients` threads released together, one 4-token completion each: outcomes and times to answer."""
+    body = json.dumps({"prompt": "burst", "max_tokens": 4, "temperature": 0}).encode()
+    outcomes: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+
+    def client() -> None:
+        start.wait()
+        began = time.perf_counter()
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/v1/completions", data=body, timeout=300
+            ) as r:
+                r.read()
+                outcome = str(r.status)
+        except urllib.error.HTTPError as exc:
+            code = json.loads(exc.read()).get("error", {}).get("code")
+            outcome = f"{exc.code} {code}"
+        except OSError as exc:
+            outcome = type(exc).__name__
+        with lock:
+            outcomes.append((outcome, time.perf_counter() - began))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall_s = time.perf_counter() - began
+    counts = {o: sum(1 for got, _ in outcomes if got == o) for o in sorted({o for o, _ in outcomes})}
+    row: dict[str, Any] = {"clients": clients, "outcomes": counts, "wall_s": wall_s,
+                           "errors": sum(n for o, n in counts.items() if o not in ("200", "503 queue_full"))}  # fmt: skip
+    for outcome, key in (("200", "ok"), ("503 queue_full", "refused")):
+        times = sorted(t for o, t in outcomes if o == outcome)
+        row[f"{key}_p50_s"] = statistics.median(times) if times else None
+        row[f"{key}_p95_s"] = times[round(0.95 * (len(times) - 1))] if times else None
+    return row
+
+
+def _run_bursts(sizes: list[int], out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        export = _build_export(Path(tmp))
+        proc, port = _start_server(export, 8, Path(tmp) / "serve-burst.err")
+        try:
+            _complete(port, "warm-up", 0)
+            rows = [_burst(port, n) for n in sizes]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    table = Table(title=f"gaudi3 serve, {PRESET} (random weights): simultaneous clients, 4 tokens each")
+    for column in (
+        "clients",
+        "200",
+        "503 queue_full",
+        "other",
+        "last answer (s)",
+        "200 p50 (s)",
+        "503 p50 (s)",
+    ):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["clients"]), str(r["outcomes"].get("200", 0)), str(r["outcomes"].get("503 queue_full", 0)),
+                      str(r["errors"]), f"{r['wall_s']:.2f}", f"{r['ok_p50_s'] or 0:.2f}",
+                      f"{r['refused_p50_s'] or 0:.2f}")  # fmt: skip
+    Console().print(table)
+    report = {"benchmark": "serve_burst_cpu",
+              "command": f"python benchmarks/bench_serve.py --burst {','.join(map(str, sizes))}",
+              "server": {"preset": PRESET, "weights": "random (seed 0)", "max_batch_size": 8, "max_queue": 64},
+              "bursts": rows, "machine": environment_info()}  # fmt: skip
+    if any(r["errors"] for r in rows):
+        raise SystemExit(f"clients without an HTTP answer: {[r['outcomes'] for r in rows]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def _summary(batch_size: int, clients: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One cell over its rounds: latencies pooled, throughput = everything generated / all the wall time."""
     results = [r for one in rounds for r in one["results"]]
@@ -160,7 +245,11 @@ def main() -> None:
         "--quick", action="store_true", help="1 round of 2 requests per client; nothing is written"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_cpu.json")
+    parser.add_argument("--burst", metavar="N,N", help="measure bursts of N simultaneous clients instead")
     args = parser.parse_args()
+    if args.burst:
+        _run_bursts([int(n) for n in args.burst.split(",")], RESULTS / "serve_burst_cpu.json")
+        return
     requests, rounds = (2, 1) if args.quick else (args.requests, args.rounds)
     cells: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.integration
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
 START_TIMEOUT_S = 90.0
 SERVING = re.compile(r"^serving (\S+) \(([\d,]+) parameters\) on http://127\.0\.0\.1:(\d+)$")
+CLIENT_TIMEOUT_S = 2.0  # the export server's --client-timeout-s: a stalled request is a 408 this soon
 
 
 @dataclass
@@ -145,6 +146,8 @@ def servers(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "4096",
         "--name",
         "tiny-export",
+        "--client-timeout-s",
+        str(CLIENT_TIMEOUT_S),
     ]
     procs = [  # started together: their imports overlap
         _start([str(run_dir), "--max-batch-size", "4"], logs / "run.err"),
@@ -365,10 +368,130 @@ def test_unknown_paths_methods_and_huge_bodies(server: Server) -> None:
     status, answer = server.request("GET", "/v1/completions")
     assert status == 405 and "use POST" in answer["error"]["message"]
     assert server.request("DELETE", "/health")[0] == 405
+    assert server.request("OPTIONS", "/health")[0] == 405
     huge = json.dumps({"prompt": "a" * (2 << 20)}).encode()  # sent in full; the answer still arrives
     status, answer = server.request("POST", "/v1/completions", raw=huge)
     assert status == 413 and "limit of 1048576 bytes" in answer["error"]["message"]
     assert server.health()["status"] == "ok"  # and the server is still up
+
+
+def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes, float]:
+    """Send bytes as they are (no client library to tidy them up); (status, headers, body, seconds)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        response = http.client.HTTPResponse(sock, method=data.split(b" ", 1)[0].decode("latin-1"))
+        response.begin()
+        body = response.read()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, body, time.monotonic() - start
+
+
+def _post(body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (length, body)
+
+
+HOSTILE = [  # (name, request bytes, status, param, words in the message)
+    ("max_tokens of 5,000 digits", _post(b'{"prompt": "KING", "max_tokens": ' + b"9" * 5000 + b"}"), 400,
+     "max_tokens", "(5000 digits)"),
+    ("seed of 5,000 digits", _post(b'{"prompt": "KING", "seed": -' + b"9" * 5000 + b"}"), 400, "seed", "digits"),
+    ("JSON nested 1,000 deep", _post(b"[" * 1000 + b"]" * 1000), 400, None, "nests JSON too deeply"),
+    ("JSON nested 100,000 deep", _post(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400, None,
+     "nests JSON too deeply"),
+    ("NaN", _post(b'{"prompt": "KING", "temperature": NaN}'), 400, None, "NaN is not a JSON number"),
+    ("lone surrogate, echoed", _post(b'{"prompt": "K\\udc00", "echo": true}'), 400, "prompt", "surrogate"),
+    ("OPTIONS", b"OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405, None, "use POST"),
+    ("HEAD on a POST path", b"HEAD /v1/completions HTTP/1.1\r\n\r\n", 405, None, None),
+    ("an unknown method", b"BREW /health HTTP/1.1\r\n\r\n", 405, None, "use GET or HEAD"),
+    ("a garbage request line", b"\x00\x01garbage\r\n\r\n", 400, None, "Bad request syntax"),
+    ("HTTP/9.9", b"GET /health HTTP/9.9\r\n\r\n", 505, None, "Invalid HTTP version"),
+    ("a 70,000-byte URL", b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, None, "over 65536 bytes"),
+    ("200 headers", b"GET /health HTTP/1.1\r\n" + b"X-A: 1\r\n" * 200 + b"\r\n", 431, None, "100 headers"),
+    ("Content-Length: \u00b2", _post(b"").replace(b"Length: 0", b"Length: \xb2"), 400, None,
+     "Content-Length must be a number"),
+    ("Content-Length of 5,000 digits", _post(b"").replace(b"Length: 0", b"Length: " + b"9" * 5000), 413, None,
+     "over this server's limit"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "data", "status", "param", "words"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_requests_get_an_openai_shaped_4xx(
+    server: Server, name: str, data: bytes, status: int, param: str | None, words: str | None
+) -> None:
+    got, headers, body, _ = _raw(server.port, data)
+    assert got == status, (name, got, body[:300])
+    assert headers["content-type"] == "application/json"
+    if status == 405:
+        assert headers["allow"] == ("POST" if b"/v1/completions" in data else "GET, HEAD")
+    if data.startswith(b"HEAD"):
+        assert body == b"" and int(headers["content-length"]) > 0
+        return
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert "\n" not in error["message"] and len(error["message"]) < 400 and words in error["message"], error
+    assert server.health()["status"] == "ok"
+
+
+def test_head_health_is_a_bodiless_200(server: Server) -> None:
+    status, headers, body, _ = _raw(server.port, b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, body, headers["content-type"]) == (200, b"", "application/json")
+    assert int(headers["content-length"]) == len(json.dumps(server.health()).encode()) > 0
+
+
+def test_a_stalled_request_is_a_408_after_the_client_timeout(export_server: Server) -> None:
+    """A body shorter than its Content-Length, and a head that never ends: both 408 after --client-timeout-s."""
+    stalled = [_post(b'{"prompt":', content_length=100), b"GET /health HTTP/1.1\r\nHost: x"]
+    results: list[tuple[int, dict[str, str], bytes, float]] = []
+    threads = [
+        threading.Thread(target=lambda d=d: results.append(_raw(export_server.port, d))) for d in stalled
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(results) == 2
+    for status, _, body, seconds in results:
+        error = json.loads(body)["error"]
+        assert status == 408 and error["code"] == "request_timeout", error
+        assert f"within {CLIENT_TIMEOUT_S:g} s" in error["message"]
+        assert CLIENT_TIMEOUT_S * 0.9 < seconds < CLIENT_TIMEOUT_S + 10
+    assert any("got 10 of 100 body bytes" in json.loads(r[2])["error"]["message"] for r in results)
+
+
+def test_a_burst_of_200_clients_gets_200_or_503_never_a_reset(export_server: Server) -> None:
+    """Batch 1, queue 1: 200 clients connect at once; every one gets an HTTP answer (the listen backlog holds the
+    burst, the engine refuses what it cannot queue), none a reset or a timeout."""
+    clients = 200
+    outcomes: list[Any] = [None] * clients
+    start = threading.Barrier(clients)
+    body = json.dumps({"prompt": "KING", "max_tokens": 2}).encode()
+
+    def client(i: int) -> None:
+        start.wait()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", export_server.port, timeout=60)
+            conn.request("POST", "/v1/completions", body)
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+            conn.close()
+            outcomes[i] = (response.status, answer.get("error", {}).get("code"))
+        except OSError as exc:
+            outcomes[i] = type(exc).__name__
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    counts = {o: outcomes.count(o) for o in set(outcomes)}
+    assert set(counts) == {(200, None), (503, "queue_full")}, counts
+    assert export_server.health()["engine"]["active_requests"] == 0
+
+
+def test_client_timeout_option_is_checked(gaudi3_cli: Callable[..., CliResult], run_dir: Path) -> None:
+    for value in ("nan", "inf", "0", "-1", "1e9"):
+        message = _one_line_error(gaudi3_cli("serve", str(run_dir), "--client-timeout-s", value))
+        assert "--client-timeout-s" in message and "expected seconds in (0, 3600]" in message, message
 
 
 def test_safetensors_export_loads_the_checkpoints_model(run_dir: Path) -> None:

@@ -21,7 +21,7 @@ EXPECTED = {
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--tokenizer", "--val-fraction", "--vocab-size", "--workers"],
-    "serve": ["--host", "--max-batch-size", "--max-prompt-tokens", "--max-queue", "--max-tokens-limit", "--name",
+    "serve": ["--client-timeout-s", "--host", "--max-batch-size", "--max-prompt-tokens", "--max-queue", "--max-tokens-limit", "--name",
               "--port", "--tokenizer", "--tracking-uri"],
     "smoke": ["--keep", "--out", "--steps"],
     "repro": ["--config", "--keep", "--mode", "--out", "--steps",

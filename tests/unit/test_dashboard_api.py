@@ -4,9 +4,12 @@ checkpoint verification, cost numbers equal to the cost module's, auth off loopb
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -267,23 +270,24 @@ def test_a_token_is_required_off_loopback(runs: Path) -> None:
         create_app(runs, host="0.0.0.0")
     token, generated = resolve_token("0.0.0.0", None)
     assert generated and token is not None and len(token) >= 32
-    assert resolve_token("127.0.0.1", None) == (None, False) and resolve_token("::1", "t") == ("t", False)
+    assert resolve_token("127.0.0.1", None) == (None, False)
+    assert resolve_token("::1", "a-strong-token-16") == ("a-strong-token-16", False)
     assert dashboard_cmd.TOKEN_ENV == TOKEN_ENV
 
-    client = create_app(runs, host="0.0.0.0", token="s3cret-token").test_client()
+    client = create_app(runs, host="0.0.0.0", token="s3cret-token-0123").test_client()
     for url in ("/", "/api/runs", "/runs/alpha", "/api/runs/alpha/metrics", "/static/charts.js"):
         refused = client.get(url)
         assert refused.status_code == 401, url
         assert "Bearer" in refused.headers["WWW-Authenticate"]
     assert client.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/api/runs?token=wrong").status_code == 401
-    assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
-    assert client.get("/api/runs?token=s3cret-token").status_code == 200
+    assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret-token-0123"}).status_code == 200
+    assert client.get("/api/runs?token=s3cret-token-0123").status_code == 200
 
     # the URL the CLI prints: the token becomes a cookie and leaves the address bar
-    entered = client.get("/runs/alpha?token=s3cret-token")
+    entered = client.get("/runs/alpha?token=s3cret-token-0123")
     assert entered.status_code == 303 and entered.headers["Location"] == "/runs/alpha"
-    assert f"{COOKIE_NAME}=s3cret-token" in entered.headers["Set-Cookie"]
+    assert f"{COOKIE_NAME}=s3cret-token-0123" in entered.headers["Set-Cookie"]
     assert "HttpOnly" in entered.headers["Set-Cookie"]
     assert client.get("/runs/alpha").status_code == 200  # the cookie alone
     assert client.get("/api/runs/alpha/metrics?since=0").status_code == 200
@@ -312,6 +316,185 @@ def test_run_names_cannot_leave_the_runs_directory(runs: Path, client: Any, url:
     response = client.get(url)
     assert response.status_code in (400, 404), (url, response.status_code)
     assert b"SECRET" not in response.data and b"def main" not in response.data
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[str]:
+    """A port something listens on: a CLI that got past its checks fails to bind there instead of serving forever."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield str(busy.getsockname()[1])
+
+
+def _link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=target.is_dir())
+
+
+@pytest.fixture
+def planted(tmp_path: Path) -> Path:
+    """A runs directory whose runs and benchmark hold symlinks to readable files OUTSIDE it, each full of SECRET."""
+    from gaudi3_scale.checkpoint.manifest import FORMAT, FORMAT_VERSION
+
+    outside, runs = tmp_path / "outside", tmp_path / "runs"
+    outside.mkdir()
+    secret = {"config.yaml": yaml.safe_dump({"model": {"name": "SECRET"}, "train": {"max_steps": 7}}),
+              "summary.json": json.dumps({"device": "SECRET", "steps": 1}),
+              "metrics.jsonl": json.dumps({"step": 1, "train_loss": 1.0, "note": "SECRET"}) + "\n",
+              "endpoints.json": json.dumps({"url": "http://SECRET.example:9/metrics"}),
+              "loss.png": "SECRET", "report.html": "<p>SECRET</p>", "latest": "SECRET\n"}  # fmt: skip
+    for name, text in secret.items():
+        (outside / name).write_text(text)
+    (outside / "big.bin").write_bytes(b"\0" * 7777)  # its size must not show either
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "strategy": "SECRET", "tokens_seen": 4242,
+                "files": {"state.ckpt": {"size_bytes": 3, "sha256": "0" * 64}}}  # fmt: skip
+    (outside / "step").mkdir()
+    (outside / "step" / "manifest.json").write_text(json.dumps(manifest))
+    (outside / "cell").mkdir()
+    (outside / "cell" / "result.json").write_text(json.dumps(_bench_result("ddp", "oom", "SECRET")))
+
+    run = _make_run(runs, "a", [])  # real config.yaml; everything else links out
+    (run / "metrics.jsonl").unlink()
+    for name in ("summary.json", "metrics.jsonl", "loss.png"):
+        _link(run / name, outside / name)
+    _link(run / "metrics_endpoints.json", outside / "endpoints.json")
+    _link(run / "metrics_endpoints" / "rank-0.json", outside / "endpoints.json")
+    checkpoints = run / "checkpoints"
+    _link(checkpoints / "latest", outside / "latest")
+    _link(checkpoints / "step-00000001" / "manifest.json", outside / "step" / "manifest.json")
+    _link(checkpoints / "step-00000002", outside / "step")
+    (checkpoints / "step-00000003").mkdir()
+    dotted = {**manifest, "files": {"../../../../outside/big.bin": {"size_bytes": 1, "sha256": "0" * 64}}}
+    (checkpoints / "step-00000003" / "manifest.json").write_text(json.dumps({**dotted, "strategy": "ddp"}))
+    (checkpoints / "step-00000004").mkdir()  # a malformed manifest: damaged, not a 500
+    (checkpoints / "step-00000004" / "manifest.json").write_text(
+        json.dumps({**manifest, "strategy": "ddp", "files": ["state.ckpt"]})
+    )
+
+    other = _make_run(runs, "b", [_train_record(1)])  # its config links out; its checkpoints/ too
+    (other / "config.yaml").unlink()
+    _link(other / "config.yaml", outside / "config.yaml")
+    _link(other / "checkpoints", outside)
+
+    bench = runs / "bench"
+    (bench / "cells").mkdir(parents=True)
+    (bench / "matrix.yaml").write_text("name: t\n")
+    _link(bench / "cells" / "tiny.ddp.w1", outside / "cell")
+    _link(bench / "report" / "report.html", outside / "report.html")
+    return runs
+
+
+LINKED_URLS = ["/", "/api/runs", "/runs/a", "/api/runs/a", "/api/runs/a/metrics", "/runs/a/loss.png",
+               "/runs/a/checkpoints", "/api/runs/a/checkpoints", "/runs/a/cost", "/api/runs/a/cost", "/runs/b",
+               "/api/runs/b", "/api/runs/b/metrics", "/runs/b/cost", "/api/runs/b/cost", "/api/runs/b/checkpoints",
+               "/runs/b/checkpoints", "/system", "/api/system", "/bench/bench", "/bench/bench/report.html",
+               "/api/benchmarks/bench"]  # fmt: skip
+
+
+def test_links_out_of_the_runs_directory_are_never_read(planted: Path) -> None:
+    client = create_app(planted).test_client()
+    for url in LINKED_URLS:
+        response = client.get(url)
+        assert response.status_code in (200, 404), (url, response.status_code)
+        assert b"SECRET" not in response.data and b"7777" not in response.data, url
+
+    a = client.get("/api/runs/a").get_json()
+    assert a["warnings"] == ["a/summary.json links outside the runs directory; not read",
+                             "a/metrics.jsonl links outside the runs directory; not read"]  # fmt: skip
+    assert a["summary"] is None and a["endpoints"] == [] and a["lines"] == 0
+    assert client.get("/runs/a/loss.png").status_code == 404
+    listed = client.get("/api/runs/a/checkpoints").get_json()
+    assert listed["problem"] == "a/checkpoints/latest links outside the runs directory; not read"
+    rows = {r["name"]: r for r in _checkpoints(client, "a")}
+    assert {n: (r["status"], r["latest"], r["strategy"]) for n, r in rows.items()} == {
+        "step-00000004": ("damaged", False, "ddp"), "step-00000003": ("damaged", False, None),
+        "step-00000002": ("damaged", False, None), "step-00000001": ("damaged", False, None)}  # fmt: skip
+    assert rows["step-00000004"]["size_bytes"] is None
+    assert rows["step-00000001"]["problems"] == [
+        "a/checkpoints/step-00000001/manifest.json links outside the runs directory; not read"
+    ]
+    assert rows["step-00000002"]["problems"] == [
+        "a/checkpoints/step-00000002 links outside the runs directory; not read"
+    ]
+    assert (
+        "names '../../../../outside/big.bin', outside the checkpoint" in rows["step-00000003"]["problems"][0]
+    )
+
+    b = client.get("/api/runs/b").get_json()
+    assert b["config"] == {} and b["model"] is None and b["max_steps"] is None
+    assert b["warnings"] == ["b/config.yaml links outside the runs directory; not read"]
+    assert client.get("/api/runs/b/checkpoints").get_json() == {
+        "checkpoints": [], "problem": "b/checkpoints links outside the runs directory; not read"}  # fmt: skip
+    assert "b/checkpoints links outside" in client.get("/runs/b/checkpoints").text
+
+    bench = client.get("/api/benchmarks/bench").get_json()
+    assert bench["cells"] == [] and bench["report"] is None
+    assert bench["problem"] == "bench/cells/tiny.ddp.w1 links outside the runs directory; not read"
+    assert client.get("/bench/bench/report.html").status_code == 404
+
+
+def test_links_inside_the_runs_directory_are_followed(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    shared = _make_run(runs, "shared", [_train_record(1), _train_record(2)])
+    run = runs / "alias"
+    run.mkdir()
+    _link(run / "metrics.jsonl", shared / "metrics.jsonl")  # a link that stays inside is fine
+    data = create_app(runs).test_client().get("/api/runs/alias/metrics").get_json()
+    assert [r["step"] for r in data["records"]] == [1, 2] and data["run"]["warnings"] == []
+
+
+@pytest.mark.parametrize(
+    ("token", "words"),
+    [("", "0 characters"), ("x", "1 characters; a token needs 16"), ("fifteen-chars-1", "15 characters"),
+     ("sixteen chars 12", "character ' ' is not allowed"), ('sixteen-chars-12"', "character '\"'"),
+     ("sixteen-chars;12", "character ';'"), ("sixteen-chärs-12", "character 'ä'")],
+)  # fmt: skip
+def test_a_weak_token_is_refused_with_one_line(
+    gaudi3_cli: Callable[..., CliResult], runs: Path, busy_port: str, token: str, words: str
+) -> None:
+    for host in ("0.0.0.0", "127.0.0.1"):  # a token given is checked wherever it is bound
+        code, out, err = gaudi3_cli("dashboard", "--runs", str(runs), "--host", host, "--port", busy_port,
+                                    "--token", token)  # fmt: skip
+        assert code == 2 and out == "" and err.count("\n") == 1, (token, out, err)
+        assert f"--token (or {TOKEN_ENV}): " in err and words in err, err
+    with pytest.raises(ValueError, match="token: "):
+        create_app(runs, host="0.0.0.0", token=token)
+
+
+def test_the_token_from_the_environment_is_checked_too(
+    gaudi3_cli: Callable[..., CliResult], runs: Path, busy_port: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "short")
+    code, _, err = gaudi3_cli("dashboard", "--runs", str(runs), "--host", "0.0.0.0", "--port", busy_port)
+    assert code == 2 and "5 characters; a token needs 16" in err
+
+
+def test_tokens_never_reach_the_logs(runs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    token = "right-token-0123456789"
+    caplog.set_level(logging.INFO, logger="werkzeug")
+    server = build_server(runs, "127.0.0.1", 0, token)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.port}"
+    secrets = ["wrong-token-typo-111", "other-guess-2222222", "third-guess-3333333", token]
+    urls = [(f"/api/runs?since=1&token={secrets[0]}", 401), (f"/runs/alpha?tok%65n={secrets[1]}", 401),
+            (f"/api/runs?TOKEN={secrets[2]}&x=1", 401), (f"/api/runs/nope?token={token}", 404),
+            (f"/api/no/such?token={token}", 404), (f"/api/runs/alpha/metrics?since=x&token={token}", 400)]  # fmt: skip
+    try:
+        for url, status in urls:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(base + url, timeout=10)
+            assert refused.value.code == status, url
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+    logged = caplog.text
+    assert logged.count("[redacted]") >= len(urls), (
+        logged
+    )  # every refused request was logged, without its token
+    for secret in secrets:
+        assert secret not in logged, logged
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE", "OPTIONS"])

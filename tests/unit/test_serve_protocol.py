@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gaudi3_scale.data.tokenizers import ByteTokenizer, CharTokenizer, Tokenizer
@@ -156,3 +156,65 @@ def _reference(ids: list[int], stops: list[str]) -> str:
 def test_text_stream_equals_whole_decoding(text: str, stops: list[str]) -> None:
     ids = list(text.encode())
     assert "".join(_feed(TextStream(ByteTokenizer().decode, stops), ids)) == _reference(ids, stops)
+
+
+# ---- hostile bodies: always a 400 in one short sentence, never an exception of another kind --------------------
+
+
+def _short_refusal(raw: bytes) -> RequestError:
+    error = _refused(raw)
+    assert error.status == 400 and len(error.message) < 400, error.message
+    return error
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "seed", "top_k", "temperature", "top_p", "n"])
+def test_integers_of_thousands_of_digits_are_400_naming_the_field(field: str) -> None:
+    for digits in ("9" * 5000, "-" + "9" * 5000, "1" + "0" * 100_000, "9" * 21):
+        raw = b'{"prompt": "a", "%s": %s}' % (field.encode(), digits.encode())
+        error = _short_refusal(raw)
+        assert error.param == field and f"({len(digits.lstrip('-'))} digits)" in error.message, error.message
+
+
+def test_json_nested_past_the_parsers_limit_is_400() -> None:
+    for depth in (1_000, 100_000):
+        assert "nests JSON too deeply" in _short_refusal(b"[" * depth + b"]" * depth).message
+        _short_refusal(b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
+    stop = _short_refusal(b'{"prompt": "a", "stop": ' + b"[" * 200 + b"]" * 200 + b"}")
+    assert stop.param == "stop" and "got [[[…]]]." in stop.message
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_json_numbers_are_400(constant: bytes) -> None:
+    error = _short_refusal(b'{"prompt": "a", "temperature": ' + constant + b"}")
+    assert f"{constant.decode().lstrip('-')} is not a JSON number" in error.message
+
+
+def test_huge_values_are_quoted_short() -> None:
+    huge = "x" * 1_000_000
+    for body, param in (({"prompt": "a", "n": huge}, "n"), ({"prompt": {huge: 1}}, "prompt"),
+                        ({"prompt": "a", huge: 1}, huge[:60]), ({"prompt": "a", "stop": [huge] * 9}, "stop"),
+                        ({"prompt": "a", "stop": [[[[[[1]]]]]]}, "stop")):  # fmt: skip
+        assert _short_refusal(json.dumps(body).encode()).param == param
+    infinite = _short_refusal(b'{"prompt": "a", "temperature": 1e999}')  # a float literal too large: inf
+    assert infinite.param == "temperature" and "got Infinity" in infinite.message
+    lone = _short_refusal(b'{"prompt": "ab\\ud800"}')
+    assert lone.param == "prompt" and "unpaired surrogate at character 2" in lone.message
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
+                                        "stop", "echo", "n", "logit_bias", "model", "user", "x"]), _JSON))  # fmt: skip
+def test_any_json_body_is_a_request_or_a_one_line_400_or_404(body: dict[str, Any]) -> None:
+    try:
+        request = parse_completion_request(json.dumps(body).encode(), served_model=MODEL, max_tokens_limit=64)
+    except RequestError as error:
+        assert error.status in (400, 404) and "\n" not in error.message and len(error.message) < 400
+    else:
+        assert isinstance(request.prompt, str) and 1 <= request.max_tokens <= 64

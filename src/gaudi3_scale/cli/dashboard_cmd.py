@@ -51,8 +51,12 @@ def dashboard(runs_dir: str, host: str, port: int, token: str | None) -> None:
 
     required, generated = resolve_token(host, token)
     server = build_server(runs, host, port, required)
-    click.echo(f"dashboard of {runs.resolve()} at {dashboard_url(host, server.port, required)}")
+    url = dashboard_url(host, server.port, required if generated else None)
+    click.echo(f"dashboard of {runs.resolve()} at {url}")
     if generated:
         click.echo(f"  bound to {host}: every request needs this token (set your own with --token or "
                    f"{TOKEN_ENV}); Ctrl-C stops")  # fmt: skip
+    elif required is not None:
+        click.echo(f"  every request needs the token given with --token or {TOKEN_ENV} (not printed); "
+                   "open …/?token=TOKEN once, or send 'Authorization: Bearer TOKEN'")  # fmt: skip
     serve(server, click.echo)

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.cli.options import Count, Port
+from gaudi3_scale.cli.options import Count, Number, Port
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["serve"]
+
+
+MAX_CLIENT_TIMEOUT_S = 3600.0
 
 
 @click.command()
@@ -26,6 +29,11 @@ __all__ = ["serve"]
               help="longest prompt in tokens (default: the model's context length)")  # fmt: skip
 @click.option("--max-tokens-limit", type=Count(), default=512, show_default=True,
               help="largest max_tokens a request may ask for")  # fmt: skip
+@click.option("--client-timeout-s", default=15.0, show_default=True,
+              type=Number(integer=False, above=0, high=MAX_CLIENT_TIMEOUT_S,
+                          expected=f"expected seconds in (0, {MAX_CLIENT_TIMEOUT_S:g}]"),
+              help="seconds a client has to send its whole request (else 408), and to take each write of the "
+                   "answer (else it is dropped)")  # fmt: skip
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
               help="directory with tokenizer.json (default: the run's or the export's tokenizer/)")  # fmt: skip
 @click.option("--name", help="model name clients send as `model` (default: the model config's name)")
@@ -39,6 +47,7 @@ def serve(
     max_queue: int,
     max_prompt_tokens: int | None,
     max_tokens_limit: int,
+    client_timeout_s: float,
     tokenizer_dir: Path | None,
     name: str | None,
     tracking_uri: str | None,
@@ -58,8 +67,11 @@ def serve(
         name = name or model_or_checkpoint.split("/")[1]
     source = resolve_source(path)  # before the slow imports: a bad path fails at once
     from gaudi3_scale.serve.lifecycle import bind_server, build_app, serve_until_signal, server_url
+    from gaudi3_scale.serve.server import listen_backlog
 
-    server = bind_server(host, port)  # before loading: a busy port fails at once too
+    # before loading: a busy port fails at once too
+    server = bind_server(host, port, backlog=listen_backlog(max_queue, max_batch_size),
+                         client_timeout_s=client_timeout_s)  # fmt: skip
     try:
         app = build_app(source, tokenizer_dir=tokenizer_dir, name=name, max_batch_size=max_batch_size,
                         max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,

@@ -7,7 +7,8 @@ Pages                                   API (JSON)
   /runs/NAME/cost       cost and TCO      /api/runs/NAME/cost
   /system               resources         /api/system
   /bench/NAME           benchmark report  /api/benchmarks/NAME
-Everything is read from `--runs DIR`; nothing is written (see `security` for who may read).
+Everything is read from `--runs DIR`, through `files` (nothing outside it); nothing is written (see `security`
+for who may read).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from gaudi3_scale.dashboard import formatting
 from gaudi3_scale.dashboard.bench import benchmark_cells, report_html
 from gaudi3_scale.dashboard.checkpoints import CheckpointVerifier
 from gaudi3_scale.dashboard.costs import CostStore, live_cost
+from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 from gaudi3_scale.dashboard.runs import RunStore, config_section
-from gaudi3_scale.dashboard.security import install_guards, is_loopback
+from gaudi3_scale.dashboard.security import install_guards, is_loopback, token_problem
 from gaudi3_scale.dashboard.system import host_snapshot, metrics_endpoints
 
 if TYPE_CHECKING:
@@ -36,15 +38,18 @@ def create_app(runs_dir: Path, *, host: str = "127.0.0.1", token: str | None = N
     """The dashboard over `runs_dir`, as served on `host`: off loopback, `token` is required (see `security`)."""
     from flask import Flask
 
-    if not is_loopback(host) and not token:
+    if not is_loopback(host) and token is None:
         raise ValueError(f"a dashboard bound to {host} needs a token")  # the CLI generates one
+    if token is not None and (problem := token_problem(token)) is not None:
+        raise ValueError(f"token: {problem}")
     app = Flask(__name__)
     app.url_map.merge_slashes = False  # "//etc" is a 404, not a redirect to "/etc"
     app.json.sort_keys = False  # type: ignore[attr-defined]
     install_guards(app, token)
     for name in ("usd", "gib", "percent", "loss", "rate", "hours", "when"):
         app.add_template_filter(getattr(formatting, name), name)
-    ctx = _Context(RunStore(runs_dir), CheckpointVerifier(), CostStore())
+    store = RunStore(runs_dir)
+    ctx = _Context(store, CheckpointVerifier(store.directory), CostStore())
     _add_pages(app, ctx)
     _add_api(app, ctx)
     _add_errors(app)
@@ -82,26 +87,42 @@ class _Context:
         return [self.overview(n, p) for n, p, kind in self.store.children() if kind == "run"]
 
     def benchmarks(self) -> list[dict[str, Any]]:
-        return [{"name": n, "report": report_html(p) is not None}
+        return [{"name": n, "report": self.report(p) is not None}
                 for n, p, kind in self.store.children() if kind == "benchmark"]  # fmt: skip
 
     def cost(self, run_dir: Path) -> dict[str, Any]:
         config, _ = self.store.config(run_dir)
-        view = self.store.metrics.read(run_dir / "metrics.jsonl")
+        view = self.store.metrics_view(run_dir)
         comparison = self.costs.comparison(run_dir, config)
         return {"live": live_cost(view.latest_cost, config), "comparison": comparison}
 
     def resources(self) -> list[dict[str, Any]]:
         root = self.store.directory
-        return [{**run, "endpoints": metrics_endpoints(root / run["name"])} for run in self.runs()]
+        return [{**run, "endpoints": metrics_endpoints(root, root / run["name"])} for run in self.runs()]
+
+    def endpoints(self, run_dir: Path) -> list[str]:
+        return metrics_endpoints(self.store.directory, run_dir)
+
+    def report(self, bench_dir: Path) -> Path | None:
+        return report_html(self.store.directory, bench_dir)
+
+    def cells(self, bench_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
+        return benchmark_cells(self.store.directory, bench_dir)
+
+    def has_file(self, path: Path) -> bool:
+        return has_file(self.store.directory, path)
 
     def send_inside(self, path: Path, mimetype: str) -> Response:
-        """A file of the runs directory (a symlink out of it is a 404)."""
+        """A file of the runs directory, sent from its real path (a symlink out of it is a 404)."""
         from flask import abort, send_file
 
-        if not path.is_file() or not path.resolve().is_relative_to(self.store.directory):
+        try:
+            real = real_file(self.store.directory, path)
+        except OutsideRuns as exc:
+            abort(404, str(exc))
+        if real is None:
             abort(404, f"{path.name} not found")
-        return send_file(path, mimetype=mimetype)
+        return send_file(real, mimetype=mimetype)
 
 
 def _add_pages(app: Flask, ctx: _Context) -> None:
@@ -118,7 +139,7 @@ def _add_pages(app: Flask, ctx: _Context) -> None:
         config, _ = ctx.store.config(run_dir)
         summary, _ = ctx.store.summary(run_dir)
         return render_template("run.html", run=ctx.overview(name, run_dir), config=config, summary=summary,
-                               section=config_section, has_loss_png=(run_dir / "loss.png").is_file(),
+                               section=config_section, has_loss_png=ctx.has_file(run_dir / "loss.png"),
                                poll_ms=POLL_INTERVAL_MS)  # fmt: skip
 
     @app.get("/runs/<name>/loss.png")
@@ -128,9 +149,9 @@ def _add_pages(app: Flask, ctx: _Context) -> None:
     @app.get("/runs/<name>/checkpoints")
     def checkpoints_page(name: str) -> str:
         run_dir = ctx.run_dir(name)
-        rows = ctx.verifier.list(run_dir)
+        rows, problem = ctx.verifier.list(run_dir)
         return render_template("checkpoints.html", run=ctx.overview(name, run_dir), checkpoints=rows,
-                               verifying=any(r["status"] == "verifying" for r in rows))  # fmt: skip
+                               problem=problem, verifying=any(r["status"] == "verifying" for r in rows))  # fmt: skip
 
     @app.get("/runs/<name>/cost")
     def cost_page(name: str) -> str:
@@ -145,15 +166,15 @@ def _add_pages(app: Flask, ctx: _Context) -> None:
     @app.get("/bench/<name>")
     def bench_page(name: str) -> str:
         directory = ctx.bench_dir(name)
-        cells, problem = benchmark_cells(directory)
-        return render_template("bench.html", name=name, has_report=report_html(directory) is not None,
+        cells, problem = ctx.cells(directory)
+        return render_template("bench.html", name=name, has_report=ctx.report(directory) is not None,
                                cells=cells, problem=problem)  # fmt: skip
 
     @app.get("/bench/<name>/report.html")
     def bench_report(name: str) -> Response:
         from flask import abort
 
-        path = report_html(ctx.bench_dir(name))
+        path = ctx.report(ctx.bench_dir(name))
         if path is None:
             abort(404, f"benchmark {name!r} has no report.html (run `gaudi3 benchmark report`)")
         response = ctx.send_inside(path, "text/html")
@@ -183,7 +204,7 @@ def _add_api(app: Flask, ctx: _Context) -> None:
         config, _ = ctx.store.config(run_dir)
         summary, _ = ctx.store.summary(run_dir)
         return jsonify(**ctx.overview(name, run_dir), config=config, summary=summary,
-                       endpoints=metrics_endpoints(run_dir))  # fmt: skip
+                       endpoints=ctx.endpoints(run_dir))  # fmt: skip
 
     @app.get("/api/runs/<name>/metrics")
     def api_metrics(name: str) -> Response:
@@ -191,7 +212,7 @@ def _add_api(app: Flask, ctx: _Context) -> None:
         (since > its lines), so these are all of its records and the caller starts over."""
         run_dir = ctx.run_dir(name)
         since = _since()
-        view = ctx.store.metrics.read(run_dir / "metrics.jsonl")
+        view = ctx.store.metrics_view(run_dir)
         reset = since > view.count
         records = view.records(0 if reset else since)
         run = ctx.overview(name, run_dir)
@@ -199,7 +220,8 @@ def _add_api(app: Flask, ctx: _Context) -> None:
 
     @app.get("/api/runs/<name>/checkpoints")
     def api_checkpoints(name: str) -> Response:
-        return jsonify(checkpoints=ctx.verifier.list(ctx.run_dir(name)))
+        rows, problem = ctx.verifier.list(ctx.run_dir(name))
+        return jsonify(checkpoints=rows, problem=problem)
 
     @app.get("/api/runs/<name>/cost")
     def api_cost(name: str) -> Response:
@@ -212,8 +234,8 @@ def _add_api(app: Flask, ctx: _Context) -> None:
     @app.get("/api/benchmarks/<name>")
     def api_benchmark(name: str) -> Response:
         directory = ctx.bench_dir(name)
-        cells, problem = benchmark_cells(directory)
-        report = f"/bench/{name}/report.html" if report_html(directory) is not None else None
+        cells, problem = ctx.cells(directory)
+        report = f"/bench/{name}/report.html" if ctx.report(directory) is not None else None
         return jsonify(name=name, report=report, cells=cells, problem=problem)
 
 

@@ -6,23 +6,29 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.dashboard.files import first_escape, has_file
 from gaudi3_scale.dashboard.formatting import MISSING, gib, percent, rate
 
 __all__ = ["benchmark_cells", "report_html"]
 
 
-def report_html(directory: Path) -> Path | None:
-    """The self-contained report.html of `gaudi3 benchmark report DIR --out DIR/report` (or --out DIR)."""
+def report_html(root: Path, directory: Path) -> Path | None:
+    """The self-contained report.html of `gaudi3 benchmark report DIR --out DIR/report` (or --out DIR), inside the
+    runs directory `root`."""
     for path in (directory / "report" / "report.html", directory / "report.html"):
-        if path.is_file():
+        if has_file(root, path):
             return path
     return None
 
 
-def benchmark_cells(directory: Path) -> tuple[list[dict[str, Any]], str | None]:
-    """One row per cell result (`bench.report.load_results`), or a one-line reason there are none."""
+def benchmark_cells(root: Path, directory: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """One row per cell result (`bench.report.load_results`), or a one-line reason there are none (one is a link
+    out of the runs directory `root`: `load_results` reads the whole tree, so none of it is read then)."""
     from gaudi3_scale.bench.report import load_results
 
+    escape = first_escape(root, directory)
+    if escape is not None:
+        return [], str(escape)
     try:
         items = load_results([directory])
     except UserInputError as exc:

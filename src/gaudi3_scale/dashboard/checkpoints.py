@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.dashboard.files import OutsideRuns, first_escape, real_file, real_path
 
 __all__ = ["CheckpointVerifier"]
 
@@ -33,8 +34,10 @@ def _fingerprint(directory: Path) -> _Fingerprint:
 
 
 class CheckpointVerifier:
-    def __init__(self, wait_s: float = 2.0) -> None:
-        self.wait_s = wait_s
+    """Checkpoints of runs under the runs directory `root` (nothing outside it is read or hashed)."""
+
+    def __init__(self, root: Path, wait_s: float = 2.0) -> None:
+        self.root, self.wait_s = root, wait_s
         self._done: dict[Path, tuple[_Fingerprint, list[str]]] = {}
         self._pending: dict[Path, tuple[_Fingerprint, Future[list[str]]]] = {}
         self._lock = threading.Lock()
@@ -63,45 +66,88 @@ class CheckpointVerifier:
                 del self._pending[directory]
             self._done[directory] = (key, problems)
 
-    def list(self, run_dir: Path) -> list[dict[str, Any]]:
-        """Every step-X checkpoint of the run, newest first, with its manifest facts and status:
-        verified, damaged (with the problems), verifying, or uncommitted (no manifest: being written, or left
-        by a crash)."""
+    def list(self, run_dir: Path) -> tuple[list[dict[str, Any]], str | None]:
+        """Every step-X checkpoint of the run, newest first, with its manifest facts and status: verified,
+        damaged (with the problems), verifying, or uncommitted (no manifest: being written, or left by a crash);
+        and a one-line problem when `checkpoints/` or its `latest` pointer is not read (a link out of the runs
+        directory)."""
         from gaudi3_scale.checkpoint.manager import CheckpointManager  # imports torch: only for this view
 
-        manager = CheckpointManager(run_dir / "checkpoints")
-        pointer = manager.directory / "latest"
-        latest = pointer.read_text().strip() if pointer.is_file() else None
-        committed = {path for _, path in manager.committed()}
-        checks = {path: self._problems(path) for path in committed}
-        futures = [c for c in checks.values() if isinstance(c, Future)]
+        try:
+            if real_path(self.root, run_dir / "checkpoints") is None:
+                return [], None
+        except OutsideRuns as exc:
+            return [], str(exc)
+        latest, problem = self._latest(run_dir / "checkpoints" / "latest")
+        found = []
+        for step, path in reversed(CheckpointManager(run_dir / "checkpoints").steps()):
+            manifest, refused = self._manifest(path)
+            check = self._problems(path) if manifest is not None and refused is None else None
+            found.append((step, path, manifest, refused, check))
+        futures = [check for *_, check in found if isinstance(check, Future)]
         if futures:
             wait(futures, timeout=self.wait_s)
         rows = []
-        for step, path in reversed(manager.steps()):
-            manifest = read_manifest(path) or {}
-            check = checks.get(path)
+        for step, path, manifest, refused, check in found:
             if isinstance(check, Future):
                 check = check.result() if check.done() and check.exception() is None else None
-            problems: list[str] = []
-            if path not in committed:
-                status = "uncommitted"
-            elif check is None:
-                status = "verifying"
-            else:
-                status, problems = ("damaged" if check else "verified"), check
-            files = manifest.get("files") or {}
-            rows.append({
-                "name": path.name,
-                "step": step,
-                "latest": path.name == latest,
-                "status": status,
-                "problems": problems,
-                "tokens_seen": manifest.get("tokens_seen"),
-                "val_loss": manifest.get("val_loss"),
-                "world_size": manifest.get("world_size"),
-                "strategy": manifest.get("strategy"),
-                "size_bytes": sum(int(f.get("size_bytes", 0)) for f in files.values() if isinstance(f, dict)),
-                "created_unix_s": manifest.get("created_unix_s"),
-            })  # fmt: skip
-        return rows
+            row = _row(path, step, latest, manifest)
+            if refused is not None:
+                row.update(status="damaged", problems=[refused])
+            elif manifest is not None:
+                row["status"] = "verifying" if check is None else "damaged" if check else "verified"
+                row["problems"] = check or []
+            rows.append(row)
+        return rows, problem
+
+    def _latest(self, pointer: Path) -> tuple[str | None, str | None]:
+        """(the checkpoint name `latest` holds, why it was not read)."""
+        try:
+            path = real_file(self.root, pointer)
+        except OutsideRuns as exc:
+            return None, str(exc)
+        return (path.read_text().strip() if path is not None else None), None
+
+    def _manifest(self, directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+        """(the committed manifest or None, why the checkpoint is not read at all): a link out of the runs
+        directory anywhere in it, or a manifest naming a file outside the checkpoint."""
+        escape = first_escape(self.root, directory)
+        if escape is not None:
+            return None, str(escape)
+        manifest = read_manifest(directory)
+        files = manifest.get("files") if manifest is not None else None
+        inside = directory.resolve()
+        for name in files if isinstance(files, dict) else ():
+            if not (inside / str(name)).resolve().is_relative_to(inside):
+                return (
+                    None,
+                    f"{directory.name}: the manifest names {str(name)[:80]!r}, outside the checkpoint",
+                )
+        return manifest, None
+
+
+def _size_bytes(files: Any) -> int | None:
+    """The manifest's total size; None when its `files` is not the mapping of sizes it should be."""
+    if not isinstance(files, dict):
+        return None
+    sizes = [f.get("size_bytes") if isinstance(f, dict) else None for f in files.values()]
+    counted = [s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s >= 0]
+    return sum(counted) if len(counted) == len(sizes) else None
+
+
+def _row(path: Path, step: int, latest: str | None, manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """A checkpoint as the view lists it, before its verification is known."""
+    manifest = manifest or {}
+    return {
+        "name": path.name,
+        "step": step,
+        "latest": path.name == latest,
+        "status": "uncommitted",
+        "problems": [],
+        "tokens_seen": manifest.get("tokens_seen"),
+        "val_loss": manifest.get("val_loss"),
+        "world_size": manifest.get("world_size"),
+        "strategy": manifest.get("strategy"),
+        "size_bytes": _size_bytes(manifest.get("files")),
+        "created_unix_s": manifest.get("created_unix_s"),
+    }

@@ -112,20 +112,20 @@ def _compare(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class CostStore:
-    """TCO comparisons per run, computed once per version of its config.yaml (the estimator takes a second)."""
+    """TCO comparisons per run, computed once per version of its config (the estimator takes a second)."""
 
     def __init__(self) -> None:
-        self._cache: dict[Path, tuple[int, dict[str, Any]]] = {}
+        self._cache: dict[Path, tuple[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def comparison(self, run_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
-        path = run_dir / "config.yaml"
-        mtime = path.stat().st_mtime_ns if path.is_file() else -1
+        """`config`: the run's parsed config.yaml (`RunStore.config`); the cache key is its content."""
+        key = repr(config)  # not JSON: a hand-edited YAML may have keys that do not sort or serialize
         with self._lock:
             cached = self._cache.get(run_dir)
-        if cached is not None and cached[0] == mtime:
+        if cached is not None and cached[0] == key:
             return cached[1]
         result = _compare(config)
         with self._lock:
-            self._cache[run_dir] = (mtime, result)
+            self._cache[run_dir] = (key, result)
         return result

@@ -3,7 +3,8 @@
 A child directory is a **run** (it holds `config.yaml`, `metrics.jsonl` or `summary.json`, as `gaudi3 train`
 leaves them) or a **benchmark** result set (`matrix.yaml` + `cells/` from `gaudi3 benchmark run`, or a
 `report/report.html` from `gaudi3 benchmark report`). A name from a URL is only ever looked up among the entries
-`os.scandir` lists (symlinks are not followed), so `..`, `/`, absolute paths and links out of DIR name nothing.
+`os.scandir` lists (symlinks are not followed), so `..`, `/`, absolute paths and links out of DIR name nothing;
+every file inside a run is reached through `files` (a symlink out of the runs directory is never read).
 
 `metrics.jsonl` is read incrementally: each file's complete lines are parsed once and kept, and a poll reads only
 the bytes appended since. A line that is not a JSON object is counted as unreadable, never fatal.
@@ -15,12 +16,13 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.core import load_yaml
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 
 __all__ = ["MetricsReader", "MetricsView", "RunStore", "child_kind", "config_section"]
 
@@ -29,13 +31,13 @@ STALE_S = 60.0  # no summary and no metrics written for this long: the run is no
 PARTIAL_GRACE_S = 10.0  # a last line without "\n" this old is a truncated write, not one being written
 
 
-def child_kind(directory: Path) -> str | None:
-    """The kind of a child of the runs directory: "run", "benchmark", or None for neither."""
-    if (directory / "matrix.yaml").is_file() and (directory / "cells").is_dir():
+def child_kind(root: Path, directory: Path) -> str | None:
+    """The kind of a child of the runs directory `root`: "run", "benchmark", or None for neither."""
+    if has_file(root, directory / "matrix.yaml") and (directory / "cells").is_dir():
         return "benchmark"
-    if (directory / "report" / "report.html").is_file() or (directory / "report.html").is_file():
+    if has_file(root, directory / "report" / "report.html") or has_file(root, directory / "report.html"):
         return "benchmark"
-    if any((directory / name).is_file() for name in RUN_FILES):
+    if any(has_file(root, directory / name) for name in RUN_FILES):
         return "run"
     return None
 
@@ -98,6 +100,7 @@ class MetricsView:
     latest_val: dict[str, Any] | None
     latest_cost: dict[str, Any] | None
     peak_memory_bytes: int | None
+    problem: str | None = None  # why the file was not read (a link out of the runs directory)
 
     def records(self, since: int = 0) -> list[dict[str, Any]]:
         """The records on lines `since` … `count` - 1 (line offsets, so a poller passes the last `count`)."""
@@ -148,8 +151,9 @@ class _FileCache:
         self._cache: dict[Path, tuple[int, Any]] = {}
         self._lock = threading.Lock()
 
-    def load(self, path: Path) -> tuple[Any, str | None]:
-        """(the parsed content or None, a one-line problem or None); a missing file is (None, None)."""
+    def load(self, path: Path, name: str) -> tuple[Any, str | None]:
+        """(the parsed content or None, a one-line problem or None) of the real file `path`, shown as `name`
+        (".yaml": YAML, else JSON); a missing file is (None, None)."""
         try:
             mtime = path.stat().st_mtime_ns
         except FileNotFoundError:
@@ -159,9 +163,9 @@ class _FileCache:
         if cached is not None and cached[0] == mtime:
             return cached[1], None
         try:
-            data: Any = load_yaml(path) if path.suffix == ".yaml" else json.loads(path.read_text())
+            data: Any = load_yaml(path) if name.endswith(".yaml") else json.loads(path.read_text())
         except (UserInputError, ValueError, OSError) as exc:
-            return None, f"{path.name} unreadable: {exc}"
+            return None, f"{name} unreadable: {exc}"
         with self._lock:
             self._cache[path] = (mtime, data)
         return data, None
@@ -182,7 +186,7 @@ class RunStore:
             for entry in entries:
                 if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
                     continue
-                kind = child_kind(Path(entry.path))
+                kind = child_kind(self.directory, Path(entry.path))
                 if kind is not None:
                     found.append((entry.name, Path(entry.path), kind))
         return sorted(found)
@@ -195,31 +199,52 @@ class RunStore:
             for entry in entries:
                 if entry.name == name and entry.is_dir(follow_symlinks=False):
                     path = Path(entry.path)
-                    return path if child_kind(path) == kind else None
+                    return path if child_kind(self.directory, path) == kind else None
         return None
 
+    def _load(self, run_dir: Path, name: str) -> tuple[Any, str | None]:
+        try:
+            path = real_file(self.directory, run_dir / name)
+        except OutsideRuns as exc:
+            return None, str(exc)
+        return (None, None) if path is None else self._files.load(path, name)
+
     def config(self, run_dir: Path) -> tuple[dict[str, Any], str | None]:
-        data, problem = self._files.load(run_dir / "config.yaml")
+        data, problem = self._load(run_dir, "config.yaml")
         return (data if isinstance(data, dict) else {}), problem
 
     def summary(self, run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-        data, problem = self._files.load(run_dir / "summary.json")
+        data, problem = self._load(run_dir, "summary.json")
         if data is not None and not isinstance(data, dict):
             return None, "summary.json unreadable: not a JSON object"
         return data, problem
 
+    def metrics_view(self, run_dir: Path) -> MetricsView:
+        """The run's metrics.jsonl as read so far (empty when there is none, or it links out of the runs dir)."""
+        try:
+            path = real_file(self.directory, run_dir / "metrics.jsonl")
+        except OutsideRuns as exc:
+            return replace(_EMPTY, problem=str(exc))
+        return _EMPTY if path is None else self.metrics.read(path)
+
+    def _mtime(self, run_dir: Path, name: str) -> float | None:
+        try:
+            path = real_file(self.directory, run_dir / name)
+        except OutsideRuns:
+            return None
+        return None if path is None else path.stat().st_mtime
+
     def status(self, run_dir: Path, view: MetricsView) -> str:
         """finished (summary.json newer than the last metrics), running (metrics written lately) or stopped."""
-        summary = run_dir / "summary.json"
-        if summary.is_file() and summary.stat().st_mtime >= view.mtime - 1.0:
+        summary_mtime = self._mtime(run_dir, "summary.json")
+        if summary_mtime is not None and summary_mtime >= view.mtime - 1.0:
             return "finished"
-        config = run_dir / "config.yaml"
-        newest = max(view.mtime, config.stat().st_mtime if config.is_file() else 0.0)
+        newest = max(view.mtime, self._mtime(run_dir, "config.yaml") or 0.0)
         return "running" if time.time() - newest < STALE_S else "stopped"
 
     def overview(self, name: str, run_dir: Path) -> dict[str, Any]:
         """What the run list and the live view show: progress, latest metrics, cost, status and warnings."""
-        view = self.metrics.read(run_dir / "metrics.jsonl")
+        view = self.metrics_view(run_dir)
         config, config_problem = self.config(run_dir)
         summary, summary_problem = self.summary(run_dir)
         status = self.status(run_dir, view)
@@ -228,7 +253,7 @@ class RunStore:
             status != "running" or time.time() - view.mtime > PARTIAL_GRACE_S
         )
         unreadable = view.unreadable + int(truncated)
-        warnings = [p for p in (config_problem, summary_problem) if p]
+        warnings = [p for p in (config_problem, summary_problem, view.problem) if p]
         if unreadable:
             warnings.append(f"{unreadable} unreadable line{'s' if unreadable != 1 else ''} in metrics.jsonl")
         train, val, cost = view.latest_train or {}, view.latest_val or {}, view.latest_cost or {}

@@ -5,7 +5,11 @@
   `Authorization: Bearer <token>`, as the HttpOnly SameSite=Strict cookie, or as `?token=<token>`: on a page
   that sets the cookie and redirects to the same page without it (so the token leaves the address bar and
   history, and the page's own API calls carry the cookie); on /api/… it is simply accepted (curl, scripts).
-  Compared in constant time.
+  Compared in constant time. A token given (rather than generated) must be at least 16 characters of printable
+  ASCII without spaces, `"`, `,`, `;` or `\\` (it travels in a cookie): `token_problem` says what is wrong.
+* **Logs never hold a token.** Every log line of the server and the app goes through `redact`: the value of any
+  `token` query parameter (however its name is percent-encoded) and the dashboard's own tokens become
+  `[redacted]`, so a refused `?token=…` request is logged without it.
 * **Loopback without a token** still checks the Host header: a page on another site that rebinds its DNS name
   to 127.0.0.1 sends its own name, and is refused (DNS rebinding).
 * **Read-only.** Only GET and HEAD are served; any other method is 405 before anything else runs.
@@ -15,20 +19,38 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
+import re
 import secrets
 from typing import TYPE_CHECKING
-from urllib.parse import urlencode
+from urllib.parse import quote, unquote_plus, urlencode
 
 if TYPE_CHECKING:
     from flask import Flask, Response
     from werkzeug.wrappers import Response as ResponseBase
 
-__all__ = ["COOKIE_NAME", "TOKEN_ENV", "install_guards", "is_loopback", "new_token"]
+__all__ = [
+    "COOKIE_NAME",
+    "MIN_TOKEN_CHARS",
+    "TOKEN_ENV",
+    "install_guards",
+    "is_loopback",
+    "new_token",
+    "redact",
+    "token_problem",
+]
 
 TOKEN_ENV = "GAUDI3_DASHBOARD_TOKEN"
 COOKIE_NAME = "gaudi3_dashboard_token"
 ALLOWED_METHODS = ("GET", "HEAD")
 _LOOPBACK_NAMES = ("localhost", "localhost.")
+# 16 characters of a random URL-safe token are 96 bits; a person's choice of 16 is weaker, but no longer guessable
+# by trying one character at a time over HTTP. Generated tokens are 32 characters (`new_token`).
+MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 1024
+_COOKIE_UNSAFE = set('",;\\')  # RFC 6265 cookie-octet excludes these (and spaces, and controls)
+REDACTED = "[redacted]"
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;\s\"'#]*)=([^&;\s\"'#]*)")
 
 
 def is_loopback(host: str) -> bool:
@@ -44,6 +66,59 @@ def is_loopback(host: str) -> bool:
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)  # 192 bits
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot guard the dashboard, in a few words; None when it can."""
+    if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
+        return (f"{len(token)} characters; a token needs {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} "
+                "(leave it out off loopback and one is generated)")  # fmt: skip
+    bad = next((c for c in token if not "!" <= c <= "~" or c in _COOKIE_UNSAFE), None)
+    if bad is not None:
+        return (f"character {bad!r} is not allowed; use printable ASCII without spaces, quotes, commas, "
+                "semicolons or backslashes")  # fmt: skip
+    return None
+
+
+def redact(text: str, tokens: set[str] | frozenset[str] = frozenset()) -> str:
+    """`text` without secrets: every `token` query parameter's value, and each of `tokens` wherever it appears."""
+
+    def param(match: re.Match[str]) -> str:
+        sep, key, value = match.groups()
+        if unquote_plus(key).strip().lower() == "token" and value:
+            return f"{sep}{key}={REDACTED}"
+        return match.group(0)
+
+    for token in tokens:
+        text = text.replace(token, REDACTED).replace(quote(token, safe=""), REDACTED)
+    return _QUERY_PARAM.sub(param, text)
+
+
+class _RedactFilter(logging.Filter):
+    """Rewrites every record of the logger it is on with `redact` (the tokens of every app made here)."""
+
+    def __init__(self) -> None:
+        super().__init__("gaudi3-dashboard-redact")
+        self.tokens: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message, self.tokens)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+_REDACT = _RedactFilter()
+
+
+def _install_redaction(app: Flask, token: str | None) -> None:
+    """On werkzeug's logger (access lines, request errors) and the app's (its exceptions), once each."""
+    if token is not None:
+        _REDACT.tokens.add(token)
+    for logger in (logging.getLogger("werkzeug"), app.logger):
+        if _REDACT not in logger.filters:
+            logger.addFilter(_REDACT)
 
 
 def _host_name(host_header: str) -> str:
@@ -86,8 +161,10 @@ def _presented_token() -> tuple[str | None, bool]:
 
 
 def install_guards(app: Flask, token: str | None) -> None:
-    """Method, Host and token checks before every request; security headers after."""
+    """Method, Host and token checks before every request; security headers after; logs without tokens."""
     from flask import redirect, request
+
+    _install_redaction(app, token)
 
     @app.before_request
     def _guard() -> ResponseBase | None:

@@ -11,14 +11,18 @@ from urllib.parse import quote
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.dashboard.app import create_app
-from gaudi3_scale.dashboard.security import is_loopback, new_token
+from gaudi3_scale.dashboard.security import TOKEN_ENV, is_loopback, new_token, token_problem
 
 __all__ = ["build_server", "dashboard_url", "resolve_token", "serve"]
 
 
 def resolve_token(host: str, token: str | None) -> tuple[str | None, bool]:
-    """(the token to require, whether it was generated): off loopback one is always required."""
-    if token:
+    """(the token to require, whether it was generated): off loopback one is always required; one given must be
+    strong enough (`security.token_problem`), else one line naming the option."""
+    if token is not None:
+        problem = token_problem(token)
+        if problem is not None:
+            raise UserInputError(f"--token (or {TOKEN_ENV}): {problem}")
         return token, False
     if is_loopback(host):
         return None, False
@@ -26,6 +30,8 @@ def resolve_token(host: str, token: str | None) -> tuple[str | None, bool]:
 
 
 def dashboard_url(host: str, port: int, token: str | None) -> str:
+    """The URL to open, with `token` in it when one is passed: the CLI passes a generated one (shown once, as
+    Jupyter does), never one the user chose (stdout often ends up in a log)."""
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}/" + (f"?token={quote(token, safe='')}" if token else "")

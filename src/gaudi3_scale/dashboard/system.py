@@ -10,6 +10,8 @@ from typing import Any
 
 import psutil
 
+from gaudi3_scale.dashboard.files import OutsideRuns, real_file
+
 __all__ = ["host_snapshot", "metrics_endpoints"]
 
 
@@ -43,14 +45,16 @@ def _urls(data: Any) -> list[str]:
     return []
 
 
-def metrics_endpoints(run_dir: Path) -> list[str]:
+def metrics_endpoints(root: Path, run_dir: Path) -> list[str]:
     """Prometheus /metrics URLs a run's exporter wrote down (`metrics_endpoints.json` or
-    `metrics_endpoints/rank-*.json`); unreadable files are skipped (the exporter may be writing them)."""
+    `metrics_endpoints/rank-*.json`); unreadable files, and links out of the runs directory `root`, are skipped
+    (the exporter may be writing them)."""
     files = [*sorted((run_dir / "metrics_endpoints").glob("rank-*.json")), run_dir / "metrics_endpoints.json"]
     urls: list[str] = []
     for path in files:
         try:
-            urls += _urls(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            real = real_file(root, path)
+            urls += _urls(json.loads(real.read_text())) if real is not None else []
+        except (OSError, ValueError, OutsideRuns):
             continue
     return list(dict.fromkeys(urls))

@@ -19,19 +19,22 @@ from types import FrameType
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.serve.engine import Engine
 from gaudi3_scale.serve.loading import ModelSource, load_served_model
-from gaudi3_scale.serve.server import CompletionServer, ServeApp
+from gaudi3_scale.serve.server import CLIENT_TIMEOUT_S, LISTEN_BACKLOG_MIN, CompletionServer, ServeApp
 
 __all__ = ["DRAIN_GRACE_S", "bind_server", "build_app", "serve_until_signal", "server_url"]
 
 DRAIN_GRACE_S = 25.0
 
 
-def bind_server(host: str, port: int) -> CompletionServer:
-    """The HTTP server, listening (not yet serving); one line when the address cannot be used."""
+def bind_server(
+    host: str, port: int, *, backlog: int = LISTEN_BACKLOG_MIN, client_timeout_s: float = CLIENT_TIMEOUT_S
+) -> CompletionServer:
+    """The HTTP server, listening (not yet serving); one line when the address cannot be used. `backlog`: see
+    `server.listen_backlog`; `client_timeout_s`: the time a client has to send its request, and each write to it."""
     if not host.strip():
         raise UserInputError("--host: expected an address such as 127.0.0.1 or 0.0.0.0")
     try:
-        return CompletionServer((host, port))
+        return CompletionServer((host, port), backlog=backlog, client_timeout_s=client_timeout_s)
     except socket.gaierror as exc:
         raise UserInputError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
     except OSError as exc:

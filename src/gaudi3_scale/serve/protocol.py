@@ -4,6 +4,11 @@ Shapes follow OpenAI's legacy completions reference (https://platform.openai.com
 the request fields below, `text_completion` objects, `data: {chunk}` Server-Sent Events ending in `data: [DONE]`,
 and errors as `{"error": {"message", "type", "param", "code"}}`. `top_k` is an extension (vLLM has it too).
 No torch here: the HTTP layer validates a request before the engine sees it.
+
+Hostile bodies are 400s like any other bad request: a number with thousands of digits is kept as `Oversized` (never
+converted: Python refuses ints over 4,300 digits, and converting is quadratic), NaN and Infinity are not JSON, a
+body nested deeper than the parser's recursion limit is refused, and a message quotes a value at most
+`QUOTE_CHARS` long and two levels deep.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from gaudi3_scale.data.tokenizers import Tokenizer
 __all__ = [
     "MAX_STOP_STRINGS",
     "CompletionRequest",
+    "Oversized",
     "RequestError",
     "completion_body",
     "encode_prompt",
     "error_body",
     "new_completion_id",
     "parse_completion_request",
+    "shown",
     "sse_event",
     "stream_chunk",
 ]
@@ -36,6 +43,8 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP_STRINGS = 4  # OpenAI: "up to 4 sequences"
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+MAX_INT_DIGITS = 20  # every integer field fits (MAX_SEED has 19 digits); longer ones stay text (`Oversized`)
+QUOTE_CHARS = 60  # the longest rendering of a client's value inside an error message
 # Fields of OpenAI's request that we accept only at their default (the value that changes nothing).
 _ONLY_DEFAULT: dict[str, Any] = {
     "n": 1,
@@ -48,6 +57,49 @@ _ONLY_DEFAULT: dict[str, Any] = {
 }
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "echo",
            "user", *_ONLY_DEFAULT}  # fmt: skip
+
+
+class Oversized:
+    """An integer literal of more than `MAX_INT_DIGITS` digits, as sent: out of every field's range."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+    def __repr__(self) -> str:
+        return f"{self.literal[:12]}…({len(self.literal.lstrip('-'))} digits)"
+
+
+def _parse_int(literal: str) -> int | Oversized:
+    return int(literal) if len(literal.lstrip("-")) <= MAX_INT_DIGITS else Oversized(literal)
+
+
+def _not_json(constant: str) -> Any:
+    raise RequestError(400, f"The request body is not valid JSON ({constant} is not a JSON number); "
+                            "send a JSON object.")  # fmt: skip
+
+
+def _sketch(value: Any, depth: int) -> str:
+    """JSON-like, down to `depth` containers and 4 items each (bounded, however deep the client nested)."""
+    if isinstance(value, dict | list):
+        if depth == 0:
+            return "{…}" if isinstance(value, dict) else "[…]"
+        if isinstance(value, dict):
+            parts = [f"{json.dumps(str(k))}: {_sketch(v, depth - 1)}" for k, v in list(value.items())[:4]]
+        else:
+            parts = [_sketch(v, depth - 1) for v in value[:4]]
+        inner = ", ".join(parts + (["…"] if len(value) > 4 else []))
+        return f"{{{inner}}}" if isinstance(value, dict) else f"[{inner}]"
+    if isinstance(value, str):
+        return json.dumps(value[: QUOTE_CHARS + 1])  # `shown` cuts it to length
+    if isinstance(value, Oversized):
+        return repr(value)
+    return json.dumps(value)  # a number, true, false or null
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: JSON-like, at most `QUOTE_CHARS` characters."""
+    text = _sketch(value, depth=2)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 1] + "…"
 
 
 class RequestError(Exception):
@@ -99,8 +151,10 @@ def _number(body: dict[str, Any], name: str, default: float | None, low: float, 
     value = body.get(name, default)
     if value is None:
         return default
+    if isinstance(value, Oversized):
+        raise _invalid(f"{name} must be from {low:g} to {high:g}, got {shown(value)}.", name)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _invalid(f"{name} must be a number from {low:g} to {high:g}, got {json.dumps(value)}.", name)
+        raise _invalid(f"{name} must be a number from {low:g} to {high:g}, got {shown(value)}.", name)
     if not low <= value <= high:
         raise _invalid(f"{name} must be from {low:g} to {high:g}, got {value:g}.", name)
     return float(value)
@@ -110,10 +164,10 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int, hig
     value = body.get(name, default)
     if value is None:
         return default
+    if isinstance(value, Oversized) or (isinstance(value, int) and not low <= value <= high):
+        raise _invalid(f"{name} must be from {low} to {high}, got {shown(value)}.", name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(f"{name} must be an integer from {low} to {high}, got {json.dumps(value)}.", name)
-    if not low <= value <= high:
-        raise _invalid(f"{name} must be from {low} to {high}, got {value}.", name)
+        raise _invalid(f"{name} must be an integer from {low} to {high}, got {shown(value)}.", name)
     return value
 
 
@@ -122,7 +176,7 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _invalid(f"{name} must be true or false, got {json.dumps(value)}.", name)
+        raise _invalid(f"{name} must be true or false, got {shown(value)}.", name)
     return value
 
 
@@ -130,10 +184,10 @@ def _max_tokens(body: dict[str, Any], limit: int) -> int:
     value = body.get("max_tokens")
     if value is None:
         return min(DEFAULT_MAX_TOKENS, limit)
+    if isinstance(value, Oversized):
+        raise _invalid(f"max_tokens must be from 1 to {limit}, got {shown(value)}.", "max_tokens")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _invalid(
-            f"max_tokens must be an integer from 1 to {limit}, got {json.dumps(value)}.", "max_tokens"
-        )
+        raise _invalid(f"max_tokens must be an integer from 1 to {limit}, got {shown(value)}.", "max_tokens")
     if value > limit:
         raise _invalid(
             f"max_tokens is {value}, over this server's limit of {limit} (gaudi3 serve --max-tokens-limit); "
@@ -149,9 +203,16 @@ def _prompt(body: dict[str, Any]) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _invalid(
-            f"prompt must be a string (or a list of exactly one string), got {json.dumps(prompt)[:80]}.",
+            f"prompt must be a string (or a list of exactly one string), got {shown(prompt)}.",
             "prompt",
         )
+    try:
+        prompt.encode()
+    except (
+        UnicodeEncodeError
+    ) as exc:  # JSON allows "\ud800" alone; no tokenizer (nor a UTF-8 reply) can hold it
+        raise _invalid(f"prompt is not valid Unicode: an unpaired surrogate at character {exc.start}.",
+                       "prompt") from None  # fmt: skip
     return prompt
 
 
@@ -167,7 +228,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     ):
         raise _invalid(
             f"stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings, "
-            f"got {json.dumps(stop)[:80]}.",
+            f"got {shown(stop)}.",
             "stop",
         )
     return tuple(stops)
@@ -177,25 +238,39 @@ def _check_fields(body: dict[str, Any]) -> None:
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise _invalid(
-            f"Unrecognized request argument {unknown[0]!r}; accepted: {', '.join(sorted(_FIELDS))}.",
-            unknown[0],
+            f"Unrecognized request argument {shown(unknown[0])}; accepted: {', '.join(sorted(_FIELDS))}.",
+            unknown[0][:QUOTE_CHARS],
         )
     for name, default in _ONLY_DEFAULT.items():
         value = body.get(name, default)
         if value is not None and value != default and not (name == "logit_bias" and value == {}):
             raise _invalid(
-                f"{name}={json.dumps(value)[:40]} is not supported by this server; "
+                f"{name}={shown(value)} is not supported by this server; "
                 f"leave it out or set it to {json.dumps(default)}.",
                 name,
             )
 
 
+def _load_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_int=_parse_int, parse_constant=_not_json)
+    except RecursionError:
+        raise _invalid("The request body nests JSON too deeply to parse; a completion request is a JSON "
+                       "object of plain fields.") from None  # fmt: skip
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _invalid(
+            f"The request body is not valid JSON ({_one_line(exc)}); send a JSON object."
+        ) from None
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 2 * QUOTE_CHARS else text[: 2 * QUOTE_CHARS - 1] + "…"
+
+
 def parse_completion_request(raw: bytes, *, served_model: str, max_tokens_limit: int) -> CompletionRequest:
     """A `POST /v1/completions` body checked field by field; `RequestError` names the first problem."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _invalid(f"The request body is not valid JSON ({exc}); send a JSON object.") from None
+    body = _load_body(raw)
     if not isinstance(body, dict):
         raise _invalid(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
     _check_fields(body)
@@ -203,7 +278,7 @@ def parse_completion_request(raw: bytes, *, served_model: str, max_tokens_limit:
     if model != served_model:
         raise RequestError(
             404,
-            f"The model {json.dumps(model)} does not exist; this server serves {served_model!r}.",
+            f"The model {shown(model)} does not exist; this server serves {served_model!r}.",
             param="model",
             code="model_not_found",
         )

@@ -1,22 +1,31 @@
 """The HTTP face of `gaudi3 serve`, on the standard library: one handler thread per connection, all of them
 feeding the one decode thread (`serve.engine`).
 
-    GET  /health            200 {"status": "ok", "model": …, "engine": {counters}}
+    GET  /health            200 {"status": "ok", "model": …, "engine": {counters}}   (HEAD: the same, no body)
     GET  /v1/models         OpenAI's model list (one model); GET /v1/models/<name> that model
     POST /v1/completions    OpenAI's completions, `stream: true` as Server-Sent Events
 
 Responses are HTTP/1.0 (the connection closes after each), so a stream needs no chunked encoding and a shutdown
-never waits on an idle keep-alive connection.
+never waits on an idle keep-alive connection. Every answer, the standard library's own refusals included (a
+malformed request line, headers too long), is OpenAI's JSON error shape; any method on any path is routed here
+(405 with `Allow` where the path knows other methods), never the standard library's HTML 501.
+
+Hostile clients get HTTP answers, not resets or stuck threads: the head and body of a request must arrive within
+`client_timeout_s` in all (else 408), a body over `MAX_BODY_BYTES` is 413, and the listen backlog is at least
+`LISTEN_BACKLOG_MIN` and the queue limit, so a burst of connections reaches the engine, which answers the ones it
+cannot queue with 503 `queue_full` (the kernel caps the backlog at net.core.somaxconn, 4096 on Linux >= 5.4).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,15 +44,32 @@ from gaudi3_scale.serve.protocol import (
     stream_chunk,
 )
 
-__all__ = ["MAX_BODY_BYTES", "CompletionServer", "ServeApp"]
+__all__ = [
+    "CLIENT_TIMEOUT_S",
+    "LISTEN_BACKLOG_MIN",
+    "MAX_BODY_BYTES",
+    "CompletionServer",
+    "ServeApp",
+    "listen_backlog",
+]
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above a full-context prompt of the models served here
 # An over-limit body up to this size is read and dropped before the 413: a client still sending it would get a
 # connection reset instead of the answer (nginx's "lingering close" for the same reason).
 DISCARD_LIMIT_BYTES = 16 << 20
-HANDLER_TIMEOUT_S = 15.0  # a connection that sends no complete request in this time is closed
-ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST"}
+CLIENT_TIMEOUT_S = 15.0  # default of --client-timeout-s
+MAX_LINE_BYTES = 65536  # the request line or one header line (the standard library's limit too)
+MAX_HEAD_BYTES = 65536
+MAX_HEADERS = 100  # http.client's limit
+LISTEN_BACKLOG_MIN = 1024  # uvicorn and gunicorn default to 2048, nginx to 511
+ROUTES = {"/health": ("GET", "HEAD"), "/v1/models": ("GET", "HEAD"), "/v1/completions": ("POST",)}
 _MODEL_PREFIX = "/v1/models/"
+
+
+def listen_backlog(max_queue: int, max_batch_size: int) -> int:
+    """Connections the kernel holds until accepted: never fewer than the requests the engine may hold at once, so
+    an over-full burst is refused by the engine (503 `queue_full`) rather than reset by the kernel."""
+    return max(LISTEN_BACKLOG_MIN, max_queue + max_batch_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,47 +90,111 @@ class CompletionServer(ThreadingHTTPServer):
     block_on_close = True
     app: ServeApp  # set before serve_forever
 
-    def __init__(self, address: tuple[str, int]) -> None:
+    def __init__(self, address: tuple[str, int], *, backlog: int, client_timeout_s: float) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        self.request_queue_size = backlog  # what server_activate passes to listen()
+        self.client_timeout_s = client_timeout_s
         super().__init__(address, _Handler)
+
+
+def _methods(path: str) -> tuple[str, ...] | None:
+    """The methods a path answers; None for an unknown path."""
+    return ROUTES.get("/v1/models" if path.startswith(_MODEL_PREFIX) else path)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     server_version = "gaudi3-serve"
-    timeout = HANDLER_TIMEOUT_S
+    # not 0.9: the refusal of a malformed request line still gets a status line and headers
+    default_request_version = "HTTP/1.0"
 
-    def do_GET(self) -> None:
-        self._route("GET")
+    def setup(self) -> None:
+        super().setup()
+        # until the request's own deadline takes over (handle_one_request)
+        self.connection.settimeout(self.server.client_timeout_s)
 
-    def do_POST(self) -> None:
-        self._route("POST")
+    def handle_one_request(self) -> None:
+        """One request (the connection then closes): its head and body within `client_timeout_s` in all, then
+        `_route`, whatever the method."""
+        self.close_connection = True
+        self.requestline, self.command = "", ""  # until parse_request sets them
+        self.request_version = self.default_request_version
+        self._deadline = time.monotonic() + self.server.client_timeout_s
+        try:
+            try:
+                head = self._read_head()
+            except RequestError as exc:
+                self._send_json(exc.status, exc.body())
+                return
+            if head is None:
+                return  # connected and closed without a request (a TCP health probe)
+            self.raw_requestline = head[0]
+            socket_file, self.rfile = self.rfile, io.BytesIO(b"".join(head[1:]))
+            try:
+                parsed = self.parse_request()  # a refusal goes through send_error
+            finally:
+                self.rfile = socket_file
+            if parsed:
+                self._route(self.command)
+        except (ConnectionError, TimeoutError):
+            pass  # the client went away, or stopped reading what we write: there is nobody to answer
 
-    def do_PUT(self) -> None:
-        self._route("PUT")
-
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
-
-    def do_PATCH(self) -> None:
-        self._route("PATCH")
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (a malformed request line or headers), in OpenAI's error shape."""
+        self.close_connection = True
+        text = " ".join((message or HTTPStatus(code).phrase).split())[:200].rstrip(".")
+        self._send_json(code, error_body(f"{text}."))
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         if str(code).isdigit() and int(code) < 400:
             return  # an access log line per completion would drown the errors
         super().log_request(code, size)
 
+    def _timed_out(self, received: str) -> RequestError:
+        return RequestError(408, f"The request did not arrive in full within {self.server.client_timeout_s:g} s "
+                                 f"(got {received}); send the whole request at once.", code="request_timeout")  # fmt: skip
+
+    def _until_deadline(self, received: str) -> None:
+        """The socket waits no longer than what is left of the request's time; a 408 once none is."""
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timed_out(received)
+        self.connection.settimeout(remaining)
+
+    def _read_head(self) -> list[bytes] | None:
+        """The request line and header lines through the blank line; None when the client sent nothing at all."""
+        lines: list[bytes] = []
+        while not lines or lines[-1] not in (b"\r\n", b"\n"):
+            received = f"{sum(map(len, lines))} bytes of its head"
+            self._until_deadline(received)
+            try:
+                line = self.rfile.readline(MAX_LINE_BYTES + 1)
+            except TimeoutError:
+                raise self._timed_out(received) from None
+            if not line:
+                if not lines:
+                    return None
+                raise RequestError(400, "The request ended inside its head; send a complete HTTP request.")
+            lines.append(line)
+            if len(line) > MAX_LINE_BYTES:
+                raise RequestError(414 if len(lines) == 1 else 431,
+                                   f"A line of the request head is over {MAX_LINE_BYTES} bytes.")  # fmt: skip
+            if len(lines) > MAX_HEADERS + 2 or sum(map(len, lines)) > MAX_HEAD_BYTES:
+                raise RequestError(431, f"The request head has over {MAX_HEADERS} headers or {MAX_HEAD_BYTES} "
+                                        "bytes.")  # fmt: skip
+        return lines
+
     def _route(self, method: str) -> None:
         path = urlsplit(self.path).path.rstrip("/") or "/"
+        allowed = _methods(path)
         try:
             body = self._read_body()  # before any answer, so that an error never leaves a body unread
-            allowed = ROUTES.get("/v1/models" if path.startswith(_MODEL_PREFIX) else path)
             if allowed is None:
                 raise RequestError(404, f"Invalid URL ({method} {path}): this server answers GET /health, "
                                         "GET /v1/models and POST /v1/completions.", code="unknown_url")  # fmt: skip
-            if method != allowed:
-                raise RequestError(405, f"{method} is not allowed on {path}; use {allowed}.",
+            if method not in allowed:
+                raise RequestError(405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}.",
                                    code="method_not_allowed")  # fmt: skip
             if path == "/health":
                 self._send_json(200, self._health())
@@ -113,9 +203,9 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._complete(body)
         except RequestError as exc:
-            headers = {"Allow": ROUTES.get(path, "GET")} if exc.status == 405 else {}
+            headers = {"Allow": ", ".join(allowed)} if exc.status == 405 and allowed else {}
             self._send_json(exc.status, exc.body(), headers)
-        except (BrokenPipeError, ConnectionResetError):
+        except (ConnectionError, TimeoutError):
             pass  # the client went away; there is nobody to answer
         except Exception as exc:  # a bug: answer 500 rather than drop the connection, and say what happened
             traceback.print_exc(file=sys.stderr)
@@ -125,13 +215,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body, ensure_ascii=False).encode()
+        self.connection.settimeout(self.server.client_timeout_s)  # each write; reading had its own deadline
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _health(self) -> dict[str, Any]:
         app = self.server.app
@@ -155,27 +247,50 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
             raise RequestError(
                 411, "Send the body with a Content-Length header; chunked bodies are not accepted."
             )
         length = self.headers.get("Content-Length", "0").strip()
-        if not length.isdigit():
-            raise RequestError(400, f"Content-Length must be a number of bytes, got {length!r}.")
-        size = int(length)
+        if not (length.isascii() and length.isdigit()):
+            raise RequestError(400, f"Content-Length must be a number of bytes, got {length[:40]!r}.")
+        size = (
+            int(length) if len(length) <= 18 else DISCARD_LIMIT_BYTES + 1
+        )  # never convert a 5,000-digit one
         if size > MAX_BODY_BYTES:
             self._discard(size)
-            raise RequestError(413, f"The request body is {size} bytes, over this server's limit of "
+            raise RequestError(413, f"The request body is {length[:40]} bytes, over this server's limit of "
                                     f"{MAX_BODY_BYTES} bytes; send a shorter prompt.")  # fmt: skip
-        return self.rfile.read(size)
+        return self._receive(size)
+
+    def _receive(self, size: int) -> bytes:
+        """`size` body bytes, within the request's deadline (408), or a 400 when the client stops short."""
+        chunks, received = [], 0
+        while received < size:
+            progress = f"{received} of {size} body bytes"
+            self._until_deadline(progress)
+            try:
+                chunk = self.rfile.read1(min(size - received, 1 << 16))
+            except TimeoutError:
+                raise self._timed_out(progress) from None
+            if not chunk:
+                raise RequestError(400, f"The request body ended after {received} of its {size} bytes "
+                                        "(Content-Length); send the whole body.")  # fmt: skip
+            chunks.append(chunk)
+            received += len(chunk)
+        return b"".join(chunks)
 
     def _discard(self, size: int) -> None:
+        """Read and drop an over-limit body (up to DISCARD_LIMIT_BYTES, within the deadline) before the 413."""
         left = size if size <= DISCARD_LIMIT_BYTES else 0
-        while left > 0:
-            chunk = self.rfile.read(min(left, 1 << 16))
-            if not chunk:
-                break
-            left -= len(chunk)
+        try:
+            while left > 0:
+                self._until_deadline("a body over the limit")
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except (RequestError, TimeoutError):
+            pass  # the 413 goes out anyway
 
     def _complete(self, body: bytes) -> None:
         app = self.server.app
@@ -215,6 +330,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, body)
 
     def _stream(self, completion: Completion, request: CompletionRequest) -> None:
+        self.connection.settimeout(
+            self.server.client_timeout_s
+        )  # each write may wait this long for the client
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -235,5 +353,5 @@ class _Handler(BaseHTTPRequestHandler):
                         stream_chunk(completion_id, request.model, created_s, "", delta.finish_reason)
                     )
             self.wfile.write(sse_event("[DONE]"))
-        except (BrokenPipeError, ConnectionResetError):
-            completion.cancel()  # the client left: free its batch slot
+        except (ConnectionError, TimeoutError):
+            completion.cancel()  # the client left, or stopped reading: free its batch slot
