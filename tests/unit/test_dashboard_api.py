@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from gaudi3_scale.cost import report as cost_report
 from gaudi3_scale.cost.estimate import compare_training_cost
 from gaudi3_scale.cost.report import usd
 from gaudi3_scale.dashboard import build_server, create_app
+from gaudi3_scale.dashboard.checkpoints import CheckpointVerifier
 from gaudi3_scale.dashboard.costs import ASSUMED_MFU, PLATFORMS
 from gaudi3_scale.dashboard.formatting import hours
 from gaudi3_scale.dashboard.security import COOKIE_NAME, TOKEN_ENV
@@ -218,6 +220,28 @@ def test_checkpoints_show_verification_status(trained_run: Path) -> None:
     assert 'data-status="damaged"' in page and "SHA-256 does not match" in page
     overview = client.get("/api/runs/tiny").get_json()
     assert overview["status"] == "finished" and overview["step"] == 3 and overview["summary"]["steps"] == 3
+
+
+class _FinishedAtOnce(ThreadPoolExecutor):
+    """An executor whose futures are already done when `submit` returns: the order a fast verification and a
+    slow request thread produce by chance on a loaded machine."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+def test_a_verification_finished_before_its_callback_is_attached_does_not_deadlock(trained_run: Path) -> None:
+    verifier = CheckpointVerifier(trained_run.parent, wait_s=1.0)
+    verifier._pool = _FinishedAtOnce(max_workers=1)
+    listed: list[list[dict[str, Any]]] = []
+    worker = threading.Thread(target=lambda: listed.append(verifier.list(trained_run)[0]), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "listing checkpoints deadlocked on the verifier's lock"
+    [[checkpoint]] = listed
+    assert checkpoint["status"] in ("verified", "damaged")  # the other test may have flipped a byte already
 
 
 def test_cost_view_numbers_equal_the_cost_module(tmp_path: Path) -> None:

@@ -51,11 +51,14 @@ class CheckpointVerifier:
             if done is not None and done[0] == key:
                 return done[1]
             pending = self._pending.get(directory)
-            if pending is None or pending[0] != key:
-                future = self._pool.submit(verify_checkpoint, directory)
-                future.add_done_callback(functools.partial(self._finish, directory, key))
-                pending = self._pending[directory] = (key, future)
-            return pending[1]
+            if pending is not None and pending[0] == key:
+                return pending[1]
+            future = self._pool.submit(verify_checkpoint, directory)
+            self._pending[directory] = (key, future)
+        # Outside the lock: a future that is already done runs its callback here, in this thread, and the
+        # callback takes the (non-reentrant) lock itself.
+        future.add_done_callback(functools.partial(self._finish, directory, key))
+        return future
 
     def _finish(self, directory: Path, key: _Fingerprint, future: Future[list[str]]) -> None:
         exc = future.exception()
