@@ -325,3 +325,19 @@ def test_thread_count_survives_lightnings_launcher(tmp_path: Path, monkeypatch: 
         assert os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_torchrun_workers_take_the_geometry_from_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m gaudi3_scale.train` without repeating the counts in the config."""
+    for name, value in {"LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    parallel = GaudiTrainer(_config(tmp_path)).config.parallel
+    assert (parallel.nproc_per_node, parallel.nnodes, parallel.node_rank) == (2, 2, 1)
+    assert parallel.rdzv_endpoint == "10.0.0.1:29400"
+    # A geometry the config names is the user's: kept (GaudiTrainer refuses it if the launcher disagrees).
+    assert (
+        GaudiTrainer(_config(tmp_path, "--parallel.nproc_per_node", "3")).config.parallel.nproc_per_node == 3
+    )

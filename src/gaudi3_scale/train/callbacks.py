@@ -29,6 +29,7 @@ from gaudi3_scale.checkpoint.manager import (
 )
 from gaudi3_scale.checkpoint.manifest import write_manifest
 from gaudi3_scale.checkpoint.remote import RemoteMirror
+from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.train.step_metrics import RunMetrics, at_step_boundary
 
@@ -214,16 +215,13 @@ class StepCheckpoint(pl.Callback):
             self.commit(path)
 
 
-# Exit codes after a preemption checkpoint: 128 + the signal number, the shell convention. Kubeflow's ExitCode
-# restart policy retries 143 (training-operator, pkg/util/train IsRetryableExitCode: 130, 137, 143 retryable), and
-# torchrun's --max-restarts restarts on any non-zero exit. Ctrl-C is a person stopping the run: exit 0.
-PREEMPTION_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
+# The signals a run stops on; the launcher passes the same ones on to its workers, and both exit by
+# `distributed.launch.signal_exit_code`.
+PREEMPTION_SIGNALS = {signum: signum.name for signum in FORWARDED_SIGNALS}
 
 
 def preemption_exit_code(signal_name: str | None) -> int:
-    if signal_name in (None, "SIGINT"):
-        return 0
-    return 128 + int(getattr(signal, str(signal_name)))
+    return 0 if signal_name is None else signal_exit_code(getattr(signal, signal_name))
 
 
 class GracefulInterrupt(pl.Callback):

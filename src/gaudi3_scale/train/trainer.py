@@ -32,6 +32,7 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.device import DevicePlan, plan_device
+from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
@@ -42,6 +43,7 @@ from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_re
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint, saved_run_config
+from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
@@ -96,6 +98,10 @@ class GaudiTrainer:
     With a `cost` price the run's cost is tracked live (`cost.live`); a run that reaches `cost.budget_usd` or is
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
     `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
+
+    A run holds its output directory for as long as `fit` runs (`train.run_lock`): a second run there is refused
+    with `RunDirectoryBusyError`. Inside a launcher's worker (torchrun) the launch geometry comes from the launcher
+    when the config leaves it at one process (`distributed.launch.launched_parallel`).
     """
 
     def __init__(
@@ -107,7 +113,11 @@ class GaudiTrainer:
         console: Console | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        self.config = config or RunConfig()
+        config = config or RunConfig()
+        parallel = launched_parallel(config.parallel)
+        self.config = (
+            config if parallel is config.parallel else dataclasses.replace(config, parallel=parallel)
+        )
         self.extra_callbacks = list(callbacks or [])
         self.progress = progress
         self.console = console or Console(stderr=True)
@@ -337,6 +347,13 @@ class GaudiTrainer:
         self._plan_device()
         check_cost_config(self.config.cost)  # a bad instance or unknown price: one line before any data work
         check_trackers(self.config.monitor)  # a tracker whose package is missing: likewise
+        stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
+        with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
+            return self._fit(model, datamodule, started)
+
+    def _fit(
+        self, model: pl.LightningModule | None, datamodule: pl.LightningDataModule | None, started: float
+    ) -> dict[str, Any]:
         ckpt_path = resume_checkpoint(self.config, warn=self._warn)
         if ckpt_path is not None:
             check_resume_budget(self.config, ckpt_path)  # spent: refused before any data work or file written
