@@ -327,6 +327,28 @@ def test_thread_count_survives_lightnings_launcher(tmp_path: Path, monkeypatch: 
         torch.set_num_threads(before)
 
 
+def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """The source text edited after a run: the cache is rebuilt, and resuming the old run on it needs a word."""
+    from gaudi3_scale.checkpoint.manifest import read_manifest
+    from gaudi3_scale.config import UserInputError
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question\n" * 200)
+    common = ("--data.source", str(text), "--model.num_layers", "1", "--optim.warmup_steps", "1",
+              "--train.val_every_steps", "0", "--train.val_batches", "1")  # fmt: skip
+    out = tmp_path / "run"
+    first = GaudiTrainer(_config(out, *common, "--train.max_steps", "2"), progress=False).fit()
+    trained_on = read_manifest(Path(first["checkpoint"]))["data_sha256"]  # type: ignore[index]
+    text.write_text("that is the question: to be or not to be\n" * 200)  # same characters, other tokens
+    with pytest.raises(UserInputError, match=r"^data\.source: the prepared data now holds other tokens than the "
+                       r"checkpoint step-00000002 was trained on .*--train\.allow_data_change true"):  # fmt: skip
+        GaudiTrainer(_config(out, *common, "--train.max_steps", "4"), progress=False).fit()
+    allowed = _config(out, *common, "--train.max_steps", "4", "--train.allow_data_change", "true")
+    second = GaudiTrainer(allowed, progress=False).fit()
+    assert second["steps"] == 4
+    assert read_manifest(Path(second["checkpoint"]))["data_sha256"] not in (None, trained_on)  # type: ignore[index]
+
+
 def test_torchrun_workers_take_the_geometry_from_the_launcher(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,8 +64,11 @@ class StepCheckpoint(pl.Callback):
         config_sha256: str | None = None,
         mirror: RemoteMirror | None = None,
         enabled: bool = True,
+        data_sha256: str | None = None,
     ) -> None:
         self.manager = manager
+        # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
+        self.data_sha256 = data_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
         self.mirror = mirror
         self.warn = warn
@@ -138,6 +141,7 @@ class StepCheckpoint(pl.Callback):
             "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
             "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
             "config_sha256": self.config_sha256,
+            "data_sha256": self.data_sha256,
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,

@@ -31,6 +31,7 @@ from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
+from gaudi3_scale.data.manifest import tokens_sha256
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
@@ -42,7 +43,12 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
-from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint, saved_run_config
+from gaudi3_scale.train.resume import (
+    check_resume_compatible,
+    check_resume_data,
+    resume_checkpoint,
+    saved_run_config,
+)
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
@@ -127,6 +133,8 @@ class GaudiTrainer:
         self.datamodule: pl.LightningDataModule | None = None
         self.device_plan: DevicePlan | None = None
         self._live_cost: LiveCost | None = None
+        # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
+        self._data_sha256: str | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -135,6 +143,7 @@ class GaudiTrainer:
     def _build_default(self, resume_from: Path | None) -> tuple[LanguageModel, TokenDataModule]:
         cfg = self.config
         prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
+        self._data_sha256 = tokens_sha256(prepared.manifest)
         vocab = prepared.vocab_size
         if cfg.model.vocab_size is None:
             model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
@@ -266,6 +275,7 @@ class GaudiTrainer:
             config_sha256=config_sha256(self.config),
             mirror=mirror,
             enabled=ckpt_cfg.enabled,
+            data_sha256=self._data_sha256,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -377,6 +387,12 @@ class GaudiTrainer:
         if ckpt_path is not None:
             if isinstance(model, LanguageModel):
                 check_resume_compatible(ckpt_path, to_dict(self.config))
+                check_resume_data(
+                    ckpt_path,
+                    self._data_sha256,
+                    allow_change=self.config.train.allow_data_change,
+                    warn=self._warn,
+                )
             if self.progress:
                 self.console.print(f"resuming from {ckpt_path}")
         endpoint = self._start_metrics_endpoint(trainer)
