@@ -165,6 +165,13 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
     model_b, optim_b = _state(Path(second["checkpoint"]))
     _assert_bitwise_equal(model_a, model_b, "model")
     _assert_bitwise_equal(optim_a, optim_b, "optimizer")
+    # The whole checkpoint, what `gaudi3 ckpt diff` compares: data position and every RNG state included.
+    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
+    from gaudi3_scale.train.inference import read_checkpoint
+
+    whole = [read_checkpoint(Path(summary["checkpoint"])) for summary in (straight, second)]
+    assert first_difference(*whole, keys=DIFF_KEYS) is None
 
 
 def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
@@ -325,6 +332,15 @@ def test_thread_count_survives_lightnings_launcher(tmp_path: Path, monkeypatch: 
         assert os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_val_every_steps_0_validates_once_at_the_end(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "--train.max_steps", "3", "--train.val_every_steps", "0", "--train.val_batches", "2",
+                  "--optim.warmup_steps", "1", "--model.num_layers", "1")  # fmt: skip
+    summary = GaudiTrainer(cfg, progress=False).fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [3]
+    assert summary["val_loss"] == records[-1]["val_loss"] and summary["val_loss"] > 0
 
 
 def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> None:
