@@ -159,6 +159,7 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
     straight = GaudiTrainer(_config(tmp_path / "straight", *common), progress=False).fit()
     first = GaudiTrainer(_config(tmp_path / "split", *common), progress=False, callbacks=[_StopAt(12)]).fit()
     assert first["steps"] == 12 and first["interrupted"]
+    assert first["val_loss"] is None  # a stop saves and leaves, without validating first
     second = GaudiTrainer(_config(tmp_path / "split", *common), progress=False).fit()
     assert second["steps"] == 24
     model_a, optim_a = _state(Path(straight["checkpoint"]))
@@ -341,6 +342,11 @@ def test_val_every_steps_0_validates_once_at_the_end(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [3]
     assert summary["val_loss"] == records[-1]["val_loss"] and summary["val_loss"] > 0
+    # Inside the fit, before the final save: the last checkpoint records that loss.
+    from gaudi3_scale.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(Path(summary["checkpoint"]))
+    assert manifest is not None and (manifest["step"], manifest["val_loss"]) == (3, summary["val_loss"])
 
 
 def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> None:

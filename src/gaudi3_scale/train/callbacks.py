@@ -42,7 +42,8 @@ __all__ = [
 
 
 class StepCheckpoint(pl.Callback):
-    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end; apply retention.
+    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the validation
+    that follows the last step); apply retention.
 
     Single-file checkpoints: the checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state, then the
     manifest, then calls its `on_commit` hook, which moves `latest` and applies retention — in the background when
@@ -109,6 +110,14 @@ class StepCheckpoint(pl.Callback):
         step = trainer.global_step
         if self.save_requested:
             self.save(trainer, wait=True)  # an emergency save returns only once committed
+            trainer.should_stop = True
+            trainer.limit_val_batches = 0  # and no validation before leaving (a preempted run has seconds)
+        elif step >= trainer.max_steps > 0:
+            # The last step. Stopping the fit here has Lightning validate once more, in the fit loop
+            # (training_epoch_loop._should_check_val_fx: a fit that stops early validates), where every strategy
+            # can (a trainer.validate() after fit re-initializes DeepSpeed's engine, which fails). So a run
+            # validates after its last step (train.val_every_steps 0: only then), and on_train_end saves after
+            # that validation, so the final checkpoint records its loss.
             trainer.should_stop = True
         elif self.periodic_due(step):
             if self.val_every_steps and step % self.val_every_steps == 0:

@@ -84,14 +84,6 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _validates(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> bool:
-    """Whether `trainer.validate` has something to run (a user's own module may have no validation at all)."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    loaders = datamodule if datamodule is not None else model
-    return is_overridden("validation_step", model) and is_overridden("val_dataloader", loaders)
-
-
 class _StoreConfig(pl.Callback):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -420,24 +412,6 @@ class GaudiTrainer:
                     self._checkpoint.manager.apply_retention()  # what waited for its upload to be verified
                 mirror.close(timeout_s=self.config.checkpoint.remote_drain_timeout_s)
         records = read_metrics(out / "metrics.jsonl")
-        last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
-        # One validation after the last step unless one just ran there (train.val_every_steps 0: this is the only
-        # one). None after a stop: a preempted run has seconds to exit, and a budget stop spends no more.
-        final_val = bool(
-            last_val != trainer.global_step
-            and not trainer.interrupted
-            and not self._checkpoint.save_requested
-            and _validates(model, datamodule)
-        )
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Only rank 0 writes metrics.jsonl and its last validation line may not be there yet when another rank
-            # reads it: rank 0 decides for all, or ranks that decided differently wait on each other for ever.
-            decision = [final_val]
-            torch.distributed.broadcast_object_list(decision, src=0)
-            final_val = bool(decision[0])
-        if final_val:
-            trainer.validate(model, datamodule=datamodule, verbose=False)
-            records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
         if trainer.is_global_zero:
             write_summary(out / "summary.json", summary)
