@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
+from conftest import CliResult
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -85,5 +87,52 @@ def test_sigterm_stops_both_ranks_after_the_same_step_and_resumes(
          "--parallel.strategy", strategy], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def _logged_lines(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def test_sigusr1_and_ctrl_c_to_the_launcher_reach_both_ranks(tmp_path: Path) -> None:
+    """torch's agent passed on SIGTERM only: SIGUSR1 killed the launcher and the ranks trained on, and Ctrl-C
+    exited 130. Now each reaches both ranks, which save together; the launcher exits 138, then 0 (Ctrl-C)."""
+    out = tmp_path / "run"
+    for sig, exit_code in ((signal.SIGUSR1, 138), (signal.SIGINT, 0)):  # the second run resumes the first
+        launcher = _start(out, "--nproc-per-node", "2")
+        _wait_for_steps(launcher, out, _logged_lines(out) + 2)
+        launcher.send_signal(sig)
+        _, stderr = launcher.communicate(timeout=180)
+        assert launcher.returncode == exit_code, stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["stop_signal"] == sig.name and summary["interrupted"]
+        manifest = read_manifest(Path(summary["checkpoint"]))
+        assert manifest is not None and manifest["world_size"] == 2 and manifest["step"] == summary["steps"]
+
+
+def test_one_run_per_directory_and_ranks_stop_with_their_launcher(
+    tmp_path: Path, gaudi3_cli: Callable[..., CliResult]
+) -> None:
+    """A second run in the same --out is refused while the first runs; `kill -9` of the first's launcher stops its
+    ranks (they save on the way out) instead of leaving them training beside a rerun."""
+    from gaudi3_scale.train.run_lock import run_directory_lock
+
+    out = tmp_path / "run"
+    launcher = _start(out, "--nproc-per-node", "2")
+    _wait_for_steps(launcher, out, 3)
+    code, _, stderr = gaudi3_cli(*ARGS, "--out", str(out), "--nproc-per-node", "2")  # the same command again
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert f"run directory '{out}' is in use by another training run (pid {launcher.pid})" in stderr
+    launcher.kill()
+    # The pipes close once every process holding them is gone: the launcher, then its ranks.
+    _, stderr = launcher.communicate(timeout=120)
+    assert "SIGTERM: saving a checkpoint after this step" in stderr
+    with run_directory_lock(out):  # free again: no stale lock
+        pass
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train_loss" in r]
+    assert steps == list(range(1, steps[-1] + 1)), steps  # every step once, none after the ranks stopped
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert verify_checkpoint(latest) == [] and latest.name == f"step-{steps[-1]:08d}"

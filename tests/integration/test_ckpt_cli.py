@@ -1,93 +1,133 @@
-"""`gaudi3 ckpt list | verify | diff` on real checkpoints, and resume skipping a corrupt latest checkpoint."""
+"""`gaudi3 ckpt list | verify | diff` on real checkpoints, resume skipping a corrupt latest checkpoint, a malformed
+manifest treated as damage by every command, and a run directory accepted wherever a checkpoint is."""
 
 from __future__ import annotations
 
+import json
 import shutil
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from conftest import CliResult
+
 pytestmark = pytest.mark.integration
 
-GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
 TRAIN = ["train", "--sample-tokens", "0", "--no-progress", "--train.val_every_steps", "0", "--model.num_layers", "1",
-         "--optim.warmup_steps", "1", "--checkpoint.every_steps", "2"]  # fmt: skip
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GAUDI3, *args], capture_output=True, text=True)
+         "--optim.warmup_steps", "1", "--checkpoint.every_steps", "2", "--train.val_batches", "2"]  # fmt: skip
+Cli = Callable[
+    ..., CliResult
+]  # the `gaudi3_cli` fixture: `gaudi3 ARGS…` in this process, (exit code, out, err)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gaudi3_scale.cli.main import main
+
     out = tmp_path_factory.mktemp("ckpt") / "run"
-    proc = _run(*TRAIN, "--out", str(out), "--train.max_steps", "4")
-    assert proc.returncode == 0, proc.stderr
+    main([*TRAIN, "--out", str(out), "--train.max_steps", "4"])
     return out
 
 
-def test_list_and_verify_intact_checkpoints(run_dir: Path) -> None:
-    listed = _run("ckpt", "list", str(run_dir), "--verify")
-    assert listed.returncode == 0, listed.stderr
-    rows = [
-        line for line in listed.stdout.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()
-    ]
+def test_list_and_verify_intact_checkpoints(run_dir: Path, gaudi3_cli: Cli) -> None:
+    code, stdout, stderr = gaudi3_cli("ckpt", "list", str(run_dir), "--verify")
+    assert code == 0, stderr
+    rows = [line for line in stdout.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()]
     assert [r.split("│")[1].strip() for r in rows] == ["2", "4"]
     assert all(" ok " in r for r in rows) and "*" in rows[-1]
-    checked = _run("ckpt", "verify", str(run_dir / "checkpoints" / "step-00000004"))
-    assert checked.returncode == 0 and checked.stdout.strip().endswith(": ok")
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(run_dir / "checkpoints" / "step-00000004"))
+    assert code == 0 and stdout.strip().endswith(": ok")
 
 
-def test_diff_reports_identical_and_the_first_difference(run_dir: Path, tmp_path: Path) -> None:
+def test_diff_reports_identical_and_the_first_difference(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
     again = tmp_path / "again"
-    assert _run(*TRAIN, "--out", str(again), "--train.max_steps", "4").returncode == 0
-    same = _run(
-        "ckpt",
-        "diff",
-        str(run_dir / "checkpoints" / "step-00000004"),
-        str(again / "checkpoints" / "step-00000004"),
+    assert gaudi3_cli(*TRAIN, "--out", str(again), "--train.max_steps", "4")[0] == 0
+    steps = run_dir / "checkpoints"
+    code, stdout, stderr = gaudi3_cli(
+        "ckpt", "diff", str(steps / "step-00000004"), str(again / "checkpoints")
     )
-    assert same.returncode == 0 and same.stdout.startswith("identical"), same.stdout + same.stderr
-    other = _run(
-        "ckpt",
-        "diff",
-        str(run_dir / "checkpoints" / "step-00000002"),
-        str(run_dir / "checkpoints" / "step-00000004"),
-    )
-    assert other.returncode == 1 and "first difference: global_step: 2 vs 4" in other.stdout
+    assert code == 0 and stdout.startswith("identical"), stdout + stderr
+    code, stdout, _ = gaudi3_cli("ckpt", "diff", str(steps / "step-00000002"), str(steps / "step-00000004"))
+    assert code == 1 and "first difference: global_step: 2 vs 4" in stdout
 
 
-def test_corrupt_latest_is_named_and_skipped_on_resume(run_dir: Path, tmp_path: Path) -> None:
+def test_corrupt_latest_is_named_and_skipped_on_resume(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
     out = tmp_path / "run"
     shutil.copytree(run_dir, out)
     state = out / "checkpoints" / "step-00000004" / "state.ckpt"
     data = bytearray(state.read_bytes())
     data[len(data) // 3] ^= 0x40
     state.write_bytes(bytes(data))
-    checked = _run("ckpt", "verify", str(state))
-    assert checked.returncode == 1 and "SHA-256 does not match the manifest" in checked.stdout
-    assert _run("ckpt", "list", str(out), "--verify").returncode == 1
-    resumed = _run(*TRAIN, "--out", str(out), "--train.max_steps", "6")
-    assert resumed.returncode == 0, resumed.stderr
-    warning = [line for line in resumed.stderr.splitlines() if "skipping checkpoint" in line]
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(state))
+    assert code == 1 and "SHA-256 does not match the manifest" in stdout
+    assert gaudi3_cli("ckpt", "list", str(out), "--verify")[0] == 1
+    code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(out), "--train.max_steps", "6")
+    assert code == 0, stderr
+    warning = [line for line in stderr.splitlines() if "skipping checkpoint" in line]
     assert len(warning) == 1 and "step-00000004" in warning[0]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
     # Training passed step 4 again: the damaged copy was set aside, not overwritten or deleted.
     assert (out / "checkpoints" / "step-00000004.damaged-1" / "state.ckpt").read_bytes() == bytes(data)
-    assert _run("ckpt", "verify", str(out / "checkpoints" / "step-00000004")).returncode == 0
+    assert gaudi3_cli("ckpt", "verify", str(out / "checkpoints" / "step-00000004"))[0] == 0
     damaged = out / "checkpoints" / "step-00000004.damaged-1"
-    refused = _run(
+    code, _, stderr = gaudi3_cli(
         *TRAIN, "--out", str(tmp_path / "new"), "--train.max_steps", "6", "--train.resume", str(damaged)
     )
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
-    assert "train.resume" in refused.stderr and "SHA-256" in refused.stderr
+    assert code == 2 and len(stderr.strip().splitlines()) == 1
+    assert "train.resume" in stderr and "SHA-256" in stderr
 
 
-def test_verify_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    proc = _run("ckpt", "verify", str(tmp_path / "nope"))
+def test_verify_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path: Path, gaudi3_cli: Cli) -> None:
+    code, _, stderr = gaudi3_cli("ckpt", "verify", str(tmp_path / "nope"))
+    assert code == 2 and stderr.strip() == f"gaudi3: error: checkpoint '{tmp_path / 'nope'}' does not exist"
+
+
+def test_malformed_manifest_is_damage_for_every_command(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    """Valid JSON of the wrong shape: no KeyError anywhere; listed and verified as damaged, refused by name when
+    named, skipped by a resume for the previous intact checkpoint (and set aside, not overwritten)."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    step4 = out / "checkpoints" / "step-00000004"
+    manifest = json.loads((step4 / "manifest.json").read_text())
+    (step4 / "manifest.json").write_text(json.dumps({**manifest, "files": {"state.ckpt": {}}}))
+    problem = "malformed manifest.json: files['state.ckpt'].size_bytes is None, not a byte count"
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(step4))
+    assert code == 1 and stdout.strip() == f"{step4}: step-00000004: {problem}"
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(out))  # a run directory: each of its checkpoints
+    assert code == 1 and stdout.splitlines()[0].endswith("step-00000002: ok") and problem in stdout
+    code, stdout, stderr = gaudi3_cli("ckpt", "list", str(out), "--verify")
+    assert code == 1 and "malformed" in stdout and stderr == ""
+    for args, field in [
+        (("ckpt", "diff", str(out / "checkpoints" / "step-00000002"), str(step4)), "checkpoint"),
+        ((*TRAIN, "--out", str(tmp_path / "new"), "--train.resume", str(step4)), "train.resume"),
+    ]:
+        code, _, stderr = gaudi3_cli(*args)
+        assert code == 2 and stderr.count("\n") == 1 and stderr.startswith(f"gaudi3: error: {field}"), stderr
+        assert problem in stderr
+    (step4 / "manifest.json").write_text(json.dumps({**manifest, "files": ["state.ckpt"]}))
+    code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(out), "--train.max_steps", "5")
+    assert code == 0, stderr
     assert (
-        proc.returncode == 2
-        and proc.stderr.strip() == f"gaudi3: error: checkpoint '{tmp_path / 'nope'}' does not exist"
+        "skipping checkpoint" in stderr
+        and "step-00000004: malformed manifest.json: 'files' is a list" in stderr
     )
+    # Resumed from step 2: step 4 was trained and committed again, the damaged copy set aside beside it.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000005"
+    assert gaudi3_cli("ckpt", "verify", str(step4))[0] == 0
+    assert (out / "checkpoints" / "step-00000004.damaged-1" / "state.ckpt").is_file()
+
+
+def test_a_run_directory_is_accepted_where_a_checkpoint_is(run_dir: Path, gaudi3_cli: Cli) -> None:
+    step4 = run_dir / "checkpoints" / "step-00000004"
+    by_step = gaudi3_cli("generate", str(step4), "--max-new-tokens", "12", "--prompt", "ROMEO:")
+    by_run = gaudi3_cli("generate", str(run_dir), "--max-new-tokens", "12", "--prompt", "ROMEO:")
+    assert by_run == by_step and by_run[0] == 0 and by_run[1].startswith("ROMEO:")
+    code, stdout, _ = gaudi3_cli("ckpt", "diff", str(run_dir), str(step4))
+    assert code == 0 and stdout.startswith("identical"), stdout

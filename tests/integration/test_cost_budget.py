@@ -72,9 +72,10 @@ def _cost_records(out: Path) -> list[dict[str, Any]]:
 
 
 def _files(directory: Path) -> dict[Path, tuple[str, int]]:
-    """Every file with its SHA-256 and modification time (ns)."""
+    """Every file with its SHA-256 and modification time (ns); not the run-directory lock, which each run that
+    holds the directory (a refused resume included) stamps with its pid (train.run_lock)."""
     return {p: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file()}  # fmt: skip
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".run.lock"}  # fmt: skip
 
 
 def _stored_cost(checkpoint: Path) -> float:

@@ -124,6 +124,33 @@ def test_glob_source_and_prepared_dir_source(tmp_path: Path) -> None:
     assert shard_inode(out) == inode
 
 
+def test_prepared_dir_without_its_manifest_is_refused_not_read_as_text(tmp_path: Path) -> None:
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:5_000])
+    out = prepare(tmp_path, source=str(src))
+    (out / "manifest.json").unlink()  # tokenizer.json is text: it was trained on as if it were the corpus
+    with pytest.raises(
+        UserInputError, match=r"^source: .* looks like a prepared dataset \(train.bin, val.bin, "
+    ):
+        prepare_dataset(DataConfig(source=str(out)), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".prepare.lock",
+        "tokenizer.json",
+        "train.bin",
+        "val.bin",
+    ]
+
+
+def test_one_repeated_character_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    src = tmp_path / "a.txt"
+    src.write_text("a" * 1000)
+    with pytest.raises(
+        UserInputError, match=r"^data.source: .* gives a vocabulary of 1 token type\(s\) leaves"
+    ):
+        prepare(tmp_path, source=str(src))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".prepare.lock"]
+
+
 def test_bpe_dataset_decodes_back_to_the_text(tmp_path: Path) -> None:
     src = tmp_path / "t.txt"
     src.write_text(SHAKESPEARE[:100_000] + "\nunicode: é ✓ 😀\n")

@@ -159,12 +159,20 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
     straight = GaudiTrainer(_config(tmp_path / "straight", *common), progress=False).fit()
     first = GaudiTrainer(_config(tmp_path / "split", *common), progress=False, callbacks=[_StopAt(12)]).fit()
     assert first["steps"] == 12 and first["interrupted"]
+    assert first["val_loss"] is None  # a stop saves and leaves, without validating first
     second = GaudiTrainer(_config(tmp_path / "split", *common), progress=False).fit()
     assert second["steps"] == 24
     model_a, optim_a = _state(Path(straight["checkpoint"]))
     model_b, optim_b = _state(Path(second["checkpoint"]))
     _assert_bitwise_equal(model_a, model_b, "model")
     _assert_bitwise_equal(optim_a, optim_b, "optimizer")
+    # The whole checkpoint, what `gaudi3 ckpt diff` compares: data position and every RNG state included.
+    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
+    from gaudi3_scale.train.inference import read_checkpoint
+
+    whole = [read_checkpoint(Path(summary["checkpoint"])) for summary in (straight, second)]
+    assert first_difference(*whole, keys=DIFF_KEYS) is None
 
 
 def test_resume_refuses_a_different_model(tmp_path: Path) -> None:
@@ -325,3 +333,55 @@ def test_thread_count_survives_lightnings_launcher(tmp_path: Path, monkeypatch: 
         assert os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_val_every_steps_0_validates_once_at_the_end(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "--train.max_steps", "3", "--train.val_every_steps", "0", "--train.val_batches", "2",
+                  "--optim.warmup_steps", "1", "--model.num_layers", "1")  # fmt: skip
+    summary = GaudiTrainer(cfg, progress=False).fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [3]
+    assert summary["val_loss"] == records[-1]["val_loss"] and summary["val_loss"] > 0
+    # Inside the fit, before the final save: the last checkpoint records that loss.
+    from gaudi3_scale.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(Path(summary["checkpoint"]))
+    assert manifest is not None and (manifest["step"], manifest["val_loss"]) == (3, summary["val_loss"])
+
+
+def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """The source text edited after a run: the cache is rebuilt, and resuming the old run on it needs a word."""
+    from gaudi3_scale.checkpoint.manifest import read_manifest
+    from gaudi3_scale.config import UserInputError
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question\n" * 200)
+    common = ("--data.source", str(text), "--model.num_layers", "1", "--optim.warmup_steps", "1",
+              "--train.val_every_steps", "0", "--train.val_batches", "1")  # fmt: skip
+    out = tmp_path / "run"
+    first = GaudiTrainer(_config(out, *common, "--train.max_steps", "2"), progress=False).fit()
+    trained_on = read_manifest(Path(first["checkpoint"]))["data_sha256"]  # type: ignore[index]
+    text.write_text("that is the question: to be or not to be\n" * 200)  # same characters, other tokens
+    with pytest.raises(UserInputError, match=r"^data\.source: the prepared data now holds other tokens than the "
+                       r"checkpoint step-00000002 was trained on .*--train\.allow_data_change true"):  # fmt: skip
+        GaudiTrainer(_config(out, *common, "--train.max_steps", "4"), progress=False).fit()
+    allowed = _config(out, *common, "--train.max_steps", "4", "--train.allow_data_change", "true")
+    second = GaudiTrainer(allowed, progress=False).fit()
+    assert second["steps"] == 4
+    assert read_manifest(Path(second["checkpoint"]))["data_sha256"] not in (None, trained_on)  # type: ignore[index]
+
+
+def test_torchrun_workers_take_the_geometry_from_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m gaudi3_scale.train` without repeating the counts in the config."""
+    for name, value in {"LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    parallel = GaudiTrainer(_config(tmp_path)).config.parallel
+    assert (parallel.nproc_per_node, parallel.nnodes, parallel.node_rank) == (2, 2, 1)
+    assert parallel.rdzv_endpoint == "10.0.0.1:29400"
+    # A geometry the config names is the user's: kept (GaudiTrainer refuses it if the launcher disagrees).
+    assert (
+        GaudiTrainer(_config(tmp_path, "--parallel.nproc_per_node", "3")).config.parallel.nproc_per_node == 3
+    )

@@ -52,7 +52,28 @@ def test_commit_writes_manifest_last_and_loads_verified(tmp_path: Path) -> None:
     assert torch.equal(io.load_checkpoint(path)["w"], torch.full((256,), 10.0))
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+# Valid JSON, wrong shape: each is damage like a flipped byte (skipped, refused, set aside), never a KeyError.
+MALFORMED = {
+    "entry_without_fields": ({"files": {STATE_NAME: {}}}, "files['state.ckpt'].size_bytes is None"),
+    "files_as_a_list": ({"files": [STATE_NAME]}, "'files' is a list, not a mapping"),
+    "no_files": ({"files": {}}, "the manifest lists no files"),
+    "escaping_path": (
+        {"files": {"../state.ckpt": {"size_bytes": 1, "sha256": "0" * 64}}},
+        "unsafe file name",
+    ),
+    "text_loss": ({"val_loss": "low"}, "val_loss is 'low', not a number"),
+    "top_level_list": ([1, 2], "not a gaudi3-checkpoint manifest"),
+}
+
+
+def _malform(directory: Path, change: object) -> None:
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    json.dump(
+        {**manifest, **change} if isinstance(change, dict) else change, (directory / MANIFEST_NAME).open("w")
+    )
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", *MALFORMED])
 def test_damaged_latest_is_skipped_with_a_warning_naming_it(tmp_path: Path, damage: str) -> None:
     io, manager = VerifiedCheckpointIO(), CheckpointManager(tmp_path)
     good = _save(io, manager, 10)
@@ -64,8 +85,10 @@ def test_damaged_latest_is_skipped_with_a_warning_naming_it(tmp_path: Path, dama
         state.write_bytes(bytes(data))
     elif damage == "truncate":
         state.write_bytes(bytes(data[:-7]))
-    else:
+    elif damage == "no_manifest":
         (bad / MANIFEST_NAME).unlink()
+    else:
+        _malform(bad, MALFORMED[damage][0])
     warnings: list[str] = []
     assert manager.latest_valid(warn=warnings.append) == good
     assert len(warnings) == 1 and "step-00000020" in warnings[0]
@@ -73,10 +96,32 @@ def test_damaged_latest_is_skipped_with_a_warning_naming_it(tmp_path: Path, dama
         "flip": "SHA-256 does not match",
         "truncate": "bytes, the manifest says",
         "no_manifest": "no commit",
+        **{name: message for name, (_, message) in MALFORMED.items()},
     }
     assert expected[damage] in warnings[0]
     with pytest.raises(UserInputError, match="step-00000020"):
         io.load_checkpoint(bad / STATE_NAME)
+
+
+def test_malformed_manifest_is_listed_as_damaged_and_set_aside_not_deleted(tmp_path: Path) -> None:
+    from gaudi3_scale.checkpoint.inspect import checkpoint_rows
+
+    io, manager = (
+        VerifiedCheckpointIO(),
+        CheckpointManager(tmp_path, RetentionPolicy(keep_last=2, keep_best=1)),
+    )
+    _save(io, manager, 10, val_loss=2.0)
+    bad = _save(io, manager, 20, val_loss=1.0)
+    _malform(bad, {"files": [STATE_NAME]})
+    rows = {row["step"]: row for row in checkpoint_rows(tmp_path, verify=False)}
+    assert (
+        rows[20]["committed"] and "'files' is a list" in rows[20]["status"] and rows[20]["size_bytes"] is None
+    )
+    assert rows[10]["status"] == "-" and [step for step, _ in manager.committed()] == [10]
+    before = (bad / STATE_NAME).read_bytes()
+    _save(io, manager, 20, val_loss=0.5)  # training passes step 20 again: a new commit, the damaged one kept
+    assert (tmp_path / "step-00000020.damaged-1" / STATE_NAME).read_bytes() == before
+    assert verify_checkpoint(bad) == [] and manager.latest_valid() == bad
 
 
 def test_committed_checkpoint_is_never_overwritten_but_a_leftover_is_replaced(tmp_path: Path) -> None:

@@ -93,6 +93,7 @@ def test_missing_tokenizer(prepared: Path) -> None:
         ({"dtype": "float32"}, "dtype 'float32' is not one of uint16, uint32"),
         ({"shards": [{"split": "train"}]}, "malformed entry"),
         ({"vocab_size": "65"}, "key 'vocab_size' has the wrong type"),
+        ({"vocab_size": 1}, "a vocabulary of 1 token type.s. leaves a language model nothing to predict"),
     ],
 )
 def test_bad_manifest(prepared: Path, changes: dict[str, object], pattern: str) -> None:

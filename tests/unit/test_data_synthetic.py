@@ -34,7 +34,7 @@ def _prepare(**fields: Any) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("source", "vocab"), [("synthetic", 50257), ("synthetic:1000", 1000), ("synthetic:1", 1)]
+    ("source", "vocab"), [("synthetic", 50257), ("synthetic:1000", 1000), ("synthetic:2", 2)]
 )
 def test_synthetic_source_names_its_vocabulary(source: str, vocab: int) -> None:
     assert synthetic_vocab(source) == vocab
@@ -52,6 +52,7 @@ def test_other_sources_are_not_synthetic(source: str) -> None:
     "source",
     [
         "synthetic:0",
+        "synthetic:1",  # one token type: nothing to predict
         "synthetic:abc",
         "synthetic:",
         "synthetic:-5",
@@ -62,7 +63,7 @@ def test_other_sources_are_not_synthetic(source: str) -> None:
 )
 def test_malformed_synthetic_source_is_one_line_naming_data_source(source: str) -> None:
     with pytest.raises(
-        ConfigError, match=r"^data\.source: .*synthetic:VOCAB with VOCAB an integer from 1 to"
+        ConfigError, match=r"^data\.source: .*synthetic:VOCAB with VOCAB an integer from 2 to"
     ) as info:
         _data(source=source)
     assert "\n" not in str(info.value)

@@ -218,3 +218,15 @@ def test_cuda_graphs_are_tried_once_compile_wins_and_only_where_the_space_allows
     assert "compile reduce-overhead" in best.candidate.label(1)
     best, results = _modelled_search(cuda_graphs=False, tmp_path=tmp_path / "b")
     assert best.candidate.compile and all(r.candidate.compile_mode == "default" for r in results)
+
+
+def test_adaptive_batch_finder_refuses_a_module_with_one_line() -> None:
+    """Trials train in fresh processes from a config: an nn.Module cannot be one (it failed on AttributeError 'read')."""
+    import torch
+
+    from gaudi3_scale.batch import AdaptiveBatchFinder
+
+    with pytest.raises(UserInputError, match=r"^model: AdaptiveBatchFinder takes a registry name \(.*gpt2-124m.*\), "
+                       r"a ModelConfig or a RunConfig, not a Linear") as refused:  # fmt: skip
+        AdaptiveBatchFinder(model=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)

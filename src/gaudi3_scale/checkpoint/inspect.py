@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gaudi3_scale.checkpoint.manager import CheckpointManager
-from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 
 __all__ = ["Difference", "checkpoint_rows", "first_difference"]
 
@@ -24,14 +24,15 @@ def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
     rows = []
     for step, path in manager.steps():
         manifest = read_manifest(path) or {}
+        problems = verify_checkpoint(path) if verify or (has_manifest(path) and not manifest) else []
         files = manifest.get("files", {})
-        problems = verify_checkpoint(path) if verify else []
         rows.append({
             "step": step,
             "path": str(path),
             "latest": path.name == latest,
-            "committed": bool(manifest),
-            "status": "uncommitted" if not manifest else (problems[0] if problems else ("ok" if verify else "-")),
+            "committed": has_manifest(path),
+            # A malformed manifest is damaged, named even without --verify (its fields cannot be shown).
+            "status": "uncommitted" if not has_manifest(path) else (problems[0] if problems else ("ok" if verify else "-")),
             "size_bytes": sum(f["size_bytes"] for f in files.values()) if files else None,
             "tokens_seen": manifest.get("tokens_seen"),
             "world_size": manifest.get("world_size"),

@@ -7,7 +7,8 @@ Layout of a run's `checkpoints/`:
     latest                        "step-00000500", replaced atomically after the commit
 
 A directory without a committed manifest is never loaded; the pointer moves only after the commit; retention
-deletes only committed checkpoints that a newer committed one supersedes.
+deletes only committed checkpoints that a newer committed one supersedes. `resolve_checkpoint` turns whatever a
+user names (a run directory, its checkpoints/, a step directory or its state.ckpt) into one checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from gaudi3_scale.checkpoint.manifest import fsync_directory, read_manifest, verify_checkpoint, write_manifest
+from gaudi3_scale.checkpoint.manifest import (
+    fsync_directory,
+    has_manifest,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded
 from gaudi3_scale.config.errors import UserInputError
 
@@ -36,6 +43,7 @@ __all__ = [
     "VerifiedCheckpointIO",
     "checkpoint_directory",
     "prepare_directory",
+    "resolve_checkpoint",
     "state_path",
 ]
 
@@ -66,10 +74,10 @@ def state_path(directory: Path) -> Path:
 def prepare_directory(directory: Path) -> None:
     """Make `directory` empty and ready for a new save, without ever touching an intact committed checkpoint.
 
-    A damaged committed one (a resume skipped it) is renamed to `step-X.damaged-N` and kept for inspection; an
-    uncommitted one (the leftover of a save that crashed) is removed.
+    A damaged committed one (a resume skipped it; its manifest malformed included) is renamed to
+    `step-X.damaged-N` and kept for inspection; an uncommitted one (the leftover of a save that crashed) is removed.
     """
-    if read_manifest(directory) is not None:
+    if has_manifest(directory):
         if not verify_checkpoint(directory):
             raise FileExistsError(f"{directory} is a committed checkpoint; it is never overwritten")
         _set_aside(directory)
@@ -169,6 +177,7 @@ class CheckpointManager:
         return sorted(found)
 
     def committed(self) -> list[tuple[int, Path]]:
+        """Committed checkpoints whose manifest is well formed (their files are not checked), oldest first."""
         return [(step, path) for step, path in self.steps() if read_manifest(path) is not None]
 
     def mark_latest(self, directory: Path) -> None:
@@ -215,8 +224,38 @@ class CheckpointManager:
             keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
         newest = committed[-1][0]
         removed = [path for _, path in committed if path not in keep and self.can_delete(path)]
-        removed += [path for step, path in self.steps() if step < newest and read_manifest(path) is None]
+        # Leftovers of crashed saves; a damaged manifest is not a leftover: kept, like any damaged checkpoint.
+        removed += [path for step, path in self.steps() if step < newest and not has_manifest(path)]
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
             self.on_delete(path)
         return removed
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint a user names: for a run directory (or its `checkpoints/`), its newest checkpoint that verifies
+    (the `latest` pointer's target first; each damaged one skipped is named via `warn`); for a `step-X/`
+    directory or its `state.ckpt`, that directory; any other file (a plain Lightning checkpoint), itself.
+
+    The one resolver behind `generate`, `serve`, the `ckpt` commands and `--train.resume PATH`; it does not verify
+    a checkpoint named directly, so that the caller's own check can refuse it with its own words.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserInputError(f"checkpoint {str(path)!r} does not exist")
+    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    manager = CheckpointManager(checkpoints)
+    if checkpoints != path or (path.is_dir() and not has_manifest(path) and manager.steps()):
+        skipped: list[str] = []
+        found = manager.latest_valid(warn=skipped.append)
+        if found is None:
+            reason = f" ({skipped[0]})" if skipped else ""
+            raise UserInputError(f"{str(path)!r} holds no checkpoint that verifies{reason}")
+        for message in skipped:
+            (warn or _warn_default)(message)
+        return found
+    return checkpoint_directory(path)
+
+
+def _warn_default(message: str) -> None:
+    warnings.warn(message, stacklevel=3)

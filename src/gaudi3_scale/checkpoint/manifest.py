@@ -4,6 +4,10 @@ A checkpoint is a directory (`step-XXXXXXXX/`). It counts as committed only once
 manifest is written to a temporary name, flushed to disk and renamed, so it is either whole or absent. Loading
 verifies every listed file against its size and checksum first.
 
+A manifest whose JSON parses but does not have the shape written here (`parse_manifest`: a `files` mapping of safe
+relative names to `{size_bytes, sha256}`, typed metadata) counts as damaged, exactly like a flipped byte in a payload
+file: `verify_checkpoint` names the problem, a resume skips the checkpoint, an explicit path is refused.
+
 SHA-256 (hashlib, OpenSSL): a cryptographic hash, so a flipped byte anywhere is caught, at 1-2 GB/s per core with
 the SHA extensions that current x86 and Arm server CPUs have.
 """
@@ -14,17 +18,22 @@ import hashlib
 import json
 import os
 import platform
+import re
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "ManifestError",
     "file_sha256",
     "fsync_directory",
+    "has_manifest",
     "library_versions",
+    "manifest_problem",
+    "parse_manifest",
     "read_manifest",
     "verify_checkpoint",
     "write_manifest",
@@ -95,31 +104,116 @@ def write_manifest(directory: Path, metadata: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """The manifest, or None when the directory was never committed (or the manifest is unreadable)."""
-    path = directory / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+class ManifestError(ValueError):
+    """A manifest that is not one this build wrote: unreadable, another format or version, or malformed."""
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# Metadata that readers format or compare (ckpt list, retention, resume checks): its type is part of the schema.
+_OPTIONAL_INTS = ("step", "epoch", "tokens_seen", "world_size", "val_loss_step")
+_OPTIONAL_STRS = ("strategy", "layout", "config_sha256", "data_sha256")
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A value from a hostile manifest, quoted and cut short for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _files_problem(files: Any) -> str | None:
+    if not isinstance(files, dict):
+        return f"'files' is a {type(files).__name__}, not a mapping"
+    for name, entry in files.items():
+        path = PurePosixPath(name)
+        if not name or path.is_absolute() or ".." in path.parts or name == MANIFEST_NAME:
+            return f"unsafe file name {_show(name)}"
+        if not isinstance(entry, dict):
+            return f"files[{_show(name)}] is a {type(entry).__name__}, not {{size_bytes, sha256}}"
+        size = entry.get("size_bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"files[{_show(name)}].size_bytes is {_show(size)}, not a byte count"
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            return f"files[{_show(name)}].sha256 is {_show(entry.get('sha256'))}, not 64 hex digits"
+    return None
+
+
+def _schema_problem(manifest: Any) -> str | None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None
+        return f"not a {FORMAT} manifest"
+    if not _is_int(manifest.get("version")) or manifest["version"] != FORMAT_VERSION:
+        return f"manifest version {_show(manifest.get('version'))}; this build reads {FORMAT_VERSION}"
+    if not manifest.get("files"):
+        return "the manifest lists no files"
+    if problem := _files_problem(manifest["files"]):
+        return f"malformed {MANIFEST_NAME}: {problem}"
+    for key in _OPTIONAL_INTS:
+        if manifest.get(key) is not None and not _is_int(manifest[key]):
+            return f"malformed {MANIFEST_NAME}: {key} is {_show(manifest[key])}, not an integer"
+    for key in _OPTIONAL_STRS:
+        if manifest.get(key) is not None and not isinstance(manifest[key], str):
+            return f"malformed {MANIFEST_NAME}: {key} is {_show(manifest[key])}, not a string"
+    loss = manifest.get("val_loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
+        return f"malformed {MANIFEST_NAME}: val_loss is {_show(loss)}, not a number"
+    return None
+
+
+def parse_manifest(data: bytes | str) -> dict[str, Any]:
+    """The manifest in `data` (a `manifest.json`'s bytes), schema-checked; `ManifestError` says what is wrong.
+
+    The one place that decides whether a manifest is well formed: local checkpoints, remote copies and uploads
+    all go through it, so code that reads a manifest's fields never meets a shape it does not expect.
+    """
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):  # invalid JSON or UTF-8; absurd nesting
+        raise ManifestError(f"{MANIFEST_NAME} is not valid JSON") from None
+    if problem := _schema_problem(manifest):
+        raise ManifestError(problem)
     return manifest
+
+
+def has_manifest(directory: Path) -> bool:
+    """Whether `directory` was committed (a manifest was renamed into it), intact or not."""
+    return (directory / MANIFEST_NAME).is_file()
+
+
+def _load(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a well-formed committed manifest, else (None, why not)."""
+    try:
+        return parse_manifest((directory / MANIFEST_NAME).read_bytes()), None
+    except FileNotFoundError:
+        return None, f"no committed manifest ({MANIFEST_NAME} missing)"
+    except OSError as exc:
+        return None, f"{MANIFEST_NAME} unreadable ({exc.strerror or exc})"
+    except ManifestError as exc:
+        return None, str(exc)
+
+
+def manifest_problem(directory: Path) -> str | None:
+    """Why `directory` holds no usable manifest (missing, unreadable, malformed), or None when it does."""
+    return _load(directory)[1]
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest, or None when the directory was never committed or its manifest is damaged (unreadable,
+    another format or version, malformed: `manifest_problem` says which)."""
+    return _load(directory)[0]
 
 
 def verify_checkpoint(directory: Path) -> list[str]:
     """What is wrong with a checkpoint directory (an empty list means committed and intact)."""
     if not directory.is_dir():
         return [f"{directory} is not a directory"]
-    manifest = read_manifest(directory)
+    manifest, problem = _load(directory)
     if manifest is None:
-        return [f"{directory.name}: no committed manifest ({MANIFEST_NAME} missing or unreadable)"]
-    if manifest.get("version") != FORMAT_VERSION:
-        return [
-            f"{directory.name}: manifest version {manifest.get('version')!r}; this build reads {FORMAT_VERSION}"
-        ]
+        return [f"{directory.name}: {problem}"]
     problems = []
-    for name, entry in manifest.get("files", {}).items():
+    for name, entry in manifest["files"].items():
         path = directory / name
         if not path.is_file():
             problems.append(f"{directory.name}/{name}: missing")
@@ -129,6 +223,4 @@ def verify_checkpoint(directory: Path) -> list[str]:
             )
         elif file_sha256(path) != entry["sha256"]:
             problems.append(f"{directory.name}/{name}: SHA-256 does not match the manifest (corrupt)")
-    if not manifest.get("files"):
-        problems.append(f"{directory.name}: the manifest lists no files")
     return problems

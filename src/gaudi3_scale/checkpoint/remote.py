@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import posixpath
 import threading
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, ManifestError, parse_manifest, read_manifest
 from gaudi3_scale.checkpoint.storage import (
     LATEST_NAME,
     STEP_NAME,
@@ -294,8 +293,8 @@ class RemoteMirror:
     def _upload(self, job: _Job, directory: Path) -> None:
         try:
             manifest_bytes = (directory / MANIFEST_NAME).read_bytes()
-            files: dict[str, Any] = json.loads(manifest_bytes)["files"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            files: dict[str, Any] = parse_manifest(manifest_bytes)["files"]
+        except (OSError, ManifestError) as e:
             raise _LocalCheckpointError(f"{directory}: manifest unreadable ({e})") from e
         remote_dir = f"{self._root}/{job.step_name}"
         remote_manifest = f"{remote_dir}/{MANIFEST_NAME}"

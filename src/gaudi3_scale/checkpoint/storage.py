@@ -9,22 +9,22 @@ gcsfs for `gs://`, adlfs for `az://`) are optional: imported here, lazily, and n
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import posixpath
+import random
 import re
 import shutil
 import warnings
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gaudi3_scale.checkpoint.manager import _set_aside
 from gaudi3_scale.checkpoint.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
     MANIFEST_NAME,
+    ManifestError,
     fsync_directory,
+    parse_manifest,
     verify_checkpoint,
 )
 from gaudi3_scale.config.errors import ConfigError
@@ -61,6 +61,28 @@ def default_warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
+def _private_retry_jitter() -> None:
+    """Give botocore's retry backoff a random generator of its own (s3:// goes through botocore).
+
+    botocore draws the jitter of every retry delay from the global `random` (legacy mode:
+    `botocore.retryhandler.delay_exponential`; standard and adaptive modes: `ExponentialBackoff`'s default
+    `random=random.random`). Drawn on the mirror's thread, that moved the Python RNG state that checkpoints record
+    (`gaudi3_rng`), so a run whose storage had an outage was no longer bitwise identical to one without. The jitter
+    needs no reproducibility: its own generator, seeded from the OS, leaves the global one alone.
+    """
+    try:
+        import botocore.retries.standard as standard
+        import botocore.retryhandler as legacy
+    except ImportError:
+        return
+    jitter = random.Random()
+    if legacy.random is random:  # the module-level `random.random()` call: route it to our generator
+        legacy.random = jitter
+    init = standard.ExponentialBackoff.__init__
+    if init.__defaults__ is not None:
+        init.__defaults__ = tuple(jitter.random if d == random.random else d for d in init.__defaults__)
+
+
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
     """The fsspec filesystem and root path of `url`; anything wrong with the URL is one `ConfigError` line."""
     try:
@@ -71,6 +93,7 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> tupl
             REMOTE_URL_FIELD, f"{url!r} needs fsspec, which is not installed; {_INSTALL}"
         ) from e
     protocol, _ = fsspec.core.split_protocol(url)
+    _private_retry_jitter()
     if protocol is None:
         raise ConfigError(REMOTE_URL_FIELD, f"{url!r} has no protocol; use a URL such as {_EXAMPLES}")
     if protocol not in known_implementations and protocol not in registry:
@@ -179,20 +202,13 @@ def _download(fs: AbstractFileSystem, remote_dir: str, target: Path) -> str | No
     if manifest_bytes is None:
         return f"no committed manifest ({MANIFEST_NAME} missing)"
     try:
-        manifest = json.loads(manifest_bytes)
-        files: dict[str, Any] = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST_NAME} unreadable ({e})"
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        return f"{MANIFEST_NAME} is not {FORMAT} version {FORMAT_VERSION}"
-    if not isinstance(files, dict) or not files:
-        return "the manifest lists no files"
+        files: dict[str, Any] = parse_manifest(manifest_bytes)["files"]
+    except ManifestError as e:
+        return str(e)
     tmp = target.with_name(f".{target.name}.download")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for name, entry in sorted(files.items()):
-            if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
-                return f"{name}: unsafe path in the manifest"
+        for name, entry in sorted(files.items()):  # names are safe relative paths (parse_manifest)
             dest = tmp / name
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:

@@ -23,6 +23,10 @@ def _checkpoints_dir(path: Path) -> Path:
     return path
 
 
+def _warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
 @click.group()
 def ckpt() -> None:
     """List, verify, compare and export checkpoints."""
@@ -56,15 +60,23 @@ def list_cmd(directory: Path, verify: bool) -> None:
 @ckpt.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 def verify(paths: tuple[Path, ...]) -> None:
-    """Check checkpoint directories against their manifests; exit 1 if any is damaged or uncommitted."""
-    from gaudi3_scale.checkpoint.manager import checkpoint_directory
-    from gaudi3_scale.checkpoint.manifest import verify_checkpoint
+    """Check checkpoints against their manifests (a run directory: each of its checkpoints); exit 1 if any is
+    damaged or uncommitted."""
+    from gaudi3_scale.checkpoint.manager import CheckpointManager, checkpoint_directory
+    from gaudi3_scale.checkpoint.manifest import has_manifest, verify_checkpoint
 
-    bad = 0
+    directories: list[Path] = []
     for path in paths:
-        directory = checkpoint_directory(path)
-        if not directory.exists():
+        if not path.exists():
             raise UserInputError(f"checkpoint {str(path)!r} does not exist")
+        steps = (
+            CheckpointManager(_checkpoints_dir(path)).steps()
+            if path.is_dir() and not has_manifest(path)
+            else []
+        )
+        directories += [step for _, step in steps] or [checkpoint_directory(path)]
+    bad = 0
+    for directory in directories:
         problems = verify_checkpoint(directory)
         click.echo(f"{directory}: " + ("ok" if not problems else "; ".join(problems)))
         bad += bool(problems)
@@ -76,10 +88,14 @@ def verify(paths: tuple[Path, ...]) -> None:
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
 def diff(a: Path, b: Path) -> None:
-    """Compare two checkpoints tensor by tensor (bitwise); print the first difference, exit 1 if there is one."""
+    """Compare two checkpoints tensor by tensor (bitwise); print the first difference, exit 1 if there is one.
+
+    A or B may be a run directory: its newest checkpoint that verifies."""
     from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.checkpoint.manager import resolve_checkpoint
     from gaudi3_scale.train.inference import read_checkpoint
 
+    a, b = resolve_checkpoint(a, warn=_warn), resolve_checkpoint(b, warn=_warn)
     found = first_difference(read_checkpoint(a), read_checkpoint(b), keys=DIFF_KEYS)
     if found is None:
         click.echo(f"identical: {', '.join(DIFF_KEYS)}")
@@ -138,8 +154,12 @@ def export(
     tracking_uri: str | None,
     experiment: str,
 ) -> None:
-    """Write a checkpoint's model weights as one safetensors file, or as a Hugging Face Llama directory."""
+    """Write a checkpoint's model weights (a run directory: its newest checkpoint that verifies) as one
+    safetensors file, or as a Hugging Face Llama directory."""
+    from gaudi3_scale.checkpoint.manager import resolve_checkpoint
     from gaudi3_scale.train.export import export_checkpoint
+
+    checkpoint = resolve_checkpoint(checkpoint, warn=_warn)
 
     client = uri = None
     if register_name is not None:  # checked before anything is written

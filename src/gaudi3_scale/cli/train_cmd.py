@@ -1,8 +1,9 @@
 """`gaudi3 train`: fit, then show a sample of what the model learned.
 
-Exit codes: 0 done (or stopped by Ctrl-C), 2 bad input, 3 cost.budget_usd reached, 4 paused by the spot policy
-(both with a committed checkpoint; not restartable on purpose, see `cost.live`), 128 + signal after a preemption
-checkpoint (restartable).
+Exit codes: 0 done (or stopped by Ctrl-C), 2 bad input (another run holding the output directory included), 3
+cost.budget_usd reached, 4 paused by the spot policy (both with a committed checkpoint; not restartable on purpose,
+see `cost.live`), 128 + signal after a preemption checkpoint (restartable). The same with several ranks: the
+launcher passes SIGTERM, SIGUSR1 and Ctrl-C on to them and exits as they do.
 """
 
 from __future__ import annotations
@@ -39,20 +40,25 @@ def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: 
         from gaudi3_scale.train.cost_callback import check_resume_budget
         from gaudi3_scale.train.inference import read_checkpoint
         from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
+        from gaudi3_scale.train.run_lock import run_directory_lock
 
         # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
-        # (The model section is compared in the workers, once the vocabulary is known.)
+        # (The model section and the data are compared in the workers, once the dataset is prepared.)
         if cfg.checkpoint.remote_url:
             from gaudi3_scale.checkpoint.remote import open_remote
 
             open_remote(cfg.checkpoint.remote_url)  # a bad URL: one line here, not one from rank 0 alone
         check_cost_config(cfg.cost)
         check_trackers(cfg.monitor)
-        ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
-        if ckpt is not None:
-            check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
-            check_resume_budget(cfg, ckpt)
-        launch(cfg.parallel, worker_args)
+        # The launcher holds the run directory for its ranks (they join its lock): a second run is refused here.
+        with run_directory_lock(cfg.output_dir, node_rank=cfg.parallel.node_rank):
+            ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
+            if ckpt is not None:
+                check_resume_strategy(
+                    read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"]
+                )
+                check_resume_budget(cfg, ckpt)
+            launch(cfg.parallel, worker_args)
         return
     from gaudi3_scale.distributed.network import apply_network_preset
     from gaudi3_scale.train import GaudiTrainer

@@ -9,6 +9,7 @@ load time, so one prepared dataset serves every model size.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.data.sources import MANIFEST_FILE, sha256_file
+from gaudi3_scale.data.sources import MANIFEST_FILE, MIN_VOCAB_SIZE, sha256_file
 
 __all__ = [
     "FORMAT_NAME",
@@ -32,7 +33,9 @@ __all__ = [
     "numpy_dtype",
     "save_manifest",
     "token_dtype",
+    "tokens_sha256",
     "verify_prepared",
+    "vocab_problem",
 ]
 
 FORMAT_NAME = "gaudi3-scale/prepared-tokens"
@@ -84,6 +87,24 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def tokens_sha256(manifest: Manifest) -> str:
+    """The identity of the token streams a dataset holds: SHA-256 over its shards' SHA-256s (split by split).
+
+    Checkpoints record it (`data_sha256`), so that a resume on data whose content changed since (its source text
+    edited and the cache rebuilt) is refused instead of silently continuing on other tokens. Unlike `fingerprint`
+    it depends only on content, not on paths or mtimes.
+    """
+    shards = {s.split: s.sha256 for s in manifest.shards}
+    return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+
+
+def vocab_problem(vocab_size: int) -> str:
+    return (
+        f"a vocabulary of {vocab_size} token type(s) leaves a language model nothing to predict (at least "
+        f"{MIN_VOCAB_SIZE} are needed); use more varied text or another tokenizer"
+    )
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -139,6 +160,8 @@ def _parse(data: Any, path: Path) -> Manifest:
         raise UserInputError(f"{path}: malformed entry ({type(exc).__name__}: {exc}); {_FIX}") from None
     for key, kind in (("vocab_size", int), ("dtype", str), ("num_tokens", dict), ("tokenizer_file", str)):
         _require(data, key, kind, path)
+    if fields["vocab_size"] < MIN_VOCAB_SIZE:
+        raise UserInputError(f"{path}: {vocab_problem(fields['vocab_size'])}")
     if fields["dtype"] not in _DTYPES:
         raise UserInputError(f"{path}: dtype {fields['dtype']!r} is not one of {', '.join(_DTYPES)}; {_FIX}")
     splits = sorted(s.split for s in fields["shards"])

@@ -60,9 +60,11 @@ from gaudi3_scale.data.manifest import (
     save_manifest,
     token_dtype,
     verify_prepared,
+    vocab_problem,
 )
 from gaudi3_scale.data.sources import (
     CHUNK_BYTES,
+    MIN_VOCAB_SIZE,
     Chunk,
     ResolvedSource,
     default_cache_dir,
@@ -281,6 +283,10 @@ def _manifest(
     settings: dict[str, Any],
     fingerprint: str,
 ) -> Manifest:
+    if (
+        tokenizer.vocab_size < MIN_VOCAB_SIZE
+    ):  # e.g. one character repeated: refused before anything is swapped in
+        raise UserInputError(f"data.source: {cfg.source!r} gives {vocab_problem(tokenizer.vocab_size)}")
     return Manifest(
         tokenizer_kind=tokenizer.kind,
         tokenizer_file=TOKENIZER_FILE,

@@ -24,6 +24,7 @@ __all__ = [
     "CHUNK_BYTES",
     "DEFAULT_SYNTHETIC_VOCAB",
     "MANIFEST_FILE",
+    "MIN_VOCAB_SIZE",
     "Chunk",
     "ResolvedSource",
     "SourceFile",
@@ -47,6 +48,8 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _SYNTHETIC = "synthetic"
 DEFAULT_SYNTHETIC_VOCAB = 50257  # GPT-2's vocabulary (Radford et al. 2019), the usual benchmark size
 _MAX_SYNTHETIC_VOCAB = 1 << 32  # ids must fit the widest token dtype, uint32
+# One token type leaves nothing to predict (the loss is 0 from the first step): refused at prepare and at load.
+MIN_VOCAB_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,10 @@ def synthetic_vocab(spec: str) -> int | None:
         return None
     digits = spec[len(_SYNTHETIC) + 1 :]
     vocab = int(digits) if re.fullmatch(r"[0-9]{1,12}", digits) else 0
-    if not 1 <= vocab <= _MAX_SYNTHETIC_VOCAB:
+    if not MIN_VOCAB_SIZE <= vocab <= _MAX_SYNTHETIC_VOCAB:
         raise ConfigError(
             "source",
-            f"{spec!r}: expected synthetic or synthetic:VOCAB with VOCAB an integer from 1 to "
+            f"{spec!r}: expected synthetic or synthetic:VOCAB with VOCAB an integer from {MIN_VOCAB_SIZE} to "
             f"{_MAX_SYNTHETIC_VOCAB}",
         )
     return vocab
@@ -123,6 +126,21 @@ def _looks_like_text(path: Path) -> bool:
         truncated = len(head) == _SNIFF_BYTES and exc.reason == "unexpected end of data"
         return truncated and exc.start >= len(head) - 3
     return True
+
+
+# What `prepare` writes beside manifest.json (data.encode / data.synthetic / data.tokenizers.TOKENIZER_FILE).
+_PREPARED_FILES = ("train.bin", "val.bin", "tokenizer.json")
+
+
+def _refuse_prepared_without_manifest(directory: Path) -> None:
+    """A prepared dataset that lost its manifest is not a text corpus (its tokenizer.json would be read as text)."""
+    found = [name for name in _PREPARED_FILES if (directory / name).is_file()]
+    if any(name.endswith(".bin") for name in found):
+        raise ConfigError(
+            "source",
+            f"{str(directory)!r} looks like a prepared dataset ({', '.join(found)}) but has no {MANIFEST_FILE}, so "
+            "it cannot be checked; prepare it again from its text (gaudi3 prepare TEXT --out DIR --force)",
+        )
 
 
 def _walk_directory(root: Path) -> list[Path]:
@@ -165,6 +183,7 @@ def resolve_source(spec: str) -> ResolvedSource:
     elif path.is_file():
         files, key, name = [path], str(path.resolve()), path.stem
     elif path.is_dir():
+        _refuse_prepared_without_manifest(path)
         files, key, name = _walk_directory(path), str(path.resolve()), path.resolve().name
         if not files:
             raise ConfigError(

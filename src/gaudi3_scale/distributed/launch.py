@@ -2,13 +2,23 @@
 
 `gaudi3 train --nproc-per-node N …` re-runs itself as `python -m gaudi3_scale.train …` in N workers per node,
 with a c10d rendezvous. Inside a worker (LOCAL_RANK is set) nothing is launched again.
+
+Signals: every signal a run promises to handle (SIGTERM, SIGUSR1, Ctrl-C's SIGINT) is passed on from the launcher
+to the workers (the agent's own handler, widened with torchrun's `--signals-to-handle`; the workers run in
+sessions of their own, so a terminal's Ctrl-C reaches only the launcher), and the launcher exits as the workers
+do: 128 + signal after a preemption checkpoint, 0 after Ctrl-C. A worker whose launcher dies (`kill -9`, OOM
+killer) gets SIGTERM from the kernel (`stop_with_launcher`: Linux's parent-death signal), saves and stops, instead
+of training on without a launcher.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Sequence
 
@@ -16,16 +26,84 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.network import apply_network_preset
 
-__all__ = ["EXPLAINED_EXIT_CODES", "RESTARTABLE_EXIT_CODES", "free_port", "inside_launched_worker", "launch"]
+__all__ = [
+    "EXPLAINED_EXIT_CODES",
+    "FORWARDED_SIGNALS",
+    "RESTARTABLE_EXIT_CODES",
+    "free_port",
+    "inside_launched_worker",
+    "launch",
+    "launched_parallel",
+    "signal_exit_code",
+    "stop_with_launcher",
+]
 
 RESTARTABLE_EXIT_CODES = {138, 143}  # 128 + SIGUSR1, 128 + SIGTERM: a worker saved a checkpoint and stopped
 # Workers exiting with one of these already printed why in one line: 2 bad input, 3 cost budget reached, 4 paused
 # by the spot policy (cost.live BUDGET_EXIT_CODE / SPOT_PAUSE_EXIT_CODE). The launcher exits the same, quietly.
 EXPLAINED_EXIT_CODES = {2, 3, 4}
+# What a run handles (train.callbacks.GracefulInterrupt): the launcher passes each on to its workers.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# torch's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by default (torchrun --signals-to-handle, or its
+# environment form PET_SIGNALS_TO_HANDLE): it shuts the workers down with the signal it got, then raises. SIGUSR1
+# was not among them, so it killed the launcher and left the workers training on.
+_AGENT_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
+_AGENT_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+LAUNCHER_PID_ENV = "GAUDI3_LAUNCHER_PID"  # set for our workers: they check that their launcher still runs
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def signal_exit_code(signum: int) -> int:
+    """How a run stopped by `signum` exits: 128 + signal (restartable), but 0 for Ctrl-C (a person stopping it).
+
+    128 + the signal number is the shell convention. Kubeflow's ExitCode restart policy retries 143
+    (training-operator, pkg/util/train IsRetryableExitCode: 130, 137, 143 retryable), and torchrun's
+    --max-restarts restarts on any non-zero exit.
+    """
+    return 0 if signum == signal.SIGINT else 128 + int(signum)
 
 
 def inside_launched_worker() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_parallel(cfg: ParallelConfig) -> ParallelConfig:
+    """Inside a worker of any launcher that says how many ranks it started (torchrun: WORLD_SIZE and
+    LOCAL_WORLD_SIZE), the launch geometry it used when the config left the default single process; a config
+    that names another geometry is refused by the trainer, as before (a mistake, not a default)."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if not inside_launched_worker() or local is None or cfg.world_size != 1 or int(world or 1) == 1:
+        return cfg
+    nnodes = max(1, int(world or 1) // int(local))
+    endpoint = cfg.rdzv_endpoint
+    if nnodes > 1 and endpoint is None and "MASTER_ADDR" in os.environ:
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+    return dataclasses.replace(
+        cfg,
+        nproc_per_node=int(local),
+        nnodes=nnodes,
+        node_rank=int(os.environ.get("GROUP_RANK", cfg.node_rank)),
+        rdzv_endpoint=endpoint,
+    )
+
+
+def stop_with_launcher() -> None:
+    """In a launched worker on Linux: have the kernel send this process SIGTERM when its launcher dies.
+
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG, through ctypes) rather than a heartbeat: no thread, no
+    polling, and it fires however the launcher ends (kill -9 included). SIGTERM is the preemption signal, so the
+    ranks agree, commit a checkpoint and exit 143 as if a scheduler had stopped them. The signal follows the
+    launcher *thread* that started the worker, which for torch's agent is its main thread. Elsewhere (macOS) this
+    does nothing: the run-directory lock still refuses a second run while orphaned ranks hold it.
+    """
+    if not inside_launched_worker() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and os.getppid() != int(launcher):  # it died before the request above
+        raise SystemExit(f"the launcher (pid {launcher}) of this rank has exited; stopping")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,6 +138,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", os.environ.get("GAUDI3_RUN_ID", uuid.uuid5(uuid.NAMESPACE_URL, endpoint).hex),
         "--max-restarts", str(cfg.max_restarts),
+        "--signals-to-handle", ",".join(_agent_signals()),
         "-m", "gaudi3_scale.train",
         *worker_args,
     ]  # fmt: skip
@@ -70,13 +149,14 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     # restarted group can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712,
     # seen here with gloo after a SIGKILL under --max-restarts).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' parent: the agent runs in this process
     apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
     try:
         run(get_args_parser().parse_args(launcher_args))
     except SignalException as exc:
-        # SIGTERM/SIGUSR1 to the launcher: the agent passed it on to the workers and gave them time to commit their
-        # emergency checkpoint; exit as they do, 128 + signal (restartable), not with a traceback.
-        raise SystemExit(128 + int(exc.sigval)) from None
+        # SIGTERM/SIGUSR1/SIGINT to the launcher: the agent passed it on to the workers and gave them time to commit
+        # their emergency checkpoint; exit as they do (128 + signal, restartable; 0 after Ctrl-C), no traceback.
+        raise SystemExit(signal_exit_code(exc.sigval)) from None
     except ChildFailedError as exc:
         # Workers that stopped for a preemption signal saved a checkpoint and exit 128 + signal: pass that on,
         # so that whatever restarts this command (Kubeflow's ExitCode policy, a job script) sees it as restartable.
@@ -90,3 +170,10 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
             # The failed workers stopped for the same reason and rank 0 said why in one line: no traceback.
             raise SystemExit(causes.pop()) from None
         raise
+
+
+def _agent_signals() -> list[str]:
+    """The signals torch's agent handles: a user's own PET_SIGNALS_TO_HANDLE, or torch's defaults, plus ours."""
+    given = os.environ.get(_AGENT_SIGNALS_ENV)
+    names = [n.strip() for n in given.split(",") if n.strip()] if given else list(_AGENT_DEFAULT_SIGNALS)
+    return names + [s.name for s in FORWARDED_SIGNALS if s.name not in names]

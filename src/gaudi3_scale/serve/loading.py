@@ -59,22 +59,20 @@ def resolve_source(path: Path) -> ModelSource:
         raise UserInputError(f"{str(path)!r} does not exist; {_WHAT}")
     if path.is_dir() and ((path / EXPORT_CONFIG).is_file() or (path / HF_CONFIG).is_file()):
         return ModelSource("export", path)
-    if (path / "checkpoints").is_dir():  # a run directory
-        return ModelSource("checkpoint", _newest_checkpoint(path / "checkpoints"))
-    if path.is_dir() and any(path.glob("step-*")):  # a run's checkpoints/
+    if (path / "checkpoints").is_dir() or (
+        path.is_dir() and any(path.glob("step-*"))
+    ):  # a run, its checkpoints/
         return ModelSource("checkpoint", _newest_checkpoint(path))
     return ModelSource("checkpoint", path)
 
 
-def _newest_checkpoint(checkpoints: Path) -> Path:
-    from gaudi3_scale.checkpoint.manager import CheckpointManager
+def _newest_checkpoint(path: Path) -> Path:
+    from gaudi3_scale.checkpoint.manager import resolve_checkpoint  # the resolver generate and ckpt use too
 
-    skipped: list[str] = []
-    newest = CheckpointManager(checkpoints).latest_valid(warn=skipped.append)
-    if newest is None:
-        reason = f" ({skipped[0]})" if skipped else ""
-        raise UserInputError(f"{str(checkpoints)!r} holds no checkpoint that verifies{reason}; {_WHAT}")
-    return newest
+    try:
+        return resolve_checkpoint(path, warn=lambda message: None)
+    except UserInputError as exc:
+        raise UserInputError(f"{exc}; {_WHAT}") from None
 
 
 def load_served_model(

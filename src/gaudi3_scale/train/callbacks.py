@@ -29,6 +29,7 @@ from gaudi3_scale.checkpoint.manager import (
 )
 from gaudi3_scale.checkpoint.manifest import write_manifest
 from gaudi3_scale.checkpoint.remote import RemoteMirror
+from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.train.step_metrics import RunMetrics, at_step_boundary
 
@@ -41,7 +42,8 @@ __all__ = [
 
 
 class StepCheckpoint(pl.Callback):
-    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end; apply retention.
+    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the validation
+    that follows the last step); apply retention.
 
     Single-file checkpoints: the checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state, then the
     manifest, then calls its `on_commit` hook, which moves `latest` and applies retention — in the background when
@@ -63,8 +65,11 @@ class StepCheckpoint(pl.Callback):
         config_sha256: str | None = None,
         mirror: RemoteMirror | None = None,
         enabled: bool = True,
+        data_sha256: str | None = None,
     ) -> None:
         self.manager = manager
+        # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
+        self.data_sha256 = data_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
         self.mirror = mirror
         self.warn = warn
@@ -106,6 +111,14 @@ class StepCheckpoint(pl.Callback):
         if self.save_requested:
             self.save(trainer, wait=True)  # an emergency save returns only once committed
             trainer.should_stop = True
+            trainer.limit_val_batches = 0  # and no validation before leaving (a preempted run has seconds)
+        elif step >= trainer.max_steps > 0:
+            # The last step. Stopping the fit here has Lightning validate once more, in the fit loop
+            # (training_epoch_loop._should_check_val_fx: a fit that stops early validates), where every strategy
+            # can (a trainer.validate() after fit re-initializes DeepSpeed's engine, which fails). So a run
+            # validates after its last step (train.val_every_steps 0: only then), and on_train_end saves after
+            # that validation, so the final checkpoint records its loss.
+            trainer.should_stop = True
         elif self.periodic_due(step):
             if self.val_every_steps and step % self.val_every_steps == 0:
                 self._after_validation = True  # validation runs right after this hook: record its loss too
@@ -137,6 +150,7 @@ class StepCheckpoint(pl.Callback):
             "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
             "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
             "config_sha256": self.config_sha256,
+            "data_sha256": self.data_sha256,
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,
@@ -214,16 +228,13 @@ class StepCheckpoint(pl.Callback):
             self.commit(path)
 
 
-# Exit codes after a preemption checkpoint: 128 + the signal number, the shell convention. Kubeflow's ExitCode
-# restart policy retries 143 (training-operator, pkg/util/train IsRetryableExitCode: 130, 137, 143 retryable), and
-# torchrun's --max-restarts restarts on any non-zero exit. Ctrl-C is a person stopping the run: exit 0.
-PREEMPTION_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
+# The signals a run stops on; the launcher passes the same ones on to its workers, and both exit by
+# `distributed.launch.signal_exit_code`.
+PREEMPTION_SIGNALS = {signum: signum.name for signum in FORWARDED_SIGNALS}
 
 
 def preemption_exit_code(signal_name: str | None) -> int:
-    if signal_name in (None, "SIGINT"):
-        return 0
-    return 128 + int(getattr(signal, str(signal_name)))
+    return 0 if signal_name is None else signal_exit_code(getattr(signal, signal_name))
 
 
 class GracefulInterrupt(pl.Callback):

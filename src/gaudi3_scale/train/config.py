@@ -154,6 +154,13 @@ class TrainConfig:
             "never = start fresh (refused when checkpoints exist); or a checkpoint path"
         },
     )
+    allow_data_change: bool = field(
+        default=False,
+        metadata={
+            "help": "resume even though the prepared data's content (its shard checksums) differs from what the "
+            "checkpoint was trained on"
+        },
+    )
     profile_start_step: int | None = field(
         default=None,
         metadata={

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gaudi3_scale.checkpoint.manager import STATE_NAME, checkpoint_directory
+from gaudi3_scale.checkpoint.manager import STATE_NAME, checkpoint_directory, resolve_checkpoint
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded, read_sharded_meta
 from gaudi3_scale.config.core import from_dict
@@ -71,11 +71,12 @@ def run_tokenizer_dir(checkpoint: Path) -> Path:
 def load_for_generation(
     checkpoint: str | Path, tokenizer_dir: str | Path | None = None
 ) -> tuple[nn.Module, Tokenizer]:
-    """Model (eval mode, CPU) and tokenizer from a checkpoint written by `gaudi3 train`.
+    """Model (eval mode, CPU) and tokenizer from a checkpoint written by `gaudi3 train`, or from a run directory
+    (its newest checkpoint that verifies: `checkpoint.manager.resolve_checkpoint`).
 
     The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
     """
-    path = Path(checkpoint)
+    path = resolve_checkpoint(checkpoint)
     model_cfg, state = read_model_state(path)
     model = build_model(model_cfg)
     model.load_state_dict(state)

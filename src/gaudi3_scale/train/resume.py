@@ -1,5 +1,6 @@
 """What a run resumes from (`train.resume`: auto, never or a path), and what refuses a resume: another model shape,
-global batch or dataset, or DeepSpeed partitions for another stage or world size. One line each, before training."""
+global batch or dataset, other tokens than the checkpoint was trained on, or DeepSpeed partitions for another stage
+or world size. One line each, before training."""
 
 from __future__ import annotations
 
@@ -7,15 +8,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.checkpoint.manager import CheckpointManager, checkpoint_directory, state_path
-from gaudi3_scale.checkpoint.manifest import verify_checkpoint
+from gaudi3_scale.checkpoint.manager import (
+    CheckpointManager,
+    checkpoint_directory,
+    resolve_checkpoint,
+    state_path,
+)
+from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["check_resume_compatible", "check_resume_strategy", "resume_checkpoint", "saved_run_config"]
+__all__ = [
+    "check_resume_compatible",
+    "check_resume_data",
+    "check_resume_strategy",
+    "resume_checkpoint",
+    "saved_run_config",
+]
 
 
 def _read_meta(checkpoint: Path) -> dict[str, Any]:
@@ -51,6 +63,34 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
                 )
 
 
+def check_resume_data(
+    checkpoint: Path,
+    data_sha256: str | None,
+    *,
+    allow_change: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> None:
+    """Refuse to resume on tokens other than the checkpoint's (its manifest's `data_sha256`), unless allowed.
+
+    The dataset's name and tokenizer may be unchanged while its content is not (the source text edited, the cache
+    rebuilt): continuing would silently train the old run on new data. Checkpoints that predate the record pass.
+    """
+    saved = (read_manifest(checkpoint_directory(checkpoint)) or {}).get("data_sha256")
+    if saved is None or data_sha256 is None or saved == data_sha256:
+        return
+    what = f"other tokens than the checkpoint {checkpoint_directory(checkpoint).name} was trained on"
+    if allow_change:
+        if warn is not None:
+            warn(f"resuming on {what} (train.allow_data_change)")
+        return
+    raise ConfigError(
+        "data.source",
+        f"the prepared data now holds {what} (tokens SHA-256 {data_sha256[:12]}…, the checkpoint's "
+        f"{saved[:12]}…): its source changed since; restore the original data, pass --train.allow_data_change true "
+        "to continue on the new data, or use a new --out directory",
+    )
+
+
 def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
     """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
     states = ckpt.get("optimizer_states") or []
@@ -72,7 +112,8 @@ def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> Non
 
 
 def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The verified checkpoint state a run resumes from (train.resume: auto, never or a path), or None.
+    """The verified checkpoint state a run resumes from (train.resume: auto, never, a checkpoint or a run
+    directory), or None.
 
     `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
     With `checkpoint.remote_url` and no usable local checkpoint, the newest verified remote one is downloaded
@@ -97,11 +138,14 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
                 "auto to continue, or a new --out directory"
             )
         return None
-    directory = checkpoint_directory(resume)
-    if not directory.exists():
+    if not Path(resume).exists():
         raise ConfigError(
             "train.resume", f"checkpoint {resume!r} does not exist; allowed: auto, never, or a path"
         )
+    try:  # a run directory: its newest checkpoint that verifies
+        directory = resolve_checkpoint(resume, warn=warn)
+    except UserInputError as exc:
+        raise ConfigError("train.resume", str(exc)) from None
     problems = verify_checkpoint(directory)
     if problems:
         raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")

@@ -31,7 +31,9 @@ from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
+from gaudi3_scale.data.manifest import tokens_sha256
 from gaudi3_scale.device import DevicePlan, plan_device
+from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
@@ -41,7 +43,13 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
-from gaudi3_scale.train.resume import check_resume_compatible, resume_checkpoint, saved_run_config
+from gaudi3_scale.train.resume import (
+    check_resume_compatible,
+    check_resume_data,
+    resume_checkpoint,
+    saved_run_config,
+)
+from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
@@ -96,6 +104,10 @@ class GaudiTrainer:
     With a `cost` price the run's cost is tracked live (`cost.live`); a run that reaches `cost.budget_usd` or is
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
     `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
+
+    A run holds its output directory for as long as `fit` runs (`train.run_lock`): a second run there is refused
+    with `RunDirectoryBusyError`. Inside a launcher's worker (torchrun) the launch geometry comes from the launcher
+    when the config leaves it at one process (`distributed.launch.launched_parallel`).
     """
 
     def __init__(
@@ -107,7 +119,11 @@ class GaudiTrainer:
         console: Console | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        self.config = config or RunConfig()
+        config = config or RunConfig()
+        parallel = launched_parallel(config.parallel)
+        self.config = (
+            config if parallel is config.parallel else dataclasses.replace(config, parallel=parallel)
+        )
         self.extra_callbacks = list(callbacks or [])
         self.progress = progress
         self.console = console or Console(stderr=True)
@@ -117,6 +133,8 @@ class GaudiTrainer:
         self.datamodule: pl.LightningDataModule | None = None
         self.device_plan: DevicePlan | None = None
         self._live_cost: LiveCost | None = None
+        # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
+        self._data_sha256: str | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -125,6 +143,7 @@ class GaudiTrainer:
     def _build_default(self, resume_from: Path | None) -> tuple[LanguageModel, TokenDataModule]:
         cfg = self.config
         prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
+        self._data_sha256 = tokens_sha256(prepared.manifest)
         vocab = prepared.vocab_size
         if cfg.model.vocab_size is None:
             model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
@@ -256,6 +275,7 @@ class GaudiTrainer:
             config_sha256=config_sha256(self.config),
             mirror=mirror,
             enabled=ckpt_cfg.enabled,
+            data_sha256=self._data_sha256,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -337,6 +357,13 @@ class GaudiTrainer:
         self._plan_device()
         check_cost_config(self.config.cost)  # a bad instance or unknown price: one line before any data work
         check_trackers(self.config.monitor)  # a tracker whose package is missing: likewise
+        stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
+        with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
+            return self._fit(model, datamodule, started)
+
+    def _fit(
+        self, model: pl.LightningModule | None, datamodule: pl.LightningDataModule | None, started: float
+    ) -> dict[str, Any]:
         ckpt_path = resume_checkpoint(self.config, warn=self._warn)
         if ckpt_path is not None:
             check_resume_budget(self.config, ckpt_path)  # spent: refused before any data work or file written
@@ -360,6 +387,12 @@ class GaudiTrainer:
         if ckpt_path is not None:
             if isinstance(model, LanguageModel):
                 check_resume_compatible(ckpt_path, to_dict(self.config))
+                check_resume_data(
+                    ckpt_path,
+                    self._data_sha256,
+                    allow_change=self.config.train.allow_data_change,
+                    warn=self._warn,
+                )
             if self.progress:
                 self.console.print(f"resuming from {ckpt_path}")
         endpoint = self._start_metrics_endpoint(trainer)
@@ -379,23 +412,6 @@ class GaudiTrainer:
                     self._checkpoint.manager.apply_retention()  # what waited for its upload to be verified
                 mirror.close(timeout_s=self.config.checkpoint.remote_drain_timeout_s)
         records = read_metrics(out / "metrics.jsonl")
-        last_val = max((r["step"] for r in records if r.get("val_loss") is not None), default=-1)
-        stopped_to_save_cost = self._interrupt.exit_code is not None  # budget or spot price: spend no more
-        final_val = bool(
-            self.config.train.val_every_steps
-            and last_val != trainer.global_step
-            and not trainer.interrupted
-            and not stopped_to_save_cost
-        )
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Only rank 0 writes metrics.jsonl and its last validation line may not be there yet when another rank
-            # reads it: rank 0 decides for all, or ranks that decided differently wait on each other for ever.
-            decision = [final_val]
-            torch.distributed.broadcast_object_list(decision, src=0)
-            final_val = bool(decision[0])
-        if final_val:
-            trainer.validate(model, datamodule=datamodule, verbose=False)
-            records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
         if trainer.is_global_zero:
             write_summary(out / "summary.json", summary)

@@ -9,7 +9,9 @@ from pathlib import Path
 from rich.console import Console
 
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.registry import list_models
 from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.space import build_space
@@ -94,4 +96,10 @@ def _run_config(
         return build_run_config(None, pairs, base=to_dict(model)) if pairs else model
     if isinstance(model, ModelConfig):
         return build_run_config(None, pairs, base={"model": to_dict(model)})
+    if not isinstance(model, str):  # e.g. an nn.Module: trials train in fresh processes, from a config
+        raise ConfigError(
+            "model",
+            f"AdaptiveBatchFinder takes a registry name ({', '.join(list_models())}), a ModelConfig or a "
+            f"RunConfig, not a {type(model).__name__}; trials train the model in fresh processes, from its config",
+        )
     return build_run_config(None, [("model.name", model), *pairs])
