@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import Any
 
 import pytest
@@ -54,3 +56,12 @@ def test_other_values_and_names_take_nn_modules_path() -> None:
     assert "_current_fx_name" in module._modules and "_current_fx_name" not in vars(module)
     module.last_loss = nn.Parameter(torch.ones(2))
     assert "last_loss" in module._parameters and "last_loss" not in vars(module)
+
+
+def test_preset_training_step_signature_is_the_real_one() -> None:
+    # Lightning reads it every step (inspect.getfullargspec); the preset must be what inspect would compute.
+    fn = LanguageModel.training_step
+    bare = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    bare.__annotations__ = fn.__annotations__
+    assert inspect.signature(fn) == inspect.signature(bare)
+    assert inspect.getfullargspec(_module().training_step) == inspect.getfullargspec(bare)
