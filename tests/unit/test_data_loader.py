@@ -56,6 +56,18 @@ def test_stream_yields_micro_steps_in_order(data: PreparedData) -> None:
         assert torch.equal(x[:, 0], torch.from_numpy(data.train[starts].astype(np.int64)))
 
 
+def test_stream_is_the_same_across_sampler_chunks(
+    data: PreparedData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sampler = sampler_for(data)  # accum 4 × micro 2: a 24-window chunk holds 3 steps
+    monkeypatch.setattr("gaudi3_scale.data.loader._CHUNK_SAMPLES", 24)
+    batches = list(TokenWindowDataset(data.train, sampler, start_step=2, num_steps=7))
+    expected = [sampler.micro_batch_starts(step, a) for step in range(2, 9) for a in range(4)]
+    assert len(batches) == len(expected)
+    for (x, _), starts in zip(batches, expected, strict=True):
+        assert torch.equal(x[:, 0], torch.from_numpy(data.train[starts].astype(np.int64)))
+
+
 def test_workers_split_the_stream_without_duplicates(data: PreparedData) -> None:
     sampler = sampler_for(data, global_batch_size=6, micro_batch_size=2)  # accum 3: does not divide 2 workers
     dataset = TokenWindowDataset(data.train, sampler, start_step=1, num_steps=4)

@@ -69,6 +69,17 @@ def test_one_epoch_visits_every_window_once() -> None:
     assert not np.array_equal(epoch0, epoch1)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_steps_starts_is_step_starts_stacked(world_size: int) -> None:
+    # 160 windows, 16 per step: steps 3..27 cross two epoch boundaries inside one vectorized call.
+    for rank in range(world_size):
+        sampler = make(world_size, rank, num_tokens=T + 160, global_batch_size=16, micro_batch_size=4)
+        many = sampler.steps_starts(3, 25)
+        assert many.shape == (25, sampler.accum_steps, 4)
+        for i in range(25):
+            assert np.array_equal(many[i], sampler.step_starts(3 + i))
+
+
 def test_deterministic_and_seeded() -> None:
     assert np.array_equal(make().step_starts(5), make().step_starts(5))
     assert not np.array_equal(make().step_starts(5), make(seed=8).step_starts(5))

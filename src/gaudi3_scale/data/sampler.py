@@ -143,22 +143,33 @@ class WindowSampler:
             out[sel] = feistel_permute(positions[sel], self.num_windows, self.seed, epoch)
         return out
 
-    def _samples(self, step: int, micro_steps: np.ndarray) -> np.ndarray:
+    def _samples(self, steps: np.ndarray, micro_steps: np.ndarray) -> np.ndarray:
+        """Global stream positions of this rank's micro-batches, shape [len(steps), len(micro_steps), micro]."""
         first = (
-            step * self.global_batch_size
-            + (micro_steps[:, None] * self.world_size + self.rank) * self.micro_batch_size
+            steps[:, None] * self.global_batch_size
+            + (micro_steps[None, :] * self.world_size + self.rank) * self.micro_batch_size
         )
-        return first + np.arange(self.micro_batch_size, dtype=np.int64)
+        return first[..., None] + np.arange(self.micro_batch_size, dtype=np.int64)
 
     def step_starts(self, step: int) -> np.ndarray:
         """Token offsets for every micro-step of `step` on this rank, shape [accum, micro] (one vectorized call)."""
-        samples = self._samples(step, np.arange(self.accum_steps, dtype=np.int64))
+        return self.steps_starts(step, 1)[0]
+
+    def steps_starts(self, first_step: int, num_steps: int) -> np.ndarray:
+        """`step_starts` of steps ``first_step .. first_step + num_steps - 1``, shape [steps, accum, micro].
+
+        One vectorized call for many steps: the permutation costs some 50 numpy calls whatever the array size, so
+        on a small batch that is ~35 µs per step one step at a time and < 1 µs per step 2,048 samples at a time.
+        """
+        steps = np.arange(first_step, first_step + num_steps, dtype=np.int64)
+        samples = self._samples(steps, np.arange(self.accum_steps, dtype=np.int64))
         return self.window_indices(samples.ravel()).reshape(samples.shape) * self.stride
 
     def micro_batch_starts(self, step: int, micro_step: int) -> np.ndarray:
         if not 0 <= micro_step < self.accum_steps:
             raise ValueError(f"micro_step must be in [0, {self.accum_steps}), got {micro_step}")
-        samples = self._samples(step, np.array([micro_step], dtype=np.int64))[0]
+        one_step, one_micro = np.array([step], dtype=np.int64), np.array([micro_step], dtype=np.int64)
+        samples = self._samples(one_step, one_micro)[0, 0]
         return self.window_indices(samples) * self.stride
 
     def state_dict(self, samples_consumed: int) -> dict[str, Any]:
