@@ -380,7 +380,8 @@ def test_training_mirrors_to_s3_and_a_fresh_machine_resumes_from_it(
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) == ["latest", "step-00000008"]
     assert fs.cat_file(f"{root}/latest").decode().strip() == "step-00000008"
     records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
-    assert "checkpoint/remote_backlog" in records[-1]
+    train_records = [r for r in records if "train_loss" in r]  # the last line is the final validation's
+    assert "checkpoint/remote_backlog" in train_records[-1] and "val_loss" in records[-1]
     fresh = tmp_path / "machine-b"  # nothing local: the run starts from the remote copy
     train(fresh, 12)
     records = [json.loads(line) for line in (fresh / "metrics.jsonl").read_text().splitlines()]

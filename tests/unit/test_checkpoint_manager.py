@@ -124,6 +124,27 @@ def test_malformed_manifest_is_listed_as_damaged_and_set_aside_not_deleted(tmp_p
     assert verify_checkpoint(bad) == [] and manager.latest_valid() == bad
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (
+            b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "manifest.json: nested deeper than 64 levels",
+        ),
+        (b'{"format": "caf\xe9"}', "manifest.json is not UTF-8 text: byte 0xe9 at offset 15"),
+        (b'{"format": ', "manifest.json: not valid JSON at line 1, column 12"),
+    ],
+)
+def test_unparseable_manifest_is_one_line_of_damage(tmp_path: Path, content: bytes, problem: str) -> None:
+    io, manager = VerifiedCheckpointIO(), CheckpointManager(tmp_path)
+    _save(io, manager, 10)
+    bad = _save(io, manager, 20)
+    (bad / "manifest.json").write_bytes(content)
+    [found] = verify_checkpoint(bad)
+    assert problem in found and "\n" not in found and len(found) < 300
+    assert manager.latest_valid() == manager.path_for(10)
+
+
 def test_committed_checkpoint_is_never_overwritten_but_a_leftover_is_replaced(tmp_path: Path) -> None:
     io, manager = VerifiedCheckpointIO(), CheckpointManager(tmp_path)
     path = _save(io, manager, 10)

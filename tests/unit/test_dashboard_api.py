@@ -432,7 +432,7 @@ def test_links_out_of_the_runs_directory_are_never_read(planted: Path) -> None:
     assert listed["problem"] == "a/checkpoints/latest links outside the runs directory; not read"
     rows = {r["name"]: r for r in _checkpoints(client, "a")}
     assert {n: (r["status"], r["latest"], r["strategy"]) for n, r in rows.items()} == {
-        "step-00000004": ("damaged", False, "ddp"), "step-00000003": ("damaged", False, None),
+        "step-00000004": ("damaged", False, None), "step-00000003": ("damaged", False, None),
         "step-00000002": ("damaged", False, None), "step-00000001": ("damaged", False, None)}  # fmt: skip
     assert rows["step-00000004"]["size_bytes"] is None
     assert rows["step-00000001"]["problems"] == [
@@ -441,9 +441,12 @@ def test_links_out_of_the_runs_directory_are_never_read(planted: Path) -> None:
     assert rows["step-00000002"]["problems"] == [
         "a/checkpoints/step-00000002 links outside the runs directory; not read"
     ]
-    assert (
-        "names '../../../../outside/big.bin', outside the checkpoint" in rows["step-00000003"]["problems"][0]
-    )
+    assert rows["step-00000003"]["problems"] == [
+        "step-00000003: malformed manifest.json: unsafe file name '../../../../outside/big.bin'"
+    ]
+    assert rows["step-00000004"]["problems"] == [
+        "step-00000004: malformed manifest.json: 'files' is a list, not a mapping"
+    ]
 
     b = client.get("/api/runs/b").get_json()
     assert b["config"] == {} and b["model"] is None and b["max_steps"] is None

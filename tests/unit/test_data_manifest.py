@@ -103,7 +103,11 @@ def test_bad_manifest(prepared: Path, changes: dict[str, object], pattern: str) 
 
 def test_malformed_json_and_absent_manifest(prepared: Path, tmp_path: Path) -> None:
     (prepared / "manifest.json").write_text('{"format": ')
-    expect_error(prepared, r"manifest.json: not valid JSON at line 1")
+    expect_error(prepared, r"manifest.json': not valid JSON at line 1")
+    (prepared / "manifest.json").write_text('{"format": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    expect_error(prepared, r"manifest.json': nested deeper than 64 levels; .*gaudi3 prepare")
+    (prepared / "manifest.json").write_bytes(b'{"format": "caf\xe9"}')
+    expect_error(prepared, r"manifest.json' is not UTF-8 text: byte 0xe9 at offset 15")
     expect_error(tmp_path, r"not a prepared dataset \(no manifest.json\); run `gaudi3 prepare` first")
 
 

@@ -23,6 +23,9 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import decode_utf8, parse_json
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
@@ -169,9 +172,10 @@ def parse_manifest(data: bytes | str) -> dict[str, Any]:
     all go through it, so code that reads a manifest's fields never meets a shape it does not expect.
     """
     try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError):  # invalid JSON or UTF-8; absurd nesting
-        raise ManifestError(f"{MANIFEST_NAME} is not valid JSON") from None
+        text = data if isinstance(data, str) else decode_utf8(data, MANIFEST_NAME)
+        manifest = parse_json(text, where=MANIFEST_NAME, expect=None)  # the limits every file read here gets
+    except UserInputError as exc:
+        raise ManifestError(str(exc)) from None
     if problem := _schema_problem(manifest):
         raise ManifestError(problem)
     return manifest

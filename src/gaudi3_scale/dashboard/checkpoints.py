@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import has_manifest, manifest_problem, read_manifest, verify_checkpoint
 from gaudi3_scale.dashboard.files import OutsideRuns, first_escape, real_file, real_path
 
 __all__ = ["CheckpointVerifier"]
@@ -113,19 +113,14 @@ class CheckpointVerifier:
 
     def _manifest(self, directory: Path) -> tuple[dict[str, Any] | None, str | None]:
         """(the committed manifest or None, why the checkpoint is not read at all): a link out of the runs
-        directory anywhere in it, or a manifest naming a file outside the checkpoint."""
+        directory anywhere in it, or a committed manifest that is malformed (`parse_manifest` refuses, among
+        others, file names that leave the checkpoint)."""
         escape = first_escape(self.root, directory)
         if escape is not None:
             return None, str(escape)
         manifest = read_manifest(directory)
-        files = manifest.get("files") if manifest is not None else None
-        inside = directory.resolve()
-        for name in files if isinstance(files, dict) else ():
-            if not (inside / str(name)).resolve().is_relative_to(inside):
-                return (
-                    None,
-                    f"{directory.name}: the manifest names {str(name)[:80]!r}, outside the checkpoint",
-                )
+        if manifest is None and has_manifest(directory):
+            return None, f"{directory.name}: {manifest_problem(directory)}"
         return manifest, None
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from gaudi3_scale.config.core import load_yaml
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 
 __all__ = ["MetricsReader", "MetricsView", "RunStore", "child_kind", "config_section"]
@@ -69,7 +70,7 @@ class _Tail:
             return
         try:
             record = json.loads(raw)
-        except ValueError:  # also UnicodeDecodeError
+        except (ValueError, RecursionError):  # also UnicodeDecodeError; absurd nesting
             record = None
         if not isinstance(record, dict):
             self.unreadable += 1
@@ -163,7 +164,9 @@ class _FileCache:
         if cached is not None and cached[0] == mtime:
             return cached[1], None
         try:
-            data: Any = load_yaml(path) if name.endswith(".yaml") else json.loads(path.read_text())
+            data: Any = (
+                load_yaml(path) if name.endswith(".yaml") else load_json_file(path, what=name, expect=None)
+            )
         except (UserInputError, ValueError, OSError) as exc:
             return None, f"{name} unreadable: {exc}"
         with self._lock:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -10,6 +9,8 @@ from typing import Any
 
 import psutil
 
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.dashboard.files import OutsideRuns, real_file
 
 __all__ = ["host_snapshot", "metrics_endpoints"]
@@ -54,7 +55,7 @@ def metrics_endpoints(root: Path, run_dir: Path) -> list[str]:
     for path in files:
         try:
             real = real_file(root, path)
-            urls += _urls(json.loads(real.read_text())) if real is not None else []
-        except (OSError, ValueError, OutsideRuns):
+            urls += _urls(load_json_file(real, what="endpoint file", expect=None)) if real is not None else []
+        except (OSError, ValueError, UserInputError, OutsideRuns):
             continue
     return list(dict.fromkeys(urls))

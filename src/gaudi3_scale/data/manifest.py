@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.data.sources import MANIFEST_FILE, MIN_VOCAB_SIZE, sha256_file
 
 __all__ = [
@@ -178,10 +179,9 @@ def load_manifest(directory: Path) -> Manifest:
             f"{directory}: not a prepared dataset (no {MANIFEST_FILE}); run `gaudi3 prepare` first"
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        line = f" at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise UserInputError(f"{path}: not valid JSON{line}; {_FIX}") from None
+        data = load_json_file(path, what="dataset manifest", expect=None)
+    except UserInputError as exc:
+        raise UserInputError(f"{exc}; {_FIX}") from None
     return _parse(data, path)
 
 

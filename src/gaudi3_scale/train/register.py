@@ -11,7 +11,6 @@ checkpoint. The registry is the tracking store itself: a local file store `<run>
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -24,6 +23,7 @@ import yaml
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.counting import count_parameters
 from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
@@ -200,7 +200,7 @@ def _checkpoint_metrics(checkpoint: Path) -> dict[str, float]:
             metrics[key] = float(value)
     summary_path = directory.parent.parent / "summary.json"
     if summary_path.is_file():
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        summary = load_json_file(summary_path, what="run summary")
         if summary.get("steps") == metrics.get("step"):
             for key in ("train_loss", "val_loss", "tokens_per_s", "mfu"):
                 value = summary.get(key)
