@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gaudi3_scale.models import ModelConfig, build_model
 
-__all__ = ["BaselineLoop", "BaselineResult", "run_baseline"]
+__all__ = ["BaselineLoop", "BaselineResult", "evaluate", "run_baseline"]
 
 AdamWKernel = Literal["fused", "foreach", "for-loop"]
 BatchPath = Literal["gather", "stack"]
@@ -73,6 +73,9 @@ class BaselineLoop:
     ) -> None:
         torch.manual_seed(seed)
         self.model = model = build_model(cfg)
+        # Batches draw from a generator of their own, so a loop stepped in between another run's steps draws the
+        # same windows as one run alone (and leaves the global RNG to the other run).
+        self.generator = torch.Generator().manual_seed(seed)
         model.train()
         block = self.block = cfg.context_length
         self.train_t = torch.from_numpy(train.astype(np.int64))
@@ -95,14 +98,14 @@ class BaselineLoop:
         self.loss = torch.zeros(())
 
     def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.randint(self.high, (self.batch_size,), out=self._starts)
+        torch.randint(self.high, (self.batch_size,), out=self._starts, generator=self.generator)
         torch.add(self._starts.unsqueeze(1), self._offsets, out=self._index)
         torch.index_select(self.train_t, 0, self._index.view(-1), out=self._windows.view(-1))
         return self._windows[:, :-1], self._windows[:, 1:]  # y is not contiguous: reshaped below, not viewed
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """nanoGPT's get_batch (train.py): one slice per row, then torch.stack; for comparison."""
-        ix = torch.randint(self.high, (self.batch_size,))
+        ix = torch.randint(self.high, (self.batch_size,), generator=self.generator)
         block, data = self.block, self.train_t
         x = torch.stack([data[i : i + block] for i in ix])
         y = torch.stack([data[i + 1 : i + 1 + block] for i in ix])
@@ -153,12 +156,12 @@ def run_baseline(
         t0 = clock()
         step(i)
         times.append(clock() - t0)
-    val_loss = _evaluate(loop.model, val, val_starts, block=loop.block) if val_starts is not None else None
+    val_loss = evaluate(loop.model, val, val_starts, block=loop.block) if val_starts is not None else None
     return BaselineResult(step_times_s=times, val_loss=val_loss, final_train_loss=float(loop.loss.detach()))
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, val: np.ndarray, starts: np.ndarray, *, block: int) -> float:
+def evaluate(model: torch.nn.Module, val: np.ndarray, starts: np.ndarray, *, block: int) -> float:
     """Mean loss over the given [batches, micro] window offsets: the set `gaudi3 train` validates on."""
     model.eval()
     val_t = torch.from_numpy(val.astype(np.int64))

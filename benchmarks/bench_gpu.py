@@ -96,9 +96,9 @@ GPU_ABLATION: list[tuple[Cell, Cell, tuple[str, ...]]] = [
 _TINY = {"arch": "gpt2", "num_layers": 2, "num_heads": 2, "dim": 64, "bias": False}
 CPU_CELLS = [
     Cell(name="tiny-eager", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
-         micro_batch_size=8, precision="32-true", compile=False, warmup_steps=2, measured_steps=20),
+         micro_batch_size=8, precision="32-true", compile=False, warmup_steps=2, measured_steps=200),
     Cell(name="tiny-compiled", model="shakespeare-char", model_overrides=_TINY, vocab_size=512, context_length=64,
-         micro_batch_size=8, precision="32-true", compile=True, warmup_steps=5, measured_steps=20),
+         micro_batch_size=8, precision="32-true", compile=True, warmup_steps=5, measured_steps=200),
 ]  # fmt: skip
 # On CPU the measured decision is the other way round: padding the vocabulary only adds work.
 _CHAR = Cell(**{**asdict(CPU_CELLS[0]), "name": "char-eager", "vocab_size": 65})
