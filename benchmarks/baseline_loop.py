@@ -9,15 +9,14 @@ instruction counts and alternated step times, see `python benchmarks/bench_basel
 - AdamW with the fused kernel (torch >= 2.4 has one for CPU; `adamw="foreach"` / `"for-loop"` for comparison);
 - the parameter list and the learning-rate schedule computed once, not per step; `zero_grad(set_to_none=True)`.
 
-`BaselineLoop.step(i)` runs one optimizer step, so a benchmark can interleave it step by step with a framework run;
-`run_baseline` is the timed loop the training benchmark divides by.
+`BaselineLoop.step(i)` runs one optimizer step, so a benchmark can interleave it step by step with a framework run
+(bench_train.py steps it after each of `gaudi3 train`'s optimizer steps); `evaluate` scores it on the validation
+windows `gaudi3 train` uses.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -26,17 +25,10 @@ import torch.nn.functional as F
 
 from gaudi3_scale.models import ModelConfig, build_model
 
-__all__ = ["BaselineLoop", "BaselineResult", "evaluate", "run_baseline"]
+__all__ = ["BaselineLoop", "evaluate"]
 
 AdamWKernel = Literal["fused", "foreach", "for-loop"]
 BatchPath = Literal["gather", "stack"]
-
-
-@dataclass
-class BaselineResult:
-    step_times_s: list[float]
-    val_loss: float | None
-    final_train_loss: float
 
 
 def lr_schedule(*, steps: int, lr: float, min_lr: float, warmup: int) -> list[float]:
@@ -123,41 +115,6 @@ class BaselineLoop:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.loss = loss
-
-
-def run_baseline(
-    cfg: ModelConfig,
-    train: np.ndarray,
-    val: np.ndarray,
-    *,
-    steps: int,
-    batch_size: int = 12,
-    lr: float = 1e-3,
-    min_lr: float = 1e-4,
-    warmup: int = 100,
-    weight_decay: float = 0.1,
-    beta2: float = 0.99,
-    clip: float = 1.0,
-    seed: int = 1337,
-    val_starts: np.ndarray | None = None,
-    threads: int | None = None,
-    adamw: AdamWKernel = "fused",
-    batch: BatchPath = "gather",
-) -> BaselineResult:
-    if threads:
-        torch.set_num_threads(threads)
-    loop = BaselineLoop(
-        cfg, train, steps=steps, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup=warmup,
-        weight_decay=weight_decay, beta2=beta2, clip=clip, seed=seed, adamw=adamw, batch=batch,
-    )  # fmt: skip
-    times: list[float] = []
-    step, clock = loop.step, time.perf_counter
-    for i in range(steps):
-        t0 = clock()
-        step(i)
-        times.append(clock() - t0)
-    val_loss = evaluate(loop.model, val, val_starts, block=loop.block) if val_starts is not None else None
-    return BaselineResult(step_times_s=times, val_loss=val_loss, final_train_loss=float(loop.loss.detach()))
 
 
 @torch.no_grad()
