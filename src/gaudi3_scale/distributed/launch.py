@@ -145,10 +145,13 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    # Workers open their own TCPStore instead of sharing the rendezvous one: with the shared store, workers of a
-    # restarted group can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712,
-    # seen here with gloo after a SIGKILL under --max-restarts).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Under --max-restarts the workers open their own TCPStore instead of sharing the rendezvous one: with the
+    # shared store, workers of a restarted group can read the previous attempt's addresses and fail to connect
+    # (pytorch/pytorch#135712, seen here with gloo after a SIGKILL under --max-restarts). Their own store listens on
+    # a port the agent found free and let go, which another process can take before rank 0 binds it (EADDRINUSE;
+    # a restart then picks another). Without restarts the shared store is safe and its port is held throughout.
+    if cfg.max_restarts > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' parent: the agent runs in this process
     apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
     try:
