@@ -23,7 +23,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.files import decode_utf8, parse_json
 
 __all__ = [
@@ -117,12 +117,6 @@ _OPTIONAL_INTS = ("step", "epoch", "tokens_seen", "world_size", "val_loss_step")
 _OPTIONAL_STRS = ("strategy", "layout", "config_sha256", "data_sha256")
 
 
-def _show(value: Any, limit: int = 40) -> str:
-    """A value from a hostile manifest, quoted and cut short for a one-line message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -133,14 +127,14 @@ def _files_problem(files: Any) -> str | None:
     for name, entry in files.items():
         path = PurePosixPath(name)
         if not name or path.is_absolute() or ".." in path.parts or name == MANIFEST_NAME:
-            return f"unsafe file name {_show(name)}"
+            return f"unsafe file name {brief(name)}"
         if not isinstance(entry, dict):
-            return f"files[{_show(name)}] is a {type(entry).__name__}, not {{size_bytes, sha256}}"
+            return f"files[{brief(name)}] is a {type(entry).__name__}, not {{size_bytes, sha256}}"
         size = entry.get("size_bytes")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return f"files[{_show(name)}].size_bytes is {_show(size)}, not a byte count"
+            return f"files[{brief(name)}].size_bytes is {brief(size)}, not a byte count"
         if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
-            return f"files[{_show(name)}].sha256 is {_show(entry.get('sha256'))}, not 64 hex digits"
+            return f"files[{brief(name)}].sha256 is {brief(entry.get('sha256'))}, not 64 hex digits"
     return None
 
 
@@ -148,20 +142,20 @@ def _schema_problem(manifest: Any) -> str | None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"not a {FORMAT} manifest"
     if not _is_int(manifest.get("version")) or manifest["version"] != FORMAT_VERSION:
-        return f"manifest version {_show(manifest.get('version'))}; this build reads {FORMAT_VERSION}"
+        return f"manifest version {brief(manifest.get('version'))}; this build reads {FORMAT_VERSION}"
     if not manifest.get("files"):
         return "the manifest lists no files"
     if problem := _files_problem(manifest["files"]):
         return f"malformed {MANIFEST_NAME}: {problem}"
     for key in _OPTIONAL_INTS:
         if manifest.get(key) is not None and not _is_int(manifest[key]):
-            return f"malformed {MANIFEST_NAME}: {key} is {_show(manifest[key])}, not an integer"
+            return f"malformed {MANIFEST_NAME}: {key} is {brief(manifest[key])}, not an integer"
     for key in _OPTIONAL_STRS:
         if manifest.get(key) is not None and not isinstance(manifest[key], str):
-            return f"malformed {MANIFEST_NAME}: {key} is {_show(manifest[key])}, not a string"
+            return f"malformed {MANIFEST_NAME}: {key} is {brief(manifest[key])}, not a string"
     loss = manifest.get("val_loss")
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
-        return f"malformed {MANIFEST_NAME}: val_loss is {_show(loss)}, not a number"
+        return f"malformed {MANIFEST_NAME}: val_loss is {brief(loss)}, not a number"
     return None
 
 

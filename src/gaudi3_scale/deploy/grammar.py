@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, brief
 
 __all__ = [
     "DNS_LABEL",
@@ -93,11 +93,6 @@ def matches(pattern: str, value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(pattern, value, re.ASCII) is not None
 
 
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def check_image(value: object, field: str = "--image") -> str:
     if not (isinstance(value, str) and len(value) <= _IMAGE_MAX and matches(OCI_REFERENCE, value)) or (
         len(_image_name(value)) > _IMAGE_NAME_MAX
@@ -105,7 +100,7 @@ def check_image(value: object, field: str = "--image") -> str:
         raise ConfigError(
             field,
             "must be an OCI image reference such as registry.example.com/team/train:1.0 (lower-case name, "
-            f"optional :tag of letters, digits, '_', '.', '-', optional @sha256:<hex>), got {_shown(value)}",
+            f"optional :tag of letters, digits, '_', '.', '-', optional @sha256:<hex>), got {brief(value)}",
         )
     return value
 
@@ -122,7 +117,7 @@ def check_dns_label(value: object, field: str) -> str:
         raise ConfigError(
             field,
             "must be a Kubernetes name (DNS-1123 label: 1-63 lower-case letters, digits and '-', starting and "
-            f"ending with a letter or digit), got {_shown(value)}",
+            f"ending with a letter or digit), got {brief(value)}",
         )
     assert isinstance(value, str)
     return value
@@ -133,7 +128,7 @@ def check_dns_subdomain(value: object, field: str) -> str:
         raise ConfigError(
             field,
             "must be a Kubernetes name (DNS-1123 subdomain: up to 253 lower-case letters, digits, '-' and '.', "
-            f"each dot-separated part starting and ending with a letter or digit), got {_shown(value)}",
+            f"each dot-separated part starting and ending with a letter or digit), got {brief(value)}",
         )
     assert isinstance(value, str)
     return value
@@ -144,7 +139,7 @@ def check_quantity(value: object, field: str) -> str:
     text = str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
     if not matches(QUANTITY, text):
         raise ConfigError(
-            field, f"must be a Kubernetes quantity such as 64, 500m or 512Gi, got {_shown(value)}"
+            field, f"must be a Kubernetes quantity such as 64, 500m or 512Gi, got {brief(value)}"
         )
     assert isinstance(text, str)
     return text
@@ -155,7 +150,7 @@ def check_region(target: str, value: object) -> str:
         raise ConfigError("--region", f"--target {target} takes no region (only {', '.join(REGIONS)} do)")
     pattern, allowed = REGIONS[target]
     if not matches(pattern, value):
-        raise ConfigError("--region", f"{allowed}, got {_shown(value)}")
+        raise ConfigError("--region", f"{allowed}, got {brief(value)}")
     assert isinstance(value, str)
     return value
 
@@ -174,5 +169,5 @@ def check_host(value: object, field: str = "--hosts") -> str:
     raise ConfigError(
         field,
         "each host must be a host name (letters, digits, '-' and '.') or an IP address without a zone id, "
-        f"got {_shown(value)}",
+        f"got {brief(value)}",
     )
