@@ -41,6 +41,7 @@ from gaudi3_scale.data import load_prepared, prepare_dataset, val_window_starts
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train.step import at_step_boundary
 
 WARMUP_STEPS = 30  # excluded from step-time statistics (allocator, thread pool, first-touch, compilation)
 
@@ -69,7 +70,7 @@ class InterleavedLoop(pl.Callback):
         self._last += time.perf_counter() - self._validation_start
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if getattr(pl_module, "_micro_step", 0) != 0:
+        if not at_step_boundary(pl_module):
             return  # inside gradient accumulation: the optimizer step has not happened yet
         now = time.perf_counter()
         self.framework_s.append(now - self._last)

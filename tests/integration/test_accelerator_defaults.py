@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.models import ModelConfig, count_parameters, flops_per_token, get_model_config
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 from gaudi3_scale.train.config import OptimConfig
@@ -80,7 +81,7 @@ def test_cuda_graphs_are_refused_without_cuda(tmp_path: Path, gaudi3_cli) -> Non
 
 def _module(compile: bool) -> LanguageModel:
     cfg = ModelConfig(num_layers=1, dim=32, num_heads=2, context_length=16, vocab_size=65)
-    module = LanguageModel(cfg, OptimConfig(), max_steps=1, compile=compile)
+    module = LanguageModel(cfg, OptimConfig(), max_steps=1, parallel=ParallelPlan(compile=compile))
     module.configure_model()
     return module
 

@@ -16,6 +16,7 @@ import torch
 
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train.step import at_step_boundary
 
 pytestmark = pytest.mark.integration
 
@@ -130,7 +131,7 @@ class _StopAt(pl.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        if trainer.global_step == self.step - 1 and pl_module._micro_step == 0:
+        if trainer.global_step == self.step - 1 and at_step_boundary(pl_module):
             for cb in trainer.callbacks:  # type: ignore[attr-defined]
                 if hasattr(cb, "save_requested"):
                     cb.save_requested = True

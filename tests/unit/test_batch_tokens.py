@@ -75,9 +75,9 @@ def test_accumulation_is_derived_from_the_resolved_batch_on_two_ranks() -> None:
         "2",
     )
     assert cfg.parallel.world_size == 2 and cfg.train.global_batch_size == 64
-    assert cfg.train.gradient_accumulation(cfg.parallel.world_size) == 4  # 64 = 8 × 4 × 2
+    assert cfg.batch_plan().accumulation == 4  # 64 = 8 × 4 × 2
     whole = _build("--train.global_batch_tokens", "4096", "--parallel.nproc_per_node", "2")
-    assert whole.train.resolved_micro_batch(2) == 32 and whole.train.gradient_accumulation(2) == 1
+    assert whole.batch_plan(2).micro_batch_size == 32 and whole.batch_plan(2).accumulation == 1
     with pytest.raises(
         ConfigError, match=r"^train.global_batch_size: 6 is not divisible by .* \(2\) × ranks \(2\)"
     ):

@@ -147,10 +147,10 @@ def test_gradient_accumulation_is_derived_and_checked() -> None:
     cfg = build_run_config(
         None, parse_overrides(["--train.global_batch_size", "48", "--train.micro_batch_size", "6"])
     )
-    assert cfg.train.gradient_accumulation(world_size=1) == 8
-    assert cfg.train.gradient_accumulation(world_size=2) == 4
+    assert cfg.batch_plan(world_size=1).accumulation == 8
+    assert cfg.batch_plan(world_size=2).accumulation == 4
     with pytest.raises(ConfigError, match="not divisible by micro_batch_size"):
-        cfg.train.gradient_accumulation(world_size=5)
+        cfg.batch_plan(world_size=5)
 
 
 def test_round_trip_through_yaml(tmp_path: Path) -> None:

@@ -162,7 +162,9 @@ def test_resume_refuses_a_global_batch_that_does_not_divide() -> None:
 
 
 def test_constructor_validation() -> None:
-    with pytest.raises(ConfigError, match=r"global_batch_size: must be a multiple of .* 4 × 3 = 12, got 16"):
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size: 16 is not divisible by .* \(4\) × ranks \(3\) = 12"
+    ):
         make(world_size=3, micro_batch_size=4)
     with pytest.raises(ConfigError, match=r"rank: must be in \[0, world_size=2\)"):
         make(world_size=2, rank=2)

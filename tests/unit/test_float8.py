@@ -226,13 +226,16 @@ def test_fp8_forward_and_backward_train_like_fp32_on_cpu() -> None:
 
 
 def test_the_training_module_applies_float8_before_compile() -> None:
-    """`LanguageModel(float8=True)` (what an fp8 plan gives the trainer) swaps the linears in configure_model, and
+    """`LanguageModel(parallel=ParallelPlan(float8=True))` (what an fp8 plan gives the trainer) swaps the linears in configure_model, and
     the compiled loss region then wraps the swapped model."""
     _torchao()
+    from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.train.config import OptimConfig
     from gaudi3_scale.train.module import LanguageModel
 
-    module = LanguageModel(LLAMA, OptimConfig(), max_steps=1, float8=True, compile=True)
+    module = LanguageModel(
+        LLAMA, OptimConfig(), max_steps=1, parallel=ParallelPlan(float8=True, compile=True)
+    )
     module.configure_model()
     assert module.model is not None and _float8_names(module.model) == EXPECTED["llama"]
     plain = LanguageModel(LLAMA, OptimConfig(), max_steps=1)

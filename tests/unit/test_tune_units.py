@@ -114,7 +114,7 @@ def test_candidate_overrides_build_a_valid_run_config() -> None:
     pairs = [tuple(o[2:].split("=", 1)) for o in c.overrides()]
     cfg = build_run_config(None, [*pairs, ("parallel.nproc_per_node", "2")])  # type: ignore[list-item]
     assert cfg.parallel.strategy == "fsdp" and cfg.parallel.activation_checkpointing
-    assert cfg.train.gradient_accumulation(2) == 4 == c.accumulation(2)
+    assert cfg.batch_plan(2).accumulation == 4 == c.accumulation(2)
     assert c.label(2) == "fsdp 32-true gb 24 mb 3×4 ckpt 1 thr"
 
 

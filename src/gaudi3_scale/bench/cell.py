@@ -33,18 +33,16 @@ def cell_warmup_steps(cfg: RunConfig) -> int:
 
 
 def cell_of_config(cfg: RunConfig, *, precision: str) -> dict[str, Any]:
-    from gaudi3_scale.distributed.strategies import resolve_strategy
-
-    world = cfg.parallel.world_size
+    batch = cfg.batch_plan()
     return cell_section(
         cell_id=cfg.benchmark.cell_id or cfg.name,
         matrix=cfg.benchmark.matrix,
         model=cfg.model.name,
-        strategy=resolve_strategy(cfg.parallel, world),
-        world_size=world,
+        strategy=cfg.parallel_plan().strategy,
+        world_size=batch.data_parallel_size,
         nnodes=cfg.parallel.nnodes,
-        micro_batch_size=cfg.train.resolved_micro_batch(world),
-        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=batch.micro_batch_size,
+        global_batch_size=batch.global_batch_size,
         context_length=cfg.model.context_length,
         precision=precision,
         data=cfg.data.source,

@@ -27,6 +27,7 @@ import numpy as np
 
 from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan
 
 __all__ = [
     "SAMPLER_STATE_FORMAT",
@@ -44,15 +45,12 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-steps per optimizer step: ``G / (micro * world)``, which must be a whole number."""
-    per_pass = micro_batch_size * world_size
-    if global_batch_size % per_pass:
-        raise ConfigError(
-            "global_batch_size",
-            f"must be a multiple of micro_batch_size × world_size = {micro_batch_size} × {world_size} = {per_pass}, "
-            f"got {global_batch_size}",
-        )
-    return global_batch_size // per_pass
+    """Micro-steps per optimizer step: ``G / (micro * world)``, which must be a whole number (`BatchPlan`)."""
+    return BatchPlan.build(
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        data_parallel_size=world_size,
+    ).accumulation
 
 
 @lru_cache(maxsize=16)

@@ -10,33 +10,31 @@ from typing import Any
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
-
-ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # built lazily: deepspeed is an optional extra
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 
 __all__ = ["build_strategy", "resolve_strategy", "saves_sharded"]
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
+    """The strategy a run uses: `auto` is ddp with several ranks, else single."""
     if cfg.strategy == "auto":
         return "ddp" if world_size > 1 else "single"
     return cfg.strategy
 
 
 def build_strategy(
-    cfg: ParallelConfig,
+    plan: ParallelPlan,
+    batch: BatchPlan,
     *,
     accelerator: str,
-    world_size: int,
-    micro_batch_size: int = 1,
-    accumulation: int = 1,
     grad_clip_norm: float = 0.0,
     hidden_size: int = 768,
 ) -> Any:
-    """A Lightning strategy (or "auto" for one process).
+    """The Lightning strategy that runs `plan` (or "auto" for one process).
 
     DeepSpeed also needs the batch split and clipping, and sizes its communication buckets from the hidden size.
     """
-    name = resolve_strategy(cfg, world_size)
+    name = plan.strategy
     backend = "nccl" if accelerator == "cuda" else "gloo"
     if name == "single" and accelerator != "hpu":
         return "auto"
@@ -51,15 +49,15 @@ def build_strategy(
 
         register_hpu_strategies()
         return HPUDDPStrategy()
-    if name in ZERO_STAGES:
+    if plan.uses_deepspeed:  # built lazily: deepspeed is an optional extra
         from gaudi3_scale.distributed.deepspeed import build_zero_strategy
 
         return build_zero_strategy(
             name,
             accelerator=accelerator,
             backend=backend,
-            micro_batch_size=micro_batch_size,
-            accumulation=accumulation,
+            micro_batch_size=batch.micro_batch_size,
+            accumulation=batch.accumulation,
             grad_clip_norm=grad_clip_norm,
             hidden_size=hidden_size,
         )
@@ -73,7 +71,7 @@ def build_strategy(
 
     # Checkpoints through torch.distributed.checkpoint: each rank writes its own shards (see checkpoint.sharded).
     return FSDPStrategy(
-        data_parallel_size=world_size,
+        data_parallel_size=batch.data_parallel_size,
         tensor_parallel_size=1,
         save_distributed_checkpoint=True,
         process_group_backend=backend,

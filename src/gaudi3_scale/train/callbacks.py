@@ -31,7 +31,8 @@ from gaudi3_scale.checkpoint.manifest import write_manifest
 from gaudi3_scale.checkpoint.remote import RemoteMirror
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
-from gaudi3_scale.train.step_metrics import RunMetrics, at_step_boundary
+from gaudi3_scale.train.step import at_step_boundary
+from gaudi3_scale.train.step_metrics import RunMetrics
 
 __all__ = [
     "PREEMPTION_SIGNALS",
@@ -66,8 +67,12 @@ class StepCheckpoint(pl.Callback):
         mirror: RemoteMirror | None = None,
         enabled: bool = True,
         data_sha256: str | None = None,
+        tokens_per_step: int = 0,
+        strategy: str | None = None,
     ) -> None:
         self.manager = manager
+        self.tokens_per_step = tokens_per_step  # 0 = unknown: the manifest's tokens_seen is null
+        self.strategy = strategy  # the run's resolved strategy name; None = the Lightning strategy's class
         # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
         self.data_sha256 = data_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
@@ -142,12 +147,12 @@ class StepCheckpoint(pl.Callback):
     ) -> None:
         # What the manifest records about this checkpoint, next to the files' checksums; other callbacks may
         # have added entries of their own (LiveCost: the accrued cost).
-        tokens_per_step = getattr(pl_module, "tokens_per_step", 0)
+        tokens_per_step = self.tokens_per_step
         self._meta = checkpoint[META_KEY] = {
             **checkpoint.get(META_KEY, {}),
             "tokens_seen": trainer.global_step * tokens_per_step if tokens_per_step else None,
             "world_size": trainer.world_size,
-            "strategy": getattr(pl_module, "strategy_name", type(trainer.strategy).__name__),
+            "strategy": self.strategy or type(trainer.strategy).__name__,
             "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
             "config_sha256": self.config_sha256,
             "data_sha256": self.data_sha256,

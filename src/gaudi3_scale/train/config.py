@@ -29,6 +29,8 @@ from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, 
 from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
+from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
+from gaudi3_scale.distributed.strategies import resolve_strategy
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.spot import AWS_SPOT_URL
@@ -37,7 +39,6 @@ __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
 
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # modes that capture CUDA graphs on CUDA
 
 
 @dataclass(kw_only=True)
@@ -217,20 +218,6 @@ class TrainConfig:
 
         return min(default_throughput_warmup_steps(compile=self.compile), self.max_steps - 1)
 
-    def gradient_accumulation(self, world_size: int) -> int:
-        """Micro-batches per optimizer step per rank: global = micro × accumulation × data-parallel ranks."""
-        micro = self.micro_batch_size or self.global_batch_size // world_size
-        if micro < 1 or self.global_batch_size % (micro * world_size):
-            raise ConfigError(
-                "train.global_batch_size",
-                f"{self.global_batch_size} is not divisible by micro_batch_size ({micro}) × ranks ({world_size})",
-            )
-        return self.global_batch_size // (micro * world_size)
-
-    def resolved_micro_batch(self, world_size: int) -> int:
-        self.gradient_accumulation(world_size)
-        return self.micro_batch_size or self.global_batch_size // world_size
-
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -265,7 +252,7 @@ class RunConfig:
                     f"but train.global_batch_size is {self.train.global_batch_size}; set only one of them",
                 )
         # Fail before launching anything when the batch does not split over the ranks.
-        self.train.gradient_accumulation(self.parallel.world_size)
+        self.batch_plan()
         graphs = self.train.compile_mode == "reduce-overhead"
         if graphs and self.parallel.strategy not in ("auto", "single", "ddp"):
             raise ConfigError(
@@ -283,6 +270,34 @@ class RunConfig:
     @property
     def output_dir(self) -> Path:
         return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+
+    def batch_plan(self, world_size: int | None = None) -> BatchPlan:
+        """How each optimizer step's global batch splits over `world_size` ranks (default: the configured
+        launch geometry) and micro-steps; a batch that does not split is a `ConfigError`."""
+        return BatchPlan.build(
+            global_batch_size=self.train.global_batch_size,
+            micro_batch_size=self.train.micro_batch_size,
+            data_parallel_size=world_size or self.parallel.world_size,
+            context_length=self.model.context_length,
+        )
+
+    def parallel_plan(
+        self, world_size: int | None = None, *, float8: bool = False, bf16_mixed: bool = False
+    ) -> ParallelPlan:
+        """What is applied to the model and which strategy runs it, resolved for `world_size` ranks; `float8` and
+        `bf16_mixed` come from the device plan (`device.plan_device`)."""
+        world = world_size or self.parallel.world_size
+        strategy = resolve_strategy(self.parallel, world)
+        return ParallelPlan(
+            strategy=strategy,
+            world_size=world,
+            activation_checkpointing=self.parallel.activation_checkpointing,
+            compile=self.train.compile,
+            compile_mode=self.train.compile_mode,
+            float8=float8,
+            hpu_graphs=self.train.hpu_graphs,
+            bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
+        )
 
 
 def _batch_size_from_tokens(global_batch_tokens: int, context_length: int) -> int:

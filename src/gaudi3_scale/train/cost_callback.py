@@ -25,7 +25,8 @@ from gaudi3_scale.cost.live import (
 )
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.step_metrics import RunMetrics, at_step_boundary
+from gaudi3_scale.train.step import at_step_boundary
+from gaudi3_scale.train.step_metrics import RunMetrics
 
 __all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
 

@@ -19,11 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaudi3_scale.device.hpu import apply_hpu_graphs, mark_step
-from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
+from gaudi3_scale.device.hpu import mark_step
+from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
+from gaudi3_scale.distributed.parallelize import parallelize
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
-from gaudi3_scale.train.config import CUDA_GRAPH_COMPILE_MODES, OptimConfig
+from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
+from gaudi3_scale.train.step import SteppedModule, StepState
 
 __all__ = [
     "CONFIG_KEY",
@@ -66,23 +69,20 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def _bind_loss(model: nn.Module) -> Any:
-    """`(tokens, targets) -> loss` for `model`: a plain function, which torch.compile traces as one region."""
-
-    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(model, tokens, targets)
-
-    return loss_fn
-
-
 # Plain attributes set on every step: `_current_fx_name` by Lightning, twice around each of its 16 hook calls a step
-# (Lightning 2.6, manual optimization), `_micro_step` by `training_step`.
-_PLAIN_ATTRS = frozenset({"_current_fx_name", "_micro_step"})
+# (Lightning 2.6, manual optimization).
+_PLAIN_ATTRS = frozenset({"_current_fx_name"})
 _PLAIN_TYPES = (str, int, type(None))
 
 
-class LanguageModel(pl.LightningModule):
-    """Next-token prediction for a `ModelConfig`; `vocab_size` must already be resolved."""
+class LanguageModel(SteppedModule, pl.LightningModule):
+    """Next-token prediction for a `ModelConfig`; `vocab_size` must already be resolved.
+
+    One optimizer step is `accumulation` calls of `training_step` (the `BatchPlan`); what a step produces is
+    written to `step_state` (`train.step.StepState`), which the callbacks read. How the model is spread over
+    devices is `parallelize(model, plan)` in `configure_model`; what a data-parallel wrapper does at gradient
+    boundaries is `distributed.grad_sync`, so the step itself has no distribution logic.
+    """
 
     def __setattr__(self, name: str, value: Any) -> None:
         # nn.Module.__setattr__ checks every value against Parameter, Module and Buffer (Python-level metaclass
@@ -101,14 +101,9 @@ class LanguageModel(pl.LightningModule):
         optim_cfg: OptimConfig,
         *,
         max_steps: int,
-        accumulation: int = 1,
+        batch: BatchPlan | None = None,
+        parallel: ParallelPlan | None = None,
         seed: int = 0,
-        compile: bool = False,
-        compile_mode: str = "default",
-        float8: bool = False,
-        strategy: str = "single",
-        activation_checkpointing: bool = False,
-        hpu_graphs: bool = False,
     ) -> None:
         super().__init__()
         if model_cfg.vocab_size is None:
@@ -118,26 +113,23 @@ class LanguageModel(pl.LightningModule):
         self.model_cfg = model_cfg
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
-        self.accumulation = accumulation
+        self.batch_plan = batch
+        self.parallel_plan = parallel or ParallelPlan()
         self.seed = seed
-        self.compile_model = compile
-        self.compile_mode = compile_mode
-        self.float8 = float8
-        self.strategy_name = strategy
-        self.activation_checkpointing = activation_checkpointing
-        self.hpu_graphs = hpu_graphs
         self.automatic_optimization = False
         self.model: nn.Module | None = None
         self._loss_fn: Any = None  # (tokens, targets) -> loss; compiled as one region with train.compile
-        self._cuda_graphs = False
-        self._micro_step = 0
+        fpt = flops_per_token(model_cfg, model_cfg.context_length)
+        self.step_state = (
+            StepState.for_plan(batch, flops_per_token=fpt) if batch else StepState(flops_per_token=fpt)
+        )
+        self._sync = GradientSync()  # the strategy's, from on_train_start
         self._pending_loss = torch.zeros(())
-        # Read by the metrics callback; a detached tensor, so no host sync on steps that are not logged.
-        self.last_loss: torch.Tensor | None = None
-        self.last_grad_norm: torch.Tensor | None = None
         self._clip_params: list[nn.Parameter] | None = None  # built at the first step of a fit
-        self.tokens_per_step = 0  # set by the trainer: global batch × context length
-        self.flops_per_token = flops_per_token(model_cfg, model_cfg.context_length)
+
+    @property
+    def accumulation(self) -> int:
+        return self.step_state.accumulation
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -146,38 +138,12 @@ class LanguageModel(pl.LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = build_model(self.model_cfg)
-        # torchtitan's order: float8 linears → activation checkpointing → compile → FSDP.
-        if self.float8:
-            from gaudi3_scale.device.float8 import apply_float8
-
-            apply_float8(model)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        loss_fn = _bind_loss(model)
-        if self.compile_model:
-            # The loss goes inside the compiled region: Inductor then fuses the head's log-softmax with the logits'
-            # fp32 upcast instead of materialising fp32 logits for the whole batch. On an H100 (GPT-2 124M,
-            # micro-batch 32, 2026-11-25) compiling the model alone gave 80.5 ms/step and a 29.4 GB peak; with the
-            # loss inside, 68.1 ms and 15.1 GB, as fast as nanoGPT's train.py.
-            mode = None if self.compile_mode == "default" else self.compile_mode
-            loss_fn = torch.compile(loss_fn, mode=mode)
-            self._cuda_graphs = self.compile_mode in CUDA_GRAPH_COMPILE_MODES
-        if self.hpu_graphs:
-            apply_hpu_graphs(model)
-        if self.strategy_name in ("fsdp", "fsdp_grad_op"):
-            mesh = self.device_mesh  # set by ModelParallelStrategy before configure_model
-            assert mesh is not None, "FSDP strategies run under ModelParallelStrategy"
-            # bf16-mixed under FSDP is FSDP's own policy: bf16 parameters for compute, fp32 gradient reduction.
-            bf16 = self._trainer is not None and str(self.trainer.precision).startswith("bf16-mixed")
-            apply_fsdp(
-                model,
-                mesh["data_parallel"],
-                reshard_after_forward=self.strategy_name == "fsdp",
-                param_dtype=torch.bfloat16 if bf16 else None,
-            )
-        self.model = model
+        # A sharding strategy (ModelParallelStrategy) sets the device mesh before configure_model.
+        mesh = self.device_mesh if self.parallel_plan.shards_parameters else None
+        applied = parallelize(model, self.parallel_plan, loss=next_token_loss, mesh=mesh)
+        self.model = applied.model
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
-        object.__setattr__(self, "_loss_fn", loss_fn)
+        object.__setattr__(self, "_loss_fn", applied.loss_fn)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `tokens`; with `targets`, the mean next-token loss (through the compiled region, if any)."""
@@ -188,50 +154,50 @@ class LanguageModel(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        # Under DeepSpeed the forward pass goes through the engine (its hooks, bf16 casts); it calls forward().
-        engine = self._deepspeed_engine() if self.training else None
-        if self._cuda_graphs and self.device.type == "cuda":
+        if self.parallel_plan.cuda_graphs and self.device.type == "cuda":
             # A new iteration for CUDA graph trees: the previous replay's outputs may be overwritten from here on.
             torch.compiler.cudagraph_mark_step_begin()
             loss = self._loss_fn(x, y)
             return loss.clone()  # kept across micro-steps (accumulation, logging): out of the graph's pool
-        return engine(x, y) if engine is not None else self._loss_fn(x, y)
+        if self.training:
+            return self._sync.forward(self._loss_fn, x, y)  # DeepSpeed runs the forward through its engine
+        return self._loss_fn(x, y)
+
+    def on_train_start(self) -> None:
+        self._clip_params = None  # the parameters may have been replaced since the last fit: list them again
+        self._sync = gradient_sync(self.trainer.strategy.model)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # DDP all-reduces gradients only on the last micro-batch of an optimizer step (what `no_sync` does). Set
-        # here because Lightning runs training_step inside DDP's forward, which reads the flag first.
-        ddp = self.trainer.strategy.model
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            ddp.require_backward_grad_sync = self._micro_step + 1 == self.accumulation
+        # Before training_step: Lightning runs it inside DDP's forward, which reads the sync flag first.
+        state = self.step_state
+        self._sync.begin_micro_step(state.micro_step + 1 == state.accumulation)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         opt = self.optimizers()
         assert not isinstance(opt, list)
+        state, sync = self.step_state, self._sync
+        accumulation = state.accumulation
         if self.model_cfg.dropout > 0:
             # Dropout masks are a function of (seed, step, micro-step, rank) only, so a resumed run draws the
             # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
-            step = self.trainer.global_step * self.accumulation + self._micro_step
+            step = self.trainer.global_step * accumulation + state.micro_step
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
-        engine = self._deepspeed_engine()
-        if engine is not None:
-            # DeepSpeed divides the loss by the accumulation itself and reduces gradients at the boundary we name.
-            engine.set_gradient_accumulation_boundary(self._micro_step + 1 == self.accumulation)
         loss = self._loss(batch)
-        scaled = loss / self.accumulation if self.accumulation > 1 and engine is None else loss
+        scaled = loss / accumulation if accumulation > 1 and not sync.divides_loss else loss
         self.manual_backward(scaled)
         if self.device.type == "hpu":
             mark_step()
-        self._micro_step += 1
-        if self._micro_step < self.accumulation:
+        state.micro_step += 1
+        if state.micro_step < accumulation:
             self._pending_loss = (
-                (self._pending_loss + loss.detach()) if self._micro_step > 1 else loss.detach()
+                (self._pending_loss + loss.detach()) if state.micro_step > 1 else loss.detach()
             )
             return
-        if self.accumulation > 1:
-            loss = (self._pending_loss + loss.detach()) / self.accumulation
-        self._micro_step = 0
+        if accumulation > 1:
+            loss = (self._pending_loss + loss.detach()) / accumulation
+        state.micro_step = 0
         clip = self.optim_cfg.grad_clip_norm
-        if clip > 0 and engine is None:  # DeepSpeed clips inside its step (gradients live in its partitions)
+        if clip > 0 and not sync.clips:
             if self.trainer.precision == "16-mixed":
                 self.clip_gradients(opt.optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
             else:
@@ -239,7 +205,7 @@ class LanguageModel(pl.LightningModule):
                     # `self.parameters()` walks the module tree on every call: ~660k instructions a step (~70 µs)
                     # on the default CPU model (callgrind), for a list that does not change during a fit.
                     self._clip_params = list(self.parameters())
-                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
+                state.grad_norm = torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
         lr = lr_at_step(self.trainer.global_step, self.optim_cfg, self.max_steps)
         for group in opt.optimizer.param_groups:
             group["lr"] = lr
@@ -247,18 +213,10 @@ class LanguageModel(pl.LightningModule):
         if self.device.type == "hpu":
             mark_step()
         opt.zero_grad(set_to_none=True)
-        if engine is not None and clip > 0:
-            self.last_grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
-        self.last_loss = loss.detach()
-
-    def on_train_start(self) -> None:
-        self._clip_params = None  # the parameters may have been replaced since the last fit: list them again
-
-    def _deepspeed_engine(self) -> Any:
-        """The DeepSpeed engine when a ZeRO strategy wraps this module, else None."""
-        if not self.strategy_name.startswith("deepspeed"):
-            return None
-        return self.trainer.strategy.model
+        if sync.clips and clip > 0:
+            state.grad_norm = sync.grad_norm()
+        state.lr = lr
+        state.loss = loss.detach()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True, batch_size=batch[0].size(0))
@@ -268,9 +226,6 @@ class LanguageModel(pl.LightningModule):
         # torch's fused AdamW takes FSDP2's DTensor shards too (checked on torch 2.13, CPU): no temporaries the
         # size of the whole shard, unlike foreach, which matters for the ZeRO memory savings.
         return build_optimizer(self.model, self.optim_cfg, device_type=self.device.type)
-
-    def current_lr(self) -> float:
-        return lr_at_step(max(0, self.trainer.global_step - 1), self.optim_cfg, self.max_steps)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank's generators (each rank has its own stream), gathered in rank order.

@@ -1,8 +1,8 @@
 """What a run measures at every optimizer step: `RunMetrics` (records → metrics.jsonl and listeners) and the
 terminal progress bar. Both only read training state.
 
-An optimizer step is detected as the end of the last micro-batch of an accumulation group
-(`module._micro_step == 0`, `at_step_boundary`).
+Both read the step contract (`train.step.StepState`): an optimizer step ends with the last micro-batch of its
+accumulation group (`StepState.at_boundary`), and the step's loss, gradient norm and learning rate are there.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
+from gaudi3_scale.train.step import StepState, at_step_boundary
 
-__all__ = ["RichStepProgress", "RunMetrics", "at_step_boundary"]
-
-
-def at_step_boundary(pl_module: pl.LightningModule) -> bool:
-    return getattr(pl_module, "_micro_step", 0) == 0
+__all__ = ["RichStepProgress", "RunMetrics"]
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -65,15 +62,15 @@ class RunMetrics(pl.Callback):
         path: Path | None,
         *,
         log_every_steps: int,
-        tokens_per_step: int,
-        flops_per_token: float | None,
+        state: StepState,
         peak_flops_per_device: float | None,
         warmup_steps: int = 0,
     ) -> None:
         self.path = path
         self.log_every_steps = log_every_steps
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
+        self.state = state  # the step contract: what the step produced, tokens per step, FLOPs per token
+        self.tokens_per_step = state.tokens_per_step
+        self.flops_per_token = state.flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
         self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
         self.latest: dict[str, Any] = {}
@@ -169,7 +166,7 @@ class RunMetrics(pl.Callback):
         self._window_samples = (
             None if size is None or self._window_samples is None else self._window_samples + size
         )
-        if at_step_boundary(pl_module):
+        if self.state.at_boundary:
             self._step_end(trainer, pl_module)
         self._batch_end, self._paused_at_batch_end = time.perf_counter(), self._paused_total_s
 
@@ -181,7 +178,8 @@ class RunMetrics(pl.Callback):
         self._window_steps += 1
         self._segment_steps += 1
         self._session_steps += 1
-        loss = getattr(pl_module, "last_loss", None)
+        state = self.state
+        loss = state.loss
         if loss is not None:  # summed on device: no host sync until the record is written
             self._loss_sum = loss if self._window_steps == 1 else self._loss_sum + loss
         if self._session_steps == self.warmup_steps:
@@ -193,11 +191,11 @@ class RunMetrics(pl.Callback):
             self._read()
         elapsed = self._window_s
         tokens_per_s = self.tokens_per_step * self._window_steps / elapsed if elapsed > 0 else 0.0
-        grad_norm = getattr(pl_module, "last_grad_norm", None)
+        grad_norm = state.grad_norm
         record: dict[str, Any] = {
             "step": step,
             "train_loss": self._global_mean_loss(trainer) if loss is not None else None,
-            "lr": current_lr() if callable(current_lr := getattr(pl_module, "current_lr", None)) else None,
+            "lr": state.lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self._samples_per_s(trainer.world_size, elapsed),

@@ -34,7 +34,8 @@ from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.data.manifest import tokens_sha256
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
-from gaudi3_scale.distributed.strategies import build_strategy, resolve_strategy
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.distributed.strategies import build_strategy
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.monitor.trackers import build_trackers, check_trackers
@@ -51,6 +52,7 @@ from gaudi3_scale.train.resume import (
 )
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
+from gaudi3_scale.train.step import StepState, step_state_of
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 if TYPE_CHECKING:
@@ -99,7 +101,7 @@ class GaudiTrainer:
 
     Pass `model`/`datamodule` to `fit` to train your own LightningModule with the same devices, precision,
     checkpointing and metrics. A module that sets `tokens_per_step` and `flops_per_token` also gets tokens/s and
-    MFU.
+    MFU (`train.step.step_state_of`).
 
     With a `cost` price the run's cost is tracked live (`cost.live`); a run that reaches `cost.budget_usd` or is
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
@@ -135,6 +137,8 @@ class GaudiTrainer:
         self._live_cost: LiveCost | None = None
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
         self._data_sha256: str | None = None
+        self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
+        self._step_state = StepState()  # the fitted module's (train.step), from fit()
 
     @property
     def out_dir(self) -> Path:
@@ -156,28 +160,15 @@ class GaudiTrainer:
             model_cfg = cfg.model
         model_cfg = self._resolve_padding(model_cfg, resume_from)
         self.config = dataclasses.replace(cfg, model=model_cfg)
-        world = self._world_size()
-        micro = cfg.train.resolved_micro_batch(world)
-        accumulation = cfg.train.gradient_accumulation(world)
+        batch, parallel = self._plans()
         module = LanguageModel(
-            model_cfg,
-            cfg.optim,
-            max_steps=cfg.train.max_steps,
-            accumulation=accumulation,
-            seed=cfg.seed,
-            compile=cfg.train.compile,
-            compile_mode=cfg.train.compile_mode,
-            float8=self._plan_device().float8,
-            strategy=resolve_strategy(cfg.parallel, world),
-            activation_checkpointing=cfg.parallel.activation_checkpointing,
-            hpu_graphs=cfg.train.hpu_graphs,
+            model_cfg, cfg.optim, max_steps=cfg.train.max_steps, batch=batch, parallel=parallel, seed=cfg.seed
         )
-        module.tokens_per_step = cfg.train.global_batch_size * model_cfg.context_length
         datamodule = TokenDataModule(
             prepared,
             context_length=model_cfg.context_length,
-            global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=micro,
+            global_batch_size=batch.global_batch_size,
+            micro_batch_size=batch.micro_batch_size,
             seed=cfg.seed,
             val_batches=cfg.train.val_batches,
             loader_workers=cfg.data.loader_workers,
@@ -187,6 +178,18 @@ class GaudiTrainer:
             tokenizer_dir.mkdir(parents=True, exist_ok=True)
             prepared.tokenizer.save(tokenizer_dir)
         return module, datamodule
+
+    def _plans(self) -> tuple[BatchPlan, ParallelPlan]:
+        """The run's batch and parallel plans, resolved once for this launch (see `distributed.plan`)."""
+        if self._resolved_plans is None:
+            world, device = self._world_size(), self._plan_device()
+            self._resolved_plans = (
+                self.config.batch_plan(world),
+                self.config.parallel_plan(
+                    world, float8=device.float8, bf16_mixed=device.precision.startswith("bf16-mixed")
+                ),
+            )
+        return self._resolved_plans
 
     def _resolve_padding(self, model_cfg: ModelConfig, resume_from: Path | None) -> ModelConfig:
         """Vocabulary padding left null: the checkpoint's when resuming (its weights have that many rows, whatever
@@ -242,18 +245,16 @@ class GaudiTrainer:
             )
         return world
 
-    def build_trainer(
-        self, accumulation: int, flops_per_token: float | None, tokens_per_step: int
-    ) -> pl.Trainer:
+    def build_trainer(self, state: StepState) -> pl.Trainer:
+        """The Lightning Trainer and our callbacks for a module whose steps write `state` (the step contract)."""
         cfg = self.config.train
-        world = self._world_size()
         plan = self._plan_device()
+        batch, parallel = self._plans()
         out = self.out_dir
         metrics = RunMetrics(
             out / "metrics.jsonl",
             log_every_steps=cfg.log_every_steps,
-            tokens_per_step=tokens_per_step,
-            flops_per_token=flops_per_token,
+            state=state,
             peak_flops_per_device=plan.peak_flops,
             warmup_steps=cfg.resolved_throughput_warmup_steps(),
         )
@@ -276,6 +277,8 @@ class GaudiTrainer:
             mirror=mirror,
             enabled=ckpt_cfg.enabled,
             data_sha256=self._data_sha256,
+            tokens_per_step=state.tokens_per_step,
+            strategy=parallel.strategy if isinstance(self.module, LanguageModel) else None,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -316,16 +319,15 @@ class GaudiTrainer:
             "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes,
             "strategy": build_strategy(
-                self.config.parallel,
+                parallel,
+                batch,
                 accelerator=plan.accelerator,
-                world_size=world,
-                micro_batch_size=cfg.resolved_micro_batch(world),
-                accumulation=accumulation,
                 grad_clip_norm=self.config.optim.grad_clip_norm,
                 hidden_size=self.config.model.dim,
             ),
             "max_steps": cfg.max_steps,
-            "val_check_interval": cfg.val_every_steps * accumulation if cfg.val_every_steps else None,
+            # Lightning counts batches: an optimizer step is `accumulation` of them for the module's own loop.
+            "val_check_interval": cfg.val_every_steps * state.accumulation if cfg.val_every_steps else None,
             "check_val_every_n_epoch": None,
             "limit_val_batches": cfg.val_batches,
             "num_sanity_val_steps": 0,
@@ -380,10 +382,8 @@ class GaudiTrainer:
         out.mkdir(parents=True, exist_ok=True)
         if _global_rank() == 0:
             save_yaml(self.config, out / "config.yaml")
-        accumulation = getattr(model, "accumulation", 1)
-        trainer = self.trainer = self.build_trainer(
-            accumulation, getattr(model, "flops_per_token", None), getattr(model, "tokens_per_step", 0)
-        )
+        state = self._step_state = step_state_of(model)
+        trainer = self.trainer = self.build_trainer(state)
         if ckpt_path is not None:
             if isinstance(model, LanguageModel):
                 check_resume_compatible(ckpt_path, to_dict(self.config))
@@ -492,7 +492,7 @@ class GaudiTrainer:
         tokens_per_s, step_time_s = steady["tokens_per_s"], steady["step_time_s"]
         if tokens_per_s is None and train:  # a resumed, already finished run: what its last window measured
             tokens_per_s, step_time_s = train[-1].get("tokens_per_s"), train[-1].get("step_time_s")
-        fpt = getattr(self.module, "flops_per_token", None)
+        fpt = self._step_state.flops_per_token
         plan = self.device_plan
         mfu_value = None
         if tokens_per_s and fpt and plan:

@@ -18,6 +18,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import float8_unsupported_reason
+from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
@@ -46,7 +47,11 @@ class Candidate:
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs too (tried on CUDA once compile wins)
 
     def accumulation(self, world_size: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * world_size)
+        return BatchPlan.build(
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            data_parallel_size=world_size,
+        ).accumulation
 
     @property
     def key(self) -> str:

@@ -1,0 +1,115 @@
+"""How the work of one optimizer step is split, resolved once per run: `BatchPlan` (who reads how many sequences
+when) and `ParallelPlan` (what is applied to the model, and by which strategy).
+
+Both are computed from the run config by the trainer and handed to everything that needs them — the module, the
+data module, the Lightning strategy, benchmark cells and the tuner — so the arithmetic and the strategy name are
+worked out in one place (torchtitan's `ParallelDims` plays this role there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gaudi3_scale.config.errors import ConfigError
+
+__all__ = ["CUDA_GRAPH_COMPILE_MODES", "SHARDED_STRATEGIES", "ZERO_STAGES", "BatchPlan", "ParallelPlan"]
+
+# torch.compile modes that capture CUDA graphs (the step then marks each new iteration for the graph trees).
+CUDA_GRAPH_COMPILE_MODES = frozenset({"reduce-overhead", "max-autotune"})
+SHARDED_STRATEGIES = ("fsdp", "fsdp_grad_op")  # FSDP2 fully_shard, applied by `parallelize`
+ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # DeepSpeed's engine wraps the module
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """One optimizer step's batch: ``global_batch_size = micro_batch_size × accumulation × data_parallel_size``.
+
+    Every data-parallel rank runs `accumulation` micro-steps of `micro_batch_size` sequences each; the step trains
+    on `tokens_per_step` tokens. Until tensor parallelism exists every rank is a data-parallel rank.
+    """
+
+    global_batch_size: int
+    micro_batch_size: int
+    accumulation: int
+    data_parallel_size: int
+    context_length: int = 0  # tokens per sequence; 0 = not known here (tokens_per_step is then 0)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None,
+        data_parallel_size: int,
+        context_length: int = 0,
+    ) -> BatchPlan:
+        """The plan for a global batch; `micro_batch_size` None = the whole per-rank batch (no accumulation).
+
+        A global batch that does not split into whole micro-batches on every rank is a `ConfigError`.
+        """
+        micro = micro_batch_size or global_batch_size // data_parallel_size
+        if micro < 1 or global_batch_size % (micro * data_parallel_size):
+            raise ConfigError(
+                "train.global_batch_size",
+                f"{global_batch_size} is not divisible by micro_batch_size ({micro}) × ranks ({data_parallel_size}) "
+                f"= {micro * data_parallel_size}",
+            )
+        return cls(
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro,
+            accumulation=global_batch_size // (micro * data_parallel_size),
+            data_parallel_size=data_parallel_size,
+            context_length=context_length,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.context_length
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """Sequences one rank trains on per optimizer step (micro-batch × accumulation)."""
+        return self.micro_batch_size * self.accumulation
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """What `parallelize` applies to a single-device model, in torchtitan's order, and which strategy runs it.
+
+    `strategy` is resolved: single, ddp, fsdp, fsdp_grad_op, deepspeed_zero2 or deepspeed_zero3 (never auto).
+    `float8` swaps eligible linears for torchao's Float8Linear (device.float8); `hpu_graphs` wraps the model in
+    Gaudi HPU graphs (device.hpu). `bf16_params` is FSDP's mixed-precision policy for bf16-mixed runs: bf16
+    parameters for compute, fp32 gradient reduction.
+    """
+
+    strategy: str = "single"
+    world_size: int = 1
+    activation_checkpointing: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
+    float8: bool = False
+    hpu_graphs: bool = False
+    bf16_params: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy == "auto":
+            raise ValueError("ParallelPlan.strategy is resolved: single, ddp, fsdp, … (see resolve_strategy)")
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP2 shards the model inside `parallelize` (on a device mesh the strategy provides)."""
+        return self.strategy in SHARDED_STRATEGIES
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Free gathered parameters after each block's forward (ZeRO-3) rather than keep them for backward."""
+        return self.strategy == "fsdp"
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.strategy in ZERO_STAGES
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The compiled step captures CUDA graphs (on a CUDA device)."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES
