@@ -127,10 +127,6 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._pending_loss = torch.zeros(())
         self._clip_params: list[nn.Parameter] | None = None  # built at the first step of a fit
 
-    @property
-    def accumulation(self) -> int:
-        return self.step_state.accumulation
-
     def configure_model(self) -> None:
         if self.model is not None:
             return
