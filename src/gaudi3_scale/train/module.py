@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY
 from gaudi3_scale.device.hpu import apply_hpu_graphs, mark_step
 from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing, apply_fsdp
 from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
@@ -33,9 +34,6 @@ __all__ = [
     "next_token_loss",
     "restore_rng_state",
 ]
-
-RNG_KEY = "gaudi3_rng"
-CONFIG_KEY = "gaudi3_config"  # the resolved run config, stored in every checkpoint
 
 
 def capture_rng_state() -> dict[str, Any]:
