@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import shutil
 from pathlib import Path
 
@@ -47,16 +46,6 @@ def test_without_a_remote_commits_move_latest_and_apply_retention(tmp_path: Path
         assert checkpointer.wait() is True
 
 
-class _DiskFull:
-    """Pickling it fails as a full disk does; copying it (async staging) works."""
-
-    def __deepcopy__(self, memo: dict) -> _DiskFull:
-        return self
-
-    def __reduce__(self) -> tuple:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_async_save_commits_in_the_background_and_wait_raises_its_failure(tmp_path: Path) -> None:
     checkpointer = Checkpointer(CheckpointConfig(keep_last=1), tmp_path).start()
     assert isinstance(checkpointer.io, AsyncVerifiedCheckpointIO)
@@ -64,10 +53,9 @@ def test_async_save_commits_in_the_background_and_wait_raises_its_failure(tmp_pa
     checkpointer.wait()
     assert (tmp_path / "latest").read_text() == "step-00000010\n"
     bad = checkpointer.manager.path_for(20)
-    checkpointer.io.save_checkpoint(
-        {"global_step": 20, "x": _DiskFull()}, bad / STATE_NAME
-    )  # returns at once
-    with pytest.raises(CheckpointSaveError, match=r"step-00000020 was not saved .*No space left"):
+    unpicklable = {"global_step": 20, "x": lambda: None}  # staged (copied) fine, fails in the writer thread
+    checkpointer.io.save_checkpoint(unpicklable, bad / STATE_NAME)  # returns at once
+    with pytest.raises(CheckpointSaveError, match=r"step-00000020 was not saved \(.*pickle"):
         checkpointer.wait()
     checkpointer.close()
     assert not bad.exists() and (tmp_path / "latest").read_text() == "step-00000010\n"
