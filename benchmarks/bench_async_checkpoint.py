@@ -33,7 +33,8 @@ import torch
 from rich.progress import track
 
 from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
-from gaudi3_scale.checkpoint.manager import STATE_NAME, VerifiedCheckpointIO
+from gaudi3_scale.checkpoint.manager import STATE_NAME
+from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
 

@@ -18,9 +18,9 @@ from gaudi3_scale.checkpoint.manager import (
     CheckpointManager,
     CheckpointSaveError,
     RetentionPolicy,
-    VerifiedCheckpointIO,
 )
 from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 from gaudi3_scale.config.errors import UserInputError
 
 

@@ -15,13 +15,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gaudi3_scale.checkpoint.manager import CheckpointSaveError, VerifiedCheckpointIO, checkpoint_directory
+from gaudi3_scale.checkpoint.manager import CheckpointSaveError, checkpoint_directory
+from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 
 __all__ = ["AsyncVerifiedCheckpointIO", "stage_to_host"]
 
@@ -91,8 +92,8 @@ def _recycle(value: Any, buffers: dict[tuple[Any, ...], list[torch.Tensor]]) -> 
 class AsyncVerifiedCheckpointIO(VerifiedCheckpointIO):
     """`VerifiedCheckpointIO` whose writes run in a background thread after a blocking copy to host memory."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, on_commit: Callable[[Path], None] | None = None) -> None:
+        super().__init__(on_commit)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # host memory reused between saves

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gaudi3_scale.checkpoint.manager import CheckpointManager
+from gaudi3_scale.checkpoint.manager import LATEST_NAME, CheckpointManager
 from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 
 __all__ = ["Difference", "checkpoint_rows", "first_difference"]
@@ -19,7 +19,7 @@ __all__ = ["Difference", "checkpoint_rows", "first_difference"]
 def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
     """One row per `step-X` directory: committed?, intact? (with `verify`), size, tokens, validation loss."""
     manager = CheckpointManager(directory)
-    pointer = directory / "latest"
+    pointer = directory / LATEST_NAME
     latest = pointer.read_text().strip() if pointer.is_file() else None
     rows = []
     for step, path in manager.steps():

@@ -1,4 +1,4 @@
-"""Checkpoint directories, the `latest` pointer and retention; Lightning's `CheckpointIO` that commits and verifies.
+"""Checkpoint directories, the `latest` pointer and retention; what a user names resolved to one checkpoint.
 
 Layout of a run's `checkpoints/`:
 
@@ -19,28 +19,25 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-
+from gaudi3_scale.checkpoint.config import CheckpointConfig
+from gaudi3_scale.checkpoint.contents import META_KEY
 from gaudi3_scale.checkpoint.manifest import (
     fsync_directory,
     has_manifest,
     read_manifest,
     verify_checkpoint,
-    write_manifest,
 )
-from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded
+from gaudi3_scale.checkpoint.sharded import is_sharded
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = [
+    "LATEST_NAME",
     "META_KEY",
     "STATE_NAME",
     "CheckpointManager",
     "CheckpointSaveError",
     "RetentionPolicy",
-    "VerifiedCheckpointIO",
     "checkpoint_directory",
     "prepare_directory",
     "resolve_checkpoint",
@@ -48,7 +45,7 @@ __all__ = [
 ]
 
 STATE_NAME = "state.ckpt"
-META_KEY = "gaudi3_meta"  # checkpoint dict entry whose items go into the manifest (tokens_seen, strategy, …)
+LATEST_NAME = "latest"  # the pointer file: the name of the newest committed checkpoint directory
 _PREFIX = "step-"
 
 
@@ -86,56 +83,6 @@ def prepare_directory(directory: Path) -> None:
     directory.mkdir(parents=True)
 
 
-class VerifiedCheckpointIO(CheckpointIO):
-    """Every save is a directory committed by a manifest; every load verifies sizes and checksums first.
-
-    Works with plain Lightning too: `pl.Trainer(plugins=[VerifiedCheckpointIO()])`. A committed checkpoint is
-    never overwritten; a damaged one at the same path is renamed to `step-X.damaged-N` and kept; an uncommitted
-    directory (a save that crashed) is replaced. `on_commit(directory)` runs after each commit (GaudiTrainer moves
-    `latest` and applies retention there).
-    """
-
-    def __init__(self) -> None:
-        self.on_commit: Callable[[Path], None] | None = None
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        directory = checkpoint_directory(path)
-        prepare_directory(directory)
-        tmp = directory / (STATE_NAME + ".tmp")
-        try:
-            with tmp.open("wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(directory / STATE_NAME)
-            meta = {"step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-            write_manifest(directory, {**meta, **checkpoint.get(META_KEY, {})})
-        except BaseException as exc:
-            shutil.rmtree(directory, ignore_errors=True)  # never leave a half-written checkpoint behind
-            if isinstance(exc, OSError):
-                raise CheckpointSaveError(directory, exc) from exc
-            raise
-        fsync_directory(directory.parent)
-        if self.on_commit is not None:
-            self.on_commit(directory)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        directory = checkpoint_directory(path)
-        problems = verify_checkpoint(directory)
-        if problems:
-            raise UserInputError(f"checkpoint {directory} is not usable: {problems[0]}")
-        if is_sharded(directory):  # written by FSDP, resumed by DDP or one process
-            return consolidate(directory)
-        return torch.load(
-            directory / STATE_NAME,
-            map_location=map_location or (lambda storage, loc: storage),
-            weights_only=True if weights_only is None else weights_only,
-        )
-
-    def remove_checkpoint(self, path: Any) -> None:
-        shutil.rmtree(checkpoint_directory(path), ignore_errors=True)
-
-
 def _set_aside(directory: Path) -> Path:
     for n in range(1, 1000):
         target = directory.with_name(f"{directory.name}.damaged-{n}")
@@ -151,17 +98,30 @@ class RetentionPolicy:
     keep_every_steps: int = 0  # also every checkpoint whose step is a multiple of K (0 = none)
     keep_best: int = 0  # also the N with the lowest validation loss (from the manifests)
 
+    @classmethod
+    def from_config(cls, config: CheckpointConfig) -> RetentionPolicy:
+        return cls(
+            keep_last=config.keep_last, keep_every_steps=config.keep_every_steps, keep_best=config.keep_best
+        )
+
 
 class CheckpointManager:
     """Names, commits the `latest` pointer, finds the newest valid checkpoint, applies retention."""
 
-    def __init__(self, directory: Path, policy: RetentionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        policy: RetentionPolicy | None = None,
+        *,
+        can_delete: Callable[[Path], bool] | None = None,
+        on_delete: Callable[[Path], None] | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.policy = policy or RetentionPolicy()
         # Remote mirroring: a checkpoint is deleted only once `can_delete` allows it (its upload is verified);
         # `on_delete` hears of every deletion.
-        self.can_delete: Callable[[Path], bool] = lambda path: True
-        self.on_delete: Callable[[Path], None] = lambda path: None
+        self._can_delete = can_delete
+        self._on_delete = on_delete
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"{_PREFIX}{step:08d}"
@@ -183,16 +143,16 @@ class CheckpointManager:
     def mark_latest(self, directory: Path) -> None:
         """Point `latest` at a committed checkpoint (atomic rename), then apply retention."""
         assert read_manifest(directory) is not None, f"{directory} is not committed"
-        tmp = self.directory / "latest.tmp"
+        tmp = self.directory / f"{LATEST_NAME}.tmp"
         tmp.write_text(directory.name + "\n")
-        tmp.replace(self.directory / "latest")
+        tmp.replace(self.directory / LATEST_NAME)
         fsync_directory(self.directory)
         self.apply_retention()
 
     def latest_valid(self, warn: Callable[[str], None] | None = None) -> Path | None:
         """The newest checkpoint that verifies (the pointer's target first); every skipped one is named."""
         candidates = [path for _, path in reversed(self.steps())]
-        pointer = self.directory / "latest"
+        pointer = self.directory / LATEST_NAME
         if pointer.is_file():
             named = self.directory / pointer.read_text().strip()
             if named in candidates:
@@ -223,19 +183,22 @@ class CheckpointManager:
                       if (m := read_manifest(path)) and m.get("val_loss") is not None]  # fmt: skip
             keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
         newest = committed[-1][0]
-        removed = [path for _, path in committed if path not in keep and self.can_delete(path)]
+        allowed = self._can_delete or (lambda path: True)
+        removed = [path for _, path in committed if path not in keep and allowed(path)]
         # Leftovers of crashed saves; a damaged manifest is not a leftover: kept, like any damaged checkpoint.
         removed += [path for step, path in self.steps() if step < newest and not has_manifest(path)]
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
-            self.on_delete(path)
+            if self._on_delete is not None:
+                self._on_delete(path)
         return removed
 
 
 def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Path:
     """The checkpoint a user names: for a run directory (or its `checkpoints/`), its newest checkpoint that verifies
-    (the `latest` pointer's target first; each damaged one skipped is named via `warn`); for a `step-X/`
-    directory or its `state.ckpt`, that directory; any other file (a plain Lightning checkpoint), itself.
+    (the `latest` pointer's target first; each damaged one skipped is named via `warn`); for a `latest` pointer,
+    the directory it names; for a `step-X/` directory or its `state.ckpt`, that directory; any other file (a plain
+    Lightning checkpoint), itself.
 
     The one resolver behind `generate`, `serve`, the `ckpt` commands and `--train.resume PATH`; it does not verify
     a checkpoint named directly, so that the caller's own check can refuse it with its own words.
@@ -243,6 +206,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None]
     path = Path(path)
     if not path.exists():
         raise UserInputError(f"checkpoint {str(path)!r} does not exist")
+    if path.name == LATEST_NAME and path.is_file():
+        return path.parent / path.read_text().strip()
     checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = CheckpointManager(checkpoints)
     if checkpoints != path or (path.is_dir() and not has_manifest(path) and manager.steps()):

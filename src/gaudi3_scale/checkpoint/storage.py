@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from gaudi3_scale.checkpoint.manager import _set_aside
+from gaudi3_scale.checkpoint.manager import LATEST_NAME, _set_aside
 from gaudi3_scale.checkpoint.manifest import (
     MANIFEST_NAME,
     ManifestError,
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 REMOTE_URL_FIELD = "checkpoint.remote_url"
-LATEST_NAME = "latest"
 STEP_NAME = re.compile(r"step-(\d+)")
 _CHUNK_BYTES = 8 * 2**20
 _EXAMPLES = "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///abs/path, memory://name"

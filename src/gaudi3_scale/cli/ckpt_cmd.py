@@ -7,11 +7,10 @@ from pathlib import Path
 
 import click
 
+from gaudi3_scale.checkpoint.contents import DIFF_KEYS
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["ckpt"]
-
-DIFF_KEYS = ("global_step", "state_dict", "optimizer_states", "TokenDataModule", "gaudi3_rng")
 
 
 def _checkpoints_dir(path: Path) -> Path:
@@ -93,7 +92,7 @@ def diff(a: Path, b: Path) -> None:
     A or B may be a run directory: its newest checkpoint that verifies."""
     from gaudi3_scale.checkpoint.inspect import first_difference
     from gaudi3_scale.checkpoint.manager import resolve_checkpoint
-    from gaudi3_scale.train.inference import read_checkpoint
+    from gaudi3_scale.checkpoint.reader import read_checkpoint
 
     a, b = resolve_checkpoint(a, warn=_warn), resolve_checkpoint(b, warn=_warn)
     found = first_difference(read_checkpoint(a), read_checkpoint(b), keys=DIFF_KEYS)

@@ -109,7 +109,7 @@ def _run_both(plan: ReproPlan, commands: list[list[str]], directory: Path, repor
 
 
 def _finish(plan: ReproPlan, directory: Path, report: dict[str, Any], *, keep: bool) -> None:
-    from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
+    from gaudi3_scale.checkpoint.contents import DIFF_KEYS
     from gaudi3_scale.train.repro import compare_runs
 
     a, b = plan.runs

@@ -36,9 +36,9 @@ def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: 
     from gaudi3_scale.monitor.trackers import check_trackers
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():
+        from gaudi3_scale.checkpoint.reader import read_checkpoint
         from gaudi3_scale.config.core import to_dict
         from gaudi3_scale.train.cost_callback import check_resume_budget
-        from gaudi3_scale.train.inference import read_checkpoint
         from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
         from gaudi3_scale.train.run_lock import run_directory_lock
 

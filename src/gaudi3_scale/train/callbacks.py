@@ -20,15 +20,14 @@ import torch
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gaudi3_scale.checkpoint.contents import DATA_SHA256_KEY, META_KEY
 from gaudi3_scale.checkpoint.manager import (
-    META_KEY,
     STATE_NAME,
     CheckpointManager,
     CheckpointSaveError,
     prepare_directory,
 )
 from gaudi3_scale.checkpoint.manifest import write_manifest
-from gaudi3_scale.checkpoint.remote import RemoteMirror
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.train.step import at_step_boundary
@@ -47,9 +46,10 @@ class StepCheckpoint(pl.Callback):
     that follows the last step); apply retention.
 
     Single-file checkpoints: the checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state, then the
-    manifest, then calls its `on_commit` hook, which moves `latest` and applies retention — in the background when
-    the IO is asynchronous. Sharded checkpoints (FSDP, DCP): every rank writes its shards, and once all are past a
-    barrier rank 0 writes the manifest and moves `latest`. `blocking_s` lists how long each save stopped training.
+    manifest, then calls the `on_commit` it was built with (`Checkpointer.commit`: upload, `latest`, retention) —
+    in the background when the IO is asynchronous. Sharded checkpoints (FSDP, DCP): every rank writes its shards,
+    and once all are past a barrier rank 0 writes the manifest and calls `commit` (default: move `latest` and
+    apply retention). `blocking_s` lists how long each save stopped training.
 
     A periodic save that fails (disk full, storage gone) is never committed and is cleaned up; the run continues
     with a warning naming it. The final or emergency save failing stops the run with that one line instead.
@@ -64,7 +64,7 @@ class StepCheckpoint(pl.Callback):
         metrics: RunMetrics | None = None,
         warn: Callable[[str], None] | None = None,
         config_sha256: str | None = None,
-        mirror: RemoteMirror | None = None,
+        commit: Callable[[Path], None] | None = None,
         enabled: bool = True,
         data_sha256: str | None = None,
         tokens_per_step: int = 0,
@@ -73,10 +73,10 @@ class StepCheckpoint(pl.Callback):
         self.manager = manager
         self.tokens_per_step = tokens_per_step  # 0 = unknown: the manifest's tokens_seen is null
         self.strategy = strategy  # the run's resolved strategy name; None = the Lightning strategy's class
+        self.commit = commit or manager.mark_latest  # after rank 0 wrote a sharded checkpoint's manifest
         # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
         self.data_sha256 = data_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
-        self.mirror = mirror
         self.warn = warn
         self.config_sha256 = config_sha256
         self.every_steps = every_steps
@@ -90,21 +90,6 @@ class StepCheckpoint(pl.Callback):
         self.save_requested = False
         self.blocking_s: list[float] = []
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        io = trainer.strategy.checkpoint_io
-        if trainer.is_global_zero and hasattr(io, "on_commit"):
-            io.on_commit = self.commit
-
-    def commit(self, directory: Path) -> None:
-        """After a checkpoint's manifest is written (rank 0): queue its upload, move `latest`, apply retention.
-
-        The upload is queued first, so remote deletions that retention queues run after it, when the remote
-        `latest` already names the new checkpoint.
-        """
-        if self.mirror is not None:
-            self.mirror.submit(directory)
-        self.manager.mark_latest(directory)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
@@ -155,7 +140,7 @@ class StepCheckpoint(pl.Callback):
             "strategy": self.strategy or type(trainer.strategy).__name__,
             "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
             "config_sha256": self.config_sha256,
-            "data_sha256": self.data_sha256,
+            DATA_SHA256_KEY: self.data_sha256,
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,

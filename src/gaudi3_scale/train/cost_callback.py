@@ -9,11 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from gaudi3_scale.checkpoint.manager import META_KEY, checkpoint_directory
+from gaudi3_scale.checkpoint.contents import COST_KEY, META_KEY
+from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.cost.live import (
     BUDGET_EXIT_CODE,
-    COST_META_KEY,
     SPOT_PAUSE_EXIT_CODE,
     CostMeter,
     SpotCheck,
@@ -65,14 +65,14 @@ class LiveCost(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        stored = checkpoint.get(META_KEY, {}).get(COST_META_KEY)
+        stored = checkpoint.get(META_KEY, {}).get(COST_KEY)
         if stored is not None:  # None: written before cost tracking was on; the sum starts here
             self.meter.cost_usd = float(stored)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint.setdefault(META_KEY, {})[COST_META_KEY] = self.meter.cost_usd
+        checkpoint.setdefault(META_KEY, {})[COST_KEY] = self.meter.cost_usd
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.meter.start(trainer.global_step)
@@ -120,7 +120,7 @@ def check_resume_budget(cfg: RunConfig, checkpoint: Path) -> None:
     """
     directory = checkpoint_directory(checkpoint)
     manifest = read_manifest(directory) or {}
-    stored = manifest.get(COST_META_KEY)
+    stored = manifest.get(COST_KEY)
     if cfg.cost.budget_usd is not None and stored is not None:
         check_budget_left(cfg.cost.budget_usd, float(stored), directory.name)
 

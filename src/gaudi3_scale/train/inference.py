@@ -3,64 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from gaudi3_scale.checkpoint.manager import STATE_NAME, checkpoint_directory, resolve_checkpoint
-from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
-from gaudi3_scale.checkpoint.sharded import consolidate, is_sharded, read_sharded_meta
+from gaudi3_scale.checkpoint.contents import STATE_DICT_KEY, model_weights, run_config
+from gaudi3_scale.checkpoint.manager import checkpoint_directory, resolve_checkpoint
+from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.generate import generate
-from gaudi3_scale.train.module import CONFIG_KEY
 
-__all__ = ["generate_text", "load_for_generation", "read_checkpoint", "read_model_state", "run_tokenizer_dir"]
-
-
-def read_checkpoint(
-    path: Path, *, mmap: bool = False, verify: bool = True, tensors: bool = True
-) -> dict[str, Any]:
-    """A checkpoint as a dict (weights_only load), or one line saying why it cannot be read.
-
-    `path` is a checkpoint directory (`step-X/`), its `state.ckpt`, or a plain Lightning checkpoint file. A
-    directory is read only if its manifest commits it and (with `verify`) every checksum matches. A sharded
-    checkpoint is consolidated into full tensors; with `tensors=False` only its non-tensor state is read.
-    """
-    path = Path(path)
-    directory = checkpoint_directory(path)
-    if directory.is_dir():
-        if verify or read_manifest(directory) is None:
-            problems = verify_checkpoint(directory)
-            if problems:
-                raise UserInputError(f"checkpoint {str(directory)!r} is not usable: {problems[0]}")
-        if is_sharded(directory):
-            return consolidate(directory) if tensors else read_sharded_meta(directory)
-        path = directory / STATE_NAME
-    if not path.is_file():
-        raise UserInputError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # torch raises many types for a damaged file; all mean the same to the user
-        raise UserInputError(
-            f"{path}: not a readable checkpoint ({type(exc).__name__}); pick another one"
-        ) from None
-    if not isinstance(ckpt, dict):
-        raise UserInputError(f"{path}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a mapping)")
-    return ckpt
+__all__ = ["generate_text", "load_for_generation", "read_model_state", "run_tokenizer_dir"]
 
 
 def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model's config and weights (keys as in `Transformer.state_dict()`) from a `gaudi3 train` checkpoint."""
     ckpt = read_checkpoint(path, mmap=mmap)
-    if CONFIG_KEY not in ckpt or "state_dict" not in ckpt:
+    config = run_config(ckpt)
+    if config is None or STATE_DICT_KEY not in ckpt:
         raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
-    prefix = "model."  # LanguageModel keeps the Transformer as `self.model`
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    return from_dict(ModelConfig, ckpt[CONFIG_KEY]["model"]), state
+    return from_dict(ModelConfig, config["model"]), model_weights(ckpt)
 
 
 def run_tokenizer_dir(checkpoint: Path) -> Path:

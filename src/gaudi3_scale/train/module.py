@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY
 from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
 from gaudi3_scale.distributed.parallelize import parallelize
@@ -36,9 +37,6 @@ __all__ = [
     "next_token_loss",
     "restore_rng_state",
 ]
-
-RNG_KEY = "gaudi3_rng"
-CONFIG_KEY = "gaudi3_config"  # the resolved run config, stored in every checkpoint
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -20,13 +20,13 @@ from typing import Any
 
 import yaml
 
+from gaudi3_scale.checkpoint.contents import run_config
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
+from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.counting import count_parameters
-from gaudi3_scale.train.inference import read_checkpoint
-from gaudi3_scale.train.module import CONFIG_KEY
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -153,7 +153,7 @@ def register_export(
 ) -> RegisteredVersion:
     """Log `export_dir` with the checkpoint's config and metrics as an MLflow run; register it as a new version."""
     ckpt = read_checkpoint(checkpoint, mmap=True)
-    config = ckpt.get(CONFIG_KEY) or {}
+    config = run_config(ckpt) or {}
     metrics = _checkpoint_metrics(checkpoint)
     found = client.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else client.create_experiment(experiment)

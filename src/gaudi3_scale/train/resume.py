@@ -8,6 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.checkpoint.contents import (
+    OPTIMIZER_STATES_KEY,
+    run_config,
+    trained_data_sha256,
+    zero_layout,
+)
 from gaudi3_scale.checkpoint.manager import (
     CheckpointManager,
     checkpoint_directory,
@@ -15,11 +21,10 @@ from gaudi3_scale.checkpoint.manager import (
     state_path,
 )
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.inference import read_checkpoint
-from gaudi3_scale.train.module import CONFIG_KEY
 
 __all__ = [
     "check_resume_compatible",
@@ -38,15 +43,14 @@ def _read_meta(checkpoint: Path) -> dict[str, Any]:
 
 def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
     """The resolved run config a checkpoint was trained with (None for checkpoints that predate storing it)."""
-    saved = _read_meta(checkpoint).get(CONFIG_KEY)
-    return saved if isinstance(saved, dict) else None
+    return run_config(_read_meta(checkpoint))
 
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
     ckpt = _read_meta(checkpoint)
     check_resume_strategy(ckpt, config.get("parallel", {}))
-    saved = ckpt.get(CONFIG_KEY)
+    saved = run_config(ckpt)
     if saved is None:
         return
     for section, keys in (
@@ -75,7 +79,7 @@ def check_resume_data(
     The dataset's name and tokenizer may be unchanged while its content is not (the source text edited, the cache
     rebuilt): continuing would silently train the old run on new data. Checkpoints that predate the record pass.
     """
-    saved = (read_manifest(checkpoint_directory(checkpoint)) or {}).get("data_sha256")
+    saved = trained_data_sha256(read_manifest(checkpoint_directory(checkpoint)))
     if saved is None or data_sha256 is None or saved == data_sha256:
         return
     what = f"other tokens than the checkpoint {checkpoint_directory(checkpoint).name} was trained on"
@@ -93,18 +97,16 @@ def check_resume_data(
 
 def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
     """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
-    states = ckpt.get("optimizer_states") or []
-    saved = states[0] if states else {}
     strategy = parallel.get("strategy")
     world = int(parallel.get("nproc_per_node", 1)) * int(parallel.get("nnodes", 1))
-    if "zero_partitions" in saved:
-        want, ranks = f"deepspeed_zero{saved['zero_stage']}", saved["world_size"]
+    if (layout := zero_layout(ckpt)) is not None:
+        want, ranks = f"deepspeed_zero{layout[0]}", layout[1]
         if strategy != want or world != ranks:
             raise UserInputError(
                 f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
                 f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
             )
-    elif states and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
+    elif ckpt.get(OPTIMIZER_STATES_KEY) and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
         raise UserInputError(
             f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
             "one with the strategy that wrote it, or start a new --out directory"

@@ -21,12 +21,7 @@ import lightning.pytorch as pl
 import torch
 from rich.console import Console
 
-from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
-from gaudi3_scale.checkpoint.manager import (
-    CheckpointManager,
-    RetentionPolicy,
-    VerifiedCheckpointIO,
-)
+from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.cost.live import check_cost_config
@@ -56,7 +51,6 @@ from gaudi3_scale.train.step import StepState, step_state_of
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 if TYPE_CHECKING:
-    from gaudi3_scale.checkpoint.remote import RemoteMirror
     from gaudi3_scale.monitor.prometheus import MetricsEndpoint
 
 __all__ = ["GaudiTrainer"]
@@ -260,21 +254,20 @@ class GaudiTrainer:
         )
         trackers = build_trackers(self.config, out, metrics)  # monitor.loggers; None when none are named
         ckpt_cfg = self.config.checkpoint
-        policy = RetentionPolicy(
-            keep_last=ckpt_cfg.keep_last,
-            keep_every_steps=ckpt_cfg.keep_every_steps,
-            keep_best=ckpt_cfg.keep_best,
-        )
-        manager = CheckpointManager(out / "checkpoints", policy)
-        mirror = self._start_mirror(manager, metrics)
+        # Rank 0 uploads committed checkpoints to checkpoint.remote_url; local copies stay until verified.
+        checkpointer = self._checkpointer = Checkpointer(
+            ckpt_cfg, out / "checkpoints", rank=_global_rank(), warn=self._warn
+        ).start()
+        if (mirror := checkpointer.mirror) is not None:
+            metrics.sources.append(lambda: mirror.status().as_metrics())
         checkpoint = StepCheckpoint(
-            manager,
+            checkpointer.manager,
             every_steps=ckpt_cfg.every_steps,
             val_every_steps=cfg.val_every_steps,
             metrics=metrics,
             warn=self._warn,
             config_sha256=config_sha256(self.config),
-            mirror=mirror,
+            commit=checkpointer.commit,
             enabled=ckpt_cfg.enabled,
             data_sha256=self._data_sha256,
             tokens_per_step=state.tokens_per_step,
@@ -338,7 +331,7 @@ class GaudiTrainer:
             "deterministic": cfg.deterministic,
             "default_root_dir": str(out),
             "callbacks": callbacks + self.extra_callbacks,
-            "plugins": [AsyncVerifiedCheckpointIO() if ckpt_cfg.async_save else VerifiedCheckpointIO()],
+            "plugins": [checkpointer.io],
         }
         if plan.accelerator == "hpu":
             # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
@@ -406,11 +399,7 @@ class GaudiTrainer:
                 watcher.stop()
             if self._live_cost is not None and self._live_cost.spot is not None:
                 self._live_cost.spot.prices.close()
-            mirror = self._checkpoint.mirror
-            if mirror is not None:
-                if mirror.wait(self.config.checkpoint.remote_drain_timeout_s):
-                    self._checkpoint.manager.apply_retention()  # what waited for its upload to be verified
-                mirror.close(timeout_s=self.config.checkpoint.remote_drain_timeout_s)
+            self._checkpointer.close()  # drains uploads, applies the retention that waited on them
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
         if trainer.is_global_zero:
@@ -425,21 +414,6 @@ class GaudiTrainer:
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         return summary
-
-    def _start_mirror(self, manager: CheckpointManager, metrics: RunMetrics) -> RemoteMirror | None:
-        """Rank 0 uploads committed checkpoints to `checkpoint.remote_url`; local copies stay until verified."""
-        cfg = self.config.checkpoint
-        if not cfg.remote_url or _global_rank() != 0:
-            return None
-        from gaudi3_scale.checkpoint.remote import RemoteMirror
-
-        mirror = RemoteMirror(cfg.remote_url, max_backoff_s=cfg.remote_max_backoff_s, warn=self._warn)
-        manager.can_delete = mirror.is_verified
-        manager.on_delete = lambda path: mirror.delete_remote(path.name)
-        for _, path in manager.committed():  # uploads a crash interrupted; cheap for verified ones
-            mirror.submit(path)
-        metrics.sources.append(lambda: mirror.status().as_metrics())
-        return mirror
 
     def _start_metrics_endpoint(self, trainer: pl.Trainer) -> MetricsEndpoint | None:
         """This rank's Prometheus endpoint (`monitor.metrics_port`); a busy port is one line before training."""

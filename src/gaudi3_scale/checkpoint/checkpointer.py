@@ -1,0 +1,126 @@
+"""One object for a run's checkpoints: directory and retention, Lightning's checkpoint IO, the remote mirror.
+
+    with Checkpointer(run.checkpoint, out / "checkpoints", rank=rank, warn=warn) as checkpointer:
+        trainer = pl.Trainer(plugins=[checkpointer.io], ...)   # saves commit through checkpointer.commit
+        ...
+    # leaving: uploads drained (up to checkpoint.remote_drain_timeout_s), retention applied, mirror closed
+
+`start()` (which `with` calls) starts the mirror on rank 0 and re-submits every committed checkpoint, so uploads a
+crash interrupted resume (verified ones only cost a read-back). `commit(directory)` is what happens after a
+manifest is written: queue the upload first, then move `latest` and apply retention, so remote deletions that
+retention queues run after the upload, when the remote `latest` already names the new checkpoint. A checkpoint
+waiting for its upload to be verified is never deleted locally. Reading checkpoints is `checkpoint.reader`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
+from gaudi3_scale.checkpoint.config import CheckpointConfig
+from gaudi3_scale.checkpoint.manager import CheckpointManager, RetentionPolicy
+from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
+
+if TYPE_CHECKING:
+    from gaudi3_scale.checkpoint.remote import RemoteMirror
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """Owns a run's `CheckpointManager` (retention from `config`), its Lightning checkpoint IO (asynchronous with
+    `config.async_save`) and, from `start()` to `close()`, the remote mirror of `config.remote_url`.
+
+    `rank` is the process's global rank: rank 0 alone commits single-file checkpoints and uploads. `warn`
+    receives the mirror's outage and recovery lines. `storage_options` go to fsspec (`RemoteMirror`).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        directory: Path,
+        *,
+        rank: int = 0,
+        warn: Callable[[str], None] | None = None,
+        storage_options: dict[str, object] | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self._warn = warn
+        self._storage_options = storage_options
+        self.mirror: RemoteMirror | None = None
+        self._started = self._closed = False
+        self.manager = CheckpointManager(
+            directory,
+            RetentionPolicy.from_config(config),
+            can_delete=self._uploaded,
+            on_delete=self._deleted,
+        )
+        io_type = AsyncVerifiedCheckpointIO if config.async_save else VerifiedCheckpointIO
+        # Lightning writes single-file checkpoints on rank 0 only; other ranks never commit.
+        self.io: VerifiedCheckpointIO = io_type(on_commit=self.commit if rank == 0 else None)
+
+    def start(self) -> Checkpointer:
+        """Rank 0: start mirroring to `config.remote_url` and queue every committed checkpoint not yet verified."""
+        assert not self._started, "Checkpointer.start() called twice"
+        self._started = True
+        if not self.config.remote_url or self.rank != 0:
+            return self
+        from gaudi3_scale.checkpoint.remote import RemoteMirror
+
+        self.mirror = mirror = RemoteMirror(
+            self.config.remote_url,
+            storage_options=self._storage_options,
+            max_backoff_s=self.config.remote_max_backoff_s,
+            warn=self._warn,
+        )
+        for _, path in self.manager.committed():  # uploads a crash interrupted; cheap for verified ones
+            mirror.submit(path)
+        return self
+
+    def commit(self, directory: Path) -> None:
+        """After a checkpoint's manifest is written (rank 0): queue its upload, move `latest`, apply retention."""
+        if self.mirror is not None:
+            self.mirror.submit(directory)
+        self.manager.mark_latest(directory)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the save in flight is committed (raising its `CheckpointSaveError`) and every queued upload
+        is verified; False when uploads are still pending after `timeout_s` (None: no limit)."""
+        if isinstance(self.io, AsyncVerifiedCheckpointIO):
+            self.io.wait()
+        return self.mirror.wait(timeout_s) if self.mirror is not None else True
+
+    def close(self) -> None:
+        """End of the run: wait up to `config.remote_drain_timeout_s` for uploads; if all were verified, apply the
+        retention that waited on them; stop the mirror (what is left unmirrored is named in a warning).
+
+        A save in flight is not waited for here: Lightning's teardown does (`AsyncVerifiedCheckpointIO.teardown`),
+        and raising its error from a `finally` would hide the exception that ended training.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        mirror = self.mirror
+        if mirror is None:
+            return
+        timeout_s = self.config.remote_drain_timeout_s
+        if mirror.wait(timeout_s):
+            self.manager.apply_retention()  # what waited for its upload to be verified
+        mirror.close(timeout_s=timeout_s)
+
+    def __enter__(self) -> Checkpointer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _uploaded(self, path: Path) -> bool:
+        """Retention may delete `path`: no mirror, or its remote copy is verified."""
+        return self.mirror is None or self.mirror.is_verified(path)
+
+    def _deleted(self, path: Path) -> None:
+        if self.mirror is not None:
+            self.mirror.delete_remote(path.name)
