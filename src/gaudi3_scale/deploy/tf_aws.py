@@ -27,7 +27,7 @@ from gaudi3_scale.deploy.tf_common import (
 
 __all__ = ["render_aws"]
 
-# Instance families with EFA (AWS EFA user guide, "Supported instance types"; facts.md: p5.48xlarge supports EFA).
+# Instance families with EFA (AWS EFA user guide, "Supported instance types").
 _EFA_PREFIXES = ("p4d.", "p4de.", "p5.48xlarge", "p5e.", "p5en.")
 _USER_DATA_BYTES = 16 * 1024
 
