@@ -2,7 +2,7 @@
 
 Exit codes: 0 done (or stopped by Ctrl-C), 2 bad input (another run holding the output directory included), 3
 cost.budget_usd reached, 4 paused by the spot policy (both with a committed checkpoint; not restartable on purpose,
-see `cost.live`), 128 + signal after a preemption checkpoint (restartable). The same with several ranks: the
+see `metering.live`), 128 + signal after a preemption checkpoint (restartable). The same with several ranks: the
 launcher passes SIGTERM, SIGUSR1 and Ctrl-C on to them and exits as they do.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["run_training"]
 
 
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
-    from gaudi3_scale.cost.live import BudgetExhaustedError
+    from gaudi3_scale.metering.live import BudgetExhaustedError
 
     try:
         _run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
@@ -31,8 +31,8 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
 
 def _run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
-    from gaudi3_scale.cost.live import STOP_HINTS, check_cost_config, stop_line
     from gaudi3_scale.distributed.launch import inside_launched_worker, launch
+    from gaudi3_scale.metering.live import STOP_HINTS, check_cost_config, stop_line
     from gaudi3_scale.monitor.trackers import check_trackers
 
     if cfg.parallel.world_size > 1 and not inside_launched_worker():

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gaudi3_scale.bench.config import BenchmarkConfig
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
@@ -26,11 +25,12 @@ from gaudi3_scale.config.core import (
 )
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
-from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
+from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.monitor.config import MonitorConfig
+from gaudi3_scale.train.bench_config import BenchmarkConfig
 from gaudi3_scale.train.spot import AWS_SPOT_URL
 
 __all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.cost.catalog import Instance, load_instances
-from gaudi3_scale.cost.config import CostConfig
+from gaudi3_scale.metering.catalog import Instance, load_instances
+from gaudi3_scale.metering.config import CostConfig
 
 if TYPE_CHECKING:
-    from gaudi3_scale.cost.spot import CachedSpotPrices, SpotDecision, SpotPolicy, SpotPriceProvider
+    from gaudi3_scale.metering.spot import CachedSpotPrices, SpotDecision, SpotPolicy, SpotPriceProvider
 
 __all__ = [
     "BUDGET_EXIT_CODE",
@@ -282,7 +282,7 @@ def uses_spot_quotes(cfg: CostConfig) -> bool:
 
 
 def _spot_provider(cfg: CostConfig) -> SpotPriceProvider:
-    from gaudi3_scale.cost.spot import spot_provider
+    from gaudi3_scale.metering.spot import spot_provider
 
     try:
         return spot_provider(
@@ -308,7 +308,7 @@ def check_cost_config(cfg: CostConfig) -> ResolvedPrice | None:
 
 def build_spot_check(cfg: CostConfig, warn: Callable[[str], None]) -> SpotCheck:
     """The provider named by `cost.spot_provider` behind a cache, and the policy (`uses_spot_quotes` only)."""
-    from gaudi3_scale.cost.spot import CachedSpotPrices, SpotPolicy
+    from gaudi3_scale.metering.spot import CachedSpotPrices, SpotPolicy
 
     key = cfg.instance_key
     assert uses_spot_quotes(cfg) and key is not None
