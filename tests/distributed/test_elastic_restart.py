@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from gaudi3_scale.train.inference import read_checkpoint
+from gaudi3_scale.checkpoint.read import read_checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gaudi3_scale.train.inference import load_for_generation, read_checkpoint
+from gaudi3_scale.artifacts.inference import load_for_generation, read_checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -168,8 +168,8 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
     _assert_bitwise_equal(optim_a, optim_b, "optimizer")
     # The whole checkpoint, what `gaudi3 ckpt diff` compares: data position and every RNG state included.
     from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.checkpoint.read import read_checkpoint
     from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
-    from gaudi3_scale.train.inference import read_checkpoint
 
     whole = [read_checkpoint(Path(summary["checkpoint"])) for summary in (straight, second)]
     assert first_difference(*whole, keys=DIFF_KEYS) is None

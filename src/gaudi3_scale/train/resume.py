@@ -15,10 +15,10 @@ from gaudi3_scale.checkpoint.manager import (
     state_path,
 )
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.read import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
 __all__ = [

@@ -22,10 +22,10 @@ import yaml
 
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
+from gaudi3_scale.checkpoint.read import read_checkpoint
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.counting import count_parameters
-from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
 __all__ = [

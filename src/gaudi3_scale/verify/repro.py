@@ -20,8 +20,8 @@ from typing import Any
 
 from gaudi3_scale.checkpoint.inspect import Difference, first_difference
 from gaudi3_scale.checkpoint.manager import CheckpointManager
+from gaudi3_scale.checkpoint.read import read_checkpoint
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.train.inference import read_checkpoint
 from gaudi3_scale.train.report import read_metrics
 
 __all__ = [
