@@ -42,11 +42,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gaudi3_scale.artifacts.export import export_checkpoint
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.data.tokenizers import ByteTokenizer
 from gaudi3_scale.models import build_model, count_parameters, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
-from gaudi3_scale.train.export import export_checkpoint
 from gaudi3_scale.train.module import CONFIG_KEY
 
 RESULTS = Path(__file__).parent / "results" / "serve"

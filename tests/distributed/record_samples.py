@@ -16,8 +16,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from gaudi3_scale.cli.config_cmd import resolve_config
 from gaudi3_scale.train import GaudiTrainer
+from gaudi3_scale.train.config import resolve_config
 
 
 class RecordSamples(pl.Callback):

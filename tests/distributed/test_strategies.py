@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gaudi3_scale.artifacts.inference import load_for_generation
 from gaudi3_scale.checkpoint.reader import read_checkpoint
-from gaudi3_scale.train.inference import load_for_generation
 
 pytestmark = pytest.mark.distributed
 

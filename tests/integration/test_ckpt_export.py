@@ -17,16 +17,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from gaudi3_scale.artifacts.export import EXPORT_FORMATS, TIED_ALIAS, load_exported
+from gaudi3_scale.artifacts.inference import load_for_generation, read_model_state
+from gaudi3_scale.artifacts.register import fetch_registered
 from gaudi3_scale.cli.main import cli, main
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model, get_model_config
 from gaudi3_scale.serve.loading import load_served_model, resolve_source
-from gaudi3_scale.train.export import EXPORT_FORMATS, TIED_ALIAS, load_exported
-from gaudi3_scale.train.inference import load_for_generation, read_model_state
 from gaudi3_scale.train.module import CONFIG_KEY
-from gaudi3_scale.train.register import fetch_registered
 
 pytestmark = pytest.mark.integration
 

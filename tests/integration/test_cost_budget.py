@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gaudi3_scale.config.core import parse_overrides
-from gaudi3_scale.cost.spot import SpotPriceError, SpotQuote, register_spot_provider
+from gaudi3_scale.metering.spot import SpotPriceError, SpotQuote, register_spot_provider
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import pytest
 
 from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
 from gaudi3_scale.cli.main import cli, main
-from gaudi3_scale.train.repro import MODES, compare_runs
+from gaudi3_scale.verify.repro import MODES, compare_runs
 
 pytestmark = pytest.mark.integration
 

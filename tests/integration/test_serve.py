@@ -28,6 +28,9 @@ import pytest
 import torch
 
 from conftest import CliResult
+from gaudi3_scale.artifacts import export as exporter
+from gaudi3_scale.artifacts.export import export_checkpoint
+from gaudi3_scale.artifacts.inference import load_for_generation
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.data.tokenizers import ByteTokenizer
 from gaudi3_scale.models import build_model, count_parameters, get_model_config
@@ -36,9 +39,6 @@ from gaudi3_scale.serve import loading
 from gaudi3_scale.serve.engine import Engine, last_position_logits
 from gaudi3_scale.serve.protocol import CompletionRequest
 from gaudi3_scale.train import GaudiTrainer, build_run_config
-from gaudi3_scale.train import export as exporter
-from gaudi3_scale.train.export import export_checkpoint
-from gaudi3_scale.train.inference import load_for_generation
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from gaudi3_scale.checkpoint.manager import STATE_NAME, CheckpointManager
 from gaudi3_scale.checkpoint.manifest import read_manifest, write_manifest
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.train import smoke as smoke_lib
+from gaudi3_scale.verify import smoke as smoke_lib
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gaudi3_scale.cli.errors import MAX_ERROR_CHARS
 from gaudi3_scale.cli.main import main
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import MAX_ERROR_CHARS, UserInputError
 
 _KEYS = ["--model.num_layers", "--model.dim", "--train.max_steps", "--train.precision", "--optim.lr",
          "--train.micro_batch_size", "--data.val_fraction", "--model.arch", "--nope", "--train", "-x", "--"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The catalog: accelerator specs (device/accelerators.yaml) and instance prices (cost/instances.yaml), sourced."""
+"""The catalog: accelerator specs (device/accelerators.yaml) and instance prices (metering/instances.yaml), sourced."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.cost.catalog import load_instances
 from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named, find_accelerator
+from gaudi3_scale.metering.catalog import load_instances
 
 
 def test_accelerator_specs_carry_sources_and_the_published_numbers() -> None:

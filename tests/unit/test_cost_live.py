@@ -9,8 +9,8 @@ import pytest
 
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.cost.config import CostConfig
-from gaudi3_scale.cost.live import (
+from gaudi3_scale.metering.config import CostConfig
+from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
     BudgetExhaustedError,
     CostMeter,
@@ -20,7 +20,7 @@ from gaudi3_scale.cost.live import (
     check_cost_config,
     resolve_price,
 )
-from gaudi3_scale.cost.spot import CachedSpotPrices, SpotPolicy, SpotQuote
+from gaudi3_scale.metering.spot import CachedSpotPrices, SpotPolicy, SpotQuote
 from gaudi3_scale.train.config import build_run_config
 
 
@@ -275,7 +275,7 @@ def test_spot_policy_scale_up_is_noted_once_per_change_and_pause_stops(tmp_path:
 
 
 def test_the_launcher_passes_the_cost_exit_codes_on_quietly() -> None:
-    from gaudi3_scale.cost.live import STOP_HINTS
     from gaudi3_scale.distributed.launch import EXPLAINED_EXIT_CODES, RESTARTABLE_EXIT_CODES
+    from gaudi3_scale.metering.live import STOP_HINTS
 
     assert set(STOP_HINTS) <= EXPLAINED_EXIT_CODES and not set(STOP_HINTS) & RESTARTABLE_EXIT_CODES

@@ -17,8 +17,8 @@ from urllib.parse import parse_qs
 import pytest
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.cost import spot
-from gaudi3_scale.cost.spot import (
+from gaudi3_scale.metering import spot
+from gaudi3_scale.metering.spot import (
     AwsSpotPrices,
     CachedSpotPrices,
     SpotPolicy,

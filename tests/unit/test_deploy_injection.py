@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from deploy_readers import GoYamlLikeLoader, re2_fullmatch, templatefile
-from gaudi3_scale.cli.config_cmd import resolve_config
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.deploy.render import render
 from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.train.config import resolve_config
 
 MARK = "injected"  # the file a command substitution in any payload would create (relative: each run's cwd)
 SOURCE = "x\nGAUDI3_EOF\n$(touch injected)`touch injected`\nRUN curl x|sh\n'\"\\ end"

@@ -29,15 +29,15 @@ import yaml
 
 from gaudi3_scale.bench.result import cell_section, failed_result, print_result, write_result
 from gaudi3_scale.bench.schema import load_result
-from gaudi3_scale.cli.config_cmd import resolve_config
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.cost.live import BUDGET_EXIT_CODE, SPOT_PAUSE_EXIT_CODE
 from gaudi3_scale.deploy.collect import collect_pod_logs, collect_results, kubectl_logs
 from gaudi3_scale.deploy.k8s_job import PYTORCHJOB_SCHEMA, RETRYABLE_EXIT_CODES
 from gaudi3_scale.deploy.kubernetes import FILES, render_k8s
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES
+from gaudi3_scale.metering.live import BUDGET_EXIT_CODE, SPOT_PAUSE_EXIT_CODE
+from gaudi3_scale.train.config import resolve_config
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "deploy" / "k8s"
 K8S_VERSION = "1.30"  # the oldest release kubernetes-validate bundles that has every field we use

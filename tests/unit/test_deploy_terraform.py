@@ -425,7 +425,7 @@ def test_instance_for_picks_the_catalog_instance_with_the_most_accelerators() ->
 
 
 def test_azure_and_gcp_catalog_entries_invent_no_price_or_region() -> None:
-    from gaudi3_scale.cost.catalog import load_instances
+    from gaudi3_scale.metering.catalog import load_instances
 
     entries = [i for i in load_instances().values() if i.provider in ("azure", "gcp")]
     assert {i.type for i in entries} >= {"Standard_ND96isr_H100_v5", "a3-highgpu-8g"}

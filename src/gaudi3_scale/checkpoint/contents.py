@@ -50,7 +50,6 @@ ZERO_PARTITIONS_KEY = (
 
 # Entries of META_KEY, hence of the manifest.
 DATA_SHA256_KEY = "data_sha256"  # the tokens trained on (data.manifest.tokens_sha256)
-# = cost.live.COST_META_KEY, spelled out: cost/ depends only on config and data files (STYLE: import flow).
 COST_KEY = "cost_usd"  # the run's accrued cost in USD
 
 # The top-level entries `gaudi3 ckpt diff` and `gaudi3 repro` compare bitwise: everything a resume restores.

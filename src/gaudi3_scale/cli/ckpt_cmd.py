@@ -115,7 +115,7 @@ def diff(a: Path, b: Path) -> None:
 @click.option(
     "--format",
     "fmt",
-    # = train.export.EXPORT_FORMATS (a test checks), spelled out because importing that module loads torch
+    # = artifacts.export.EXPORT_FORMATS (a test checks), spelled out because importing that module loads torch
     type=click.Choice(["safetensors", "hf"]),
     default="safetensors",
     show_default=True,
@@ -155,14 +155,14 @@ def export(
 ) -> None:
     """Write a checkpoint's model weights (a run directory: its newest checkpoint that verifies) as one
     safetensors file, or as a Hugging Face Llama directory."""
+    from gaudi3_scale.artifacts.export import export_checkpoint
     from gaudi3_scale.checkpoint.manager import resolve_checkpoint
-    from gaudi3_scale.train.export import export_checkpoint
 
     checkpoint = resolve_checkpoint(checkpoint, warn=_warn)
 
     client = uri = None
     if register_name is not None:  # checked before anything is written
-        from gaudi3_scale.train.register import check_registry, registry_uri
+        from gaudi3_scale.artifacts.register import check_registry, registry_uri
 
         uri = registry_uri(checkpoint, tracking_uri)
         client = check_registry(register_name, uri)
@@ -171,7 +171,7 @@ def export(
     names = ", ".join(path.relative_to(out_dir).as_posix() for path in written)
     click.echo(f"{out_dir}: {names} ({fmt}, {size_mb:,.1f} MB)")
     if register_name is not None:
-        from gaudi3_scale.train.register import register_export
+        from gaudi3_scale.artifacts.register import register_export
 
         registered = register_export(
             out_dir, register_name, checkpoint=checkpoint, fmt=fmt, client=client, tracking_uri=str(uri),

@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from rich.console import Console
 from rich.table import Table
 
-from gaudi3_scale.config.core import field_help, iter_fields, parse_overrides, type_name
-from gaudi3_scale.train.config import RunConfig, build_run_config
+from gaudi3_scale.config.core import field_help, iter_fields, type_name
+from gaudi3_scale.train.config import RunConfig
 
-__all__ = ["list_config_fields", "print_models", "resolve_config", "wide_console"]
+__all__ = ["list_config_fields", "print_models", "wide_console"]
 
 
 def wide_console() -> Console:
     """Tables stay readable when stdout is a pipe or a file (rich assumes 80 columns there)."""
     console = Console()
     return console if console.is_terminal else Console(width=140)
-
-
-def resolve_config(
-    config_path: str | None,
-    overrides: Sequence[str],
-    *,
-    out_dir: str | None = None,
-    resume: str | None = None,
-) -> RunConfig:
-    pairs = parse_overrides(list(overrides))
-    if out_dir is not None:
-        pairs.append(("out_dir", out_dir))
-    if resume is not None:
-        pairs.append(("train.resume", resume))
-    return build_run_config(config_path, pairs)
 
 
 def list_config_fields() -> None:

@@ -109,8 +109,8 @@ def catalog_cmd(catalog_file: str | None) -> None:
     from rich.table import Table
 
     from gaudi3_scale.cli.config_cmd import wide_console
-    from gaudi3_scale.cost.catalog import load_instances
     from gaudi3_scale.device.specs import ACCELERATORS
+    from gaudi3_scale.metering.catalog import load_instances
 
     def known(value: float | None, spec: str = ",.2f") -> str:
         return "unknown" if value is None else format(value, spec)

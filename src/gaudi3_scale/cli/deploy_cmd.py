@@ -6,9 +6,8 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.cli.errors import print_error
 from gaudi3_scale.cli.options import Count
-from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.errors import UserInputError, brief, print_error
 from gaudi3_scale.config.files import parse_yaml_value
 
 __all__ = ["deploy"]
@@ -60,10 +59,10 @@ def render_cmd(
     force: bool,
 ) -> None:
     """Render the deployment of CONFIG on NODES machines with ACCELERATOR for TARGET into OUT."""
-    from gaudi3_scale.cli.config_cmd import resolve_config
     from gaudi3_scale.config.core import to_dict
     from gaudi3_scale.deploy.render import render, write_files
     from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node
+    from gaudi3_scale.train.config import resolve_config
 
     if not Path(config_path).is_file():
         raise UserInputError(f"--config: {config_path} is not a file")

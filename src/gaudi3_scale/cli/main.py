@@ -18,14 +18,12 @@ from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.cost_cmd import cost
 from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.deploy_cmd import deploy
-from gaudi3_scale.cli.errors import print_error
 from gaudi3_scale.cli.options import Count, Number, Seed, launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
-from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
-from gaudi3_scale.config.numbers import parse_number
+from gaudi3_scale.config.errors import UserInputError, print_error
 
 __all__ = ["VERBS", "benchmark_alias", "cli", "deploy_alias", "main", "train_alias"]
 
@@ -83,19 +81,17 @@ def train(
     **launch: Any,
 ) -> None:
     """Train a model (default: shakespeare-char on the bundled corpus); several ranks with --nproc-per-node."""
-    from gaudi3_scale.cli.config_cmd import list_config_fields, resolve_config
+    from gaudi3_scale.cli.config_cmd import list_config_fields
+    from gaudi3_scale.train.config import config_yaml, resolve_config
+    from gaudi3_scale.train.worker import profile_overrides
 
     if list_fields:
         list_config_fields()
         return
-    overrides = (*overrides, *launch_overrides(launch), *_profile_overrides(profile))
+    overrides = (*overrides, *launch_overrides(launch), *profile_overrides(profile))
     cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
     if print_config:
-        import yaml
-
-        from gaudi3_scale.config.core import to_dict
-
-        click.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False), nl=False)
+        click.echo(config_yaml(cfg), nl=False)
         return
     from gaudi3_scale.cli.train_cmd import run_training
 
@@ -106,22 +102,6 @@ def train(
     worker_args += [*(["--resume", resume] if resume else []), "--sample-tokens", str(sample_tokens)]
     worker_args += [*([] if progress else ["--no-progress"]), *overrides]
     run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
-
-
-def _profile_overrides(profile: str | None) -> list[str]:
-    """`--profile START:END` as the `train.profile_*` overrides (the window is checked with the config)."""
-    if profile is None:
-        return []
-    start_text, sep, end_text = profile.partition(":")
-    try:
-        start, end = (int(parse_number("--profile", t, integer=True)) for t in (start_text, end_text))
-    except ConfigError:
-        start = end = -1
-    if not (sep and 0 <= start < end):
-        raise click.UsageError(
-            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {brief(profile)}"
-        )
-    return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={end - start}"]
 
 
 @cli.command()
@@ -168,7 +148,7 @@ def generate(
     tokenizer_dir: str | None,
 ) -> None:
     """Sample text from a checkpoint (its step-X directory or state.ckpt)."""
-    from gaudi3_scale.train.inference import generate_text, load_for_generation
+    from gaudi3_scale.artifacts.inference import generate_text, load_for_generation
 
     model, tok = load_for_generation(Path(checkpoint), tokenizer_dir)
     click.echo(

@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gaudi3_scale.cli.errors import print_error
 from gaudi3_scale.cli.options import Count, launch_options, launch_overrides
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, print_error
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from gaudi3_scale.train.repro import Comparison, ReproPlan, RunSpec
+    from gaudi3_scale.verify.repro import Comparison, ReproPlan, RunSpec
 
 __all__ = ["repro"]
 
@@ -43,7 +42,7 @@ REPORT_NAME = "repro.json"
 )
 @click.option(
     "--mode",
-    # = train.repro.MODES (a test checks), spelled out because importing that module loads torch
+    # = verify.repro.MODES (a test checks), spelled out because importing that module loads torch
     type=click.Choice(["twice", "resume"]),
     default="twice",
     show_default=True,
@@ -70,8 +69,8 @@ def repro(
     **launch: Any,
 ) -> None:
     """Train twice with the same config and seed and compare per-step losses and the final checkpoint bitwise."""
-    from gaudi3_scale.cli.config_cmd import resolve_config
-    from gaudi3_scale.train.repro import plan_runs
+    from gaudi3_scale.train.config import resolve_config
+    from gaudi3_scale.verify.repro import plan_runs
 
     if out_dir is not None and out_dir.exists() and any(out_dir.iterdir()):
         raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
@@ -110,7 +109,7 @@ def _run_both(plan: ReproPlan, commands: list[list[str]], directory: Path, repor
 
 def _finish(plan: ReproPlan, directory: Path, report: dict[str, Any], *, keep: bool) -> None:
     from gaudi3_scale.checkpoint.contents import DIFF_KEYS
-    from gaudi3_scale.train.repro import compare_runs
+    from gaudi3_scale.verify.repro import compare_runs
 
     a, b = plan.runs
     comparison = compare_runs(a.out_dir, b.out_dir, first_step=plan.compare_from_step, last_step=plan.steps,
@@ -134,7 +133,7 @@ def _train(plan: ReproPlan, run: RunSpec, command: list[str], console: Console) 
     """One `gaudi3 train` subprocess with a progress bar over its logged steps; (exit code, seconds)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TimeElapsedColumn
 
-    from gaudi3_scale.train.repro import logged_step, run_training_process
+    from gaudi3_scale.verify.repro import logged_step, run_training_process
 
     description = f"run {run.name} ({run.label})"
     start = time.perf_counter()
@@ -173,7 +172,7 @@ def _print_table(plan: ReproPlan, comparison: Comparison, report_path: Path) -> 
     from rich.table import Table
 
     from gaudi3_scale.cli.config_cmd import wide_console
-    from gaudi3_scale.train.repro import COMPARED_FIELDS
+    from gaudi3_scale.verify.repro import COMPARED_FIELDS
 
     first, last = comparison.steps.start, comparison.steps.stop - 1
     verdict = "[green]identical[/]" if comparison.identical else "[red]DIFFERENT[/]"

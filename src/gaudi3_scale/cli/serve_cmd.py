@@ -60,8 +60,8 @@ def serve(
     if tracking_uri is not None and not model_or_checkpoint.startswith("models:/"):
         raise UserInputError("--tracking-uri is for a registered model argument (models:/NAME/VERSION) only")
     if model_or_checkpoint.startswith("models:/"):
+        from gaudi3_scale.artifacts.register import fetch_registered
         from gaudi3_scale.data.sources import default_cache_dir
-        from gaudi3_scale.train.register import fetch_registered
 
         path = fetch_registered(model_or_checkpoint, tracking_uri, default_cache_dir() / "registry")
         name = name or model_or_checkpoint.split("/")[1]

@@ -17,7 +17,7 @@ from gaudi3_scale.cli.options import Count
 from gaudi3_scale.config.errors import UserInputError
 
 if TYPE_CHECKING:
-    from gaudi3_scale.train.smoke import StageResult
+    from gaudi3_scale.verify.smoke import StageResult
 
 __all__ = ["smoke"]
 
@@ -35,7 +35,7 @@ BUDGET_S = 120.0  # the smoke tier's promise: 100 steps + checkpoint round trip 
 @click.option("--keep", is_flag=True, help="keep the temporary run directory (--out is always kept)")
 def smoke(out_dir: Path | None, steps: int, keep: bool) -> None:
     """Smoke test: train, save a checkpoint, verify its checksums and reload it; each stage timed."""
-    from gaudi3_scale.train.smoke import run_smoke
+    from gaudi3_scale.verify.smoke import run_smoke
 
     if out_dir is not None and out_dir.exists() and any(out_dir.iterdir()):
         raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")

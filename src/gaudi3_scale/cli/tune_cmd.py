@@ -134,7 +134,8 @@ def tune(
     Every trial is a short real `gaudi3 train` run in its own process group; the winner is written as a YAML
     that `gaudi3 train --config` takes. Exit 0 with a winner, 1 when nothing fits, 2 on bad input.
     """
-    from gaudi3_scale.cli.config_cmd import resolve_config, wide_console
+    from gaudi3_scale.cli.config_cmd import wide_console
+    from gaudi3_scale.train.config import resolve_config
     from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 
     base = resolve_config(config_path, overrides)

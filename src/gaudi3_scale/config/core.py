@@ -98,14 +98,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
-        errors = []
         for opt in options:
             if opt is type(None):
                 continue
             try:
                 return _coerce(opt, value, path)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                continue  # the next option may fit; the error below names them all
         raise ConfigError(path, f"expected {_describe(tp)}, got {brief(value)}")
     if origin is Literal:
         allowed = get_args(tp)

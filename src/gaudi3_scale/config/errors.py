@@ -15,7 +15,7 @@ import math
 import reprlib
 from typing import Any
 
-__all__ = ["ConfigError", "UserInputError", "brief"]
+__all__ = ["MAX_ERROR_CHARS", "ConfigError", "UserInputError", "brief", "error_line", "print_error"]
 
 
 class UserInputError(ValueError):
@@ -63,3 +63,25 @@ def brief(value: Any) -> str:
     """`repr(value)` for an error message: at most `BRIEF_CHARS` characters, and quick, whatever the value."""
     text = _BRIEF.repr(value)
     return text if len(text) <= BRIEF_CHARS else f"{text[: BRIEF_CHARS - 12]}…{text[-11:]}"
+
+
+# The one place the CLI (and a training worker) prints an error: `gaudi3: error: <one line>` on stderr, at most
+# `MAX_ERROR_CHARS` long. Messages quote user values briefly already (`brief`); the cap is the backstop for what
+# still comes through long (a 5,000-character path, a tool's own message). 500, not less: the longest honest line
+# today, an unknown `train.` field with the allowed ones listed, is ~350 characters.
+MAX_ERROR_CHARS = 500
+_TAIL_CHARS = 120  # the end of a message usually says what is allowed: keep it
+
+
+def error_line(message: str) -> str:
+    """`gaudi3: error: …`, one line, cut in the middle when longer than `MAX_ERROR_CHARS`."""
+    line = "gaudi3: error: " + " ".join(message.splitlines())
+    if len(line) > MAX_ERROR_CHARS:
+        line = f"{line[: MAX_ERROR_CHARS - _TAIL_CHARS - 3]} … {line[-_TAIL_CHARS:]}"
+    return line
+
+
+def print_error(message: str) -> None:
+    import click  # the CLI's dependency; this module stays importable without it
+
+    click.echo(error_line(message), err=True)

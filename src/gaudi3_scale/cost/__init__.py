@@ -1,11 +1,13 @@
-"""Cost and capacity planning: the instance price catalog, time/cost/energy estimates per platform, reports, and
-(in `cost.live` / `cost.spot`) live cost tracking with budgets and spot prices.
+"""Cost and capacity planning (a tool): time/cost/energy estimates per platform and reports.
 
-The package's names load lazily: `cost.catalog` and `cost.spot` stay importable without torch."""
+The live side a training run uses (instance catalog, live cost accrual with budgets, spot prices, the `cost` config
+section) lives below the trainer in `gaudi3_scale.metering`. The package's names load lazily."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gaudi3_scale.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gaudi3_scale.cost.analyzer import CostAnalyzer
@@ -13,14 +15,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CostAnalyzer", "CostComparison", "PlatformEstimate", "compare_training_cost"]
 
+_LAZY = {
+    "CostAnalyzer": "gaudi3_scale.cost.analyzer",
+    "CostComparison": "gaudi3_scale.cost.estimate",
+    "PlatformEstimate": "gaudi3_scale.cost.estimate",
+    "compare_training_cost": "gaudi3_scale.cost.estimate",
+}
 
-def __getattr__(name: str) -> Any:
-    if name == "CostAnalyzer":
-        from gaudi3_scale.cost.analyzer import CostAnalyzer
-
-        return CostAnalyzer
-    if name in ("CostComparison", "PlatformEstimate", "compare_training_cost"):
-        from gaudi3_scale.cost import estimate
-
-        return getattr(estimate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

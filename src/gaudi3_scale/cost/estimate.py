@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.cost.catalog import Instance, load_instances
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
+from gaudi3_scale.metering.catalog import Instance, load_instances
 
 if TYPE_CHECKING:
     from gaudi3_scale.models.config import ModelConfig

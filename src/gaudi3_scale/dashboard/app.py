@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gaudi3_scale.dashboard import formatting
+import gaudi3_scale.dashboard.formatting as formatting
 from gaudi3_scale.dashboard.bench import benchmark_cells, report_html
 from gaudi3_scale.dashboard.checkpoints import CheckpointVerifier
 from gaudi3_scale.dashboard.costs import CostStore, live_cost

@@ -1,6 +1,6 @@
 """The cost view: what a run has spent (from its metrics) and what training it would cost elsewhere (TCO).
 
-Accrued, rate, projected total and budget are the `cost_*` fields `cost.live.CostMeter` writes into every
+Accrued, rate, projected total and budget are the `cost_*` fields `metering.live.CostMeter` writes into every
 metrics record when cost tracking is on. The comparison is `cost.estimate.compare_training_cost` for the run's
 model on its planned tokens (train.max_steps × train.global_batch_size × model.context_length), at an assumed MFU,
 formatted with `cost.report.usd` as `gaudi3 cost compare` prints it; unknown stays "unknown".

@@ -47,7 +47,7 @@ IMAGE_UID = (
 # python:3.11.15-slim is a published tag (Docker Hub); 3.11 is the oldest Python the package supports.
 CUDA_PYTHON_VERSION = "3.11.15"
 # Intel's image path is vault.habana.ai/gaudi-docker/<SW>/<os>/habanalabs/pytorch-installer-<torch>:<tag>
-# (docs.habana.ai quick start; reference/facts.md). Intel's docs show `:latest`; build-number tags such as
+# (docs.habana.ai quick start). Intel's docs show `:latest`; build-number tags such as
 # 1.24.0-1007 are published too (seen pulled by Gaudi users), so the default is pinned and `:latest` is one
 # --build-arg away. Ubuntu 24.04, not 22.04: the 22.04 images ship Python 3.10 and the package needs >= 3.11.
 GAUDI_BASE = {"sw": "1.24.0", "os": "ubuntu24.04", "torch": "2.10.0", "tag": "1.24.0-1007"}

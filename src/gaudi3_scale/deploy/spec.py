@@ -9,18 +9,11 @@ from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.grammar import RUN_NAME, check_host, check_image, check_region, matches
+from gaudi3_scale.deploy.instances import ACCELERATORS, instance_for
 
 __all__ = ["ACCELERATORS", "TARGETS", "DeploySpec"]
 
 TARGETS = ("aws", "azure", "gcp", "onprem", "k8s")
-# Accelerators a deployment can ask for (names of device/accelerators.yaml entries, by their short alias).
-ACCELERATORS = {
-    "gaudi3": "gaudi3",
-    "gaudi2": "gaudi2",
-    "h100": "h100-sxm",
-    "h200": "h200-sxm",
-    "a100": "a100-sxm",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +82,8 @@ def default_image(accelerator: str) -> str:
 
 
 def default_per_node(target: str, accelerator: str) -> int:
-    """Accelerators per node: the catalog instance's for a cloud target (`deploy.terraform` picks the instance),
+    """Accelerators per node: the catalog instance's for a cloud target (`deploy.instances` picks the instance),
     else 8 (8-device HGX / Gaudi OAM baseboards)."""
     if target in ("aws", "azure", "gcp"):
-        from gaudi3_scale.deploy.terraform import instance_for
-
         return instance_for(target, accelerator).accelerators_per_node
     return 8

@@ -9,10 +9,10 @@ the node's rank (see `deploy/bootstrap.py`). A cloud without the accelerator is 
 
 from __future__ import annotations
 
+from gaudi3_scale.deploy.instances import instance_for
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.tf_aws import render_aws
 from gaudi3_scale.deploy.tf_azure import render_azure
-from gaudi3_scale.deploy.tf_common import instance_for
 from gaudi3_scale.deploy.tf_gcp import render_gcp
 
 __all__ = ["instance_for", "render_aws", "render_azure", "render_gcp"]

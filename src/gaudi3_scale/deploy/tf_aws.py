@@ -11,12 +11,12 @@ EFA-only interface per card for full bandwidth, which this file does not do yet.
 from __future__ import annotations
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.deploy.instances import instance_for
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
     Variable,
     common_variables,
     default_region,
-    instance_for,
     outputs_tf,
     region_variable,
     render_bootstrap,
@@ -27,7 +27,7 @@ from gaudi3_scale.deploy.tf_common import (
 
 __all__ = ["render_aws"]
 
-# Instance families with EFA (AWS EFA user guide, "Supported instance types"; facts.md: p5.48xlarge supports EFA).
+# Instance families with EFA (AWS EFA user guide, "Supported instance types").
 _EFA_PREFIXES = ("p4d.", "p4de.", "p5.48xlarge", "p5e.", "p5en.")
 _USER_DATA_BYTES = 16 * 1024
 

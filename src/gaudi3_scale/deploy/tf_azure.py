@@ -11,13 +11,13 @@ authenticate with their user-assigned identity (AZURE_CLIENT_ID); `checkpoint.re
 from __future__ import annotations
 
 from gaudi3_scale.deploy.grammar import KEY_VAULT_NAME
+from gaudi3_scale.deploy.instances import instance_for
 from gaudi3_scale.deploy.quoting import hcl_string
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
     Variable,
     common_variables,
     default_region,
-    instance_for,
     outputs_tf,
     region_variable,
     render_bootstrap,

@@ -1,4 +1,4 @@
-"""What the three Terraform targets share: the catalog instance, HCL text helpers and the node bootstrap template.
+"""What the three Terraform targets share: HCL text helpers, the variables and the node bootstrap template.
 
 Each cloud module (`tf_aws`, `tf_azure`, `tf_gcp`) renders `versions.tf`, `variables.tf`, `main.tf`, `outputs.tf`
 and `bootstrap.sh.tftpl` into `terraform/` (run `terraform init && terraform apply` there, or `gaudi3 deploy apply`). `main.tf` and `outputs.tf` are fixed text that reads only variables; what a render
@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.cost.catalog import Instance, load_instances
 from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
 from gaudi3_scale.deploy.containers import IMAGE_UID
 from gaudi3_scale.deploy.grammar import OCI_REFERENCE, REGIONS, RUN_NAME, SECRET_NAME, anchored
 from gaudi3_scale.deploy.quoting import hcl_string, sh_heredoc, tftpl_literal
-from gaudi3_scale.deploy.spec import ACCELERATORS, DeploySpec
+from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.metering.catalog import Instance
 
 __all__ = [
     "BOOTSTRAP",
@@ -27,7 +26,6 @@ __all__ = [
     "Variable",
     "common_variables",
     "default_region",
-    "instance_for",
     "regex_validation",
     "region_variable",
     "render_bootstrap",
@@ -38,28 +36,9 @@ __all__ = [
 
 BOOTSTRAP = "bootstrap.sh.tftpl"  # the per-node script, filled in by Terraform's templatefile()
 TF_DIR = "terraform"  # the rendered Terraform's directory under --out (beside docker/ and the other targets')
-UNKNOWN_REGION = "unknown"  # the catalog's region of an entry with no sourced region (cost/instances.yaml)
-
-
-def instance_for(target: str, accelerator: str) -> Instance:
-    """The catalog instance `target` rents for `accelerator` (most accelerators per node first); none is one line
-    naming what the catalog does have."""
-    wanted = ACCELERATORS.get(accelerator, accelerator)
-    catalog = sorted(load_instances().values(), key=lambda i: (i.provider, -i.accelerators_per_node, i.type))
-    offered = [i for i in catalog if i.provider == target and i.accelerator == wanted]
-    if offered:
-        return offered[0]
-    own = [f"{i.type} ({i.accelerators_per_node} × {i.accelerator})" for i in catalog if i.provider == target]
-    elsewhere = sorted({f"{i.provider} {i.type}" for i in catalog if i.accelerator == wanted})
-    where = (
-        f"{accelerator} is offered by {', '.join(elsewhere)}"
-        if elsewhere
-        else f"no cloud in the catalog offers {accelerator}: use --target onprem or k8s"
-    )
-    raise UserInputError(
-        f"--target {target} --accelerator {accelerator}: {target} offers no {wanted} instance in the catalog; "
-        f"{target} instances that exist: {', '.join(own) or 'none'}; {where}"
-    )
+UNKNOWN_REGION = (
+    "unknown"  # the catalog's region of an entry with no sourced region (metering/instances.yaml)
+)
 
 
 def tf_files(

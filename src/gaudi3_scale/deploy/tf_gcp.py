@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.grammar import GCP_PROJECT
+from gaudi3_scale.deploy.instances import instance_for
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.deploy.tf_common import (
     REQUIRED,
     Variable,
     common_variables,
     default_region,
-    instance_for,
     outputs_tf,
     regex_validation,
     region_variable,

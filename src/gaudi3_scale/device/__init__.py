@@ -4,7 +4,9 @@ Names load lazily, so the spec table (`device.specs`) is importable without torc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gaudi3_scale.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gaudi3_scale.device.float8 import apply_float8, check_float8_supported
@@ -21,18 +23,14 @@ __all__ = [
     "plan_device",
 ]
 
+_LAZY = {
+    "apply_float8": "gaudi3_scale.device.float8",
+    "check_float8_supported": "gaudi3_scale.device.float8",
+    "DevicePlan": "gaudi3_scale.device.select",
+    "plan_device": "gaudi3_scale.device.select",
+    "ACCELERATORS": "gaudi3_scale.device.specs",
+    "AcceleratorSpec": "gaudi3_scale.device.specs",
+    "find_accelerator": "gaudi3_scale.device.specs",
+}
 
-def __getattr__(name: str) -> Any:
-    if name in ("apply_float8", "check_float8_supported"):
-        from gaudi3_scale.device import float8
-
-        return getattr(float8, name)
-    if name in ("DevicePlan", "plan_device"):
-        from gaudi3_scale.device import select
-
-        return getattr(select, name)
-    if name in ("ACCELERATORS", "AcceleratorSpec", "find_accelerator"):
-        from gaudi3_scale.device import specs
-
-        return getattr(specs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -40,7 +40,7 @@ __all__ = [
 
 RESTARTABLE_EXIT_CODES = {138, 143}  # 128 + SIGUSR1, 128 + SIGTERM: a worker saved a checkpoint and stopped
 # Workers exiting with one of these already printed why in one line: 2 bad input, 3 cost budget reached, 4 paused
-# by the spot policy (cost.live BUDGET_EXIT_CODE / SPOT_PAUSE_EXIT_CODE). The launcher exits the same, quietly.
+# by the spot policy (metering.live BUDGET_EXIT_CODE / SPOT_PAUSE_EXIT_CODE). The launcher exits the same, quietly.
 EXPLAINED_EXIT_CODES = {2, 3, 4}
 # What a run handles (train.callbacks.GracefulInterrupt): the launcher passes each on to its workers.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

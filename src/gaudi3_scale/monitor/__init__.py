@@ -5,17 +5,15 @@ without it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gaudi3_scale.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 
 __all__ = ["mfu", "peak_memory_bytes"]
 
+_LAZY = {"mfu": "gaudi3_scale.monitor.perf", "peak_memory_bytes": "gaudi3_scale.monitor.perf"}
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from gaudi3_scale.monitor import perf
-
-        return getattr(perf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -71,8 +71,8 @@ METRIC_NAMES: dict[str, str] = {
     "cost_budget_remaining_usd": "cost/budget_remaining_usd",
     "cost_budget_warning": "cost/budget_warning",
     "projected_finish_unix": "cost/projected_finish_unix",
-    "spot_price_usd_per_hour": "cost/spot_price_usd_per_hour",
-    "spot_decision": "cost/spot_decision",
+    "spot_price_usd_per_hour": "metering/spot_price_usd_per_hour",
+    "spot_decision": "metering/spot_decision",
 }
 
 # Logged by the LightningModule itself (`self.log("val/loss")`), which Lightning passes on to the loggers: not

@@ -1,7 +1,7 @@
 """What `gaudi3 serve MODEL_OR_CHECKPOINT` can serve, and loading it with its tokenizer.
 
     run directory            its newest checkpoint that verifies (`<run>/checkpoints/`), tokenizer `<run>/tokenizer/`
-    step-X/ or its state.ckpt a `gaudi3 train` checkpoint (`train.inference.load_for_generation`)
+    step-X/ or its state.ckpt a `gaudi3 train` checkpoint (`artifacts.inference.load_for_generation`)
     export                   `gaudi3 ckpt export` (either format: model_config.json or a Llama config.json, plus
                              model.safetensors), tokenizer `<export>/tokenizer/`, else an HF tokenizer.json at the top
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelSource", "ServedModel", "load_served_model", "resolve_source"]
 
-# = train.export.MODEL_CONFIG_NAME / HF_CONFIG_NAME / TOKENIZER_DIR, spelled out so that resolving a path does not
+# = artifacts.export.MODEL_CONFIG_NAME / HF_CONFIG_NAME / TOKENIZER_DIR, spelled out so that resolving a path does not
 # import torch (a test checks they agree)
 EXPORT_CONFIG = "model_config.json"
 HF_CONFIG = "config.json"
@@ -85,12 +85,12 @@ def load_served_model(
     from gaudi3_scale.models import count_parameters
 
     if source.kind == "export":
-        from gaudi3_scale.train.export import load_exported
+        from gaudi3_scale.artifacts.export import load_exported
 
         model: nn.Module = load_exported(source.path)
         tokenizer = load_tokenizer(_export_tokenizer_dir(source.path, tokenizer_dir))
     else:
-        from gaudi3_scale.train.inference import load_for_generation
+        from gaudi3_scale.artifacts.inference import load_for_generation
 
         model, tokenizer = load_for_generation(source.path, tokenizer_dir)
     cfg = model.config

@@ -1,4 +1,5 @@
-"""`python -m gaudi3_scale.train …` (what torchrun launches) is `gaudi3 train …`."""
+"""`python -m gaudi3_scale.train …` (what torchrun and `gaudi3 train --nproc-per-node N` start in every rank): one
+training process, `train.worker`."""
 
 import sys
 
@@ -7,6 +8,6 @@ from gaudi3_scale.distributed.launch import stop_with_launcher
 # First, before the slow imports: a launcher that dies from here on takes this rank with it (SIGTERM).
 stop_with_launcher()
 
-from gaudi3_scale.cli.main import main  # noqa: E402
+from gaudi3_scale.train.worker import main  # noqa: E402
 
-main(["train", *sys.argv[1:]])
+main(sys.argv[1:])

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gaudi3_scale.bench.config import BenchmarkConfig
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
@@ -22,20 +21,22 @@ from gaudi3_scale.config.core import (
     from_dict,
     load_yaml,
     merge_mappings,
+    parse_overrides,
     to_dict,
 )
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
-from gaudi3_scale.cost.config import CostConfig
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import resolve_strategy
+from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.monitor.config import MonitorConfig
+from gaudi3_scale.train.bench_config import BenchmarkConfig
 from gaudi3_scale.train.spot import AWS_SPOT_URL
 
-__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config"]
+__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config", "config_yaml", "resolve_config"]
 
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -360,3 +361,27 @@ def build_run_config(
     raw.setdefault("name", preset_name)  # runs/<preset>/ unless the run is named
     _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)
+
+
+def resolve_config(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    out_dir: str | None = None,
+    resume: str | None = None,
+) -> RunConfig:
+    """The run config of `--config FILE`, `--section.field VALUE` overrides, `--out` and `--resume` (`gaudi3 train`
+    and its workers)."""
+    pairs = parse_overrides(list(overrides))
+    if out_dir is not None:
+        pairs.append(("out_dir", out_dir))
+    if resume is not None:
+        pairs.append(("train.resume", resume))
+    return build_run_config(config_path, pairs)
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (`--print-config`)."""
+    import yaml
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

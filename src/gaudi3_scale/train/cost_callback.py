@@ -1,4 +1,4 @@
-"""LiveCost: the training callback over `cost.live` (accrual, projections, budget, spot policy)."""
+"""LiveCost: the training callback over `metering.live` (accrual, projections, budget, spot policy)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from gaudi3_scale.checkpoint.contents import COST_KEY, META_KEY
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
-from gaudi3_scale.cost.live import (
+from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
     SPOT_PAUSE_EXIT_CODE,
     CostMeter,
@@ -32,7 +32,7 @@ __all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
 
 
 class LiveCost(pl.Callback):
-    """Live cost at every optimizer step (accounting in `cost.live.CostMeter`): metrics, budget, spot policy.
+    """Live cost at every optimizer step (accounting in `metering.live.CostMeter`): metrics, budget, spot policy.
 
     It must come before RunMetrics, GracefulInterrupt and StepCheckpoint in the callback list: a metrics record
     then shows the cost up to its own step, and a stop asked for at a step boundary happens after that very step.

@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from gaudi3_scale.profiler import GaudiProfiler
+from gaudi3_scale.monitor.profiler import GaudiProfiler
 from gaudi3_scale.train.step import at_step_boundary
 
 __all__ = ["StepProfiler"]

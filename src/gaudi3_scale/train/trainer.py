@@ -24,13 +24,13 @@ from rich.console import Console
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.cost.live import check_cost_config
 from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
 from gaudi3_scale.data.manifest import tokens_sha256
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy
+from gaudi3_scale.metering.live import check_cost_config
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.monitor.trackers import build_trackers, check_trackers
@@ -97,7 +97,7 @@ class GaudiTrainer:
     checkpointing and metrics. A module that sets `tokens_per_step` and `flops_per_token` also gets tokens/s and
     MFU (`train.step.step_state_of`).
 
-    With a `cost` price the run's cost is tracked live (`cost.live`); a run that reaches `cost.budget_usd` or is
+    With a `cost` price the run's cost is tracked live (`metering.live`); a run that reaches `cost.budget_usd` or is
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
     `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
 
@@ -336,7 +336,7 @@ class GaudiTrainer:
         if plan.accelerator == "hpu":
             # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
             # (hpu plans only hold bf16-mixed, bf16-true or 32-true: the plugin's Literal.)
-            from gaudi3_scale.precision import GaudiMixedPrecision
+            from gaudi3_scale.device.precision import GaudiMixedPrecision
 
             kwargs["plugins"].append(GaudiMixedPrecision(plan.precision))  # type: ignore[arg-type]
         else:

@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.space import Candidate, SearchSpace
@@ -334,13 +333,3 @@ def search(
         skipped_for_time=s.skipped_for_time,
         notes=s.notes,
     )
-
-
-def outcome_summary(outcome: SearchOutcome) -> dict[str, Any]:
-    return {
-        "trials_run": outcome.trials_run,
-        "trials_cached": outcome.trials_cached,
-        "wall_s": outcome.wall_s,
-        "limit": outcome.limit,
-        "notes": outcome.notes,
-    }

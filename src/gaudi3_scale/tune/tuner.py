@@ -7,7 +7,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -350,7 +350,3 @@ def print_report(result: TuneResult, console: Console) -> None:
     console.print(
         f"results: {result.out_dir}/ (tune.json, trials.csv, trials.jsonl, trials/)", highlight=False
     )
-
-
-def replace_budget(config: TuneConfig, budget: int) -> TuneConfig:
-    return replace(config, memory_budget_bytes=budget)

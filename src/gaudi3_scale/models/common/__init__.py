@@ -1,6 +1,7 @@
 """Building blocks shared by the model families: attention, MLPs, norms, rotary embeddings.
 
-Everything here is written for one device; parallelism is applied from the outside (see STYLE.md).
+Everything here is written for one device; parallelism is applied from the outside
+(`distributed.parallelize`).
 """
 
 from gaudi3_scale.models.common.attention import Attention

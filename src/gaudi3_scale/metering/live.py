@@ -7,7 +7,7 @@ step boundary and turns its decisions into a clean stop.
 step, validation and periodic checkpoint saves included: the instances are paid for while they run. Data
 preparation, model building and loading a checkpoint before training, and the save and validation after the last
 step, are not counted, so the figure is a slight lower bound of the bill. The accrued cost is stored in every
-checkpoint (`COST_META_KEY` in its `gaudi3_meta`, hence also in its manifest), so a resumed run continues the sum.
+checkpoint (`checkpoint.contents.COST_KEY` in its `gaudi3_meta`, hence also in its manifest), so a resumed run continues the sum.
 
 **Spot pricing**: until a live quote arrives the rate is `cost.price_usd_per_hour` or else the HIGH end of the
 catalog's spot range (a budget must not be undercounted); each quote read at a checkpoint boundary sets the rate.
@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.cost.catalog import Instance, load_instances
-from gaudi3_scale.cost.config import CostConfig
+from gaudi3_scale.metering.catalog import Instance, load_instances
+from gaudi3_scale.metering.config import CostConfig
 
 if TYPE_CHECKING:
-    from gaudi3_scale.cost.spot import CachedSpotPrices, SpotDecision, SpotPolicy, SpotPriceProvider
+    from gaudi3_scale.metering.spot import CachedSpotPrices, SpotDecision, SpotPolicy, SpotPriceProvider
 
 __all__ = [
     "BUDGET_EXIT_CODE",
-    "COST_META_KEY",
     "SPOT_PAUSE_EXIT_CODE",
     "STOP_HINTS",
     "BudgetExhaustedError",
@@ -58,7 +57,6 @@ STOP_HINTS = {
     SPOT_PAUSE_EXIT_CODE: "run the same command to resume once the spot price is lower "
     "(or raise cost.spot_pause_above_usd_per_hour)",
 }
-COST_META_KEY = "cost_usd"  # accrued USD, an entry of the checkpoint's gaudi3_meta (and so of its manifest)
 
 
 class BudgetExhaustedError(Exception):
@@ -282,7 +280,7 @@ def uses_spot_quotes(cfg: CostConfig) -> bool:
 
 
 def _spot_provider(cfg: CostConfig) -> SpotPriceProvider:
-    from gaudi3_scale.cost.spot import spot_provider
+    from gaudi3_scale.metering.spot import spot_provider
 
     try:
         return spot_provider(
@@ -308,7 +306,7 @@ def check_cost_config(cfg: CostConfig) -> ResolvedPrice | None:
 
 def build_spot_check(cfg: CostConfig, warn: Callable[[str], None]) -> SpotCheck:
     """The provider named by `cost.spot_provider` behind a cache, and the policy (`uses_spot_quotes` only)."""
-    from gaudi3_scale.cost.spot import CachedSpotPrices, SpotPolicy
+    from gaudi3_scale.metering.spot import CachedSpotPrices, SpotPolicy
 
     key = cfg.instance_key
     assert uses_spot_quotes(cfg) and key is not None

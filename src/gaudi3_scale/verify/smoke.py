@@ -133,8 +133,8 @@ def _fixed_batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 
 
 def _reload(state: _State) -> str:
+    from gaudi3_scale.artifacts.inference import load_for_generation, read_model_state
     from gaudi3_scale.models import build_model
-    from gaudi3_scale.train.inference import load_for_generation, read_model_state
 
     assert state.checkpoint is not None and state.trainer is not None, "train and save run before reload"
     model_cfg, saved = read_model_state(state.checkpoint)

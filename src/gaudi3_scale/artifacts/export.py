@@ -7,7 +7,7 @@
 
 Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
 safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
-`train.inference.read_model_state`, which also consolidates sharded checkpoints.
+`artifacts.inference.read_model_state`, which also consolidates sharded checkpoints.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gaudi3_scale.artifacts.inference import read_model_state, run_tokenizer_dir
 from gaudi3_scale.checkpoint.manifest import fsync_directory
 from gaudi3_scale.config.core import from_dict, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
@@ -30,7 +31,6 @@ from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 from gaudi3_scale.models.transformer import INIT_STD
-from gaudi3_scale.train.inference import read_model_state, run_tokenizer_dir
 
 __all__ = [
     "EXPORT_FORMATS",

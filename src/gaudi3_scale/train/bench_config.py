@@ -1,4 +1,8 @@
-"""The `benchmark` section of a run config: what makes a training run a benchmark cell."""
+"""The `benchmark` section of a run config: what makes a training run a benchmark cell.
+
+It lives here, beside the run config, and not in `bench/`: every run config has the section and the training run
+reads it (rank 0 writes the cell's result when `benchmark.result` is set), so the trainer must not reach up into
+the benchmark tool for it. `bench/` (matrices, runner, reports) imports it from here."""
 
 from __future__ import annotations
 

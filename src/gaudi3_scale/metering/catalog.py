@@ -139,7 +139,7 @@ def _read(text: str, where: str) -> list[Instance]:
 
 def load_instances(user_file: Path | None = None) -> dict[tuple[str, str, str], Instance]:
     """Shipped instances, then `user_file`'s (same provider, type and region: the user's entry wins)."""
-    shipped = (resources.files("gaudi3_scale.cost") / "instances.yaml").read_text()
+    shipped = (resources.files("gaudi3_scale.metering") / "instances.yaml").read_text()
     found = {i.key: i for i in _read(shipped, "instances.yaml")}
     if user_file is not None:
         text = read_text_file(user_file, what="catalog file")

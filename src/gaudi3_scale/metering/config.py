@@ -1,7 +1,7 @@
 """The `cost` section of a run config: what a run's instances cost, its budget, and the spot-price policy.
 
 Live cost tracking is on when a price can be resolved: `price_usd_per_hour`, or `instance` looked up in the catalog
-(`cost.live.resolve_price`). Everything here is checked without reading the catalog; what needs it (is the instance
+(`metering.live.resolve_price`). Everything here is checked without reading the catalog; what needs it (is the instance
 listed, is its price known) is checked when the run starts, before any rank is launched.
 """
 

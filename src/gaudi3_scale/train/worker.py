@@ -1,0 +1,191 @@
+"""One training process: what `python -m gaudi3_scale.train …` runs in every rank (the workers `gaudi3 train
+--nproc-per-node N` starts, or torchrun's), and the steps `gaudi3 train` shares with it when it trains in-process.
+
+The worker is the training loop and nothing above it: it fits, writes the run's outputs, prints where they are and
+why it stopped, and exits with the run's code. The benchmark cell result and the text sample after training are
+tools (`bench`, `artifacts`) that `gaudi3 train` runs itself, in its own process once the workers are done.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief, print_error
+from gaudi3_scale.config.numbers import parse_number
+from gaudi3_scale.train.config import RunConfig, config_yaml, resolve_config
+
+if TYPE_CHECKING:
+    from gaudi3_scale.train.trainer import GaudiTrainer
+
+__all__ = [
+    "FinishedRun",
+    "exit_if_stopped",
+    "fit_run",
+    "main",
+    "print_outputs",
+    "profile_overrides",
+    "stop_when_budget_exhausted",
+]
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    trainer: GaudiTrainer
+    summary: dict[str, Any]
+    exit_code: (
+        int  # 0, or why it stopped: budget / spot pause (3, 4), 128 + signal after a preemption checkpoint
+    )
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.trainer.trainer is None or self.trainer.trainer.is_global_zero
+
+
+@contextmanager
+def stop_when_budget_exhausted() -> Iterator[None]:
+    """A resumed run that has no budget left trains nothing: rank 0 says so in one line, every rank exits 3."""
+    from gaudi3_scale.metering.live import BudgetExhaustedError
+
+    try:
+        yield
+    except BudgetExhaustedError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+
+
+def fit_run(cfg: RunConfig, *, progress: bool) -> FinishedRun:
+    from gaudi3_scale.distributed.network import apply_network_preset
+    from gaudi3_scale.train.callbacks import preemption_exit_code
+    from gaudi3_scale.train.trainer import GaudiTrainer
+
+    # A single process, or a worker of a launcher that is not ours (torchrun -m gaudi3_scale.train): our launcher
+    # exported the preset already and a user's exports are never replaced, so this sets nothing twice.
+    apply_network_preset(cfg.parallel.network_preset)
+    trainer = GaudiTrainer(cfg, progress=progress)
+    summary = trainer.fit()
+    exit_code = summary.get("stop_exit_code") or preemption_exit_code(summary.get("stop_signal"))
+    return FinishedRun(trainer=trainer, summary=summary, exit_code=exit_code)
+
+
+def print_outputs(run: FinishedRun) -> None:
+    written = "config.yaml, metrics.jsonl, summary.json, loss.png" + (
+        ", checkpoints/" if run.summary.get("checkpoint") else ""
+    )
+    click.echo(f"outputs: {run.trainer.out_dir}/ ({written})")
+
+
+def exit_if_stopped(cfg: RunConfig, run: FinishedRun) -> None:
+    """A run that stopped early exits with its code and one line saying why (and whether to rerun)."""
+    from gaudi3_scale.metering.live import STOP_HINTS, stop_line
+
+    summary, exit_code = run.summary, run.exit_code
+    if exit_code in STOP_HINTS:
+        click.echo(
+            stop_line(
+                summary["stop_reason"],
+                exit_code,
+                checkpoint=cfg.checkpoint.enabled and bool(summary.get("checkpoint")),
+            ),
+            err=True,
+        )
+        sys.exit(exit_code)
+    if exit_code:
+        took = summary.get("signal_to_checkpoint_s")
+        click.echo(
+            f"stopped by {summary.get('stop_reason') or summary['stop_signal']} after step {summary['steps']}; checkpoint committed"
+            + (f" {took:.2f} s after the signal" if took is not None else "")
+            + f"; exit {exit_code} (restartable): run the same command to resume",
+            err=True,
+        )
+        sys.exit(exit_code)
+
+
+def profile_overrides(profile: str | None) -> list[str]:
+    """`--profile START:END` as the `train.profile_*` overrides (the window is checked with the config)."""
+    if profile is None:
+        return []
+    start_text, sep, end_text = profile.partition(":")
+    try:
+        start, end = (int(parse_number("--profile", t, integer=True)) for t in (start_text, end_text))
+    except ConfigError:
+        start = end = -1
+    if not (sep and 0 <= start < end):
+        raise click.UsageError(
+            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {brief(profile)}"
+        )
+    return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={end - start}"]
+
+
+@click.command(
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": ["-h", "--help"],
+    },
+    epilog="Any config field can be set as --section.field VALUE, e.g. --model.num_layers 6.",
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML")
+@click.option("--out", "out_dir", help="output directory (default runs/<name>)")
+@click.option("--resume", help="auto (default), never, or a checkpoint path")
+@click.option(
+    "--sample-tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    help="accepted for `gaudi3 train` compatibility: `gaudi3 train` prints the sample, the workers do not",
+)
+@click.option("--print-config", is_flag=True, help="print the resolved config as YAML and exit")
+@click.option("--progress/--no-progress", default=True, help="progress bar and summary table")
+@click.option(
+    "--profile",
+    default=None,
+    metavar="START:END",
+    help="record optimizer steps START..END-1 with torch.profiler into <out>/profile/",
+)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def worker(
+    config_path: str | None,
+    out_dir: str | None,
+    resume: str | None,
+    sample_tokens: int,
+    print_config: bool,
+    progress: bool,
+    profile: str | None,
+    overrides: tuple[str, ...],
+) -> None:
+    """Train in this process: one rank of `gaudi3 train --nproc-per-node N`, or of `torchrun -m gaudi3_scale.train`."""
+    del sample_tokens  # the launching `gaudi3 train` samples once the workers are done
+    cfg = resolve_config(
+        config_path, [*overrides, *profile_overrides(profile)], out_dir=out_dir, resume=resume
+    )
+    if print_config:
+        click.echo(config_yaml(cfg), nl=False)
+        return
+    with stop_when_budget_exhausted():
+        run = fit_run(cfg, progress=progress)
+        if not run.is_global_zero:
+            sys.exit(run.exit_code)
+        print_outputs(run)
+        exit_if_stopped(cfg, run)
+
+
+def main(argv: Sequence[str]) -> None:
+    """Bad input is one `gaudi3: error: …` line and exit 2, as from `gaudi3 train`."""
+    try:
+        worker.main(args=list(argv), prog_name="python -m gaudi3_scale.train", standalone_mode=False)
+    except click.exceptions.Abort:
+        print_error("aborted")
+        sys.exit(2)
+    except click.ClickException as exc:
+        print_error(exc.format_message().replace("\n", " "))
+        sys.exit(2)
+    except UserInputError as exc:
+        print_error(str(exc))
+        sys.exit(2)
