@@ -35,29 +35,14 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
 def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> float:
     """Start this node's ranks (`python -m gaudi3_scale.train`) and wait for them; returns when they started."""
-    from gaudi3_scale.checkpoint.reader import read_checkpoint
-    from gaudi3_scale.config.core import to_dict
     from gaudi3_scale.distributed.launch import launch
-    from gaudi3_scale.metering.live import check_cost_config
-    from gaudi3_scale.monitor.trackers import check_trackers
-    from gaudi3_scale.train.cost_callback import check_resume_budget
-    from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
+    from gaudi3_scale.train.preflight import check_run_inputs, resume_point
     from gaudi3_scale.train.run_lock import run_directory_lock
 
-    # What the workers would refuse, refused once here: one line instead of one per rank plus the launcher's.
-    # (The model section and the data are compared in the workers, once the dataset is prepared.)
-    if cfg.checkpoint.remote_url:
-        from gaudi3_scale.checkpoint.remote import open_remote
-
-        open_remote(cfg.checkpoint.remote_url)  # a bad URL: one line here, not one from rank 0 alone
-    check_cost_config(cfg.cost)
-    check_trackers(cfg.monitor)
+    check_run_inputs(cfg)
     # The launcher holds the run directory for its ranks (they join its lock): a second run is refused here.
     with run_directory_lock(cfg.output_dir, node_rank=cfg.parallel.node_rank):
-        ckpt = resume_checkpoint(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
-        if ckpt is not None:
-            check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
-            check_resume_budget(cfg, ckpt)
+        resume_point(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
         started = time.time()
         launch(cfg.parallel, worker_args)
     return started

@@ -30,19 +30,18 @@ from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy
-from gaudi3_scale.metering.live import check_cost_config
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
-from gaudi3_scale.monitor.trackers import build_trackers, check_trackers
+from gaudi3_scale.monitor.trackers import build_trackers
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost, check_resume_budget
+from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
+from gaudi3_scale.train.preflight import check_run_inputs, resume_point
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 from gaudi3_scale.train.resume import (
     check_resume_compatible,
     check_resume_data,
-    resume_checkpoint,
     saved_run_config,
 )
 from gaudi3_scale.train.run_lock import run_directory_lock
@@ -349,9 +348,8 @@ class GaudiTrainer:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         _quiet_lightning()
-        self._plan_device()
-        check_cost_config(self.config.cost)  # a bad instance or unknown price: one line before any data work
-        check_trackers(self.config.monitor)  # a tracker whose package is missing: likewise
+        self._plan_device()  # a missing accelerator first
+        check_run_inputs(self.config)  # one line before any data work (train.preflight)
         stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
         with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
             return self._fit(model, datamodule, started)
@@ -359,9 +357,7 @@ class GaudiTrainer:
     def _fit(
         self, model: pl.LightningModule | None, datamodule: pl.LightningDataModule | None, started: float
     ) -> dict[str, Any]:
-        ckpt_path = resume_checkpoint(self.config, warn=self._warn)
-        if ckpt_path is not None:
-            check_resume_budget(self.config, ckpt_path)  # spent: refused before any data work or file written
+        ckpt_path = resume_point(self.config, warn=self._warn)  # refused before any data work or file written
         # Python, numpy and torch global generators: nothing in our training draws from them (weights, data order
         # and dropout have their own seeded streams), but user code may, and checkpoints record them, so two runs
         # with the same seed must hold the same state. One stream per rank.

@@ -1,0 +1,43 @@
+"""What a run refuses before it trains, in one place: shared by `gaudi3 train`'s launcher (once, before it starts
+the ranks: one line instead of one per rank) and `GaudiTrainer.fit` (every process, also without our launcher).
+
+`check_run_inputs` runs before any data work; `resume_point` picks the checkpoint to resume from and refuses one
+this run cannot continue. The model section and the prepared data are compared with the checkpoint later, in the
+trainer, once the dataset is prepared (`train.resume.check_resume_compatible` / `check_resume_data`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from gaudi3_scale.checkpoint.reader import read_checkpoint
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.metering.live import check_cost_config
+from gaudi3_scale.monitor.trackers import check_trackers
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.cost_callback import check_resume_budget
+from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
+
+__all__ = ["check_run_inputs", "resume_point"]
+
+
+def check_run_inputs(cfg: RunConfig) -> None:
+    """One line, exit 2, for: a checkpoint.remote_url that cannot be opened, an unknown instance or price
+    (cost), a tracker whose package is missing (monitor)."""
+    if cfg.checkpoint.remote_url:
+        from gaudi3_scale.checkpoint.remote import open_remote
+
+        open_remote(cfg.checkpoint.remote_url)
+    check_cost_config(cfg.cost)
+    check_trackers(cfg.monitor)
+
+
+def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The checkpoint this run resumes from (`train.resume`), or None; refused with one line when its DeepSpeed
+    layout does not match `parallel` or its run already spent `cost.budget_usd` (`BudgetExhaustedError`)."""
+    ckpt = resume_checkpoint(cfg, warn=warn)
+    if ckpt is not None:
+        check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
+        check_resume_budget(cfg, ckpt)
+    return ckpt
