@@ -161,6 +161,17 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._clip_params = None  # the parameters may have been replaced since the last fit: list them again
         self._sync = gradient_sync(self.trainer.strategy.model)
 
+    def on_train_end(self) -> None:
+        self._drop_sync()
+
+    def teardown(self, stage: str) -> None:
+        self._drop_sync()  # also after a failed fit, where on_train_end does not run
+
+    def _drop_sync(self) -> None:
+        # The sync holds the strategy's wrapper (DDP and its reducer, or DeepSpeed's engine), which holds the process
+        # group: kept past the fit, gloo's threads outlive destroy_process_group and abort the process at exit.
+        self._sync = GradientSync()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Before training_step: Lightning runs it inside DDP's forward, which reads the sync flag first.
         state = self.step_state
