@@ -39,11 +39,17 @@ def parallelize(
     *,
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     mesh: Any = None,
+    device: torch.device | str | None = None,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
     """Apply `plan` to a freshly built single-device `model`; `loss(model, tokens, targets)` is the objective.
 
     `mesh` is the device mesh of a sharding strategy (its `data_parallel` dimension is what FSDP shards over).
     Parameter names, and therefore checkpoints, are the same whatever the plan applies.
+
+    A model built on the meta device (shapes only) is materialised last: after sharding, each rank allocates only
+    its shards on `device` and `init_weights(model)` fills them — with a layout-independent init
+    (`models.common.init`) the weights are bitwise those of a model built whole.
     """
     if plan.float8:
         from gaudi3_scale.device.float8 import apply_float8
@@ -75,6 +81,11 @@ def parallelize(
             reshard_after_forward=plan.reshard_after_forward,
             param_dtype=torch.bfloat16 if plan.bf16_params else None,
         )
+    if any(p.is_meta for p in model.parameters()):
+        if device is None or init_weights is None:
+            raise ValueError("a model built on meta needs a device and init_weights to be materialised")
+        model.to_empty(device=device)
+        init_weights(model)
     return Parallelized(model, loss_fn)
 
 

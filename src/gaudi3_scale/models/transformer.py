@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
+from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["Transformer", "TransformerBlock", "build_model"]
@@ -98,31 +99,34 @@ class Transformer(nn.Module):
         return self
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | int | None = None) -> None:
+    def init_weights(self, seed: torch.Generator | int | None = None) -> None:
         """(Re)initialize every parameter and buffer in place; call after `to_empty()` when built on meta.
 
-        `generator` is a torch.Generator on the parameters' device, an int seed, or None for the global RNG.
-        The same seed gives bitwise the same weights whether the model was built on meta or directly.
+        `seed` is an int, a torch.Generator to draw one from, or None to draw one from the global RNG. Values depend
+        only on the seed and each parameter's name (`models.common.init.fill_normal`): the same seed gives bitwise
+        the same weights whether the model was built on meta or directly, whole or as FSDP/TP shards on any number
+        of ranks.
         """
         device = self.tok_embeddings.weight.device
         if device.type == "meta":
             raise ValueError("init_weights needs real storage; call model.to_empty(device=...) first")
-        if isinstance(generator, int):
-            generator = torch.Generator(device=device).manual_seed(generator)
+        if not isinstance(seed, int):
+            device_of = seed.device if isinstance(seed, torch.Generator) else "cpu"
+            seed = int(torch.randint(0, 2**62, (1,), generator=seed, device=device_of))
         self._tie_weights()  # idempotent; guards against any other path that replaced the parameters
         residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         blocks = cast(list[TransformerBlock], list(self.layers))
         residual = {id(m) for block in blocks for m in block.residual_projections()}
-        for module in self.modules():
+        for name, module in self.named_modules():
             if module is self.output and self.config.tie_embeddings:
                 continue  # shares tok_embeddings.weight, initialized once
             if isinstance(module, nn.Linear):
                 std = residual_std if id(module) in residual else INIT_STD
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                fill_normal(module.weight, std, seed=seed, name=f"{name}.weight")
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, INIT_STD, generator=generator)
+                fill_normal(module.weight, INIT_STD, seed=seed, name=f"{name}.weight")
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
         if self.rope_cache is not None:

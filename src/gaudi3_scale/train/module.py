@@ -128,13 +128,24 @@ class LanguageModel(SteppedModule, pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        # Same weights on every rank and in every run with this seed, whatever consumed the global RNG before.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = build_model(self.model_cfg)
+        # Same weights on every rank, in every run with this seed and whatever the layout: the init depends only on
+        # the seed and each parameter's name (models.common.init). A sharding plan builds the model on meta and
+        # each rank allocates and initialises only its shards (parallelize), never the whole model.
+        plan = self.parallel_plan
+        if plan.shards_parameters:
+            with torch.device("meta"):
+                model = build_model(self.model_cfg)
+        else:
+            model = build_model(self.model_cfg, seed=self.seed)
         # A sharding strategy (ModelParallelStrategy) sets the device mesh before configure_model.
-        mesh = self.device_mesh if self.parallel_plan.shards_parameters else None
-        applied = parallelize(model, self.parallel_plan, loss=next_token_loss, mesh=mesh)
+        applied = parallelize(
+            model,
+            plan,
+            loss=next_token_loss,
+            mesh=self.device_mesh if plan.shards_parameters else None,
+            device=self.trainer.strategy.root_device if plan.shards_parameters else None,
+            init_weights=lambda built: built.init_weights(self.seed),  # type: ignore[operator]
+        )
         self.model = applied.model
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
         object.__setattr__(self, "_loss_fn", applied.loss_fn)

@@ -1,0 +1,82 @@
+"""Weight initialisation that does not depend on how the weights are laid out over devices.
+
+A parameter's initial values are a function of (seed, parameter name, element index) only. The flattened tensor
+is cut into fixed chunks of `CHUNK_ELEMENTS`; chunk k is drawn from a generator seeded with (seed, name, k). A rank
+that holds one shard of the parameter (an FSDP2 `Shard(0)` DTensor, or a tensor-parallel `Shard(1)` one) draws only
+the chunks its shard overlaps, so a model materialised shard by shard on any number of ranks holds bitwise the
+weights one process would build — and no rank ever allocates more than its shards plus one chunk.
+
+(torch's CPU generator cannot skip ahead, and DTensor's offset-based RNG only exists for CUDA-like devices; per-chunk
+seeding gives the same answer on every device and world size.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["CHUNK_ELEMENTS", "fill_normal"]
+
+CHUNK_ELEMENTS = 1 << 16  # a multiple of 16: torch's vectorised normal sampler fills whole blocks of 16
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive chunk indices over the seed space
+_MASK64 = (1 << 64) - 1
+
+
+def _key(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global shape, global offset of the local block) for a tensor or a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(tensor.shape), tuple(offset)
+    return tensor, tuple(tensor.shape), (0,) * tensor.ndim
+
+
+@torch.no_grad()
+def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> None:
+    """Fill `tensor` (or this rank's block of a DTensor) with N(0, std²) values that depend only on (seed, name,
+    element index in the full tensor)."""
+    local, shape, offset = _local_block(tensor)
+    if local.numel() == 0:
+        return
+    if local.ndim > 2:
+        raise ValueError(f"{name}: fill_normal handles 1-D and 2-D parameters, got shape {tuple(shape)}")
+    key = _key(seed, name)
+    cached: tuple[int, torch.Tensor] | None = None
+
+    def chunk(k: int) -> torch.Tensor:
+        nonlocal cached
+        if cached is None or cached[0] != k:
+            generator = torch.Generator().manual_seed((key + k * _GOLDEN) & _MASK64)
+            cached = (k, torch.randn(CHUNK_ELEMENTS, generator=generator))
+        return cached[1]
+
+    def segment(start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) of the flattened full tensor, in float32."""
+        out = torch.empty(length)
+        done = 0
+        while done < length:
+            k, within = divmod(start + done, CHUNK_ELEMENTS)
+            take = min(length - done, CHUNK_ELEMENTS - within)
+            out[done : done + take] = chunk(k)[within : within + take]
+            done += take
+        return out
+
+    rows = local if local.ndim == 2 else local.view(1, -1)
+    row_length = shape[1] if len(shape) == 2 else shape[0]
+    first_row = offset[0] if len(shape) == 2 else 0
+    first_col = offset[1] if len(shape) == 2 else offset[0]
+    if rows.shape[1] == row_length:  # whole rows: one contiguous segment of the flattened tensor
+        values = segment(first_row * row_length, rows.numel()).view(rows.shape)
+    else:  # a column block (tensor parallel Shard(1)): one segment per row
+        values = torch.stack(
+            [segment((first_row + i) * row_length + first_col, rows.shape[1]) for i in range(rows.shape[0])]
+        )
+    rows.copy_(values.mul_(std))

@@ -1,0 +1,45 @@
+"""Worker for test_meta_init: build a registry model on meta, shard it with FSDP2 over every rank
+(`distributed.parallelize`), let each rank materialise and initialise only its shards, and have rank 0 save the
+gathered full weights and each rank's bytes of parameter storage.
+
+    torchrun --nproc-per-node N materialize_shards.py MODEL SEED OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from gaudi3_scale.distributed.parallelize import parallelize
+from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.models import build_model, get_model_config
+from gaudi3_scale.train.module import next_token_loss
+
+
+def main(model_name: str, seed: int, out: str) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    with torch.device("meta"):
+        model = build_model(get_model_config(model_name).resolve_vocab(97))
+    parallelize(
+        model,
+        ParallelPlan(strategy="fsdp", world_size=world),
+        loss=next_token_loss,
+        mesh=mesh,
+        device="cpu",
+        init_weights=lambda built: built.init_weights(seed),  # type: ignore[operator]
+    )
+    local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    full = {name: p.full_tensor() for name, p in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save({"weights": full, "local_bytes": local_bytes}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
