@@ -26,7 +26,7 @@ EXPECTED = {
     "smoke": ["--keep", "--out", "--steps"],
     "repro": ["--config", "--keep", "--mode", "--out", "--steps",
               "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
-    "train": ["--config", "--list-fields", "--no-progress", "--out", "--print-config", "--profile", "--progress",
+    "train": ["--config", "--dry-run", "--list-fields", "--no-progress", "--out", "--print-config", "--profile", "--progress",
               "--resume", "--sample-tokens", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
     "tune": ["--accelerator", "--activation-checkpointing", "--compile", "--config", "--estimate-only",
              "--global-batch", "--lr-rule", "--measure-steps", "--memory-budget", "--no-estimate-pruning", "--out", "--precisions",

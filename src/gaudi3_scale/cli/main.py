@@ -66,6 +66,11 @@ def cli() -> None:
     metavar="[START:END]",
     help="record optimizer steps START..END-1 (alone: 5:10) with torch.profiler into <out>/profile/",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="build the model on meta, print each rank's parameter shards and estimated peak memory; train nothing",
+)
 @launch_options
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def train(
@@ -77,6 +82,7 @@ def train(
     sample_tokens: int,
     progress: bool,
     profile: str | None,
+    dry_run: bool,
     overrides: tuple[str, ...],
     **launch: Any,
 ) -> None:
@@ -93,7 +99,11 @@ def train(
     if print_config:
         click.echo(config_yaml(cfg), nl=False)
         return
-    from gaudi3_scale.cli.train_cmd import run_training
+    from gaudi3_scale.cli.train_cmd import print_dry_run, run_training
+
+    if dry_run:
+        print_dry_run(cfg)
+        return
 
     worker_args = [
         *(["--config", config_path] if config_path else []),

@@ -19,7 +19,7 @@ import click
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.worker import exit_if_stopped, fit_run, print_outputs, stop_when_budget_exhausted
 
-__all__ = ["run_training"]
+__all__ = ["print_dry_run", "run_training"]
 
 
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
@@ -93,3 +93,56 @@ def _print_sample(checkpoint: str | Path, sample_tokens: int, *, seed: int) -> N
     model, tokenizer = load_for_generation(checkpoint)
     click.echo("---- sample ----")
     click.echo(generate_text(model, tokenizer, "", max_new_tokens=sample_tokens, seed=seed))
+
+
+def print_dry_run(cfg: RunConfig) -> None:
+    """Build the model on meta, plan its shards and estimate each rank's peak memory; allocate and train nothing.
+
+    The estimate is `tune.memory`'s (the same as `gaudi3 tune --estimate-only`); the parameter shards are counted
+    exactly from the meta model (`distributed.shard_plan`).
+    """
+    import torch
+
+    from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
+    from gaudi3_scale.models import build_model
+    from gaudi3_scale.tune.estimate_table import resolved_model
+    from gaudi3_scale.tune.memory import estimate_memory
+
+    started = time.perf_counter()
+    model_cfg = resolved_model(cfg)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    built_s = time.perf_counter() - started
+    batch, plan = cfg.batch_plan(), cfg.parallel_plan()
+    device = cfg.train.device if cfg.train.device in ("cpu", "cuda", "hpu") else "cpu"
+    if cfg.train.device == "auto" and torch.cuda.is_available():
+        device = "cuda"
+    estimate = estimate_memory(
+        model_cfg,
+        strategy=plan.strategy,
+        world_size=plan.world_size,
+        micro_batch_size=batch.micro_batch_size,
+        precision=cfg.train.precision,
+        activation_checkpointing=plan.activation_checkpointing,
+        device_kind=device,
+    )
+    weight_bytes = 2 if estimate.precision == "bf16-true" else 4
+    shards = parameter_bytes_per_rank(model, plan, element_bytes=weight_bytes)
+    gib = 2**30
+    count = sum(p.numel() for p in model.parameters())
+    click.echo(
+        f"dry run: {model_cfg.name} ({count / 1e9:.3g} B parameters, built on meta in {built_s:.2f} s), "
+        f"{plan.strategy} on {plan.world_size} rank(s) ({cfg.parallel.nnodes} node(s)), {estimate.precision}, "
+        f"{device}; batch {batch.global_batch_size} = micro-batch {batch.micro_batch_size} × accumulation "
+        f"{batch.accumulation} × {batch.data_parallel_size} rank(s), context {model_cfg.context_length}"
+    )
+    click.echo(
+        f"parameters per rank: {shards[0] / gib:.2f} GiB on rank 0, {min(shards) / gib:.2f}–{max(shards) / gib:.2f} "
+        f"GiB over the ranks ({weight_bytes}-byte weights; whole model {count * weight_bytes / gib:.2f} GiB)"
+    )
+    parts = ", ".join(f"{name} {size / gib:.2f}" for name, size in estimate.rows())
+    click.echo(
+        f"estimated peak per rank: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} GiB; "
+        "tune.memory)"
+    )
+    click.echo("nothing was allocated, written or trained")

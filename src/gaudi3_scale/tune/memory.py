@@ -36,10 +36,11 @@ cross-entropy runs in fp32 under autocast), or the logits' gradient plus the hea
 (b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
 
 Phases. Not everything is alive at once: gradients are freed (set_to_none) after each step while activations are
-freed during backward. The peak is the largest of these moments, each summed term by term: "init" (model built
-whole before it is sharded), "backward start" (all activations, loss workspace), "backward end" (all gradients;
-a tied embedding/head then has three V·h gradients alive: the head's, the embedding's and their sum), "optimizer
-step". The breakdown reported is the one of the peak moment. Per strategy:
+freed during backward. The peak is the largest of these moments, each summed term by term: "init" (DeepSpeed: the
+model built whole before it is partitioned; FSDP builds on meta and has none), "backward start" (all activations,
+loss workspace), "backward end" (all gradients; a tied embedding/head then has three V·h gradients alive: the
+head's, the embedding's and their sum), "optimizer step". The breakdown reported is the one of the peak moment.
+Per strategy:
 * ddp: gradients live in all-reduce buckets for the whole run (`gradient_as_bucket_view=True`);
 * fsdp / fsdp_grad_op (FSDP2 `fully_shard` per block, then the root): shards of parameters, gradients and AdamW
   state over N; gathered copies of two blocks in backward (current + prefetch) or, with reshard_after_forward=False,
@@ -331,8 +332,8 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
             root_end,
         ),
     ]
-    if r.device_kind == "cpu":  # configure_model builds the whole model on the host before fully_shard
-        phases.append(_Phase("init", sh.params * _build_bytes(e) + sh.block * e.weight / n))
+    # No "init" phase: the model is built on meta and each rank allocates only its shards (parallelize), plus one
+    # parameter's shard of fp32 values while initialising it (models.common.init), far below the step's peak.
     return phases
 
 

@@ -1,0 +1,53 @@
+"""`gaudi3 train --dry-run`: llama3-70b built on meta, its shards planned for 64 ranks and each rank's peak
+estimated, in seconds, with nothing allocated or written."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
+from gaudi3_scale.models import build_model, get_model_config
+
+
+def test_dry_run_plans_llama3_70b_on_64_ranks_without_allocating(tmp_path: Path) -> None:
+    args = ["train", "--dry-run", "--model.name", "llama3-70b", "--parallel.strategy", "fsdp", "--nproc-per-node",
+            "8", "--nnodes", "8", "--rdzv-endpoint", "node0:29500", "--train.device", "cuda", "--train.precision",
+            "bf16-mixed", "--train.global_batch_size", "512", "--train.micro_batch_size", "1",
+            "--parallel.activation_checkpointing", "true", "--out", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert (
+        "llama3-70b (70.6 B parameters" in out and "fsdp on 64 rank(s) (8 node(s)), bf16-mixed, cuda" in out
+    )
+    assert "batch 512 = micro-batch 1 × accumulation 8 × 64 rank(s), context 8192" in out
+    with torch.device("meta"):
+        model = build_model(get_model_config("llama3-70b"))
+    count = sum(p.numel() for p in model.parameters())
+    rank0 = parameter_bytes_per_rank(model, ParallelPlan(strategy="fsdp", world_size=64), element_bytes=4)[0]
+    assert f"parameters per rank: {rank0 / 2**30:.2f} GiB on rank 0" in out
+    assert f"whole model {count * 4 / 2**30:.2f} GiB" in out
+    peak = re.search(r"estimated peak per rank: ([\d.]+) GiB at (\w[\w ]*) \(", out)
+    assert peak is not None and 0 < float(peak.group(1)) < 80, out
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_shard_plan_matches_each_strategys_layout() -> None:
+    with torch.device("meta"):
+        model = build_model(get_model_config("llama-tiny").resolve_vocab(97))
+    total = sum(p.numel() for p in model.parameters()) * 4
+    fsdp = parameter_bytes_per_rank(model, ParallelPlan(strategy="fsdp", world_size=3), element_bytes=4)
+    assert sum(fsdp) == total and max(fsdp) - min(fsdp) > 0  # dim-0 chunks: the last rank gets fewer rows
+    zero3 = parameter_bytes_per_rank(
+        model, ParallelPlan(strategy="deepspeed_zero3", world_size=3), element_bytes=4
+    )
+    assert zero3 == [math.ceil(total / 4 / 3) * 4] * 3
+    ddp = parameter_bytes_per_rank(model, ParallelPlan(strategy="ddp", world_size=3), element_bytes=2)
+    assert ddp == [total // 2] * 3
