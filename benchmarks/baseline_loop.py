@@ -64,7 +64,7 @@ class BaselineLoop:
         batch: BatchPath = "gather",
     ) -> None:
         torch.manual_seed(seed)
-        self.model = model = build_model(cfg)
+        self.model = model = build_model(cfg, seed=seed)  # the same weights gaudi3 train starts from
         # Batches draw from a generator of their own, so a loop stepped in between another run's steps draws the
         # same windows as one run alone (and leaves the global RNG to the other run).
         self.generator = torch.Generator().manual_seed(seed)
