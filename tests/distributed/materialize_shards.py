@@ -1,8 +1,8 @@
-"""Worker for test_meta_init: build a registry model on meta, shard it with FSDP2 over every rank
+"""Worker for test_meta_init: for each model, build it on meta, shard it with FSDP2 over every rank
 (`distributed.parallelize`), let each rank materialise and initialise only its shards, and have rank 0 save the
-gathered full weights and each rank's bytes of parameter storage.
+gathered full weights and its bytes of parameter storage to OUT_DIR/MODEL.pt.
 
-    torchrun --nproc-per-node N materialize_shards.py MODEL SEED OUT.pt
+    torchrun --nproc-per-node N materialize_shards.py SEED OUT_DIR MODEL [MODEL ...]
 """
 
 from __future__ import annotations
@@ -19,10 +19,17 @@ from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.train.module import next_token_loss
 
 
-def main(model_name: str, seed: int, out: str) -> None:
+def main(seed: int, out_dir: str, model_names: list[str]) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    for model_name in model_names:
+        _materialize(model_name, seed, f"{out_dir}/{model_name}.pt", mesh, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _materialize(model_name: str, seed: int, out: str, mesh: object, world: int) -> None:
     with torch.device("meta"):
         model = build_model(get_model_config(model_name).resolve_vocab(97))
     parallelize(
@@ -37,9 +44,7 @@ def main(model_name: str, seed: int, out: str) -> None:
     full = {name: p.full_tensor() for name, p in model.state_dict().items()}
     if dist.get_rank() == 0:
         torch.save({"weights": full, "local_bytes": local_bytes}, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])

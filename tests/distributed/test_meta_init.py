@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
 from gaudi3_scale.models import build_model, get_model_config
 
 pytestmark = pytest.mark.distributed
@@ -19,26 +21,34 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("materialize_shards.py")
 
 
-@pytest.mark.parametrize("model_name", ["llama-tiny", "shakespeare-char"])  # untied, and tied embedding/head
-def test_sharded_init_is_bitwise_the_whole_models(model_name: str, tmp_path: Path) -> None:
-    whole = build_model(get_model_config(model_name).resolve_vocab(97), seed=11)
-    expected = {name: t for name, t in whole.state_dict().items()}
-    total_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
-    for ranks in (1, 2, 4):
-        out = tmp_path / f"w{ranks}.pt"
+MODELS = ("llama-tiny", "shakespeare-char")  # untied, and a tied embedding/head
+
+
+def test_sharded_init_is_bitwise_the_whole_models(tmp_path: Path) -> None:
+    for ranks in (1, 2, 4):  # one launch per world size, every model in it
+        out = tmp_path / f"w{ranks}"
+        out.mkdir()
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(WORKER),
-             model_name, "11", str(out)],
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(WORKER), "11",
+             str(out), *MODELS],
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        saved = torch.load(out, weights_only=True)
-        assert saved["weights"].keys() == expected.keys()
-        for name, tensor in expected.items():
-            assert torch.equal(saved["weights"][name], tensor), (ranks, name)
-        # Rank 0 holds its shards only: about 1/N of the parameters (dim-0 chunks round up).
-        assert saved["local_bytes"] <= total_bytes / ranks * 1.1 + 4096, (
-            ranks,
-            saved["local_bytes"],
-            total_bytes,
-        )
+        for model_name in MODELS:
+            whole = build_model(get_model_config(model_name).resolve_vocab(97), seed=11)
+            expected = whole.state_dict()
+            total_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+            saved = torch.load(out / f"{model_name}.pt", weights_only=True)
+            assert saved["weights"].keys() == expected.keys()
+            for name, tensor in expected.items():
+                assert torch.equal(saved["weights"][name], tensor), (ranks, model_name, name)
+            # Rank 0 holds its shards only: about 1/N of the parameters (dim-0 chunks round up), exactly what the
+            # dry run's shard plan says from the meta model.
+            assert saved["local_bytes"] <= total_bytes / ranks * 1.1 + 4096, (
+                ranks,
+                model_name,
+                saved["local_bytes"],
+            )
+            plan = ParallelPlan(strategy="fsdp", world_size=ranks)
+            planned = parameter_bytes_per_rank(whole, plan, element_bytes=4)
+            assert saved["local_bytes"] == planned[0] and sum(planned) == total_bytes
