@@ -41,7 +41,7 @@ def worker(model_name: str, way: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gaudi3_scale.distributed.parallelize import parallelize
+    from gaudi3_scale.distributed.parallelize import build_parallelized, parallelize
     from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.models import build_model, get_model_config
     from gaudi3_scale.train.module import next_token_loss
@@ -53,19 +53,11 @@ def worker(model_name: str, way: str, out: str) -> None:
     cfg = cfg.resolve_vocab(cfg.vocab_size or 50_304)
     baseline = _rss_bytes()
     started = time.perf_counter()
-    if way == "meta":
-        with torch.device("meta"):
-            model = build_model(cfg)
-    else:
-        model = build_model(cfg, seed=0)
-    parallelize(
-        model,
-        ParallelPlan(strategy="fsdp", world_size=world),
-        loss=next_token_loss,
-        mesh=mesh,
-        device="cpu",
-        init_weights=lambda built: built.init_weights(0),  # type: ignore[operator]
-    )
+    plan = ParallelPlan(strategy="fsdp", world_size=world)
+    if way == "meta":  # what the trainer does
+        model = build_parallelized(cfg, plan, seed=0, loss=next_token_loss, mesh=mesh, device="cpu").model
+    else:  # built whole on every rank, then sharded
+        model = parallelize(build_model(cfg, seed=0), plan, loss=next_token_loss, mesh=mesh).model
     setup_s = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     full_bytes = sum(p.numel() * 4 for p in model.parameters())  # DTensor numel is the global one

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from gaudi3_scale.distributed.parallelize import parallelize
+from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
-from gaudi3_scale.models import build_model, get_model_config
+from gaudi3_scale.models import get_model_config
 from gaudi3_scale.train.module import next_token_loss
 
 
@@ -30,16 +30,14 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
 
 
 def _materialize(model_name: str, seed: int, out: str, mesh: object, world: int) -> None:
-    with torch.device("meta"):
-        model = build_model(get_model_config(model_name).resolve_vocab(97))
-    parallelize(
-        model,
+    model = build_parallelized(
+        get_model_config(model_name).resolve_vocab(97),
         ParallelPlan(strategy="fsdp", world_size=world),
+        seed=seed,
         loss=next_token_loss,
         mesh=mesh,
         device="cpu",
-        init_weights=lambda built: built.init_weights(seed),  # type: ignore[operator]
-    )
+    ).model
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     full = {name: p.full_tensor() for name, p in model.state_dict().items()}
     if dist.get_rank() == 0:

@@ -107,6 +107,7 @@ def print_dry_run(cfg: RunConfig) -> None:
     from gaudi3_scale.models import build_model
     from gaudi3_scale.tune.estimate_table import resolved_model
     from gaudi3_scale.tune.memory import estimate_memory
+    from gaudi3_scale.tune.space import device_kind
 
     started = time.perf_counter()
     model_cfg = resolved_model(cfg)
@@ -114,9 +115,7 @@ def print_dry_run(cfg: RunConfig) -> None:
         model = build_model(model_cfg)
     built_s = time.perf_counter() - started
     batch, plan = cfg.batch_plan(), cfg.parallel_plan()
-    device = cfg.train.device if cfg.train.device in ("cpu", "cuda", "hpu") else "cpu"
-    if cfg.train.device == "auto" and torch.cuda.is_available():
-        device = "cuda"
+    device = device_kind(cfg)
     estimate = estimate_memory(
         model_cfg,
         strategy=plan.strategy,

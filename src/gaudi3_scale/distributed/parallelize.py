@@ -18,8 +18,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.models import ModelConfig, build_model
 
-__all__ = ["Parallelized", "apply_activation_checkpointing", "apply_fsdp", "find_blocks", "parallelize"]
+__all__ = [
+    "Parallelized",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "build_parallelized",
+    "find_blocks",
+    "parallelize",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -156,3 +164,23 @@ def apply_fsdp(
     for block in layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def build_parallelized(
+    model_cfg: ModelConfig,
+    plan: ParallelPlan,
+    *,
+    seed: int,
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    mesh: Any = None,
+    device: torch.device | str | None = None,
+) -> Parallelized:
+    """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; otherwise
+    built on meta, sharded, and materialised shard by shard on `device` — the same weights either way."""
+    if not plan.shards_parameters:
+        return parallelize(build_model(model_cfg, seed=seed), plan, loss=loss)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    return parallelize(
+        model, plan, loss=loss, mesh=mesh, device=device, init_weights=lambda built: model.init_weights(seed)
+    )

@@ -22,9 +22,9 @@ from torch import nn
 from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY
 from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
-from gaudi3_scale.distributed.parallelize import parallelize
+from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
-from gaudi3_scale.models import ModelConfig, build_model, flops_per_token
+from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
 from gaudi3_scale.train.step import SteppedModule, StepState
@@ -132,19 +132,14 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # the seed and each parameter's name (models.common.init). A sharding plan builds the model on meta and
         # each rank allocates and initialises only its shards (parallelize), never the whole model.
         plan = self.parallel_plan
-        if plan.shards_parameters:
-            with torch.device("meta"):
-                model = build_model(self.model_cfg)
-        else:
-            model = build_model(self.model_cfg, seed=self.seed)
         # A sharding strategy (ModelParallelStrategy) sets the device mesh before configure_model.
-        applied = parallelize(
-            model,
+        applied = build_parallelized(
+            self.model_cfg,
             plan,
+            seed=self.seed,
             loss=next_token_loss,
             mesh=self.device_mesh if plan.shards_parameters else None,
             device=self.trainer.strategy.root_device if plan.shards_parameters else None,
-            init_weights=lambda built: built.init_weights(self.seed),  # type: ignore[operator]
         )
         self.model = applied.model
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
