@@ -11,7 +11,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number
 from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
-__all__ = ["STRATEGIES", "ParallelConfig"]
+__all__ = ["MESH_STRATEGIES", "OFFLOAD", "OFFLOAD_STRATEGIES", "STRATEGIES", "ParallelConfig"]
 
 # strategy → what it shards, in ZeRO terms (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054):
 STRATEGIES = {
@@ -24,6 +24,22 @@ STRATEGIES = {
 }
 
 Strategy = Literal["auto", "ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
+Offload = Literal["none", "optimizer", "all"]
+
+# What `parallel.offload` moves to host memory, and which strategies can do it:
+OFFLOAD = {
+    "none": "everything stays on the device",
+    "optimizer": "optimizer state and its step on the CPU (DeepSpeed offload_optimizer: deepspeed_zero2, "
+    "deepspeed_zero3)",
+    "all": "parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy: fsdp, fsdp_grad_op; "
+    "DeepSpeed offload_optimizer + offload_param: deepspeed_zero3)",
+}
+OFFLOAD_STRATEGIES = {
+    "optimizer": ("deepspeed_zero2", "deepspeed_zero3"),
+    "all": ("fsdp", "fsdp_grad_op", "deepspeed_zero3"),
+}
+# Tensor parallel and HSDP are device meshes under FSDP2 (ModelParallelStrategy); `auto` picks fsdp for them.
+MESH_STRATEGIES = ("auto", "fsdp", "fsdp_grad_op")
 
 
 @dataclass(kw_only=True)
@@ -33,6 +49,23 @@ class ParallelConfig:
     )
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "recompute each transformer block's activations in backward"}
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel ranks per model replica (Llama): attention heads and MLP columns are split "
+            "over them; must divide nproc_per_node, num_heads and num_kv_heads; 1 = no tensor parallel"
+        },
+    )
+    dp_replicate: int = field(
+        default=1,
+        metadata={
+            "help": "HSDP: replicas of the FSDP-sharded model (replicate × shard = world_size / tp_size); "
+            "1 = shard over all data-parallel ranks"
+        },
+    )
+    offload: Offload = field(
+        default="none", metadata={"help": "; ".join(f"{k}: {v}" for k, v in OFFLOAD.items())}
     )
     nproc_per_node: int = field(default=1, metadata={"help": "processes (ranks) per node"})
     nnodes: int = field(default=1, metadata={"help": "number of nodes"})
@@ -57,6 +90,9 @@ class ParallelConfig:
         check_number("nproc_per_node", self.nproc_per_node, low=1, high=INT32_MAX)  # torchrun takes C ints
         check_number("nnodes", self.nnodes, low=1, high=INT32_MAX)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        check_number("tp_size", self.tp_size, low=1, high=INT32_MAX)
+        check_number("dp_replicate", self.dp_replicate, low=1, high=INT32_MAX)
+        check_choice("offload", self.offload, list(OFFLOAD))
         if self.network_preset is not None:
             check_choice("network_preset", self.network_preset, sorted(NETWORK_PRESETS))
         if not 0 <= self.node_rank < self.nnodes:
@@ -70,6 +106,42 @@ class ParallelConfig:
             if not sep or not host or not re.fullmatch("[0-9]{1,5}", port) or not 0 < int(port) < 65536:
                 raise ConfigError("rdzv_endpoint", f"must be HOST:PORT, got {self.rdzv_endpoint!r}")
 
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        """Tensor parallel, HSDP and offload against the launch geometry and the strategy."""
+        if (self.tp_size > 1 or self.dp_replicate > 1) and self.strategy not in MESH_STRATEGIES:
+            field_name = "tp_size" if self.tp_size > 1 else "dp_replicate"
+            raise ConfigError(
+                field_name,
+                f"runs on an FSDP2 device mesh; allowed with parallel.strategy {', '.join(MESH_STRATEGIES)}, "
+                f"not {self.strategy}",
+            )
+        if self.nproc_per_node % self.tp_size:
+            raise ConfigError(
+                "tp_size",
+                f"must divide nproc_per_node ({self.nproc_per_node}): tensor-parallel ranks talk every layer, so "
+                f"they share a node; got {self.tp_size}",
+            )
+        data_parallel = self.world_size // self.tp_size
+        if data_parallel % self.dp_replicate:
+            raise ConfigError(
+                "dp_replicate",
+                f"must divide the data-parallel ranks (world_size {self.world_size} / tp_size {self.tp_size} = "
+                f"{data_parallel}) so that replicate × shard = {data_parallel}; got {self.dp_replicate}",
+            )
+        if self.offload != "none" and self.strategy not in OFFLOAD_STRATEGIES[self.offload]:
+            raise ConfigError(
+                "offload",
+                f"{self.offload} needs parallel.strategy {', '.join(OFFLOAD_STRATEGIES[self.offload])}, "
+                f"not {self.strategy}",
+            )
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different data: the world divided into tensor-parallel groups."""
+        return self.world_size // self.tp_size

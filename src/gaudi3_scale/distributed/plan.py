@@ -25,7 +25,8 @@ class BatchPlan:
     """One optimizer step's batch: ``global_batch_size = micro_batch_size × accumulation × data_parallel_size``.
 
     Every data-parallel rank runs `accumulation` micro-steps of `micro_batch_size` sequences each; the step trains
-    on `tokens_per_step` tokens. Until tensor parallelism exists every rank is a data-parallel rank.
+    on `tokens_per_step` tokens. A data-parallel rank is a tensor-parallel group: its `tp_size` ranks read the same
+    batch, so `data_parallel_size = world_size / tp_size`.
     """
 
     global_batch_size: int
@@ -90,10 +91,30 @@ class ParallelPlan:
     float8: bool = False
     hpu_graphs: bool = False
     bf16_params: bool = False
+    tp_size: int = (
+        1  # tensor-parallel ranks per replica (Llama attention heads and MLP columns split over them)
+    )
+    dp_replicate: int = 1  # HSDP replicas; the data-parallel ranks are dp_replicate × dp_shard
+    offload: str = "none"  # none, optimizer or all (distributed.config.OFFLOAD)
 
     def __post_init__(self) -> None:
         if self.strategy == "auto":
             raise ValueError("ParallelPlan.strategy is resolved: single, ddp, fsdp, … (see resolve_strategy)")
+        if self.world_size % (self.tp_size * self.dp_replicate):
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of tp_size {self.tp_size} × dp_replicate "
+                f"{self.dp_replicate}"
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different data (each a tensor-parallel group of `tp_size` ranks)."""
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks each parameter is sharded over by FSDP (within one HSDP replica)."""
+        return self.data_parallel_size // self.dp_replicate
 
     @property
     def shards_parameters(self) -> bool:

@@ -16,8 +16,11 @@ __all__ = ["build_strategy", "resolve_strategy", "saves_sharded"]
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
-    """The strategy a run uses: `auto` is ddp with several ranks, else single."""
+    """The strategy a run uses: `auto` is fsdp with a tensor-parallel or HSDP mesh, ddp with several ranks, else
+    single."""
     if cfg.strategy == "auto":
+        if cfg.tp_size > 1 or cfg.dp_replicate > 1:
+            return "fsdp"
         return "ddp" if world_size > 1 else "single"
     return cfg.strategy
 

@@ -254,6 +254,7 @@ class RunConfig:
                 )
         # Fail before launching anything when the batch does not split over the ranks.
         self.batch_plan()
+        _check_tensor_parallel(self.model, self.parallel.tp_size)
         graphs = self.train.compile_mode == "reduce-overhead"
         if graphs and self.parallel.strategy not in ("auto", "single", "ddp"):
             raise ConfigError(
@@ -278,7 +279,7 @@ class RunConfig:
         return BatchPlan.build(
             global_batch_size=self.train.global_batch_size,
             micro_batch_size=self.train.micro_batch_size,
-            data_parallel_size=world_size or self.parallel.world_size,
+            data_parallel_size=(world_size or self.parallel.world_size) // self.parallel.tp_size,
             context_length=self.model.context_length,
         )
 
@@ -298,7 +299,29 @@ class RunConfig:
             float8=float8,
             hpu_graphs=self.train.hpu_graphs,
             bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
+            tp_size=self.parallel.tp_size,
+            dp_replicate=self.parallel.dp_replicate,
+            offload=self.parallel.offload,
         )
+
+
+def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
+    """Tensor parallel splits whole attention heads and MLP columns: each count must divide by `tp_size`."""
+    if tp_size == 1:
+        return
+    if model.arch != "llama":
+        raise ConfigError(
+            "parallel.tp_size", f"tensor parallel is implemented for arch llama, not {model.arch}; use 1"
+        )
+    for name, value in (
+        ("model.num_heads", model.num_heads),
+        ("model.num_kv_heads", model.kv_heads),
+        ("model.ffn_dim", model.hidden_dim),
+    ):
+        if value % tp_size:
+            raise ConfigError(
+                "parallel.tp_size", f"{tp_size} must divide {name} ({value}); allowed: a divisor of {value}"
+            )
 
 
 def _batch_size_from_tokens(global_batch_tokens: int, context_length: int) -> int:

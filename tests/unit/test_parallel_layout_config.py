@@ -1,0 +1,67 @@
+"""Tensor parallel, HSDP and offload settings: checked against the launch geometry, the strategy and the model's
+head counts, one line each; the plans divide the world into tensor-parallel groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from gaudi3_scale.config import ConfigError
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import build_run_config as _build
+
+
+def build_run_config(overrides: list[str]) -> RunConfig:
+    return _build(overrides=[tuple(item.split("=", 1)) for item in overrides])  # type: ignore[misc]
+
+
+LLAMA = ["model.name=llama-tiny"]  # 4 heads, 2 kv heads, ffn 192
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.nproc_per_node=4", "parallel.tp_size=3"], r"^parallel\.tp_size: must divide nproc_per_node \(4\)"),
+        (["parallel.nproc_per_node=2", "parallel.tp_size=2"], r"^parallel\.tp_size: .*arch llama, not gpt2"),
+        ([*LLAMA, "parallel.nproc_per_node=4", "parallel.tp_size=4"],
+         r"^parallel\.tp_size: 4 must divide model\.num_kv_heads \(2\)"),
+        ([*LLAMA, "parallel.nproc_per_node=2", "parallel.tp_size=2", "parallel.strategy=ddp"],
+         r"^parallel\.tp_size: runs on an FSDP2 device mesh; allowed with parallel\.strategy auto, fsdp, "
+         r"fsdp_grad_op, not ddp"),
+        (["parallel.nproc_per_node=4", "parallel.dp_replicate=3"],
+         r"^parallel\.dp_replicate: must divide the data-parallel ranks \(world_size 4 / tp_size 1 = 4\)"),
+        (["parallel.nproc_per_node=2", "parallel.strategy=ddp", "parallel.dp_replicate=2"],
+         r"^parallel\.dp_replicate: runs on an FSDP2 device mesh"),
+        (["parallel.offload=all"], r"^parallel\.offload: all needs parallel\.strategy fsdp, fsdp_grad_op, "
+         r"deepspeed_zero3, not auto$"),
+        (["parallel.offload=optimizer", "parallel.strategy=fsdp"],
+         r"^parallel\.offload: optimizer needs parallel\.strategy deepspeed_zero2, deepspeed_zero3, not fsdp$"),
+        (["parallel.offload=params"], r"^parallel\.offload: got 'params'; allowed: none, optimizer, all$"),
+        (["parallel.tp_size=0"], r"^parallel\.tp_size: "),
+    ],
+)  # fmt: skip
+def test_bad_layouts_are_one_line_naming_the_field(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_run_config(overrides=overrides)
+
+
+def test_tensor_parallel_groups_read_one_batch_and_auto_picks_fsdp() -> None:
+    cfg = build_run_config(
+        overrides=[*LLAMA, "parallel.nproc_per_node=4", "parallel.tp_size=2", "train.global_batch_size=8"]
+    )
+    batch, plan = cfg.batch_plan(), cfg.parallel_plan()
+    assert (batch.data_parallel_size, batch.per_rank_batch_size) == (2, 4)
+    assert (plan.strategy, plan.tp_size, plan.data_parallel_size, plan.dp_shard) == ("fsdp", 2, 2, 2)
+
+
+def test_hsdp_splits_the_data_parallel_ranks_into_replicas_of_shards() -> None:
+    cfg = build_run_config(
+        overrides=[
+            "parallel.nproc_per_node=4",
+            "parallel.strategy=fsdp",
+            "parallel.dp_replicate=2",
+            "parallel.offload=all",
+        ]
+    )
+    plan = cfg.parallel_plan()
+    assert (plan.strategy, plan.dp_replicate, plan.dp_shard, plan.offload) == ("fsdp", 2, 2, "all")
+    assert cfg.batch_plan().data_parallel_size == 4
