@@ -4,8 +4,10 @@ Lightning's `DeepSpeedStrategy` refuses anything but CUDA, yet the DeepSpeed eng
 `ZeroStrategy` lifts that check and keeps the rest of Lightning's integration (engine setup, backward and step through
 the engine, bf16 config). Two things differ on purpose:
 
-* Weights are built exactly as in a single process (no `deepspeed.zero.Init`); ZeRO-3 partitions them when the
-  engine starts, so every strategy starts from the same weights.
+* ZeRO-3 builds the model under `deepspeed.zero.Init`: each module's parameters are partitioned as soon as the
+  module is constructed, so no rank ever holds the whole model. They are then initialised one module at a time
+  under `GatheredParameters` with the layout-independent init (`models.common.init`), so every strategy and world
+  size starts from bitwise the same weights as one process.
 * Checkpoints use our single-file format: the full (consolidated) model state dict that one process can load, like
   every other strategy's, plus each rank's ZeRO optimizer partition so that a resume at the same world size is exact.
 
@@ -18,7 +20,7 @@ import argparse
 import enum
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from gaudi3_scale.config.errors import UserInputError
 
-__all__ = ["ZeroStrategy", "build_zero_strategy"]
+__all__ = ["ZeroStrategy", "build_zero_strategy", "gathered_for_update"]
 
 _STAGE = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}
 _PARTITIONS = "zero_partitions"  # optimizer_states[0] key: one ZeRO optimizer state per rank
@@ -78,6 +80,10 @@ class ZeroStrategy(DeepSpeedStrategy):
             "zero_optimization": {
                 "stage": stage,
                 "contiguous_gradients": True,
+                # zero.Init would otherwise swap F.linear for its own matmul + bias autograd function, which rounds
+                # differently from the fused addmm every other strategy runs (2-rank ZeRO-3 losses drifted 1e-5
+                # from one process's within 3 steps).
+                "memory_efficient_linear": False,
                 "overlap_comm": False,
                 # DeepSpeed's defaults (5e8-element buckets, 2 GB in fp32) dwarf small models; these are the
                 # hidden-size rules Hugging Face's DeepSpeed integration uses for its "auto" values.
@@ -138,7 +144,15 @@ class ZeroStrategy(DeepSpeedStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        yield  # weights are built whole, as in one process; ZeRO-3 partitions them in deepspeed.initialize
+        if self.stage < 3:
+            yield  # built whole, as in one process
+            return
+        import deepspeed
+
+        # Lightning opens this around configure_model: parameters are partitioned module by module as they are
+        # built (the module then initialises them through `gathered_for_update`).
+        with deepspeed.zero.Init(config_dict_or_path=self.config, enabled=True):
+            yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Lightning runs the whole training_step inside the engine's forward. Ours also runs backward and the
@@ -202,6 +216,16 @@ class ZeroStrategy(DeepSpeedStrategy):
             part.setdefault("loss_scaler", optimizer.loss_scaler)
         # The fp32 master partitions come from the checkpoint, not from the (possibly bf16) module weights.
         optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def gathered_for_update(params: list[torch.nn.Parameter]) -> Any:
+    """A context under which ZeRO-3 partitioned `params` are whole and what rank 0 writes into them is kept (every
+    rank writes the same values); a no-op for parameters DeepSpeed does not partition."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 def build_zero_strategy(

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gaudi3_scale.distributed.plan import ParallelPlan
-from gaudi3_scale.models import ModelConfig, build_model
+from gaudi3_scale.models import ModelConfig, Transformer, build_model
 
 __all__ = [
     "Parallelized",
@@ -175,8 +175,17 @@ def build_parallelized(
     mesh: Any = None,
     device: torch.device | str | None = None,
 ) -> Parallelized:
-    """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; otherwise
-    built on meta, sharded, and materialised shard by shard on `device` — the same weights either way."""
+    """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; under FSDP
+    built on meta, sharded, and materialised shard by shard on `device`; under ZeRO-3 partitioned module by module
+    as it is built — the same weights every way."""
+    if plan.strategy == "deepspeed_zero3":
+        from gaudi3_scale.distributed.deepspeed import gathered_for_update
+
+        # Under the strategy's `zero.Init` (Lightning opens it around configure_model) every module is partitioned
+        # as it is built; the init then gathers one module at a time. Outside it this is a plain whole build.
+        model = Transformer(model_cfg)
+        model.init_weights(seed, gathered=gathered_for_update)
+        return parallelize(model, plan, loss=loss)
     if not plan.shards_parameters:
         return parallelize(build_model(model_cfg, seed=seed), plan, loss=loss)
     with torch.device("meta"):

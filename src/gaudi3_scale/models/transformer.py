@@ -11,7 +11,9 @@ Build on `torch.device("meta")` to get shapes without memory, then `to_empty(dev
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -99,13 +101,22 @@ class Transformer(nn.Module):
         return self
 
     @torch.no_grad()
-    def init_weights(self, seed: torch.Generator | int | None = None) -> None:
+    def init_weights(
+        self,
+        seed: torch.Generator | int | None = None,
+        *,
+        gathered: Callable[[list[nn.Parameter]], AbstractContextManager[Any]] | None = None,
+    ) -> None:
         """(Re)initialize every parameter and buffer in place; call after `to_empty()` when built on meta.
 
         `seed` is an int, a torch.Generator to draw one from, or None to draw one from the global RNG. Values depend
         only on the seed and each parameter's name (`models.common.init.fill_normal`): the same seed gives bitwise
         the same weights whether the model was built on meta or directly, whole or as FSDP/TP shards on any number
         of ranks.
+
+        `gathered(params)` is entered around each module's initialisation when its parameters are partitioned in a
+        way `fill_normal` cannot see (DeepSpeed ZeRO-3's `zero.Init`): under it they are whole, and what is written
+        is kept when it exits. One module is gathered at a time.
         """
         device = self.tok_embeddings.weight.device
         if device.type == "meta":
@@ -120,15 +131,18 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if module is self.output and self.config.tie_embeddings:
                 continue  # shares tok_embeddings.weight, initialized once
-            if isinstance(module, nn.Linear):
-                std = residual_std if id(module) in residual else INIT_STD
-                fill_normal(module.weight, std, seed=seed, name=f"{name}.weight")
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                fill_normal(module.weight, INIT_STD, seed=seed, name=f"{name}.weight")
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                module.reset_parameters()
+            if not isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm | nn.RMSNorm):
+                continue
+            with gathered(list(module.parameters(recurse=False))) if gathered else nullcontext():
+                if isinstance(module, nn.Linear):
+                    std = residual_std if id(module) in residual else INIT_STD
+                    fill_normal(module.weight, std, seed=seed, name=f"{name}.weight")
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, nn.Embedding):
+                    fill_normal(module.weight, INIT_STD, seed=seed, name=f"{name}.weight")
+                else:
+                    module.reset_parameters()
         if self.rope_cache is not None:
             cfg = self.config
             self.rope_cache = build_rope_cache(
