@@ -50,6 +50,20 @@ Per strategy:
   fp32 gradient partition; deepspeed_zero3: everything /N, plus the live gathered parameters the strategy allows
   (`distributed/deepspeed.py`: 24·h² elements, about two blocks, but at least the largest module: the V·h head).
 
+Layouts (`tp_size`, `dp_replicate`, `offload`, as `parallel.*`):
+* tensor parallel (Megatron, Shoeybi et al. 2019; the plan of `distributed/tensor_parallel.py`): every matrix, the
+  embedding table and the head split over tp ranks, norm weights replicated; FSDP then shards what is left. With
+  sequence parallel (Korthikanti §4.2.2) the norms, the residual stream and the attention/MLP tensors are split
+  over tp, but DTensor saves the all-gathered inputs of the column-parallel linears whole (Megatron re-gathers
+  them in backward instead); the loss runs on vocabulary-sharded logits (loss parallel), b·s·V/tp;
+* HSDP: FSDP shards over dp_shard = world / (tp · dp_replicate) ranks, one replica; the replicas' all-reduce of
+  the gradient shards needs no more memory;
+* offload (not on a CPU run, where the host is the device): FSDP2's CPUOffloadPolicy keeps parameter shards,
+  their gradients and AdamW state in host memory (the device holds what is gathered and the unsharded gradients
+  before their reduce-scatter); DeepSpeed's offload_optimizer (ZeRO-Offload, Ren et al. 2021, arXiv:2101.06840)
+  keeps master weights, moments and the fp32 gradient partition on the host (one h² reduce bucket of gradients on
+  the device), offload_param (stage 3) the 16-bit partition too. `host_bytes` is the host's share per rank.
+
 Empirical terms, labelled as such: the CPU runtime baseline (peak RSS of the Python/torch/Lightning process with a
 negligible model) and DeepSpeed's import, measured by the benchmark; on CUDA `max_memory_allocated` excludes the
 context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: FSDP's dim-0 padding of shards
@@ -92,7 +106,7 @@ class MemoryEstimate:
     """Peak bytes per rank, split into what is alive at the peak moment (`peak_phase`); `total_bytes` sums them."""
 
     strategy: str  # resolved: "single" is one process without DDP
-    world_size: int
+    world_size: int  # all ranks: tp_size × dp_replicate × dp_shard
     micro_batch_size: int
     context_length: int
     precision: str  # resolved ("auto" → the device's default)
@@ -106,10 +120,20 @@ class MemoryEstimate:
     activations_bytes: int  # saved for backward
     workspace_bytes: int  # loss/logits work, transient gradients, communication buffers
     runtime_bytes: int  # process baseline (empirical on CPU)
+    tp_size: int = 1  # tensor-parallel ranks per replica
+    dp_replicate: int = 1  # HSDP replicas; FSDP shards over world_size / (tp_size × dp_replicate) ranks
+    offload: str = "none"  # none, optimizer or all (parallel.offload)
+    host_bytes: int = 0  # what offload keeps in host memory for this rank (not in total_bytes); 0 on cpu
 
     @property
     def total_bytes(self) -> int:
+        """Device memory at the peak (host memory of an offloaded run is `host_bytes`)."""
         return sum(b for _, b in self.rows())
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks each parameter is sharded over (FSDP within one HSDP replica; ZeRO over all ranks)."""
+        return self.world_size // (self.tp_size * self.dp_replicate)
 
     def rows(self) -> list[tuple[str, int]]:
         """(component, bytes) in the table's order."""
@@ -127,10 +151,10 @@ class MemoryEstimate:
 class _Shape:
     """Parameter counts (elements) and widths, from `count_parameters` on one- and two-block copies (meta)."""
 
-    params: int
-    block: int  # one transformer block
-    root: int  # embeddings, final norm, head
-    head: int  # output weight, padded_vocab × dim
+    params: float  # whole numbers, except one tensor-parallel rank's share (`_tp_shape`)
+    block: float  # one transformer block
+    root: float  # embeddings, final norm, head
+    head: float  # output weight, padded_vocab × dim
     tied: bool
     layers: int
     dim: int
@@ -142,7 +166,19 @@ class _Shape:
     dropout: bool
 
 
+_SHAPES: dict[
+    str, _Shape
+] = {}  # by repr(config): the tuner and the layout table estimate one model many times
+
+
 def _shape(cfg: ModelConfig) -> _Shape:
+    key = repr(cfg)
+    if key not in _SHAPES:
+        _SHAPES[key] = _count_shape(cfg)
+    return _SHAPES[key]
+
+
+def _count_shape(cfg: ModelConfig) -> _Shape:
     if cfg.vocab_size is None:
         raise ConfigError(
             "model.vocab_size",
@@ -165,6 +201,18 @@ def _shape(cfg: ModelConfig) -> _Shape:
         llama=cfg.arch == "llama",
         dropout=cfg.dropout > 0,
     )
+
+
+def _tp_shape(sh: _Shape, tp: int) -> _Shape:
+    """One tensor-parallel rank's parameters under the Llama plan (`distributed/tensor_parallel.py`, Megatron's
+    layout): every matmul weight, the embedding table and the head split over `tp` ranks; the RMSNorm weights (two
+    per block, one final) replicated."""
+    if tp == 1:
+        return sh
+    block_norms, final_norm = 2 * sh.dim, sh.dim
+    block = (sh.block - block_norms) / tp + block_norms
+    root = (sh.root - final_norm) / tp + final_norm
+    return replace(sh, params=root + sh.layers * block, block=block, root=root, head=sh.head / tp)
 
 
 @dataclass(frozen=True)
@@ -203,12 +251,14 @@ def _fused_attention(device_kind: str, dropout: bool) -> bool:
     return device_kind == "cuda" or (device_kind == "cpu" and not dropout)
 
 
-def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str) -> int:
-    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring)."""
-    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn, s * b
+def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str, tp: int = 1) -> float:
+    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring); under tensor
+    parallel with sequence parallel (§4.2.2) everything is split over `tp` ranks except the all-gathered inputs of
+    the column-parallel linears, which DTensor saves whole."""
+    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn / tp, s * b
     statistics = 2 * sb * (4 if sh.llama else 2 * e.residual)  # fp32 rstd (RMSNorm); mean, rstd (LayerNorm)
     # LayerNorm keeps its input; the composite RMSNorm keeps its input and x·rsqrt, both upcast to fp32.
-    norm_side = (4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics
+    norm_side = ((4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics) / tp
     linear_inputs = ((5 if sh.llama else 4) if e.autocast else 2) * sbh * e.compute
     mlp = (4 if sh.llama else 2) * sbf * e.compute
     if _fused_attention(device_kind, sh.dropout):
@@ -216,7 +266,7 @@ def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str) -> int
     else:  # math path: scaled q/k copies, k/v repeated to all heads, softmax (+ mask and dropped probabilities)
         attention = 4 * sbh * e.compute + (3 if sh.dropout else 1) * sh.heads * s * s * b * e.compute
     masks = 2 * sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    return norm_side + linear_inputs + mlp + attention + masks
+    return norm_side + linear_inputs + mlp + (attention + masks) / tp  # local heads under tensor parallel
 
 
 def _mask_bytes(e: _Bytes, device_kind: str) -> int:
@@ -224,18 +274,22 @@ def _mask_bytes(e: _Bytes, device_kind: str) -> int:
     return 1 if device_kind == "cuda" else e.compute
 
 
-def _activation_bytes(sh: _Shape, b: int, s: int, e: _Bytes, ckpt: bool, device_kind: str) -> int:
+def _activation_bytes(
+    sh: _Shape, b: int, s: int, e: _Bytes, ckpt: bool, device_kind: str, tp: int = 1
+) -> float:
     sbh = s * b * sh.dim
-    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) + sbh * e.compute  # final norm; head input
+    # final norm (sequence-parallel under tp); the head's input (all-gathered whole under tp)
+    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
     embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    layer = _layer_bytes(sh, b, s, e, device_kind)
-    blocks = sh.layers * sbh * e.residual + layer if ckpt else sh.layers * layer
+    layer = _layer_bytes(sh, b, s, e, device_kind, tp)
+    blocks = sh.layers * sbh * e.residual / tp + layer if ckpt else sh.layers * layer
     return blocks + head_side + embedding_mask
 
 
-def _loss_workspace(sh: _Shape, b: int, s: int, e: _Bytes, head_grad_bytes: int) -> int:
-    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger."""
-    logits = b * s * sh.vocab
+def _loss_workspace(sh: _Shape, b: int, s: int, e: _Bytes, head_grad_bytes: int, tp: int = 1) -> float:
+    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger;
+    under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
+    logits = b * s * sh.vocab / tp
     return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)
 
 
@@ -247,6 +301,7 @@ class _Phase:
     optimizer: float = 0.0
     activations: float = 0.0
     workspace: float = 0.0
+    host: float = 0.0  # offloaded to host memory (not in total)
 
     @property
     def total(self) -> float:
@@ -255,7 +310,8 @@ class _Phase:
 
 @dataclass(frozen=True)
 class _Run:
-    sh: _Shape
+    sh: _Shape  # one tensor-parallel rank's parameters (the whole model without tensor parallel)
+    whole: _Shape
     e: _Bytes
     n: int
     b: int
@@ -263,25 +319,27 @@ class _Run:
     ckpt: bool
     device_kind: str
     states: int
+    tp: int = 1
+    offload: str = "none"
 
     @property
-    def activations(self) -> int:
-        return _activation_bytes(self.sh, self.b, self.s, self.e, self.ckpt, self.device_kind)
+    def activations(self) -> float:
+        return _activation_bytes(self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp)
 
     def optimizer(self, shards: int) -> float:
         return (self.states * self.e.state + self.e.master) * self.sh.params / shards
 
-    def loss(self, head_grad_bytes: int) -> int:
-        return _loss_workspace(self.sh, self.b, self.s, self.e, head_grad_bytes)
+    def loss(self, head_grad_bytes: int) -> float:
+        return _loss_workspace(self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp)
 
-    def weight_casts(self) -> int:
+    def weight_casts(self) -> float:
         """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %)."""
         if not self.e.weight_casts:
             return 0
         blocks = 1 if self.ckpt else self.sh.layers
         return 2 * (blocks * self.sh.block + self.sh.head)
 
-    def tied_grads(self, count: int, grad_bytes: int) -> int:
+    def tied_grads(self, count: int, grad_bytes: int) -> float:
         """Extra V·h gradients at the end of backward: tied head + embedding gradients and their sum."""
         return count * self.sh.head * grad_bytes if self.sh.tied else 0
 
@@ -321,6 +379,16 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     # With N = 1 the unsharded gradient is the shard itself.
     tied = r.tied_grads(2, e.gathered)
     root_end = sh.root * e.gathered + max(tied, sh.root * e.grad) if n > 1 else tied
+    if r.offload == "all":
+        # CPUOffloadPolicy: shards, their gradients (copied out after each reduce-scatter) and AdamW state live in
+        # host memory; the device holds what is gathered and the unsharded gradients before their reduce-scatter.
+        host = shards + r.optimizer(n)
+        return [
+            _Phase("backward start", gathered, 0, 0, r.activations, r.loss(e.gathered), host=host),
+            _Phase(
+                "backward end", sh.root * e.gathered, 0, 0, 0, root_end, host=host + sh.params * e.grad / n
+            ),
+        ]
     phases = [
         _Phase("backward start", shards + gathered, 0, r.optimizer(n), r.activations, r.loss(e.gathered)),
         _Phase(
@@ -348,6 +416,14 @@ def _zero2(r: _Run) -> list[_Phase]:
     bucket = sh.dim**2 * e.grad  # reduce_bucket_size = h² (distributed/deepspeed.py)
     end = r.tied_grads(2, e.grad) if sh.tied else sh.head * e.grad
     init = max(4 * sh.params, 2 * flat, flat + 4 * sh.params / n)  # fp32 build, flatten copy, master clone
+    if r.offload == "optimizer":
+        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition on the host, the step on the CPU.
+        host = r.optimizer(n) + 4 * sh.params / n
+        return [
+            _Phase("backward start", flat, 0, 0, r.activations, r.loss(e.grad), host=host),
+            _Phase("backward end", flat, bucket, 0, 0, end, host=host),
+            _Phase("init", max(4 * sh.params, 2 * flat)),
+        ]
     return [
         _Phase("backward start", flat, 0, r.optimizer(n), r.activations, r.loss(e.grad)),
         _Phase("backward end", flat, partition + bucket, r.optimizer(n), 0, end),
@@ -365,6 +441,20 @@ def _zero3(r: _Run) -> list[_Phase]:
     live = min(sh.params, max(24 * sh.dim**2, sh.block, sh.head) + prefetch) * e.gathered
     grads = sh.params * e.grad / n  # a flat gradient partition kept for the whole run
     sub_group = 4 * min(16 * sh.dim**2, sh.params / n)  # fp32 gradients of one optimizer sub-group
+    if r.offload != "none":
+        # ZeRO-Offload: fp32 master, moments and gradient partitions on the host (the device keeps one reduce
+        # bucket of h² gradients); "all" (offload_param, ZeRO-Infinity) moves the 16-bit partition there too.
+        host = r.optimizer(n) + 4 * sh.params / n
+        on_device = partition
+        if r.offload == "all":
+            host, on_device = host + partition, 0
+        bucket = sh.dim**2 * e.grad
+        return [
+            _Phase(
+                "backward start", on_device + live, bucket, 0, r.activations, r.loss(e.gathered), host=host
+            ),
+            _Phase("optimizer step", on_device, 0, 0, 0, 0, host=host),
+        ]
     phases = [
         _Phase("backward start", partition + live, grads, r.optimizer(n), r.activations, r.loss(e.gathered)),
         _Phase("optimizer step", partition, grads, r.optimizer(n), 0, sub_group),
@@ -423,7 +513,14 @@ def _build_run(
     activation_checkpointing: bool,
     optimizer: str,
     device_kind: str,
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
 ) -> tuple[_Run, str, str]:
+    if tp_size > 1 or dp_replicate > 1 or offload != "none":
+        _check_layout(model, strategy, world_size, tp_size, dp_replicate, offload)
+        if strategy == "auto" and (tp_size > 1 or dp_replicate > 1):
+            strategy = "fsdp"  # as distributed.strategies.resolve_strategy
     strategy, precision = _resolve(strategy, world_size, precision, device_kind)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError("train.micro_batch_size", f"must be a positive integer, got {micro_batch_size!r}")
@@ -434,17 +531,44 @@ def _build_run(
         )
     if optimizer not in OPTIMIZER_STATES:
         raise UserInputError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+    whole = _shape(model)
     run = _Run(
-        sh=_shape(model),
+        sh=_tp_shape(whole, tp_size),
+        whole=whole,
         e=_element_bytes(precision, strategy),
-        n=world_size,
+        # FSDP shards within one HSDP replica of one tensor-parallel slice; ZeRO over every rank
+        n=world_size // (tp_size * dp_replicate),
         b=micro_batch_size,
         s=seq,
         ckpt=activation_checkpointing,
         device_kind=device_kind,
         states=OPTIMIZER_STATES[optimizer],
+        tp=tp_size,
+        # On a CPU the host is the device: offloading moves nothing (the CPU run still takes the offload path).
+        offload="none" if device_kind == "cpu" else offload,
     )
     return run, strategy, precision
+
+
+def _check_layout(
+    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str
+) -> None:
+    """The run config's own checks (`parallel.*` against one another and the model's heads), one line each."""
+    from gaudi3_scale.distributed.config import ParallelConfig
+    from gaudi3_scale.train.config import _check_tensor_parallel
+
+    # nproc_per_node = world_size: the estimate is per rank, so only the division of the ranks matters here.
+    try:
+        ParallelConfig(
+            strategy=strategy,  # type: ignore[arg-type]
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            offload=offload,  # type: ignore[arg-type]
+            nproc_per_node=world_size,
+        )
+    except ConfigError as exc:  # named as in a run config
+        raise ConfigError(f"parallel.{exc.field}", exc.problem) from None
+    _check_tensor_parallel(model, tp_size)
 
 
 def estimate_memory(
@@ -458,13 +582,17 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     device_kind: str = "cpu",
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
 ) -> MemoryEstimate:
     """Peak memory per rank of training `model` (vocab_size resolved) with these settings; see the module docstring.
 
-    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one); world_size:
-    data-parallel ranks; micro_batch_size: sequences per forward pass per rank; context_length: tokens per
-    sequence (default and maximum: the model's); precision: a `train.precision` value ("auto" = 32-true on cpu,
-    bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu.
+    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one, fsdp with
+    tensor parallel or HSDP); world_size: all ranks; micro_batch_size: sequences per forward pass per rank;
+    context_length: tokens per sequence (default and maximum: the model's); precision: a `train.precision` value
+    ("auto" = 32-true on cpu, bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu; tp_size,
+    dp_replicate, offload: as `parallel.*` (validated as the run config does).
     """
     run, strategy, precision = _build_run(
         model,
@@ -476,8 +604,12 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         optimizer=optimizer,
         device_kind=device_kind,
+        tp_size=tp_size,
+        dp_replicate=dp_replicate,
+        offload=offload,
     )
-    peak = max(_PHASES[strategy](run), key=lambda phase: phase.total)
+    phases = _PHASES[strategy](run)
+    peak = max(phases, key=lambda phase: phase.total)
     runtime = 0
     if device_kind == "cpu":
         runtime = CPU_RUNTIME_BYTES + (CPU_DEEPSPEED_IMPORT_BYTES if strategy.startswith("deepspeed") else 0)
@@ -489,7 +621,7 @@ def estimate_memory(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         device_kind=device_kind,
-        parameters=run.sh.params,
+        parameters=int(run.whole.params),
         peak_phase=peak.name,
         params_bytes=round(peak.params),
         grads_bytes=round(peak.grads),
@@ -497,6 +629,10 @@ def estimate_memory(
         activations_bytes=round(peak.activations),
         workspace_bytes=round(peak.workspace),
         runtime_bytes=runtime,
+        tp_size=tp_size,
+        dp_replicate=dp_replicate,
+        offload=offload,
+        host_bytes=round(max(phase.host for phase in phases)),
     )
 
 
@@ -527,7 +663,7 @@ def estimate_activation_bytes(
         optimizer="adamw",
         device_kind=device_kind,
     )
-    return run.activations
+    return round(run.activations)
 
 
 def max_micro_batch_that_fits(
@@ -541,6 +677,9 @@ def max_micro_batch_that_fits(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     device_kind: str = "cpu",
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
     limit: int = 65536,
 ) -> int:
     """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
@@ -560,6 +699,9 @@ def max_micro_batch_that_fits(
             activation_checkpointing=activation_checkpointing,
             optimizer=optimizer,
             device_kind=device_kind,
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            offload=offload,
         )
         return est.total_bytes <= budget_bytes
 

@@ -78,6 +78,9 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
             precision=c.precision,
             activation_checkpointing=c.activation_checkpointing,
             device_kind=space.device,
+            tp_size=c.tp_size,
+            dp_replicate=c.dp_replicate,
+            offload=c.offload,
         )
         return int(est.total_bytes)
 
@@ -123,7 +126,12 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         max_steps=sched.max_steps,
     )
     raw["parallel"].update(
-        strategy=c.strategy, activation_checkpointing=c.activation_checkpointing, nproc_per_node=world_size
+        strategy=c.strategy,
+        activation_checkpointing=c.activation_checkpointing,
+        nproc_per_node=world_size,
+        tp_size=c.tp_size,
+        dp_replicate=c.dp_replicate,
+        offload=c.offload,
     )
     return from_dict(RunConfig, raw), sched.describe(rule)
 
