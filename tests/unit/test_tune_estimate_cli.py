@@ -13,7 +13,7 @@ from gaudi3_scale.tune.memory import estimate_memory
 
 LAYOUT = re.compile(
     r"^(?P<fits>fits|does not fit)\s+(?P<strategy>\S+) "
-    r"(?P<mesh>tp (?P<tp>\d+) × replicate (?P<rep>\d+) × shard \d+|over \d+ ranks(?: \(replicated\))?), "
+    r"(?P<mesh>tp (?P<tp>\d+) × replicate (?P<rep>\d+) × shard \d+|over \d+ rank\(s\)(?: \(replicated\))?), "
     r"act\.ckpt (?P<ckpt>on|off), offload (?P<offload>none|optimizer|all): (?P<detail>.*)$"
 )
 

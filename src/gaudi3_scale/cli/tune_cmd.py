@@ -42,7 +42,7 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     "--world-size",
     type=Count(),
     help="ranks on this node (default: the config's parallel.nproc_per_node); with --estimate-only and "
-    "--accelerator: all devices, in whole nodes of the catalog's accelerators per node (8 for gaudi3 and h100)"
+    "--accelerator: all devices, in whole nodes of the catalog's accelerators per node (8 for gaudi3 and h100)",
 )
 @click.option(
     "--memory-budget", help="memory per rank a config may use, e.g. 16GiB (default: device × target)"

@@ -157,12 +157,13 @@ def format_layouts(
             "on Gaudi the trainer builds ddp and FSDP2 (fsdp, fsdp_grad_op; tensor parallel and HSDP meshes) over "
             "HCCL, not yet validated on Gaudi hardware; DeepSpeed is not proposed there"
         )
+    traffic = ", ".join(
+        f"tp {t}: {tp_bytes_per_token(model, t) / 1e6:.1f} MB/token" for t in _tps(checks) if t > 1
+    )
     lines.append(
-        "ranking model: offload, then recomputation (+1/3 FLOPs), then tensor-parallel traffic (per rank "
-        + ", ".join(
-            f"tp {t}: {tp_bytes_per_token(model, t) / 1e6:.1f} MB/token" for t in _tps(checks) if t > 1
-        )
-        + "), then strategy and HSDP; see gaudi3_scale.tune.layouts"
+        "ranking model: offload, then recomputation (+1/3 FLOPs), then tensor-parallel traffic"
+        + (f" (per rank {traffic})" if traffic else "")
+        + ", then strategy and HSDP; see gaudi3_scale.tune.layouts"
     )
     return "\n".join(lines)
 

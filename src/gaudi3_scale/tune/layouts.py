@@ -32,7 +32,14 @@ from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_
 
 __all__ = ["Layout", "LayoutCheck", "check_layouts", "tensor_parallel_sizes", "tp_bytes_per_token"]
 
-STRATEGY_ORDER = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+STRATEGY_ORDER = (
+    "auto",
+    "ddp",
+    "fsdp_grad_op",
+    "fsdp",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+)  # auto: one device
 OFFLOAD_ORDER = ("none", "optimizer", "all")
 _GIB = 2**30
 
@@ -47,10 +54,12 @@ class Layout:
 
     def label(self, world_size: int) -> str:
         shard = world_size // (self.tp_size * self.dp_replicate)
-        if self.strategy in MESH_STRATEGIES:
+        if world_size == 1:
+            mesh = "on one device"
+        elif self.strategy in MESH_STRATEGIES:
             mesh = f"tp {self.tp_size} × replicate {self.dp_replicate} × shard {shard}"
         else:
-            mesh = f"over {world_size} ranks" + (" (replicated)" if self.strategy == "ddp" else "")
+            mesh = f"over {world_size} rank(s)" + (" (replicated)" if self.strategy == "ddp" else "")
         return (
             f"{self.strategy} {mesh}, act.ckpt {'on' if self.activation_checkpointing else 'off'}, "
             f"offload {self.offload}"
@@ -126,7 +135,9 @@ def candidate_layouts(
 ) -> list[Layout]:
     """Every layout without offload the trainer would build on `world_size` ranks of `per_node` per node."""
     nnodes = max(1, world_size // per_node)
-    strategies = [s for s in STRATEGY_ORDER if s in supported_strategies(device_kind)]
+    if world_size == 1:  # nothing to shard or replicate: plain training (ddp over HCCL on Gaudi)
+        return [Layout(strategy="auto", activation_checkpointing=ckpt) for ckpt in (False, True)]
+    strategies = [s for s in STRATEGY_ORDER[1:] if s in supported_strategies(device_kind)]
     out = []
     for strategy in strategies:
         mesh = strategy in MESH_STRATEGIES

@@ -8,32 +8,15 @@ byte is one of: parameters, gradients, optimizer state, saved activations, works
 Model states — ZeRO (Rajbhandari et al., SC'20, arXiv:1910.02054, §3.1 and Fig. 1): mixed-precision Adam holds
 2Ψ (fp16 weights) + 2Ψ (fp16 gradients) + KΨ (K = 12: fp32 master weights, momentum, variance); stage 2 partitions
 gradients and optimizer state over N_d ranks, 2Ψ + 14Ψ/N_d; stage 3 partitions all, 16Ψ/N_d. Here the bytes per
-element follow the precision this code actually runs (see `_element_bytes`): "32-true" keeps fp32 weights,
+element follow the precision this code actually runs (see `element_bytes`): "32-true" keeps fp32 weights,
 gradients and AdamW moments (16Ψ, no separate master); Lightning's "bf16-mixed" keeps fp32 weights and gradients
 and autocasts, so each matmul weight also exists as a bf16 copy saved for backward (cache_enabled=False, one copy
 per use); FSDP2 with bf16-mixed gathers bf16 parameters (MixedPrecisionPolicy) over fp32 shards; "bf16-true"
 stores everything, AdamW moments included, in bf16 (8Ψ); DeepSpeed with bf16 holds bf16 module weights plus fp32
 master partitions (K = 12, as in the paper).
 
-Activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
-arXiv:2205.05198) §4.1: a GPT layer saves s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations (s tokens, b
-sequences, h width, a heads). Adapted to the real blocks (`models/transformer.py`), tensor by tensor (checked with
-autograd's saved tensors on CPU, torch 2.13):
-* fused attention (FlashAttention/SDPA, Dao et al. 2022) keeps q, k, v, the output and a fp32 log-sum-exp instead
-  of the a·s² score, softmax and dropout tensors (the 5·a·s·b·s term); the math fallback keeps a·s²·b softmax
-  probabilities, ×3 with dropout (mask and dropped probabilities). CPU flash has no dropout; on HPU dispatch of
-  `scaled_dot_product_attention` to Habana's FusedSDPA is not confirmed (`device/precision.py`), so math is assumed;
-* grouped-query k and v are h·kv_heads/heads wide; the MLP saves 2 tensors of the real ffn width (GELU) or 4
-  (SwiGLU: w1 x, w3 x, silu(w1 x), their product); LayerNorm saves its input, RMSNorm (composite on CPU; assumed
-  elsewhere) its input and x·rsqrt, upcast to fp32; dropout masks (input dtype on CPU, 1-byte bool on CUDA) only
-  when dropout > 0;
-* the residual stream stays fp32 under autocast (fp32 embeddings), and autocast casts a norm's fp32 output once
-  per linear that reads it (3 copies for wq/wk/wv, plus 1 or 2 for the MLP input);
-* full activation checkpointing (Chen et al. 2016; Korthikanti §4, "2·s·b·h·L") keeps each block's input and, in
-  backward, one recomputed block's activations.
-The loss adds logits work of b·s·V: log_softmax output, its gradient and the logits' gradient (3·b·s·V in fp32,
-cross-entropy runs in fp32 under autocast), or the logits' gradient plus the head weight's fresh gradient
-(b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
+Activations and the loss workspace: `tune.activations` (Korthikanti et al., arXiv:2205.05198, adapted tensor by
+tensor to our blocks, with tensor and sequence parallel).
 
 Phases. Not everything is alive at once: gradients are freed (set_to_none) after each step while activations are
 freed during backward. The peak is the largest of these moments, each summed term by term: "init" (DeepSpeed: the
@@ -73,12 +56,20 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.config import STRATEGIES
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.counting import count_parameters
+from gaudi3_scale.tune.activations import (
+    ElementBytes,
+    ModelShape,
+    activation_bytes,
+    element_bytes,
+    loss_workspace_bytes,
+    model_shape,
+    tp_shape,
+)
 
 __all__ = [
     "CPU_DEEPSPEED_IMPORT_BYTES",
@@ -148,152 +139,6 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class _Shape:
-    """Parameter counts (elements) and widths, from `count_parameters` on one- and two-block copies (meta)."""
-
-    params: float  # whole numbers, except one tensor-parallel rank's share (`_tp_shape`)
-    block: float  # one transformer block
-    root: float  # embeddings, final norm, head
-    head: float  # output weight, padded_vocab × dim
-    tied: bool
-    layers: int
-    dim: int
-    ffn: int
-    kv_dim: int
-    heads: int
-    vocab: int
-    llama: bool
-    dropout: bool
-
-
-_SHAPES: dict[
-    str, _Shape
-] = {}  # by repr(config): the tuner and the layout table estimate one model many times
-
-
-def _shape(cfg: ModelConfig) -> _Shape:
-    key = repr(cfg)
-    if key not in _SHAPES:
-        _SHAPES[key] = _count_shape(cfg)
-    return _SHAPES[key]
-
-
-def _count_shape(cfg: ModelConfig) -> _Shape:
-    if cfg.vocab_size is None:
-        raise ConfigError(
-            "model.vocab_size",
-            "is null; resolve it from the dataset (ModelConfig.resolve_vocab) before estimating",
-        )
-    one = count_parameters(replace(cfg, num_layers=1))
-    block = count_parameters(replace(cfg, num_layers=2)) - one
-    return _Shape(
-        params=(one - block) + cfg.num_layers * block,
-        block=block,
-        root=one - block,
-        head=cfg.padded_vocab_size * cfg.dim,
-        tied=cfg.tie_embeddings,
-        layers=cfg.num_layers,
-        dim=cfg.dim,
-        ffn=cfg.hidden_dim,
-        kv_dim=cfg.kv_heads * cfg.head_dim,
-        heads=cfg.num_heads,
-        vocab=cfg.padded_vocab_size,
-        llama=cfg.arch == "llama",
-        dropout=cfg.dropout > 0,
-    )
-
-
-def _tp_shape(sh: _Shape, tp: int) -> _Shape:
-    """One tensor-parallel rank's parameters under the Llama plan (`distributed/tensor_parallel.py`, Megatron's
-    layout): every matmul weight, the embedding table and the head split over `tp` ranks; the RMSNorm weights (two
-    per block, one final) replicated."""
-    if tp == 1:
-        return sh
-    block_norms, final_norm = 2 * sh.dim, sh.dim
-    block = (sh.block - block_norms) / tp + block_norms
-    root = (sh.root - final_norm) / tp + final_norm
-    return replace(sh, params=root + sh.layers * block, block=block, root=root, head=sh.head / tp)
-
-
-@dataclass(frozen=True)
-class _Bytes:
-    """Bytes per element of each kind of tensor, for one precision under one strategy."""
-
-    weight: int  # stored parameters (replicas or shards)
-    gathered: int  # FSDP/ZeRO-3 gathered parameters and their unsharded gradients
-    grad: int  # gradients as kept (DDP buckets, FSDP shards, ZeRO partitions)
-    state: int  # one optimizer state tensor
-    master: int  # separate fp32 master copy (DeepSpeed), 0 = none
-    compute: int  # activations on the matmul path
-    residual: int  # residual stream and the norms' saved tensors
-    loss: int  # log_softmax and its gradients
-    autocast: bool  # torch.autocast: a norm's fp32 output is cast once per linear that reads it
-    weight_casts: bool  # autocast also casts every fp32 matmul weight (kept for backward)
-
-
-def _element_bytes(precision: str, strategy: str) -> _Bytes:
-    half = precision != "32-true"
-    if strategy.startswith("deepspeed"):
-        # Lightning's DeepSpeedPrecision turns on DeepSpeed's bf16/fp16 mode: 16-bit module, fp32 master partitions.
-        w = 2 if half else 4
-        return _Bytes(w, w, w, 4, 4, w, w, w, autocast=False, weight_casts=False)
-    if precision == "32-true":
-        return _Bytes(4, 4, 4, 4, 0, 4, 4, 4, autocast=False, weight_casts=False)
-    if precision == "bf16-true":  # Lightning HalfPrecision: module, gradients and AdamW moments in bf16
-        return _Bytes(2, 2, 2, 2, 0, 2, 2, 2, autocast=False, weight_casts=False)
-    if strategy in ("fsdp", "fsdp_grad_op"):  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-        return _Bytes(4, 2, 4, 4, 0, 2, 2, 4, autocast=True, weight_casts=False)
-    return _Bytes(4, 4, 4, 4, 0, 2, 4, 4, autocast=True, weight_casts=True)
-
-
-def _fused_attention(device_kind: str, dropout: bool) -> bool:
-    """Flash/memory-efficient SDPA on CUDA; CPU flash has no dropout; on HPU not confirmed (module docstring)."""
-    return device_kind == "cuda" or (device_kind == "cpu" and not dropout)
-
-
-def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str, tp: int = 1) -> float:
-    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring); under tensor
-    parallel with sequence parallel (§4.2.2) everything is split over `tp` ranks except the all-gathered inputs of
-    the column-parallel linears, which DTensor saves whole."""
-    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn / tp, s * b
-    statistics = 2 * sb * (4 if sh.llama else 2 * e.residual)  # fp32 rstd (RMSNorm); mean, rstd (LayerNorm)
-    # LayerNorm keeps its input; the composite RMSNorm keeps its input and x·rsqrt, both upcast to fp32.
-    norm_side = ((4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics) / tp
-    linear_inputs = ((5 if sh.llama else 4) if e.autocast else 2) * sbh * e.compute
-    mlp = (4 if sh.llama else 2) * sbf * e.compute
-    if _fused_attention(device_kind, sh.dropout):
-        attention = (2 * sbh + 2 * sb * sh.kv_dim) * e.compute + b * sh.heads * s * 4  # q, out, k, v; lse
-    else:  # math path: scaled q/k copies, k/v repeated to all heads, softmax (+ mask and dropped probabilities)
-        attention = 4 * sbh * e.compute + (3 if sh.dropout else 1) * sh.heads * s * s * b * e.compute
-    masks = 2 * sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    return norm_side + linear_inputs + mlp + (attention + masks) / tp  # local heads under tensor parallel
-
-
-def _mask_bytes(e: _Bytes, device_kind: str) -> int:
-    """Dropout keeps a bool mask on CUDA, a scaled mask in the input dtype on CPU (and, assumed, HPU)."""
-    return 1 if device_kind == "cuda" else e.compute
-
-
-def _activation_bytes(
-    sh: _Shape, b: int, s: int, e: _Bytes, ckpt: bool, device_kind: str, tp: int = 1
-) -> float:
-    sbh = s * b * sh.dim
-    # final norm (sequence-parallel under tp); the head's input (all-gathered whole under tp)
-    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
-    embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    layer = _layer_bytes(sh, b, s, e, device_kind, tp)
-    blocks = sh.layers * sbh * e.residual / tp + layer if ckpt else sh.layers * layer
-    return blocks + head_side + embedding_mask
-
-
-def _loss_workspace(sh: _Shape, b: int, s: int, e: _Bytes, head_grad_bytes: int, tp: int = 1) -> float:
-    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger;
-    under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
-    logits = b * s * sh.vocab / tp
-    return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)
-
-
-@dataclass(frozen=True)
 class _Phase:
     name: str
     params: float
@@ -310,9 +155,9 @@ class _Phase:
 
 @dataclass(frozen=True)
 class _Run:
-    sh: _Shape  # one tensor-parallel rank's parameters (the whole model without tensor parallel)
-    whole: _Shape
-    e: _Bytes
+    sh: ModelShape  # one tensor-parallel rank's parameters (the whole model without tensor parallel)
+    whole: ModelShape
+    e: ElementBytes
     n: int
     b: int
     s: int
@@ -324,13 +169,13 @@ class _Run:
 
     @property
     def activations(self) -> float:
-        return _activation_bytes(self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp)
+        return activation_bytes(self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp)
 
     def optimizer(self, shards: int) -> float:
         return (self.states * self.e.state + self.e.master) * self.sh.params / shards
 
     def loss(self, head_grad_bytes: int) -> float:
-        return _loss_workspace(self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp)
+        return loss_workspace_bytes(self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp)
 
     def weight_casts(self) -> float:
         """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %)."""
@@ -405,7 +250,7 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     return phases
 
 
-def _build_bytes(e: _Bytes) -> int:
+def _build_bytes(e: ElementBytes) -> int:
     return 2 if e.weight == 2 and e.master == 0 else 4  # bf16-true builds in bf16; everything else in fp32
 
 
@@ -531,11 +376,11 @@ def _build_run(
         )
     if optimizer not in OPTIMIZER_STATES:
         raise UserInputError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
-    whole = _shape(model)
+    whole = model_shape(model)
     run = _Run(
-        sh=_tp_shape(whole, tp_size),
+        sh=tp_shape(whole, tp_size),
         whole=whole,
-        e=_element_bytes(precision, strategy),
+        e=element_bytes(precision, strategy),
         # FSDP shards within one HSDP replica of one tensor-parallel slice; ZeRO over every rank
         n=world_size // (tp_size * dp_replicate),
         b=micro_batch_size,

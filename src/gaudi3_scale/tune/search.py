@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gaudi3_scale.distributed.config import OFFLOAD_STRATEGIES
 from gaudi3_scale.tune.config import TuneConfig
-from gaudi3_scale.tune.space import Candidate, SearchSpace
+from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult
 
 __all__ = ["SearchOutcome", "TrialCache", "search"]
@@ -315,15 +314,14 @@ def _group_name(c: Candidate) -> str:
 def _with_offload(s: _Search, base: Candidate) -> None:
     """A group that fits nowhere on the device: search it again with CPU offload (optimizer before all, the
     lighter host traffic first), if the strategy offloads and the estimate then fits."""
-    for offload in ("optimizer", "all"):
-        if base.strategy in OFFLOAD_STRATEGIES[offload]:
-            moved = replace(base, offload=offload)
-            if s.fits_somewhere(moved):
-                s.notes.append(
-                    f"{_group_name(base)}: does not fit on the device; searched with offload {offload}"
-                )
-                s.group(moved)
-                return
+    for offload in offload_options(base.strategy):
+        moved = replace(base, offload=offload)
+        if s.fits_somewhere(moved):
+            s.notes.append(
+                f"{_group_name(base)}: does not fit on the device; searched with offload {offload}"
+            )
+            s.group(moved)
+            return
 
 
 def search(

@@ -18,7 +18,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import float8_unsupported_reason
-from gaudi3_scale.distributed.config import MESH_STRATEGIES
+from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.train.config import RunConfig
@@ -31,6 +31,7 @@ __all__ = [
     "build_space",
     "device_kind",
     "divisors",
+    "offload_options",
     "supported_precisions",
 ]
 
@@ -173,6 +174,11 @@ class SearchSpace:
 
 def _onoff(values: tuple[bool, ...]) -> str:
     return "/".join("on" if v else "off" for v in values)
+
+
+def offload_options(strategy: str) -> tuple[str, ...]:
+    """The offloads `strategy` can run, lighter host traffic first (optimizer before all)."""
+    return tuple(o for o in ("optimizer", "all") if strategy in OFFLOAD_STRATEGIES[o])
 
 
 def divisors(n: int) -> list[int]:
