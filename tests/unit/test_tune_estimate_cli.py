@@ -9,6 +9,7 @@ import pytest
 
 from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
 from gaudi3_scale.models import get_model_config
+from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune.memory import estimate_memory
 
 LAYOUT = re.compile(
@@ -66,6 +67,15 @@ def test_llama3_70b_layouts_on_64_devices(
         tp_size=int(best.group("tp") or 1), dp_replicate=int(best.group("rep") or 1), offload=best.group("offload"),
     )  # fmt: skip
     assert best.group("detail").startswith(f"{est.total_bytes / 2**30:.1f} GiB per device")
+    # … and its overrides make a run config the trainer accepts on 8 nodes of 8
+    (given,) = [
+        ln.split(": ", 1)[1] for ln in lines if ln.startswith("the first as `gaudi3 train` overrides: ")
+    ]
+    pairs = [tuple(o[2:].split("=", 1)) for o in given.split()]
+    geometry = [("model.name", "llama3-70b"), ("parallel.nproc_per_node", "8"), ("parallel.nnodes", "8"),
+                ("parallel.rdzv_endpoint", "node0:29500"), ("train.global_batch_size", "64")]  # fmt: skip
+    cfg = build_run_config(None, [*geometry, *pairs])  # type: ignore[list-item]
+    assert cfg.parallel_plan().strategy == best.group("strategy")
     strategies = {m.group("strategy") for m in layouts}
     if device == "gaudi3":  # only what the trainer builds on Gaudi
         assert strategies == {"ddp", "fsdp", "fsdp_grad_op"} and "deepspeed" not in "".join(

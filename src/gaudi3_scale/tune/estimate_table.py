@@ -148,6 +148,8 @@ def format_layouts(
             lines.append(f"fits          {lay.label(world_size)}: {detail}")
         else:
             lines.append(f"does not fit  {lay.label(world_size)}: {check.reason(spec.name)}{host}")
+    if checks[0].fits:
+        lines.append("the first as `gaudi3 train` overrides: " + " ".join(checks[0].layout.overrides()))
     if any(c.estimate.host_bytes for c in checks):
         lines.append(
             "host memory per node is not checked: the catalog has no sourced host RAM for these nodes"

@@ -32,14 +32,8 @@ from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_
 
 __all__ = ["Layout", "LayoutCheck", "check_layouts", "tensor_parallel_sizes", "tp_bytes_per_token"]
 
-STRATEGY_ORDER = (
-    "auto",
-    "ddp",
-    "fsdp_grad_op",
-    "fsdp",
-    "deepspeed_zero2",
-    "deepspeed_zero3",
-)  # auto: one device
+# The tuner's order (cheapest communication first); auto is plain training on one device.
+STRATEGY_ORDER = ("auto", "ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 OFFLOAD_ORDER = ("none", "optimizer", "all")
 _GIB = 2**30
 
