@@ -124,6 +124,30 @@ def test_bf16_mixed_per_strategy_tracks_fp32(strategy: str, single: Path, tmp_pa
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_zero3"])
+def test_cpu_offload_trains_and_checkpoints_as_without_it(
+    strategy: str, two_ranks: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """parallel.offload all: FSDP2's CPUOffloadPolicy (unpinned on a CPU mesh) or DeepSpeed's offload_optimizer +
+    offload_param (our AdamW steps the host partitions). On a CPU the host is the device, so the same math runs:
+    the losses and the checkpointed weights equal the run without offload — bit for bit under FSDP; DeepSpeed
+    accumulates the offloaded gradients in its host fp32 buffers in another order (differences of ~1e-7)."""
+    proc = _train(
+        tmp_path, "--nproc-per-node", "2", "--parallel.strategy", strategy, "--parallel.offload", "all"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference, losses = _losses(two_ranks(strategy)), _losses(tmp_path)
+    assert len(losses) == 20 and losses[-1] < losses[0] - 0.5
+    rtol = 0.0 if strategy == "fsdp" else 1e-5
+    assert losses == pytest.approx(reference, rel=rtol, abs=0.0)
+    ckpt = "checkpoints/step-00000020"
+    want = read_checkpoint(two_ranks(strategy) / ckpt)["state_dict"]
+    got = read_checkpoint(tmp_path / ckpt)["state_dict"]
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=rtol * 10, atol=rtol)
+
+
 def test_activation_checkpointing_changes_memory_not_math(single: Path, tmp_path: Path) -> None:
     proc = _train(tmp_path, "--train.threads", "2", "--parallel.activation_checkpointing", "true")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -227,3 +227,20 @@ def test_catalog_command_lists_sources(gaudi3_cli: Callable[..., tuple[int, str,
 def test_assumptions_are_stated() -> None:
     lines = Assumptions(pue=1.2, usd_per_kwh=0.05).lines()
     assert any("PUE 1.2" in line and "$0.05/kWh" in line for line in lines)
+
+
+def test_gaudi_fit_uses_a_strategy_the_trainer_runs_there() -> None:
+    # FSDP2 with ZeRO-3 sharding, built on Gaudi over HCCL; DeepSpeed ZeRO-3 is refused on Gaudi, so never assumed.
+    assert Assumptions().strategy == "fsdp"
+    assert any(
+        "fsdp (FSDP2" in line and "DeepSpeed is not proposed for Gaudi" in line
+        for line in Assumptions().lines()
+    )
+    zero3 = Assumptions(strategy="deepspeed_zero3")
+    with pytest.raises(
+        UserInputError,
+        match=r"^strategy deepspeed_zero3 is not one the trainer runs on gaudi3; allowed: single, ddp, fsdp, fsdp_grad_op$",
+    ):
+        compare_training_cost("llama3-8b", "1B", ["gaudi3"], assumptions=zero3)
+    row = compare_training_cost("llama3-8b", "1B", ["h100"], assumptions=zero3).rows[0]
+    assert row.accelerators is not None  # DeepSpeed remains a what-if on CUDA, where the trainer runs it

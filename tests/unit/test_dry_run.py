@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
 from gaudi3_scale.models import build_model, get_model_config
+from gaudi3_scale.tune.memory import estimate_memory
 
 
 def test_dry_run_plans_llama3_70b_on_64_ranks_without_allocating(tmp_path: Path) -> None:
@@ -51,3 +53,51 @@ def test_shard_plan_matches_each_strategys_layout() -> None:
     assert zero3 == [math.ceil(total / 4 / 3) * 4] * 3
     ddp = parameter_bytes_per_rank(model, ParallelPlan(strategy="ddp", world_size=3), element_bytes=2)
     assert ddp == [total // 2] * 3
+
+
+def test_dry_run_shows_tensor_parallel_hsdp_and_offload(
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    args = ["train", "--dry-run", "--model.name", "llama3-70b", "--parallel.strategy", "fsdp", "--nproc-per-node", "8", "--nnodes", "8",
+            "--rdzv-endpoint", "node0:29500", "--train.device", "cuda", "--train.precision", "bf16-mixed",
+            "--train.global_batch_size", "64", "--train.micro_batch_size", "1", "--parallel.tp_size", "8",
+            "--parallel.dp_replicate", "8", "--parallel.offload", "all", "--parallel.activation_checkpointing",
+            "true"]  # fmt: skip
+    code, out, err = gaudi3_cli(*args)
+    assert code == 0, out + err
+    assert "fsdp on 64 rank(s) (8 node(s))" in out
+    assert "× 8 rank(s), context 8192" in out  # 64 ranks in tensor-parallel groups of 8 read 8 batches
+    assert "layout: tensor parallel 8 × HSDP replicas 8 × shards 1, offload all" in out
+    with torch.device("meta"):
+        model = build_model(get_model_config("llama3-70b"))
+    plan = ParallelPlan(strategy="fsdp", world_size=64, tp_size=8, dp_replicate=8, offload="all")
+    per_rank = parameter_bytes_per_rank(model, plan, element_bytes=4)
+    assert f"parameters per rank: {per_rank[0] / 2**30:.2f} GiB on rank 0" in out
+    assert "held in host memory (offload all)" in out
+    est = estimate_memory(
+        get_model_config("llama3-70b"), strategy="fsdp", world_size=64, precision="bf16-mixed", device_kind="cuda",
+        activation_checkpointing=True, tp_size=8, dp_replicate=8, offload="all",
+    )  # fmt: skip
+    assert f"estimated peak per rank: {est.total_bytes / 2**30:.2f} GiB" in out
+    assert (
+        f"offloaded to host memory: {est.host_bytes / 2**30:.2f} GiB per rank, "
+        f"{8 * est.host_bytes / 2**30:.2f} GiB per node of 8 rank(s)"
+    ) in out
+
+
+def test_shard_plan_under_tensor_parallel_and_hsdp() -> None:
+    with torch.device("meta"):
+        model = build_model(get_model_config("llama-tiny").resolve_vocab(96))
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values()) * 4
+    norms = sum(p.numel() for p in params.values() if p.ndim == 1) * 4
+    # HSDP: each replica of 2 ranks holds the whole model once
+    hsdp = parameter_bytes_per_rank(
+        model, ParallelPlan(strategy="fsdp", world_size=4, dp_replicate=2), element_bytes=4
+    )
+    assert hsdp[0] + hsdp[1] == hsdp[2] + hsdp[3] == total
+    # tensor parallel 2 alone: every matrix halved (wo/w2 by columns, the rest by rows), the norms whole
+    tp = parameter_bytes_per_rank(
+        model, ParallelPlan(strategy="fsdp", world_size=2, tp_size=2), element_bytes=4
+    )
+    assert tp == [(total - norms) // 2 + norms] * 2

@@ -71,3 +71,40 @@ def test_cli_hpu_without_gaudi_is_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith(
         "gaudi3: error: train.device: Gaudi (HPU) was requested"
     ), lines
+
+
+def test_fsdp_on_gaudi_is_our_fsdp2_strategy_over_hccl() -> None:
+    import torch.distributed as dist
+
+    from gaudi3_scale.distributed.fsdp import FSDPStrategy
+    from gaudi3_scale.distributed.hpu import HPUFSDPStrategy
+    from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+    from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
+
+    plan = ParallelPlan(strategy="fsdp_grad_op", world_size=16, offload="all")
+    batch = BatchPlan.build(global_batch_size=32, micro_batch_size=1, data_parallel_size=16)
+    strategy = build_strategy(plan, batch, accelerator="hpu")
+    assert type(strategy) is HPUFSDPStrategy and isinstance(strategy, FSDPStrategy)
+    assert strategy.process_group_backend == "hccl" and strategy.cpu_offload and saves_sharded(strategy)
+    # Its device mesh is built on the root device's type (hpu) once the process group exists, and that needs
+    # Habana's hccl backend: without Gaudi, setting up stops with one line before any process group is created.
+    with pytest.raises(UserInputError, match=r"^Gaudi \(HPU\) was requested but no HPU is usable here"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
+
+
+def test_gaudi_strategies_are_exactly_those_built_there() -> None:
+    from gaudi3_scale.config.errors import ConfigError
+    from gaudi3_scale.distributed.config import STRATEGIES
+    from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+    from gaudi3_scale.distributed.strategies import build_strategy, supported_strategies
+
+    batch = BatchPlan.build(global_batch_size=8, micro_batch_size=1, data_parallel_size=8)
+    for name in [s for s in STRATEGIES if s != "auto"]:
+        plan = ParallelPlan(strategy=name, world_size=8)
+        if name in supported_strategies("hpu"):
+            assert build_strategy(plan, batch, accelerator="hpu") is not None
+        else:
+            with pytest.raises(ConfigError, match=rf"^parallel\.strategy: {name} is not available on Gaudi"):
+                build_strategy(plan, batch, accelerator="hpu")
+    assert not any(s.startswith("deepspeed") for s in supported_strategies("hpu"))

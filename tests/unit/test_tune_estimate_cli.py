@@ -2,39 +2,133 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+
+import pytest
 
 from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
 from gaudi3_scale.models import get_model_config
+from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune.memory import estimate_memory
 
+LAYOUT = re.compile(
+    r"^(?P<fits>fits|does not fit)\s+(?P<strategy>\S+) "
+    r"(?P<mesh>tp (?P<tp>\d+) × replicate (?P<rep>\d+) × shard \d+|over \d+ rank\(s\)(?: \(replicated\))?), "
+    r"act\.ckpt (?P<ckpt>on|off), offload (?P<offload>none|optimizer|all): (?P<detail>.*)$"
+)
 
-def test_llama3_70b_on_eight_gaudi3(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+
+def _layouts(out: str) -> list[re.Match[str]]:
+    return [m for m in map(LAYOUT.match, out.splitlines()) if m]
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "device", "gib"), [("h100", "h100-sxm", "74.5"), ("gaudi3", "gaudi3", "119.2")]
+)
+def test_llama3_70b_layouts_on_64_devices(
+    gaudi3_cli: Callable[..., tuple[int, str, str]], accelerator: str, device: str, gib: str
+) -> None:
+    code, out, err = gaudi3_cli(
+        "tune", "--estimate-only", "--model.name", "llama3-70b", "--accelerator", accelerator, "--world-size", "64",
+    )  # fmt: skip
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"device: {device}, ")
+    assert (
+        lines[1].startswith(f"llama3-70b: 70.6 B parameters on 64 × {device} (8 node(s) × 8), ")
+        and f"= {gib} GiB per device; micro-batch 1 × 8192 tokens, bf16-mixed" in lines[1]
+    )
+    layouts = _layouts(out)
+    fits = [m for m in layouts if m.group("fits") == "fits"]
+    assert f"{len(fits)} of {len(layouts)} layouts fit" in lines[2] and 0 < len(fits) < len(layouts)
+    assert [m.group("fits") for m in layouts] == sorted((m.group("fits") for m in layouts), key="fits".__ne__)
+    for m in layouts:  # every layout says why it does not fit, in numbers
+        if m.group("fits") == "does not fit":
+            need = re.match(rf"needs ([\d.]+) GiB per device, the {device} has {gib} GiB", m.group("detail"))
+            assert need is not None and float(need.group(1)) > float(gib), m.group(0)
+        else:
+            used = re.match(r"([\d.]+) GiB per device.*, largest micro-batch (\d+)$", m.group("detail"))
+            assert used is not None and float(used.group(1)) <= float(gib) and int(used.group(2)) >= 1
+    # ddp replicates 70 B parameters with fp32 AdamW: never fits
+    assert all(m.group("fits") == "does not fit" for m in layouts if m.group("strategy") == "ddp")
+    # offload is only proposed for a layout that does not fit without it
+    by_layout = {
+        (m.group("strategy"), m.group("mesh"), m.group("ckpt"), m.group("offload")): m.group("fits")
+        for m in layouts
+    }
+    offloaded = [key for key in by_layout if key[3] != "none"]
+    assert offloaded and all(by_layout[(*key[:3], "none")] == "does not fit" for key in offloaded)
+    # the first line that fits is checked against the estimator itself
+    best = fits[0]
+    est = estimate_memory(
+        get_model_config("llama3-70b"), strategy=best.group("strategy"), world_size=64, precision="bf16-mixed",
+        activation_checkpointing=best.group("ckpt") == "on", device_kind="hpu" if device == "gaudi3" else "cuda",
+        tp_size=int(best.group("tp") or 1), dp_replicate=int(best.group("rep") or 1), offload=best.group("offload"),
+    )  # fmt: skip
+    assert best.group("detail").startswith(f"{est.total_bytes / 2**30:.1f} GiB per device")
+    # … and its overrides make a run config the trainer accepts on 8 nodes of 8
+    (given,) = [
+        ln.split(": ", 1)[1] for ln in lines if ln.startswith("the first as `gaudi3 train` overrides: ")
+    ]
+    pairs = [tuple(o[2:].split("=", 1)) for o in given.split()]
+    geometry = [("model.name", "llama3-70b"), ("parallel.nproc_per_node", "8"), ("parallel.nnodes", "8"),
+                ("parallel.rdzv_endpoint", "node0:29500"), ("train.global_batch_size", "64")]  # fmt: skip
+    cfg = build_run_config(None, [*geometry, *pairs])  # type: ignore[list-item]
+    assert cfg.parallel_plan().strategy == best.group("strategy")
+    strategies = {m.group("strategy") for m in layouts}
+    if device == "gaudi3":  # only what the trainer builds on Gaudi
+        assert strategies == {"ddp", "fsdp", "fsdp_grad_op"} and "deepspeed" not in "".join(
+            m.group(0) for m in layouts
+        )
+        assert "DeepSpeed is not proposed there" in out
+    else:
+        assert {"deepspeed_zero2", "deepspeed_zero3"} <= strategies
+    assert {m.group("tp") for m in layouts if m.group("tp")} == {
+        "1",
+        "2",
+        "4",
+        "8",
+    }  # tp: divisors of 8 and of 8 kv heads
+    assert {m.group("rep") for m in layouts if m.group("rep")} == {"1", "8"}  # HSDP: one replica per node
+
+
+def test_llama3_70b_on_eight_gaudi3_needs_tensor_parallel_or_offload(
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
     code, out, err = gaudi3_cli(
         "tune", "--estimate-only", "--model.name", "llama3-70b", "--world-size", "8", "--accelerator", "gaudi3",
     )  # fmt: skip
     assert code == 0, out + err
-    lines = out.splitlines()
-    assert lines[0].startswith(
-        'device: gaudi3, 128 GB (source: Intel, "Intel Gaudi 3 AI Accelerator" (R. Kaplan), Hot Chips'
+    # 16 bytes per parameter of fp32 state over 8 ranks (141 GB) exceed a Gaudi 3 (128 GB) without offload
+    fits = [m for m in _layouts(out) if m.group("fits") == "fits"]
+    assert fits and all(m.group("offload") == "all" for m in fits)
+    assert "host memory per node is not checked" in out
+
+
+def test_world_size_must_be_whole_nodes(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, _out, err = gaudi3_cli("tune", "--estimate-only", "--accelerator", "h100", "--world-size", "12")
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert (
+        len(lines) == 1
+        and "--world-size: 12 is not a whole number of h100-sxm nodes (8 per node)" in lines[0]
     )
+
+
+def test_a_budget_keeps_the_strategy_table(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, out, err = gaudi3_cli(
+        "tune", "--estimate-only", "--model.name", "llama3-70b", "--world-size", "8", "--accelerator", "gaudi3",
+        "--memory-budget", "128GB",
+    )  # fmt: skip
+    assert code == 0, out + err
+    lines = out.splitlines()
     assert lines[1].startswith(
         "llama3-70b: 70.6 B parameters, 8 rank(s), micro-batch 1 × 8192 tokens, bf16-mixed"
     )
     rows = {(ln.split()[0], ln.split()[1]): ln for ln in lines[3:13]}
-    assert len(rows) == 10  # 5 strategies × activation checkpointing off/on
-    fsdp = estimate_memory(
-        get_model_config("llama3-70b"),
-        strategy="fsdp",
-        world_size=8,
-        precision="bf16-mixed",
-        activation_checkpointing=True,
-        device_kind="hpu",
-    )
-    assert f"{fsdp.total_bytes / 2**30:.2f}" in rows[("fsdp", "on")].split()
-    # DDP replicates 70 B parameters with fp32 AdamW: ~1.1 TB per rank never fits a 128 GB device.
-    assert rows[("ddp", "off")].endswith("no (0)")
-    assert "on hpu this codebase trains with ddp only" in out
+    assert len(rows) == 10 and rows[("ddp", "off")].endswith("no (0)")
+    assert "on hpu this codebase trains with ddp, fsdp and fsdp_grad_op" in out
 
 
 def test_a_budget_overrides_device_memory_and_cpu_is_the_default(

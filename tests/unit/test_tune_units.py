@@ -230,3 +230,61 @@ def test_adaptive_batch_finder_refuses_a_module_with_one_line() -> None:
                        r"a ModelConfig or a RunConfig, not a Linear") as refused:  # fmt: skip
         AdaptiveBatchFinder(model=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
     assert "\n" not in str(refused.value)
+
+
+def test_tensor_parallel_joins_the_space_for_mesh_strategies_on_a_llama() -> None:
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    base = build_run_config(
+        None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8"])
+    )
+    space = build_space(base, world_size=4, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,),
+                        precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
+    assert space.tp_sizes == (1, 2)  # divisors of 4 ranks that divide 4 heads and 2 kv heads
+    layouts = {(c.strategy, c.tp_size) for c in space.candidates()}
+    assert layouts == {("ddp", 1), ("fsdp", 1), ("fsdp", 2)}
+    tp = next(c for c in space.candidates() if c.tp_size == 2 and c.micro_batch_size == 2)
+    assert space.micro_batches(8, 2) == [1, 2, 4]  # 8 sequences over 2 tensor-parallel groups
+    pairs = [tuple(o[2:].split("=", 1)) for o in tp.overrides()]
+    cfg = build_run_config(None, [*pairs, ("model.name", "llama-tiny"), ("parallel.nproc_per_node", "4")])  # type: ignore[list-item]
+    assert (cfg.parallel.tp_size, cfg.batch_plan().accumulation) == (2, tp.accumulation(4)) == (2, 2)
+    assert tp.label(4).startswith("fsdp tp 2 32-true")
+    # keys of layouts at their defaults are those of the trial caches written before layouts existed
+    plain = next(c for c in space.candidates() if c.tp_size == 1)
+    old = {k: v for k, v in asdict(plain).items() if k not in ("tp_size", "dp_replicate", "offload")}
+    assert plain.key == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_offload_is_searched_only_where_nothing_fits_without_it(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.search import TrialCache, search
+    from gaudi3_scale.tune.space import available_strategies
+    from gaudi3_scale.tune.trial import TrialResult
+
+    pytest.importorskip("deepspeed")
+    base = build_run_config(None, parse_overrides(["--train.global_batch_size", "4"]))
+    space = build_space(base, world_size=2, strategies=("ddp", "deepspeed_zero2"), compile=(False,), threads=(1,),
+                        precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
+    ran: list = []
+
+    def run(c: Candidate, estimate: int | None) -> TrialResult:
+        ran.append(c)
+        return TrialResult(candidate=c, status="ok", tokens_per_s=100.0 * c.micro_batch_size, step_time_s=1.0)
+
+    # a stand-in estimate: ddp fits at micro-batch 1, ZeRO-2 only with its optimizer on the host
+    def estimate(c: Candidate) -> int:
+        if c.strategy == "ddp":
+            return 10 * c.micro_batch_size
+        return 5 if c.offload == "optimizer" else 100
+
+    outcome = search(space, TuneConfig(memory_budget_bytes=10), run=run, estimate=estimate,
+                     cache=TrialCache(tmp_path / "t.jsonl", "f"))  # fmt: skip
+    assert {(c.strategy, c.offload) for c in ran} == {("ddp", "none"), ("deepspeed_zero2", "optimizer")}
+    assert any("searched with offload optimizer" in note for note in outcome.notes)
+    assert "--parallel.offload=optimizer" in next(c for c in ran if c.offload != "none").overrides()
+    assert available_strategies(8, "hpu") == (
+        "ddp",
+        "fsdp_grad_op",
+        "fsdp",
+    )  # what the trainer builds on Gaudi

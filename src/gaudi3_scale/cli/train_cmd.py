@@ -124,6 +124,9 @@ def print_dry_run(cfg: RunConfig) -> None:
         precision=cfg.train.precision,
         activation_checkpointing=plan.activation_checkpointing,
         device_kind=device,
+        tp_size=plan.tp_size,
+        dp_replicate=plan.dp_replicate,
+        offload=plan.offload,
     )
     weight_bytes = 2 if estimate.precision == "bf16-true" else 4
     shards = parameter_bytes_per_rank(model, plan, element_bytes=weight_bytes)
@@ -135,13 +138,26 @@ def print_dry_run(cfg: RunConfig) -> None:
         f"{device}; batch {batch.global_batch_size} = micro-batch {batch.micro_batch_size} × accumulation "
         f"{batch.accumulation} × {batch.data_parallel_size} rank(s), context {model_cfg.context_length}"
     )
+    if plan.shards_parameters or plan.offload != "none":
+        click.echo(
+            f"layout: tensor parallel {plan.tp_size} × HSDP replicas {plan.dp_replicate} × shards "
+            f"{plan.dp_shard if plan.shards_parameters else 1}, offload {plan.offload}"
+        )
     click.echo(
         f"parameters per rank: {shards[0] / gib:.2f} GiB on rank 0, {min(shards) / gib:.2f}–{max(shards) / gib:.2f} "
         f"GiB over the ranks ({weight_bytes}-byte weights; whole model {count * weight_bytes / gib:.2f} GiB)"
+        + (", held in host memory (offload all)" if plan.offload == "all" else "")
     )
     parts = ", ".join(f"{name} {size / gib:.2f}" for name, size in estimate.rows())
     click.echo(
         f"estimated peak per rank: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} GiB; "
         "tune.memory)"
     )
+    if plan.offload != "none":
+        per_node = estimate.host_bytes * cfg.parallel.nproc_per_node
+        click.echo(
+            f"offloaded to host memory: {estimate.host_bytes / gib:.2f} GiB per rank, {per_node / gib:.2f} GiB per "
+            f"node of {cfg.parallel.nproc_per_node} rank(s)"
+            + (" (on a CPU the host is the device: nothing moves)" if device == "cpu" else "")
+        )
     click.echo("nothing was allocated, written or trained")

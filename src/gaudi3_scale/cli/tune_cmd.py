@@ -39,7 +39,10 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 )
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML to tune")
 @click.option(
-    "--world-size", type=Count(), help="ranks on this node (default: the config's parallel.nproc_per_node)"
+    "--world-size",
+    type=Count(),
+    help="ranks on this node (default: the config's parallel.nproc_per_node); with --estimate-only and "
+    "--accelerator: all devices, in whole nodes of the catalog's accelerators per node (8 for gaudi3 and h100)",
 )
 @click.option(
     "--memory-budget", help="memory per rank a config may use, e.g. 16GiB (default: device × target)"
@@ -104,7 +107,9 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 @click.option("--estimate-only", is_flag=True, help="print the memory estimate table and exit; runs nothing")
 @click.option(
     "--accelerator",
-    help="with --estimate-only: the device whose memory the table checks (e.g. gaudi3, h100); default: budget",
+    help="with --estimate-only: list every layout the trainer supports on --world-size of these devices "
+    "(strategy, tensor parallel, HSDP, activation checkpointing, offload where needed), whether it fits and why "
+    "not (e.g. gaudi3, h100); with --memory-budget: the strategy table checked against that budget",
 )
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def tune(

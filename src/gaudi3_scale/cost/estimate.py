@@ -2,7 +2,8 @@
 
 For each platform (an accelerator in `device/accelerators.yaml`, or `cpu` measured on this machine):
 
-* **accelerators to fit**: the fewest devices on which `tune.memory` says one training step fits (FSDP / ZeRO-3,
+* **accelerators to fit**: the fewest devices on which `tune.memory` says one training step fits (FSDP2 with
+  ZeRO-3 sharding, which the trainer runs on every platform, Gaudi included; never DeepSpeed, refused on Gaudi;
   bf16-mixed, activation checkpointing, micro-batch 1, the model's context) within `memory_fraction` of the
   device's memory; whole nodes are rented, so the run uses every accelerator of those nodes (or of `nodes`).
 * **training time** = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU), with training FLOPs =
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
-from gaudi3_scale.metering.catalog import Instance, load_instances
+from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
 if TYPE_CHECKING:
     from gaudi3_scale.models.config import ModelConfig
@@ -48,7 +49,6 @@ __all__ = [
 DEFAULT_PUE = 1.58
 PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-11-23)"
 DEFAULT_MEMORY_FRACTION = 0.95  # the tuner's default target: what the runtime and fragmentation leave free
-DEFAULT_NODE_SIZE = 8  # accelerators per node when the catalog has no instance (8-OAM Gaudi / HGX baseboards)
 MAX_ACCELERATORS = 65536
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
@@ -107,7 +107,9 @@ def resolve_model(model: str | ModelConfig, context_length: int | None = None) -
 @dataclass(frozen=True, kw_only=True)
 class Assumptions:
     precision: str = "bf16-mixed"
-    strategy: str = "fsdp"  # ZeRO-3: what lets the fewest devices hold the model
+    # FSDP2 with ZeRO-3 sharding: what lets the fewest devices hold the model, and the trainer builds it on cuda and
+    # on Gaudi (distributed.strategies.STRATEGIES_BY_DEVICE) where DeepSpeed ZeRO-3 is refused.
+    strategy: str = "fsdp"
     activation_checkpointing: bool = True
     micro_batch_size: int = 1
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
@@ -126,7 +128,9 @@ class Assumptions:
             "training FLOPs = FLOPs per token × tokens; FLOPs per token = 6·N (N: parameters in matmuls) + "
             "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); recomputation is not counted",
             "time = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU)",
-            f"fit: {self.strategy} (ZeRO-3) sharding, {self.precision}, activation checkpointing "
+            f"fit: {self.strategy} (FSDP2: parameters, gradients and optimizer state sharded as in ZeRO-3; a "
+            "strategy the trainer runs on every platform, on Gaudi over HCCL, not yet validated on Gaudi hardware; "
+            f"DeepSpeed is not proposed for Gaudi), {self.precision}, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch_size}, within "
             f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); whole nodes are rented",
             "cost = node-hours × instance $/h (cheapest catalog instance with the accelerator); spot as the "
@@ -241,7 +245,14 @@ def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], I
 
 
 def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions) -> int:
+    from gaudi3_scale.distributed.strategies import supported_strategies
     from gaudi3_scale.tune.memory import estimate_memory
+
+    if a.strategy not in supported_strategies(_device_kind(spec)):
+        raise UserInputError(
+            f"strategy {a.strategy} is not one the trainer runs on {spec.name}; allowed: "
+            f"{', '.join(supported_strategies(_device_kind(spec)))}"
+        )
 
     return estimate_memory(
         model,
@@ -304,9 +315,7 @@ def _row(
 ) -> PlatformEstimate:
     spec = _platform_spec(platform)
     instance = _instance_for(spec, instances)
-    per_node = (
-        instance.accelerators_per_node if instance else (1 if spec.name == "cpu" else DEFAULT_NODE_SIZE)
-    )
+    per_node = accelerators_per_node(spec.name, instances)  # the instance's, when there is one
     need = _fewest_that_fit(model, spec, per_node, a)
     rate, mfu_source = _mfu_for(spec, mfu, measured)
     base: dict[str, Any] = dict(

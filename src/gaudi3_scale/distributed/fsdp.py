@@ -20,6 +20,15 @@ __all__ = ["FSDPStrategy"]
 
 
 class FSDPStrategy(ModelParallelStrategy):
+    # parallel.offload all: FSDP2 keeps the parameter shards in host memory (distributed.parallelize.apply_fsdp).
+    cpu_offload: bool = False
+
+    def model_to_device(self) -> None:
+        # Lightning moves the whole module to the device after configure_model; offloaded shards must stay on the
+        # host (FSDP2 refuses them elsewhere), and parallelize already put the buffers on the device.
+        if not self.cpu_offload:
+            super().model_to_device()
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_file():

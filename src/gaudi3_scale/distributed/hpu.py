@@ -1,4 +1,5 @@
-"""HPU data parallelism: Lightning's DDP over Habana's `hccl` backend, registered as "habana_ddp".
+"""HPU data parallelism over Habana's `hccl` backend: Lightning's DDP, registered as "habana_ddp", and our FSDP2
+strategy (FSDP, HSDP and tensor-parallel meshes; the mesh's device type is the root device's, "hpu").
 
 Not yet validated on Gaudi hardware.
 """
@@ -10,8 +11,9 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from gaudi3_scale.device.hpu import load_hccl
+from gaudi3_scale.distributed.fsdp import FSDPStrategy
 
-__all__ = ["HPUDDPStrategy", "register_hpu_strategies"]
+__all__ = ["HPUDDPStrategy", "HPUFSDPStrategy", "register_hpu_strategies"]
 
 
 class HPUDDPStrategy(DDPStrategy):
@@ -23,6 +25,16 @@ class HPUDDPStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         load_hccl()  # registers the hccl backend before the process group is created
+        super().setup_environment()
+
+
+class HPUFSDPStrategy(FSDPStrategy):
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("process_group_backend", "hccl")
+        super().__init__(**kwargs)
+
+    def setup_environment(self) -> None:
+        load_hccl()  # registers the hccl backend before the process group and the device mesh are created
         super().setup_environment()
 
 

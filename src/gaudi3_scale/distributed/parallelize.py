@@ -88,13 +88,27 @@ def parallelize(
             mesh["data_parallel"],
             reshard_after_forward=plan.reshard_after_forward,
             param_dtype=torch.bfloat16 if plan.bf16_params else None,
+            offload=plan.offload == "all",
         )
     if any(p.is_meta for p in model.parameters()):
         if device is None or init_weights is None:
             raise ValueError("a model built on meta needs a device and init_weights to be materialised")
-        model.to_empty(device=device)
-        init_weights(model)
+        _materialize(model, device, init_weights, offload=plan.shards_parameters and plan.offload == "all")
     return Parallelized(model, loss_fn)
+
+
+def _materialize(
+    model: nn.Module, device: torch.device | str, init_weights: Callable[[nn.Module], None], *, offload: bool
+) -> None:
+    """Allocate a meta model's storage and initialise it. Under FSDP2 CPU offload the parameter shards live on the
+    host (FSDP copies each block's to the device for its all-gather), so they are allocated there; buffers (the
+    RoPE cache) are read by the forward on the device and go there (torchtitan does the same)."""
+    model.to_empty(device="cpu" if offload else device)
+    init_weights(model)
+    if offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))  # stays a buffer, persistent or not as registered
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -143,14 +157,20 @@ def apply_fsdp(
     *,
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None = None,
+    offload: bool = False,
 ) -> None:
     """FSDP2 `fully_shard` per transformer block, then the root (embeddings, final norm, head).
 
     reshard_after_forward=True frees gathered parameters after each block's forward and gathers them again for
     backward (ZeRO-3); False keeps them until backward (ZeRO-2 style: gradients and optimizer state sharded).
     The tied GPT-2 embedding/head live in the root unit together, as tying requires.
+
+    offload=True is FSDP2's `CPUOffloadPolicy` (`parallel.offload all`): parameter shards, their gradients and so
+    the optimizer step live in host memory; each block's shards are copied to the device for its all-gather.
+    Pinned host memory (faster copies) needs an accelerator: torch refuses to pin without one ("Cannot access
+    accelerator device when none is available", torch 2.13 CPU), so a CPU mesh offloads unpinned.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     policy = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
@@ -158,6 +178,8 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if policy is not None:
         kwargs["mp_policy"] = policy
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("FSDP needs a model with a `layers` ModuleList of blocks")

@@ -1,7 +1,8 @@
 """Run config strategy name → Lightning strategy object.
 
 Lightning's FSDPStrategy refuses the CPU accelerator; ModelParallelStrategy (FSDP2 `fully_shard`, applied by us in
-`configure_model`) runs on CPU with gloo and on CUDA with NCCL unchanged, so both FSDP flavours use it.
+`configure_model`) runs on CPU with gloo, on CUDA with NCCL and on Gaudi with HCCL (an hpu device mesh; not yet
+validated on Gaudi hardware), so both FSDP flavours use it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,28 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 
-__all__ = ["build_strategy", "resolve_strategy", "saves_sharded"]
+__all__ = [
+    "STRATEGIES_BY_DEVICE",
+    "build_strategy",
+    "resolve_strategy",
+    "saves_sharded",
+    "supported_strategies",
+]
+
+# Resolved strategies the trainer builds on each device kind (what the tuner and the cost planner may propose).
+# On Gaudi: DDP and FSDP2 over HCCL on an hpu device mesh (tensor parallel and HSDP are meshes of the same FSDP
+# strategy), not yet validated on Gaudi hardware; DeepSpeed needs Intel's fork (HabanaAI/DeepSpeed), which our
+# ZeroStrategy is not built or tested against, so it is refused there.
+STRATEGIES_BY_DEVICE = {
+    "cpu": ("single", "ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"),
+    "cuda": ("single", "ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"),
+    "hpu": ("single", "ddp", "fsdp", "fsdp_grad_op"),
+}
+
+
+def supported_strategies(device_kind: str) -> tuple[str, ...]:
+    """The resolved strategies `build_strategy` builds on `device_kind` (cpu, cuda or hpu)."""
+    return STRATEGIES_BY_DEVICE[device_kind]
 
 
 def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
@@ -44,14 +66,17 @@ def build_strategy(
     if name == "single":
         name = "ddp"  # one HPU still goes through the HCCL strategy, as lightning-habana did
     if accelerator == "hpu":
-        if name != "ddp":
+        if name not in STRATEGIES_BY_DEVICE["hpu"]:
             raise ConfigError(
-                "parallel.strategy", f"{name} is not available on Gaudi yet; allowed on hpu: auto, ddp"
+                "parallel.strategy",
+                f"{name} is not available on Gaudi (DeepSpeed on Gaudi is Intel's fork, not supported here); "
+                "allowed on hpu: auto, ddp, fsdp, fsdp_grad_op",
             )
         from gaudi3_scale.distributed.hpu import HPUDDPStrategy, register_hpu_strategies
 
         register_hpu_strategies()
-        return HPUDDPStrategy()
+        if name == "ddp":
+            return HPUDDPStrategy()
     if plan.uses_deepspeed:  # built lazily: deepspeed is an optional extra
         from gaudi3_scale.distributed.deepspeed import build_zero_strategy
 
@@ -63,6 +88,7 @@ def build_strategy(
             accumulation=batch.accumulation,
             grad_clip_norm=grad_clip_norm,
             hidden_size=hidden_size,
+            offload=plan.offload,
         )
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
@@ -72,13 +98,20 @@ def build_strategy(
         return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
     from gaudi3_scale.distributed.fsdp import FSDPStrategy
 
+    fsdp_class: type[FSDPStrategy] = FSDPStrategy
+    if accelerator == "hpu":  # HCCL, on an hpu device mesh; not yet validated on Gaudi hardware
+        from gaudi3_scale.distributed.hpu import HPUFSDPStrategy
+
+        fsdp_class, backend = HPUFSDPStrategy, "hccl"
     # Checkpoints through torch.distributed.checkpoint: each rank writes its own shards (see checkpoint.sharded).
-    return FSDPStrategy(
+    strategy = fsdp_class(
         data_parallel_size=batch.data_parallel_size,
         tensor_parallel_size=1,
         save_distributed_checkpoint=True,
         process_group_backend=backend,
     )
+    strategy.cpu_offload = plan.offload == "all"
+    return strategy
 
 
 def saves_sharded(strategy: object) -> bool:

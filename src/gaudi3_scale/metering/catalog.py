@@ -17,8 +17,9 @@ from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.files import parse_yaml, read_text_file
 from gaudi3_scale.device.specs import ACCELERATORS
 
-__all__ = ["Instance", "load_instances"]
+__all__ = ["DEFAULT_NODE_SIZE", "Instance", "accelerators_per_node", "load_instances"]
 
+DEFAULT_NODE_SIZE = 8  # accelerators per node when the catalog has no instance (8-OAM Gaudi / HGX baseboards)
 _PRICES = ("on_demand_usd_per_hour", "capacity_block_usd_per_hour")
 _MAX_PER_NODE = 1024  # accelerators on one node; the largest today carry 8 (16 on a few NVL/UBB boards)
 _FIELDS = {"provider", "type", "accelerator", "accelerators_per_node", "region", "spot_usd_per_hour_range",
@@ -145,3 +146,16 @@ def load_instances(user_file: Path | None = None) -> dict[tuple[str, str, str], 
         text = read_text_file(user_file, what="catalog file")
         found.update({i.key: i for i in _read(text, str(user_file))})
     return found
+
+
+def accelerators_per_node(
+    accelerator: str, instances: dict[tuple[str, str, str], Instance] | None = None
+) -> int:
+    """Accelerators on one node of `accelerator` (a catalog name): the most any catalog instance carries (8 for
+    p5.48xlarge's H100s); `DEFAULT_NODE_SIZE` when no instance carries it (Gaudi 3: no sourced instance); 1 for
+    "cpu"."""
+    if accelerator == "cpu":
+        return 1
+    catalog = load_instances() if instances is None else instances
+    offered = [i.accelerators_per_node for i in catalog.values() if i.accelerator == accelerator]
+    return max(offered, default=DEFAULT_NODE_SIZE)

@@ -1,6 +1,8 @@
-"""`gaudi3 tune --estimate-only`: the memory estimate of every strategy as a table, for any registry model.
+"""`gaudi3 tune --estimate-only`: the memory estimate of every strategy as a table, for any registry model; with
+`--accelerator`, every layout the trainer supports there (tensor parallel, HSDP, offload) and whether it fits.
 
-Nothing is built or run: the numbers come from `tune.memory`, the device memory from `device/specs.py`.
+Nothing is built or run: the numbers come from `tune.memory`, the device memory from `device/specs.py`, the
+accelerators per node from `metering/instances.yaml`.
 """
 
 from __future__ import annotations
@@ -8,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gaudi3_scale.device.specs import accelerator_named
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
+from gaudi3_scale.metering.catalog import accelerators_per_node
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.tune.layouts import LayoutCheck, check_layouts, tp_bytes_per_token
 from gaudi3_scale.tune.memory import estimate_memory, max_micro_batch_that_fits
 
 if TYPE_CHECKING:
@@ -17,7 +22,7 @@ if TYPE_CHECKING:
 
     from gaudi3_scale.train.config import RunConfig
 
-__all__ = ["TABLE_STRATEGIES", "format_estimate_table", "print_estimate_table"]
+__all__ = ["TABLE_STRATEGIES", "format_estimate_table", "format_layouts", "print_estimate_table"]
 
 TABLE_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 _GIB = 2**30
@@ -95,13 +100,83 @@ def format_estimate_table(
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(cells)))
     if device_kind == "hpu":
         lines.append(
-            "on hpu this codebase trains with ddp only (distributed/strategies.py); other rows are what-ifs"
+            "on hpu this codebase trains with ddp, fsdp and fsdp_grad_op (distributed/strategies.py; not yet "
+            "validated on Gaudi hardware); the DeepSpeed rows are what-ifs"
         )
     lines.append(
         "per rank; runtime = process baseline (empirical on CPU, 0 on CUDA, unknown on HPU); "
         "formulas: ZeRO (arXiv:1910.02054), Korthikanti et al. (arXiv:2205.05198), see gaudi3_scale.tune.memory"
     )
     return "\n".join(lines)
+
+
+def format_layouts(
+    model: ModelConfig,
+    spec: AcceleratorSpec,
+    *,
+    world_size: int,
+    per_node: int,
+    micro_batch_size: int = 1,
+    precision: str = "bf16-mixed",
+) -> str:
+    """One line per layout (`tune.layouts`), fastest first: fits or not, and why not."""
+    device_kind = device_kind_of(spec)
+    device_bytes = int(spec.memory_gb * 1e9)
+    checks = check_layouts(
+        model,
+        world_size=world_size,
+        per_node=per_node,
+        device_kind=device_kind,
+        device_bytes=device_bytes,
+        micro_batch_size=micro_batch_size,
+        precision=precision,
+    )
+    first = checks[0].estimate
+    nodes = max(1, world_size // per_node)
+    lines = [
+        f"{model.name}: {first.parameters / 1e9:.3g} B parameters on {world_size} × {spec.name} "
+        f"({nodes} node(s) × {min(per_node, world_size)}), {spec.memory_gb:g} GB = {device_bytes / _GIB:.1f} GiB "
+        f"per device; micro-batch {micro_batch_size} × {first.context_length} tokens, {first.precision}",
+        f"{sum(c.fits for c in checks)} of {len(checks)} layouts fit; fastest first (tune.layouts); offload is "
+        "tried only for a layout that does not fit without it",
+    ]
+    for check in checks:
+        est, lay = check.estimate, check.layout
+        host = f", host {check.host_bytes_per_node / _GIB:.1f} GiB/node" if est.host_bytes else ""
+        if check.fits:
+            detail = f"{est.total_bytes / _GIB:.1f} GiB per device{host}, largest micro-batch {check.max_micro_batch}"
+            lines.append(f"fits          {lay.label(world_size)}: {detail}")
+        else:
+            lines.append(f"does not fit  {lay.label(world_size)}: {check.reason(spec.name)}{host}")
+    if checks[0].fits:
+        lines.append("the first as `gaudi3 train` overrides: " + " ".join(checks[0].layout.overrides()))
+    if any(c.estimate.host_bytes for c in checks):
+        lines.append(
+            "host memory per node is not checked: the catalog has no sourced host RAM for these nodes"
+        )
+    if device_kind == "hpu":
+        lines.append(
+            "on Gaudi the trainer builds ddp and FSDP2 (fsdp, fsdp_grad_op; tensor parallel and HSDP meshes) over "
+            "HCCL, not yet validated on Gaudi hardware; DeepSpeed is not proposed there"
+        )
+    traffic = ", ".join(
+        f"tp {t}: {tp_bytes_per_token(model, t) / 1e6:.1f} MB/token" for t in _tps(checks) if t > 1
+    )
+    lines.append(
+        "ranking model: offload, then recomputation (+1/3 FLOPs), then tensor-parallel traffic"
+        + (f" (per rank {traffic})" if traffic else "")
+        + ", then strategy and HSDP; see gaudi3_scale.tune.layouts"
+    )
+    return "\n".join(lines)
+
+
+def _tps(checks: Sequence[LayoutCheck]) -> list[int]:
+    return sorted({c.layout.tp_size for c in checks})
+
+
+def device_kind_of(spec: AcceleratorSpec) -> str:
+    """The trainer's device kind for a catalog accelerator: gaudi* → hpu, the others → cuda."""
+    return "hpu" if spec.name.startswith("gaudi") else "cuda"
 
 
 def print_estimate_table(
@@ -114,15 +189,41 @@ def print_estimate_table(
 ) -> None:
     """Print the table for `base`'s model at its micro-batch (1 when unset), context and precision.
 
-    `accelerator` (a name in `device/specs.py`) sets the device kind (gaudi → hpu, others → cuda) and the memory
-    each row is checked against; `memory_budget_bytes` overrides that memory. Neither: rows are not checked, and
-    the device kind is the config's `train.device` (auto → cpu).
+    `accelerator` (a name in `device/specs.py`) without a budget: every layout the trainer supports on
+    `world_size` of them (all devices, whole nodes of the catalog's accelerators per node) and whether it fits
+    (`format_layouts`). Otherwise the strategy table: `accelerator` sets the device kind (gaudi → hpu, others →
+    cuda) and the memory each row is checked against; `memory_budget_bytes` overrides that memory. Neither: rows
+    are not checked, and the device kind is the config's `train.device` (auto → cpu).
     """
-    device_kind = base.train.device if base.train.device != "auto" else "cpu"
+    device_kind: str = base.train.device if base.train.device != "auto" else "cpu"
     memory = memory_budget_bytes
+    micro = base.train.micro_batch_size or 1
+    if accelerator and memory is None:
+        spec = accelerator_named(accelerator)
+        per_node = accelerators_per_node(spec.name)
+        if world_size > per_node and world_size % per_node:
+            raise UserInputError(
+                f"--world-size: {world_size} is not a whole number of {spec.name} nodes ({per_node} per node); "
+                f"allowed: up to {per_node}, or a multiple of it"
+            )
+        console.print(
+            f"device: {spec.name}, {spec.memory_gb:g} GB (source: {spec.source})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        text = format_layouts(
+            resolved_model(base),
+            spec,
+            world_size=world_size,
+            per_node=per_node,
+            micro_batch_size=micro,
+            precision=base.train.precision,
+        )
+        console.print(text, highlight=False, soft_wrap=True)
+        return
     if accelerator:
         spec = accelerator_named(accelerator)
-        device_kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
+        device_kind = device_kind_of(spec)
         if memory is None:
             memory = int(spec.memory_gb * 1e9)
         console.print(
@@ -130,7 +231,6 @@ def print_estimate_table(
             highlight=False,
             soft_wrap=True,
         )
-    micro = base.train.micro_batch_size or 1
     table = format_estimate_table(
         resolved_model(base),
         world_size=world_size,

@@ -8,32 +8,15 @@ byte is one of: parameters, gradients, optimizer state, saved activations, works
 Model states — ZeRO (Rajbhandari et al., SC'20, arXiv:1910.02054, §3.1 and Fig. 1): mixed-precision Adam holds
 2Ψ (fp16 weights) + 2Ψ (fp16 gradients) + KΨ (K = 12: fp32 master weights, momentum, variance); stage 2 partitions
 gradients and optimizer state over N_d ranks, 2Ψ + 14Ψ/N_d; stage 3 partitions all, 16Ψ/N_d. Here the bytes per
-element follow the precision this code actually runs (see `_element_bytes`): "32-true" keeps fp32 weights,
+element follow the precision this code actually runs (see `element_bytes`): "32-true" keeps fp32 weights,
 gradients and AdamW moments (16Ψ, no separate master); Lightning's "bf16-mixed" keeps fp32 weights and gradients
 and autocasts, so each matmul weight also exists as a bf16 copy saved for backward (cache_enabled=False, one copy
 per use); FSDP2 with bf16-mixed gathers bf16 parameters (MixedPrecisionPolicy) over fp32 shards; "bf16-true"
 stores everything, AdamW moments included, in bf16 (8Ψ); DeepSpeed with bf16 holds bf16 module weights plus fp32
 master partitions (K = 12, as in the paper).
 
-Activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
-arXiv:2205.05198) §4.1: a GPT layer saves s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations (s tokens, b
-sequences, h width, a heads). Adapted to the real blocks (`models/transformer.py`), tensor by tensor (checked with
-autograd's saved tensors on CPU, torch 2.13):
-* fused attention (FlashAttention/SDPA, Dao et al. 2022) keeps q, k, v, the output and a fp32 log-sum-exp instead
-  of the a·s² score, softmax and dropout tensors (the 5·a·s·b·s term); the math fallback keeps a·s²·b softmax
-  probabilities, ×3 with dropout (mask and dropped probabilities). CPU flash has no dropout; on HPU dispatch of
-  `scaled_dot_product_attention` to Habana's FusedSDPA is not confirmed (`device/precision.py`), so math is assumed;
-* grouped-query k and v are h·kv_heads/heads wide; the MLP saves 2 tensors of the real ffn width (GELU) or 4
-  (SwiGLU: w1 x, w3 x, silu(w1 x), their product); LayerNorm saves its input, RMSNorm (composite on CPU; assumed
-  elsewhere) its input and x·rsqrt, upcast to fp32; dropout masks (input dtype on CPU, 1-byte bool on CUDA) only
-  when dropout > 0;
-* the residual stream stays fp32 under autocast (fp32 embeddings), and autocast casts a norm's fp32 output once
-  per linear that reads it (3 copies for wq/wk/wv, plus 1 or 2 for the MLP input);
-* full activation checkpointing (Chen et al. 2016; Korthikanti §4, "2·s·b·h·L") keeps each block's input and, in
-  backward, one recomputed block's activations.
-The loss adds logits work of b·s·V: log_softmax output, its gradient and the logits' gradient (3·b·s·V in fp32,
-cross-entropy runs in fp32 under autocast), or the logits' gradient plus the head weight's fresh gradient
-(b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
+Activations and the loss workspace: `tune.activations` (Korthikanti et al., arXiv:2205.05198, adapted tensor by
+tensor to our blocks, with tensor and sequence parallel).
 
 Phases. Not everything is alive at once: gradients are freed (set_to_none) after each step while activations are
 freed during backward. The peak is the largest of these moments, each summed term by term: "init" (DeepSpeed: the
@@ -50,6 +33,20 @@ Per strategy:
   fp32 gradient partition; deepspeed_zero3: everything /N, plus the live gathered parameters the strategy allows
   (`distributed/deepspeed.py`: 24·h² elements, about two blocks, but at least the largest module: the V·h head).
 
+Layouts (`tp_size`, `dp_replicate`, `offload`, as `parallel.*`):
+* tensor parallel (Megatron, Shoeybi et al. 2019; the plan of `distributed/tensor_parallel.py`): every matrix, the
+  embedding table and the head split over tp ranks, norm weights replicated; FSDP then shards what is left. With
+  sequence parallel (Korthikanti §4.2.2) the norms, the residual stream and the attention/MLP tensors are split
+  over tp, but DTensor saves the all-gathered inputs of the column-parallel linears whole (Megatron re-gathers
+  them in backward instead); the loss runs on vocabulary-sharded logits (loss parallel), b·s·V/tp;
+* HSDP: FSDP shards over dp_shard = world / (tp · dp_replicate) ranks, one replica; the replicas' all-reduce of
+  the gradient shards needs no more memory;
+* offload (not on a CPU run, where the host is the device): FSDP2's CPUOffloadPolicy keeps parameter shards,
+  their gradients and AdamW state in host memory (the device holds what is gathered and the unsharded gradients
+  before their reduce-scatter); DeepSpeed's offload_optimizer (ZeRO-Offload, Ren et al. 2021, arXiv:2101.06840)
+  keeps master weights, moments and the fp32 gradient partition on the host (one h² reduce bucket of gradients on
+  the device), offload_param (stage 3) the 16-bit partition too. `host_bytes` is the host's share per rank.
+
 Empirical terms, labelled as such: the CPU runtime baseline (peak RSS of the Python/torch/Lightning process with a
 negligible model) and DeepSpeed's import, measured by the benchmark; on CUDA `max_memory_allocated` excludes the
 context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: FSDP's dim-0 padding of shards
@@ -59,12 +56,20 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.config import STRATEGIES
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.counting import count_parameters
+from gaudi3_scale.tune.activations import (
+    ElementBytes,
+    ModelShape,
+    activation_bytes,
+    element_bytes,
+    loss_workspace_bytes,
+    model_shape,
+    tp_shape,
+)
 
 __all__ = [
     "CPU_DEEPSPEED_IMPORT_BYTES",
@@ -92,7 +97,7 @@ class MemoryEstimate:
     """Peak bytes per rank, split into what is alive at the peak moment (`peak_phase`); `total_bytes` sums them."""
 
     strategy: str  # resolved: "single" is one process without DDP
-    world_size: int
+    world_size: int  # all ranks: tp_size × dp_replicate × dp_shard
     micro_batch_size: int
     context_length: int
     precision: str  # resolved ("auto" → the device's default)
@@ -106,10 +111,20 @@ class MemoryEstimate:
     activations_bytes: int  # saved for backward
     workspace_bytes: int  # loss/logits work, transient gradients, communication buffers
     runtime_bytes: int  # process baseline (empirical on CPU)
+    tp_size: int = 1  # tensor-parallel ranks per replica
+    dp_replicate: int = 1  # HSDP replicas; FSDP shards over world_size / (tp_size × dp_replicate) ranks
+    offload: str = "none"  # none, optimizer or all (parallel.offload)
+    host_bytes: int = 0  # what offload keeps in host memory for this rank (not in total_bytes); 0 on cpu
 
     @property
     def total_bytes(self) -> int:
+        """Device memory at the peak (host memory of an offloaded run is `host_bytes`)."""
         return sum(b for _, b in self.rows())
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks each parameter is sharded over (FSDP within one HSDP replica; ZeRO over all ranks)."""
+        return self.world_size // (self.tp_size * self.dp_replicate)
 
     def rows(self) -> list[tuple[str, int]]:
         """(component, bytes) in the table's order."""
@@ -124,122 +139,6 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class _Shape:
-    """Parameter counts (elements) and widths, from `count_parameters` on one- and two-block copies (meta)."""
-
-    params: int
-    block: int  # one transformer block
-    root: int  # embeddings, final norm, head
-    head: int  # output weight, padded_vocab × dim
-    tied: bool
-    layers: int
-    dim: int
-    ffn: int
-    kv_dim: int
-    heads: int
-    vocab: int
-    llama: bool
-    dropout: bool
-
-
-def _shape(cfg: ModelConfig) -> _Shape:
-    if cfg.vocab_size is None:
-        raise ConfigError(
-            "model.vocab_size",
-            "is null; resolve it from the dataset (ModelConfig.resolve_vocab) before estimating",
-        )
-    one = count_parameters(replace(cfg, num_layers=1))
-    block = count_parameters(replace(cfg, num_layers=2)) - one
-    return _Shape(
-        params=(one - block) + cfg.num_layers * block,
-        block=block,
-        root=one - block,
-        head=cfg.padded_vocab_size * cfg.dim,
-        tied=cfg.tie_embeddings,
-        layers=cfg.num_layers,
-        dim=cfg.dim,
-        ffn=cfg.hidden_dim,
-        kv_dim=cfg.kv_heads * cfg.head_dim,
-        heads=cfg.num_heads,
-        vocab=cfg.padded_vocab_size,
-        llama=cfg.arch == "llama",
-        dropout=cfg.dropout > 0,
-    )
-
-
-@dataclass(frozen=True)
-class _Bytes:
-    """Bytes per element of each kind of tensor, for one precision under one strategy."""
-
-    weight: int  # stored parameters (replicas or shards)
-    gathered: int  # FSDP/ZeRO-3 gathered parameters and their unsharded gradients
-    grad: int  # gradients as kept (DDP buckets, FSDP shards, ZeRO partitions)
-    state: int  # one optimizer state tensor
-    master: int  # separate fp32 master copy (DeepSpeed), 0 = none
-    compute: int  # activations on the matmul path
-    residual: int  # residual stream and the norms' saved tensors
-    loss: int  # log_softmax and its gradients
-    autocast: bool  # torch.autocast: a norm's fp32 output is cast once per linear that reads it
-    weight_casts: bool  # autocast also casts every fp32 matmul weight (kept for backward)
-
-
-def _element_bytes(precision: str, strategy: str) -> _Bytes:
-    half = precision != "32-true"
-    if strategy.startswith("deepspeed"):
-        # Lightning's DeepSpeedPrecision turns on DeepSpeed's bf16/fp16 mode: 16-bit module, fp32 master partitions.
-        w = 2 if half else 4
-        return _Bytes(w, w, w, 4, 4, w, w, w, autocast=False, weight_casts=False)
-    if precision == "32-true":
-        return _Bytes(4, 4, 4, 4, 0, 4, 4, 4, autocast=False, weight_casts=False)
-    if precision == "bf16-true":  # Lightning HalfPrecision: module, gradients and AdamW moments in bf16
-        return _Bytes(2, 2, 2, 2, 0, 2, 2, 2, autocast=False, weight_casts=False)
-    if strategy in ("fsdp", "fsdp_grad_op"):  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-        return _Bytes(4, 2, 4, 4, 0, 2, 2, 4, autocast=True, weight_casts=False)
-    return _Bytes(4, 4, 4, 4, 0, 2, 4, 4, autocast=True, weight_casts=True)
-
-
-def _fused_attention(device_kind: str, dropout: bool) -> bool:
-    """Flash/memory-efficient SDPA on CUDA; CPU flash has no dropout; on HPU not confirmed (module docstring)."""
-    return device_kind == "cuda" or (device_kind == "cpu" and not dropout)
-
-
-def _layer_bytes(sh: _Shape, b: int, s: int, e: _Bytes, device_kind: str) -> int:
-    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring)."""
-    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn, s * b
-    statistics = 2 * sb * (4 if sh.llama else 2 * e.residual)  # fp32 rstd (RMSNorm); mean, rstd (LayerNorm)
-    # LayerNorm keeps its input; the composite RMSNorm keeps its input and x·rsqrt, both upcast to fp32.
-    norm_side = (4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics
-    linear_inputs = ((5 if sh.llama else 4) if e.autocast else 2) * sbh * e.compute
-    mlp = (4 if sh.llama else 2) * sbf * e.compute
-    if _fused_attention(device_kind, sh.dropout):
-        attention = (2 * sbh + 2 * sb * sh.kv_dim) * e.compute + b * sh.heads * s * 4  # q, out, k, v; lse
-    else:  # math path: scaled q/k copies, k/v repeated to all heads, softmax (+ mask and dropped probabilities)
-        attention = 4 * sbh * e.compute + (3 if sh.dropout else 1) * sh.heads * s * s * b * e.compute
-    masks = 2 * sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    return norm_side + linear_inputs + mlp + attention + masks
-
-
-def _mask_bytes(e: _Bytes, device_kind: str) -> int:
-    """Dropout keeps a bool mask on CUDA, a scaled mask in the input dtype on CPU (and, assumed, HPU)."""
-    return 1 if device_kind == "cuda" else e.compute
-
-
-def _activation_bytes(sh: _Shape, b: int, s: int, e: _Bytes, ckpt: bool, device_kind: str) -> int:
-    sbh = s * b * sh.dim
-    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) + sbh * e.compute  # final norm; head input
-    embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    layer = _layer_bytes(sh, b, s, e, device_kind)
-    blocks = sh.layers * sbh * e.residual + layer if ckpt else sh.layers * layer
-    return blocks + head_side + embedding_mask
-
-
-def _loss_workspace(sh: _Shape, b: int, s: int, e: _Bytes, head_grad_bytes: int) -> int:
-    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger."""
-    logits = b * s * sh.vocab
-    return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)
-
-
-@dataclass(frozen=True)
 class _Phase:
     name: str
     params: float
@@ -247,6 +146,7 @@ class _Phase:
     optimizer: float = 0.0
     activations: float = 0.0
     workspace: float = 0.0
+    host: float = 0.0  # offloaded to host memory (not in total)
 
     @property
     def total(self) -> float:
@@ -255,33 +155,36 @@ class _Phase:
 
 @dataclass(frozen=True)
 class _Run:
-    sh: _Shape
-    e: _Bytes
+    sh: ModelShape  # one tensor-parallel rank's parameters (the whole model without tensor parallel)
+    whole: ModelShape
+    e: ElementBytes
     n: int
     b: int
     s: int
     ckpt: bool
     device_kind: str
     states: int
+    tp: int = 1
+    offload: str = "none"
 
     @property
-    def activations(self) -> int:
-        return _activation_bytes(self.sh, self.b, self.s, self.e, self.ckpt, self.device_kind)
+    def activations(self) -> float:
+        return activation_bytes(self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp)
 
     def optimizer(self, shards: int) -> float:
         return (self.states * self.e.state + self.e.master) * self.sh.params / shards
 
-    def loss(self, head_grad_bytes: int) -> int:
-        return _loss_workspace(self.sh, self.b, self.s, self.e, head_grad_bytes)
+    def loss(self, head_grad_bytes: int) -> float:
+        return loss_workspace_bytes(self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp)
 
-    def weight_casts(self) -> int:
+    def weight_casts(self) -> float:
         """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %)."""
         if not self.e.weight_casts:
             return 0
         blocks = 1 if self.ckpt else self.sh.layers
         return 2 * (blocks * self.sh.block + self.sh.head)
 
-    def tied_grads(self, count: int, grad_bytes: int) -> int:
+    def tied_grads(self, count: int, grad_bytes: int) -> float:
         """Extra V·h gradients at the end of backward: tied head + embedding gradients and their sum."""
         return count * self.sh.head * grad_bytes if self.sh.tied else 0
 
@@ -321,6 +224,16 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     # With N = 1 the unsharded gradient is the shard itself.
     tied = r.tied_grads(2, e.gathered)
     root_end = sh.root * e.gathered + max(tied, sh.root * e.grad) if n > 1 else tied
+    if r.offload == "all":
+        # CPUOffloadPolicy: shards, their gradients (copied out after each reduce-scatter) and AdamW state live in
+        # host memory; the device holds what is gathered and the unsharded gradients before their reduce-scatter.
+        host = shards + r.optimizer(n)
+        return [
+            _Phase("backward start", gathered, 0, 0, r.activations, r.loss(e.gathered), host=host),
+            _Phase(
+                "backward end", sh.root * e.gathered, 0, 0, 0, root_end, host=host + sh.params * e.grad / n
+            ),
+        ]
     phases = [
         _Phase("backward start", shards + gathered, 0, r.optimizer(n), r.activations, r.loss(e.gathered)),
         _Phase(
@@ -337,7 +250,7 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     return phases
 
 
-def _build_bytes(e: _Bytes) -> int:
+def _build_bytes(e: ElementBytes) -> int:
     return 2 if e.weight == 2 and e.master == 0 else 4  # bf16-true builds in bf16; everything else in fp32
 
 
@@ -348,6 +261,14 @@ def _zero2(r: _Run) -> list[_Phase]:
     bucket = sh.dim**2 * e.grad  # reduce_bucket_size = h² (distributed/deepspeed.py)
     end = r.tied_grads(2, e.grad) if sh.tied else sh.head * e.grad
     init = max(4 * sh.params, 2 * flat, flat + 4 * sh.params / n)  # fp32 build, flatten copy, master clone
+    if r.offload == "optimizer":
+        # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition on the host, the step on the CPU.
+        host = r.optimizer(n) + 4 * sh.params / n
+        return [
+            _Phase("backward start", flat, 0, 0, r.activations, r.loss(e.grad), host=host),
+            _Phase("backward end", flat, bucket, 0, 0, end, host=host),
+            _Phase("init", max(4 * sh.params, 2 * flat)),
+        ]
     return [
         _Phase("backward start", flat, 0, r.optimizer(n), r.activations, r.loss(e.grad)),
         _Phase("backward end", flat, partition + bucket, r.optimizer(n), 0, end),
@@ -365,6 +286,20 @@ def _zero3(r: _Run) -> list[_Phase]:
     live = min(sh.params, max(24 * sh.dim**2, sh.block, sh.head) + prefetch) * e.gathered
     grads = sh.params * e.grad / n  # a flat gradient partition kept for the whole run
     sub_group = 4 * min(16 * sh.dim**2, sh.params / n)  # fp32 gradients of one optimizer sub-group
+    if r.offload != "none":
+        # ZeRO-Offload: fp32 master, moments and gradient partitions on the host (the device keeps one reduce
+        # bucket of h² gradients); "all" (offload_param, ZeRO-Infinity) moves the 16-bit partition there too.
+        host = r.optimizer(n) + 4 * sh.params / n
+        on_device = partition
+        if r.offload == "all":
+            host, on_device = host + partition, 0
+        bucket = sh.dim**2 * e.grad
+        return [
+            _Phase(
+                "backward start", on_device + live, bucket, 0, r.activations, r.loss(e.gathered), host=host
+            ),
+            _Phase("optimizer step", on_device, 0, 0, 0, 0, host=host),
+        ]
     phases = [
         _Phase("backward start", partition + live, grads, r.optimizer(n), r.activations, r.loss(e.gathered)),
         _Phase("optimizer step", partition, grads, r.optimizer(n), 0, sub_group),
@@ -423,7 +358,14 @@ def _build_run(
     activation_checkpointing: bool,
     optimizer: str,
     device_kind: str,
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
 ) -> tuple[_Run, str, str]:
+    if tp_size > 1 or dp_replicate > 1 or offload != "none":
+        _check_layout(model, strategy, world_size, tp_size, dp_replicate, offload)
+        if strategy == "auto" and (tp_size > 1 or dp_replicate > 1):
+            strategy = "fsdp"  # as distributed.strategies.resolve_strategy
     strategy, precision = _resolve(strategy, world_size, precision, device_kind)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError("train.micro_batch_size", f"must be a positive integer, got {micro_batch_size!r}")
@@ -434,17 +376,44 @@ def _build_run(
         )
     if optimizer not in OPTIMIZER_STATES:
         raise UserInputError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+    whole = model_shape(model)
     run = _Run(
-        sh=_shape(model),
-        e=_element_bytes(precision, strategy),
-        n=world_size,
+        sh=tp_shape(whole, tp_size),
+        whole=whole,
+        e=element_bytes(precision, strategy),
+        # FSDP shards within one HSDP replica of one tensor-parallel slice; ZeRO over every rank
+        n=world_size // (tp_size * dp_replicate),
         b=micro_batch_size,
         s=seq,
         ckpt=activation_checkpointing,
         device_kind=device_kind,
         states=OPTIMIZER_STATES[optimizer],
+        tp=tp_size,
+        # On a CPU the host is the device: offloading moves nothing (the CPU run still takes the offload path).
+        offload="none" if device_kind == "cpu" else offload,
     )
     return run, strategy, precision
+
+
+def _check_layout(
+    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str
+) -> None:
+    """The run config's own checks (`parallel.*` against one another and the model's heads), one line each."""
+    from gaudi3_scale.distributed.config import ParallelConfig
+    from gaudi3_scale.train.config import _check_tensor_parallel
+
+    # nproc_per_node = world_size: the estimate is per rank, so only the division of the ranks matters here.
+    try:
+        ParallelConfig(
+            strategy=strategy,  # type: ignore[arg-type]
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            offload=offload,  # type: ignore[arg-type]
+            nproc_per_node=world_size,
+        )
+    except ConfigError as exc:  # named as in a run config
+        raise ConfigError(f"parallel.{exc.field}", exc.problem) from None
+    _check_tensor_parallel(model, tp_size)
 
 
 def estimate_memory(
@@ -458,13 +427,17 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     device_kind: str = "cpu",
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
 ) -> MemoryEstimate:
     """Peak memory per rank of training `model` (vocab_size resolved) with these settings; see the module docstring.
 
-    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one); world_size:
-    data-parallel ranks; micro_batch_size: sequences per forward pass per rank; context_length: tokens per
-    sequence (default and maximum: the model's); precision: a `train.precision` value ("auto" = 32-true on cpu,
-    bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu.
+    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one, fsdp with
+    tensor parallel or HSDP); world_size: all ranks; micro_batch_size: sequences per forward pass per rank;
+    context_length: tokens per sequence (default and maximum: the model's); precision: a `train.precision` value
+    ("auto" = 32-true on cpu, bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu; tp_size,
+    dp_replicate, offload: as `parallel.*` (validated as the run config does).
     """
     run, strategy, precision = _build_run(
         model,
@@ -476,8 +449,12 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         optimizer=optimizer,
         device_kind=device_kind,
+        tp_size=tp_size,
+        dp_replicate=dp_replicate,
+        offload=offload,
     )
-    peak = max(_PHASES[strategy](run), key=lambda phase: phase.total)
+    phases = _PHASES[strategy](run)
+    peak = max(phases, key=lambda phase: phase.total)
     runtime = 0
     if device_kind == "cpu":
         runtime = CPU_RUNTIME_BYTES + (CPU_DEEPSPEED_IMPORT_BYTES if strategy.startswith("deepspeed") else 0)
@@ -489,7 +466,7 @@ def estimate_memory(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         device_kind=device_kind,
-        parameters=run.sh.params,
+        parameters=int(run.whole.params),
         peak_phase=peak.name,
         params_bytes=round(peak.params),
         grads_bytes=round(peak.grads),
@@ -497,6 +474,10 @@ def estimate_memory(
         activations_bytes=round(peak.activations),
         workspace_bytes=round(peak.workspace),
         runtime_bytes=runtime,
+        tp_size=tp_size,
+        dp_replicate=dp_replicate,
+        offload=offload,
+        host_bytes=round(max(phase.host for phase in phases)),
     )
 
 
@@ -527,7 +508,7 @@ def estimate_activation_bytes(
         optimizer="adamw",
         device_kind=device_kind,
     )
-    return run.activations
+    return round(run.activations)
 
 
 def max_micro_batch_that_fits(
@@ -541,6 +522,9 @@ def max_micro_batch_that_fits(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     device_kind: str = "cpu",
+    tp_size: int = 1,
+    dp_replicate: int = 1,
+    offload: str = "none",
     limit: int = 65536,
 ) -> int:
     """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
@@ -560,6 +544,9 @@ def max_micro_batch_that_fits(
             activation_checkpointing=activation_checkpointing,
             optimizer=optimizer,
             device_kind=device_kind,
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            offload=offload,
         )
         return est.total_bytes <= budget_bytes
 

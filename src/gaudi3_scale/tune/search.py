@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gaudi3_scale.tune.config import TuneConfig
-from gaudi3_scale.tune.space import Candidate, SearchSpace
+from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult
 
 __all__ = ["SearchOutcome", "TrialCache", "search"]
@@ -159,8 +159,20 @@ class _Search:
         return (result.tokens_per_s or 0.0) >= (than.tokens_per_s or 0.0) * (1 + self.config.min_gain)
 
     # -- one group ---------------------------------------------------------------------------------------------
+    def fits_somewhere(self, base: Candidate) -> bool:
+        """Whether the estimate lets any micro-batch of `base`'s group fit, with or without checkpointing."""
+        budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
+        if budget is None:
+            return True
+        for m in self.space.micro_batches(base.global_batch_size, base.tp_size):
+            for ckpt in self.space.activation_checkpointing:
+                estimate = self.estimate(replace(base, micro_batch_size=m, activation_checkpointing=ckpt))
+                if estimate is None or estimate <= budget:
+                    return True
+        return False
+
     def group(self, base: Candidate) -> None:
-        mbs = self.space.micro_batches(base.global_batch_size)
+        mbs = self.space.micro_batches(base.global_batch_size, base.tp_size)
         at = {m: replace(base, micro_batch_size=m) for m in mbs}
         budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
 
@@ -274,7 +286,7 @@ class _Search:
                 + ")"
             )
         c = best.candidate
-        mbs = self.space.micro_batches(c.global_batch_size)
+        mbs = self.space.micro_batches(c.global_batch_size, c.tp_size)
         bigger = [replace(c, micro_batch_size=m) for m in mbs if m > c.micro_batch_size]
         if self.skipped_for_time:
             return f"time budget: {self.skipped_for_time} planned trial(s) skipped"
@@ -293,7 +305,23 @@ class _Search:
 
 
 def _group_name(c: Candidate) -> str:
-    return f"{c.strategy} {c.precision} global batch {c.global_batch_size}"
+    layout = (f" tp {c.tp_size}" if c.tp_size > 1 else "") + (
+        f" offload {c.offload}" if c.offload != "none" else ""
+    )
+    return f"{c.strategy}{layout} {c.precision} global batch {c.global_batch_size}"
+
+
+def _with_offload(s: _Search, base: Candidate) -> None:
+    """A group that fits nowhere on the device: search it again with CPU offload (optimizer before all, the
+    lighter host traffic first), if the strategy offloads and the estimate then fits."""
+    for offload in offload_options(base.strategy):
+        moved = replace(base, offload=offload)
+        if s.fits_somewhere(moved):
+            s.notes.append(
+                f"{_group_name(base)}: does not fit on the device; searched with offload {offload}"
+            )
+            s.group(moved)
+            return
 
 
 def search(
@@ -308,19 +336,22 @@ def search(
     """Search `space`; `run` executes one trial (see trial.run_trial), `estimate` gives bytes per rank."""
     s = _Search(space, config, run, estimate, cache, on_result)
     default_threads = space.threads[0]
-    for strategy in space.strategies:
+    for strategy, tp in ((st, t) for st in space.strategies for t in space.tp_sizes_for(strategy=st)):
         for precision in space.precisions:
             for gb in space.global_batches:
                 base = Candidate(
                     strategy=strategy,
                     precision=precision,
                     global_batch_size=gb,
-                    micro_batch_size=space.micro_batches(gb)[-1],
+                    micro_batch_size=space.micro_batches(gb, tp)[-1],
                     activation_checkpointing=False,
                     compile=False,
                     threads=default_threads,
+                    tp_size=tp,
                 )
                 s.group(base)
+                if not s.fits_somewhere(base):
+                    _with_offload(s, base)
     s.refine()
     best = s.best()
     return SearchOutcome(

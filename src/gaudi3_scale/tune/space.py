@@ -18,8 +18,11 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import float8_unsupported_reason
+from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan
+from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.tune.layouts import tensor_parallel_sizes
 
 __all__ = [
     "Candidate",
@@ -28,6 +31,7 @@ __all__ = [
     "build_space",
     "device_kind",
     "divisors",
+    "offload_options",
     "supported_precisions",
 ]
 
@@ -45,18 +49,25 @@ class Candidate:
     compile: bool
     threads: int | None  # intra-op threads per rank (CPU); None = the run's default
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs too (tried on CUDA once compile wins)
+    tp_size: int = 1  # tensor-parallel ranks (fsdp, fsdp_grad_op on a Llama)
+    dp_replicate: int = 1  # HSDP replicas
+    offload: str = "none"  # tried only where the configuration does not fit without it
 
     def accumulation(self, world_size: int) -> int:
         return BatchPlan.build(
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
-            data_parallel_size=world_size,
+            data_parallel_size=world_size // self.tp_size,
         ).accumulation
 
     @property
     def key(self) -> str:
-        """Stable identity of this point (the trial cache's key, with the run config's hash)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """Stable identity of this point (the trial cache's key, with the run config's hash). Layout fields at
+        their defaults are left out, so trials cached before they existed keep their keys."""
+        fields = {
+            k: v for k, v in asdict(self).items() if k not in _LAYOUT_DEFAULTS or v != _LAYOUT_DEFAULTS[k]
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def overrides(self) -> list[str]:
         """The `gaudi3 train` config overrides that make a run this candidate."""
@@ -72,11 +83,17 @@ class Candidate:
             out.append(f"--train.threads={self.threads}")
         if self.compile_mode != "default":
             out.append(f"--train.compile_mode={self.compile_mode}")
+        for name, default in _LAYOUT_DEFAULTS.items():
+            if getattr(self, name) != default:
+                out.append(f"--parallel.{name}={getattr(self, name)}")
         return out
 
     def label(self, world_size: int) -> str:
         parts = [
             self.strategy,
+            *([f"tp {self.tp_size}"] if self.tp_size > 1 else []),
+            *([f"hsdp {self.dp_replicate}"] if self.dp_replicate > 1 else []),
+            *([f"offload {self.offload}"] if self.offload != "none" else []),
             self.precision,
             f"gb {self.global_batch_size}",
             f"mb {self.micro_batch_size}×{self.accumulation(world_size)}",
@@ -88,6 +105,9 @@ class Candidate:
         if self.threads is not None:
             parts.append(f"{self.threads} thr")
         return " ".join(parts)
+
+
+_LAYOUT_DEFAULTS = {"tp_size": 1, "dp_replicate": 1, "offload": "none"}
 
 
 @dataclass(frozen=True)
@@ -102,17 +122,24 @@ class SearchSpace:
     threads: tuple[int | None, ...]
     # After compile wins on CUDA, the refinement tries CUDA graphs (train.compile_mode reduce-overhead) too.
     cuda_graphs: bool = False
+    # Tensor parallel for the mesh strategies (fsdp, fsdp_grad_op): divisors of the node's ranks that divide the
+    # model's heads, kv heads and MLP width (`tune.layouts.tensor_parallel_sizes`). HSDP replicates across nodes
+    # (one replica per node); the tuner's trials run on one node, so its replicate is 1.
+    tp_sizes: tuple[int, ...] = (1,)
 
-    def micro_batches(self, global_batch: int) -> list[int]:
-        return divisors(global_batch // self.world_size)
+    def micro_batches(self, global_batch: int, tp_size: int = 1) -> list[int]:
+        return divisors(global_batch // (self.world_size // tp_size))
+
+    def tp_sizes_for(self, strategy: str) -> tuple[int, ...]:
+        return self.tp_sizes if strategy in MESH_STRATEGIES else (1,)
 
     def candidates(self) -> list[Candidate]:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out = []
-        for strategy in self.strategies:
+        for strategy, tp in ((s, t) for s in self.strategies for t in self.tp_sizes_for(s)):
             for precision in self.precisions:
                 for gb in self.global_batches:
-                    for mb in self.micro_batches(gb):
+                    for mb in self.micro_batches(gb, tp):
                         for ckpt in self.activation_checkpointing:
                             for comp in self.compile:
                                 if comp and strategy == "deepspeed_zero3":
@@ -127,6 +154,7 @@ class SearchSpace:
                                             activation_checkpointing=ckpt,
                                             compile=comp,
                                             threads=threads,
+                                            tp_size=tp,
                                         )
                                     )
         return out
@@ -138,6 +166,7 @@ class SearchSpace:
             f"{'/'.join(self.precisions)} × global batch {'/'.join(map(str, self.global_batches))} × micro-batch "
             f"{'/'.join(map(str, mbs))} × activation checkpointing {_onoff(self.activation_checkpointing)} × "
             f"compile {_onoff(self.compile)}"
+            + (f" × tensor parallel {'/'.join(map(str, self.tp_sizes))}" if self.tp_sizes != (1,) else "")
             + (f" × threads {'/'.join(str(t) for t in self.threads)}" if self.threads != (None,) else "")
             + f", {self.world_size} rank(s) on {self.device}"
         )
@@ -145,6 +174,11 @@ class SearchSpace:
 
 def _onoff(values: tuple[bool, ...]) -> str:
     return "/".join("on" if v else "off" for v in values)
+
+
+def offload_options(strategy: str) -> tuple[str, ...]:
+    """The offloads `strategy` can run, lighter host traffic first (optimizer before all)."""
+    return tuple(o for o in ("optimizer", "all") if strategy in OFFLOAD_STRATEGIES[o])
 
 
 def divisors(n: int) -> list[int]:
@@ -178,11 +212,16 @@ def supported_precisions(device: str) -> tuple[str, ...]:
     return ("32-true", "bf16-mixed") if _cpu_has_bf16() else ("32-true",)
 
 
-def available_strategies(world_size: int) -> tuple[str, ...]:
+def available_strategies(world_size: int, device: str = "cpu") -> tuple[str, ...]:
+    """What the tuner compares: strategies the trainer builds on `device` (no DeepSpeed on Gaudi) whose library
+    is installed."""
     if world_size == 1:
         return ("auto",)  # one device: nothing to shard; every strategy is plain training
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    return tuple(s for s in MULTI_RANK_STRATEGIES if have_deepspeed or not s.startswith("deepspeed"))
+    built = supported_strategies(device)
+    return tuple(
+        s for s in MULTI_RANK_STRATEGIES if s in built and (have_deepspeed or not s.startswith("deepspeed"))
+    )
 
 
 def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
@@ -218,7 +257,7 @@ def build_space(
                 f"the world size (e.g. {max(world_size, gb // world_size * world_size)} or "
                 f"{(gb // world_size + 1) * world_size})"
             )
-    allowed = available_strategies(world_size)
+    allowed = available_strategies(world_size, device)
     if strategies:
         unknown = [s for s in strategies if s not in allowed]
         if unknown:
@@ -245,4 +284,5 @@ def build_space(
         compile=compile,
         threads=threads,
         cuda_graphs=device == "cuda" and True in compile,
+        tp_sizes=tuple(tensor_parallel_sizes(config.model, world_size)),
     )

@@ -7,7 +7,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
 from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
-from gaudi3_scale.tune.space import Candidate, SearchSpace
+from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 
 __all__ = ["TuneResult", "default_memory_budget", "run_tuner", "winner_config"]
@@ -78,6 +78,9 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
             precision=c.precision,
             activation_checkpointing=c.activation_checkpointing,
             device_kind=space.device,
+            tp_size=c.tp_size,
+            dp_replicate=c.dp_replicate,
+            offload=c.offload,
         )
         return int(est.total_bytes)
 
@@ -88,7 +91,13 @@ def _check_budget_possible(
     space: SearchSpace, estimate: Callable[[Candidate], int | None], budget: int
 ) -> None:
     """An impossible memory budget is bad input (exit 2), not a search that prunes everything."""
-    sized = [(e, c) for c in space.candidates() if (e := estimate(c)) is not None]
+    # offload counts too: the search tries it for groups that fit nowhere without it
+    points = [
+        v
+        for c in space.candidates()
+        for v in (c, *(replace(c, offload=o) for o in offload_options(c.strategy)))
+    ]
+    sized = [(e, c) for c in points if (e := estimate(c)) is not None]
     if not sized:
         return
     smallest, c = min(sized, key=lambda ec: ec[0])
@@ -123,7 +132,12 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         max_steps=sched.max_steps,
     )
     raw["parallel"].update(
-        strategy=c.strategy, activation_checkpointing=c.activation_checkpointing, nproc_per_node=world_size
+        strategy=c.strategy,
+        activation_checkpointing=c.activation_checkpointing,
+        nproc_per_node=world_size,
+        tp_size=c.tp_size,
+        dp_replicate=c.dp_replicate,
+        offload=c.offload,
     )
     return from_dict(RunConfig, raw), sched.describe(rule)
 

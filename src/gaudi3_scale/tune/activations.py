@@ -1,0 +1,195 @@
+"""What one rank's tensors weigh, from the model shape alone: parameter counts per block and per tensor-parallel
+rank, bytes per element for a precision under a strategy, activations saved for backward and the loss workspace.
+`tune.memory` adds them up into the phases of a step.
+
+Activations — Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
+arXiv:2205.05198) §4.1: a GPT layer saves s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations (s tokens, b
+sequences, h width, a heads). Adapted to the real blocks (`models/transformer.py`), tensor by tensor (checked with
+autograd's saved tensors on CPU, torch 2.13):
+* fused attention (FlashAttention/SDPA, Dao et al. 2022) keeps q, k, v, the output and a fp32 log-sum-exp instead
+  of the a·s² score, softmax and dropout tensors (the 5·a·s·b·s term); the math fallback keeps a·s²·b softmax
+  probabilities, ×3 with dropout (mask and dropped probabilities). CPU flash has no dropout; on HPU dispatch of
+  `scaled_dot_product_attention` to Habana's FusedSDPA is not confirmed (`device/precision.py`), so math is assumed;
+* grouped-query k and v are h·kv_heads/heads wide; the MLP saves 2 tensors of the real ffn width (GELU) or 4
+  (SwiGLU: w1 x, w3 x, silu(w1 x), their product); LayerNorm saves its input, RMSNorm (composite on CPU; assumed
+  elsewhere) its input and x·rsqrt, upcast to fp32; dropout masks (input dtype on CPU, 1-byte bool on CUDA) only
+  when dropout > 0;
+* the residual stream stays fp32 under autocast (fp32 embeddings), and autocast casts a norm's fp32 output once
+  per linear that reads it (3 copies for wq/wk/wv, plus 1 or 2 for the MLP input);
+* full activation checkpointing (Chen et al. 2016; Korthikanti §4, "2·s·b·h·L") keeps each block's input and, in
+  backward, one recomputed block's activations.
+The loss adds logits work of b·s·V: log_softmax output, its gradient and the logits' gradient (3·b·s·V in fp32,
+cross-entropy runs in fp32 under autocast), or the logits' gradient plus the head weight's fresh gradient
+(b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
+
+Under tensor parallel with sequence parallel (Korthikanti §4.2.2; `distributed/tensor_parallel.py`) the norms, the
+residual stream and the attention/MLP tensors are split over tp ranks, but DTensor saves the all-gathered inputs
+of the column-parallel linears whole (Megatron re-gathers them in backward instead), and the loss runs on
+vocabulary-sharded logits (loss parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import count_parameters
+
+__all__ = [
+    "ElementBytes",
+    "ModelShape",
+    "activation_bytes",
+    "element_bytes",
+    "loss_workspace_bytes",
+    "model_shape",
+    "tp_shape",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) and widths, from `count_parameters` on one- and two-block copies (meta)."""
+
+    params: float  # whole numbers, except one tensor-parallel rank's share (`tp_shape`)
+    block: float  # one transformer block
+    root: float  # embeddings, final norm, head
+    head: float  # output weight, padded_vocab × dim
+    tied: bool
+    layers: int
+    dim: int
+    ffn: int
+    kv_dim: int
+    heads: int
+    vocab: int
+    llama: bool
+    dropout: bool
+
+
+_SHAPES: dict[
+    str, ModelShape
+] = {}  # by repr(config): the tuner and the layout table estimate one model many times
+
+
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    key = repr(cfg)
+    if key not in _SHAPES:
+        _SHAPES[key] = _count_shape(cfg)
+    return _SHAPES[key]
+
+
+def _count_shape(cfg: ModelConfig) -> ModelShape:
+    if cfg.vocab_size is None:
+        raise ConfigError(
+            "model.vocab_size",
+            "is null; resolve it from the dataset (ModelConfig.resolve_vocab) before estimating",
+        )
+    one = count_parameters(replace(cfg, num_layers=1))
+    block = count_parameters(replace(cfg, num_layers=2)) - one
+    return ModelShape(
+        params=(one - block) + cfg.num_layers * block,
+        block=block,
+        root=one - block,
+        head=cfg.padded_vocab_size * cfg.dim,
+        tied=cfg.tie_embeddings,
+        layers=cfg.num_layers,
+        dim=cfg.dim,
+        ffn=cfg.hidden_dim,
+        kv_dim=cfg.kv_heads * cfg.head_dim,
+        heads=cfg.num_heads,
+        vocab=cfg.padded_vocab_size,
+        llama=cfg.arch == "llama",
+        dropout=cfg.dropout > 0,
+    )
+
+
+def tp_shape(sh: ModelShape, tp: int) -> ModelShape:
+    """One tensor-parallel rank's parameters under the Llama plan (`distributed/tensor_parallel.py`, Megatron's
+    layout): every matmul weight, the embedding table and the head split over `tp` ranks; the RMSNorm weights (two
+    per block, one final) replicated."""
+    if tp == 1:
+        return sh
+    block_norms, final_norm = 2 * sh.dim, sh.dim
+    block = (sh.block - block_norms) / tp + block_norms
+    root = (sh.root - final_norm) / tp + final_norm
+    return replace(sh, params=root + sh.layers * block, block=block, root=root, head=sh.head / tp)
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per element of each kind of tensor, for one precision under one strategy."""
+
+    weight: int  # stored parameters (replicas or shards)
+    gathered: int  # FSDP/ZeRO-3 gathered parameters and their unsharded gradients
+    grad: int  # gradients as kept (DDP buckets, FSDP shards, ZeRO partitions)
+    state: int  # one optimizer state tensor
+    master: int  # separate fp32 master copy (DeepSpeed), 0 = none
+    compute: int  # activations on the matmul path
+    residual: int  # residual stream and the norms' saved tensors
+    loss: int  # log_softmax and its gradients
+    autocast: bool  # torch.autocast: a norm's fp32 output is cast once per linear that reads it
+    weight_casts: bool  # autocast also casts every fp32 matmul weight (kept for backward)
+
+
+def element_bytes(precision: str, strategy: str) -> ElementBytes:
+    half = precision != "32-true"
+    if strategy.startswith("deepspeed"):
+        # Lightning's DeepSpeedPrecision turns on DeepSpeed's bf16/fp16 mode: 16-bit module, fp32 master partitions.
+        w = 2 if half else 4
+        return ElementBytes(w, w, w, 4, 4, w, w, w, autocast=False, weight_casts=False)
+    if precision == "32-true":
+        return ElementBytes(4, 4, 4, 4, 0, 4, 4, 4, autocast=False, weight_casts=False)
+    if precision == "bf16-true":  # Lightning HalfPrecision: module, gradients and AdamW moments in bf16
+        return ElementBytes(2, 2, 2, 2, 0, 2, 2, 2, autocast=False, weight_casts=False)
+    if strategy in ("fsdp", "fsdp_grad_op"):  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        return ElementBytes(4, 2, 4, 4, 0, 2, 2, 4, autocast=True, weight_casts=False)
+    return ElementBytes(4, 4, 4, 4, 0, 2, 4, 4, autocast=True, weight_casts=True)
+
+
+def _fused_attention(device_kind: str, dropout: bool) -> bool:
+    """Flash/memory-efficient SDPA on CUDA; CPU flash has no dropout; on HPU not confirmed (module docstring)."""
+    return device_kind == "cuda" or (device_kind == "cpu" and not dropout)
+
+
+def _layer_bytes(sh: ModelShape, b: int, s: int, e: ElementBytes, device_kind: str, tp: int = 1) -> float:
+    """Activations one block saves for backward (Korthikanti §4.1, adapted: module docstring); under tensor
+    parallel with sequence parallel (§4.2.2) everything is split over `tp` ranks except the all-gathered inputs of
+    the column-parallel linears, which DTensor saves whole."""
+    sbh, sbf, sb = s * b * sh.dim, s * b * sh.ffn / tp, s * b
+    statistics = 2 * sb * (4 if sh.llama else 2 * e.residual)  # fp32 rstd (RMSNorm); mean, rstd (LayerNorm)
+    # LayerNorm keeps its input; the composite RMSNorm keeps its input and x·rsqrt, both upcast to fp32.
+    norm_side = ((4 * sbh * 4 if sh.llama else 2 * sbh * e.residual) + statistics) / tp
+    linear_inputs = ((5 if sh.llama else 4) if e.autocast else 2) * sbh * e.compute
+    mlp = (4 if sh.llama else 2) * sbf * e.compute
+    if _fused_attention(device_kind, sh.dropout):
+        attention = (2 * sbh + 2 * sb * sh.kv_dim) * e.compute + b * sh.heads * s * 4  # q, out, k, v; lse
+    else:  # math path: scaled q/k copies, k/v repeated to all heads, softmax (+ mask and dropped probabilities)
+        attention = 4 * sbh * e.compute + (3 if sh.dropout else 1) * sh.heads * s * s * b * e.compute
+    masks = 2 * sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
+    return norm_side + linear_inputs + mlp + (attention + masks) / tp  # local heads under tensor parallel
+
+
+def _mask_bytes(e: ElementBytes, device_kind: str) -> int:
+    """Dropout keeps a bool mask on CUDA, a scaled mask in the input dtype on CPU (and, assumed, HPU)."""
+    return 1 if device_kind == "cuda" else e.compute
+
+
+def activation_bytes(
+    sh: ModelShape, b: int, s: int, e: ElementBytes, ckpt: bool, device_kind: str, tp: int = 1
+) -> float:
+    sbh = s * b * sh.dim
+    # final norm (sequence-parallel under tp); the head's input (all-gathered whole under tp)
+    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
+    embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
+    layer = _layer_bytes(sh, b, s, e, device_kind, tp)
+    blocks = sh.layers * sbh * e.residual / tp + layer if ckpt else sh.layers * layer
+    return blocks + head_side + embedding_mask
+
+
+def loss_workspace_bytes(
+    sh: ModelShape, b: int, s: int, e: ElementBytes, head_grad_bytes: int, tp: int = 1
+) -> float:
+    """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger;
+    under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
+    logits = b * s * sh.vocab / tp
+    return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)

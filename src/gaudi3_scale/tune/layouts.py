@@ -1,0 +1,240 @@
+"""Which parallel layouts a model could train with on N accelerators, whether each fits, and why not.
+
+A layout is a strategy the trainer builds on that device (`distributed.strategies.STRATEGIES_BY_DEVICE`: no
+DeepSpeed on Gaudi) × tensor parallel × HSDP replication × activation checkpointing, and CPU offload only where
+the same layout does not fit without it. Each is checked with `tune.memory` against the accelerator's memory
+(`device/accelerators.yaml`); what offload moves to the host is summed per node.
+
+Ranking (fastest first) — every layout of one model on the same N devices does the same useful FLOPs, so what
+separates them is what each choice adds to a step. The model, ordinal and stated rather than timed:
+1. offload: none < optimizer < all. ZeRO-Offload moves gradients to and parameters from the host once per step
+   and runs AdamW on the CPU (Ren et al. 2021, arXiv:2101.06840); "all" also copies every block's parameters to
+   the device in forward and backward — host-link traffic of the model's size per pass.
+2. activation checkpointing: off < on. Recomputing each block's forward is +1/3 of the 6·N FLOPs per token
+   (8·N, Korthikanti et al. 2022, §5).
+3. tensor parallel: smaller tp first. Megatron TP with sequence parallel all-gathers and reduce-scatters the
+   s·b·h activations twice per block in forward and twice in backward (`TP_BYTES_PER_TOKEN`), on the critical
+   path (FSDP's collectives overlap compute; these do not).
+4. strategy: the tuner's order, cheapest communication first (ddp, fsdp_grad_op, fsdp, deepspeed_zero2, zero3).
+5. HSDP before FSDP over every rank: parameters are gathered within a node instead of across nodes.
+6. a larger micro-batch that fits (higher arithmetic intensity per kernel).
+Measured throughput (`gaudi3 tune` trials) decides between layouts this model cannot separate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
+from gaudi3_scale.distributed.strategies import supported_strategies
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_batch_that_fits
+
+__all__ = ["Layout", "LayoutCheck", "check_layouts", "tensor_parallel_sizes", "tp_bytes_per_token"]
+
+# The tuner's order (cheapest communication first); auto is plain training on one device.
+STRATEGY_ORDER = ("auto", "ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+OFFLOAD_ORDER = ("none", "optimizer", "all")
+_GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    strategy: str
+    tp_size: int = 1
+    dp_replicate: int = 1
+    activation_checkpointing: bool = False
+    offload: str = "none"
+
+    def label(self, world_size: int) -> str:
+        shard = world_size // (self.tp_size * self.dp_replicate)
+        if world_size == 1:
+            mesh = "on one device"
+        elif self.strategy in MESH_STRATEGIES:
+            mesh = f"tp {self.tp_size} × replicate {self.dp_replicate} × shard {shard}"
+        else:
+            mesh = f"over {world_size} rank(s)" + (" (replicated)" if self.strategy == "ddp" else "")
+        return (
+            f"{self.strategy} {mesh}, act.ckpt {'on' if self.activation_checkpointing else 'off'}, "
+            f"offload {self.offload}"
+        )
+
+    def overrides(self) -> list[str]:
+        """The `gaudi3 train` overrides for this layout."""
+        return [
+            f"--parallel.strategy={self.strategy}",
+            f"--parallel.tp_size={self.tp_size}",
+            f"--parallel.dp_replicate={self.dp_replicate}",
+            f"--parallel.activation_checkpointing={str(self.activation_checkpointing).lower()}",
+            f"--parallel.offload={self.offload}",
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutCheck:
+    layout: Layout
+    estimate: MemoryEstimate
+    device_bytes: int  # the accelerator's memory
+    host_bytes_per_node: int  # what offload keeps on the host, for every rank of a node
+    host_limit_bytes: int | None  # the node's host RAM, None = unknown (not checked)
+    max_micro_batch: int  # the largest micro-batch that fits (0 = none)
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_limit_bytes is None or self.host_bytes_per_node <= self.host_limit_bytes
+        return self.estimate.total_bytes <= self.device_bytes and host_ok
+
+    def reason(self, device_name: str) -> str:
+        need = self.estimate.total_bytes
+        if need > self.device_bytes:
+            return f"needs {need / _GIB:.1f} GiB per device, the {device_name} has {self.device_bytes / _GIB:.1f} GiB"
+        if self.host_limit_bytes is not None and self.host_bytes_per_node > self.host_limit_bytes:
+            return (
+                f"offload needs {self.host_bytes_per_node / _GIB:.1f} GiB of host memory per node, a node has "
+                f"{self.host_limit_bytes / _GIB:.1f} GiB"
+            )
+        return ""
+
+    def rank_key(self) -> tuple[int, int, bool, int, int, bool, int]:
+        """Smaller is faster under the module docstring's model; layouts that do not fit last."""
+        lay = self.layout
+        return (
+            not self.fits,
+            OFFLOAD_ORDER.index(lay.offload),
+            lay.activation_checkpointing,
+            lay.tp_size,
+            STRATEGY_ORDER.index(lay.strategy),
+            lay.dp_replicate == 1,
+            -self.max_micro_batch,
+        )
+
+
+def tensor_parallel_sizes(model: ModelConfig, per_node: int) -> list[int]:
+    """tp sizes the trainer accepts: divisors of the node's accelerators that divide the query heads, the
+    key/value heads and the MLP width (whole heads per rank; `train.config`); Llama only."""
+    if model.arch != "llama":
+        return [1]
+    counts = (model.num_heads, model.kv_heads, model.hidden_dim)
+    return [t for t in range(1, per_node + 1) if per_node % t == 0 and all(c % t == 0 for c in counts)]
+
+
+def tp_bytes_per_token(model: ModelConfig, tp_size: int, *, element_bytes: int = 2) -> float:
+    """Bytes one rank sends per token in tensor-parallel collectives (sequence parallel): per block, 2 all-gathers
+    and 2 reduce-scatters of h activations in forward and as many in backward, each moving (tp-1)/tp of them."""
+    return 8 * model.num_layers * model.dim * element_bytes * (tp_size - 1) / tp_size
+
+
+def candidate_layouts(
+    model: ModelConfig, *, device_kind: str, world_size: int, per_node: int
+) -> list[Layout]:
+    """Every layout without offload the trainer would build on `world_size` ranks of `per_node` per node."""
+    nnodes = max(1, world_size // per_node)
+    if world_size == 1:  # nothing to shard or replicate: plain training (ddp over HCCL on Gaudi)
+        return [Layout(strategy="auto", activation_checkpointing=ckpt) for ckpt in (False, True)]
+    strategies = [s for s in STRATEGY_ORDER[1:] if s in supported_strategies(device_kind)]
+    out = []
+    for strategy in strategies:
+        mesh = strategy in MESH_STRATEGIES
+        tps = tensor_parallel_sizes(model, min(per_node, world_size)) if mesh else [1]
+        for tp in tps:
+            # HSDP: one replica per node, FSDP inside it (the natural split: all-gathers stay on the node).
+            replicas = (
+                sorted({1, nnodes}) if mesh and nnodes > 1 and (world_size // tp) % nnodes == 0 else [1]
+            )
+            for replicate in replicas:
+                for ckpt in (False, True):
+                    out.append(
+                        Layout(
+                            strategy=strategy,
+                            tp_size=tp,
+                            dp_replicate=replicate,
+                            activation_checkpointing=ckpt,
+                        )
+                    )
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Target:
+    """What every layout is checked against: the ranks, the devices and the batch."""
+
+    world_size: int
+    per_node: int
+    micro_batch_size: int
+    precision: str
+    device_kind: str
+    device_bytes: int
+    host_limit_bytes: int | None
+
+
+def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
+    def estimate(micro_batch_size: int) -> MemoryEstimate:
+        return estimate_memory(
+            model,
+            strategy=layout.strategy,
+            world_size=t.world_size,
+            micro_batch_size=micro_batch_size,
+            precision=t.precision,
+            activation_checkpointing=layout.activation_checkpointing,
+            device_kind=t.device_kind,
+            tp_size=layout.tp_size,
+            dp_replicate=layout.dp_replicate,
+            offload=layout.offload,
+        )
+
+    best = max_micro_batch_that_fits(
+        model,
+        budget_bytes=t.device_bytes,
+        strategy=layout.strategy,
+        world_size=t.world_size,
+        precision=t.precision,
+        activation_checkpointing=layout.activation_checkpointing,
+        device_kind=t.device_kind,
+        tp_size=layout.tp_size,
+        dp_replicate=layout.dp_replicate,
+        offload=layout.offload,
+        limit=256,
+    )
+    est = estimate(t.micro_batch_size)
+    return LayoutCheck(
+        layout=layout,
+        estimate=est,
+        device_bytes=t.device_bytes,
+        host_bytes_per_node=est.host_bytes * min(t.per_node, t.world_size),
+        host_limit_bytes=t.host_limit_bytes,
+        max_micro_batch=best,
+    )
+
+
+def check_layouts(
+    model: ModelConfig,
+    *,
+    world_size: int,
+    per_node: int,
+    device_kind: str,
+    device_bytes: int,
+    micro_batch_size: int = 1,
+    precision: str = "bf16-mixed",
+    host_limit_bytes: int | None = None,
+) -> list[LayoutCheck]:
+    """Every candidate layout checked, fastest first (module docstring); an offloaded variant is added only for a
+    layout that does not fit on the device without it."""
+    target = _Target(
+        world_size=world_size,
+        per_node=per_node,
+        micro_batch_size=micro_batch_size,
+        precision=precision,
+        device_kind=device_kind,
+        device_bytes=device_bytes,
+        host_limit_bytes=host_limit_bytes,
+    )
+    checks = []
+    for layout in candidate_layouts(model, device_kind=device_kind, world_size=world_size, per_node=per_node):
+        check = _check(model, layout, target)
+        checks.append(check)
+        if check.estimate.total_bytes <= device_bytes:
+            continue
+        for offload in OFFLOAD_ORDER[1:]:
+            if layout.strategy in OFFLOAD_STRATEGIES[offload]:
+                checks.append(_check(model, replace(layout, offload=offload), target))
+    return sorted(checks, key=LayoutCheck.rank_key)
