@@ -144,4 +144,6 @@ def print_dry_run(cfg: RunConfig) -> None:
         f"estimated peak per rank: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} GiB; "
         "tune.memory)"
     )
+    if model_cfg.init_from is not None:
+        click.echo(f"weights: model.init_from {model_cfg.init_from} (each rank reads only its shards' blocks)")
     click.echo("nothing was allocated, written or trained")

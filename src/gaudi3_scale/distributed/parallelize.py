@@ -174,13 +174,17 @@ def build_parallelized(
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     mesh: Any = None,
     device: torch.device | str | None = None,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
     """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; otherwise
-    built on meta, sharded, and materialised shard by shard on `device` — the same weights either way."""
-    if not plan.shards_parameters:
+    built on meta, sharded, and materialised shard by shard on `device` — the same weights either way.
+
+    `init_weights(model)` (e.g. `models.pretrained.load_pretrained`) fills the weights instead of the seeded init;
+    the model is then built on meta whatever the plan (on `device`, default CPU), so no random init is wasted.
+    """
+    if init_weights is None and not plan.shards_parameters:
         return parallelize(build_model(model_cfg, seed=seed), plan, loss=loss)
     with torch.device("meta"):
         model = build_model(model_cfg)
-    return parallelize(
-        model, plan, loss=loss, mesh=mesh, device=device, init_weights=lambda built: model.init_weights(seed)
-    )
+    fill = init_weights or (lambda built: model.init_weights(seed))
+    return parallelize(model, plan, loss=loss, mesh=mesh, device=device or "cpu", init_weights=fill)

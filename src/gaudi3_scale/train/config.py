@@ -358,6 +358,22 @@ def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
     raw["train"] = {**train_raw, "global_batch_size": _batch_size_from_tokens(tokens, context_length)}
 
 
+def _fill_from_pretrained(raw: dict[str, Any], model_raw: Mapping[str, Any]) -> None:
+    """`model.init_from`: the model's shape from the checkpoint's config (fields the user set must agree), and the
+    tokenizer beside it for the data unless `data.tokenizer` is set (then that one is used, and the trainer checks
+    that its vocabulary fits the checkpoint's)."""
+    from gaudi3_scale.models.pretrained import pretrained_model_fields, tokenizer_beside
+
+    init_from = raw["model"]["init_from"]
+    if not isinstance(init_from, str):
+        raise ConfigError("model.init_from", f"expected a directory path, got {init_from!r}")
+    raw["model"] = {**raw["model"], **pretrained_model_fields(init_from, model_raw)}
+    data_raw = raw.get("data") or {}
+    tokenizer = tokenizer_beside(init_from)
+    if isinstance(data_raw, Mapping) and "tokenizer" not in data_raw and tokenizer is not None:
+        raw["data"] = {**data_raw, "tokenizer": str(tokenizer)}
+
+
 def build_run_config(
     config_path: str | Path | None = None,
     overrides: Sequence[tuple[str, str]] = (),
@@ -381,6 +397,8 @@ def build_run_config(
     except ValueError as exc:
         raise ConfigError("model.name", str(exc)) from None
     raw["model"] = merge_mappings(preset, model_raw)
+    if raw["model"].get("init_from") is not None:
+        _fill_from_pretrained(raw, model_raw)
     raw.setdefault("name", preset_name)  # runs/<preset>/ unless the run is named
     _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)
