@@ -145,5 +145,7 @@ def print_dry_run(cfg: RunConfig) -> None:
         "tune.memory)"
     )
     if model_cfg.init_from is not None:
-        click.echo(f"weights: model.init_from {model_cfg.init_from} (each rank reads only its shards' blocks)")
+        click.echo(
+            f"weights: model.init_from {model_cfg.init_from} (each rank reads only its shards' blocks)"
+        )
     click.echo("nothing was allocated, written or trained")
