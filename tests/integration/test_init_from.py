@@ -46,18 +46,13 @@ def save_hf_checkpoints(root: Path) -> dict[str, Path]:
     torch.manual_seed(0)
     llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    tied_bias = dict(attention_bias=True, mlp_bias=True, **llama,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # fmt: skip
     gpt2 = dict(n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     models: dict[str, Any] = {
         "llama-sharded": LlamaForCausalLM(LlamaConfig(vocab_size=256, **llama)),
         "llama-tied-bias": LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=97,
-                tie_word_embeddings=True,
-                attention_bias=True,
-                mlp_bias=True,
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                **llama,
-            )  # fmt: skip
+            LlamaConfig(vocab_size=97, tie_word_embeddings=True, **tied_bias)
         ),
         "gpt2-sharded": GPT2LMHeadModel(GPT2Config(vocab_size=97, **gpt2)),
         "gpt2-untied": GPT2LMHeadModel(GPT2Config(vocab_size=97, tie_word_embeddings=False, **gpt2)),
