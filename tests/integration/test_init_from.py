@@ -8,61 +8,24 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from gaudi3_scale.artifacts.export import load_exported
 from gaudi3_scale.cli.main import main
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.models import Transformer, build_model
-from gaudi3_scale.models.pretrained import load_pretrained, open_pretrained
+from gaudi3_scale.models.pretrained import open_pretrained
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.train.trainer import GaudiTrainer
+from hf_checkpoints import hf_model, load_ours, save_hf_checkpoints
 
 pytestmark = pytest.mark.integration
 
 ATOL = 1e-5  # fp32; SDPA vs HF eager attention and a different rotation order: close, not bitwise
 TEXT = "ROMEO:\nWhat light through yonder window breaks? It is the east, and Juliet is the sun.\n" * 20
-
-
-def _randomized(model: torch.nn.Module) -> torch.nn.Module:
-    """Norm weights and biases away from 1 / 0, so a swapped norm or a dropped bias changes the logits."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.add_(0.3 * torch.randn_like(param))
-    return model.eval()
-
-
-def save_hf_checkpoints(root: Path) -> dict[str, Path]:
-    """Four small random HF checkpoints: Llama and GPT-2, each sharded (several files + index) and as one file."""
-    torch.manual_seed(0)
-    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    tied_bias = dict(attention_bias=True, mlp_bias=True, **llama,
-                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # fmt: skip
-    gpt2 = dict(n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-    models: dict[str, Any] = {
-        "llama-sharded": LlamaForCausalLM(LlamaConfig(vocab_size=256, **llama)),
-        "llama-tied-bias": LlamaForCausalLM(
-            LlamaConfig(vocab_size=97, tie_word_embeddings=True, **tied_bias)
-        ),
-        "gpt2-sharded": GPT2LMHeadModel(GPT2Config(vocab_size=97, **gpt2)),
-        "gpt2-untied": GPT2LMHeadModel(GPT2Config(vocab_size=97, tie_word_embeddings=False, **gpt2)),
-    }
-    out = {}
-    for name, model in models.items():
-        out[name] = root / name
-        shard = "20KB" if name.endswith("sharded") else "10GB"
-        _randomized(model).save_pretrained(out[name], max_shard_size=shard)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +36,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _save_tokenizer(directory: Path) -> None:
-    """A byte-level BPE tokenizer.json beside the checkpoint (fewer tokens than its 256-row embedding)."""
+    """A byte-level BPE tokenizer.json beside the checkpoint (fewer tokens than its 257-row embedding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -84,22 +47,6 @@ def _save_tokenizer(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
 
 
-def _hf_model(directory: Path) -> torch.nn.Module:
-    config = json.loads((directory / "config.json").read_text())
-    cls = LlamaForCausalLM if config["model_type"] == "llama" else GPT2LMHeadModel
-    return cls.from_pretrained(directory, local_files_only=True).eval()
-
-
-def load_ours(directory: Path, **changes: Any) -> Transformer:
-    """Our model of the checkpoint's shape (with `changes`), built on meta and filled by `load_pretrained`."""
-    checkpoint = open_pretrained(directory)
-    with torch.device("meta"):
-        model = build_model(replace(checkpoint.config, **changes))
-    model.to_empty(device="cpu")
-    load_pretrained(model, checkpoint, seed=3)
-    return model.eval()
-
-
 def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) -> None:
     assert len(list(hf_dirs["llama-sharded"].glob("*.safetensors"))) > 2  # really sharded
     assert len(list(hf_dirs["gpt2-sharded"].glob("*.safetensors"))) > 2
@@ -108,7 +55,7 @@ def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) 
     for name, directory in hf_dirs.items():
         ours = load_ours(directory)
         with torch.no_grad():
-            expected = _hf_model(directory)(tokens).logits
+            expected = hf_model(directory)(tokens).logits
             torch.testing.assert_close(ours(tokens), expected, atol=ATOL, rtol=0, msg=name)
     config = load_ours(hf_dirs["llama-tied-bias"]).config
     assert (config.tie_embeddings, config.bias, config.rope_theta, config.kv_heads) == (
@@ -128,8 +75,37 @@ def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) 
     assert padded.pos_embeddings.weight.shape == (16, 32)
     assert 0.01 < float(padded.tok_embeddings.weight[97:].detach().std()) < 0.03  # N(0, 0.02)
     with torch.no_grad():
-        expected = _hf_model(hf_dirs["gpt2-sharded"])(tokens[:, :16]).logits
+        expected = hf_model(hf_dirs["gpt2-sharded"])(tokens[:, :16]).logits
         torch.testing.assert_close(padded(tokens[:, :16])[..., :97], expected, atol=ATOL, rtol=0)
+
+
+def test_any_rectangle_reads_what_the_whole_tensor_holds(hf_dirs: dict[str, Path]) -> None:
+    """Blocks that cut through a RoPE head (wk: 2 heads of 8 rows), a column range of a transposed, fused GPT-2
+    c_attn (wv's columns), and plain rows: each equals the same rectangle of the whole mapped tensor."""
+    from safetensors import safe_open
+
+    from gaudi3_scale.models.hf import permute_rope_rows
+    from gaudi3_scale.models.pretrained import _read_block
+
+    for name, param, rows, cols in [
+        ("llama-tied-bias", "layers.1.attention.wk.weight", (3, 13), (5, 30)),
+        ("llama-tied-bias", "layers.0.attention.wq.bias", (7, 9), None),
+        ("gpt2-sharded", "layers.0.attention.wv.weight", (2, 31), (1, 17)),
+        ("gpt2-sharded", "layers.1.attention.wk.bias", (4, 20), None),
+        ("gpt2-sharded", "pos_embeddings.weight", (10, 40), (0, 32)),
+    ]:
+        checkpoint = open_pretrained(hf_dirs[name])
+        source = checkpoint.sources[param]
+        with safe_open(str(checkpoint.files[source.name]), framework="pt") as handle:
+            whole = handle.get_tensor(source.name)
+            got = _read_block(handle.get_slice(source.name), source, rows, cols)
+        if source.rope_heads:
+            whole = permute_rope_rows(whole, source.rope_heads, to_hf=False)
+        if source.transposed:
+            whole = whole.t()
+        whole = whole[source.offset :]
+        expected = whole[rows[0] : rows[1]] if cols is None else whole[rows[0] : rows[1], cols[0] : cols[1]]
+        assert torch.equal(got, expected), (name, param)
 
 
 def test_config_comes_from_the_checkpoint(hf_dirs: dict[str, Path]) -> None:
@@ -137,7 +113,7 @@ def test_config_comes_from_the_checkpoint(hf_dirs: dict[str, Path]) -> None:
     cfg = build_run_config(None, [("model.init_from", str(directory)), ("model.context_length", "32")])
     shape = (cfg.model.arch, cfg.model.num_layers, cfg.model.dim, cfg.model.kv_heads, cfg.model.vocab_size)
     assert (
-        shape == ("llama", 2, 32, 2, 256) and cfg.model.context_length == 32 and not cfg.model.tie_embeddings
+        shape == ("llama", 2, 32, 2, 257) and cfg.model.context_length == 32 and not cfg.model.tie_embeddings
     )
     assert cfg.data.tokenizer == str(
         directory / "tokenizer.json"
@@ -240,7 +216,7 @@ def test_fine_tune_from_hf_then_resume_export_and_serve(
     assert trainer.module.init_from == str(directory)  # type: ignore[union-attr]
     # lr 1e-30 (0 is refused): below every weight's ulp, so the weights stay the HF ones, and the run's val loss is the HF model's loss on the same batch (the first val window).
     batch = next(iter(trainer.datamodule.val_dataloader()))  # type: ignore[union-attr]
-    hf = _hf_model(directory)
+    hf = hf_model(directory)
     with torch.no_grad():
         logits = hf(batch[0]).logits
         hf_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
@@ -268,4 +244,4 @@ def test_fine_tune_from_hf_then_resume_export_and_serve(
     # An export is a valid init_from too (our safetensors format), with the tokenizer under tokenizer/.
     again = build_run_config(None, [("model.init_from", str(tmp_path / "safetensors"))])
     assert again.data.tokenizer == str(tmp_path / "safetensors" / "tokenizer" / "tokenizer.json")
-    assert load_ours(tmp_path / "safetensors").config.vocab_size == 256
+    assert load_ours(tmp_path / "safetensors").config.vocab_size == 257
