@@ -22,6 +22,7 @@ normal init (`models.common.init.fill_normal`, layout-independent); rows the mod
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
@@ -243,20 +244,78 @@ def load_pretrained(model: nn.Module, checkpoint: PretrainedCheckpoint, *, seed:
     `seed` is for rows the checkpoint does not have (vocabulary padding): they get the normal init of that seed.
     """
     assert isinstance(model, Transformer), type(model)
-    safe_open = _safe_open()
     stored_rows = {name: shape[0] for name, shape in _our_shapes(checkpoint.config).items()}
     with ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(str(file), framework="pt"))
-            for file in sorted(set(checkpoint.files.values()))
+        files = {
+            file: stack.enter_context(_StoredFile(file)) for file in sorted(set(checkpoint.files.values()))
         }
         for name, param in model.named_parameters():
             source = checkpoint.sources[name]
-            _fill(param, name, source, handles[checkpoint.files[source.name]], stored_rows[name], seed)
+            _fill(param, name, source, files[checkpoint.files[source.name]], stored_rows[name], seed)
     model.init_buffers()
 
 
-def _fill(param: torch.Tensor, name: str, source: Source, handle: Any, stored_rows: int, seed: int) -> None:
+class _StoredFile:
+    """One safetensors file, read two ways: `get_slice` (memory-mapped, any rectangle) and `read_rows` (plain
+    reads of a run of whole rows straight into a buffer, in chunks).
+
+    Whole rows of a row-major tensor are one byte range, and reading it with `readinto` was 2-3x faster than
+    faulting the same pages of the memory map in (1.24 B bf16 parameters on CPU, 2026-11-26); it is what FSDP's
+    Shard(0) blocks and every plain parameter need. The byte offsets are the file's header (safetensors format:
+    u64 little-endian header size, JSON header, data), read after `safe_open` has validated it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stack = ExitStack()
+
+    def __enter__(self) -> _StoredFile:
+        self.handle = self._stack.enter_context(_safe_open()(str(self.path), framework="pt"))
+        self.raw = self._stack.enter_context(open(self.path, "rb", buffering=0))
+        size = int.from_bytes(self.raw.read(8), "little")
+        self.header = json.loads(self.raw.read(size))
+        self.data_start = 8 + size
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def read_rows(self, name: str, first: int, out: torch.Tensor) -> bool:
+        """Rows [first, first + len(out)) of tensor `name` cast into `out`; False when its dtype has no plain
+        torch equivalent here (the caller then slices the memory map)."""
+        entry = self.header[name]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return False
+        row_elements = math.prod(entry["shape"][1:])
+        row_bytes = row_elements * dtype.itemsize
+        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row_bytes))
+        buffer = torch.empty(min(rows_per_chunk, len(out)) * row_bytes, dtype=torch.uint8)
+        position = self.data_start + entry["data_offsets"][0] + first * row_bytes
+        for start in range(0, len(out), rows_per_chunk):
+            count = min(rows_per_chunk, len(out) - start)
+            chunk = buffer[: count * row_bytes]
+            self._read_exactly(position + start * row_bytes, chunk)
+            out[start : start + count].copy_(chunk.view(dtype).view(out[start : start + count].shape))
+        return True
+
+    def _read_exactly(self, position: int, into: torch.Tensor) -> None:
+        view, done = into.numpy().data, 0
+        self.raw.seek(position)
+        while done < len(view):
+            n = self.raw.readinto(view[done:])
+            if not n:
+                raise UserInputError(f"{self.path}: ends inside a tensor (was it truncated while loading?)")
+            done += n
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_CHUNK_BYTES = 32 << 20  # the largest temporary buffer a read uses
+
+
+def _fill(
+    param: torch.Tensor, name: str, source: Source, file: _StoredFile, stored_rows: int, seed: int
+) -> None:
     if any(type(p).__name__ == "_StridedShard" for p in getattr(param, "placements", ())):
         # FSDP over tensor parallel on the same dim: the local rows are not one contiguous range of the global ones.
         raise NotImplementedError(f"{name}: loading into a _StridedShard placement is not implemented")
@@ -269,8 +328,12 @@ def _fill(param: torch.Tensor, name: str, source: Source, handle: Any, stored_ro
     last = min(first + local.shape[0], stored_rows)
     if last <= first:
         return
+    whole_rows = local.ndim == 1 or local.shape[1] == shape[1]
+    plain = not source.transposed and not source.rope_heads
+    if plain and whole_rows and file.read_rows(source.name, first + source.offset, local[: last - first]):
+        return
     cols = (offset[1], offset[1] + local.shape[1]) if local.ndim == 2 else None
-    local[: last - first].copy_(_read_block(handle.get_slice(source.name), source, (first, last), cols))
+    local[: last - first].copy_(_read_block(file.handle.get_slice(source.name), source, (first, last), cols))
 
 
 def _read_block(
