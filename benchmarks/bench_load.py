@@ -181,12 +181,30 @@ def worker(directory: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _launch_load(directory: Path, ranks: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "load.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", __file__,
+             "--worker", str(directory), str(path)],
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        if proc.returncode:
+            sys.exit(f"the workers failed:\n{proc.stderr[-3000:]}")
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="llama3.2-1b")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds; the median round (by ratio) is reported"
+    )
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the generated checkpoint is kept (default: $GAUDI3_CACHE/bench_load)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "load_hf_cpu.json")
@@ -196,30 +214,23 @@ def main() -> None:
     from gaudi3_scale.monitor.environment import environment_info
 
     directory = (args.cache_dir or default_cache_dir() / "bench_load") / f"{args.model}-hf-bf16"
+    rounds: list[dict[str, Any]] = []
     with Progress() as progress:
         if not directory.is_dir():
             write_checkpoint(args.model, directory, progress)
-        task = progress.add_task("warm page cache, read once (2 ways), load", total=4)
-        read_once_s(
-            directory, into_memory=False
-        )  # warm: every measurement below starts from the same page cache
-        progress.advance(task)
-        stream_s, read_bytes = read_once_s(directory, into_memory=False)
-        progress.advance(task)
-        read_s, _ = read_once_s(directory, into_memory=True)
-        progress.advance(task)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "load.json"
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
-            proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", __file__,
-                 "--worker", str(directory), str(path)],
-                capture_output=True, text=True, env=env,
-            )  # fmt: skip
-            if proc.returncode:
-                sys.exit(f"the workers failed:\n{proc.stderr[-3000:]}")
-            load = json.loads(path.read_text())
-        progress.advance(task)
+        # Warm: every measurement below starts from the same (full) page cache; nothing is dropped.
+        read_once_s(directory, into_memory=False)
+        task = progress.add_task(f"{args.repeats} rounds: read once (2 ways), load", total=args.repeats)
+        for _ in range(args.repeats):  # side by side, round after round: a shared machine's load drifts
+            stream_s, read_bytes = read_once_s(directory, into_memory=False)
+            read_s, _ = read_once_s(directory, into_memory=True)
+            load = _launch_load(directory, args.ranks)
+            rounds.append({"read_once_s": read_s, "read_once_streaming_s": stream_s, **load})
+            progress.advance(task)
+    # The median round by its ratio: the round whose three measurements saw a typical machine.
+    rounds.sort(key=lambda r: max(r["load_s_per_rank"]) / r["read_once_s"])
+    median = rounds[len(rounds) // 2]
+    read_s, stream_s, load = median["read_once_s"], median["read_once_streaming_s"], median
     load_s = max(load["load_s_per_rank"])
     files = sorted(directory.glob("*.safetensors"))
     report: dict[str, Any] = {
@@ -227,17 +238,20 @@ def main() -> None:
         "model": args.model,
         "ranks": args.ranks,
         "checkpoint": {"dtype": "bfloat16", "files": len(files), "bytes": read_bytes},
-        "page_cache": "warm for both (every file read once, untimed, before either measurement)",
+        "page_cache": "warm for all (every file read once, untimed, before the first round; nothing dropped)",
+        "reported_round": "the median of the rounds by ratio (all rounds below)",
         "read_once_s": read_s,
         "read_once_how": "every file's bytes into a fresh buffer (Path.read_bytes), one file at a time",
         "read_once_bytes_per_s": read_bytes / read_s,
         "read_once_streaming_s": stream_s,
         "read_once_streaming_how": "every byte through one reused 1 MiB buffer (no fresh memory): a lower bound",
-        **load,
+        **{k: v for k, v in load.items() if not k.startswith("read_once")},
         "load_s": load_s,
         "ratio_load_to_read_once": load_s / read_s,
         "ratio_load_to_read_once_streaming": load_s / stream_s,
         "goal_ratio_max": 2.0,
+        "ratio_load_to_read_once_all_rounds": [max(r["load_s_per_rank"]) / r["read_once_s"] for r in rounds],
+        "rounds": rounds,
         "machine": environment_info(),
     }
     per_rank = ", ".join(f"{t:.2f}" for t in load["load_s_per_rank"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -245,3 +246,17 @@ def test_fine_tune_from_hf_then_resume_export_and_serve(
     again = build_run_config(None, [("model.init_from", str(tmp_path / "safetensors"))])
     assert again.data.tokenizer == str(tmp_path / "safetensors" / "tokenizer" / "tokenizer.json")
     assert load_ours(tmp_path / "safetensors").config.vocab_size == 257
+
+
+def test_a_dataset_vocabulary_larger_than_the_checkpoints_is_refused(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "text.txt").write_text(TEXT)
+    directory = hf_dirs["gpt2-sharded"]  # 97 rows; the byte tokenizer has 256 tokens
+    overrides = [("model.init_from", str(directory)), ("data.tokenizer", "byte"),
+                 ("data.source", str(tmp_path / "text.txt")), ("data.prepared_dir", str(tmp_path / "prepared")),
+                 ("out_dir", str(tmp_path / "run")), ("train.max_steps", "1")]  # fmt: skip
+    message = f"model.init_from: {directory} has a vocabulary of 97 tokens but the dataset's tokenizer 256"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        GaudiTrainer(build_run_config(None, overrides), progress=False).fit()
+    assert not (tmp_path / "run" / "config.yaml").exists()
