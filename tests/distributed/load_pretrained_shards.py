@@ -1,6 +1,7 @@
 """Worker for test_init_from_sharded: each checkpoint loaded (`models.pretrained.load_pretrained`) into two layouts
 over every rank — FSDP2 (`distributed.parallelize`, Shard(0)) and tensor parallel laid out here with torch's
-ColwiseParallel / RowwiseParallel (Shard(0) and Shard(1), vocabulary rows split unevenly) — each rank reading only
+ColwiseParallel / RowwiseParallel (Shard(0) and Shard(1), vocabulary rows split unevenly), plus, for untied
+models, block weights in FSDP-over-TP's _StridedShard(0) (interleaved rows; weights only) — each rank reading only
 its blocks. Rank 0 saves, per checkpoint, both layouts' logits on fixed tokens, their gathered weights and the
 placements seen to OUT_DIR/NAME.pt.
 
@@ -17,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
@@ -47,6 +49,8 @@ def main(out_dir: str, directories: list[str]) -> None:
         ).model
         tp = _tensor_parallel(checkpoint, tp_mesh)
         result = {"fsdp": _observe(fsdp), "tp": _observe(tp)}
+        if not checkpoint.config.tie_embeddings:
+            result["strided"] = _observe(_strided(checkpoint, tp_mesh), forward=False)
         if dist.get_rank() == 0:
             torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
     dist.barrier()
@@ -79,9 +83,24 @@ def _tensor_parallel(checkpoint: PretrainedCheckpoint, mesh: DeviceMesh) -> nn.M
     return model
 
 
+def _strided(checkpoint: PretrainedCheckpoint, mesh: DeviceMesh) -> nn.Module:
+    """Every block parameter as FSDP over tensor parallel on the same dimension lays it out: _StridedShard(0), each
+    rank holding interleaved row blocks (rows 0-7 of 16 → rank 0 holds 0-3 and 8-11). Weights only: no forward."""
+    with torch.device("meta"):
+        model = build_model(checkpoint.config)
+    for module in model.layers.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            placements = [_StridedShard(0, split_factor=2)]
+            sharded = distribute_tensor(param, mesh, placements, src_data_rank=None)  # type: ignore[list-item]
+            setattr(module, name, nn.Parameter(sharded))
+    model.to_empty(device="cpu")
+    load_pretrained(model, checkpoint)
+    return model
+
+
 @torch.no_grad()
-def _observe(model: nn.Module) -> dict[str, Any]:
-    logits = model(TOKENS)
+def _observe(model: nn.Module, *, forward: bool = True) -> dict[str, Any]:
+    logits = model(TOKENS) if forward else torch.empty(0)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     weights, placements = {}, set()

@@ -1,6 +1,7 @@
 """`model.init_from` on 2 ranks: HF Llama and GPT-2 checkpoints (several shard files) load into FSDP2 shards and
 into a tensor-parallel layout (Shard(0) and Shard(1) placements, the 257 vocabulary rows split unevenly) with transformers' logits,
-and the gathered weights are bitwise those one process loads. One torchrun launch for everything."""
+and the gathered weights are bitwise those one process loads — also in FSDP-over-TP's _StridedShard layout, whose
+rows are interleaved. One torchrun launch for everything."""
 
 from __future__ import annotations
 
@@ -43,5 +44,9 @@ def test_fsdp_and_tensor_parallel_shards_load_transformers_weights(tmp_path: Pat
             assert saved[layout]["weights"].keys() == dict(whole.named_parameters()).keys()
             for key, tensor in whole.named_parameters():
                 assert torch.equal(saved[layout]["weights"][key], tensor), (name, layout, key)
+        if "strided" in saved:  # interleaved rows (FSDP over tensor parallel): weights only
+            assert any("_StridedShard" in p for p in saved["strided"]["placements"]), name
+            for key, tensor in whole.named_parameters():
+                assert torch.equal(saved["strided"]["weights"][key], tensor), (name, "strided", key)
         assert saved["fsdp"]["placements"] == ["(Shard(dim=0),)"]
         assert {"(Shard(dim=0),)", "(Shard(dim=1),)"} <= set(saved["tp"]["placements"]), name

@@ -7,8 +7,8 @@ configs, every shard present and readable, every tensor there with the right sha
 `load_pretrained(model, checkpoint)` fills a model built from that config, after `to_empty`.
 
 Each rank reads only what it holds. For every parameter (a plain tensor, or a DTensor with any Shard placements
-over a 1-D or 2-D mesh: FSDP's Shard(0), tensor parallel's Shard(0) / Shard(1)) we compute the global offset and
-shape of the local block and read that rectangle with safetensors' `get_slice`, which slices the memory-mapped file:
+over a 1-D or 2-D mesh: FSDP's Shard(0), tensor parallel's Shard(0) / Shard(1), FSDP over tensor parallel's
+_StridedShard) we compute which global rows and columns the local block holds and read those rectangles with safetensors' `get_slice`, which slices the memory-mapped file:
 no rank materialises a whole tensor it does not hold. Why not DCP's `HuggingFaceStorageReader` (in torch 2.13)? It
 loads tensors in their stored names and shapes, so HF's rotate-half wq / wk rows and GPT-2's transposed, fused
 `c_attn` would land on the wrong ranks and need a redistribution; with `Source` (models.hf) we map our rectangle to
@@ -36,7 +36,7 @@ from torch import nn
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.files import load_json_file
-from gaudi3_scale.models.common.init import fill_normal, local_block
+from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, permute_rope_rows, stored_shapes
 from gaudi3_scale.models.transformer import INIT_STD, Transformer
@@ -316,24 +316,76 @@ _CHUNK_BYTES = 32 << 20  # the largest temporary buffer a read uses
 def _fill(
     param: torch.Tensor, name: str, source: Source, file: _StoredFile, stored_rows: int, seed: int
 ) -> None:
-    if any(type(p).__name__ == "_StridedShard" for p in getattr(param, "placements", ())):
-        # FSDP over tensor parallel on the same dim: the local rows are not one contiguous range of the global ones.
-        raise NotImplementedError(f"{name}: loading into a _StridedShard placement is not implemented")
-    local, shape, offset = local_block(param)
+    local, shape, runs, cols = _local_layout(param)
     if local.numel() == 0:
         return
     if shape[0] > stored_rows:  # padding rows beyond the checkpoint's vocabulary
+        if len(runs) > 1:
+            raise NotImplementedError(f"{name}: vocabulary padding rows on a strided (_StridedShard) layout")
         fill_normal(param, INIT_STD, seed=seed, name=name)
-    first = offset[0]
-    last = min(first + local.shape[0], stored_rows)
-    if last <= first:
-        return
     whole_rows = local.ndim == 1 or local.shape[1] == shape[1]
     plain = not source.transposed and not source.rope_heads
-    if plain and whole_rows and file.read_rows(source.name, first + source.offset, local[: last - first]):
-        return
-    cols = (offset[1], offset[1] + local.shape[1]) if local.ndim == 2 else None
-    local[: last - first].copy_(_read_block(file.handle.get_slice(source.name), source, (first, last), cols))
+    for local_first, first, count in runs:
+        last = min(first + count, stored_rows)
+        if last <= first:
+            continue
+        out = local[local_first : local_first + last - first]
+        if plain and whole_rows and file.read_rows(source.name, first + source.offset, out):
+            continue
+        out.copy_(_read_block(file.handle.get_slice(source.name), source, (first, last), cols))
+
+
+def _local_layout(
+    param: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[int, ...], list[tuple[int, int, int]], tuple[int, int] | None]:
+    """(local tensor, global shape, runs of rows, column range) of a tensor or a DTensor on this rank.
+
+    A run (local first row, global first row, rows) is a stretch of consecutive global rows: one for a plain
+    tensor and for Shard placements; several for FSDP over tensor parallel on the same dimension, whose
+    `_StridedShard` gives each rank interleaved blocks. The global indices are torch's own (the function behind
+    `compute_local_shape_and_global_offset`), so uneven splits and any mesh of Shard / _StridedShard placements
+    come out as DTensor lays them out. Columns must be one range (tensor parallel's Shard(1)).
+    """
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(param.shape)
+    if not isinstance(param, DTensor):
+        return param, shape, [(0, 0, shape[0])], ((0, shape[1]) if param.ndim == 2 else None)
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the parameter's mesh"
+    sizes, indices = list(shape), dict[int, Any]()  # global indices of each sharded dim so far (a tensor)
+    held: dict[int, list[int]] = {}  # tensor dim → the global indices this rank holds, in local order
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard | _StridedShard):
+            dim = placement.dim
+            sizes[dim], indices[dim] = _get_shard_size_and_offsets(
+                sizes[dim],
+                mesh.size(mesh_dim),
+                coordinate[mesh_dim],
+                placement,
+                indices.get(dim),
+                shape[dim],
+                False,
+            )
+            held[dim] = indices[dim].tolist()
+    local = param.to_local()
+    rows = held.get(0, list(range(shape[0])))
+    runs: list[tuple[int, int, int]] = []
+    for i, row in enumerate(rows[: local.shape[0]]):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, row, 1))
+    if param.ndim == 1:
+        return local, shape, runs, None
+    columns = held.get(1, list(range(shape[1])))
+    first_col = columns[0] if columns else 0
+    if columns != list(range(first_col, first_col + len(columns))):
+        raise NotImplementedError("loading into a strided column layout (_StridedShard on dim 1)")
+    return local, shape, runs, (first_col, first_col + local.shape[1])
 
 
 def _read_block(

@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "fill_normal", "local_block"]
+__all__ = ["CHUNK_ELEMENTS", "fill_normal"]
 
 CHUNK_ELEMENTS = 1 << 16  # a multiple of 16: torch's vectorised normal sampler fills whole blocks of 16
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive chunk indices over the seed space
@@ -27,7 +27,7 @@ def _key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
-def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, global offset of the local block) for a tensor or a DTensor."""
     from torch.distributed.tensor import DTensor
 
@@ -43,7 +43,7 @@ def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tu
 def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> None:
     """Fill `tensor` (or this rank's block of a DTensor) with N(0, std²) values that depend only on (seed, name,
     element index in the full tensor)."""
-    local, shape, offset = local_block(tensor)
+    local, shape, offset = _local_block(tensor)
     if local.numel() == 0:
         return
     if local.ndim > 2:
