@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from gaudi3_scale.artifacts.export import load_exported
 from gaudi3_scale.cli.main import main
+from gaudi3_scale.config.core import save_yaml
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.models.pretrained import open_pretrained
 from gaudi3_scale.train.config import build_run_config
@@ -109,16 +110,18 @@ def test_any_rectangle_reads_what_the_whole_tensor_holds(hf_dirs: dict[str, Path
         assert torch.equal(got, expected), (name, param)
 
 
-def test_config_comes_from_the_checkpoint(hf_dirs: dict[str, Path]) -> None:
+def test_config_comes_from_the_checkpoint(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     directory = hf_dirs["llama-sharded"]
     cfg = build_run_config(None, [("model.init_from", str(directory)), ("model.context_length", "32")])
     shape = (cfg.model.arch, cfg.model.num_layers, cfg.model.dim, cfg.model.kv_heads, cfg.model.vocab_size)
     assert (
         shape == ("llama", 2, 32, 2, 257) and cfg.model.context_length == 32 and not cfg.model.tie_embeddings
     )
-    assert cfg.data.tokenizer == str(
-        directory / "tokenizer.json"
-    )  # the tokenizer beside it prepares the data
+    # The tokenizer beside it prepares the data.
+    assert cfg.data.tokenizer == str(directory / "tokenizer.json")
+    assert cfg.name == cfg.model.name == "llama-sharded"  # runs/llama-sharded/, not the default preset's
+    save_yaml(cfg, tmp_path / "config.yaml")  # the resolved config a run writes builds the same config again
+    assert build_run_config(tmp_path / "config.yaml") == cfg
     explicit = build_run_config(None, [("model.init_from", str(directory)), ("data.tokenizer", "byte")])
     assert explicit.data.tokenizer == "byte" and explicit.model.context_length == 64  # the user's wins
     agreeing = build_run_config(None, [("model.init_from", str(directory)), ("model.dim", "32")])
