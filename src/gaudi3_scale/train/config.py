@@ -376,7 +376,7 @@ def _fill_from_pretrained(raw: dict[str, Any], model_raw: Mapping[str, Any]) -> 
     from gaudi3_scale.models.pretrained import pretrained_model_fields, tokenizer_beside
 
     init_from = raw["model"]["init_from"]
-    if not isinstance(init_from, str):
+    if not isinstance(init_from, str) or not init_from:
         raise ConfigError("model.init_from", f"expected a directory path, got {init_from!r}")
     raw["model"] = {**raw["model"], **pretrained_model_fields(init_from, model_raw)}
     data_raw = raw.get("data") or {}
