@@ -125,7 +125,8 @@ def worker(directory: str, out: str) -> None:
     from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.models import build_model, get_model_config
     from gaudi3_scale.models.hf import permute_rope_rows
-    from gaudi3_scale.models.pretrained import load_pretrained, open_pretrained
+    from gaudi3_scale.models.pretrained import open_pretrained
+    from gaudi3_scale.models.pretrained_reader import load_pretrained
     from gaudi3_scale.train.module import next_token_loss
 
     dist.init_process_group("gloo")

@@ -12,7 +12,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from gaudi3_scale.models import Transformer, build_model
-from gaudi3_scale.models.pretrained import load_pretrained, open_pretrained
+from gaudi3_scale.models.pretrained import open_pretrained
+from gaudi3_scale.models.pretrained_reader import load_pretrained
 
 
 def _randomized(model: torch.nn.Module) -> torch.nn.Module:

@@ -25,7 +25,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.models import build_model
-from gaudi3_scale.models.pretrained import PretrainedCheckpoint, load_pretrained, open_pretrained
+from gaudi3_scale.models.pretrained import PretrainedCheckpoint, open_pretrained
+from gaudi3_scale.models.pretrained_reader import load_pretrained
 from gaudi3_scale.train.module import next_token_loss
 
 TOKENS = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -87,7 +87,7 @@ def test_any_rectangle_reads_what_the_whole_tensor_holds(hf_dirs: dict[str, Path
     from safetensors import safe_open
 
     from gaudi3_scale.models.hf import permute_rope_rows
-    from gaudi3_scale.models.pretrained import _read_block
+    from gaudi3_scale.models.pretrained_reader import _read_block
 
     for name, param, rows, cols in [
         ("llama-tied-bias", "layers.1.attention.wk.weight", (3, 13), (5, 30)),

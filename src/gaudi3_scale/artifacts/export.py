@@ -34,9 +34,9 @@ from gaudi3_scale.models.pretrained import (
     HF_CONFIG_NAME,  # format hf: transformers' LlamaConfig
     MODEL_CONFIG_NAME,  # format safetensors: our ModelConfig
     WEIGHTS_NAME,
-    load_pretrained,
     open_pretrained,
 )
+from gaudi3_scale.models.pretrained_reader import load_pretrained
 
 __all__ = [
     "EXPORT_FORMATS",

@@ -136,10 +136,11 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # each rank allocates and initialises only its shards (parallelize), never the whole model.
         plan = self.parallel_plan
         # With `init_from` the model is built on meta on every plan and each rank reads only its blocks of the
-        # pretrained weights (models.pretrained); rows the checkpoint lacks (vocabulary padding) get the seeded init.
+        # pretrained weights (models.pretrained_reader); rows the checkpoint lacks (vocabulary padding) get the seeded init.
         init_weights = None
         if self.init_from is not None:
-            from gaudi3_scale.models.pretrained import load_pretrained, open_pretrained
+            from gaudi3_scale.models.pretrained import open_pretrained
+            from gaudi3_scale.models.pretrained_reader import load_pretrained
 
             checkpoint = open_pretrained(self.init_from)
 
