@@ -1,6 +1,7 @@
 """ZeRO-3 builds the model partitioned: under DeepSpeed's `zero.Init` each module is split over the ranks as it is
 constructed, then initialised one gathered module at a time with the layout-independent init — so the gathered
-weights are bitwise those one process builds whole, and no rank keeps more than its 1/N partition."""
+weights are bitwise those one process builds whole, and no rank keeps more than its 1/N partition. A pretrained
+checkpoint (`model.init_from`) loads into the partitions the same way, bitwise the one-process load."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from gaudi3_scale.models import build_model, get_model_config
+from hf_checkpoints import load_ours, save_hf_checkpoints
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
@@ -22,12 +24,18 @@ MODELS = ("llama-tiny", "shakespeare-char")  # untied, and a tied embedding/head
 
 def test_zero3_builds_partitioned_with_the_whole_models_weights(tmp_path: Path) -> None:
     ranks = 2
+    hf = save_hf_checkpoints(tmp_path / "hf")["llama-sharded"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(WORKER), "11",
-         str(tmp_path), *MODELS],
+         str(tmp_path), *MODELS, str(hf)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = torch.load(tmp_path / f"{hf.name}.pt", weights_only=True)
+    reference = load_ours(hf).state_dict()
+    assert loaded["held"] == 0 and loaded["weights"].keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(loaded["weights"][key], tensor), key
     for name in MODELS:
         whole = build_model(get_model_config(name).resolve_vocab(97), seed=11)
         saved = torch.load(tmp_path / f"{name}.pt", weights_only=True)

@@ -585,14 +585,14 @@ def test_bad_model_paths_exit_2_with_one_line(
     assert "does not exist" in _one_line_error(gaudi3_cli("serve", str(tmp_path / "missing"), "--port", "0"))
     not_llama = tmp_path / "hf-export"
     not_llama.mkdir()
-    (not_llama / "config.json").write_text('{"model_type": "gpt2"}')
+    (not_llama / "config.json").write_text('{"model_type": "mistral"}')
     (not_llama / "model.safetensors").write_bytes(b"")
     (not_llama / "tokenizer.json").write_text('{"type": "byte"}')
     message = _one_line_error(gaudi3_cli("serve", str(not_llama), "--port", "0"))
-    assert "model_type 'gpt2'; only Llama" in message
+    assert "model_type 'mistral' is not supported; allowed: Llama" in message
     (not_llama / "config.json").write_bytes((run_dir.parent / "export-hf" / "config.json").read_bytes())
     message = _one_line_error(gaudi3_cli("serve", str(not_llama), "--port", "0"))
-    assert "model.safetensors: not a readable safetensors file" in message
+    assert "model.safetensors is not a readable safetensors file" in message
     broken = tmp_path / "step-00000002"
     broken.mkdir()
     state = (run_dir / "checkpoints" / "step-00000002" / "state.ckpt").read_bytes()

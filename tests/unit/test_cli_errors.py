@@ -22,7 +22,8 @@ from gaudi3_scale.cli.main import main
 from gaudi3_scale.config.errors import MAX_ERROR_CHARS, UserInputError
 
 _KEYS = ["--model.num_layers", "--model.dim", "--train.max_steps", "--train.precision", "--optim.lr",
-         "--train.micro_batch_size", "--data.val_fraction", "--model.arch", "--nope", "--train", "-x", "--"]  # fmt: skip
+         "--train.micro_batch_size", "--data.val_fraction", "--model.arch", "--nope", "--train", "-x", "--",
+         "--model.init_from"]  # fmt: skip
 _VALUES = st.sampled_from(
     ["3", "-1", "0", "1e-3", "nan", "true", "[1, 2]", "{a: 1}", "", "gpt", "bf16-mixed"]
 )

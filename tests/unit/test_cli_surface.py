@@ -103,6 +103,7 @@ def test_console_scripts_and_module_entry_points() -> None:
         [str(BIN / "gaudi3"), "train", "--list-fields"], capture_output=True, text=True
     ).stdout
     assert "--model.num_layers" in fields and "--train.global_batch_size" in fields and "--optim.lr" in fields
+    assert "--model.init_from" in fields  # pretrained weights (models.pretrained)
     assert "--benchmark.result" in fields
     matrices = subprocess.run([str(BIN / "gaudi3-benchmark"), "matrices"], capture_output=True, text=True)
     assert matrices.returncode == 0 and matrices.stdout.startswith("cpu-small: 4 cells"), matrices.stderr

@@ -3,7 +3,8 @@
     safetensors  `model.safetensors` under our parameter names (`Transformer.state_dict()` keys) and
                  `model_config.json` (the `ModelConfig`); `load_exported(dir)` builds the model back.
     hf           `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM.from_pretrained(dir)`
-                 loads with the same logits (Llama-arch models only); `load_exported` reads it back too.
+                 loads with the same logits (Llama-arch models only; the mapping is `models.hf`); `load_exported`
+                 reads it back too, as does `model.init_from`.
 
 Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
 safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
@@ -19,55 +20,36 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from gaudi3_scale.artifacts.inference import read_model_state, run_tokenizer_dir
 from gaudi3_scale.checkpoint.manifest import fsync_directory
-from gaudi3_scale.config.core import from_dict, to_dict
-from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.config.files import load_json_file
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
-from gaudi3_scale.models.transformer import INIT_STD
+from gaudi3_scale.models.hf import hf_llama_config, to_hf_llama
+from gaudi3_scale.models.pretrained import (
+    HF_CONFIG_NAME,  # format hf: transformers' LlamaConfig
+    MODEL_CONFIG_NAME,  # format safetensors: our ModelConfig
+    WEIGHTS_NAME,
+    open_pretrained,
+)
+from gaudi3_scale.models.pretrained_reader import load_pretrained
 
 __all__ = [
     "EXPORT_FORMATS",
     "export_checkpoint",
-    "from_hf_llama",
-    "hf_llama_config",
-    "hf_llama_model_config",
     "load_exported",
-    "to_hf_llama",
 ]
 
 EXPORT_FORMATS = ("safetensors", "hf")
-WEIGHTS_NAME = "model.safetensors"
-MODEL_CONFIG_NAME = "model_config.json"  # format safetensors: our ModelConfig
-HF_CONFIG_NAME = "config.json"  # format hf: transformers' LlamaConfig
 TOKENIZER_DIR = "tokenizer"  # our tokenizer.json, as in <run>/tokenizer/ (read by gaudi3 serve and generate)
 # format hf with a Hugging Face tokenizer: tokenizer.json at the top plus this, which AutoTokenizer reads
 HF_TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TIED_ALIAS = "output.weight"  # the head shares tok_embeddings.weight when model.tie_embeddings is set
 _INSTALL = "pip install 'gaudi3-scale[export]'"
-
-# Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
-# inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
-_HF_LAYER_NAMES = {
-    "attention_norm": "input_layernorm",
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-}
-_HF_INT_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
-                "max_position_embeddings")  # fmt: skip
-_HF_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
 def export_checkpoint(
@@ -135,176 +117,15 @@ def _write_hf_tokenizer(tokenizer: HFTokenizer, directory: Path) -> list[str]:
 
 
 def load_exported(directory: Path) -> Transformer:
-    """The model (eval mode, CPU) from a `gaudi3 ckpt export` directory of either format.
-
-    A `--format hf` directory (`config.json` of a `LlamaForCausalLM`) is mapped back to our names and RoPE layout
-    (`from_hf_llama`), so the export registered in a model registry serves and generates like its checkpoint.
-    """
-    directory = Path(directory)
-    weights_path = directory / WEIGHTS_NAME
-    config_name = MODEL_CONFIG_NAME if (directory / MODEL_CONFIG_NAME).is_file() else HF_CONFIG_NAME
-    config_path = directory / config_name
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise UserInputError(
-                f"{str(path)!r} does not exist; pass a directory written by `gaudi3 ckpt export`"
-            )
-    config = load_json_file(config_path, what="model config")
-    if config_name == HF_CONFIG_NAME:
-        cfg = hf_llama_model_config(config, name=directory.name, where=str(config_path))
-    else:
-        cfg = from_dict(ModelConfig, config)
-    safetensors_torch = _import_safetensors()
-    import safetensors
-
-    try:
-        tensors = safetensors_torch.load_file(str(weights_path))
-    except (safetensors.SafetensorError, OSError) as exc:  # a truncated or foreign file
-        raise UserInputError(f"{weights_path}: not a readable safetensors file ({exc})") from None
-    if config_name == HF_CONFIG_NAME:
-        tensors = from_hf_llama(cfg, tensors)
-    model = build_model(cfg)
-    result = model.load_state_dict(tensors, strict=False)
-    allowed_missing = {TIED_ALIAS} if cfg.tie_embeddings else set()
-    if result.unexpected_keys or set(result.missing_keys) - allowed_missing:
-        raise UserInputError(
-            f"{weights_path}: does not match {config_name} (missing {result.missing_keys}, "
-            f"unexpected {result.unexpected_keys})"
-        )
+    """The model (eval mode, CPU) from a `gaudi3 ckpt export` directory of either format (or any Hugging Face Llama
+    or GPT-2 directory): read by `models.pretrained`, the reader `model.init_from` uses, so the export registered
+    in a model registry serves and generates like its checkpoint."""
+    checkpoint = open_pretrained(directory, field_name="export")
+    with torch.device("meta"):
+        model = build_model(checkpoint.config)
+    model.to_empty(device="cpu")
+    load_pretrained(model, checkpoint)
     return model.eval()
-
-
-def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout."""
-    out = {}
-    for name, tensor in state.items():
-        module, param = name.rsplit(".", 1)
-        if module.startswith("layers."):
-            _, index, inner = module.split(".", 2)
-            hf_name = f"model.layers.{index}.{_HF_LAYER_NAMES[inner]}.{param}"
-        else:
-            hf_name = f"{_HF_TOP_NAMES[module]}.{param}"
-            inner = module
-        out[hf_name] = _permute_rope_rows(inner, tensor, cfg, to_hf=True).contiguous()
-    return out
-
-
-def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
-    """`config.json` of a `LlamaForCausalLM` with our model's shape."""
-    assert cfg.arch == "llama", cfg.arch
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.context_length,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # read by transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers >= 5
-        "attention_bias": cfg.bias,  # our `bias` puts a bias on every linear but the head
-        "mlp_bias": cfg.bias,
-        # HF Llama has attention dropout only, no residual dropout: an exported model is for inference.
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        # Our tokenizers have no special tokens; LlamaConfig's defaults (1, 2) would be invented.
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "initializer_range": INIT_STD,
-        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 also reads this (as `dtype`)
-    }
-
-
-def hf_llama_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelConfig:
-    """Our `ModelConfig` for a `LlamaForCausalLM` `config.json` (the inverse of `hf_llama_config`); one line when
-    the checkpoint is something our Llama cannot compute exactly (another architecture, scaled RoPE, ...)."""
-    if config.get("model_type") != "llama":
-        raise UserInputError(
-            f"{where}: model_type {config.get('model_type')!r}; only Llama (LlamaForCausalLM) exports are served"
-        )
-    rope = config.get("rope_parameters") or {}  # transformers >= 5; 4.x: rope_theta + rope_scaling
-    scaled = [r.get("rope_type", r.get("type")) for r in (rope, config.get("rope_scaling") or {}) if r]
-    differences = {
-        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
-        "rope type": (next((t for t in scaled if t != "default"), "default"), "default"),
-        "mlp_bias": (config.get("mlp_bias", False), config.get("attention_bias", False)),
-    }
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        differences["head_dim"] = (config.get("head_dim") or hidden // heads, hidden // heads)
-    for key, (got, supported) in differences.items():
-        if got != supported:
-            raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
-    for key in _HF_INT_KEYS:
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserInputError(
-                f"{where}: {key} is {value!r}; a LlamaForCausalLM config needs an integer there"
-            )
-    try:
-        return ModelConfig(
-            name=name,
-            arch="llama",
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads"),
-            dim=config["hidden_size"],
-            ffn_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            pad_vocab_to_multiple=1,  # config.json holds the embedding's rows, padding included
-            context_length=config["max_position_embeddings"],
-            dropout=0.0,
-            bias=bool(config.get("attention_bias", False)),
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except (ConfigError, TypeError) as exc:
-        raise UserInputError(f"{where}: not a model this project can build ({exc})") from None
-
-
-def from_hf_llama(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` weights under our names and RoPE layout (the inverse of `to_hf_llama`)."""
-    layer = {hf: inner for inner, hf in _HF_LAYER_NAMES.items()}
-    top = {hf: inner for inner, hf in _HF_TOP_NAMES.items()}
-    out = {}
-    for hf_name, tensor in tensors.items():
-        module, param = hf_name.rsplit(".", 1)
-        if module.startswith("model.layers."):
-            _, _, index, rest = module.split(".", 3)
-            inner = layer.get(rest)
-            name = f"layers.{index}.{inner}.{param}"
-        else:
-            inner = top.get(module)
-            name = f"{inner}.{param}"
-        if inner is None:
-            out[hf_name] = tensor  # load_state_dict reports it as unexpected
-            continue
-        out[name] = _permute_rope_rows(inner, tensor, cfg, to_hf=False).contiguous()
-    return out
-
-
-def _permute_rope_rows(inner: str, weight: torch.Tensor, cfg: ModelConfig, *, to_hf: bool) -> torch.Tensor:
-    """Rows of wq / wk (weight or bias) between our RoPE layout and the one HF Llama's `rotate_half` expects; any
-    other tensor unchanged.
-
-    We rotate interleaved channel pairs (2i, 2i+1) of each head (Meta's layout, models/common/rope.py); HF
-    rotates (i, i + head_dim/2). Reordering each head's output rows from (i, pair) to (pair, i) in both q and k
-    makes HF's rotation act on the same pairs and leaves q·k unchanged: the `permute` of transformers'
-    models/llama/convert_llama_weights_to_hf.py. `to_hf=False` is the inverse, (pair, i) back to (i, pair).
-    """
-    num_heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner)
-    if num_heads is None:
-        return weight
-    head_dim = weight.shape[0] // num_heads
-    rows = (head_dim // 2, 2) if to_hf else (2, head_dim // 2)
-    return weight.reshape(num_heads, *rows, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def _checked_state(

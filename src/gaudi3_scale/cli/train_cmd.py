@@ -160,4 +160,8 @@ def print_dry_run(cfg: RunConfig) -> None:
             f"node of {cfg.parallel.nproc_per_node} rank(s)"
             + (" (on a CPU the host is the device: nothing moves)" if device == "cpu" else "")
         )
+    if model_cfg.init_from is not None:
+        click.echo(
+            f"weights: model.init_from {model_cfg.init_from} (each rank reads only its shards' blocks)"
+        )
     click.echo("nothing was allocated, written or trained")

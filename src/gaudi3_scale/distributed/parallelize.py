@@ -196,22 +196,31 @@ def build_parallelized(
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     mesh: Any = None,
     device: torch.device | str | None = None,
+    init_weights: Callable[..., None] | None = None,
 ) -> Parallelized:
     """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; under FSDP
     built on meta, sharded, and materialised shard by shard on `device`; under ZeRO-3 partitioned module by module
-    as it is built — the same weights every way."""
+    as it is built — the same weights every way.
+
+    `init_weights(model, gathered=None)` (e.g. `models.pretrained_reader.load_pretrained`) fills the weights instead
+    of the seeded init; the model is then built on meta whatever the plan (on `device`, default CPU), so no random
+    init is wasted. Under ZeRO-3 it gets `gathered`, the context that makes one module's partitioned parameters
+    whole while it writes them.
+    """
     if plan.strategy == "deepspeed_zero3":
         from gaudi3_scale.distributed.deepspeed import gathered_for_update
 
         # Under the strategy's `zero.Init` (Lightning opens it around configure_model) every module is partitioned
         # as it is built; the init then gathers one module at a time. Outside it this is a plain whole build.
         model = Transformer(model_cfg)
-        model.init_weights(seed, gathered=gathered_for_update)
+        if init_weights is None:
+            model.init_weights(seed, gathered=gathered_for_update)
+        else:
+            init_weights(model, gathered=gathered_for_update)
         return parallelize(model, plan, loss=loss)
-    if not plan.shards_parameters:
+    if init_weights is None and not plan.shards_parameters:
         return parallelize(build_model(model_cfg, seed=seed), plan, loss=loss)
     with torch.device("meta"):
         model = build_model(model_cfg)
-    return parallelize(
-        model, plan, loss=loss, mesh=mesh, device=device, init_weights=lambda built: model.init_weights(seed)
-    )
+    fill = init_weights or (lambda built: model.init_weights(seed))
+    return parallelize(model, plan, loss=loss, mesh=mesh, device=device or "cpu", init_weights=fill)

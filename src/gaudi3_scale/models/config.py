@@ -55,6 +55,14 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from pretrained weights: a Hugging Face Llama or GPT-2 directory (config.json + "
+            "safetensors, one file or sharded) or a `gaudi3 ckpt export` directory; the shape comes from its "
+            "config (set fields must agree; context_length may be shorter) and its tokenizer prepares the data"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "dim", "context_length"):

@@ -143,8 +143,14 @@ class Transformer(nn.Module):
                     fill_normal(module.weight, INIT_STD, seed=seed, name=f"{name}.weight")
                 else:
                     module.reset_parameters()
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Rebuild the non-persistent buffers (the RoPE cache) on the parameters' device: after `to_empty()` they
+        hold garbage, and no checkpoint carries them."""
         if self.rope_cache is not None:
             cfg = self.config
+            device = self.tok_embeddings.weight.device
             self.rope_cache = build_rope_cache(
                 cfg.head_dim, cfg.context_length, cfg.rope_theta, device=device
             )

@@ -358,6 +358,33 @@ def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
     raw["train"] = {**train_raw, "global_batch_size": _batch_size_from_tokens(tokens, context_length)}
 
 
+def _pretrained_name(model_raw: Mapping[str, Any]) -> str:
+    """The default model (and run) name with `model.init_from`: the checkpoint directory's name when it can name a
+    run directory, else the default preset's."""
+    name = Path(str(model_raw["init_from"])).name
+    try:
+        check_name("model.name", name)
+    except ConfigError:
+        return ModelConfig().name
+    return name
+
+
+def _fill_from_pretrained(raw: dict[str, Any], model_raw: Mapping[str, Any]) -> None:
+    """`model.init_from`: the model's shape from the checkpoint's config (fields the user set must agree), and the
+    tokenizer beside it for the data unless `data.tokenizer` is set (then that one is used, and the trainer checks
+    that its vocabulary fits the checkpoint's)."""
+    from gaudi3_scale.models.pretrained import pretrained_model_fields, tokenizer_beside
+
+    init_from = raw["model"]["init_from"]
+    if not isinstance(init_from, str) or not init_from:
+        raise ConfigError("model.init_from", f"expected a directory path, got {init_from!r}")
+    raw["model"] = {**raw["model"], **pretrained_model_fields(init_from, model_raw)}
+    data_raw = raw.get("data") or {}
+    tokenizer = tokenizer_beside(init_from)
+    if isinstance(data_raw, Mapping) and "tokenizer" not in data_raw and tokenizer is not None:
+        raw["data"] = {**data_raw, "tokenizer": str(tokenizer)}
+
+
 def build_run_config(
     config_path: str | Path | None = None,
     overrides: Sequence[tuple[str, str]] = (),
@@ -373,14 +400,20 @@ def build_run_config(
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, Mapping):
         raise ConfigError("model", f"expected a mapping of fields, got {model_raw!r}")
-    preset_name = model_raw.get("name", ModelConfig().name)
+    pretrained = model_raw.get("init_from") is not None
+    preset_name = model_raw.get("name", _pretrained_name(model_raw) if pretrained else ModelConfig().name)
     if not isinstance(preset_name, str):
         raise ConfigError("model.name", f"expected a string, got {preset_name!r}")
     try:
         preset = to_dict(get_model_config(preset_name))
     except ValueError as exc:
-        raise ConfigError("model.name", str(exc)) from None
+        if not pretrained:
+            raise ConfigError("model.name", str(exc)) from None
+        # With init_from the checkpoint is the preset: its config gives the shape, the defaults the rest.
+        preset = to_dict(ModelConfig(name=preset_name))
     raw["model"] = merge_mappings(preset, model_raw)
+    if raw["model"].get("init_from") is not None:
+        _fill_from_pretrained(raw, model_raw)
     raw.setdefault("name", preset_name)  # runs/<preset>/ unless the run is named
     _fill_batch_size_from_tokens(raw)
     return from_dict(RunConfig, raw)

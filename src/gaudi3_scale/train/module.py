@@ -102,6 +102,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         batch: BatchPlan | None = None,
         parallel: ParallelPlan | None = None,
         seed: int = 0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         if model_cfg.vocab_size is None:
@@ -114,6 +115,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self.batch_plan = batch
         self.parallel_plan = parallel or ParallelPlan()
         self.seed = seed
+        # Pretrained weights to start from (`model.init_from`); None for a resumed run, whose checkpoint wins.
+        self.init_from = init_from
         self.automatic_optimization = False
         self.model: nn.Module | None = None
         self._loss_fn: Any = None  # (tokens, targets) -> loss; compiled as one region with train.compile
@@ -132,6 +135,18 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # the seed and each parameter's name (models.common.init). A sharding plan builds the model on meta and
         # each rank allocates and initialises only its shards (parallelize), never the whole model.
         plan = self.parallel_plan
+        # With `init_from` the model is built on meta on every plan and each rank reads only its blocks of the
+        # pretrained weights (models.pretrained_reader); rows the checkpoint lacks (vocabulary padding) get the seeded init.
+        init_weights = None
+        if self.init_from is not None:
+            from gaudi3_scale.models.pretrained import open_pretrained
+            from gaudi3_scale.models.pretrained_reader import load_pretrained
+
+            checkpoint = open_pretrained(self.init_from)
+
+            def init_weights(model: nn.Module, gathered: Any = None) -> None:
+                load_pretrained(model, checkpoint, seed=self.seed, gathered=gathered)
+
         # A sharding strategy (ModelParallelStrategy) sets the device mesh before configure_model.
         applied = build_parallelized(
             self.model_cfg,
@@ -140,6 +155,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             loss=next_token_loss,
             mesh=self.device_mesh if plan.shards_parameters else None,
             device=self.trainer.strategy.root_device if plan.shards_parameters else None,
+            init_weights=init_weights,
         )
         self.model = applied.model
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.

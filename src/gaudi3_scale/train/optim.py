@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gaudi3_scale.device.optim import GaudiOptimizer
+from gaudi3_scale.models.common.init import logical_shape
 from gaudi3_scale.train.config import OptimConfig
 
 __all__ = ["build_lr_lambda", "build_optimizer", "lr_at_step"]
@@ -17,8 +18,9 @@ __all__ = ["build_lr_lambda", "build_optimizer", "lr_at_step"]
 def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str) -> torch.optim.Optimizer:
     """AdamW; weight decay only on tensors with ≥ 2 dims (matmuls, embeddings), as in GPT-2/nanoGPT."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if _ndim(p) >= 2]
-    no_decay = [p for p in params if _ndim(p) < 2]
+    # the model's shapes, also for parameters ZeRO-3 partitioned as they were built (models.common.init)
+    decay = [p for p in params if len(logical_shape(p)) >= 2]
+    no_decay = [p for p in params if len(logical_shape(p)) < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -55,10 +57,3 @@ def lr_at_step(step: int, cfg: OptimConfig, max_steps: int) -> float:
 def build_lr_lambda(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
     """Multiplier form for `torch.optim.lr_scheduler.LambdaLR` (its base lr is cfg.lr)."""
     return lambda step: lr_at_step(step, cfg, max_steps) / cfg.lr
-
-
-def _ndim(param: nn.Parameter) -> int:
-    """Dimensions of the parameter the model defines: a ZeRO-3 partitioned one (built under DeepSpeed's
-    `zero.Init`) holds an empty placeholder and keeps its real shape in `ds_shape`."""
-    shape = getattr(param, "ds_shape", None)
-    return len(shape) if shape is not None else param.dim()

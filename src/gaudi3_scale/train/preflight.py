@@ -23,8 +23,13 @@ __all__ = ["check_run_inputs", "resume_point"]
 
 
 def check_run_inputs(cfg: RunConfig) -> None:
-    """One line, exit 2, for: a checkpoint.remote_url that cannot be opened, an unknown instance or price
-    (cost), a tracker whose package is missing (monitor)."""
+    """One line, exit 2, for: a model.init_from checkpoint that is incomplete or unreadable (every shard present,
+    every tensor there with its config's shape; headers only), a checkpoint.remote_url that cannot be opened, an
+    unknown instance or price (cost), a tracker whose package is missing (monitor)."""
+    if cfg.model.init_from is not None:
+        from gaudi3_scale.models.pretrained import open_pretrained
+
+        open_pretrained(cfg.model.init_from)
     if cfg.checkpoint.remote_url:
         from gaudi3_scale.checkpoint.remote import open_remote
 

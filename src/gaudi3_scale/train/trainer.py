@@ -142,6 +142,16 @@ class GaudiTrainer:
         prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
         self._data_sha256 = tokens_sha256(prepared.manifest)
         vocab = prepared.vocab_size
+        if (
+            cfg.model.init_from is not None
+            and cfg.model.vocab_size is not None
+            and cfg.model.vocab_size < vocab
+        ):
+            raise ConfigError(
+                "model.init_from",
+                f"{cfg.model.init_from} has a vocabulary of {cfg.model.vocab_size} tokens but the dataset's "
+                f"tokenizer {vocab}; allowed: data prepared with its tokenizer (leave data.tokenizer unset)",
+            )
         if cfg.model.vocab_size is None:
             model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
         elif cfg.model.vocab_size < vocab:
@@ -155,7 +165,15 @@ class GaudiTrainer:
         self.config = dataclasses.replace(cfg, model=model_cfg)
         batch, parallel = self._plans()
         module = LanguageModel(
-            model_cfg, cfg.optim, max_steps=cfg.train.max_steps, batch=batch, parallel=parallel, seed=cfg.seed
+            model_cfg,
+            cfg.optim,
+            max_steps=cfg.train.max_steps,
+            batch=batch,
+            parallel=parallel,
+            seed=cfg.seed,
+            init_from=None
+            if resume_from is not None
+            else model_cfg.init_from,  # resuming: the checkpoint wins
         )
         datamodule = TokenDataModule(
             prepared,

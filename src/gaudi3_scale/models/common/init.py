@@ -16,11 +16,18 @@ import hashlib
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "fill_normal"]
+__all__ = ["CHUNK_ELEMENTS", "fill_normal", "logical_shape"]
 
 CHUNK_ELEMENTS = 1 << 16  # a multiple of 16: torch's vectorised normal sampler fills whole blocks of 16
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive chunk indices over the seed space
 _MASK64 = (1 << 64) - 1
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape the model defines for `param`. A parameter DeepSpeed ZeRO-3 partitioned (built under `zero.Init`,
+    which also partitions a model built there on meta) is an empty placeholder that keeps its shape in `ds_shape`."""
+    shape = getattr(param, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(param.shape)
 
 
 def _key(seed: int, name: str) -> int:

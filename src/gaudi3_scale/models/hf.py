@@ -1,0 +1,287 @@
+"""Hugging Face checkpoints ↔ our models: config conversion, parameter names and weight layouts, in one place.
+
+Training (`model.init_from`, `models.pretrained`) and export (`artifacts.export`, a layer above) both need this, so
+it lives with the model code it describes.
+
+    Llama  `LlamaForCausalLM`: one HF tensor per parameter; wq / wk rows in HF's rotate-half order (see
+           `permute_rope_rows`).
+    GPT-2  `GPT2LMHeadModel`: Conv1D weights stored transposed ([in, out]); `c_attn` fuses q, k and v along its
+           output dimension; learned positions `wpe`; the head is tied to `wte`; `gelu_new` is GELU's tanh form.
+
+A `Source` says where one of our parameters is in a checkpoint, so a rank can read just the rectangle it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.transformer import INIT_STD
+
+__all__ = [
+    "HF_MODEL_TYPES",
+    "Source",
+    "hf_llama_config",
+    "hf_model_config",
+    "hf_sources",
+    "permute_rope_rows",
+    "to_hf_llama",
+]
+
+HF_MODEL_TYPES = ("llama", "gpt2")  # config.json model_type values we can compute exactly
+
+# Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
+# inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
+_LLAMA_LAYER = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_LLAMA_INT_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
+                   "max_position_embeddings")  # fmt: skip
+
+# GPT2Block (transformers models/gpt2/modeling_gpt2.py): module → (HF module, Conv1D stored [in, out]).
+_GPT2_LAYER = {
+    "attention_norm": ("ln_1", False),
+    "attention.wo": ("attn.c_proj", True),
+    "ffn_norm": ("ln_2", False),
+    "feed_forward.w1": ("mlp.c_fc", True),
+    "feed_forward.w2": ("mlp.c_proj", True),
+}
+_GPT2_QKV = ("attention.wq", "attention.wk", "attention.wv")  # c_attn's output columns, in this order
+_GPT2_TOP = {"tok_embeddings": "wte", "pos_embeddings": "wpe", "norm": "ln_f"}
+_GPT2_INT_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
+# HF activation names → ours: gelu_new / gelu_pytorch_tanh are the tanh approximation GPT-2 was trained with.
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our parameters is stored: our rows r are the stored tensor's output rows `offset + r` (its
+    columns when `transposed`, GPT-2's Conv1D [in, out]); `rope_heads` > 0 means the rows of each of that many heads
+    are in HF's rotate-half order and need `permute_rope_rows(..., to_hf=False)`."""
+
+    name: str
+    transposed: bool = False
+    offset: int = 0
+    rope_heads: int = 0
+
+
+def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, Source]:
+    """Our parameter name → its `Source` in a `model_type` checkpoint (`llama` or `gpt2`) of shape `cfg`.
+
+    `prefix` is what GPT-2 names start with (`transformer.` as transformers saves them; "" in the original OpenAI
+    conversion). A tied head has no entry: it is the embedding.
+    """
+    params = _parameter_names(cfg)
+    sources: dict[str, Source] = {}
+    for name in params:
+        module, param = name.rsplit(".", 1)
+        index, inner = _split_layer(module)
+        if model_type == "llama":
+            hf_module = f"model.layers.{index}.{_LLAMA_LAYER[inner]}" if index else _LLAMA_TOP[inner]
+            heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner, 0)
+            sources[name] = Source(f"{hf_module}.{param}", rope_heads=heads)
+        elif inner in _GPT2_QKV:
+            offset = _GPT2_QKV.index(inner) * cfg.dim
+            sources[name] = Source(f"{prefix}h.{index}.attn.c_attn.{param}", transposed=True, offset=offset)
+        elif index:
+            hf, transposed = _GPT2_LAYER[inner]
+            sources[name] = Source(
+                f"{prefix}h.{index}.{hf}.{param}", transposed=transposed and param == "weight"
+            )
+        elif inner == "output":
+            sources[name] = Source("lm_head.weight")  # an untied GPT-2 head (tie_word_embeddings false)
+        else:
+            sources[name] = Source(f"{prefix}{_GPT2_TOP[inner]}.{param}")
+    return sources
+
+
+def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a `model_type` checkpoint of shape `cfg` holds (what `hf_sources` points at)."""
+    params = _parameter_names(cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, source in hf_sources(cfg, model_type, prefix=prefix).items():
+        shape = list(params[name])
+        if source.name.endswith("c_attn.weight") or source.name.endswith("c_attn.bias"):
+            shape[0] *= 3  # q, k and v side by side
+        shapes[source.name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
+    return shapes
+
+
+def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from gaudi3_scale.models.transformer import Transformer
+
+    with torch.device("meta"):  # shapes only
+        model = Transformer(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # the tied head is listed once
+
+
+def _split_layer(module: str) -> tuple[str, str]:
+    """`layers.3.attention.wq` → ("3", "attention.wq"); a top-level module → ("", module)."""
+    if module.startswith("layers."):
+        _, index, inner = module.split(".", 2)
+        return index, inner
+    return "", module
+
+
+def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> torch.Tensor:
+    """Rows of wq / wk (weight or bias, `num_heads` whole heads) between our RoPE layout and HF Llama's.
+
+    We rotate interleaved channel pairs (2i, 2i+1) of each head (Meta's layout, models/common/rope.py); HF
+    rotates (i, i + head_dim/2). Reordering each head's output rows from (i, pair) to (pair, i) in both q and k
+    makes HF's rotation act on the same pairs and leaves q·k unchanged: the `permute` of transformers'
+    models/llama/convert_llama_weights_to_hf.py. `to_hf=False` is the inverse, (pair, i) back to (i, pair).
+    """
+    head_dim = weight.shape[0] // num_heads
+    rows = (head_dim // 2, 2) if to_hf else (2, head_dim // 2)
+    return weight.reshape(num_heads, *rows, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout."""
+    sources = hf_sources(cfg, "llama")
+    out = {}
+    for name, tensor in state.items():
+        source = sources[name]
+        if source.rope_heads:
+            tensor = permute_rope_rows(tensor, source.rope_heads, to_hf=True)
+        out[source.name] = tensor.contiguous()
+    return out
+
+
+def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
+    """`config.json` of a `LlamaForCausalLM` with our model's shape."""
+    assert cfg.arch == "llama", cfg.arch
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # read by transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers >= 5
+        "attention_bias": cfg.bias,  # our `bias` puts a bias on every linear but the head
+        "mlp_bias": cfg.bias,
+        # HF Llama has attention dropout only, no residual dropout: an exported model is for inference.
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # Our tokenizers have no special tokens; LlamaConfig's defaults (1, 2) would be invented.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "initializer_range": INIT_STD,
+        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 also reads this (as `dtype`)
+    }
+
+
+def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelConfig:
+    """Our `ModelConfig` for a Hugging Face `config.json` (Llama or GPT-2); one line naming the field when the
+    checkpoint is something our model cannot compute exactly (another architecture, scaled RoPE, ...).
+
+    The vocabulary is the embedding's rows, padding included (`pad_vocab_to_multiple` 1).
+    """
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise UserInputError(
+            f"{where}: model_type {model_type!r} is not supported; allowed: Llama (LlamaForCausalLM, model_type "
+            "'llama') and GPT-2 (GPT2LMHeadModel, model_type 'gpt2')"
+        )
+    build = _llama_fields if model_type == "llama" else _gpt2_fields
+    fields = build(config, where)
+    try:
+        return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)
+    except (ConfigError, TypeError) as exc:
+        raise UserInputError(f"{where}: not a model this project can build ({exc})") from None
+
+
+def _check_supported(where: str, differences: dict[str, tuple[Any, Any]]) -> None:
+    for key, (got, supported) in differences.items():
+        if got != supported:
+            raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
+
+
+def _check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    for key in keys:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserInputError(f"{where}: {key} is {value!r}; a {what} config needs an integer there")
+
+
+def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    rope = config.get("rope_parameters") or {}  # transformers >= 5; 4.x: rope_theta + rope_scaling
+    scaled = [r.get("rope_type", r.get("type")) for r in (rope, config.get("rope_scaling") or {}) if r]
+    differences = {
+        "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+        "rope type": (next((t for t in scaled if t != "default"), "default"), "default"),
+        "mlp_bias": (config.get("mlp_bias", False), config.get("attention_bias", False)),
+    }
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        differences["head_dim"] = (config.get("head_dim") or hidden // heads, hidden // heads)
+    _check_supported(where, differences)
+    _check_ints(where, config, _LLAMA_INT_KEYS, "LlamaForCausalLM")
+    return {
+        "arch": "llama",
+        "num_layers": config["num_hidden_layers"],
+        "num_heads": config["num_attention_heads"],
+        "num_kv_heads": config.get("num_key_value_heads"),
+        "dim": config["hidden_size"],
+        "ffn_dim": config["intermediate_size"],
+        "vocab_size": config["vocab_size"],
+        "context_length": config["max_position_embeddings"],
+        "bias": bool(config.get("attention_bias", False)),
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
+def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _GPT2_ACTIVATIONS:
+        raise UserInputError(
+            f"{where}: activation_function {activation!r} is not supported; allowed: "
+            f"{', '.join(_GPT2_ACTIVATIONS)}"
+        )
+    # Attention scaled by 1/sqrt(head_dim), as ours, and nothing else (GPT2Attention's other options).
+    _check_supported(
+        where,
+        {
+            "scale_attn_weights": (config.get("scale_attn_weights", True), True),
+            "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), False),
+            "add_cross_attention": (config.get("add_cross_attention", False), False),
+        },
+    )
+    _check_ints(where, config, _GPT2_INT_KEYS, "GPT2LMHeadModel")
+    return {
+        "arch": "gpt2",
+        "num_layers": config["n_layer"],
+        "num_heads": config["n_head"],
+        "dim": config["n_embd"],
+        "ffn_dim": config.get("n_inner"),  # null = 4 * dim, as HF's
+        "activation": _GPT2_ACTIVATIONS[activation],
+        "vocab_size": config["vocab_size"],
+        "context_length": config["n_positions"],
+        "bias": True,
+        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+    }
