@@ -1,16 +1,16 @@
 """What tensor parallel costs: tokens/s (and MFU) of TP=2 against FSDP on the same 2 ranks, and one process.
 
 Every cell is a real `gaudi3 train` launch on the same Llama shape, the same global batch and the same number of
-steps: `single` (one process, all the threads of the 2 ranks), `fsdp` (2 data-parallel ranks, each half the batch),
-`tp2` (one tensor-parallel pair; both ranks compute on the whole batch, each with half the heads and MLP columns,
-and talk twice per block in forward and twice in backward). Cells run interleaved, `--repeats` times, and each
-cell's fastest run is kept: this machine's cores are shared, and other work only ever slows a run down. On CPU with gloo every TP collective is a
-socket round trip, so expect TP to lose there; the question this answers on a GPU node (NCCL, NVLink) is how
-close TP=2 comes to FSDP's MFU.
+steps: `single` (one process with one rank's threads: the scaling reference), `fsdp` (2 data-parallel ranks, each
+half the batch), `tp2` (one tensor-parallel pair; both ranks compute on the whole batch, each with half the heads
+and MLP columns, and talk twice per block in forward and twice in backward). Cells run interleaved, `--repeats`
+times, and each cell's fastest run is kept: this machine's cores are shared, and other work only ever slows a run
+down. On CPU with gloo every TP collective is a socket round trip, so expect TP to lose there; the question this
+answers on a GPU node (NCCL, NVLink) is how close TP=2 comes to FSDP's MFU.
 
     PYTHONPATH=src python benchmarks/bench_tp.py                      # CPU/gloo → benchmarks/results/tp_cpu.json
-    PYTHONPATH=src python benchmarks/bench_tp.py --device cuda --model-args "--model.name=llama3-8b" \\
-        --micro 4 --out benchmarks/results/tp_cuda.json                # 2 GPUs, NCCL, bf16-mixed
+    PYTHONPATH=src python benchmarks/bench_tp.py --device cuda --micro 4 --out benchmarks/results/tp_cuda.json \\
+        --model-args "--model.name=llama3.2-1b --model.context_length=2048"      # 2 GPUs, NCCL, bf16-mixed
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ CELLS: dict[str, tuple[int, list[str]]] = {  # name: (ranks, overrides)
 
 def _cell(out: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
     ranks, overrides = CELLS[name]
-    # Same core count in every cell: one process gets the threads of both ranks.
-    threads = args.threads * (2 if ranks == 1 else 1)
     command = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out),
-               *shlex.split(args.model_args), "--model.pad_vocab_to_multiple=2", *overrides,
+               *shlex.split(args.model_args), *overrides,
                f"--train.device={args.device}", f"--train.global_batch_size={args.micro * 2}",
                f"--train.max_steps={args.steps}", f"--train.log_every_steps={max(1, args.steps // 4)}",
-               "--train.val_every_steps=0", "--checkpoint.every_steps=0", f"--train.threads={threads}",
+               "--train.val_every_steps=0", "--checkpoint.every_steps=0", f"--train.threads={args.threads}",
                "--train.resume=never", "--sample-tokens=0", "--no-progress"]  # fmt: skip
+    if args.device == "cpu":  # the same 66 vocabulary rows in every cell (TP=2 pads the 65 to split them)
+        command.append("--model.pad_vocab_to_multiple=2")
     if ranks > 1:
         command += ["--nproc-per-node", str(ranks)]
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -74,9 +74,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="train.device: cpu (gloo) or cuda (NCCL)")
     parser.add_argument("--model-args", default=MODEL_ARGS, help="model overrides for gaudi3 train")
     parser.add_argument(
-        "--micro", type=int, default=8, help="sequences per FSDP rank; global batch = 2 × micro"
+        "--micro", type=int, default=4, help="sequences per FSDP rank; global batch = 2 × micro"
     )
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tp_cpu.json")

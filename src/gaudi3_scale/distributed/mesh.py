@@ -37,7 +37,7 @@ def build_device_mesh(device_type: str, *, world_size: int, tp_size: int, dp_rep
         (dp_replicate, data_parallel // dp_replicate, tp_size),
         mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP_DIM),
     )
-    if tp_size > 1 and data_parallel > dp_replicate:
+    if tp_size > 1:
         # A norm over FSDP×TP shards (gradient clipping) is partial on both dimensions; with them flattened,
         # DTensor reduces it in one all-reduce instead of two in sequence.
         mesh[(DP_SHARD, TP_DIM)]._flatten()
