@@ -39,8 +39,8 @@ def worker(model_name: str, way: str, out: str) -> None:
     """One rank: build the model `way`, shard it over all ranks; rank 0 writes what it measured."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from gaudi3_scale.distributed.mesh import build_device_mesh
     from gaudi3_scale.distributed.parallelize import build_parallelized, parallelize
     from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.models import build_model, get_model_config
@@ -48,7 +48,7 @@ def worker(model_name: str, way: str, out: str) -> None:
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    mesh = build_device_mesh("cpu", world_size=world, tp_size=1, dp_replicate=1)
     cfg = get_model_config(model_name)
     cfg = cfg.resolve_vocab(cfg.vocab_size or 50_304)
     baseline = _rss_bytes()

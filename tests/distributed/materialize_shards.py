@@ -1,6 +1,8 @@
 """Worker for test_meta_init: for each model, build it on meta, shard it with FSDP2 over every rank
 (`distributed.parallelize`), let each rank materialise and initialise only its shards, and have rank 0 save the
-gathered full weights and its bytes of parameter storage to OUT_DIR/MODEL.pt.
+gathered full weights and its bytes of parameter storage to OUT_DIR/MODEL.pt. On an even number of ranks, Llama
+models are also laid out with tensor parallel over pairs of ranks (FSDP × TP, or TP alone on 2 ranks) and saved to
+OUT_DIR/MODEL-tp2.pt.
 
     torchrun --nproc-per-node N materialize_shards.py SEED OUT_DIR MODEL [MODEL ...]
 """
@@ -11,8 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
+from gaudi3_scale.distributed.mesh import build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.models import get_model_config
@@ -22,17 +24,19 @@ from gaudi3_scale.train.module import next_token_loss
 def main(seed: int, out_dir: str, model_names: list[str]) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
     for model_name in model_names:
-        _materialize(model_name, seed, f"{out_dir}/{model_name}.pt", mesh, world)
+        _materialize(model_name, seed, f"{out_dir}/{model_name}.pt", world, tp_size=1)
+        if world % 2 == 0 and get_model_config(model_name).arch == "llama":
+            _materialize(model_name, seed, f"{out_dir}/{model_name}-tp2.pt", world, tp_size=2)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _materialize(model_name: str, seed: int, out: str, mesh: object, world: int) -> None:
+def _materialize(model_name: str, seed: int, out: str, world: int, *, tp_size: int) -> None:
+    mesh = build_device_mesh("cpu", world_size=world, tp_size=tp_size, dp_replicate=1)
     model = build_parallelized(
-        get_model_config(model_name).resolve_vocab(97),
-        ParallelPlan(strategy="fsdp", world_size=world),
+        get_model_config(model_name).resolve_vocab(98),  # even: tensor parallel splits the vocabulary rows
+        ParallelPlan(strategy="fsdp", world_size=world, tp_size=tp_size),
         seed=seed,
         loss=next_token_loss,
         mesh=mesh,

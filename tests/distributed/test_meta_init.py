@@ -1,7 +1,8 @@
 """Meta-device construction and per-shard materialisation: the weights do not depend on the number of ranks.
 
 Each world size builds the model on meta, shards it with FSDP2, allocates and initialises only its shards; the
-gathered weights must be bitwise the weights one process builds whole, and a rank must hold about 1/N of them."""
+gathered weights must be bitwise the weights one process builds whole, and a rank must hold about 1/N of them — also
+under tensor parallel (TP=2 on 2 ranks, FSDP × TP on 4)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_sharded_init_is_bitwise_the_whole_models(tmp_path: Path) -> None:
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         for model_name in MODELS:
-            whole = build_model(get_model_config(model_name).resolve_vocab(97), seed=11)
+            whole = build_model(get_model_config(model_name).resolve_vocab(98), seed=11)
             expected = whole.state_dict()
             total_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
             saved = torch.load(out / f"{model_name}.pt", weights_only=True)
@@ -52,3 +53,11 @@ def test_sharded_init_is_bitwise_the_whole_models(tmp_path: Path) -> None:
             plan = ParallelPlan(strategy="fsdp", world_size=ranks)
             planned = parameter_bytes_per_rank(whole, plan, element_bytes=4)
             assert saved["local_bytes"] == planned[0] and sum(planned) == total_bytes
+            if (
+                ranks > 1 and whole.config.arch == "llama"
+            ):  # tensor parallel (× FSDP on 4 ranks): the same bits
+                tp = torch.load(out / f"{model_name}-tp2.pt", weights_only=True)
+                assert tp["weights"].keys() == expected.keys()
+                for name, tensor in expected.items():
+                    assert torch.equal(tp["weights"][name], tensor), (ranks, model_name, "tp2", name)
+                assert tp["local_bytes"] <= total_bytes / ranks * 1.1 + 4096, (ranks, tp["local_bytes"])

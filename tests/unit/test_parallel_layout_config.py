@@ -37,6 +37,10 @@ LLAMA = ["model.name=llama-tiny"]  # 4 heads, 2 kv heads, ffn 192
          r"^parallel\.offload: optimizer needs parallel\.strategy deepspeed_zero2, deepspeed_zero3, not fsdp$"),
         (["parallel.offload=params"], r"^parallel\.offload: got 'params'; allowed: none, optimizer, all$"),
         (["parallel.tp_size=0"], r"^parallel\.tp_size: "),
+        ([*LLAMA, "model.context_length=63", "parallel.nproc_per_node=2", "parallel.tp_size=2"],
+         r"^parallel\.tp_size: 2 must divide model\.context_length \(63\)"),  # sequence parallel splits it
+        ([*LLAMA, "parallel.nproc_per_node=2", "parallel.tp_size=2", "train.precision=fp8"],
+         r"^train\.precision: fp8 swaps linears that tensor parallel has already sharded"),
     ],
 )  # fmt: skip
 def test_bad_layouts_are_one_line_naming_the_field(overrides: list[str], message: str) -> None:
@@ -65,3 +69,18 @@ def test_hsdp_splits_the_data_parallel_ranks_into_replicas_of_shards() -> None:
     plan = cfg.parallel_plan()
     assert (plan.strategy, plan.dp_replicate, plan.dp_shard, plan.offload) == ("fsdp", 2, 2, "all")
     assert cfg.batch_plan().data_parallel_size == 4
+
+
+def test_the_vocabulary_is_padded_to_split_over_tensor_parallel_ranks() -> None:
+    cfg = build_run_config(overrides=LLAMA).model.resolve_vocab(65)
+    assert cfg.resolve_padding("cpu").padded_vocab_size == 65
+    assert cfg.resolve_padding("cpu", tp_size=2).padded_vocab_size == 66
+    assert cfg.resolve_padding("cuda", tp_size=2).padded_vocab_size == 128  # the GPU multiple splits already
+    assert cfg.resolve_padding("cpu", tp_size=3).padded_vocab_size == 65  # not a power of two: refused later
+
+
+def test_data_parallel_rank_is_the_tensor_parallel_group() -> None:
+    from gaudi3_scale.distributed.mesh import data_parallel_rank
+
+    assert [data_parallel_rank(rank, 2) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [data_parallel_rank(rank, 1) for rank in range(3)] == [0, 1, 2]

@@ -4,6 +4,10 @@ Lightning saves ``datamodule.state_dict()`` in every checkpoint and calls ``load
 ``fit(ckpt_path=...)`` (after ``setup``, before ``train_dataloader``). The state is ``samples_consumed =
 global_step * global_batch_size``; since a step's samples do not depend on world size (see `sampler`), a run can
 resume on a different number of ranks and read the exact batches it would have read.
+
+Ranks here are data-parallel ranks: the `tp_size` ranks of one tensor-parallel group read the same batches
+(`distributed.mesh.data_parallel_rank`), so a run resumes across layouts (TP=2 → one process, FSDP×TP → FSDP) on the
+same stream too.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.data.dataset import PreparedData, load_prepared
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
 from gaudi3_scale.data.sampler import WindowSampler
+from gaudi3_scale.distributed.mesh import data_parallel_rank
 
 __all__ = ["TokenDataModule"]
 
@@ -36,6 +41,7 @@ class TokenDataModule(pl.LightningDataModule):
         val_batches: int,
         loader_workers: int = 0,
         stride: int = 1,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         self._prepared = prepared if isinstance(prepared, PreparedData) else None
@@ -47,6 +53,7 @@ class TokenDataModule(pl.LightningDataModule):
         self.val_batches = val_batches
         self.loader_workers = loader_workers
         self.stride = stride
+        self.tp_size = tp_size
         self.start_step = 0  # optimizer step the next train_dataloader() starts at
         self.sampler: WindowSampler | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -58,8 +65,11 @@ class TokenDataModule(pl.LightningDataModule):
         return self._prepared
 
     def _world(self) -> tuple[int, int]:
+        """(data-parallel ranks, this rank's data-parallel coordinate)."""
         trainer = self.trainer
-        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if trainer is None:
+            return 1, 0
+        return trainer.world_size // self.tp_size, data_parallel_rank(trainer.global_rank, self.tp_size)
 
     def setup(self, stage: str | None = None) -> None:
         world_size, rank = self._world()

@@ -53,8 +53,9 @@ class ParallelConfig:
     tp_size: int = field(
         default=1,
         metadata={
-            "help": "tensor-parallel ranks per model replica (Llama): attention heads and MLP columns are split "
-            "over them; must divide nproc_per_node, num_heads and num_kv_heads; 1 = no tensor parallel"
+            "help": "tensor-parallel ranks per model replica (Llama): attention heads, MLP columns, the vocabulary "
+            "and (sequence parallel) the context are split over them; must divide nproc_per_node, num_heads, "
+            "num_kv_heads, ffn_dim and context_length; 1 = no tensor parallel"
         },
     )
     dp_replicate: int = field(

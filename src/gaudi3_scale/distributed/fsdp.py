@@ -4,7 +4,10 @@ Lightning's ModelParallelStrategy loads a single-file (DDP or single-process) ch
 optimizer state in `named_parameters()` order; `Optimizer.state_dict()` numbers parameters in parameter-group
 order, which differs as soon as there is more than one group (weight decay on / off). Here the ids are mapped
 through the optimizer's own groups, so a DDP checkpoint resumes under FSDP exactly. Sharded checkpoints load as
-in Lightning (DCP, any world size).
+in Lightning (DCP, any world size and layout).
+
+The device mesh is ours (`distributed.mesh`): (dp_replicate, dp_shard, tensor_parallel), so the same strategy runs
+FSDP, HSDP and tensor parallel, alone or combined.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 
 from gaudi3_scale.checkpoint.sharded import optimizer_state_by_name
+from gaudi3_scale.distributed.mesh import build_device_mesh, data_parallel_rank
 
 __all__ = ["FSDPStrategy"]
 
@@ -28,6 +32,33 @@ class FSDPStrategy(ModelParallelStrategy):
         # host (FSDP2 refuses them elsewhere), and parallelize already put the buffers on the device.
         if not self.cpu_offload:
             super().model_to_device()
+
+    def __init__(self, *, tp_size: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
+        super().__init__(tensor_parallel_size=tp_size, **kwargs)
+        self.tp_size = tp_size
+        self.dp_replicate = dp_replicate
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy.setup_environment with our 3-D mesh in place of its (data_parallel, tensor_parallel)
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._data_parallel_size = self.world_size // self.tp_size
+        self._device_mesh = build_device_mesh(
+            self.root_device.type,
+            world_size=self.world_size,
+            tp_size=self.tp_size,
+            dp_replicate=self.dp_replicate,
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of a tensor-parallel group read the same data (distributed.mesh).
+        return {
+            "num_replicas": self.world_size // self.tp_size,
+            "rank": data_parallel_rank(self.global_rank, self.tp_size),
+        }
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

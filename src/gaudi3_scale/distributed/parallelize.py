@@ -1,13 +1,14 @@
 """Parallelism applied to a single-device model from the outside, in one place and in torchtitan's order:
-float8 linears → activation checkpointing → compile → (HPU graphs) → FSDP, driven by a resolved `ParallelPlan`.
+tensor parallel → float8 linears → activation checkpointing → compile → (HPU graphs) → FSDP (or HSDP), driven by a
+resolved `ParallelPlan`, on the device mesh the strategy builds (`distributed.mesh`).
 
 DDP and DeepSpeed need nothing here: their Lightning strategies wrap the module, and what they do at gradient
-boundaries is `distributed.grad_sync`. Tensor parallel, HSDP and meta-device initialisation plug in here too
-(tensor parallel first, FSDP last, as torchtitan's `parallelize_llama`).
+boundaries is `distributed.grad_sync`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gaudi3_scale.distributed.mesh import TP_DIM, data_parallel_mesh
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 
 __all__ = [
@@ -35,10 +38,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Parallelized:
     """The model with the plan applied, and its `(tokens, targets) -> loss` function (compiled with the plan's
-    `compile`; call it, not the model, to train)."""
+    `compile`; call it, not the model, to train). A step's forward and backward run inside `step_context()`
+    (loss parallel under tensor parallel, see `distributed.tensor_parallel`)."""
 
     model: nn.Module
     loss_fn: LossFn
+    step_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def parallelize(
@@ -52,13 +57,18 @@ def parallelize(
 ) -> Parallelized:
     """Apply `plan` to a freshly built single-device `model`; `loss(model, tokens, targets)` is the objective.
 
-    `mesh` is the device mesh of a sharding strategy (its `data_parallel` dimension is what FSDP shards over).
-    Parameter names, and therefore checkpoints, are the same whatever the plan applies.
+    `mesh` is the device mesh of a sharding strategy (`distributed.mesh`): tensor parallel splits the model over its
+    `tensor_parallel` dimension, FSDP shards over its data-parallel dimensions (two of them, replicate × shard, is
+    HSDP). Parameter names, and therefore checkpoints, are the same whatever the plan applies.
 
     A model built on the meta device (shapes only) is materialised last: after sharding, each rank allocates only
     its shards on `device` and `init_weights(model)` fills them — with a layout-independent init
     (`models.common.init`) the weights are bitwise those of a model built whole.
     """
+    if plan.tp_size > 1:
+        if mesh is None:
+            raise ValueError("tensor parallel splits the model over a device mesh; the strategy provides it")
+        apply_tensor_parallel(model, mesh[TP_DIM])
     if plan.float8:
         from gaudi3_scale.device.float8 import apply_float8
 
@@ -67,7 +77,7 @@ def parallelize(
         apply_activation_checkpointing(model)
 
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss(model, tokens, targets)
+        return local_loss(loss(model, tokens, targets))
 
     if plan.compile:
         # The loss goes inside the compiled region: Inductor then fuses the head's log-softmax with the logits'
@@ -83,18 +93,23 @@ def parallelize(
     if plan.shards_parameters:
         if mesh is None:
             raise ValueError(f"{plan.strategy} shards over a device mesh; the strategy provides it")
-        apply_fsdp(
-            model,
-            mesh["data_parallel"],
-            reshard_after_forward=plan.reshard_after_forward,
-            param_dtype=torch.bfloat16 if plan.bf16_params else None,
-            offload=plan.offload == "all",
-        )
+        dp_mesh = data_parallel_mesh(mesh)
+        # Tensor parallel alone (one data-parallel rank) has nothing to shard: FSDP would only copy each
+        # parameter into its all-gather buffer and back. Its mixed-precision policy and CPU offload still need it.
+        offload = plan.offload == "all"
+        if plan.tp_size == 1 or dp_mesh.size() > 1 or plan.bf16_params or offload:
+            apply_fsdp(
+                model,
+                dp_mesh,
+                reshard_after_forward=plan.reshard_after_forward,
+                param_dtype=torch.bfloat16 if plan.bf16_params else None,
+                offload=offload,
+            )
     if any(p.is_meta for p in model.parameters()):
         if device is None or init_weights is None:
             raise ValueError("a model built on meta needs a device and init_weights to be materialised")
         _materialize(model, device, init_weights, offload=plan.shards_parameters and plan.offload == "all")
-    return Parallelized(model, loss_fn)
+    return Parallelized(model, loss_fn, step_context(plan.tp_size > 1))
 
 
 def _materialize(
@@ -159,7 +174,8 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     offload: bool = False,
 ) -> None:
-    """FSDP2 `fully_shard` per transformer block, then the root (embeddings, final norm, head).
+    """FSDP2 `fully_shard` per transformer block, then the root (embeddings, final norm, head), over `mesh`: 1-D
+    shards over all its ranks; 2-D (replicate, shard) is HSDP — sharded within a row, replicated across rows.
 
     reshard_after_forward=True frees gathered parameters after each block's forward and gathers them again for
     backward (ZeRO-3); False keeps them until backward (ZeRO-2 style: gradients and optimizer state sharded).

@@ -105,8 +105,8 @@ def build_strategy(
         fsdp_class, backend = HPUFSDPStrategy, "hccl"
     # Checkpoints through torch.distributed.checkpoint: each rank writes its own shards (see checkpoint.sharded).
     strategy = fsdp_class(
-        data_parallel_size=batch.data_parallel_size,
-        tensor_parallel_size=1,
+        tp_size=plan.tp_size,
+        dp_replicate=plan.dp_replicate,
         save_distributed_checkpoint=True,
         process_group_backend=backend,
     )

@@ -117,8 +117,9 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         return self.ffn_dim or 4 * self.dim
 
-    def resolve_padding(self, accelerator: str) -> ModelConfig:
-        """A copy whose `pad_vocab_to_multiple` is set: the device default when this config leaves it null.
+    def resolve_padding(self, accelerator: str, *, tp_size: int = 1) -> ModelConfig:
+        """A copy whose `pad_vocab_to_multiple` is set: the device default when this config leaves it null, at least
+        `tp_size` when that is a power of two (tensor parallel splits the embedding and head rows evenly).
 
         On a GPU an output head with an odd row count (GPT-2's 50,257) falls off the tensor-core kernels: on an
         H100 it ran on sm75 cutlass kernels, about 26 ms per call at micro-batch 32, against sm90 kernels once padded
@@ -126,7 +127,10 @@ class ModelConfig:
         """
         if self.pad_vocab_to_multiple is not None:
             return replace(self)
-        return replace(self, pad_vocab_to_multiple=1 if accelerator == "cpu" else ACCELERATOR_VOCAB_MULTIPLE)
+        multiple = 1 if accelerator == "cpu" else ACCELERATOR_VOCAB_MULTIPLE
+        if tp_size & (tp_size - 1) == 0:
+            multiple = max(multiple, tp_size)
+        return replace(self, pad_vocab_to_multiple=multiple)
 
     @property
     def padded_vocab_size(self) -> int:

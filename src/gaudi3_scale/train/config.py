@@ -255,6 +255,12 @@ class RunConfig:
         # Fail before launching anything when the batch does not split over the ranks.
         self.batch_plan()
         _check_tensor_parallel(self.model, self.parallel.tp_size)
+        if self.parallel.tp_size > 1 and self.train.precision == "fp8":
+            raise ConfigError(
+                "train.precision",
+                "fp8 swaps linears that tensor parallel has already sharded (float8 tensor parallel is not "
+                "implemented); with parallel.tp_size > 1 use auto, 32-true or bf16-mixed",
+            )
         graphs = self.train.compile_mode == "reduce-overhead"
         if graphs and self.parallel.strategy not in ("auto", "single", "ddp"):
             raise ConfigError(
@@ -306,7 +312,9 @@ class RunConfig:
 
 
 def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
-    """Tensor parallel splits whole attention heads and MLP columns: each count must divide by `tp_size`."""
+    """Tensor parallel splits whole attention heads and MLP columns, and sequence parallel the context: each count
+    must divide by `tp_size`. (The vocabulary is checked
+    once the dataset has resolved it, by the trainer.)"""
     if tp_size == 1:
         return
     if model.arch != "llama":
@@ -317,6 +325,7 @@ def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
         ("model.num_heads", model.num_heads),
         ("model.num_kv_heads", model.kv_heads),
         ("model.ffn_dim", model.hidden_dim),
+        ("model.context_length", model.context_length),
     ):
         if value % tp_size:
             raise ConfigError(

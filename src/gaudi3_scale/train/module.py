@@ -8,6 +8,7 @@ distribution and checkpoint I/O.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import random
@@ -120,6 +121,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self.automatic_optimization = False
         self.model: nn.Module | None = None
         self._loss_fn: Any = None  # (tokens, targets) -> loss; compiled as one region with train.compile
+        self._step_context: Any = contextlib.nullcontext  # forward + backward run inside it (loss parallel)
         fpt = flops_per_token(model_cfg, model_cfg.context_length)
         self.step_state = (
             StepState.for_plan(batch, flops_per_token=fpt) if batch else StepState(flops_per_token=fpt)
@@ -153,13 +155,14 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             plan,
             seed=self.seed,
             loss=next_token_loss,
-            mesh=self.device_mesh if plan.shards_parameters else None,
+            mesh=self.device_mesh if plan.shards_parameters else None,  # also the tensor-parallel one
             device=self.trainer.strategy.root_device if plan.shards_parameters else None,
             init_weights=init_weights,
         )
         self.model = applied.model
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
         object.__setattr__(self, "_loss_fn", applied.loss_fn)
+        self._step_context = applied.step_context
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `tokens`; with `targets`, the mean next-token loss (through the compiled region, if any)."""
@@ -209,9 +212,10 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
             step = self.trainer.global_step * accumulation + state.micro_step
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
-        loss = self._loss(batch)
-        scaled = loss / accumulation if accumulation > 1 and not sync.divides_loss else loss
-        self.manual_backward(scaled)
+        with self._step_context():
+            loss = self._loss(batch)
+            scaled = loss / accumulation if accumulation > 1 and not sync.divides_loss else loss
+            self.manual_backward(scaled)
         if self.device.type == "hpu":
             mark_step()
         state.micro_step += 1
@@ -246,7 +250,9 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         state.loss = loss.detach()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True, batch_size=batch[0].size(0))
+        with self._step_context():
+            loss = self._loss(batch)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch[0].size(0))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() runs before configure_optimizers()"

@@ -183,6 +183,7 @@ class GaudiTrainer:
             seed=cfg.seed,
             val_batches=cfg.train.val_batches,
             loader_workers=cfg.data.loader_workers,
+            tp_size=parallel.tp_size,
         )
         if _global_rank() == 0:
             tokenizer_dir = self.out_dir / "tokenizer"
@@ -204,12 +205,21 @@ class GaudiTrainer:
 
     def _resolve_padding(self, model_cfg: ModelConfig, resume_from: Path | None) -> ModelConfig:
         """Vocabulary padding left null: the checkpoint's when resuming (its weights have that many rows, whatever
-        device resumes them), else the device default (`ModelConfig.resolve_padding`)."""
+        device resumes them), else the device default (`ModelConfig.resolve_padding`); under tensor parallel the
+        padded rows must split over the tensor-parallel ranks."""
+        tp = self.config.parallel.tp_size
         if model_cfg.pad_vocab_to_multiple is None and resume_from is not None:
             saved = (saved_run_config(resume_from) or {}).get("model", {}).get("pad_vocab_to_multiple")
             if saved is not None:
-                return dataclasses.replace(model_cfg, pad_vocab_to_multiple=saved)
-        return model_cfg.resolve_padding(self._plan_device().accelerator)
+                model_cfg = dataclasses.replace(model_cfg, pad_vocab_to_multiple=saved)
+        resolved = model_cfg.resolve_padding(self._plan_device().accelerator, tp_size=tp)
+        if resolved.padded_vocab_size % tp:
+            raise ConfigError(
+                "model.pad_vocab_to_multiple",
+                f"the padded vocabulary ({resolved.padded_vocab_size} rows) must split evenly over parallel.tp_size "
+                f"{tp} (tensor parallel shards the embedding and head by rows); allowed: a multiple of {tp}",
+            )
+        return resolved
 
     def _plan_device(self) -> DevicePlan:
         """Threads, device and precision; run first, so a missing accelerator fails before any data work."""

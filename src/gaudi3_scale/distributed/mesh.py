@@ -1,0 +1,55 @@
+"""The device mesh of a sharded run: (dp_replicate, dp_shard, tensor_parallel), tensor parallel innermost.
+
+    rank = (replica × dp_shard + shard) × tp_size + tp_rank
+
+Tensor-parallel ranks are neighbours (they talk every layer, so they share a node: `parallel.tp_size` divides
+nproc_per_node); FSDP shards over `dp_shard`, HSDP replicates over `dp_replicate`. The ranks that read different
+data are the two data-parallel dimensions together, and a rank's coordinate on them is `rank // tp_size`, which the
+data module uses without a mesh (`data_parallel_rank`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DP_REPLICATE",
+    "DP_SHARD",
+    "TP_DIM",
+    "build_device_mesh",
+    "data_parallel_mesh",
+    "data_parallel_rank",
+]
+
+DP_REPLICATE, DP_SHARD, TP_DIM = "dp_replicate", "dp_shard", "tensor_parallel"
+
+
+def build_device_mesh(device_type: str, *, world_size: int, tp_size: int, dp_replicate: int) -> Any:
+    """The run's 3-D mesh (sizes of 1 allowed); the process group must be initialised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data_parallel = world_size // tp_size
+    assert data_parallel * tp_size == world_size and data_parallel % dp_replicate == 0, (
+        "validated by the config"
+    )
+    mesh = init_device_mesh(
+        device_type,
+        (dp_replicate, data_parallel // dp_replicate, tp_size),
+        mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP_DIM),
+    )
+    if tp_size > 1:
+        # A norm over FSDP×TP shards (gradient clipping) is partial on both dimensions; with them flattened,
+        # DTensor reduces it in one all-reduce instead of two in sequence.
+        mesh[(DP_SHARD, TP_DIM)]._flatten()
+    return mesh
+
+
+def data_parallel_mesh(mesh: Any) -> Any:
+    """What FSDP shards over: the 2-D (replicate, shard) mesh for HSDP, else the 1-D shard dimension."""
+    return mesh[(DP_REPLICATE, DP_SHARD)] if mesh[DP_REPLICATE].size() > 1 else mesh[DP_SHARD]
+
+
+def data_parallel_rank(global_rank: int, tp_size: int) -> int:
+    """This rank's coordinate on the flattened data-parallel dimensions: the ranks of one tensor-parallel group
+    share it, and read the same batches."""
+    return global_rank // tp_size
