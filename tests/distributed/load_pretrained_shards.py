@@ -2,7 +2,7 @@
 over every rank — FSDP2 (`distributed.parallelize`, Shard(0)) and tensor parallel laid out here with torch's
 ColwiseParallel / RowwiseParallel (Shard(0) and Shard(1), vocabulary rows split unevenly), plus, for untied
 models, block weights in FSDP-over-TP's _StridedShard(0) (interleaved rows; weights only) — each rank reading only
-its blocks. Rank 0 saves, per checkpoint, both layouts' logits on fixed tokens, their gathered weights and the
+its blocks — and, for Llama, the trainer's own tensor parallel (TP=2). Rank 0 saves, per checkpoint, both layouts' logits on fixed tokens, their gathered weights and the
 placements seen to OUT_DIR/NAME.pt.
 
     torchrun --nproc-per-node 2 load_pretrained_shards.py OUT_DIR CHECKPOINT_DIR [CHECKPOINT_DIR ...]
@@ -11,6 +11,7 @@ placements seen to OUT_DIR/NAME.pt.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from gaudi3_scale.distributed.mesh import build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.models import build_model
@@ -35,10 +37,15 @@ TOKENS = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1
 def main(out_dir: str, directories: list[str]) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    fsdp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    fsdp_mesh = build_device_mesh("cpu", world_size=world, tp_size=1, dp_replicate=1)
+    run_tp_mesh = build_device_mesh("cpu", world_size=world, tp_size=world, dp_replicate=1)
     tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor_parallel",))
     for directory in directories:
         checkpoint = open_pretrained(directory)
+
+        def fill(model: nn.Module, checkpoint: PretrainedCheckpoint = checkpoint) -> None:
+            load_pretrained(model, checkpoint)
+
         fsdp = build_parallelized(
             checkpoint.config,
             ParallelPlan(strategy="fsdp", world_size=world),
@@ -46,10 +53,26 @@ def main(out_dir: str, directories: list[str]) -> None:
             loss=next_token_loss,
             mesh=fsdp_mesh,
             device="cpu",
-            init_weights=lambda model, checkpoint=checkpoint: load_pretrained(model, checkpoint),
+            init_weights=fill,
         ).model
         tp = _tensor_parallel(checkpoint, tp_mesh)
         result = {"fsdp": _observe(fsdp), "tp": _observe(tp)}
+        if checkpoint.config.arch == "llama":
+            # the trainer's own tensor parallel (distributed.tensor_parallel: sequence-parallel norms, vocabulary-
+            # sharded logits), the vocabulary padded to split over the ranks as the trainer pads it
+            cfg = replace(checkpoint.config, pad_vocab_to_multiple=world)
+            applied = build_parallelized(
+                cfg,
+                ParallelPlan(strategy="fsdp", world_size=world, tp_size=world),
+                seed=0,
+                loss=next_token_loss,
+                mesh=run_tp_mesh,
+                device="cpu",
+                init_weights=fill,
+            )
+            observed = _observe(applied.model)
+            observed["logits"] = observed["logits"][..., : checkpoint.config.vocab_size]
+            result["run_tp"] = observed
         if not checkpoint.config.tie_embeddings:
             result["strided"] = _observe(_strided(checkpoint, tp_mesh), forward=False)
         if dist.get_rank() == 0:

@@ -30,7 +30,7 @@ def test_sharded_init_is_bitwise_the_whole_models(tmp_path: Path) -> None:
         out = tmp_path / f"w{ranks}"
         out.mkdir()
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(WORKER), "11",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), "11",
              str(out), *MODELS],
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip

@@ -30,7 +30,7 @@ def _run(out: Path, ranks: int, strategy: str) -> dict[int, Counter[str]]:
     args = [str(RECORD), str(out / "samples.jsonl"), f"--out_dir={out}", *COMMON,
             f"--parallel.nproc_per_node={ranks}", f"--parallel.strategy={strategy}"]  # fmt: skip
     if ranks > 1:
-        args = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", *args]
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps: dict[int, Counter[str]] = {}

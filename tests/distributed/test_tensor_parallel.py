@@ -47,7 +47,7 @@ def _run(out: Path, ranks: int, overrides: list[str], tp_size: int = 1) -> dict[
     args = [str(RECORD), str(out / "samples.jsonl"), f"--out_dir={out}", *COMMON,
             f"--parallel.nproc_per_node={ranks}", *overrides]  # fmt: skip
     if ranks > 1:
-        args = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", *args]
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
     (out / "stderr.log").write_text(proc.stderr)
     assert proc.returncode == 0, f"{out / 'stderr.log'}: {proc.stderr[-3000:]}"

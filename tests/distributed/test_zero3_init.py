@@ -26,7 +26,7 @@ def test_zero3_builds_partitioned_with_the_whole_models_weights(tmp_path: Path) 
     ranks = 2
     hf = save_hf_checkpoints(tmp_path / "hf")["llama-sharded"]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(WORKER), "11",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), "11",
          str(tmp_path), *MODELS, str(hf)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
