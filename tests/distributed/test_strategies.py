@@ -124,7 +124,9 @@ def test_bf16_mixed_per_strategy_tracks_fp32(strategy: str, single: Path, tmp_pa
     assert losses[-1] < losses[0] - 0.5
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_zero3"])
+# DeepSpeed's offload config is checked in tests/unit/test_offload_config.py; its 2-rank run (within 1e-5 of the run
+# without offload when it was written) costs 45 s of the suite's 2-core budget, so only FSDP2's runs here.
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_cpu_offload_trains_and_checkpoints_as_without_it(
     strategy: str, two_ranks: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -101,3 +101,13 @@ def test_shard_plan_under_tensor_parallel_and_hsdp() -> None:
         model, ParallelPlan(strategy="fsdp", world_size=2, tp_size=2), element_bytes=4
     )
     assert tp == [(total - norms) // 2 + norms] * 2
+
+
+def test_dry_run_of_the_default_single_process_run(tmp_path: Path) -> None:
+    """`auto` on one process resolves to a single device; the estimate takes the config's strategy, not the
+    resolved name (which is not a config value)."""
+    args = ["train", "--dry-run", "--out", str(tmp_path / "run")]
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "single on 1 rank(s)" in proc.stdout and "estimated peak per rank:" in proc.stdout
+    assert not (tmp_path / "run").exists()

@@ -118,7 +118,7 @@ def print_dry_run(cfg: RunConfig) -> None:
     device = device_kind(cfg)
     estimate = estimate_memory(
         model_cfg,
-        strategy=plan.strategy,
+        strategy=cfg.parallel.strategy,  # estimate_memory resolves auto as the trainer does
         world_size=plan.world_size,
         micro_batch_size=batch.micro_batch_size,
         precision=cfg.train.precision,
