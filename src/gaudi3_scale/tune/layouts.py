@@ -24,6 +24,7 @@ Measured throughput (`gaudi3 tune` trials) decides between layouts this model ca
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.strategies import supported_strategies
@@ -168,23 +169,7 @@ class _Target:
 
 
 def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
-    def estimate(micro_batch_size: int) -> MemoryEstimate:
-        return estimate_memory(
-            model,
-            strategy=layout.strategy,
-            world_size=t.world_size,
-            micro_batch_size=micro_batch_size,
-            precision=t.precision,
-            activation_checkpointing=layout.activation_checkpointing,
-            device_kind=t.device_kind,
-            tp_size=layout.tp_size,
-            dp_replicate=layout.dp_replicate,
-            offload=layout.offload,
-        )
-
-    best = max_micro_batch_that_fits(
-        model,
-        budget_bytes=t.device_bytes,
+    shape: dict[str, Any] = dict(
         strategy=layout.strategy,
         world_size=t.world_size,
         precision=t.precision,
@@ -193,8 +178,12 @@ def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
         tp_size=layout.tp_size,
         dp_replicate=layout.dp_replicate,
         offload=layout.offload,
-        limit=256,
     )
+
+    def estimate(micro_batch_size: int) -> MemoryEstimate:
+        return estimate_memory(model, micro_batch_size=micro_batch_size, **shape)
+
+    best = max_micro_batch_that_fits(model, budget_bytes=t.device_bytes, limit=256, **shape)
     est = estimate(t.micro_batch_size)
     return LayoutCheck(
         layout=layout,
