@@ -1,8 +1,8 @@
 """Tensor parallel and 2-D meshes on real ranks (gloo, fp32): TP=2 and FSDP×TP (2×2) train llama-tiny like one
 process over 20 steps — losses, gradient norms, validation loss and final weights within 1e-5 — reading the same
 stream of samples (the ranks of a tensor-parallel group read the same batch); and their sharded (DCP) checkpoints
-resume under another layout with the stream intact: TP=2 → one process, FSDP×TP → HSDP (2 replicas × 2 shards),
-which then trains on like one process too.
+resume under another layout with the stream intact: TP=2 → one process, FSDP×TP → FSDP on 2 ranks and → HSDP
+(2 replicas × 2 shards), which then train on like one process too.
 
 Four-rank launches are the slow part of the suite on 2 cores, hence one uninterrupted FSDP×TP run and HSDP only as
 the resumed half (steps 11-20) rather than a run of its own."""
@@ -105,8 +105,12 @@ def test_layout_trains_like_one_process(
 
 @pytest.mark.parametrize(
     ("source", "ranks", "overrides"),
-    [("tp2", 1, ["--train.threads=2"]), ("fsdp_tp", 4, ["--parallel.dp_replicate=2"])],
-    ids=["tp2-to-1-process", "fsdp-x-tp-to-hsdp-2x2"],
+    [
+        ("tp2", 1, ["--train.threads=2"]),
+        ("fsdp_tp", 2, ["--parallel.strategy=fsdp"]),
+        ("fsdp_tp", 4, ["--parallel.dp_replicate=2"]),
+    ],
+    ids=["tp2-to-1-process", "fsdp-x-tp-to-fsdp-2", "fsdp-x-tp-to-hsdp-2x2"],
 )
 def test_resume_under_another_layout(
     runs: dict[str, tuple[Path, dict[int, Counter[str]]]],
