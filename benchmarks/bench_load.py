@@ -119,8 +119,8 @@ def worker(directory: str, out: str) -> None:
     """One rank: load the checkpoint into FSDP2 shards; rank 0 writes every rank's time and a sample check."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from gaudi3_scale.distributed.mesh import build_device_mesh
     from gaudi3_scale.distributed.parallelize import build_parallelized
     from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.models import build_model, get_model_config
@@ -131,7 +131,7 @@ def worker(directory: str, out: str) -> None:
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    mesh = build_device_mesh("cpu", world_size=world, tp_size=1, dp_replicate=1)  # the trainer's FSDP mesh
     # What touching this rank's share of fresh fp32 parameter memory costs by itself (page faults on first write):
     # any way of materialising the shards pays it, random init included.
     local_elements = -(-sum(_numel(s) for s in _stored_shapes(directory)) // world)
