@@ -198,19 +198,21 @@ def print_estimate_table(
     device_kind: str = base.train.device if base.train.device != "auto" else "cpu"
     memory = memory_budget_bytes
     micro = base.train.micro_batch_size or 1
-    if accelerator and memory is None:
-        spec = accelerator_named(accelerator)
+    spec = accelerator_named(accelerator) if accelerator else None
+    if spec is not None and memory is None:
         per_node = accelerators_per_node(spec.name)
         if world_size > per_node and world_size % per_node:
             raise UserInputError(
                 f"--world-size: {world_size} is not a whole number of {spec.name} nodes ({per_node} per node); "
                 f"allowed: up to {per_node}, or a multiple of it"
             )
+    if spec is not None:
         console.print(
             f"device: {spec.name}, {spec.memory_gb:g} GB (source: {spec.source})",
             highlight=False,
             soft_wrap=True,
         )
+    if spec is not None and memory is None:
         text = format_layouts(
             resolved_model(base),
             spec,
@@ -221,16 +223,10 @@ def print_estimate_table(
         )
         console.print(text, highlight=False, soft_wrap=True)
         return
-    if accelerator:
-        spec = accelerator_named(accelerator)
+    if spec is not None:
         device_kind = device_kind_of(spec)
         if memory is None:
             memory = int(spec.memory_gb * 1e9)
-        console.print(
-            f"device: {spec.name}, {spec.memory_gb:g} GB (source: {spec.source})",
-            highlight=False,
-            soft_wrap=True,
-        )
     table = format_estimate_table(
         resolved_model(base),
         world_size=world_size,
