@@ -212,7 +212,7 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
            *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-20:]}
     summary = json.loads((out / "summary.json").read_text())
     return {"status": "ok", "step_time_s": summary["step_time_s"], "measured_steps": summary["measured_steps"],
             "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"]}  # fmt: skip
@@ -222,7 +222,7 @@ def run_plain(cell: Cell, device: str, env: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "plain", json.dumps(asdict(cell)), "--device", device]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-20:]}
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 

@@ -73,6 +73,17 @@ def test_meta_build_then_init_matches_direct_build_bitwise(name: str) -> None:
         assert lazy.rope_cache is not None and torch.equal(direct.rope_cache, lazy.rope_cache)
 
 
+def test_init_draws_on_the_host_under_any_default_device() -> None:
+    """`with torch.device("cuda"): build_model(...)` must not move the seeded draws off the host generator (on CUDA
+    that raised "Expected a 'cuda' device type for generator"; under meta the draws were silently never made)."""
+    expected = build_model(_cfg("llama-tiny"), seed=7)
+    model = build_model(_cfg("llama-tiny"), seed=0)
+    with torch.device("meta"):
+        model.init_weights(7)
+    for key, value in expected.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
 def test_init_follows_gpt2_scheme() -> None:
     model = build_model(_cfg("shakespeare-char", bias=True), seed=0)
     residual_std = 0.02 / math.sqrt(2 * 4)

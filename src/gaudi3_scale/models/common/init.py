@@ -62,12 +62,13 @@ def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> No
         nonlocal cached
         if cached is None or cached[0] != k:
             generator = torch.Generator().manual_seed((key + k * _GOLDEN) & _MASK64)
-            cached = (k, torch.randn(CHUNK_ELEMENTS, generator=generator))
+            # always on the host: a default device (`with torch.device("cuda")`) must not move the draw
+            cached = (k, torch.randn(CHUNK_ELEMENTS, generator=generator, device="cpu"))
         return cached[1]
 
     def segment(start: int, length: int) -> torch.Tensor:
         """Elements [start, start + length) of the flattened full tensor, in float32."""
-        out = torch.empty(length)
+        out = torch.empty(length, device="cpu")
         done = 0
         while done < length:
             k, within = divmod(start + done, CHUNK_ELEMENTS)
