@@ -98,6 +98,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
+        present = [opt for opt in options if opt is not type(None)]
+        if len(present) == 1:  # `X | None`: X's own error names the nested field that is wrong
+            return _coerce(present[0], value, path)
         for opt in options:
             if opt is type(None):
                 continue

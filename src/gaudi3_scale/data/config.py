@@ -9,7 +9,22 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seed
 from gaudi3_scale.data.sources import DEFAULT_SYNTHETIC_VOCAB, synthetic_vocab
 
-__all__ = ["DataConfig"]
+__all__ = ["DataConfig", "MixtureSource"]
+
+
+@dataclass(kw_only=True)
+class MixtureSource:
+    """One member of `data.mixture`: a source (any `data.source` form, or a prepared dataset's fsspec URL) and its
+    sampling weight (weights are relative: 7, 2, 1 is 70 % / 20 % / 10 %)."""
+
+    source: str = field(metadata={"help": "a data.source value or the URL of a prepared dataset"})
+    weight: float = field(metadata={"help": "relative sampling weight, >= 0"})
+    name: str | None = field(
+        default=None, metadata={"help": "label in logs and the sampler state; null = derived from source"}
+    )
+
+    def __post_init__(self) -> None:
+        check_number("weight", self.weight, low=0.0)
 
 
 @dataclass(kw_only=True)
@@ -45,6 +60,46 @@ class DataConfig:
         default=None,
         metadata={"help": "where prepared shards go; null = a cache directory keyed by source + tokenizer"},
     )
+    shard_mb: float = field(
+        default=64.0,
+        metadata={
+            "help": "source text per prepared shard, MiB (a shard holds that text's tokens; prepare's unit "
+            "of parallel work and of streaming)"
+        },
+    )
+    text_field: str = field(default="text", metadata={"help": "the text column of JSONL / Parquet sources"})
+    mixture: list[MixtureSource] | None = field(
+        default=None,
+        metadata={
+            "help": "several datasets sampled by weight, e.g. [{source: web, weight: 7}, {source: "
+            "s3://b/code, weight: 3}]; replaces data.source. All must share one tokenizer"
+        },
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "local shard cache of a dataset at an fsspec URL; null = <cache>/shards/<URL hash>"
+        },
+    )
+    cache_limit_gib: float = field(
+        default=16.0, metadata={"help": "most GiB the shard cache of one URL dataset keeps on local disk"}
+    )
+    prefetch_shards: int = field(
+        default=2, metadata={"help": "shards of a URL dataset fetched ahead of the sampler"}
+    )
+    fetch_retry_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "how long a shard fetch keeps retrying (exponential backoff) before training stops"
+        },
+    )
+    shuffle_block_shards: int | None = field(
+        default=None,
+        metadata={
+            "help": "shards whose windows are shuffled together (the epoch's shard order is shuffled "
+            "too); null = all shards of a local dataset, as many as fit half the cache for a URL"
+        },
+    )
     prepare_workers: int = field(default=1, metadata={"help": "tokenizer worker processes used by prepare"})
     loader_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
 
@@ -55,6 +110,15 @@ class DataConfig:
         check_number("loader_workers", self.loader_workers, low=0, high=INT32_MAX)
         check_seed("split_seed", self.split_seed)
         check_positive("synthetic_tokens", self.synthetic_tokens)
+        check_number("shard_mb", self.shard_mb, low=1e-3)
+        check_number("cache_limit_gib", self.cache_limit_gib, low=1e-6)
+        check_number("prefetch_shards", self.prefetch_shards, low=0, high=INT32_MAX)
+        check_number("fetch_retry_s", self.fetch_retry_s, low=0.0)
+        check_positive("shuffle_block_shards", self.shuffle_block_shards)
+        if not self.text_field:
+            raise ConfigError("text_field", "must name a column, e.g. text")
+        if self.mixture is not None:
+            _check_mixture(self.mixture)
         vocab = synthetic_vocab(self.source)
         if vocab is not None and self.vocab_size not in (None, vocab):
             raise ConfigError(
@@ -62,3 +126,15 @@ class DataConfig:
                 f"data.source={self.source} has {vocab} ids; set it to null, or the source to "
                 f"synthetic:{self.vocab_size}",
             )
+
+
+def _check_mixture(mixture: list[MixtureSource]) -> None:
+    if not mixture:
+        raise ConfigError("mixture", "is empty; list at least one {source, weight}, or set it to null")
+    total = sum(m.weight for m in mixture)
+    if not total > 0:
+        raise ConfigError("mixture", f"weights sum to {total:g}; they must sum to a positive number")
+    names = [m.name or m.source for m in mixture]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError("mixture", f"{', '.join(duplicates)} listed twice; give each member its own name")
