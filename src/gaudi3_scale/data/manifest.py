@@ -86,6 +86,10 @@ class Manifest:
     def shard(self, split: str) -> Shard:
         return next(s for s in self.shards if s.split == split)
 
+    def shards_of(self, split: str) -> list[Shard]:
+        """The split's shards in stream order (one in format 1, `train-00000.bin`, … in format 2)."""
+        return [s for s in self.shards if s.split == split]
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
