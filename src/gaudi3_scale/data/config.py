@@ -110,7 +110,7 @@ class DataConfig:
         check_number("loader_workers", self.loader_workers, low=0, high=INT32_MAX)
         check_seed("split_seed", self.split_seed)
         check_positive("synthetic_tokens", self.synthetic_tokens)
-        check_number("shard_mb", self.shard_mb, low=1e-3)
+        check_number("shard_mb", self.shard_mb, low=1e-5)
         check_number("cache_limit_gib", self.cache_limit_gib, low=1e-6)
         check_number("prefetch_shards", self.prefetch_shards, low=0, high=INT32_MAX)
         check_number("fetch_retry_s", self.fetch_retry_s, low=0.0)

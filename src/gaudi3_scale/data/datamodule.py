@@ -21,8 +21,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.data.dataset import PreparedData, load_prepared
+from gaudi3_scale.data.dataset import PreparedData
+from gaudi3_scale.data.inputs import DatasetMember, TrainingData, training_data_from_dir
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
+from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.distributed.mesh import data_parallel_rank
 
@@ -32,7 +34,7 @@ __all__ = ["TokenDataModule"]
 class TokenDataModule(pl.LightningDataModule):
     def __init__(
         self,
-        prepared: PreparedData | Path | str,
+        data: TrainingData | PreparedData | Path | str,
         *,
         context_length: int,
         global_batch_size: int,
@@ -42,10 +44,13 @@ class TokenDataModule(pl.LightningDataModule):
         loader_workers: int = 0,
         stride: int = 1,
         tp_size: int = 1,
+        prefetch_shards: int = 0,
     ) -> None:
         super().__init__()
-        self._prepared = prepared if isinstance(prepared, PreparedData) else None
-        self._directory = prepared.directory if isinstance(prepared, PreparedData) else Path(prepared)
+        if isinstance(data, PreparedData):
+            data = data.directory
+        self._data = data if isinstance(data, TrainingData) else None
+        self._directory = None if isinstance(data, TrainingData) else Path(data)
         self.context_length = context_length
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -54,15 +59,21 @@ class TokenDataModule(pl.LightningDataModule):
         self.loader_workers = loader_workers
         self.stride = stride
         self.tp_size = tp_size
+        self.prefetch_shards = prefetch_shards
         self.start_step = 0  # optimizer step the next train_dataloader() starts at
-        self.sampler: WindowSampler | None = None
+        self.sampler: WindowSampler | MixtureSampler | None = None
         self._pending_state: dict[str, Any] | None = None
 
     @property
-    def prepared(self) -> PreparedData:
-        if self._prepared is None:
-            self._prepared = load_prepared(self._directory)
-        return self._prepared
+    def has_data(self) -> bool:
+        return self._data is not None
+
+    @property
+    def data(self) -> TrainingData:
+        if self._data is None:
+            assert self._directory is not None
+            self._data = TrainingData(members=[training_data_from_dir(self._directory)])
+        return self._data
 
     def _world(self) -> tuple[int, int]:
         """(data-parallel ranks, this rank's data-parallel coordinate)."""
@@ -71,10 +82,9 @@ class TokenDataModule(pl.LightningDataModule):
             return 1, 0
         return trainer.world_size // self.tp_size, data_parallel_rank(trainer.global_rank, self.tp_size)
 
-    def setup(self, stage: str | None = None) -> None:
-        world_size, rank = self._world()
-        self.sampler = WindowSampler(
-            len(self.prepared.train),
+    def _member_sampler(self, member: DatasetMember, world_size: int, rank: int) -> WindowSampler:
+        return WindowSampler(
+            member.train.shard_tokens,
             self.context_length,
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
@@ -82,7 +92,26 @@ class TokenDataModule(pl.LightningDataModule):
             rank=rank,
             seed=self.seed,
             stride=self.stride,
+            block_shards=member.block_shards,
         )
+
+    def build_sampler(self, world_size: int, rank: int) -> WindowSampler | MixtureSampler:
+        data = self.data
+        if not data.is_mixture:
+            return self._member_sampler(data.members[0], world_size, rank)
+        return MixtureSampler(
+            [self._member_sampler(m, 1, 0) for m in data.members],
+            [m.weight for m in data.members],
+            [m.name for m in data.members],
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            world_size=world_size,
+            rank=rank,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        world_size, rank = self._world()
+        self.sampler = self.build_sampler(world_size, rank)
         trainer = self.trainer
         module = trainer.lightning_module if trainer is not None else None
         # With automatic optimization Lightning steps the optimizer every accumulate_grad_batches micro-batches,
@@ -98,7 +127,7 @@ class TokenDataModule(pl.LightningDataModule):
             self.start_step = self.sampler.start_step_from_state(self._pending_state)
             self._pending_state = None
 
-    def _require_sampler(self) -> WindowSampler:
+    def _require_sampler(self) -> WindowSampler | MixtureSampler:
         if self.sampler is None:
             raise RuntimeError(
                 "TokenDataModule.setup() must run before its dataloaders or state_dict are used"
@@ -110,7 +139,12 @@ class TokenDataModule(pl.LightningDataModule):
         return self._require_sampler().accum_steps
 
     def train_dataloader(self) -> DataLoader[Batch]:
-        dataset = TokenWindowDataset(self.prepared.train, self._require_sampler(), start_step=self.start_step)
+        dataset = TokenWindowDataset(
+            [m.train for m in self.data.members],
+            self._require_sampler(),
+            start_step=self.start_step,
+            prefetch_shards=self.prefetch_shards,
+        )
         return DataLoader(
             dataset,
             batch_size=None,
@@ -129,12 +163,13 @@ class TokenDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader[Batch]:
         world_size, rank = self._world()
         dataset = ValWindowDataset(
-            self.prepared.val,
+            [m.val for m in self.data.members],
             self.context_length,
             micro_batch_size=self.micro_batch_size,
             max_batches=self.val_batches,
             world_size=world_size,
             rank=rank,
+            weights=[m.weight for m in self.data.members],
         )
         # No worker processes: the validation set is a handful of batches and workers would restart every epoch.
         return DataLoader(

@@ -1,4 +1,4 @@
-"""Ready-made micro-batches from token memmaps: one numpy gather per batch, no per-sample collate.
+"""Ready-made micro-batches from token shards: one numpy gather per shard per batch, no per-sample collate.
 
 `TokenWindowDataset` is the training stream: this rank's micro-batches in order (step ``start_step`` micro-steps
 ``0..accum-1``, then the next step, ...), which is the order Lightning consumes them with
@@ -9,16 +9,18 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from gaudi3_scale.data.sampler import WindowSampler, val_window_starts
+from gaudi3_scale.data.mixture import MixtureSampler
+from gaudi3_scale.data.sampler import WindowSampler
+from gaudi3_scale.data.shards import ShardedTokens, val_window_starts_sharded
 
-__all__ = ["TokenWindowDataset", "ValWindowDataset", "gather_windows"]
+__all__ = ["TokenWindowDataset", "ValWindowDataset", "as_sharded", "gather_windows"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,54 +33,110 @@ def gather_windows(tokens: np.ndarray, starts: np.ndarray, offsets: np.ndarray) 
     `offsets` is ``np.arange(T + 1)``; one fancy-index gather reads all windows, then each half is converted to
     int64 in one contiguous copy (contiguous so that ``y.view(-1)`` works in the loss).
     """
-    windows = tokens[starts[:, None] + offsets]
-    x = torch.from_numpy(windows[:, :-1].astype(np.int64, order="C"))
-    y = torch.from_numpy(windows[:, 1:].astype(np.int64, order="C"))
-    return x, y
+    return _split(tokens[starts[:, None] + offsets])
 
 
-class _MemmapPickling:
-    """Pickle a file-backed memmap as its path, not its content, so spawned DataLoader workers reopen it."""
+def as_sharded(tokens: np.ndarray | ShardedTokens) -> ShardedTokens:
+    """A flat token array (one shard, e.g. a memmap) or already sharded tokens, as `ShardedTokens`."""
+    if isinstance(tokens, ShardedTokens):
+        return tokens
+    return ShardedTokens([len(tokens)], _ArrayOpener(tokens), dtype=tokens.dtype)
 
-    _tokens: np.ndarray
+
+class _ArrayOpener:
+    """One in-memory or memmapped array as shard 0; a file-backed memmap pickles as its path, not its content,
+    so spawned DataLoader workers reopen it."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._tokens = tokens
+
+    def __call__(self, index: int) -> np.ndarray:
+        return self._tokens
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
         tokens = self._tokens
         if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.filename:
-            state["_tokens"] = ("memmap", tokens.filename, tokens.dtype.str, tokens.offset, tokens.shape)
-        return state
+            return {"_tokens": ("memmap", tokens.filename, tokens.dtype.str, tokens.offset, tokens.shape)}
+        return self.__dict__.copy()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ref = state["_tokens"]
         if isinstance(ref, tuple) and ref[0] == "memmap":
             _, filename, dtype, offset, shape = ref
-            state["_tokens"] = np.memmap(
-                filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape
-            )
-        self.__dict__.update(state)
+            ref = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+        self._tokens = ref
 
 
-class TokenWindowDataset(_MemmapPickling, IterableDataset[Batch]):
+AnySampler = WindowSampler | MixtureSampler
+
+
+class TokenWindowDataset(IterableDataset[Batch]):
     """This rank's training micro-batches ``(x, y)``, int64 [micro, T], from optimizer step `start_step` on.
 
-    Infinite unless `num_steps` is given. With DataLoader workers, worker w of W builds micro-batches j ≡ w (mod W)
-    (j counted from the first one); DataLoader collects them round-robin, so the stream is the same as with no
-    workers and no batch is built twice.
+    `tokens` is one dataset's train split (a flat array or `ShardedTokens`) for a `WindowSampler`, or one per
+    member for a `MixtureSampler`. Infinite unless `num_steps` is given. With DataLoader workers, worker w of W
+    builds micro-batches j ≡ w (mod W) (j counted from the first one); DataLoader collects them round-robin, so the
+    stream is the same as with no workers and no batch is built twice. Each time the sampler is asked for more
+    steps, the shards it will read next are hinted to the tokens (a URL dataset fetches them ahead).
     """
 
     def __init__(
-        self, tokens: np.ndarray, sampler: WindowSampler, *, start_step: int = 0, num_steps: int | None = None
+        self,
+        tokens: np.ndarray | ShardedTokens | Sequence[np.ndarray | ShardedTokens],
+        sampler: AnySampler,
+        *,
+        start_step: int = 0,
+        num_steps: int | None = None,
+        prefetch_shards: int = 0,
     ) -> None:
-        if len(tokens) != sampler.num_tokens:
-            raise ValueError(
-                f"sampler was built for {sampler.num_tokens} tokens, got an array of {len(tokens)}"
-            )
-        self._tokens = tokens
+        members = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
+        self._members = [as_sharded(t) for t in members]
+        expected = [m.shard_tokens for m in sampler.members] if isinstance(sampler, MixtureSampler) else [
+            sampler.shard_tokens
+        ]
+        if [m.shard_tokens for m in self._members] != [list(e) for e in expected]:
+            raise ValueError("the sampler was built for other shards than the tokens given")
         self.sampler = sampler
         self.start_step = start_step
         self.num_steps = num_steps
+        self.prefetch_shards = prefetch_shards
         self._offsets = np.arange(sampler.context_length + 1, dtype=np.int64)
+        self._hints = any(m.fetches for m in self._members)  # local shards need no prefetch hints
+
+    def _steps(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(member index, virtual start) of every micro-batch sample of `count` steps, [steps, accum, micro]."""
+        sampler = self.sampler
+        if isinstance(sampler, MixtureSampler):
+            return sampler.steps_starts(first, count)
+        starts = sampler.steps_starts(first, count)
+        return np.zeros_like(starts), starts
+
+    def _hint(self, step: int) -> None:
+        sampler = self.sampler
+        ahead = sampler.upcoming_shards(step * sampler.global_batch_size, self._hint_count())
+        by_member: dict[int, list[int]] = {}
+        for item in ahead:
+            member, shard = item if isinstance(item, tuple) else (0, item)
+            by_member.setdefault(member, []).append(shard)
+        for member, shards in by_member.items():
+            self._members[member].prefetch(shards)
+
+    def _hint_count(self) -> int:
+        sampler = self.sampler
+        blocks = [s.block_shards for s in sampler.members] if isinstance(sampler, MixtureSampler) else [
+            sampler.block_shards
+        ]
+        return len(blocks) * max(blocks) + self.prefetch_shards
+
+    def batch(self, members: np.ndarray, starts: np.ndarray) -> Batch:
+        if len(self._members) == 1:
+            windows = self._members[0].gather(starts, self._offsets)
+        else:
+            windows = np.empty((len(starts), len(self._offsets)), dtype=np.int64)
+            for member in np.unique(members).tolist():
+                sel = members == member
+                windows[sel] = self._members[member].gather(starts[sel], self._offsets)
+        return _split(windows)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -89,46 +147,73 @@ class TokenWindowDataset(_MemmapPickling, IterableDataset[Batch]):
         chunk = max(1, _CHUNK_SAMPLES // (accum * sampler.micro_batch_size))
         end = None if self.num_steps is None else self.start_step + self.num_steps
         step, index = self.start_step, 0
-        chunk_first, starts = step, np.empty((0, accum, sampler.micro_batch_size), dtype=np.int64)
+        chunk_first = step
+        members = starts = np.empty((0, accum, sampler.micro_batch_size), dtype=np.int64)
         while end is None or step < end:
             mine = [a for a in range(accum) if (index + a) % num_workers == worker]
             if mine:
                 if step - chunk_first >= len(starts):
                     count = chunk if end is None else min(chunk, end - step)
-                    chunk_first, starts = step, sampler.steps_starts(step, count)
+                    chunk_first = step
+                    members, starts = self._steps(step, count)
+                if self._hints:
+                    self._hint(step)  # every step: a block boundary may fall anywhere in a chunk
                 for a in mine:
-                    yield gather_windows(self._tokens, starts[step - chunk_first, a], self._offsets)
+                    yield self.batch(members[step - chunk_first, a], starts[step - chunk_first, a])
             step, index = step + 1, index + accum
 
 
-class ValWindowDataset(_MemmapPickling, Dataset[Batch]):
-    """The fixed validation batches of this rank (see `val_window_starts`)."""
+def _split(windows: np.ndarray) -> Batch:
+    """[n, T+1] windows → x, y int64 [n, T], each one contiguous copy (so ``y.view(-1)`` works in the loss)."""
+    x = torch.from_numpy(windows[:, :-1].astype(np.int64, order="C"))
+    y = torch.from_numpy(windows[:, 1:].astype(np.int64, order="C"))
+    return x, y
+
+
+class ValWindowDataset(Dataset[Batch]):
+    """The fixed validation batches of this rank: `val_window_starts_sharded` over each dataset's val shards.
+
+    With several datasets (a mixture) the `max_batches` budget is split by weight, each member with a positive
+    weight getting at least one batch; every batch comes from one member.
+    """
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | ShardedTokens | Sequence[np.ndarray | ShardedTokens],
         context_length: int,
         *,
         micro_batch_size: int,
         max_batches: int,
         world_size: int = 1,
         rank: int = 0,
+        weights: Sequence[float] | None = None,
     ) -> None:
-        self._tokens = tokens
-        self.starts = val_window_starts(
-            len(tokens),
-            context_length,
-            micro_batch_size=micro_batch_size,
-            max_batches=max_batches,
-            world_size=world_size,
-            rank=rank,
-        )
+        members = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
+        self._members = [as_sharded(t) for t in members]
+        budgets = _val_budgets(max_batches, weights or [1.0] * len(members))
+        self._batches: list[tuple[int, np.ndarray]] = []
+        for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
+            rows = val_window_starts_sharded(member.shard_tokens, context_length, micro_batch_size=micro_batch_size,
+                                             max_batches=budget, world_size=world_size, rank=rank) if budget else []  # fmt: skip
+            self._batches += [(m, row) for row in rows]
         self._offsets = np.arange(context_length + 1, dtype=np.int64)
 
+    @property
+    def starts(self) -> list[np.ndarray]:
+        return [row for _, row in self._batches]
+
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self._batches)
 
     def __getitem__(self, index: int) -> Batch:
-        if not 0 <= index < len(self.starts):
-            raise IndexError(f"validation batch {index} out of range [0, {len(self.starts)})")
-        return gather_windows(self._tokens, self.starts[index], self._offsets)
+        if not 0 <= index < len(self._batches):
+            raise IndexError(f"validation batch {index} out of range [0, {len(self._batches)})")
+        member, starts = self._batches[index]
+        return _split(self._members[member].gather(starts, self._offsets))
+
+
+def _val_budgets(max_batches: int, weights: Sequence[float]) -> list[int]:
+    if len(weights) == 1:
+        return [max_batches]
+    total = sum(weights)
+    return [max(1, round(max_batches * w / total)) if w > 0 else 0 for w in weights]

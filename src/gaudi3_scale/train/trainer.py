@@ -24,8 +24,8 @@ from rich.console import Console
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.data import TokenDataModule, load_prepared, prepare_dataset
-from gaudi3_scale.data.manifest import tokens_sha256
+from gaudi3_scale.data import TokenDataModule
+from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -139,8 +139,8 @@ class GaudiTrainer:
 
     def _build_default(self, resume_from: Path | None) -> tuple[LanguageModel, TokenDataModule]:
         cfg = self.config
-        prepared = load_prepared(prepare_dataset(cfg.data, progress=self.progress))
-        self._data_sha256 = tokens_sha256(prepared.manifest)
+        prepared = open_training_data(cfg.data, progress=self.progress)
+        self._data_sha256 = prepared.tokens_sha256
         vocab = prepared.vocab_size
         if (
             cfg.model.init_from is not None
@@ -184,6 +184,7 @@ class GaudiTrainer:
             val_batches=cfg.train.val_batches,
             loader_workers=cfg.data.loader_workers,
             tp_size=parallel.tp_size,
+            prefetch_shards=cfg.data.prefetch_shards,
         )
         if _global_rank() == 0:
             tokenizer_dir = self.out_dir / "tokenizer"
@@ -426,6 +427,10 @@ class GaudiTrainer:
             self._checkpointer.close()  # drains uploads, applies the retention that waited on them
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
+        if isinstance(datamodule, TokenDataModule) and datamodule.has_data:
+            cache = datamodule.data.stats()  # a URL dataset's shard cache, this process's handle
+            if cache:
+                summary["data_cache"] = cache
         if trainer.is_global_zero:
             write_summary(out / "summary.json", summary)
             plot_loss(records, out / "loss.png", title=self._plot_title())

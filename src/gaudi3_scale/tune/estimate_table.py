@@ -32,9 +32,9 @@ def resolved_model(base: RunConfig) -> ModelConfig:
     """`base.model` with its vocabulary resolved: from the config, else from the (prepared, cached) dataset."""
     if base.model.vocab_size is not None:
         return base.model
-    from gaudi3_scale.data import load_prepared, prepare_dataset
+    from gaudi3_scale.data.inputs import open_training_data
 
-    return base.model.resolve_vocab(load_prepared(prepare_dataset(base.data, progress=False)).vocab_size)
+    return base.model.resolve_vocab(open_training_data(base.data, progress=False).vocab_size)
 
 
 def format_estimate_table(

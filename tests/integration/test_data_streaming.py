@@ -1,0 +1,152 @@
+"""Training from a sharded dataset on a real S3 server (moto on 127.0.0.1) through a cache smaller than the data.
+
+The streamed run must read exactly the samples the same run reads from local disk, through an object-store outage
+in the middle, and end bitwise equal. Bad URLs, corrupt or missing shards and bad mixtures are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+from s3_server import S3Server, running_s3_server
+
+from gaudi3_scale.data import DataConfig, prepare_dataset
+from gaudi3_scale.data.manifest import load_manifest
+from gaudi3_scale.data.publish import publish_prepared
+from gaudi3_scale.data.sources import bundled_corpora
+from gaudi3_scale.storage import open_remote
+from gaudi3_scale.train import GaudiTrainer
+from gaudi3_scale.train.config import resolve_config
+
+pytestmark = pytest.mark.integration
+
+BUCKET = "stream-tests"
+# ~20 KB of text in ~100 shards of ~200 bytes; windows of 32 tokens, 8 per step: a shuffle block of 2 shards lasts
+# some 40 steps, so a 60-step run crosses blocks, fetches, evicts and prefetches.
+TEXT_BYTES, SHARD_MB = 20_000, 0.0002
+COMMON = ["--model.context_length=32", "--train.micro_batch_size=4", "--train.global_batch_size=8",
+          "--train.max_steps=60", "--train.val_every_steps=0", "--train.log_every_steps=10",
+          "--checkpoint.every_steps=60", "--data.shuffle_block_shards=2", "--data.prefetch_shards=2",
+          "--train.threads=1"]  # fmt: skip
+
+
+class _Record(pl.Callback):
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, str]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        self.samples += [(trainer.global_step, hashlib.sha1(r.numpy().tobytes()).hexdigest()) for r in batch[0]]
+
+
+class _Outage(pl.Callback):
+    """Stops the store after `at_step` and starts it again `seconds` later, from another thread."""
+
+    def __init__(self, server: S3Server, at_step: int, seconds: float) -> None:
+        self.server, self.at_step, self.seconds = server, at_step, seconds
+        self.thread: threading.Thread | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.at_step and self.thread is None:
+            self.server.stop()
+            self.thread = threading.Timer(self.seconds, self.server.start)
+            self.thread.start()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, Path, str]]:
+    source = tmp_path_factory.mktemp("text") / "part.txt"
+    source.write_text(bundled_corpora()["tinyshakespeare"].read_text()[:TEXT_BYTES])
+    local = prepare_dataset(DataConfig(source=str(source), shard_mb=SHARD_MB), tmp_path_factory.mktemp("ds"),
+                            progress=False)  # fmt: skip
+    with running_s3_server(BUCKET) as (server, _options):
+        mp = pytest.MonkeyPatch()
+        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.port}", "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "eu-west-1"}.items():  # fmt: skip
+            mp.setenv(key, value)
+        url = publish_prepared(local, f"s3://{BUCKET}/tiny")
+        yield server, local, url
+        mp.undo()
+
+
+def _train(out: Path, source: str, *extra: str, callbacks: list[pl.Callback]) -> dict[str, Any]:
+    config = resolve_config(None, [f"--out_dir={out}", f"--data.source={source}", *COMMON, *extra])
+    return GaudiTrainer(config, callbacks=callbacks, progress=False).fit()
+
+
+def test_streamed_training_reads_the_local_stream_through_a_small_cache_and_an_outage(
+    store: tuple[S3Server, Path, str], tmp_path: Path
+) -> None:
+    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.checkpoint.reader import read_checkpoint
+    from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
+
+    server, local, url = store
+    manifest = load_manifest(local)
+    shard_bytes = max(s.size_bytes for s in manifest.shards)
+    local_run, streamed = _Record(), _Record()
+    reference = _train(tmp_path / "local", str(local), callbacks=[local_run])
+    cache_gib = 6 * shard_bytes / 2**30  # the block in use, the next one, and the val shards: far below the data
+    outage = _Outage(server, at_step=5, seconds=3.0)
+    summary = _train(tmp_path / "s3", url, f"--data.cache_limit_gib={cache_gib}",
+                     f"--data.cache_dir={tmp_path / 'cache'}", callbacks=[streamed, outage])  # fmt: skip
+    assert outage.thread is not None
+    outage.thread.join()
+    assert streamed.samples == local_run.samples and len(local_run.samples) == 60 * 8
+    diff = first_difference(*(read_checkpoint(Path(s["checkpoint"])) for s in (reference, summary)), keys=DIFF_KEYS)
+    assert diff is None
+    cache = summary["data_cache"]
+    assert cache["bytes_fetched"] > 0 and cache["evictions"] > 0 and cache["retries"] > 0, cache
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.bin"))
+    assert cached <= cache_gib * 2**30 < sum(s.size_bytes for s in manifest.shards)
+
+
+def _corrupt(url: str, name: str, data: bytes | None) -> None:
+    fs, root = open_remote(url, field="test")
+    if data is None:
+        fs.rm(f"{root}/{name}")
+    else:
+        fs.pipe_file(f"{root}/{name}", data)
+
+
+@pytest.mark.parametrize("damage", ["checksum", "missing"])
+def test_a_damaged_shard_at_the_store_is_one_line(
+    store: tuple[S3Server, Path, str], tmp_path: Path, damage: str, gaudi3_cli: Any
+) -> None:
+    _, local, _ = store
+    url = publish_prepared(local, f"s3://{BUCKET}/damaged-{damage}")
+    name = load_manifest(local).shards_of("train")[0].file
+    _corrupt(url, name, b"\x00" * 64 if damage == "checksum" else None)
+    code, out, err = gaudi3_cli("train", "--out", str(tmp_path / "run"), "--no-progress", f"--data.source={url}",
+                                *COMMON, f"--data.cache_dir={tmp_path / 'cache'}", "--data.fetch_retry_s=1")  # fmt: skip
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and name in lines[0], err
+    assert ("SHA-256" in lines[0]) if damage == "checksum" else ("missing" in lines[0] or "not found" in lines[0])
+
+
+def test_unreachable_store_at_start_is_one_line(tmp_path: Path, gaudi3_cli: Any, monkeypatch: Any) -> None:
+    from s3_server import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    code, _, err = gaudi3_cli("train", "--out", str(tmp_path / "run"), "--no-progress",
+                              f"--data.source=s3://{BUCKET}/nowhere", *COMMON)  # fmt: skip
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and f"s3://{BUCKET}/nowhere" in lines[0], err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bad_mixtures_are_one_line(store: tuple[S3Server, Path, str], tmp_path: Path, gaudi3_cli: Any) -> None:
+    _, local, _ = store
+    unknown = json.dumps([{"source": str(local), "weight": 1}, {"source": str(tmp_path / "nope"), "weight": 1}])
+    zero = json.dumps([{"source": str(local), "weight": 0}])
+    for mixture, expected in ((unknown, "nope"), (zero, "sum")):
+        code, _, err = gaudi3_cli("train", "--out", str(tmp_path / "run"), "--no-progress",
+                                  f"--data.mixture={mixture}", *COMMON)  # fmt: skip
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], err
