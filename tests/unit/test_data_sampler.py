@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -206,3 +209,40 @@ def test_val_windows_cap_and_ranks() -> None:
     assert [len(r) for r in ranks] == [2, 2]  # 5 batches → 4 usable, 2 per rank
     interleaved = np.concatenate([ranks[0][:1], ranks[1][:1], ranks[0][1:], ranks[1][1:]])
     assert np.array_equal(interleaved, full[:4])
+
+
+# Streams of the single-file sampler (before shards existed), recorded from it: a one-shard dataset must keep
+# giving these, so that old checkpoints resume on the very same batches.
+_RECORDED_STREAMS = [
+    # (num_tokens, T, global, micro, world, rank, seed, stride, first_step, num_steps, sha256[:16] of int64 starts)
+    (100_000, 16, 16, 2, 1, 0, 7, 1, 0, 50, "727566170975e65d"),
+    (100_000, 16, 16, 2, 2, 1, 7, 1, 6240, 20, "d9004095ce833e28"),
+    (1000, 16, 16, 4, 1, 0, 3, 5, 0, 40, "3bdb98ca972b2615"),
+    (19, 16, 8, 8, 1, 0, 0, 1, 0, 5, "80e7c7b30061aeba"),
+    (10**9, 2048, 64, 4, 4, 3, 1234, 2048, 10**5, 8, "0d98f50bbdf37787"),
+]
+
+
+@pytest.mark.parametrize("config", _RECORDED_STREAMS)
+def test_single_shard_streams_are_unchanged(config: tuple[Any, ...]) -> None:
+    num_tokens, t, global_batch, micro, world, rank, seed, stride, first, count, digest = config
+    sampler = WindowSampler(
+        num_tokens,
+        t,
+        global_batch_size=global_batch,
+        micro_batch_size=micro,
+        world_size=world,
+        rank=rank,
+        seed=seed,
+        stride=stride,
+    )
+    starts = sampler.steps_starts(first, count).astype(np.int64)
+    assert hashlib.sha256(starts.tobytes()).hexdigest()[:16] == digest
+
+
+def test_single_shard_stream_literal() -> None:
+    sampler = WindowSampler(16 + 40, 16, global_batch_size=8, micro_batch_size=4, seed=5)
+    assert sampler.steps_starts(0, 6).ravel().tolist() == [
+        10, 20, 29, 39, 8, 6, 14, 24, 1, 22, 23, 38, 34, 13, 5, 35, 12, 26, 30, 9, 33, 21, 0, 15,
+        37, 3, 7, 2, 25, 16, 19, 4, 31, 17, 18, 11, 32, 36, 27, 28, 15, 24, 0, 30, 32, 39, 16, 29,
+    ]  # fmt: skip
