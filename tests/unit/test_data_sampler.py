@@ -114,6 +114,9 @@ def test_resume_from_state_gives_identical_batches() -> None:
         "stride": 1,
         "num_windows": NUM_TOKENS - T,
         "context_length": T,
+        "num_shards": 1,
+        "block_shards": 1,
+        "shard_tokens_sha256": hashlib.sha256(np.array([NUM_TOKENS], dtype="<i8").tobytes()).hexdigest(),
         "global_batch_size": 16,
         "samples_consumed": 48,
     }
