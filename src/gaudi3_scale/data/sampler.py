@@ -256,11 +256,7 @@ class WindowSampler:
             within = (positions - first).astype(np.uint64)
             if (block == block[0]).all():  # the usual case: a batch inside one block
                 b = int(block[0])
-                keys, n, half_bits = (
-                    plan.block_keys[:, b],
-                    int(plan.block_windows[b]),
-                    plan.block_half_bits[b],
-                )
+                keys, n, half_bits = plan.block_keys[:, b], plan.block_windows[b], plan.block_half_bits[b]
             else:
                 keys, n, half_bits = (
                     plan.block_keys[:, block],
