@@ -400,6 +400,11 @@ def test_shard_validation_and_empty_datasets() -> None:
     with pytest.raises(ConfigError, match="block_shards: must be > 0"):
         sharded(block_shards=0)
     assert sharded([T + 1]).sample_starts(np.arange(3)).tolist() == [0, 0, 0]
+    # Two windows, and rank 1 of 2 reads samples 2, 3, 6, 7, ...: epochs 0, 2, 4 have none of its samples.
+    tiny = sharded(
+        [T + 1, T + 1], world_size=2, rank=1, global_batch_size=4, micro_batch_size=2, block_shards=1
+    )
+    assert sorted(tiny.steps_starts(0, 3).ravel().tolist()) == [0, 0, 0, T + 1, T + 1, T + 1]
 
 
 def test_locate_skips_empty_shards() -> None:

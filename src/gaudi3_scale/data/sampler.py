@@ -281,7 +281,8 @@ class WindowSampler:
         shards, windows = np.empty_like(positions), np.empty_like(positions)
         for epoch in range(first, last + 1):
             sel = epochs == epoch
-            shards[sel], windows[sel] = self._epoch_windows(epoch, positions[sel])
+            if sel.any():  # a rank's samples can skip a whole epoch of a tiny dataset
+                shards[sel], windows[sel] = self._epoch_windows(epoch, positions[sel])
         return shards, windows
 
     def window_indices(self, samples: np.ndarray) -> np.ndarray:
