@@ -156,7 +156,13 @@ class _EpochPlan:
     block_first: np.ndarray  # int64 [B]: position of each block's first window
     block_windows: np.ndarray  # uint64 [B]
     block_half_bits: np.ndarray  # uint64 [B]
-    block_keys: np.ndarray  # uint64 [rounds, B]
+    key_base: np.ndarray  # uint64 [rounds]: block b's round keys are mix64(key_base + (b + 1) * golden)
+
+
+def _block_keys(plan: _EpochPlan, blocks: np.ndarray) -> np.ndarray:
+    """Round keys of `blocks` (int64 array), [rounds, len(blocks)]."""
+    counters = (blocks.astype(np.uint64) + np.uint64(1)) * _GOLDEN  # arrays wrap silently, scalars would warn
+    return _mix64(plan.key_base[:, None] + counters[None, :])
 
 
 def _tokens_digest(shard_tokens: np.ndarray) -> str:
@@ -237,29 +243,34 @@ class WindowSampler:
         block_first = shard_first[:: self.block_shards]
         block_windows = np.diff(np.append(block_first, self.num_windows)).astype(np.uint64)
         if self.num_blocks == 1:  # exactly the single-file permutation of the epoch
-            keys = np.array(_round_keys(self.seed, epoch), dtype=np.uint64)[:, None]
-        else:
-            blocks = np.arange(1, self.num_blocks + 1, dtype=np.uint64)
-            keys = _mix64(_seed_words(self.seed, epoch, 2)[:, None] + blocks[None, :] * _GOLDEN)
-        return _EpochPlan(shards, shard_first, block_first, block_windows, _half_bits(block_windows), keys)
+            key_base = np.array(_round_keys(self.seed, epoch), dtype=np.uint64)
+        else:  # derived per block on use (splitmix64's stream), not stored: 100k blocks would be 3 MB an epoch
+            key_base = _seed_words(self.seed, epoch, 2)
+        return _EpochPlan(
+            shards, shard_first, block_first, block_windows, _half_bits(block_windows), key_base
+        )
 
     def _epoch_windows(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, window index within the shard) of epoch positions."""
         plan = self._plan(epoch)
         if self.num_blocks == 1:  # the default: one shuffle over the whole epoch
             visited = _feistel(
-                positions.astype(np.uint64), self.num_windows, plan.block_keys[:, 0], plan.block_half_bits[0]
+                positions.astype(np.uint64), self.num_windows, plan.key_base, plan.block_half_bits[0]
             )
         else:
             block = np.searchsorted(plan.block_first, positions, side="right") - 1
             first = plan.block_first[block]
             within = (positions - first).astype(np.uint64)
             if (block == block[0]).all():  # the usual case: a batch inside one block
-                b = int(block[0])
-                keys, n, half_bits = plan.block_keys[:, b], plan.block_windows[b], plan.block_half_bits[b]
+                b = block[:1]
+                keys, n, half_bits = (
+                    _block_keys(plan, b)[:, 0],
+                    plan.block_windows[b[0]],
+                    plan.block_half_bits[b[0]],
+                )
             else:
                 keys, n, half_bits = (
-                    plan.block_keys[:, block],
+                    _block_keys(plan, block),
                     plan.block_windows[block],
                     plan.block_half_bits[block],
                 )
