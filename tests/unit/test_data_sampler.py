@@ -397,6 +397,8 @@ def test_shard_validation_and_empty_datasets() -> None:
         sharded([])
     with pytest.raises(UserInputError, match="shard token counts must be integers >= 0"):
         sharded([100, -1])
+    with pytest.raises(UserInputError, match=r"shard token counts must be integers >= 0, got \[100, 2.5\]"):
+        sharded([100, 2.5])  # a float count is a bug upstream, not a truncation
     with pytest.raises(ConfigError, match="block_shards: must be > 0"):
         sharded(block_shards=0)
     assert sharded([T + 1]).sample_starts(np.arange(3)).tolist() == [0, 0, 0]

@@ -198,10 +198,10 @@ class WindowSampler:
         check_positive("seed", seed, allow_zero=True)
         if not 0 <= rank < world_size:
             raise ConfigError("rank", f"must be in [0, world_size={world_size}), got {rank}")
-        tokens = np.atleast_1d(np.asarray(shard_tokens, dtype=np.int64))
-        if tokens.ndim != 1 or (tokens < 0).any():
+        tokens = np.atleast_1d(np.asarray(shard_tokens))
+        if tokens.ndim != 1 or (tokens.size and (tokens.dtype.kind not in "iu" or (tokens < 0).any())):
             raise UserInputError(f"shard token counts must be integers >= 0, got {brief(shard_tokens)}")
-        self.shard_tokens = tokens
+        self.shard_tokens = tokens = tokens.astype(np.int64)
         self.shard_bases = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
         self.shard_windows = np.maximum(0, (tokens - context_length - 1) // stride + 1)
         self.num_tokens, self.num_shards = int(tokens.sum()), len(tokens)
