@@ -59,6 +59,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(
     0x9E3779B97F4A7C15
 )  # splitmix64's increment: block b's keys are mix64(base + (b+1)*golden)
+_U64 = (1 << 64) - 1
+# Cycle walking ends in a long tail of a few values (a domain up to 4n leaves 1 in 4 outside after each walk, so
+# 2,048 values take ~20 walks); below this many values left, Python ints finish sooner than numpy (~25 calls a walk).
+_PYTHON_WALK = 32
 _EPOCH_PLANS_KEPT = 3  # a batch spans at most a few epochs except on tiny datasets, which are cheap to plan
 
 
@@ -103,11 +107,27 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def _half_bits(n: np.ndarray) -> np.ndarray:
     """``max(1, ((n - 1).bit_length() + 1) // 2)`` of every element (n >= 1), as uint64."""
     m = np.asarray(n, dtype=np.uint64) - np.uint64(1)
-    exponent = np.frexp(m.astype(np.float64))[1].astype(
-        np.uint64
-    )  # bit_length, or one more where m rounded up
+    # frexp's exponent is the bit length, or one more where m rounded up to a power of two as a float.
+    exponent = np.frexp(m.astype(np.float64))[1].astype(np.uint64)
     too_big = (exponent > 0) & ((np.uint64(1) << (exponent - (exponent > 0))) > m)
     return np.maximum((exponent - too_big + np.uint64(1)) // np.uint64(2), np.uint64(1))
+
+
+def _mix64_int(x: int) -> int:
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def _walk_int(x: int, n: int, keys: list[int], shift: int) -> int:
+    """Cycle walking of one value with Python ints: the numpy path's arithmetic, bit for bit."""
+    mask = (1 << shift) - 1
+    while x >= n:
+        left, right = x >> shift, x & mask
+        for key in keys:
+            left, right = right, left ^ (_mix64_int(right ^ key) & mask)
+        x = (left << shift) | right
+    return x
 
 
 def _feistel(x: np.ndarray, n: Any, keys: np.ndarray, half_bits: Any) -> np.ndarray:
@@ -130,6 +150,14 @@ def _feistel(x: np.ndarray, n: Any, keys: np.ndarray, half_bits: Any) -> np.ndar
     out = permute_domain(x, keys, shift, mask)
     pending = np.flatnonzero(out >= bound)
     while pending.size:  # cycle walking, only on the values still outside [0, n)
+        if pending.size <= _PYTHON_WALK:
+            for i in pending.tolist():
+                if per_element:
+                    args = (int(bound[i]), keys[:, i].tolist(), int(shift[i]))
+                else:
+                    args = (int(bound), keys.tolist(), int(shift))
+                out[i] = _walk_int(int(out[i]), *args)
+            break
         if per_element:
             walked = permute_domain(out[pending], keys[:, pending], shift[pending], mask[pending])
             out[pending] = walked
