@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.dataset import PreparedData, load_prepared
 from gaudi3_scale.data.manifest import FORMAT_VERSION, Manifest, load_manifest, verify_prepared
+from gaudi3_scale.data.mixture import MixtureSampler, SingleSource
 from gaudi3_scale.data.prepare import prepare_dataset
 from gaudi3_scale.data.sampler import WindowSampler, accumulation_steps, val_window_starts
 from gaudi3_scale.data.tokenizers import (
@@ -31,7 +32,9 @@ __all__ = [
     "FORMAT_VERSION",
     "DataConfig",
     "Manifest",
+    "MixtureSampler",
     "PreparedData",
+    "SingleSource",
     "TokenDataModule",
     "TokenWindowDataset",
     "Tokenizer",
