@@ -79,10 +79,9 @@ def test_workers_split_the_stream_without_duplicates(data: PreparedData) -> None
 
 def test_pickling_reopens_the_memmap(data: PreparedData) -> None:
     dataset = TokenWindowDataset(data.train, sampler_for(data), num_steps=1)
-    state = dataset.__getstate__()
-    assert state["_tokens"][0] == "memmap"  # the path travels, not 2 MB of tokens
+    assert len(pickle.dumps(dataset)) < 20_000  # the path travels, not 2 MB of tokens
     clone = pickle.loads(pickle.dumps(dataset))
-    assert isinstance(clone._tokens, np.memmap)
+    assert isinstance(clone._members[0].shard(0), np.memmap)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(dataset, clone, strict=True))
 
 
@@ -91,7 +90,7 @@ def test_val_dataset_is_fixed(data: PreparedData) -> None:
     assert len(val) == 3
     x, y = val[2]
     assert x.shape == (4, T)
-    start = int(val.starts[2, 0])
+    start = int(val.starts[2][0])
     assert x[0].tolist() == data.val[start : start + T].tolist()
     assert torch.equal(ValWindowDataset(data.val, T, micro_batch_size=4, max_batches=3)[2][1], y)
     with pytest.raises(IndexError):
@@ -127,4 +126,4 @@ def test_datamodule_accepts_a_directory(data: PreparedData) -> None:
     with pytest.raises(RuntimeError, match="setup"):
         dm.state_dict()
     dm.setup()
-    assert dm.prepared.vocab_size == 65
+    assert dm.data.vocab_size == 65

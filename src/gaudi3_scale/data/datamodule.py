@@ -124,7 +124,7 @@ class TokenDataModule(pl.LightningDataModule):
                 f"(micro_batch_size {self.micro_batch_size} × world_size {world_size}) = {self.sampler.accum_steps}",
             )
         if self._pending_state is not None:
-            self.start_step = self.sampler.start_step_from_state(self._pending_state)
+            self.load_state_dict(self._pending_state)
             self._pending_state = None
 
     def _require_sampler(self) -> WindowSampler | MixtureSampler:
@@ -195,4 +195,18 @@ class TokenDataModule(pl.LightningDataModule):
         if self.sampler is None:  # restored before setup(): validated there, against the real dataset
             self._pending_state = dict(state_dict)
         else:
+            if self._adopt_blocks(state_dict):
+                self.sampler = self.build_sampler(*self._world())
             self.start_step = self.sampler.start_step_from_state(state_dict)
+
+    def _adopt_blocks(self, state: Mapping[str, Any]) -> bool:
+        """A member whose `data.shuffle_block_shards` was left null resumes with the checkpoint's block size (the
+        stream depends on it; a URL dataset's default follows the cache size, which may have changed)."""
+        members = self.data.members
+        saved = [m.get("sampler", {}) for m in state.get("members", [])] if len(members) > 1 else [state]
+        changed = False
+        for member, member_state in zip(members, saved, strict=False):
+            block = member_state.get("block_shards") if isinstance(member_state, Mapping) else None
+            if member.block_auto and isinstance(block, int) and block > 0 and block != member.block_shards:
+                member.block_shards, changed = block, True
+        return changed

@@ -38,6 +38,7 @@ class DatasetMember:
     train: ShardedTokens
     val: ShardedTokens
     block_shards: int  # resolved data.shuffle_block_shards
+    block_auto: bool = True  # data.shuffle_block_shards was null: a resume takes the checkpoint's
     url: str | None = None
 
     @property
@@ -106,6 +107,7 @@ def training_data_from_dir(
         train=train,
         val=_split_tokens(manifest, "val", local),
         block_shards=min(block_shards or len(train.shard_tokens), len(train.shard_tokens)),
+        block_auto=block_shards is None,
     )
 
 
@@ -121,7 +123,8 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
 
     train = _split_tokens(manifest, "train", remote)
     largest = max([s.size_bytes for s in manifest.shards] + [1])
-    fit = max(1, int(cfg.cache_limit_gib * _GIB) // (2 * largest))  # the block in use + the next one prefetched
+    # The block in use and the next one, prefetched, plus the prefetch depth and one val shard must fit the cache.
+    fit = max(1, (int(cfg.cache_limit_gib * _GIB) // largest - cfg.prefetch_shards - 1) // 2)
     block = cfg.shuffle_block_shards or fit
     return DatasetMember(
         name=name,
@@ -131,6 +134,7 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
         train=train,
         val=_split_tokens(manifest, "val", remote),
         block_shards=min(block, len(train.shard_tokens)),
+        block_auto=cfg.shuffle_block_shards is None,
         url=url,
     )
 

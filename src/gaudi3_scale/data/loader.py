@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from gaudi3_scale.data.mixture import MixtureSampler
+from gaudi3_scale.data.mixture import SingleSource, TrainSampler
 from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.data.shards import ShardedTokens, val_window_starts_sharded
 
@@ -67,9 +67,6 @@ class _ArrayOpener:
         self._tokens = ref
 
 
-AnySampler = WindowSampler | MixtureSampler
-
-
 class TokenWindowDataset(IterableDataset[Batch]):
     """This rank's training micro-batches ``(x, y)``, int64 [micro, T], from optimizer step `start_step` on.
 
@@ -83,7 +80,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
     def __init__(
         self,
         tokens: np.ndarray | ShardedTokens | Sequence[np.ndarray | ShardedTokens],
-        sampler: AnySampler,
+        sampler: WindowSampler | TrainSampler,
         *,
         start_step: int = 0,
         num_steps: int | None = None,
@@ -91,42 +88,24 @@ class TokenWindowDataset(IterableDataset[Batch]):
     ) -> None:
         members = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
         self._members = [as_sharded(t) for t in members]
-        expected = [m.shard_tokens for m in sampler.members] if isinstance(sampler, MixtureSampler) else [
-            sampler.shard_tokens
-        ]
-        if [m.shard_tokens for m in self._members] != [list(e) for e in expected]:
+        self.sampler: TrainSampler = SingleSource(sampler) if isinstance(sampler, WindowSampler) else sampler
+        if [m.shard_tokens for m in self._members] != [list(m.shard_tokens) for m in self.sampler.members]:
             raise ValueError("the sampler was built for other shards than the tokens given")
-        self.sampler = sampler
         self.start_step = start_step
         self.num_steps = num_steps
         self.prefetch_shards = prefetch_shards
-        self._offsets = np.arange(sampler.context_length + 1, dtype=np.int64)
+        self._offsets = np.arange(self.sampler.context_length + 1, dtype=np.int64)
         self._hints = any(m.fetches for m in self._members)  # local shards need no prefetch hints
-
-    def _steps(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(member index, virtual start) of every micro-batch sample of `count` steps, [steps, accum, micro]."""
-        sampler = self.sampler
-        if isinstance(sampler, MixtureSampler):
-            return sampler.steps_starts(first, count)
-        starts = sampler.steps_starts(first, count)
-        return np.zeros_like(starts), starts
+        # The blocks in use and the next ones, plus the prefetch depth: what a fetching cache should hold next.
+        self._hint_count = sum(m.block_shards for m in self.sampler.members) * 2 + prefetch_shards
 
     def _hint(self, step: int) -> None:
-        sampler = self.sampler
-        ahead = sampler.upcoming_shards(step * sampler.global_batch_size, self._hint_count())
+        ahead = self.sampler.upcoming_shards(step * self.sampler.global_batch_size, self._hint_count)
         by_member: dict[int, list[int]] = {}
-        for item in ahead:
-            member, shard = item if isinstance(item, tuple) else (0, item)
+        for member, shard in ahead:
             by_member.setdefault(member, []).append(shard)
         for member, shards in by_member.items():
             self._members[member].prefetch(shards)
-
-    def _hint_count(self) -> int:
-        sampler = self.sampler
-        blocks = [s.block_shards for s in sampler.members] if isinstance(sampler, MixtureSampler) else [
-            sampler.block_shards
-        ]
-        return len(blocks) * max(blocks) + self.prefetch_shards
 
     def batch(self, members: np.ndarray, starts: np.ndarray) -> Batch:
         if len(self._members) == 1:
@@ -155,7 +134,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
                 if step - chunk_first >= len(starts):
                     count = chunk if end is None else min(chunk, end - step)
                     chunk_first = step
-                    members, starts = self._steps(step, count)
+                    members, starts = self.sampler.steps_starts(step, count)
                 if self._hints:
                     self._hint(step)  # every step: a block boundary may fall anywhere in a chunk
                 for a in mine:

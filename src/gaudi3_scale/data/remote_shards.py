@@ -28,7 +28,9 @@ def remote_settings(cfg: DataConfig, url: str, *, field: str) -> dict[str, Any]:
     return {
         "cache_dir": Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None,
         "cache_limit_bytes": int(cfg.cache_limit_gib * (1 << 30)),
-        "prefetch_shards": cfg.prefetch_shards,
+        # The loader's hints say how far ahead to fetch (the blocks in use and next, plus data.prefetch_shards);
+        # 0 turns prefetching off.
+        "prefetch_shards": 1 << 20 if cfg.prefetch_shards else 0,
         "fetch_retry_s": cfg.fetch_retry_s,
         "field": field,
     }
