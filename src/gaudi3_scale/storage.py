@@ -18,13 +18,33 @@ from gaudi3_scale.config.errors import ConfigError
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-__all__ = ["URL_EXAMPLES", "copy_stream", "is_local_filesystem", "open_remote", "url_protocol"]
+__all__ = [
+    "URL_EXAMPLES",
+    "copy_stream",
+    "is_local_filesystem",
+    "is_transient_error",
+    "open_remote",
+    "url_protocol",
+]
 
 URL_EXAMPLES = (
     "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///abs/path, memory://name"
 )
 CHUNK_BYTES = 8 * 2**20
 _INSTALL = "pip install 'gaudi3-scale[remote]'"
+# An OSError that retrying cannot fix: the object is absent, or the credentials may not read it.
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# botocore errors (by class name, so botocore need not be imported) that a later attempt can get past: the
+# connection failed, was cut or timed out, or a body arrived damaged. `NoCredentialsError`, `ParamValidationError`
+# and the other BotoCoreErrors describe the request itself and are permanent.
+_TRANSIENT_BOTOCORE = {"ConnectionError", "HTTPClientError", "IncompleteReadError", "ChecksumError"}
+_THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+}
 
 
 def url_protocol(spec: str) -> str | None:
@@ -86,6 +106,31 @@ def open_remote(
     except (TypeError, ValueError) as e:
         raise ConfigError(field, f"{url!r} with storage options {storage_options}: {e}") from e
     return fs, root.rstrip("/")
+
+
+def is_transient_error(error: BaseException) -> bool:
+    """Whether a storage error may pass if retried: refused / reset / timed-out connections, 5xx and throttling.
+
+    Errors reach us in three shapes: builtin `OSError`s (s3fs translates most S3 error codes, and turns unknown
+    ones, 5xx included, into `OSError(EIO)`); botocore's own exceptions, which s3fs passes through untranslated
+    (`EndpointConnectionError` for a refused connection is a `BotoCoreError`, not an `OSError`); aiohttp's
+    `ClientError`s from the HTTP layer. Anything else (a bug, a bad request) is permanent: retrying would only hide it.
+    """
+    if isinstance(error, _PERMANENT_OS_ERRORS):
+        return False
+    if isinstance(error, OSError):  # ConnectionError, TimeoutError (asyncio's too), EIO
+        return True
+    for cls in type(error).__mro__:
+        if cls.__module__ == "botocore.exceptions" and cls.__name__ in _TRANSIENT_BOTOCORE:
+            return True
+        if cls.__module__.startswith("aiohttp") and cls.__name__ == "ClientError":
+            return True
+    response = getattr(error, "response", None)  # botocore ClientError that s3fs did not translate
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = response.get("Error", {}).get("Code", "")
+        return (isinstance(status, int) and status >= 500) or status == 429 or code in _THROTTLING_CODES
+    return False
 
 
 def is_local_filesystem(fs: AbstractFileSystem) -> bool:
