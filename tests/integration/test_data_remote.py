@@ -311,3 +311,56 @@ def test_manifest_type_is_the_local_one(prepared: Path, tmp_path: Path) -> None:
     with _open(prepared.as_uri(), tmp_path / "cache") as dataset:
         assert isinstance(dataset.manifest, Manifest)
         assert load_manifest(dataset.directory) == dataset.manifest
+
+
+def test_prefetch_through_an_outage_crashes_nothing_and_close_returns(
+    s3: tuple[S3Server, dict[str, Any]], prepared: Path, tmp_path: Path
+) -> None:
+    server, options = s3
+    url = _s3_dataset(prepared, options)
+    manifest = load_manifest(prepared)
+    train, val = manifest.shards_of("train")[0], manifest.shards_of("val")[0]
+    dataset = _open(url, tmp_path / "cache", options, prefetch_shards=2, fetch_retry_s=30.0)
+    server.stop()
+    try:
+        dataset.prefetch([train, val])
+        deadline = time.monotonic() + 10
+        while dataset.stats()["retries"] < 1:
+            assert time.monotonic() < deadline, "the prefetch thread did not try"
+            time.sleep(0.01)
+        server.start()
+        assert _sha256(dataset.shard_path(val)) == val.sha256
+        assert _sha256(dataset.shard_path(train)) == train.sha256
+        server.stop()
+        dataset.prefetch([val])  # present: no fetch, so no retry while the server is down
+        start_s = time.monotonic()
+        dataset.close()
+        assert time.monotonic() - start_s < 2, "close() waited for the retries"
+    finally:
+        if not server.running:
+            server.start()
+        dataset.close()
+    assert dataset.stats()["shards_fetched"] == 2
+
+
+def test_a_shard_another_process_uses_is_not_evicted(prepared: Path, tmp_path: Path) -> None:
+    """Two instances on one cache directory behave as two processes (flock locks belong to open files)."""
+    manifest = load_manifest(prepared)
+    train, val = manifest.shards_of("train")[0], manifest.shards_of("val")[0]
+    limit = max(train.size_bytes, val.size_bytes)  # room for one shard
+    cache = tmp_path / "cache"
+    holder = _open(prepared.as_uri(), cache, cache_limit_bytes=limit)
+    other = _open(prepared.as_uri(), cache, cache_limit_bytes=limit, fetch_retry_s=0.3)
+    with holder, other:
+        path = holder.shard_path(train)  # pinned while holder uses it
+        with pytest.raises(
+            UserInputError, match=r"val\.bin: the shard cache \(data\.cache_limit_gib=.*stayed full"
+        ):
+            other.shard_path(val)
+        assert _sha256(path) == train.sha256
+        assert (
+            other.shard_path(train) == path and other.stats()["cache_hits"] == 1
+        )  # shared, not fetched again
+        holder.close()
+        other.shard_path(val)  # now train may go: other's own pin on it is dropped to make room
+        assert not path.exists() and other.stats()["evictions"] == 1
