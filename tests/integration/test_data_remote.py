@@ -364,3 +364,22 @@ def test_a_shard_another_process_uses_is_not_evicted(prepared: Path, tmp_path: P
         holder.close()
         other.shard_path(val)  # now train may go: other's own pin on it is dropped to make room
         assert not path.exists() and other.stats()["evictions"] == 1
+
+
+def test_a_forked_child_does_not_keep_the_parents_pins(prepared: Path, tmp_path: Path) -> None:
+    """DataLoader workers are forked: the pins' lock files must not stay locked through the child's copies."""
+    manifest = load_manifest(prepared)
+    train, val = manifest.shards_of("train")[0], manifest.shards_of("val")[0]
+    limit, cache = max(train.size_bytes, val.size_bytes), tmp_path / "cache"
+    holder = _open(prepared.as_uri(), cache, cache_limit_bytes=limit, prefetch_shards=1)
+    holder.prefetch([train])
+    holder.shard_path(train)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(10,))
+    child.start()
+    try:
+        holder.close()
+        with _open(prepared.as_uri(), cache, cache_limit_bytes=limit, fetch_retry_s=0.3) as other:
+            assert _sha256(other.shard_path(val)) == val.sha256  # train was evicted: nobody pins it any more
+    finally:
+        child.terminate()
+        child.join()

@@ -20,11 +20,13 @@ this process's own pins are dropped first (prefetch pauses until it is done). s3
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -86,6 +88,7 @@ class RemoteDataset:
         self._paused = 0  # shard_path calls that took the window's room: prefetch waits for them
         self._stats = {"bytes_fetched": 0, "shards_fetched": 0, "cache_hits": 0, "fetch_wait_s": 0.0}
         self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
         if prefetch_shards > 0:
             self._thread = threading.Thread(target=self._prefetch_loop, name="data-prefetch", daemon=True)
             self._thread.start()
@@ -143,12 +146,8 @@ class RemoteDataset:
 
             def make_room() -> None:  # this process's pins (the last shard included: see ShardCache on mmap)
                 nonlocal took_room
+                self._release_pins(pause=not took_room, last=True)
                 took_room = True
-                self._release_window_pins()
-                with self._cond:
-                    last, self._last_pin = self._last_pin, None
-                if last is not None:
-                    os.close(last)
 
             try:
                 fd = self._cache.acquire(
@@ -207,11 +206,7 @@ class RemoteDataset:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self._release_window_pins(pause=False)
-        with self._cond:
-            last, self._last_pin = self._last_pin, None
-        if last is not None:
-            os.close(last)
+        self._release_pins(pause=False, last=True)
 
     def __enter__(self) -> RemoteDataset:
         return self
@@ -222,14 +217,34 @@ class RemoteDataset:
         self.close()
 
     # ---- internals ----
-    def _release_window_pins(self, *, pause: bool = True) -> None:
+    def _release_pins(self, *, pause: bool, last: bool) -> None:
+        """Unpin the prefetch window's shards (and the last returned one when `last`); `pause` holds prefetching
+        back until the caller's `shard_path` is done."""
         with self._cond:
             fds = list(self._window_pins.values())
             self._window_pins.clear()
+            if last and self._last_pin is not None:
+                fds.append(self._last_pin)
+                self._last_pin = None
             if pause:
                 self._paused += 1
         for fd in fds:
             os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) shares the parent's lock files' open descriptions: keeping them
+        would keep the parent's pins alive as long as the child lives. Drop them, renew the locks a parent thread
+        may have held at the fork, and go without the prefetch thread (which does not exist in the child)."""
+        fds = [*self._window_pins.values(), *([self._last_pin] if self._last_pin is not None else [])]
+        for fd in fds:
+            os.close(fd)
+        self._window_pins, self._last_pin, self._window = {}, None, []
+        self._cond, self._thread, self._paused = threading.Condition(), None, 0
+        stopped, self._stop = self._stop.is_set(), threading.Event()
+        if stopped:
+            self._stop.set()
+        self._retrier = Retrier()
+        self._cache.after_fork_in_child()
 
     def _prefetch_loop(self) -> None:
         while True:
@@ -315,6 +330,11 @@ class RemoteDataset:
             dst.flush()
             os.fsync(dst.fileno())  # the file is trusted by its size once renamed: its bytes must be on disk
         return result
+
+
+def _after_fork(dataset: weakref.ref[RemoteDataset]) -> None:
+    if (alive := dataset()) is not None:
+        alive._after_fork_in_child()
 
 
 def _check_relative(url: str, file: str) -> None:

@@ -66,6 +66,9 @@ class ShardCache:
     def evictions(self) -> int:
         return self._evictions
 
+    def after_fork_in_child(self) -> None:
+        self._count_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
     def path(self, shard: Shard) -> Path:
         return self.directory / local_name(shard)
 
