@@ -49,9 +49,13 @@ class Retrier:
         budget_name: str,
         stop: threading.Event | None = None,
     ) -> T:
-        """`attempt()`, retried on transient errors for up to `budget_s` after the first failure; then one
-        `UserInputError` line naming `what` (a URL), how long it retried and `budget_name` (what sets the budget)."""
-        first_failure_s: float | None = None
+        """`attempt()`, retried on transient errors until the outage has lasted `budget_s`, then one
+        `UserInputError` line naming `what` (a URL), how long it retried and `budget_name` (what sets the budget).
+
+        The outage is this Retrier's, shared by its threads: it begins at the first failure and ends at the next
+        success of any call. So a call that starts while another has been failing for a while (the prefetch thread
+        retrying the shard `shard_path` now waits for) gets only what is left of the budget, not a fresh one.
+        """
         delay_s = self.first_backoff_s
         while True:
             try:
@@ -59,15 +63,14 @@ class Retrier:
             except Exception as error:
                 if not is_transient_error(error):
                     raise
-                now_s = time.monotonic()
-                first_failure_s = now_s if first_failure_s is None else first_failure_s
-                elapsed_s = now_s - first_failure_s
+                elapsed_s = self._failed(what, error, budget_s, budget_name)
                 if elapsed_s >= budget_s:
                     raise UserInputError(
                         f"{what}: unreachable, retried for {elapsed_s:.1f} s ({budget_name}={budget_s:g}); "
                         f"last error {_describe(error)}"
                     ) from error
-                self._failed(what, error, budget_s, budget_name)
+                with self._lock:
+                    self.retries += 1
                 wait_s = min(
                     delay_s * (0.5 + self._jitter.random()), self.max_backoff_s, budget_s - elapsed_s
                 )
@@ -80,15 +83,24 @@ class Retrier:
                 self._succeeded(what)
                 return result
 
-    def _failed(self, what: str, error: Exception, budget_s: float, budget_name: str) -> None:
+    def _failed(self, what: str, error: Exception, budget_s: float, budget_name: str) -> float:
+        """Seconds since the outage began (this failure begins one when none is under way)."""
+        now_s = time.monotonic()
         with self._lock:
-            self.retries += 1
-            if self._outage_since_s is not None:
-                return
-            self._outage_since_s = time.monotonic()
-        log.warning(
-            "%s: %s; retrying with backoff for up to %g s (%s)", what, _describe(error), budget_s, budget_name
-        )
+            began = self._outage_since_s is None
+            if began:
+                self._outage_since_s = now_s
+            since_s = self._outage_since_s
+        assert since_s is not None
+        if began:
+            log.warning(
+                "%s: %s; retrying with backoff for up to %g s (%s)",
+                what,
+                _describe(error),
+                budget_s,
+                budget_name,
+            )
+        return now_s - since_s
 
     def _succeeded(self, what: str) -> None:
         with self._lock:

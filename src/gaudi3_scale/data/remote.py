@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -98,7 +98,7 @@ class RemoteDataset:
         cls,
         url: str,
         *,
-        cache_dir: Path | None,
+        cache_dir: str | os.PathLike[str] | None,
         cache_limit_bytes: int,
         prefetch_shards: int,
         fetch_retry_s: float,
@@ -134,7 +134,8 @@ class RemoteDataset:
     def shard_path(self, shard: Shard) -> Path:
         """The local path of `shard`, downloaded and verified first if absent (blocking). It stays pinned (never
         evicted) until the next call, unless that call needs its room; open or memory-map it before then: an open
-        file stays readable after an eviction (see ShardCache)."""
+        file stays readable after an eviction (see ShardCache). One thread of a process should call it: the pin
+        of "the shard returned last" is per process."""
         start_s = time.monotonic()
         with self._cond:
             if self._stop.is_set():
@@ -286,7 +287,7 @@ class RemoteDataset:
                 return shard
         return None
 
-    def _downloader(self, shard: Shard) -> Any:
+    def _downloader(self, shard: Shard) -> Callable[[Path], None]:
         return lambda part: self._download(shard, part)
 
     def _download(self, shard: Shard, part: Path) -> None:
