@@ -54,6 +54,8 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _upload(prepared: Path, url: str, options: dict[str, Any] | None = None) -> None:
     fs, root = open_remote(url, options, field="test")
     manifest = load_manifest(prepared)
+    if url.startswith("file://"):
+        fs.makedirs(root, exist_ok=True)
     for name in ["manifest.json", manifest.tokenizer_file, *(s.file for s in manifest.shards)]:
         fs.put_file(str(prepared / name), f"{root}/{name}")
 
@@ -383,3 +385,21 @@ def test_a_forked_child_does_not_keep_the_parents_pins(prepared: Path, tmp_path:
     finally:
         child.terminate()
         child.join()
+
+
+@pytest.mark.parametrize("change", ["truncated", "longer"])
+def test_object_of_the_wrong_size_is_one_line(change: str, prepared: Path, tmp_path: Path) -> None:
+    """fsspec's files know the object's size from the listing: a wrong one is refused before any byte is read."""
+    url = f"memory://ds-{uuid.uuid4().hex[:8]}" if change == "truncated" else (tmp_path / "store").as_uri()
+    _upload(prepared, url)
+    val = load_manifest(prepared).shards_of("val")[0]
+    fs, root = open_remote(url, None, field="test")
+    data = fs.cat_file(f"{root}/{val.file}")
+    fs.pipe_file(f"{root}/{val.file}", data[:-2] if change == "truncated" else data + b"\0" * (3 << 20))
+    with _open(url, tmp_path / "cache") as dataset, pytest.raises(UserInputError) as info:
+        dataset.shard_path(val)
+    expected_bytes = val.size_bytes - 2 if change == "truncated" else val.size_bytes + (3 << 20)
+    assert str(info.value).startswith(f"{url}/{val.file}: corrupt, twice: ")
+    assert f"{val.size_bytes} bytes, SHA-256 {val.sha256[:12]}" in str(info.value)
+    assert f"corrupt, twice: {expected_bytes} bytes, not read;" in str(info.value)
+    assert list((tmp_path / "cache" / "shards").glob("*.part")) == []

@@ -308,29 +308,48 @@ class RemoteDataset:
                 raise
             except Exception as e:
                 raise UserInputError(f"{url}: cannot be read ({type(e).__name__}: {e})") from e
-            with self._cond:
-                self._stats["bytes_fetched"] += size_bytes
             if size_bytes == shard.size_bytes and sha256 == shard.sha256:
                 with self._cond:
                     self._stats["shards_fetched"] += 1
                 return
             log.warning("%s: does not match %s (attempt %d of 2)", url, MANIFEST_FILE, attempt)
+        got = f"SHA-256 {sha256[:12]}…" if sha256 else "not read"
         raise UserInputError(
-            f"{url}: corrupt, twice: SHA-256 {sha256[:12]}… and {size_bytes} bytes, {MANIFEST_FILE} says "
-            f"{shard.sha256[:12]}… and {shard.size_bytes} bytes; {_REUPLOAD}"
+            f"{url}: corrupt, twice: {size_bytes} bytes, {got}; {MANIFEST_FILE} says {shard.size_bytes} bytes, "
+            f"SHA-256 {shard.sha256[:12]}…; {_REUPLOAD}"
         )
 
     def _copy(self, shard: Shard, part: Path) -> tuple[int, str]:
-        def check_stop(_: int) -> None:
+        """(size, SHA-256) of what the store returned, written into `part`; SHA-256 "" when the object's size
+        alone disagrees (listed by the store, or more bytes arrived than the manifest lists)."""
+        read_bytes = 0
+
+        def on_chunk(num_bytes: int) -> None:
+            nonlocal read_bytes
+            read_bytes += num_bytes
+            with self._cond:
+                self._stats["bytes_fetched"] += num_bytes
             if self._stop.is_set():
                 raise FetchStopped(shard.file)
+            if read_bytes > shard.size_bytes:  # never write past the room reserved for it
+                raise _TooLong
 
         with self._fs.open(f"{self._root}/{shard.file}", "rb") as src, part.open("r+b") as dst:
-            result = copy_stream(src, dst, check_stop)
+            listed_bytes = getattr(src, "size", None)  # fsspec's buffered files know it from the listing
+            if isinstance(listed_bytes, int) and listed_bytes != shard.size_bytes:
+                return listed_bytes, ""
+            try:
+                result = copy_stream(src, dst, on_chunk)
+            except _TooLong:
+                return read_bytes, ""
             dst.truncate()
             dst.flush()
             os.fsync(dst.fileno())  # the file is trusted by its size once renamed: its bytes must be on disk
         return result
+
+
+class _TooLong(Exception):
+    """More bytes arrived than the manifest lists."""
 
 
 def _after_fork(dataset: weakref.ref[RemoteDataset]) -> None:
