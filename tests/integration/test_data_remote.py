@@ -163,6 +163,9 @@ def _fetch_in_child(
         barrier.wait(timeout=20)
         path = dataset.shard_path(shard)
         out.put((_sha256(path), dataset.stats()["shards_fetched"]))
+        barrier.wait(
+            timeout=20
+        )  # both keep their pin until both have the shard: a pin must not block the other
 
 
 def test_two_processes_share_one_download(

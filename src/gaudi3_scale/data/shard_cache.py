@@ -1,16 +1,18 @@
 """A size-bounded local cache of verified shard files, shared by every process on the node (ranks, workers).
 
 Layout, in one directory: `<sha256[:16]>-<name>` is a verified shard (named by content, so a dataset re-prepared
-under the same URL never reuses a stale file), `<…>.part` the download in progress, `<…>.lock` its lock file, and
-`.cache.lock` the lock taken to count bytes and evict.
+under the same URL never reuses a stale file), `<…>.part` the download in progress, `<…>.lock` and `<…>.fetch.lock`
+its two lock files, and `.cache.lock` the lock taken to count bytes and evict.
 
 Locks are `flock`s, which belong to an open file description: they exclude threads of one process as well as other
-processes, and the kernel drops them when a process dies. On a shard's lock file:
-  * shared (LOCK_SH) = a *pin*: the holder uses the file, so it is never evicted. A file is looked up under a shared
-    lock; only a present file stays pinned.
-  * exclusive (LOCK_EX) = a download: one process fetches the shard while the others wait on the lock, then find
-    the verified file present. A `.part` file exists only while its exclusive lock is held, so one whose lock can be
-    taken was left by a dead process and is deleted.
+processes, and the kernel drops them when a process dies.
+  * `<…>.lock` held shared = a *pin*: the holder uses the file, so it is never evicted (eviction takes it
+    exclusively, without waiting, and skips the shard when it cannot). A file is looked up under this pin.
+  * `<…>.fetch.lock` held exclusively = a download: one process fetches the shard while the others wait on the lock,
+    then find the verified file present. A `.part` file exists only while its fetch lock is held, so one whose lock
+    can be taken was left by a dead process and is deleted.
+Two locks, because a pin may last as long as training reads the shard: a process that finds the shard absent must
+wait for a download in progress, never for the pins of processes that already use it.
 A verified file is trusted by its size afterwards (never re-hashed): it is renamed into place only after its size
 and SHA-256 matched the manifest.
 
@@ -72,8 +74,8 @@ class ShardCache:
     def path(self, shard: Shard) -> Path:
         return self.directory / local_name(shard)
 
-    def _open_lock(self, name: str) -> int:
-        return os.open(self.directory / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _open_lock(self, name: str, suffix: str = ".lock") -> int:
+        return os.open(self.directory / f"{name}{suffix}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def _present(self, shard: Shard) -> bool:
         try:
@@ -81,10 +83,14 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
+    def _pin(self, shard: Shard) -> int:
+        fd = self._open_lock(local_name(shard))
+        _lock(fd, fcntl.LOCK_SH)  # waits at most for an eviction attempt in progress (never blocking ones)
+        return fd
+
     def pin_if_present(self, shard: Shard) -> int | None:
         """A pin (an fd holding the shared lock; close it to unpin) when the verified file is here, else None."""
-        fd = self._open_lock(local_name(shard))
-        _lock(fd, fcntl.LOCK_SH)
+        fd = self._pin(shard)
         if self._present(shard):
             os.utime(self.path(shard))  # the LRU clock
             return fd
@@ -102,24 +108,26 @@ class ShardCache:
         """A pin on the verified local copy of `shard`, downloading it (`download(part_path)` writes and verifies,
         or raises) when absent; None when pinned files leave no room for it for `space_wait_s`. `make_room` is
         called once when the first attempt to make room fails (e.g. to drop the caller's own prefetch pins)."""
-        while True:
-            if (fd := self.pin_if_present(shard)) is not None:
-                return fd
-            fd = self._open_lock(local_name(shard))
-            try:
-                _lock(fd, fcntl.LOCK_EX)
-                if not self._present(shard):  # nobody fetched it while we waited for the lock
-                    if not self._reserve_waiting(shard, space_wait_s, make_room):
-                        os.close(fd)
-                        return None
-                    self._fill(shard, download)
-                _lock(fd, fcntl.LOCK_SH)
-                if self._present(shard):
-                    return fd
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # evicted in the moment the lock was converted: go round again
+        pin = self._pin(
+            shard
+        )  # held from here on: the file cannot be evicted between its download and our use
+        try:
+            if not self._present(shard):
+                fetch = self._open_lock(local_name(shard), ".fetch.lock")
+                try:
+                    _lock(fetch, fcntl.LOCK_EX)  # waits while another thread or process downloads it
+                    if not self._present(shard):
+                        if not self._reserve_waiting(shard, space_wait_s, make_room):
+                            os.close(pin)
+                            return None
+                        self._fill(shard, download)
+                finally:
+                    os.close(fetch)
+            os.utime(self.path(shard))
+        except BaseException:
+            os.close(pin)
+            raise
+        return pin
 
     def _reserve_waiting(self, shard: Shard, wait_s: float, make_room: Callable[[], None] | None) -> bool:
         deadline = time.monotonic() + wait_s
@@ -185,7 +193,7 @@ class ShardCache:
         return used_bytes, candidates
 
     def _remove_if_abandoned(self, name: str, part_path: str) -> bool:
-        fd = self._open_lock(name)
+        fd = self._open_lock(name, ".fetch.lock")
         try:
             if not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 return False  # a live download
