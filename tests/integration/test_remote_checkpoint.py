@@ -9,10 +9,7 @@ error.
 from __future__ import annotations
 
 import hashlib
-import logging
 import random
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +22,7 @@ import torch
 from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, verify_checkpoint, write_manifest
 from gaudi3_scale.checkpoint.remote import RemoteMirror, fetch_latest, open_remote
 from gaudi3_scale.config.errors import ConfigError
+from s3_server import S3Server, free_port, running_s3_server, s3_options
 
 pytestmark = pytest.mark.integration
 
@@ -32,74 +30,10 @@ BUCKET = "ckpt"
 FAST_RETRY = {"initial_backoff_s": 0.05, "max_backoff_s": 0.2}
 
 
-class S3Server:
-    """moto's S3 app in werkzeug's threaded HTTP server (what `moto.server.ThreadedMotoServer` runs).
-
-    Run directly rather than via ThreadedMotoServer because its stop() neither closes the listening socket (clients
-    would hang instead of being refused, and the port could not be bound again) nor returns before the next 0.5 s
-    poll. moto keeps its state in module globals, so a restarted server still has the bucket and objects.
-    """
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-        self.running = False
-
-    def start(self) -> None:
-        from moto.moto_server.werkzeug_app import (
-            DomainDispatcherApplication,
-            MotoRequestHandler,
-            create_backend_app,
-        )
-        from werkzeug.serving import make_server
-
-        app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server(
-            "127.0.0.1", self.port, app, threaded=True, request_handler=MotoRequestHandler
-        )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
-        )
-        self._thread.start()
-        self.running = True
-
-    def stop(self) -> None:
-        assert self._thread is not None
-        self._server.shutdown()
-        self._server.server_close()  # refuse new connections from now on
-        self._thread.join()
-        self.running = False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _s3_options(port: int) -> dict[str, Any]:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"},
-        # Fail fast while the server is down; RemoteMirror does the retrying.
-        "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}},
-    }
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[tuple[S3Server, dict[str, Any]]]:
-    pytest.importorskip("s3fs", reason="needs the `remote` extra")
-    pytest.importorskip("moto", reason="needs moto (test extra)")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = S3Server(_free_port())
-    server.start()
-    options = _s3_options(server.port)
-    fs, _ = open_remote(f"s3://{BUCKET}", options)
-    fs.mkdir(BUCKET)
-    yield server, options
-    server.stop()
+    with running_s3_server(BUCKET) as server_and_options:
+        yield server_and_options
 
 
 def _unique_s3_url() -> str:
@@ -278,7 +212,7 @@ def test_storage_unreachable_at_start_only_warns(tmp_path: Path) -> None:
     pytest.importorskip("s3fs", reason="needs the `remote` extra")
     url, ckpt = _unique_s3_url(), _make_checkpoint(tmp_path, 700)
     warnings: list[str] = []
-    mirror = RemoteMirror(url, storage_options=_s3_options(_free_port()), warn=warnings.append, **FAST_RETRY)
+    mirror = RemoteMirror(url, storage_options=s3_options(free_port()), warn=warnings.append, **FAST_RETRY)
     mirror.submit(ckpt)
     _until(lambda: mirror.status().outage)
     mirror.close(timeout_s=0.2)  # gives up on the backlog and names it
@@ -375,7 +309,7 @@ def test_training_mirrors_to_s3_and_a_fresh_machine_resumes_from_it(
 
     first = tmp_path / "machine-a"
     train(first, 8)
-    fs, root = open_remote(url, _s3_options(server.port))
+    fs, root = open_remote(url, s3_options(server.port))
     # Retention ran on both sides once step 8's upload was verified: only step 8 is left, and `latest` names it.
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) == ["latest", "step-00000008"]
     assert fs.cat_file(f"{root}/latest").decode().strip() == "step-00000008"

@@ -18,7 +18,7 @@ ROOT = Path(gaudi3_scale.__file__).parent
 # A root-level module is named by its file stem; "gaudi3_scale" is the package's own __init__.
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "lazy", "document"], 0),
-    **dict.fromkeys(["device"], 1),
+    **dict.fromkeys(["device", "storage"], 1),  # storage: fsspec URLs, for data and checkpoint
     **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering"], 2),
     **dict.fromkeys(["train"], 3),
     **dict.fromkeys(["tune", "bench", "cost", "serve", "deploy", "dashboard", "artifacts", "verify"], 4),

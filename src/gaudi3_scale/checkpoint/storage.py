@@ -1,24 +1,23 @@
 """Checkpoints in any fsspec store: the URL check, the remote layout, read-back verification, fetching back.
 
 The remote layout mirrors the local one (`URL/step-00000500/…`, `URL/step-00000500/manifest.json`, `URL/latest`),
-so a copied directory verifies with the same manifest. fsspec and the backend for a protocol (s3fs for `s3://`,
-gcsfs for `gs://`, adlfs for `az://`) are optional: imported here, lazily, and named in the error when missing.
-`file://` and `memory://` need nothing beyond fsspec.
+so a copied directory verifies with the same manifest. Opening a URL (protocol check, lazy fsspec and backend
+imports) and streaming with a digest live in `gaudi3_scale.storage`, shared with remote datasets; `copy_stream` and
+`is_local_filesystem` are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
-import random
 import re
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
+from gaudi3_scale import storage
 from gaudi3_scale.checkpoint.manager import LATEST_NAME, _set_aside
 from gaudi3_scale.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -27,7 +26,7 @@ from gaudi3_scale.checkpoint.manifest import (
     parse_manifest,
     verify_checkpoint,
 )
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.storage import copy_stream, is_local_filesystem
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -49,9 +48,6 @@ __all__ = [
 
 REMOTE_URL_FIELD = "checkpoint.remote_url"
 STEP_NAME = re.compile(r"step-(\d+)")
-_CHUNK_BYTES = 8 * 2**20
-_EXAMPLES = "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///abs/path, memory://name"
-_INSTALL = "pip install 'gaudi3-scale[remote]'"
 
 Warn = Callable[[str], None]
 
@@ -60,77 +56,10 @@ def default_warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def _private_retry_jitter() -> None:
-    """Give botocore's retry backoff a random generator of its own (s3:// goes through botocore).
-
-    botocore draws the jitter of every retry delay from the global `random` (legacy mode:
-    `botocore.retryhandler.delay_exponential`; standard and adaptive modes: `ExponentialBackoff`'s default
-    `random=random.random`). Drawn on the mirror's thread, that moved the Python RNG state that checkpoints record
-    (`gaudi3_rng`), so a run whose storage had an outage was no longer bitwise identical to one without. The jitter
-    needs no reproducibility: its own generator, seeded from the OS, leaves the global one alone.
-    """
-    try:
-        import botocore.retries.standard as standard
-        import botocore.retryhandler as legacy
-    except ImportError:
-        return
-    jitter = random.Random()
-    if legacy.random is random:  # the module-level `random.random()` call: route it to our generator
-        legacy.random = jitter
-    init = standard.ExponentialBackoff.__init__
-    if init.__defaults__ is not None:
-        init.__defaults__ = tuple(jitter.random if d == random.random else d for d in init.__defaults__)
-
-
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """The fsspec filesystem and root path of `url`; anything wrong with the URL is one `ConfigError` line."""
-    try:
-        import fsspec
-        from fsspec.registry import known_implementations, registry
-    except ImportError as e:
-        raise ConfigError(
-            REMOTE_URL_FIELD, f"{url!r} needs fsspec, which is not installed; {_INSTALL}"
-        ) from e
-    protocol, _ = fsspec.core.split_protocol(url)
-    _private_retry_jitter()
-    if protocol is None:
-        raise ConfigError(REMOTE_URL_FIELD, f"{url!r} has no protocol; use a URL such as {_EXAMPLES}")
-    if protocol not in known_implementations and protocol not in registry:
-        raise ConfigError(
-            REMOTE_URL_FIELD,
-            f"unknown protocol {protocol!r} in {url!r}; allowed: any fsspec protocol, e.g. {_EXAMPLES}",
-        )
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except ImportError as e:
-        hint = known_implementations.get(protocol, {}).get("err") or str(e)
-        raise ConfigError(
-            REMOTE_URL_FIELD,
-            f"{url!r} needs a package that is not installed ({hint}); s3:// comes with {_INSTALL}",
-        ) from e
-    except (TypeError, ValueError) as e:
-        raise ConfigError(REMOTE_URL_FIELD, f"{url!r} with storage options {storage_options}: {e}") from e
-    return fs, root.rstrip("/")
-
-
-def is_local_filesystem(fs: AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    return "file" in protocols
-
-
-def copy_stream(
-    src: BinaryIO, dst: BinaryIO | None, progress: Callable[[int], None] | None = None
-) -> tuple[int, str]:
-    """Stream `src` into `dst` (None: only read) and return (size_bytes, SHA-256 of the bytes read)."""
-    digest, size_bytes = hashlib.sha256(), 0
-    while chunk := src.read(_CHUNK_BYTES):
-        if dst is not None:
-            dst.write(chunk)
-        digest.update(chunk)
-        size_bytes += len(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return size_bytes, digest.hexdigest()
+    """The fsspec filesystem and root path of `url`; anything wrong is one `ConfigError` line naming
+    `checkpoint.remote_url`."""
+    return storage.open_remote(url, storage_options, field=REMOTE_URL_FIELD)
 
 
 def read_remote_bytes(fs: AbstractFileSystem, path: str) -> bytes | None:

@@ -1,0 +1,400 @@
+"""A prepared dataset read from object storage (`s3://…`, `gs://…`, `file://…`, `memory://…`) through a local cache.
+
+`RemoteDataset.open(url, …)` fetches `manifest.json` and the tokenizer into the cache directory and checks them, and
+fails at once, with one line, when the URL cannot be reached or holds no prepared dataset. Shards come on demand:
+`shard_path(shard)` returns a local file, downloading it first if needed — into a `.part` file, its size and SHA-256
+checked while it streams, then renamed into place. `prefetch(shards)` names the shards needed next; a background
+thread fetches up to `prefetch_shards` of them ahead so that `shard_path` usually returns at once.
+
+Failures: a transient storage error (refused / reset / timed-out connection, 5xx) is retried with jittered
+exponential backoff for up to `fetch_retry_s` (one warning per outage, one on recovery), then training stops with
+one line. A shard that is missing at the store, or whose bytes disagree with the manifest twice in a row, is one line
+at once. An outage seen by the prefetch thread crashes nothing: `shard_path` retries when it needs the shard.
+
+The cache (`ShardCache`) is bounded by `cache_limit_bytes` and shared by every process on the node: one of them
+downloads a shard while the others wait for it. Shards this process uses are pinned against eviction: the one
+`shard_path` returned last, and those of the current prefetch window; when a `shard_path` download finds no room,
+this process's own pins are dropped first (prefetch pauses until it is done). s3 credentials and endpoint come from
+`storage_options` or the environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.fetch_retry import FetchStopped, Retrier
+from gaudi3_scale.data.manifest import MANIFEST_FILE, Manifest, Shard, load_manifest
+from gaudi3_scale.data.shard_cache import ShardCache, local_name
+from gaudi3_scale.data.sources import default_cache_dir
+from gaudi3_scale.storage import copy_stream, open_remote, url_protocol
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+__all__ = ["RemoteDataset", "default_remote_cache_dir", "is_url"]
+
+log = logging.getLogger(__name__)
+OPEN_RETRY_S = 1.5  # at open, a few quick retries only: a wrong URL must fail fast
+SHARDS_DIR = "shards"
+_FETCH_BUDGET = "data.fetch_retry_s"
+_REUPLOAD = "upload the directory `gaudi3 prepare` wrote again"
+
+
+def is_url(spec: str) -> bool:
+    """Whether `spec` names a dataset through an fsspec protocol (`s3://…`, `file://…`); a plain path does not."""
+    return url_protocol(spec) is not None
+
+
+def default_remote_cache_dir(url: str) -> Path:
+    return default_cache_dir() / "shards" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class RemoteDataset:
+    """A prepared dataset at `url` and its local shard cache; see the module docstring. Use `open`."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        fs: AbstractFileSystem,
+        root: str,
+        directory: Path,
+        manifest: Manifest,
+        cache: ShardCache,
+        prefetch_shards: int,
+        fetch_retry_s: float,
+    ) -> None:
+        self.url, self.directory, self.manifest = url, directory, manifest
+        self._fs, self._root, self._cache = fs, root, cache
+        self._prefetch_shards, self._fetch_retry_s = prefetch_shards, fetch_retry_s
+        self._retrier = Retrier()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._window: list[Shard] = []
+        self._window_pins: dict[str, int] = {}  # local name -> fd holding the pin
+        self._last_pin: int | None = None  # the shard shard_path returned last
+        self._skipped: set[str] = set()  # failed prefetches, not tried again until the window changes
+        self._paused = 0  # shard_path calls that took the window's room: prefetch waits for them
+        self._stats = {"bytes_fetched": 0, "shards_fetched": 0, "cache_hits": 0, "fetch_wait_s": 0.0}
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=functools.partial(_after_fork, weakref.ref(self)))
+        if prefetch_shards > 0:
+            self._thread = threading.Thread(target=self._prefetch_loop, name="data-prefetch", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit_bytes: int,
+        prefetch_shards: int,
+        fetch_retry_s: float,
+        storage_options: dict[str, Any] | None = None,
+        field: str = "data.prepared_dir",
+    ) -> RemoteDataset:
+        """Fetch and check the manifest and tokenizer (one `UserInputError` line, within a few seconds, when `url`
+        is unreachable or not a prepared dataset); shards come later, on demand. `cache_dir` None: a directory
+        under the gaudi3-scale cache keyed by the URL."""
+        url = url.rstrip("/")
+        fs, root = open_remote(url, storage_options, field=field)
+        directory = Path(cache_dir) if cache_dir is not None else default_remote_cache_dir(url)
+        directory.mkdir(parents=True, exist_ok=True)
+        _download_small(
+            fs, url, root, MANIFEST_FILE, directory, what="not a prepared dataset (no manifest.json)"
+        )
+        try:
+            manifest = load_manifest(directory)
+        except UserInputError as e:  # name the URL, not our local copy
+            local = str(directory / MANIFEST_FILE)
+            message = str(e).replace(local, f"{url}/{MANIFEST_FILE}").replace(str(directory), url)
+            raise UserInputError(message) from None
+        _check_shards(url, manifest, cache_limit_bytes)
+        _check_relative(url, manifest.tokenizer_file)
+        _download_small(fs, url, root, manifest.tokenizer_file, directory, what="tokenizer missing")
+        cache = ShardCache(directory / SHARDS_DIR, cache_limit_bytes)
+        return cls(
+            url=url, fs=fs, root=root, directory=directory, manifest=manifest, cache=cache,
+            prefetch_shards=prefetch_shards, fetch_retry_s=fetch_retry_s,
+        )  # fmt: skip
+
+    # ---- reading ----
+    def shard_path(self, shard: Shard) -> Path:
+        """The local path of `shard`, downloaded and verified first if absent (blocking). It stays pinned (never
+        evicted) until the next call, unless that call needs its room; open or memory-map it before then: an open
+        file stays readable after an eviction (see ShardCache). One thread of a process should call it: the pin
+        of "the shard returned last" is per process."""
+        start_s = time.monotonic()
+        with self._cond:
+            if self._stop.is_set():
+                raise RuntimeError(f"{self.url}: RemoteDataset is closed")
+        fd = self._cache.pin_if_present(shard)
+        hit = fd is not None
+        took_room = False
+        if fd is None:
+
+            def make_room() -> None:  # this process's pins (the last shard included: see ShardCache on mmap)
+                nonlocal took_room
+                self._release_pins(pause=not took_room, last=True)
+                took_room = True
+
+            try:
+                fd = self._cache.acquire(
+                    shard, self._downloader(shard), space_wait_s=self._fetch_retry_s, make_room=make_room
+                )
+            finally:
+                if took_room:
+                    with self._cond:
+                        self._paused -= 1
+                        self._cond.notify_all()
+            if fd is None:
+                gib = self._cache.limit_bytes / 2**30
+                raise UserInputError(
+                    f"{self.url}/{shard.file}: the shard cache (data.cache_limit_gib={gib:g}) stayed full of "
+                    f"shards in use for {self._fetch_retry_s:g} s; raise data.cache_limit_gib"
+                )
+        with self._cond:
+            previous, self._last_pin = self._last_pin, fd
+            self._stats["cache_hits"] += hit
+            self._stats["fetch_wait_s"] += time.monotonic() - start_s
+            self._skipped.clear()  # room may have been freed: failed prefetches are worth another try
+            self._cond.notify_all()
+        if previous is not None:
+            os.close(previous)
+        return self._cache.path(shard)
+
+    def prefetch(self, shards: Sequence[Shard]) -> None:
+        """Hint the shards needed next, in order (returns at once): the first `prefetch_shards` distinct ones are
+        fetched in the background and pinned; shards that leave the window are unpinned. With `prefetch_shards`
+        0 there is no background thread and nothing is fetched ahead."""
+        window: dict[str, Shard] = {}
+        for shard in shards:
+            if len(window) >= self._prefetch_shards:
+                break
+            window.setdefault(local_name(shard), shard)
+        with self._cond:
+            self._window = list(window.values())
+            self._skipped.clear()
+            stale = [k for k in self._window_pins if k not in window]
+            fds = [self._window_pins.pop(k) for k in stale]
+            self._cond.notify_all()
+        for fd in fds:
+            os.close(fd)
+
+    def stats(self) -> dict[str, float]:
+        """Counters since open: bytes_fetched, shards_fetched, cache_hits, fetch_wait_s (time shard_path blocked),
+        retries (failed storage reads tried again) and evictions (by this process)."""
+        with self._cond:
+            stats: dict[str, float] = dict(self._stats)
+        return {**stats, "retries": self._retrier.retries, "evictions": self._cache.evictions}
+
+    def close(self) -> None:
+        """Stop the prefetch thread (a download in flight is abandoned) and drop every pin."""
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._release_pins(pause=False, last=True)
+
+    def __enter__(self) -> RemoteDataset:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ---- internals ----
+    def _release_pins(self, *, pause: bool, last: bool) -> None:
+        """Unpin the prefetch window's shards (and the last returned one when `last`); `pause` holds prefetching
+        back until the caller's `shard_path` is done."""
+        with self._cond:
+            fds = list(self._window_pins.values())
+            self._window_pins.clear()
+            if last and self._last_pin is not None:
+                fds.append(self._last_pin)
+                self._last_pin = None
+            if pause:
+                self._paused += 1
+        for fd in fds:
+            os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) shares the parent's lock files' open descriptions: keeping them
+        would keep the parent's pins alive as long as the child lives. Drop them, renew the locks a parent thread
+        may have held at the fork, and go without the prefetch thread (which does not exist in the child)."""
+        fds = [*self._window_pins.values(), *([self._last_pin] if self._last_pin is not None else [])]
+        for fd in fds:
+            os.close(fd)
+        self._window_pins, self._last_pin, self._window = {}, None, []
+        self._cond, self._thread, self._paused = threading.Condition(), None, 0
+        stopped, self._stop = self._stop.is_set(), threading.Event()
+        if stopped:
+            self._stop.set()
+        self._retrier = Retrier()
+        self._cache.after_fork_in_child()
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._cond:
+                shard = self._next_prefetch()
+                while shard is None and not self._stop.is_set():
+                    if not self._cond.wait(timeout=1.0):  # other processes free room without telling us
+                        self._skipped.clear()
+                    shard = self._next_prefetch()
+                if self._stop.is_set():
+                    return
+            assert shard is not None
+            key = local_name(shard)
+            try:
+                fd = self._cache.acquire(shard, self._downloader(shard), space_wait_s=0.0)
+            except FetchStopped:
+                return
+            except Exception as e:  # a hint only: shard_path fetches it again, and reports, when it is needed
+                log.debug("prefetch of %s/%s failed: %s", self.url, shard.file, e)
+                fd = None
+            with self._cond:
+                keep = fd is not None and key not in self._window_pins and shard in self._window
+                keep = keep and not self._stop.is_set() and self._paused == 0
+                if keep:
+                    assert fd is not None
+                    self._window_pins[key] = fd
+                    fd = None
+                elif fd is None:
+                    self._skipped.add(key)
+            if fd is not None:
+                os.close(fd)
+
+    def _next_prefetch(self) -> Shard | None:
+        if self._paused:
+            return None
+        for shard in self._window:
+            key = local_name(shard)
+            if key not in self._window_pins and key not in self._skipped:
+                return shard
+        return None
+
+    def _downloader(self, shard: Shard) -> Callable[[Path], None]:
+        return lambda part: self._download(shard, part)
+
+    def _download(self, shard: Shard, part: Path) -> None:
+        """Write `shard` into `part` (reserved at full size) and check it; a mismatch is downloaded once more,
+        in case it was a damaged transfer, then reported."""
+        url = f"{self.url}/{shard.file}"
+        for attempt in (1, 2):
+            try:
+                size_bytes, sha256 = self._retrier.call(
+                    url, lambda: self._copy(shard, part), budget_s=self._fetch_retry_s, budget_name=_FETCH_BUDGET,
+                    stop=self._stop,
+                )  # fmt: skip
+            except FileNotFoundError:
+                raise UserInputError(
+                    f"{url}: missing at the store (listed in {MANIFEST_FILE}); {_REUPLOAD}"
+                ) from None
+            except (UserInputError, FetchStopped):
+                raise
+            except Exception as e:
+                raise UserInputError(f"{url}: cannot be read ({type(e).__name__}: {e})") from e
+            if size_bytes == shard.size_bytes and sha256 == shard.sha256:
+                with self._cond:
+                    self._stats["shards_fetched"] += 1
+                return
+            log.warning("%s: does not match %s (attempt %d of 2)", url, MANIFEST_FILE, attempt)
+        got = f"SHA-256 {sha256[:12]}…" if sha256 else "not read"
+        raise UserInputError(
+            f"{url}: corrupt, twice: {size_bytes} bytes, {got}; {MANIFEST_FILE} says {shard.size_bytes} bytes, "
+            f"SHA-256 {shard.sha256[:12]}…; {_REUPLOAD}"
+        )
+
+    def _copy(self, shard: Shard, part: Path) -> tuple[int, str]:
+        """(size, SHA-256) of what the store returned, written into `part`; SHA-256 "" when the object's size
+        alone disagrees (listed by the store, or more bytes arrived than the manifest lists)."""
+        read_bytes = 0
+
+        def on_chunk(num_bytes: int) -> None:
+            nonlocal read_bytes
+            read_bytes += num_bytes
+            with self._cond:
+                self._stats["bytes_fetched"] += num_bytes
+            if self._stop.is_set():
+                raise FetchStopped(shard.file)
+            if read_bytes > shard.size_bytes:  # never write past the room reserved for it
+                raise _TooLong
+
+        with self._fs.open(f"{self._root}/{shard.file}", "rb") as src, part.open("r+b") as dst:
+            listed_bytes = getattr(src, "size", None)  # fsspec's buffered files know it from the listing
+            if isinstance(listed_bytes, int) and listed_bytes != shard.size_bytes:
+                return listed_bytes, ""
+            try:
+                result = copy_stream(src, dst, on_chunk)
+            except _TooLong:
+                return read_bytes, ""
+            dst.truncate()
+            dst.flush()
+            os.fsync(dst.fileno())  # the file is trusted by its size once renamed: its bytes must be on disk
+        return result
+
+
+class _TooLong(Exception):
+    """More bytes arrived than the manifest lists."""
+
+
+def _after_fork(dataset: weakref.ref[RemoteDataset]) -> None:
+    if (alive := dataset()) is not None:
+        alive._after_fork_in_child()
+
+
+def _check_relative(url: str, file: str) -> None:
+    parts = file.split("/")
+    if not file or file.startswith("/") or "\\" in file or any(p in ("", ".", "..") for p in parts):
+        raise UserInputError(
+            f"{url}/{MANIFEST_FILE}: file name {file!r} is not a plain relative path; {_REUPLOAD}"
+        )
+
+
+def _check_shards(url: str, manifest: Manifest, cache_limit_bytes: int) -> None:
+    for shard in manifest.shards:
+        _check_relative(url, shard.file)
+    largest = max(manifest.shards, key=lambda s: s.size_bytes)
+    if largest.size_bytes > cache_limit_bytes:
+        raise UserInputError(
+            f"data.cache_limit_gib={cache_limit_bytes / 2**30:g} is smaller than the largest shard of {url}: "
+            f"{largest.file}, {largest.size_bytes / 2**30:.3g} GiB; raise data.cache_limit_gib"
+        )
+
+
+def _download_small(
+    fs: AbstractFileSystem, url: str, root: str, name: str, directory: Path, *, what: str
+) -> None:
+    """Fetch `root/name` into `directory/name` (atomic replace), retrying a few seconds at most."""
+    source = f"{url}/{name}"
+    try:
+        data = Retrier().call(
+            source, lambda: fs.cat_file(f"{root}/{name}"), budget_s=OPEN_RETRY_S, budget_name="at open"
+        )
+    except FileNotFoundError:
+        raise UserInputError(f"{url}: {what}; {_REUPLOAD}, or check the URL") from None
+    except UserInputError:
+        raise
+    except Exception as e:  # credentials, a bad request: the line names the URL and the error
+        raise UserInputError(
+            f"{source}: cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from e
+    target = directory / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, target)
