@@ -1,8 +1,10 @@
-"""Prepare's heavy lifting: tokenize chunks in worker processes, then cut documents into train / val shards.
+"""Prepare's heavy lifting, run in worker processes: a piece of source text in, its train and val shards out.
 
-Each chunk (~2 MiB, cut after a newline) is tokenized by a worker that writes its tokens to
-``.partial/chunks/<index>.bin`` and returns only the count, so no token data crosses a pipe; ``imap`` keeps the
-order. Chunking does not depend on the worker count, so any number of workers produces bit-identical shards.
+Each piece (see `pieces`) is read, tokenized, cut into train (the first ``int(n * (1 - val_fraction))`` of its n
+tokens) and val (the rest), and written as ``train-<i>.bin`` / ``val-<i>.bin`` by one worker, which hashes the
+shards as it writes them and returns only their `Shard` records: no token data crosses a pipe and the parent does
+no per-byte work, so reading, encoding, writing and hashing all scale with the workers. Pieces do not depend on
+the worker count, so any number of workers produces bit-identical shards.
 """
 
 from __future__ import annotations
@@ -28,20 +30,21 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gaudi3_scale.data.manifest import Shard, numpy_dtype
-from gaudi3_scale.data.sources import Chunk, read_chunk
+from gaudi3_scale.data.manifest import Shard, numpy_dtype, shard_file
+from gaudi3_scale.data.pieces import Piece, piece_texts
+from gaudi3_scale.data.sources import sha256_file
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer_file
 
 __all__ = [
-    "EncodeTask",
     "OrderedMap",
-    "chunk_alphabet",
-    "encode_chunk",
+    "PieceTask",
+    "encode_piece",
     "ordered_map",
+    "piece_alphabet",
     "progress_bar",
+    "sha256_source",
     "tracked",
     "write_shard",
-    "write_splits",
 ]
 
 T = TypeVar("T")
@@ -54,28 +57,60 @@ _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class EncodeTask:
-    chunk: Chunk
+class PieceTask:
+    piece: Piece
+    text_field: str
     tokenizer_path: str
     tokenizer_key: str  # SHA-256 of the tokenizer JSON: a worker loads each tokenizer once
     dtype: str
-    out_path: str  # the worker writes the chunk's tokens here; only their count travels back
+    val_fraction: float
+    out_dir: str  # the worker writes the piece's two shards here
 
 
-def encode_chunk(task: EncodeTask) -> int:
+def encode_piece(task: PieceTask) -> tuple[Shard, Shard]:
+    """Tokenize a piece and write its train and val shards; returns their records (counts and SHA-256)."""
     tok = _WORKER_TOKENIZERS.get(task.tokenizer_key)
     if tok is None:
         _WORKER_TOKENIZERS.clear()
         tok = _WORKER_TOKENIZERS[task.tokenizer_key] = load_tokenizer_file(Path(task.tokenizer_path))
-    ids = tok.encode_array(read_chunk(task.chunk)).astype(numpy_dtype(task.dtype), copy=False)
-    ids.tofile(task.out_path)
-    return len(ids)
+    dtype = numpy_dtype(task.dtype)
+    # A piece's tokens are held in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
+    # cut needs the total count; that bounds a worker's memory by the shard size, not by the corpus.
+    arrays = [
+        tok.encode_array(text).astype(dtype, copy=False) for text in piece_texts(task.piece, task.text_field)
+    ]
+    num_tokens = sum(len(a) for a in arrays)
+    cut = int(num_tokens * (1 - task.val_fraction))
+    out = Path(task.out_dir)
+    index = task.piece.index
+    return (
+        write_shard(out / shard_file("train", index), "train", _token_range(arrays, 0, cut)),
+        write_shard(out / shard_file("val", index), "val", _token_range(arrays, cut, num_tokens)),
+    )
 
 
-def chunk_alphabet(chunk: Chunk) -> str:
-    """The distinct characters of a chunk, as one string: all the char tokenizer needs to see."""
-    code_points = np.frombuffer(read_chunk(chunk).encode("utf-32-le"), dtype=np.uint32)
-    return np.flatnonzero(np.bincount(code_points)).astype("<u4").tobytes().decode("utf-32-le")
+def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.ndarray]:
+    """Tokens [start, end) of the concatenation of `arrays`, as views."""
+    offset = 0
+    for array in arrays:
+        lo, hi = max(start - offset, 0), min(end - offset, len(array))
+        if lo < hi:
+            yield array[lo:hi]
+        offset += len(array)
+
+
+def piece_alphabet(task: tuple[Piece, str]) -> str:
+    """The distinct characters of a piece (`task` = piece, text field), as one string: all `char` needs to see."""
+    piece, text_field = task
+    seen: set[str] = set()
+    for text in piece_texts(piece, text_field):
+        code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        seen.update(np.flatnonzero(np.bincount(code_points)).astype("<u4").tobytes().decode("utf-32-le"))
+    return "".join(sorted(seen))
+
+
+def sha256_source(path: str) -> str:
+    return sha256_file(Path(path))
 
 
 def _init_worker() -> None:
@@ -108,46 +143,16 @@ def progress_bar(enabled: bool) -> Progress:
     return Progress(*columns, console=Console(stderr=True), disable=not enabled)
 
 
-def tracked(results: Iterable[R], chunks: Sequence[Chunk], bar: Progress, description: str) -> Iterator[R]:
-    task = bar.add_task(description, total=sum(c.length_bytes for c in chunks))
+def tracked(results: Iterable[R], sizes: Sequence[int], bar: Progress, description: str) -> Iterator[R]:
+    """Yield `results`, advancing a bar by the byte size of the item each one came from."""
+    task = bar.add_task(description, total=sum(sizes))
     bar.advance(task, 0)  # a first sample at t=0, else rich computes MB/s from the first two results only
-    for chunk, result in zip(chunks, results, strict=False):
-        bar.advance(task, chunk.length_bytes)
+    for size, result in zip(sizes, results, strict=False):
+        bar.advance(task, size)
         yield result
 
 
 # ---- train / val shards ------------------------------------------------------------------------------------
-
-
-def write_splits(
-    partial: Path, tasks: list[EncodeTask], counts: list[int], num_docs: int, val_fraction: float, seed: int
-) -> list[Shard]:
-    """Cut each document's tokens (spread over its chunk files) into train and val parts and write the shards."""
-    dtype = numpy_dtype(tasks[0].dtype)
-    docs: list[list[tuple[str, int]]] = [[] for _ in range(num_docs)]
-    for task, count in zip(tasks, counts, strict=True):
-        docs[task.chunk.doc_index].append((task.out_path, count))
-    num_tokens = [sum(count for _, count in segments) for segments in docs]
-    num_train = [int(n * (1 - val_fraction)) for n in num_tokens]
-    order = np.random.default_rng(seed).permutation(num_docs).tolist() if num_docs > 1 else [0]
-    train = (p for d in order for p in _read_range(docs[d], 0, num_train[d], dtype))
-    val = (p for d in range(num_docs) for p in _read_range(docs[d], num_train[d], num_tokens[d], dtype))
-    return [
-        write_shard(partial / "train.bin", "train", train),
-        write_shard(partial / "val.bin", "val", val),
-    ]
-
-
-def _read_range(
-    segments: list[tuple[str, int]], start: int, end: int, dtype: np.dtype[Any]
-) -> Iterator[np.ndarray]:
-    """Tokens [start, end) of the concatenation of chunk files, one piece per file touched."""
-    offset = 0
-    for path, count in segments:
-        lo, hi = max(start - offset, 0), min(end - offset, count)
-        if lo < hi:
-            yield np.fromfile(path, dtype=dtype, count=hi - lo, offset=lo * dtype.itemsize)
-        offset += count
 
 
 def write_shard(path: Path, split: str, pieces: Iterable[np.ndarray]) -> Shard:
