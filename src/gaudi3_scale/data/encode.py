@@ -102,11 +102,17 @@ def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.
 def piece_alphabet(task: tuple[Piece, str]) -> str:
     """The distinct characters of a piece (`task` = piece, text field), as one string: all `char` needs to see."""
     piece, text_field = task
-    seen: set[str] = set()
+    present = np.zeros(0, dtype=bool)
     for text in piece_texts(piece, text_field):
-        code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        seen.update(np.flatnonzero(np.bincount(code_points)).astype("<u4").tobytes().decode("utf-32-le"))
-    return "".join(sorted(seen))
+        if text.isascii():  # byte counts: 4x less memory to move than code points
+            code_points: np.ndarray = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+        else:
+            code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        counts = np.bincount(code_points)
+        if len(counts) > len(present):
+            present = np.concatenate([present, np.zeros(len(counts) - len(present), dtype=bool)])
+        present[: len(counts)] |= counts > 0
+    return np.flatnonzero(present).astype("<u4").tobytes().decode("utf-32-le")
 
 
 def sha256_source(path: str) -> str:

@@ -90,7 +90,9 @@ class CharTokenizer(Tokenizer):
             raise ValueError("a char tokenizer needs a non-empty alphabet of single characters")
         self._code_points = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
         # A dense code point → id table makes encoding one numpy gather instead of a Python dict lookup per char.
-        self._lookup = np.full(int(self._code_points[-1]) + 1, -1, dtype=np.int32)
+        # Its last entry (one past the largest code point, -1) is where `take(mode="clip")` sends any code point
+        # beyond the table, so one `min() < 0` check finds every unknown character.
+        self._lookup = np.full(int(self._code_points[-1]) + 2, -1, dtype=np.int32)
         self._lookup[self._code_points] = np.arange(len(self.chars))
 
     @property
@@ -101,12 +103,14 @@ class CharTokenizer(Tokenizer):
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        clipped = np.minimum(code_points, len(self._lookup) - 1)
-        ids = self._lookup[clipped]
-        bad = np.flatnonzero((ids < 0) | (code_points >= len(self._lookup)))
-        if bad.size:
-            pos = int(bad[0])
+        # ASCII text (most corpora, and O(1) to tell in CPython) is gathered byte by byte: 4x less memory to move.
+        if text.isascii():
+            code_points: np.ndarray = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+        else:
+            code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = self._lookup.take(code_points, mode="clip")
+        if ids.size and ids.min() < 0:
+            pos = int(np.flatnonzero(ids < 0)[0])
             raise UserInputError(
                 f"char tokenizer: character {text[pos]!r} (U+{ord(text[pos]):04X}) at position {pos} is not in "
                 f"its {self.vocab_size}-character vocabulary; use tokenizer=byte or bpe for open text"
