@@ -30,19 +30,22 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gaudi3_scale.data.manifest import Shard, numpy_dtype, shard_file
+from gaudi3_scale.data.manifest import SPLITS, Shard, SourceEntry, numpy_dtype, shard_file, token_dtype
 from gaudi3_scale.data.pieces import Piece, piece_texts
-from gaudi3_scale.data.sources import sha256_file
+from gaudi3_scale.data.sources import SourceFile, sha256_file
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer_file
 
 __all__ = [
     "OrderedMap",
     "PieceTask",
     "encode_piece",
+    "encode_pieces",
     "ordered_map",
     "piece_alphabet",
     "progress_bar",
+    "scan_alphabets",
     "sha256_source",
+    "source_entries",
     "tracked",
     "write_shard",
 ]
@@ -113,6 +116,51 @@ def piece_alphabet(task: tuple[Piece, str]) -> str:
             present = np.concatenate([present, np.zeros(len(counts) - len(present), dtype=bool)])
         present[: len(counts)] |= counts > 0
     return np.flatnonzero(present).astype("<u4").tobytes().decode("utf-32-le")
+
+
+def scan_alphabets(
+    pieces: Sequence[Piece], text_field: str, pmap: OrderedMap[Any, Any], bar: Progress
+) -> Iterator[str]:
+    """Each piece's distinct characters, found by the workers."""
+    tasks = [(p, text_field) for p in pieces]
+    return tracked(pmap(piece_alphabet, tasks), [p.size_bytes for p in pieces], bar, "scan characters")
+
+
+def encode_pieces(
+    pieces: Sequence[Piece],
+    out_dir: Path,
+    tokenizer_path: Path,
+    text_field: str,
+    val_fraction: float,
+    pmap: OrderedMap[Any, Any],
+    bar: Progress,
+) -> list[Shard]:
+    """Every piece's train and val shard, written into `out_dir` by the workers: train shards first, in order."""
+    tok_key = sha256_file(tokenizer_path)
+    dtype = token_dtype(load_tokenizer_file(tokenizer_path).vocab_size)
+    tasks = [
+        PieceTask(p, text_field, str(tokenizer_path), tok_key, dtype, val_fraction, str(out_dir))
+        for p in pieces
+    ]
+    sizes = [p.size_bytes for p in pieces]
+    pairs = list(tracked(pmap(encode_piece, tasks), sizes, bar, "tokenize"))
+    return [pair[i] for i in range(len(SPLITS)) for pair in pairs]
+
+
+def source_entries(
+    files: Sequence[SourceFile], hashes: list[str], pieces: Sequence[Piece]
+) -> list[SourceEntry]:
+    """Manifest entries of `files` (their pieces among `pieces`, which start at the first of them)."""
+    first = pieces[0].source_index if pieces else 0
+    return [
+        SourceEntry(
+            path=str(f.path),
+            size_bytes=f.size_bytes,
+            sha256=h,
+            shards=[p.index for p in pieces if p.source_index == first + i],
+        )
+        for i, (f, h) in enumerate(zip(files, hashes, strict=True))
+    ]
 
 
 def sha256_source(path: str) -> str:

@@ -37,6 +37,7 @@ __all__ = [
     "numpy_dtype",
     "save_manifest",
     "shard_file",
+    "split_token_counts",
     "token_dtype",
     "tokens_sha256",
     "verify_prepared",
@@ -118,6 +119,11 @@ def tokens_sha256(manifest: Manifest) -> str:
         digests = [s.sha256 for s in manifest.shards_of(split)]
         shards[split] = digests[0] if len(digests) == 1 else digests
     return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+
+
+def split_token_counts(shards: list[Shard]) -> dict[str, int]:
+    """`Manifest.num_tokens` of a list of shards: tokens per split."""
+    return {split: sum(s.num_tokens for s in shards if s.split == split) for split in SPLITS}
 
 
 def shard_file(split: str, index: int) -> str:

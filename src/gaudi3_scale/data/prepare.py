@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -40,22 +39,22 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.encode import (
     OrderedMap,
-    PieceTask,
-    encode_piece,
+    encode_pieces,
     ordered_map,
-    piece_alphabet,
     progress_bar,
+    scan_alphabets,
     sha256_source,
+    source_entries,
     tracked,
 )
 from gaudi3_scale.data.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
-    SPLITS,
     Manifest,
     Shard,
     SourceEntry,
     save_manifest,
+    split_token_counts,
     token_dtype,
     verify_prepared,
     vocab_problem,
@@ -65,7 +64,6 @@ from gaudi3_scale.data.sources import (
     CHUNK_BYTES,
     MIN_VOCAB_SIZE,
     ResolvedSource,
-    SourceFile,
     default_cache_dir,
     is_prepared_dir,
     is_shard_file,
@@ -81,20 +79,25 @@ from gaudi3_scale.data.synthetic import (
 )
 from gaudi3_scale.data.tokenizers import (
     TOKENIZER_FILE,
-    CharTokenizer,
     SyntheticTokenizer,
     Tokenizer,
     build_tokenizer,
     is_tokenizer_path,
     load_tokenizer_file,
 )
-from gaudi3_scale.data.update import APPEND, CURRENT, plan_update, prepared_manifest
+from gaudi3_scale.data.update import (
+    APPEND,
+    CURRENT,
+    append_files,
+    partial_dir,
+    plan_update,
+    prepared_manifest,
+)
 
 __all__ = ["SPLIT_RULE", "prepare_dataset"]
 
 log = logging.getLogger(__name__)
 SPLIT_RULE = "per shard: last val_fraction of its tokens -> val, rest -> train"
-_PARTIAL_DIR = ".partial"
 _LOCK_FILE = ".prepare.lock"
 
 
@@ -143,7 +146,9 @@ def prepare_dataset(
         )
         if update.action == CURRENT:
             return target
-        if update.action == APPEND and _append(target, job, update.new_files):
+        if update.action == APPEND and append_files(
+            target, cfg, update.new_files, fingerprint, workers=job.workers, progress=job.progress
+        ):
             return target
         _build(target, write)
     return target
@@ -211,7 +216,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 def _build(target: Path, write: Callable[[Path], Manifest]) -> None:
     """Run `write` (shards + tokenizer into the directory it is given, returning their manifest), then swap in."""
-    with _partial_dir(target) as partial:
+    with partial_dir(target) as partial:
         manifest = write(partial)
         # Swap in. From the unlink until the new manifest lands, the directory does not look prepared; a build
         # that failed before this point left the previous dataset untouched (and consistent with its manifest).
@@ -225,18 +230,6 @@ def _build(target: Path, write: Callable[[Path], Manifest]) -> None:
         stale.unlink()
 
 
-@contextmanager
-def _partial_dir(target: Path) -> Iterator[Path]:
-    partial = target / _PARTIAL_DIR
-    if partial.exists():
-        shutil.rmtree(partial)  # left by a killed run
-    partial.mkdir()
-    try:
-        yield partial
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # whatever a failed build left behind
-
-
 def _tokenize_into(partial: Path, job: _Job) -> Manifest:
     cfg = job.cfg
     pieces = plan_pieces(job.source.files, cfg.shard_mb, cfg.text_field)
@@ -244,105 +237,10 @@ def _tokenize_into(partial: Path, job: _Job) -> Manifest:
     with ordered_map(workers) as pmap, progress_bar(job.progress) as bar:
         tokenizer = _make_tokenizer(cfg, pieces, pmap, bar)
         tok_path = tokenizer.save(partial)
-        shards = _encode(pieces, partial, tok_path, job, pmap, bar, workers)
+        shards = encode_pieces(pieces, partial, tok_path, cfg.text_field, cfg.val_fraction, pmap, bar)
         hashes = list(pmap(sha256_source, [str(f.path) for f in job.source.files]))
-    sources = _source_entries(job.source.files, hashes, pieces)
+    sources = source_entries(job.source.files, hashes, pieces)
     return _manifest(cfg, tokenizer, shards, SPLIT_RULE, sources, job.settings, job.fingerprint)
-
-
-def _encode(
-    pieces: Sequence[Piece],
-    out_dir: Path,
-    tok_path: Path,
-    job: _Job,
-    pmap: OrderedMap[Any, Any],
-    bar: Progress,
-    workers: int,
-) -> list[Shard]:
-    """Every piece's train and val shard, written into `out_dir` by the workers; train shards first, in order."""
-    tok_key = sha256_file(tok_path)
-    dtype = token_dtype(load_tokenizer_file(tok_path).vocab_size)
-    tasks = [
-        PieceTask(p, job.cfg.text_field, str(tok_path), tok_key, dtype, job.cfg.val_fraction, str(out_dir))
-        for p in pieces
-    ]
-    sizes = [p.size_bytes for p in pieces]
-    pairs = list(tracked(pmap(encode_piece, tasks), sizes, bar, f"tokenize ({workers} worker(s))"))
-    return [pair[i] for i in range(len(SPLITS)) for pair in pairs]
-
-
-def _source_entries(
-    files: Sequence[SourceFile], hashes: list[str], pieces: Sequence[Piece]
-) -> list[SourceEntry]:
-    first = pieces[0].source_index if pieces else 0
-    return [
-        SourceEntry(
-            path=str(f.path),
-            size_bytes=f.size_bytes,
-            sha256=h,
-            shards=[p.index for p in pieces if p.source_index == first + i],
-        )
-        for i, (f, h) in enumerate(zip(files, hashes, strict=True))
-    ]
-
-
-def _append(target: Path, job: _Job, new_files: Sequence[SourceFile]) -> bool:
-    """Tokenize only `new_files` into new shard indices; False (nothing written) when the tokenizer cannot take
-    them (trained on the data, or new characters for `char`) and the caller must rebuild."""
-    manifest = prepared_manifest(target)
-    assert manifest is not None  # plan_update found it complete under the same lock
-    tok_path = target / manifest.tokenizer_file
-    tokenizer = load_tokenizer_file(tok_path)
-    if job.cfg.tokenizer not in ("char", "byte") and not is_tokenizer_path(job.cfg.tokenizer):
-        log.info(
-            "rebuilding %s: new source files, and tokenizer=%s is trained on the data",
-            target,
-            job.cfg.tokenizer,
-        )
-        return False
-    first_index = len(manifest.shards_of("train"))
-    pieces = plan_pieces(
-        new_files,
-        job.cfg.shard_mb,
-        job.cfg.text_field,
-        first_index=first_index,
-        first_source=len(manifest.sources),
-    )
-    workers = max(1, min(job.workers, len(pieces)))
-    with ordered_map(workers) as pmap, progress_bar(job.progress) as bar, _partial_dir(target) as partial:
-        if isinstance(tokenizer, CharTokenizer):
-            tasks = [(p, job.cfg.text_field) for p in pieces]
-            alphabets = tracked(
-                pmap(piece_alphabet, tasks), [p.size_bytes for p in pieces], bar, "scan characters"
-            )
-            unknown = sorted(set("".join(alphabets)) - set(tokenizer.chars))
-            if unknown:
-                log.info(
-                    "rebuilding %s: the new source files hold %d character(s) outside the char vocabulary (%r)",
-                    target,
-                    len(unknown),
-                    "".join(unknown[:10]),
-                )
-                return False
-        shards = _encode(pieces, partial, tok_path, job, pmap, bar, workers)
-        hashes = list(pmap(sha256_source, [str(f.path) for f in new_files]))
-        # The old manifest stays valid while the new shards (new names) are moved in; the new one lands last.
-        for shard in shards:
-            os.replace(partial / shard.file, target / shard.file)
-    new_sources = _source_entries(new_files, hashes, pieces)
-    train = [s for s in shards if s.split == "train"]
-    val = [s for s in shards if s.split == "val"]
-    updated = dataclasses.replace(
-        manifest,
-        shards=[*manifest.shards_of("train"), *train, *manifest.shards_of("val"), *val],
-        num_tokens=_split_tokens([*manifest.shards, *shards]),
-        sources=[*manifest.sources, *new_sources],
-        fingerprint=job.fingerprint,
-        source_spec=job.cfg.source,
-    )
-    save_manifest(target, updated)
-    log.info("appended %d shard(s) for %d new source file(s) to %s", len(pieces), len(new_files), target)
-    return True
 
 
 def _generate_into(
@@ -373,7 +271,7 @@ def _manifest(
         tokenizer_file=TOKENIZER_FILE,
         vocab_size=tokenizer.vocab_size,
         dtype=token_dtype(tokenizer.vocab_size),
-        num_tokens=_split_tokens(shards),
+        num_tokens=split_token_counts(shards),
         val_fraction=cfg.val_fraction,
         split_seed=cfg.split_seed,
         split_rule=split_rule,
@@ -387,10 +285,6 @@ def _manifest(
     )
 
 
-def _split_tokens(shards: Sequence[Shard]) -> dict[str, int]:
-    return {split: sum(s.num_tokens for s in shards if s.split == split) for split in SPLITS}
-
-
 def _make_tokenizer(
     cfg: DataConfig, pieces: Sequence[Piece], pmap: OrderedMap[Any, Any], bar: Progress
 ) -> Tokenizer:
@@ -398,8 +292,7 @@ def _make_tokenizer(
     sizes = [p.size_bytes for p in pieces]
     if cfg.tokenizer == "char":
         # The char vocabulary only depends on which characters occur: workers send back each piece's alphabet.
-        tasks = [(p, cfg.text_field) for p in pieces]
-        texts = tracked(pmap(piece_alphabet, tasks), sizes, bar, "scan characters")
+        texts = scan_alphabets(pieces, cfg.text_field, pmap, bar)
     else:
         texts = (
             text

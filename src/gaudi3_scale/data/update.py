@@ -10,18 +10,49 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.data.manifest import MANIFEST_FILE, Manifest, save_manifest, verify_prepared
+from gaudi3_scale.data.config import DataConfig
+from gaudi3_scale.data.encode import (
+    encode_pieces,
+    ordered_map,
+    progress_bar,
+    scan_alphabets,
+    sha256_source,
+    source_entries,
+)
+from gaudi3_scale.data.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    save_manifest,
+    split_token_counts,
+    verify_prepared,
+)
+from gaudi3_scale.data.pieces import plan_pieces
 from gaudi3_scale.data.sources import ResolvedSource, SourceFile, sha256_file
+from gaudi3_scale.data.tokenizers import CharTokenizer, is_tokenizer_path, load_tokenizer_file
 
-__all__ = ["APPEND", "CURRENT", "REBUILD", "Update", "plan_update", "prepared_manifest"]
+__all__ = [
+    "APPEND",
+    "CURRENT",
+    "REBUILD",
+    "Update",
+    "append_files",
+    "partial_dir",
+    "plan_update",
+    "prepared_manifest",
+]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gaudi3_scale.data.prepare")  # what a user of prepare sees, under one logger name
 CURRENT, APPEND, REBUILD = "current", "append", "rebuild"
+_PARTIAL_DIR = ".partial"
 
 
 @dataclass(frozen=True)
@@ -67,3 +98,73 @@ def plan_update(
         return Update(APPEND, new_files)
     save_manifest(target, dataclasses.replace(manifest, fingerprint=fingerprint))
     return Update(CURRENT)
+
+
+@contextmanager
+def partial_dir(target: Path) -> Iterator[Path]:
+    """A fresh ``<target>/.partial/`` to build in, removed afterwards whatever happens."""
+    partial = target / _PARTIAL_DIR
+    if partial.exists():
+        shutil.rmtree(partial)  # left by a killed run
+    partial.mkdir()
+    try:
+        yield partial
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # whatever a failed build left behind
+
+
+def append_files(
+    target: Path,
+    cfg: DataConfig,
+    new_files: Sequence[SourceFile],
+    fingerprint: str,
+    *,
+    workers: int,
+    progress: bool,
+) -> bool:
+    """Tokenize only `new_files` into new shard indices; False (nothing written) when the tokenizer cannot take
+    them (trained on the data, or new characters for `char`) and the caller must rebuild."""
+    if cfg.tokenizer not in ("char", "byte") and not is_tokenizer_path(cfg.tokenizer):
+        log.info(
+            "rebuilding %s: new source files, and tokenizer=%s is trained on the data", target, cfg.tokenizer
+        )
+        return False
+    manifest = prepared_manifest(target)
+    assert manifest is not None  # plan_update found it complete, under the same lock
+    tok_path = target / manifest.tokenizer_file
+    tokenizer = load_tokenizer_file(tok_path)
+    first_index = len(manifest.shards_of("train"))
+    pieces = plan_pieces(
+        new_files, cfg.shard_mb, cfg.text_field, first_index=first_index, first_source=len(manifest.sources)
+    )
+    with ordered_map(max(1, min(workers, len(pieces)))) as pmap, progress_bar(progress) as bar:
+        if isinstance(tokenizer, CharTokenizer):
+            unknown = sorted(
+                set("".join(scan_alphabets(pieces, cfg.text_field, pmap, bar))) - set(tokenizer.chars)
+            )
+            if unknown:
+                log.info(
+                    "rebuilding %s: the new source files hold %d character(s) outside the char vocabulary (%r)",
+                    target,
+                    len(unknown),
+                    "".join(unknown[:10]),
+                )
+                return False
+        with partial_dir(target) as partial:
+            shards = encode_pieces(pieces, partial, tok_path, cfg.text_field, cfg.val_fraction, pmap, bar)
+            hashes = list(pmap(sha256_source, [str(f.path) for f in new_files]))
+            # The old manifest stays valid while the new shards (new names) are moved in; the new one lands last.
+            for shard in shards:
+                os.replace(partial / shard.file, target / shard.file)
+    shards = [*manifest.shards, *shards]
+    updated = dataclasses.replace(
+        manifest,
+        shards=[*(s for s in shards if s.split == "train"), *(s for s in shards if s.split == "val")],
+        num_tokens=split_token_counts(shards),
+        sources=[*manifest.sources, *source_entries(new_files, hashes, pieces)],
+        fingerprint=fingerprint,
+        source_spec=cfg.source,
+    )
+    save_manifest(target, updated)
+    log.info("appended %d shard(s) for %d new source file(s) to %s", len(pieces), len(new_files), target)
+    return True
