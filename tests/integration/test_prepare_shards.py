@@ -138,7 +138,7 @@ def test_format_1_manifest_still_loads(tmp_path: Path) -> None:
         shard["file"] = f"{shard['split']}.bin"
     for entry in raw["sources"]:
         del entry["shards"]
-    raw["format_version"] = 1
+    raw["format_version"] = raw["settings"]["format_version"] = 1
     (out / "manifest.json").write_text(json.dumps(raw))
     data = load_prepared(out)
     assert data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist()) == SHAKESPEARE[:5_000]
@@ -149,6 +149,11 @@ def test_format_1_manifest_still_loads(tmp_path: Path) -> None:
         UserInputError, match=r"format 1 has exactly train.bin and val.bin, got train-00000.bin"
     ):
         load_manifest(out)
+    raw["shards"][0]["file"] = "train.bin"
+    (out / "manifest.json").write_text(json.dumps(raw))
+    prepare(src, out, shard_mb=64)  # an old format-1 dataset is rebuilt as format 2, its train.bin removed
+    assert sorted(p.name for p in out.glob("*.bin")) == ["train-00000.bin", "val-00000.bin"]
+    assert load_manifest(out).format_version == 2
 
 
 def test_format_2_shard_names_are_checked(corpus: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from gaudi3_scale.data.encode import (
     source_entries,
 )
 from gaudi3_scale.data.manifest import (
+    FORMAT_VERSION,
     MANIFEST_FILE,
     Manifest,
     save_manifest,
@@ -79,7 +80,7 @@ def plan_update(
     fingerprint: str,
     source: ResolvedSource,
 ) -> Update:
-    if manifest is None:
+    if manifest is None or manifest.format_version != FORMAT_VERSION:  # an older layout is rebuilt as the new
         return Update(REBUILD)
     if manifest.fingerprint == fingerprint:
         return Update(CURRENT)
