@@ -105,17 +105,22 @@ def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.
 def piece_alphabet(task: tuple[Piece, str]) -> str:
     """The distinct characters of a piece (`task` = piece, text field), as one string: all `char` needs to see."""
     piece, text_field = task
-    present = np.zeros(0, dtype=bool)
+    ascii_seen = b""  # sorted distinct bytes of the ASCII texts so far
+    present = np.zeros(0, dtype=bool)  # code points seen in the other texts
     for text in piece_texts(piece, text_field):
-        if text.isascii():  # byte counts: 4x less memory to move than code points
-            code_points: np.ndarray = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-        else:
-            code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        counts = np.bincount(code_points)
+        if text.isascii():
+            # Deleting the bytes already seen (bytes.translate, GB/s) leaves nothing in almost every chunk.
+            rest = text.encode("ascii").translate(None, ascii_seen)
+            if rest:
+                new = np.flatnonzero(np.bincount(np.frombuffer(rest, dtype=np.uint8)))
+                ascii_seen = bytes(sorted(set(ascii_seen) | set(new.tolist())))
+            continue
+        counts = np.bincount(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32))
         if len(counts) > len(present):
             present = np.concatenate([present, np.zeros(len(counts) - len(present), dtype=bool)])
         present[: len(counts)] |= counts > 0
-    return np.flatnonzero(present).astype("<u4").tobytes().decode("utf-32-le")
+    others = np.flatnonzero(present).astype("<u4").tobytes().decode("utf-32-le")
+    return "".join(sorted(set(ascii_seen.decode("ascii")) | set(others)))
 
 
 def scan_alphabets(
