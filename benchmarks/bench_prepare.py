@@ -1,13 +1,15 @@
 """How fast `prepare_dataset` tokenizes, with 1 worker vs N, and what the training loader costs per batch.
 
-Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into a temp
-directory, prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes
-(best of --repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
+Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into files of
+--file-mb MB in a temp directory (so that pieces, prepare's unit of parallel work, spread over the workers),
+prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes (best of
+--repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
 the first --bpe-size-mb MB with a tokenizer.json trained beforehand (encoding, not training, is what workers
 parallelize; it is ~100x slower per byte than char/byte). Finally it times TokenWindowDataset batches. Results
 (MB/s, tokens/s, speedup) are printed and saved as JSON with machine info.
 
-    python benchmarks/bench_prepare.py                      # 50 MB, 1 vs 2 workers
+    python benchmarks/bench_prepare.py                      # 50 MB, 1 vs 2 workers -> results/prepare.json
+    python benchmarks/bench_prepare.py --size-mb 1024 --repeats 2 --bpe-size-mb 0   # -> results/prepare_1gb.json
     python benchmarks/bench_prepare.py --size-mb 200 --workers 8
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,24 +41,33 @@ from gaudi3_scale.monitor.environment import environment_info
 MB = 1e6
 
 
-def build_corpus(directory: Path, size_mb: float, seed: int = 0) -> Path:
-    """Whole shuffled copies of tinyshakespeare's lines until the file holds at least `size_mb` MB."""
+def build_corpus(directory: Path, size_mb: float, file_mb: float, seed: int = 0) -> Path:
+    """Whole shuffled copies of tinyshakespeare's lines in ``corpus/part-NNN.txt`` files of >= `file_mb` MB each,
+    until they hold at least `size_mb` MB together."""
     lines = bundled_corpora()["tinyshakespeare"].read_text(encoding="utf-8").splitlines(keepends=True)
     rng = random.Random(seed)
-    path = directory / "corpus.txt"
-    size = 0
-    with path.open("w", encoding="utf-8") as fh:
-        while size < size_mb * MB:
-            rng.shuffle(lines)
-            chunk = "".join(lines)
-            fh.write(chunk)
-            size += len(chunk.encode("utf-8"))
-    return path
+    root = directory / "corpus"
+    root.mkdir()
+    total = 0
+    for index in range(max(1, math.ceil(size_mb / file_mb))):
+        size = 0
+        with (root / f"part-{index:03d}.txt").open("w", encoding="utf-8") as fh:
+            while size < file_mb * MB and total + size < size_mb * MB:
+                rng.shuffle(lines)
+                chunk = "".join(lines)
+                fh.write(chunk)
+                size += len(chunk.encode("utf-8"))
+        total += size
+    return root
+
+
+def corpus_bytes(source: Path) -> int:
+    return sum(p.stat().st_size for p in source.iterdir()) if source.is_dir() else source.stat().st_size
 
 
 def head_of(corpus: Path, size_mb: float) -> Path:
-    """The first `size_mb` MB of the corpus, cut after a newline."""
-    text = corpus.read_bytes()[: int(size_mb * MB)]
+    """The first `size_mb` MB of the corpus's first file, cut after a newline."""
+    text = sorted(corpus.iterdir())[0].read_bytes()[: int(size_mb * MB)]
     path = corpus.with_name("corpus-head.txt")
     path.write_bytes(text[: text.rfind(b"\n") + 1])
     return path
@@ -66,17 +79,21 @@ def train_bpe(directory: Path, vocab_size: int = 2048) -> Path:
     return build_tokenizer("bpe", [text], vocab_size=vocab_size).save(directory)
 
 
-def time_prepare(corpus: Path, tokenizer: str, workers: int, out: Path, repeats: int) -> dict[str, Any]:
-    cfg = DataConfig(source=str(corpus), tokenizer=tokenizer)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        prepare_dataset(cfg, out, workers=workers, progress=False, force=True)
-        times.append(time.perf_counter() - start)
+def prepare_once(cfg: DataConfig, out: Path, workers: int, progress: bool) -> float:
+    """Seconds of one full prepare into an empty `out`, dirty pages of earlier runs flushed first (untimed), so
+    that no run pays for another's writeback."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    start = time.perf_counter()
+    prepare_dataset(cfg, out, workers=workers, progress=progress, force=True)
+    return time.perf_counter() - start
+
+
+def summarize(cfg: DataConfig, out: Path, workers: int, times: list[float]) -> dict[str, Any]:
     seconds = min(times)
     data = load_prepared(out, verify_checksums=False)
-    num_tokens = len(data.train) + len(data.val)
-    source_bytes = corpus.stat().st_size
+    num_tokens = sum(data.manifest.num_tokens.values())
+    source_bytes = corpus_bytes(Path(cfg.source))
     start = time.perf_counter()
     prepare_dataset(cfg, out, workers=workers, progress=False)  # unchanged inputs: must be a no-op
     noop_s = time.perf_counter() - start
@@ -89,6 +106,7 @@ def time_prepare(corpus: Path, tokenizer: str, workers: int, out: Path, repeats:
         "mb_per_s": source_bytes / MB / seconds,
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / seconds,
+        "shards": len(data.manifest.shards),
         "noop_rerun_s": noop_s,
         "shard_sha256": [s.sha256 for s in data.manifest.shards],
     }
@@ -96,7 +114,7 @@ def time_prepare(corpus: Path, tokenizer: str, workers: int, out: Path, repeats:
 
 def time_loader(directory: Path, micro: int, context: int, accum: int, batches: int) -> dict[str, Any]:
     """Seconds per micro-batch of TokenWindowDataset (sampler + gather + tensors), and of the sampler alone."""
-    train = load_prepared(directory, verify_checksums=False).train
+    train = load_prepared(directory, verify_checksums=False).train_shards[0]  # the loader reads one shard yet
     sampler = WindowSampler(
         len(train), context, global_batch_size=micro * accum, micro_batch_size=micro, seed=0
     )
@@ -125,23 +143,46 @@ def time_loader(directory: Path, micro: int, context: int, accum: int, batches: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=float, default=50.0)
+    parser.add_argument("--file-mb", type=float, default=64.0, help="size of each corpus file")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="prepare runs per setting; the fastest counts")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="prepare runs per setting, interleaved; the fastest counts"
+    )
     parser.add_argument("--bpe-size-mb", type=float, default=10.0, help="0 skips BPE")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prepare.json")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed prepare runs per setting first")
+    parser.add_argument("--no-progress", action="store_true", help="hide prepare's progress bars")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default results/prepare.json, _1gb for >= 1 GB"
+    )
     args = parser.parse_args()
+    if args.out is None:
+        name = "prepare_1gb.json" if args.size_mb >= 1000 else "prepare.json"
+        args.out = Path(__file__).parent / "results" / name
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
-        corpus = build_corpus(Path(tmp), args.size_mb)
-        print(f"corpus: {corpus.stat().st_size / MB:.1f} MB, {os.cpu_count()} CPUs")
+        corpus = build_corpus(Path(tmp), args.size_mb, args.file_mb)
+        files = len(list(corpus.iterdir()))
+        print(f"corpus: {corpus_bytes(corpus) / MB:.1f} MB in {files} file(s), {os.cpu_count()} CPUs")
         settings = [("char", "char", corpus), ("byte", "byte", corpus)]
         if args.bpe_size_mb > 0:
             bpe_file = str(train_bpe(Path(tmp) / "bpe-2048"))
             settings.append(("bpe", bpe_file, head_of(corpus, args.bpe_size_mb)))
         for name, tok, source in settings:
-            for workers in (1, args.workers):
-                run = time_prepare(source, tok, workers, Path(tmp) / f"{name}-w{workers}", args.repeats)
+            # The BPE head is one small file: smaller pieces (not below the 2 MiB byte ranges) let workers share it.
+            shard_mb = max(2.0, args.bpe_size_mb / 4) if name == "bpe" else DataConfig().shard_mb
+            cfg = DataConfig(source=str(source), tokenizer=tok, shard_mb=shard_mb)
+            outs = {w: Path(tmp) / f"{name}-w{w}" for w in (1, args.workers)}
+            times: dict[int, list[float]] = {w: [] for w in outs}
+            for _ in range(args.warmup):
+                # Untimed: memory a process touches for the first time is slow to fault in on a VM (the host backs
+                # it then), which would bill the first timed run for it.
+                prepare_once(cfg, outs[args.workers], args.workers, progress=False)
+            for _ in range(args.repeats):  # interleaved: a load change on the machine hits both alike
+                for workers, out in outs.items():
+                    times[workers].append(prepare_once(cfg, out, workers, not args.no_progress))
+            for workers, out in outs.items():
+                run = summarize(cfg, out, workers, times[workers])
                 runs.append(run)
                 print(
                     f"{name:>5} workers={workers}: {run['seconds']:6.2f} s  {run['mb_per_s']:6.1f} MB/s  "

@@ -24,7 +24,7 @@ def prepare(tmp_path: Path, name: str = "out", **cfg: object) -> Path:
 
 
 def shard_inode(directory: Path) -> int:
-    return (directory / "train.bin").stat().st_ino  # a rebuild renames a new file into place
+    return (directory / "train-00000.bin").stat().st_ino  # a rebuild renames a new file into place
 
 
 def test_tinyshakespeare_char_matches_nanogpt(tmp_path: Path) -> None:
@@ -96,22 +96,27 @@ def write_documents(root: Path) -> dict[str, str]:
     return docs
 
 
-def test_split_is_per_document_and_seed_orders_train(tmp_path: Path) -> None:
+def test_each_file_is_a_shard_split_at_its_last_val_fraction(tmp_path: Path) -> None:
     docs = write_documents(tmp_path / "docs")
-    runs = {
-        seed: load_prepared(prepare(tmp_path, f"s{seed}", source=str(tmp_path / "docs"), split_seed=seed))
-        for seed in (0, 1)
-    }
+    data = load_prepared(prepare(tmp_path, source=str(tmp_path / "docs")))
     tok = CharTokenizer("".join(docs.values()))
-    assert runs[0].tokenizer.to_json() == tok.to_json()
+    assert data.tokenizer.to_json() == tok.to_json()
     encoded = [tok.encode_array(text) for text in docs.values()]  # sorted path order: a.txt, b.md, sub/c.txt
     cut = [int(len(e) * 0.9) for e in encoded]
-    for data in runs.values():
-        assert np.array_equal(data.val, np.concatenate([e[c:] for e, c in zip(encoded, cut, strict=True)]))
-        order = np.random.default_rng(data.manifest.split_seed).permutation(3)
-        assert np.array_equal(data.train, np.concatenate([encoded[i][: cut[i]] for i in order]))
-    assert not np.array_equal(runs[0].train, runs[1].train)
-    assert [s.path.split("/")[-1] for s in runs[0].manifest.sources] == ["a.txt", "b.md", "c.txt"]
+    assert [s.file for s in data.manifest.shards_of("val")] == [
+        "val-00000.bin",
+        "val-00001.bin",
+        "val-00002.bin",
+    ]
+    for i, (e, c) in enumerate(zip(encoded, cut, strict=True)):
+        assert np.array_equal(data.train_shards[i], e[:c]) and np.array_equal(data.val_shards[i], e[c:])
+    assert data.manifest.num_tokens == {"train": sum(cut), "val": sum(len(e) for e in encoded) - sum(cut)}
+    assert [s.path.split("/")[-1] for s in data.manifest.sources] == ["a.txt", "b.md", "c.txt"]
+    assert [s.shards for s in data.manifest.sources] == [[0], [1], [2]]
+    with pytest.raises(
+        UserInputError, match=r"the train split has 3 shards .* use PreparedData.train_shards"
+    ):
+        _ = data.train
 
 
 def test_glob_source_and_prepared_dir_source(tmp_path: Path) -> None:
@@ -130,14 +135,14 @@ def test_prepared_dir_without_its_manifest_is_refused_not_read_as_text(tmp_path:
     out = prepare(tmp_path, source=str(src))
     (out / "manifest.json").unlink()  # tokenizer.json is text: it was trained on as if it were the corpus
     with pytest.raises(
-        UserInputError, match=r"^source: .* looks like a prepared dataset \(train.bin, val.bin, "
+        UserInputError, match=r"^source: .* looks like a prepared dataset \(train-00000.bin, val-00000.bin, "
     ):
         prepare_dataset(DataConfig(source=str(out)), progress=False)
     assert sorted(p.name for p in out.iterdir()) == [
         ".prepare.lock",
         "tokenizer.json",
-        "train.bin",
-        "val.bin",
+        "train-00000.bin",
+        "val-00000.bin",
     ]
 
 
@@ -196,8 +201,8 @@ def test_failed_rebuild_keeps_the_previous_dataset_intact(tmp_path: Path) -> Non
         ".prepare.lock",
         "manifest.json",
         "tokenizer.json",
-        "train.bin",
-        "val.bin",
+        "train-00000.bin",
+        "val-00000.bin",
     ]
     with pytest.raises(UserInputError, match="not UTF-8"):  # still stale: the next run tries again
         prepare(tmp_path, source=str(src))

@@ -307,7 +307,7 @@ def test_corrupt_shard_and_missing_source_are_refused_by_the_cli(tmp_path: Path)
     )
     assert made.returncode == 0, made.stderr
     assert json.loads((prepared / "manifest.json").read_text())["vocab_size"] == len(set(text.read_text()))
-    shard = prepared / "train.bin"
+    shard = prepared / "train-00000.bin"
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))

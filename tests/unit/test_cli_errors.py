@@ -228,7 +228,7 @@ BUILDERS: dict[str, list[Builder]] = {
         lambda f, v, p: ["prepare", str(p["text.txt"]), "--out", _fresh(p["root"]), "--tokenizer", str(f)],
         *(
             (lambda f, v, p, k=key: ["prepare", str(p["text.txt"]), "--out", _fresh(p["root"]), k, v])
-            for key in ("--seed", "--val-fraction", "--workers", "--vocab-size")
+            for key in ("--seed", "--val-fraction", "--workers", "--vocab-size", "--shard-mb")
         ),
     ],
     "ckpt": [

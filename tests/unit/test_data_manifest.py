@@ -41,7 +41,7 @@ def test_manifest_records_what_was_built(prepared: Path) -> None:
     assert (manifest.format, manifest.format_version) == (FORMAT_NAME, FORMAT_VERSION)
     assert (manifest.tokenizer_kind, manifest.vocab_size, manifest.dtype) == ("char", 65, "uint16")
     assert manifest.num_tokens == {"train": 1_003_854, "val": 111_540}
-    assert [s.file for s in manifest.shards] == ["train.bin", "val.bin"]
+    assert [s.file for s in manifest.shards] == ["train-00000.bin", "val-00000.bin"]
     assert manifest.shard("val").size_bytes == 2 * 111_540
     assert manifest.sources[0].size_bytes == 1_115_394
     assert len(manifest.sources[0].sha256) == 64
@@ -49,13 +49,13 @@ def test_manifest_records_what_was_built(prepared: Path) -> None:
 
 
 def test_flipped_byte_is_caught_by_checksum_only(prepared: Path) -> None:
-    train = prepared / "train.bin"
+    train = prepared / "train-00000.bin"
     data = bytearray(train.read_bytes())
     data[1000] ^= 0xFF
     train.write_bytes(bytes(data))
     verify_prepared(prepared, checksums=False)  # same size: the cheap check cannot see it
     message = expect_error(
-        prepared, r"train.bin: SHA-256 mismatch with manifest.json \(expected [0-9a-f]{12}…, got"
+        prepared, r"train-00000.bin: SHA-256 mismatch with manifest.json \(expected [0-9a-f]{12}…, got"
     )
     assert message.endswith("re-run `gaudi3 prepare --force`")
     assert len(load_prepared(prepared, verify_checksums=False).train) == 1_003_854
@@ -64,15 +64,15 @@ def test_flipped_byte_is_caught_by_checksum_only(prepared: Path) -> None:
 
 
 def test_truncated_and_missing_shards(prepared: Path) -> None:
-    val = prepared / "val.bin"
+    val = prepared / "val-00000.bin"
     val.write_bytes(val.read_bytes()[:-2])
     expect_error(
         prepared,
-        r"val.bin: size 223078 bytes disagrees with manifest.json \(expected 223080 = 111540 uint16",
+        r"val-00000.bin: size 223078 bytes disagrees with manifest.json \(expected 223080 = 111540 uint16",
         checksums=False,
     )
     val.unlink()
-    expect_error(prepared, r"val.bin: missing \(listed in manifest.json\)", checksums=False)
+    expect_error(prepared, r"val-00000.bin: missing \(listed in manifest.json\)", checksums=False)
 
 
 def test_missing_tokenizer(prepared: Path) -> None:

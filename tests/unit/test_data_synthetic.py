@@ -125,8 +125,8 @@ def test_prepare_is_deterministic_and_reuses_the_cache(tmp_path: Path) -> None:
     fields = {"source": "synthetic:512", "synthetic_tokens": 5000}
     first = _prepare(**fields)
     assert first.parent.name == "datasets" and first.name.startswith("synthetic-512-")
-    files = ("train.bin", "val.bin", "manifest.json", "tokenizer.json")
-    content = {name: (first / name).read_bytes() for name in ("train.bin", "val.bin")}
+    files = ("train-00000.bin", "val-00000.bin", "manifest.json", "tokenizer.json")
+    content = {name: (first / name).read_bytes() for name in ("train-00000.bin", "val-00000.bin")}
     mtimes = {name: (first / name).stat().st_mtime_ns for name in files}
 
     assert _prepare(**fields) == first

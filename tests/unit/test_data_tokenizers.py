@@ -51,6 +51,20 @@ def test_char_round_trip(text: str) -> None:
     assert tok.encode_array(text).tolist() == ids
 
 
+@given(text=st.text(alphabet="ab\n é✓😀~", max_size=200))
+def test_char_ids_are_alphabet_positions_for_ascii_and_other_text(text: str) -> None:
+    alphabet = "".join(sorted("ab\n é✓😀~"))
+    tok = tk.CharTokenizer(alphabet)
+    # The ASCII fast path (a bytes.translate table) and the code-point path give the same ids as a dict would.
+    assert tok.encode_array(text).tolist() == [alphabet.index(c) for c in text]
+
+
+@pytest.mark.parametrize(("text", "position"), [("abz", 2), ("abé", 2), ("a\x7f", 1)])
+def test_char_unknown_character_position(text: str, position: int) -> None:
+    with pytest.raises(UserInputError, match=rf"at position {position} is not in its 3-character vocabulary"):
+        tk.CharTokenizer("abc").encode_array(text)
+
+
 def test_char_out_of_vocabulary_is_one_line_error() -> None:
     tok = tk.CharTokenizer("abc")
     with pytest.raises(UserInputError, match=r"'é' \(U\+00E9\) at position 1 .* 3-character") as exc:

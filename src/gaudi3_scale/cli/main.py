@@ -125,9 +125,19 @@ def train(
     type=Number(integer=False),
     default=0.1,
     show_default=True,
-    help="tail of each source held out",
+    help="tail of each shard held out",
 )
-@click.option("--seed", type=Seed(), default=0, show_default=True, help="split seed (document order)")
+@click.option(
+    "--seed", type=Seed(), default=0, show_default=True, help="split seed (recorded in the manifest)"
+)
+@click.option(
+    "--shard-mb",
+    type=Number(integer=False, above=0.0),
+    default=64.0,
+    show_default=True,
+    help="source text per shard, MiB (the unit of parallel work)",
+)
+@click.option("--text-field", default="text", show_default=True, help="the text column of JSONL / Parquet")
 @click.option("--out", "out_dir", help="output directory (default: the cache directory)")
 @click.option("--workers", type=Count(), default=1, show_default=True, help="tokenizer worker processes")
 @click.option("--force", is_flag=True, help="rebuild even when the inputs are unchanged")

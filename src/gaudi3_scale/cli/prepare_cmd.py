@@ -19,6 +19,8 @@ def run_prepare(
     vocab_size: int | None,
     val_fraction: float,
     seed: int,
+    shard_mb: float,
+    text_field: str,
     out_dir: str | None,
     workers: int,
     force: bool,
@@ -27,6 +29,8 @@ def run_prepare(
     fields |= {
         "source": ",".join(sources),
         "split_seed": seed,
+        "shard_mb": shard_mb,
+        "text_field": text_field,
         "prepared_dir": out_dir,
         "prepare_workers": workers,
     }

@@ -1,4 +1,4 @@
-"""Open a prepared dataset: verified, read-only token memmaps plus its manifest and tokenizer."""
+"""Open a prepared dataset: verified, read-only token memmaps (one per shard) plus its manifest and tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gaudi3_scale.data.manifest import Manifest, numpy_dtype, verify_prepared
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.manifest import Manifest, Shard, numpy_dtype, verify_prepared
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["PreparedData", "load_prepared"]
@@ -18,8 +19,26 @@ __all__ = ["PreparedData", "load_prepared"]
 class PreparedData:
     directory: Path
     manifest: Manifest
-    train: np.ndarray  # read-only np.memmap (a plain empty array when the split has no tokens)
-    val: np.ndarray
+    # One read-only np.memmap per shard, in stream order (a plain empty array for a shard of 0 tokens).
+    train_shards: list[np.ndarray]
+    val_shards: list[np.ndarray]
+
+    @property
+    def train(self) -> np.ndarray:
+        """The train tokens of a single-shard dataset (the loader reads `train_shards` for several)."""
+        return self._only_shard("train", self.train_shards)
+
+    @property
+    def val(self) -> np.ndarray:
+        return self._only_shard("val", self.val_shards)
+
+    def _only_shard(self, split: str, shards: list[np.ndarray]) -> np.ndarray:
+        if len(shards) != 1:
+            raise UserInputError(
+                f"{self.directory}: the {split} split has {len(shards)} shards and this reader takes a "
+                f"single-shard dataset; use PreparedData.{split}_shards (or a larger data.shard_mb)"
+            )
+        return shards[0]
 
     @property
     def vocab_size(self) -> int:
@@ -31,8 +50,7 @@ class PreparedData:
         return load_tokenizer(self.directory)
 
 
-def _open_split(directory: Path, manifest: Manifest, split: str) -> np.ndarray:
-    shard = manifest.shard(split)
+def _open_shard(directory: Path, manifest: Manifest, shard: Shard) -> np.ndarray:
     dtype = numpy_dtype(manifest.dtype)
     if shard.num_tokens == 0:  # mmap cannot map an empty file
         empty = np.empty(0, dtype=dtype)
@@ -48,6 +66,6 @@ def load_prepared(directory: Path | str, *, verify_checksums: bool = True) -> Pr
     return PreparedData(
         directory=directory,
         manifest=manifest,
-        train=_open_split(directory, manifest, "train"),
-        val=_open_split(directory, manifest, "val"),
+        train_shards=[_open_shard(directory, manifest, s) for s in manifest.shards_of("train")],
+        val_shards=[_open_shard(directory, manifest, s) for s in manifest.shards_of("val")],
     )

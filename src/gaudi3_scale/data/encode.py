@@ -1,8 +1,10 @@
-"""Prepare's heavy lifting: tokenize chunks in worker processes, then cut documents into train / val shards.
+"""Prepare's heavy lifting, run in worker processes: a piece of source text in, its train and val shards out.
 
-Each chunk (~2 MiB, cut after a newline) is tokenized by a worker that writes its tokens to
-``.partial/chunks/<index>.bin`` and returns only the count, so no token data crosses a pipe; ``imap`` keeps the
-order. Chunking does not depend on the worker count, so any number of workers produces bit-identical shards.
+Each piece (see `pieces`) is read, tokenized, cut into train (the first ``int(n * (1 - val_fraction))`` of its n
+tokens) and val (the rest), and written as ``train-<i>.bin`` / ``val-<i>.bin`` by one worker, which hashes the
+shards as it writes them and returns only their `Shard` records: no token data crosses a pipe and the parent does
+no per-byte work, so reading, encoding, writing and hashing all scale with the workers. Pieces do not depend on
+the worker count, so any number of workers produces bit-identical shards.
 """
 
 from __future__ import annotations
@@ -28,20 +30,24 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gaudi3_scale.data.manifest import Shard, numpy_dtype
-from gaudi3_scale.data.sources import Chunk, read_chunk
+from gaudi3_scale.data.manifest import SPLITS, Shard, SourceEntry, numpy_dtype, shard_file, token_dtype
+from gaudi3_scale.data.pieces import Piece, piece_texts
+from gaudi3_scale.data.sources import SourceFile, sha256_file
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer_file
 
 __all__ = [
-    "EncodeTask",
     "OrderedMap",
-    "chunk_alphabet",
-    "encode_chunk",
+    "PieceTask",
+    "encode_piece",
+    "encode_pieces",
     "ordered_map",
+    "piece_alphabet",
     "progress_bar",
+    "scan_alphabets",
+    "sha256_source",
+    "source_entries",
     "tracked",
     "write_shard",
-    "write_splits",
 ]
 
 T = TypeVar("T")
@@ -54,28 +60,116 @@ _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class EncodeTask:
-    chunk: Chunk
+class PieceTask:
+    piece: Piece
+    text_field: str
     tokenizer_path: str
     tokenizer_key: str  # SHA-256 of the tokenizer JSON: a worker loads each tokenizer once
     dtype: str
-    out_path: str  # the worker writes the chunk's tokens here; only their count travels back
+    val_fraction: float
+    out_dir: str  # the worker writes the piece's two shards here
 
 
-def encode_chunk(task: EncodeTask) -> int:
+def encode_piece(task: PieceTask) -> tuple[Shard, Shard]:
+    """Tokenize a piece and write its train and val shards; returns their records (counts and SHA-256)."""
     tok = _WORKER_TOKENIZERS.get(task.tokenizer_key)
     if tok is None:
         _WORKER_TOKENIZERS.clear()
         tok = _WORKER_TOKENIZERS[task.tokenizer_key] = load_tokenizer_file(Path(task.tokenizer_path))
-    ids = tok.encode_array(read_chunk(task.chunk)).astype(numpy_dtype(task.dtype), copy=False)
-    ids.tofile(task.out_path)
-    return len(ids)
+    dtype = numpy_dtype(task.dtype)
+    # A piece's tokens are held in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
+    # cut needs the total count; that bounds a worker's memory by the shard size, not by the corpus.
+    arrays = [
+        tok.encode_array(text).astype(dtype, copy=False) for text in piece_texts(task.piece, task.text_field)
+    ]
+    num_tokens = sum(len(a) for a in arrays)
+    cut = int(num_tokens * (1 - task.val_fraction))
+    out = Path(task.out_dir)
+    index = task.piece.index
+    return (
+        write_shard(out / shard_file("train", index), "train", _token_range(arrays, 0, cut)),
+        write_shard(out / shard_file("val", index), "val", _token_range(arrays, cut, num_tokens)),
+    )
 
 
-def chunk_alphabet(chunk: Chunk) -> str:
-    """The distinct characters of a chunk, as one string: all the char tokenizer needs to see."""
-    code_points = np.frombuffer(read_chunk(chunk).encode("utf-32-le"), dtype=np.uint32)
-    return np.flatnonzero(np.bincount(code_points)).astype("<u4").tobytes().decode("utf-32-le")
+def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.ndarray]:
+    """Tokens [start, end) of the concatenation of `arrays`, as views."""
+    offset = 0
+    for array in arrays:
+        lo, hi = max(start - offset, 0), min(end - offset, len(array))
+        if lo < hi:
+            yield array[lo:hi]
+        offset += len(array)
+
+
+def piece_alphabet(task: tuple[Piece, str]) -> str:
+    """The distinct characters of a piece (`task` = piece, text field), as one string: all `char` needs to see."""
+    piece, text_field = task
+    ascii_seen = b""  # sorted distinct bytes of the ASCII texts so far
+    present = np.zeros(0, dtype=bool)  # code points seen in the other texts
+    for text in piece_texts(piece, text_field):
+        if text.isascii():
+            # Deleting the bytes already seen (bytes.translate, GB/s) leaves nothing in almost every chunk.
+            rest = text.encode("ascii").translate(None, ascii_seen)
+            if rest:
+                new = np.flatnonzero(np.bincount(np.frombuffer(rest, dtype=np.uint8)))
+                ascii_seen = bytes(sorted(set(ascii_seen) | set(new.tolist())))
+            continue
+        counts = np.bincount(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32))
+        if len(counts) > len(present):
+            present = np.concatenate([present, np.zeros(len(counts) - len(present), dtype=bool)])
+        present[: len(counts)] |= counts > 0
+    others = np.flatnonzero(present).astype("<u4").tobytes().decode("utf-32-le")
+    return "".join(sorted(set(ascii_seen.decode("ascii")) | set(others)))
+
+
+def scan_alphabets(
+    pieces: Sequence[Piece], text_field: str, pmap: OrderedMap[Any, Any], bar: Progress
+) -> Iterator[str]:
+    """Each piece's distinct characters, found by the workers."""
+    tasks = [(p, text_field) for p in pieces]
+    return tracked(pmap(piece_alphabet, tasks), [p.size_bytes for p in pieces], bar, "scan characters")
+
+
+def encode_pieces(
+    pieces: Sequence[Piece],
+    out_dir: Path,
+    tokenizer_path: Path,
+    text_field: str,
+    val_fraction: float,
+    pmap: OrderedMap[Any, Any],
+    bar: Progress,
+) -> list[Shard]:
+    """Every piece's train and val shard, written into `out_dir` by the workers: train shards first, in order."""
+    tok_key = sha256_file(tokenizer_path)
+    dtype = token_dtype(load_tokenizer_file(tokenizer_path).vocab_size)
+    tasks = [
+        PieceTask(p, text_field, str(tokenizer_path), tok_key, dtype, val_fraction, str(out_dir))
+        for p in pieces
+    ]
+    sizes = [p.size_bytes for p in pieces]
+    pairs = list(tracked(pmap(encode_piece, tasks), sizes, bar, "tokenize"))
+    return [pair[i] for i in range(len(SPLITS)) for pair in pairs]
+
+
+def source_entries(
+    files: Sequence[SourceFile], hashes: list[str], pieces: Sequence[Piece]
+) -> list[SourceEntry]:
+    """Manifest entries of `files` (their pieces among `pieces`, which start at the first of them)."""
+    first = pieces[0].source_index if pieces else 0
+    return [
+        SourceEntry(
+            path=str(f.path),
+            size_bytes=f.size_bytes,
+            sha256=h,
+            shards=[p.index for p in pieces if p.source_index == first + i],
+        )
+        for i, (f, h) in enumerate(zip(files, hashes, strict=True))
+    ]
+
+
+def sha256_source(path: str) -> str:
+    return sha256_file(Path(path))
 
 
 def _init_worker() -> None:
@@ -108,46 +202,16 @@ def progress_bar(enabled: bool) -> Progress:
     return Progress(*columns, console=Console(stderr=True), disable=not enabled)
 
 
-def tracked(results: Iterable[R], chunks: Sequence[Chunk], bar: Progress, description: str) -> Iterator[R]:
-    task = bar.add_task(description, total=sum(c.length_bytes for c in chunks))
+def tracked(results: Iterable[R], sizes: Sequence[int], bar: Progress, description: str) -> Iterator[R]:
+    """Yield `results`, advancing a bar by the byte size of the item each one came from."""
+    task = bar.add_task(description, total=sum(sizes))
     bar.advance(task, 0)  # a first sample at t=0, else rich computes MB/s from the first two results only
-    for chunk, result in zip(chunks, results, strict=False):
-        bar.advance(task, chunk.length_bytes)
+    for size, result in zip(sizes, results, strict=False):
+        bar.advance(task, size)
         yield result
 
 
 # ---- train / val shards ------------------------------------------------------------------------------------
-
-
-def write_splits(
-    partial: Path, tasks: list[EncodeTask], counts: list[int], num_docs: int, val_fraction: float, seed: int
-) -> list[Shard]:
-    """Cut each document's tokens (spread over its chunk files) into train and val parts and write the shards."""
-    dtype = numpy_dtype(tasks[0].dtype)
-    docs: list[list[tuple[str, int]]] = [[] for _ in range(num_docs)]
-    for task, count in zip(tasks, counts, strict=True):
-        docs[task.chunk.doc_index].append((task.out_path, count))
-    num_tokens = [sum(count for _, count in segments) for segments in docs]
-    num_train = [int(n * (1 - val_fraction)) for n in num_tokens]
-    order = np.random.default_rng(seed).permutation(num_docs).tolist() if num_docs > 1 else [0]
-    train = (p for d in order for p in _read_range(docs[d], 0, num_train[d], dtype))
-    val = (p for d in range(num_docs) for p in _read_range(docs[d], num_train[d], num_tokens[d], dtype))
-    return [
-        write_shard(partial / "train.bin", "train", train),
-        write_shard(partial / "val.bin", "val", val),
-    ]
-
-
-def _read_range(
-    segments: list[tuple[str, int]], start: int, end: int, dtype: np.dtype[Any]
-) -> Iterator[np.ndarray]:
-    """Tokens [start, end) of the concatenation of chunk files, one piece per file touched."""
-    offset = 0
-    for path, count in segments:
-        lo, hi = max(start - offset, 0), min(end - offset, count)
-        if lo < hi:
-            yield np.fromfile(path, dtype=dtype, count=hi - lo, offset=lo * dtype.itemsize)
-        offset += count
 
 
 def write_shard(path: Path, split: str, pieces: Iterable[np.ndarray]) -> Shard:

@@ -1,8 +1,10 @@
 """``manifest.json``: what a prepared dataset holds, and the checks that it still holds it.
 
-The manifest is written last (temp file + ``os.replace``), so a directory with a manifest is complete. Format
-version 1 has exactly one shard per split: ``train.bin`` and ``val.bin``, flat little-endian ``uint16`` (vocab ≤
-65536) or ``uint32`` token ids, read with ``np.memmap``. The manifest carries no context length: windows are cut at
+The manifest is written last (temp file + ``os.replace``), so a directory with a manifest is complete. Shards are
+flat little-endian ``uint16`` (vocab ≤ 65536) or ``uint32`` token ids, read with ``np.memmap``. Format version 2
+(written now) has one or more shards per split, ``train-00000.bin``, ``train-00001.bin``, …, ``val-00000.bin``, …
+(shard i of both splits comes from the same piece of source text; a shard may hold 0 tokens); format version 1
+(still read) has exactly ``train.bin`` and ``val.bin``. The manifest carries no context length: windows are cut at
 load time, so one prepared dataset serves every model size.
 """
 
@@ -12,7 +14,8 @@ import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ __all__ = [
     "load_manifest",
     "numpy_dtype",
     "save_manifest",
+    "shard_file",
+    "split_token_counts",
     "token_dtype",
     "tokens_sha256",
     "verify_prepared",
@@ -40,8 +45,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gaudi3-scale/prepared-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "val")
+_V1_FILES = {split: f"{split}.bin" for split in SPLITS}
+_V2_FILE = re.compile(r"(train|val)-[0-9]{5,}\.bin")
 # Explicit little-endian so a dataset prepared on one machine reads the same on any other.
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _FIX = "re-run `gaudi3 prepare --force`"
@@ -61,6 +68,9 @@ class SourceEntry:
     path: str
     size_bytes: int
     sha256: str
+    shards: list[int] = field(
+        default_factory=list
+    )  # the shard indices made from it (format 2; [] in format 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +94,9 @@ class Manifest:
     library_version: str | None  # None when the package metadata is not installed
 
     def shard(self, split: str) -> Shard:
-        return next(s for s in self.shards if s.split == split)
+        """The split's only shard (format 1, or a format-2 dataset made of one piece)."""
+        (shard,) = self.shards_of(split)
+        return shard
 
     def shards_of(self, split: str) -> list[Shard]:
         """The split's shards in stream order (one in format 1, `train-00000.bin`, … in format 2)."""
@@ -98,11 +110,25 @@ def tokens_sha256(manifest: Manifest) -> str:
     """The identity of the token streams a dataset holds: SHA-256 over its shards' SHA-256s (split by split).
 
     Checkpoints record it (`data_sha256`), so that a resume on data whose content changed since (its source text
-    edited and the cache rebuilt) is refused instead of silently continuing on other tokens. Unlike `fingerprint`
-    it depends only on content, not on paths or mtimes.
+    edited and the cache rebuilt, or new files appended) is refused instead of silently continuing on other
+    tokens. Unlike `fingerprint` it depends only on content, not on paths or mtimes. A split of one shard hashes
+    as that shard's SHA-256 (as format 1 always did, so its checkpoints still match), several as their list.
     """
-    shards = {s.split: s.sha256 for s in manifest.shards}
+    shards: dict[str, str | list[str]] = {}
+    for split in SPLITS:
+        digests = [s.sha256 for s in manifest.shards_of(split)]
+        shards[split] = digests[0] if len(digests) == 1 else digests
     return hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+
+
+def split_token_counts(shards: list[Shard]) -> dict[str, int]:
+    """`Manifest.num_tokens` of a list of shards: tokens per split."""
+    return {split: sum(s.num_tokens for s in shards if s.split == split) for split in SPLITS}
+
+
+def shard_file(split: str, index: int) -> str:
+    """Format 2's name of shard `index` of `split`: ``train-00000.bin``."""
+    return f"{split}-{index:05d}.bin"
 
 
 def vocab_problem(vocab_size: int) -> str:
@@ -169,10 +195,35 @@ def _parse(data: Any, path: Path) -> Manifest:
         raise UserInputError(f"{path}: {vocab_problem(fields['vocab_size'])}")
     if fields["dtype"] not in _DTYPES:
         raise UserInputError(f"{path}: dtype {fields['dtype']!r} is not one of {', '.join(_DTYPES)}; {_FIX}")
-    splits = sorted(s.split for s in fields["shards"])
-    if splits != sorted(SPLITS):
-        raise UserInputError(f"{path}: expected one shard per split {SPLITS}, got {splits}; {_FIX}")
+    _check_shard_names(fields["shards"], version, path)
     return Manifest(**fields)
+
+
+def _check_shard_names(shards: list[Shard], version: int, path: Path) -> None:
+    splits = sorted(s.split for s in shards)
+    if version == 1:
+        if splits != sorted(SPLITS) or any(s.file != _V1_FILES[s.split] for s in shards):
+            files = ", ".join(s.file for s in shards)
+            raise UserInputError(
+                f"{path}: format 1 has exactly train.bin and val.bin, got {files or 'no shards'}; {_FIX}"
+            )
+        return
+    missing = [split for split in SPLITS if split not in splits]
+    if missing or set(splits) != set(SPLITS):
+        raise UserInputError(
+            f"{path}: expected at least one shard per split {SPLITS}, got splits {sorted(set(splits))}; {_FIX}"
+        )
+    names = [s.file for s in shards]
+    for shard in shards:
+        match = _V2_FILE.fullmatch(shard.file)
+        if match is None or match.group(1) != shard.split:
+            raise UserInputError(
+                f"{path}: shard file {shard.file!r} of split {shard.split!r} is not named "
+                f"{shard.split}-NNNNN.bin; {_FIX}"
+            )
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise UserInputError(f"{path}: shard file(s) {', '.join(duplicates)} listed twice; {_FIX}")
 
 
 def load_manifest(directory: Path) -> Manifest:

@@ -1,21 +1,21 @@
-"""Prepare: text → tokenizer → ``train.bin`` / ``val.bin`` + ``manifest.json``, done once, offline (as nanoGPT).
+"""Prepare: text → tokenizer → sharded ``train-*.bin`` / ``val-*.bin`` + ``manifest.json``, done once, offline.
 
-Split rule: every source file is a *document*; the last ``val_fraction`` of each document's tokens go to val and
-the rest to train (``int(n * (1 - val_fraction))`` train tokens — with one document and 0.1 this is exactly
-nanoGPT's ``data[:int(n*0.9)]`` / ``data[int(n*0.9):]``). When there are several documents, their train parts are
-concatenated in an order shuffled by ``split_seed``; val parts keep source order. Documents are concatenated
-without a separator token.
+Split rule: the sources are cut into pieces of about ``data.shard_mb`` MiB of text (see `pieces`; a piece never
+spans two files), and piece i becomes shard i of both splits: its first ``int(n * (1 - val_fraction))`` tokens
+go to ``train-<i>.bin``, the rest to ``val-<i>.bin``. A source that fits one piece (the bundled tinyshakespeare)
+therefore gives exactly nanoGPT's ``data[:int(n*0.9)]`` / ``data[int(n*0.9):]``. Pieces are concatenated without a
+separator token. Every piece is read, tokenized, split, written and hashed by one worker (`encode`).
 
-Layout: one flat shard per split (no ``train-00000.bin`` sharding): ``np.memmap`` handles files of any size on
-64-bit systems and one shard keeps windows from ever straddling a file boundary.
+Safety: a build happens in ``.partial/``; only then is the old manifest deleted, the new files renamed into place,
+the manifest written last, atomically, and shard files it does not list removed. A directory with a manifest is
+therefore always complete, and a build that fails (bad UTF-8, a bad setting) leaves the previous dataset as it was.
+A re-run whose settings and sources are unchanged returns at once (see `update`). When the only change is new
+source files, only they are tokenized and their pieces appended as new shard indices (existing shards are not
+rewritten), if the tokenizer does not depend on the data: ``byte``, a tokenizer.json, or ``char`` when the new
+text's characters are all in its vocabulary; otherwise everything is rebuilt.
 
-Safety: everything is built in ``.partial/``; only then is the old manifest deleted, the new files renamed into
-place and the manifest written last, atomically. A directory with a manifest is therefore always complete, and a
-build that fails (bad UTF-8, a bad setting) leaves the previous dataset as it was. A re-run whose settings and
-source paths, sizes and mtimes are unchanged returns at once; if only mtimes moved, the sources are rehashed.
-
-Tokenizing in worker processes and writing the shards live in `encode`. ``data.source: synthetic[:VOCAB]`` takes
-the same path (directory, lock, cache check, atomic swap) but generates its ids instead (see `synthetic`).
+``data.source: synthetic[:VOCAB]`` takes the same path (directory, lock, cache check, atomic swap) but generates
+its ids instead (see `synthetic`).
 """
 
 from __future__ import annotations
@@ -26,30 +26,26 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    Progress,
-)
+from rich.progress import Progress
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.encode import (
-    EncodeTask,
     OrderedMap,
-    chunk_alphabet,
-    encode_chunk,
+    encode_pieces,
     ordered_map,
     progress_bar,
+    scan_alphabets,
+    sha256_source,
+    source_entries,
     tracked,
-    write_splits,
 )
 from gaudi3_scale.data.manifest import (
     FORMAT_VERSION,
@@ -58,21 +54,21 @@ from gaudi3_scale.data.manifest import (
     Shard,
     SourceEntry,
     save_manifest,
+    split_token_counts,
     token_dtype,
     verify_prepared,
     vocab_problem,
 )
+from gaudi3_scale.data.pieces import Piece, piece_texts, plan_pieces
 from gaudi3_scale.data.sources import (
     CHUNK_BYTES,
     MIN_VOCAB_SIZE,
-    Chunk,
     ResolvedSource,
     default_cache_dir,
     is_prepared_dir,
-    read_chunk,
+    is_shard_file,
     resolve_source,
     sha256_file,
-    split_into_chunks,
     synthetic_vocab,
 )
 from gaudi3_scale.data.synthetic import (
@@ -89,12 +85,19 @@ from gaudi3_scale.data.tokenizers import (
     is_tokenizer_path,
     load_tokenizer_file,
 )
+from gaudi3_scale.data.update import (
+    APPEND,
+    CURRENT,
+    append_files,
+    partial_dir,
+    plan_update,
+    prepared_manifest,
+)
 
 __all__ = ["SPLIT_RULE", "prepare_dataset"]
 
 log = logging.getLogger(__name__)
-SPLIT_RULE = "per document: last val_fraction of its tokens -> val, rest -> train; train documents shuffled by split_seed"
-_PARTIAL_DIR = ".partial"
+SPLIT_RULE = "per shard: last val_fraction of its tokens -> val, rest -> train"
 _LOCK_FILE = ".prepare.lock"
 
 
@@ -130,17 +133,37 @@ def prepare_dataset(
         {"settings": settings, "files": [[str(f.path), f.size_bytes, f.mtime_ns] for f in source.files]}
     )
     target.mkdir(parents=True, exist_ok=True)
-    num_workers = workers or cfg.prepare_workers
+    job = _Job(cfg, source, settings, fingerprint, workers or cfg.prepare_workers, progress)
 
     def write(partial: Path) -> Manifest:
         if vocab is not None:
             return _generate_into(partial, cfg, vocab, settings, fingerprint)
-        return _tokenize_into(partial, cfg, source, settings, fingerprint, num_workers, progress)
+        return _tokenize_into(partial, job)
 
     with _locked(target / _LOCK_FILE):
-        if force or not _is_up_to_date(target, settings, fingerprint, source):
-            _build(target, write)
+        update = plan_update(
+            target, None if force else prepared_manifest(target), settings, fingerprint, source
+        )
+        if update.action == CURRENT:
+            return target
+        if update.action == APPEND and append_files(
+            target, cfg, update.new_files, fingerprint, workers=job.workers, progress=job.progress
+        ):
+            return target
+        _build(target, write)
     return target
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What a text build needs besides the directory it writes into."""
+
+    cfg: DataConfig
+    source: ResolvedSource
+    settings: dict[str, Any]
+    fingerprint: str
+    workers: int
+    progress: bool
 
 
 def _sha256_json(obj: Any) -> str:
@@ -162,6 +185,8 @@ def _settings(cfg: DataConfig, source: ResolvedSource) -> dict[str, Any]:
         "val_fraction": cfg.val_fraction,
         "split_seed": cfg.split_seed,
         "chunk_bytes": CHUNK_BYTES,  # BPE tokens at chunk cuts depend on it
+        "shard_mb": cfg.shard_mb,  # where pieces, hence shards and train / val cuts, end
+        "text_field": cfg.text_field,  # the text of JSONL / Parquet sources
         "format_version": FORMAT_VERSION,
     }
 
@@ -186,38 +211,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
         yield
 
 
-def _is_up_to_date(target: Path, settings: dict[str, Any], fingerprint: str, source: ResolvedSource) -> bool:
-    if not (target / MANIFEST_FILE).is_file():
-        return False
-    try:
-        manifest = verify_prepared(target, checksums=False)
-    except UserInputError as exc:
-        log.warning("rebuilding %s: %s", target, exc)
-        return False
-    if manifest.fingerprint == fingerprint:
-        return True
-    same_files = [(e.path, e.size_bytes) for e in manifest.sources] == [
-        (str(f.path), f.size_bytes) for f in source.files
-    ]
-    if manifest.settings != settings or not same_files:
-        return False
-    # Only mtimes moved (a fresh checkout, a copy): the content decides, and the new fingerprint is recorded.
-    if [e.sha256 for e in manifest.sources] != [sha256_file(f.path) for f in source.files]:
-        return False
-    save_manifest(target, dataclasses.replace(manifest, fingerprint=fingerprint))
-    return True
-
-
 # ---- the build --------------------------------------------------------------------------------------------
 
 
 def _build(target: Path, write: Callable[[Path], Manifest]) -> None:
     """Run `write` (shards + tokenizer into the directory it is given, returning their manifest), then swap in."""
-    partial = target / _PARTIAL_DIR
-    if partial.exists():
-        shutil.rmtree(partial)  # left by a killed run
-    partial.mkdir()
-    try:
+    with partial_dir(target) as partial:
         manifest = write(partial)
         # Swap in. From the unlink until the new manifest lands, the directory does not look prepared; a build
         # that failed before this point left the previous dataset untouched (and consistent with its manifest).
@@ -225,43 +224,23 @@ def _build(target: Path, write: Callable[[Path], Manifest]) -> None:
         for name in [s.file for s in manifest.shards] + [manifest.tokenizer_file]:
             os.replace(partial / name, target / name)
         save_manifest(target, manifest)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # chunk files, or whatever a failed build left behind
+    # Only now that the new dataset is in place: shards of the old one (more shards, or format 1) that it lacks.
+    listed = {s.file for s in manifest.shards}
+    for stale in [p for p in target.iterdir() if is_shard_file(p.name) and p.name not in listed]:
+        stale.unlink()
 
 
-def _tokenize_into(
-    partial: Path,
-    cfg: DataConfig,
-    source: ResolvedSource,
-    settings: dict[str, Any],
-    fingerprint: str,
-    workers: int,
-    progress: bool,
-) -> Manifest:
-    chunks = [
-        c for i, f in enumerate(source.files) for c in split_into_chunks(i, f.path, f.size_bytes, CHUNK_BYTES)
-    ]
-    workers = max(1, min(workers, len(chunks)))
-    with ordered_map(workers) as pmap, ThreadPoolExecutor(1) as hasher, progress_bar(progress) as bar:
-        # SHA-256 of the sources runs in a thread (hashlib releases the GIL) while the workers tokenize.
-        source_hashes = hasher.submit(lambda: [sha256_file(f.path) for f in source.files])
-        tokenizer = _make_tokenizer(cfg, chunks, pmap, bar)
+def _tokenize_into(partial: Path, job: _Job) -> Manifest:
+    cfg = job.cfg
+    pieces = plan_pieces(job.source.files, cfg.shard_mb, cfg.text_field)
+    workers = max(1, min(job.workers, len(pieces)))
+    with ordered_map(workers) as pmap, progress_bar(job.progress) as bar:
+        tokenizer = _make_tokenizer(cfg, pieces, pmap, bar)
         tok_path = tokenizer.save(partial)
-        dtype = token_dtype(tokenizer.vocab_size)
-        tok_key = sha256_file(tok_path)
-        (partial / "chunks").mkdir()
-        tasks = [
-            EncodeTask(c, str(tok_path), tok_key, dtype, str(partial / "chunks" / f"{i:08d}.bin"))
-            for i, c in enumerate(chunks)
-        ]
-        counts = list(tracked(pmap(encode_chunk, tasks), chunks, bar, f"tokenize ({workers} worker(s))"))
-        shards = write_splits(partial, tasks, counts, len(source.files), cfg.val_fraction, cfg.split_seed)
-        hashes = source_hashes.result()
-    sources = [
-        SourceEntry(path=str(f.path), size_bytes=f.size_bytes, sha256=h)
-        for f, h in zip(source.files, hashes, strict=True)
-    ]
-    return _manifest(cfg, tokenizer, shards, SPLIT_RULE, sources, settings, fingerprint)
+        shards = encode_pieces(pieces, partial, tok_path, cfg.text_field, cfg.val_fraction, pmap, bar)
+        hashes = list(pmap(sha256_source, [str(f.path) for f in job.source.files]))
+    sources = source_entries(job.source.files, hashes, pieces)
+    return _manifest(cfg, tokenizer, shards, SPLIT_RULE, sources, job.settings, job.fingerprint)
 
 
 def _generate_into(
@@ -292,7 +271,7 @@ def _manifest(
         tokenizer_file=TOKENIZER_FILE,
         vocab_size=tokenizer.vocab_size,
         dtype=token_dtype(tokenizer.vocab_size),
-        num_tokens={s.split: s.num_tokens for s in shards},
+        num_tokens=split_token_counts(shards),
         val_fraction=cfg.val_fraction,
         split_seed=cfg.split_seed,
         split_rule=split_rule,
@@ -307,14 +286,21 @@ def _manifest(
 
 
 def _make_tokenizer(
-    cfg: DataConfig, chunks: Sequence[Chunk], pmap: OrderedMap[Any, Any], bar: Progress
+    cfg: DataConfig, pieces: Sequence[Piece], pmap: OrderedMap[Any, Any], bar: Progress
 ) -> Tokenizer:
     texts: Iterable[str]
+    sizes = [p.size_bytes for p in pieces]
     if cfg.tokenizer == "char":
-        # The char vocabulary only depends on which characters occur: workers send back each chunk's alphabet.
-        texts = tracked(pmap(chunk_alphabet, chunks), chunks, bar, "scan characters")
+        # The char vocabulary only depends on which characters occur: workers send back each piece's alphabet.
+        texts = scan_alphabets(pieces, cfg.text_field, pmap, bar)
     else:
-        texts = tracked(map(read_chunk, chunks), chunks, bar, f"read text for {cfg.tokenizer}")
+        texts = (
+            text
+            for texts_of_piece in tracked(
+                (piece_texts(p, cfg.text_field) for p in pieces), sizes, bar, f"read text for {cfg.tokenizer}"
+            )
+            for text in texts_of_piece
+        )
     # Lazy: kinds that need no data (byte, a tokenizer.json) never read the text.
     return build_tokenizer(cfg.tokenizer, texts, cfg.vocab_size)
 

@@ -1,7 +1,7 @@
 """Where prepare's text comes from: a bundled corpus, a file, a glob, a directory, or ``hf:NAME``.
 
-Every source resolves to a sorted list of UTF-8 files; each file is one *document* for the train/val split.
-Files are read in chunks cut just after a newline, so workers can tokenize them independently and in order.
+Every source resolves to a sorted list of files: UTF-8 text, or JSONL / Parquet tables (see `formats`). Files are
+read in chunks cut just after a newline, so workers can tokenize them independently and in order.
 
 ``synthetic[:VOCAB]`` is parsed here too, being a `data.source`, but it has no files: prepare generates it (see
 `synthetic`).
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.data.formats import TEXT, source_format
 
 __all__ = [
     "CHUNK_BYTES",
@@ -31,6 +32,7 @@ __all__ = [
     "bundled_corpora",
     "default_cache_dir",
     "is_prepared_dir",
+    "is_shard_file",
     "read_chunk",
     "resolve_source",
     "sha256_file",
@@ -128,14 +130,24 @@ def _looks_like_text(path: Path) -> bool:
     return True
 
 
-# What `prepare` writes beside manifest.json (data.encode / data.synthetic / data.tokenizers.TOKENIZER_FILE).
-_PREPARED_FILES = ("train.bin", "val.bin", "tokenizer.json")
+# What `prepare` writes beside manifest.json: format 1 train.bin / val.bin, format 2 train-00000.bin, ...
+_SHARD_NAME = re.compile(r"(train|val)(-[0-9]{5,})?\.bin")
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether a file name is one `prepare` gives shards (of any format version)."""
+    return _SHARD_NAME.fullmatch(name) is not None
 
 
 def _refuse_prepared_without_manifest(directory: Path) -> None:
     """A prepared dataset that lost its manifest is not a text corpus (its tokenizer.json would be read as text)."""
-    found = [name for name in _PREPARED_FILES if (directory / name).is_file()]
-    if any(name.endswith(".bin") for name in found):
+    shards = sorted(p.name for p in directory.iterdir() if is_shard_file(p.name) and p.is_file())
+    found = (
+        shards[:2]
+        + (["..."] if len(shards) > 2 else [])
+        + ["tokenizer.json"] * (directory / "tokenizer.json").is_file()
+    )
+    if shards:
         raise ConfigError(
             "source",
             f"{str(directory)!r} looks like a prepared dataset ({', '.join(found)}) but has no {MANIFEST_FILE}, so "
@@ -152,7 +164,8 @@ def _walk_directory(root: Path) -> list[Path]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache, ...
         for name in filenames:
             path = Path(dirpath) / name
-            if not name.startswith(".") and path.is_file() and _looks_like_text(path):
+            table = source_format(path) != TEXT  # Parquet is binary: read by pyarrow, not sniffed as text
+            if not name.startswith(".") and path.is_file() and (table or _looks_like_text(path)):
                 found.append(path)
     return sorted(found)
 
@@ -237,29 +250,46 @@ def _materialize_hf(name: str) -> Path:
 
 
 def split_into_chunks(
-    doc_index: int, path: Path, size_bytes: int, chunk_bytes: int = CHUNK_BYTES
+    doc_index: int,
+    path: Path,
+    size_bytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    whole_lines: bool = False,
 ) -> list[Chunk]:
     """Cut a file into ~`chunk_bytes` pieces, each ending just after a newline (or, in a file without newlines,
-    on a UTF-8 character boundary). b'\\n' never occurs inside a multi-byte UTF-8 sequence, so cuts are safe."""
+    on a UTF-8 character boundary; never with `whole_lines`, as JSON lines must stay whole). b'\\n' never occurs
+    inside a multi-byte UTF-8 sequence, so cuts are safe."""
     chunks: list[Chunk] = []
     start = 0
     with path.open("rb") as fh:
         while start < size_bytes:
             end = min(start + chunk_bytes, size_bytes)
             if end < size_bytes:
-                end = _next_boundary(fh, end, size_bytes)
+                end = _next_boundary(fh, end, size_bytes, whole_lines)
             chunks.append(Chunk(doc_index, str(path), start, end - start))
             start = end
     return chunks
 
 
-def _next_boundary(fh: BinaryIO, offset: int, size_bytes: int) -> int:
+_SCAN_BYTES = 64 << 10  # read near a cut in small steps: planning must not read the whole corpus
+
+
+def _next_boundary(fh: BinaryIO, offset: int, size_bytes: int, whole_lines: bool) -> int:
+    """Just after the first newline at or after `offset` within CHUNK_BYTES (anywhere with `whole_lines`)."""
+    limit = size_bytes if whole_lines else min(offset + CHUNK_BYTES, size_bytes)
     fh.seek(offset)
-    window = fh.read(min(CHUNK_BYTES, size_bytes - offset))
-    newline = window.find(b"\n")
-    if newline >= 0:
-        return offset + newline + 1
-    for i, byte in enumerate(window):  # no newline nearby: first byte that starts a character
+    position = offset
+    while position < limit:
+        window = fh.read(min(_SCAN_BYTES, limit - position))
+        newline = window.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        position += len(window)
+    if whole_lines:
+        return size_bytes
+    fh.seek(offset)
+    for i, byte in enumerate(fh.read(4)):  # no newline nearby: first byte that starts a character
         if byte & 0xC0 != 0x80:
             return offset + i
     return size_bytes

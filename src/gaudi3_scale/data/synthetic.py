@@ -1,6 +1,6 @@
 """``data.source: synthetic[:VOCAB]``: uniformly random token ids, for benchmarks that must not depend on a corpus.
 
-Prepare writes them straight into ``train.bin`` / ``val.bin`` with the usual manifest (so sampling, validation,
+Prepare writes them straight into one shard per split, ``train-00000.bin`` / ``val-00000.bin``, with the usual manifest (so sampling, validation,
 checkpoints and resume work as with any corpus) and saves a `SyntheticTokenizer` beside them; nothing is read or
 downloaded. Sizes follow the text split rule: train holds ``data.synthetic_tokens`` ids and val holds
 ``val_fraction`` of the total, as the last ``val_fraction`` of a text document would.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gaudi3_scale.data.encode import write_shard
-from gaudi3_scale.data.manifest import FORMAT_VERSION, SPLITS, Shard, numpy_dtype, token_dtype
+from gaudi3_scale.data.manifest import FORMAT_VERSION, SPLITS, Shard, numpy_dtype, shard_file, token_dtype
 from gaudi3_scale.data.tokenizers import SyntheticTokenizer
 
 if TYPE_CHECKING:
@@ -63,11 +63,14 @@ def synthetic_settings(cfg: DataConfig, vocab_size: int) -> dict[str, Any]:
 
 
 def write_synthetic_splits(directory: Path, vocab_size: int, sizes: dict[str, int], seed: int) -> list[Shard]:
-    """Write ``train.bin`` and ``val.bin`` of random ids into `directory`; `sizes` from `synthetic_split_sizes`."""
+    """Write ``train-00000.bin`` and ``val-00000.bin`` of random ids into `directory`; `sizes` from
+    `synthetic_split_sizes`."""
     dtype = numpy_dtype(token_dtype(vocab_size))
     return [
         write_shard(
-            directory / f"{split}.bin", split, _random_ids(vocab_size, sizes[split], dtype, [seed, index])
+            directory / shard_file(split, 0),
+            split,
+            _random_ids(vocab_size, sizes[split], dtype, [seed, index]),
         )
         for index, split in enumerate(SPLITS)
     ]

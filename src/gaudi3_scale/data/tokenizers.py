@@ -47,6 +47,7 @@ TOKENIZER_MAX_BYTES = 64 << 20  # Hugging Face tokenizer.json files run to ~20 M
 _CHAR_TYPE = "gaudi3-char"
 _BYTE_TYPE = "gaudi3-byte"
 _SYNTHETIC_TYPE = "gaudi3-synthetic"
+_UNKNOWN_BYTE = 255  # never an ASCII character's id
 _ID_OR_CHAR = re.compile(r"<([0-9]{1,12})>|.", re.DOTALL)
 
 
@@ -90,8 +91,14 @@ class CharTokenizer(Tokenizer):
             raise ValueError("a char tokenizer needs a non-empty alphabet of single characters")
         self._code_points = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
         # A dense code point → id table makes encoding one numpy gather instead of a Python dict lookup per char.
-        self._lookup = np.full(int(self._code_points[-1]) + 1, -1, dtype=np.int32)
+        # Its last entry (one past the largest code point, -1) is where `take(mode="clip")` sends any code point
+        # beyond the table, so one `min() < 0` check finds every unknown character.
+        self._lookup = np.full(int(self._code_points[-1]) + 2, -1, dtype=np.int32)
         self._lookup[self._code_points] = np.arange(len(self.chars))
+        # ASCII characters sort first, so their ids are < 128 and fit a bytes.translate table (GB/s, no numpy
+        # temporaries); _UNKNOWN_BYTE marks the ASCII characters that are not in the vocabulary.
+        ascii_ids = [int(i) if i >= 0 else _UNKNOWN_BYTE for i in self._lookup[:128]]
+        self._ascii_table = bytes(ascii_ids + [_UNKNOWN_BYTE] * (256 - len(ascii_ids)))
 
     @property
     def vocab_size(self) -> int:
@@ -101,17 +108,23 @@ class CharTokenizer(Tokenizer):
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
+        if text.isascii():  # most corpora, and O(1) to tell in CPython
+            ids8 = text.encode("ascii").translate(self._ascii_table)
+            pos = ids8.find(_UNKNOWN_BYTE)
+            if pos >= 0:
+                raise self._unknown(text, pos)
+            return np.frombuffer(ids8, dtype=np.uint8)
         code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        clipped = np.minimum(code_points, len(self._lookup) - 1)
-        ids = self._lookup[clipped]
-        bad = np.flatnonzero((ids < 0) | (code_points >= len(self._lookup)))
-        if bad.size:
-            pos = int(bad[0])
-            raise UserInputError(
-                f"char tokenizer: character {text[pos]!r} (U+{ord(text[pos]):04X}) at position {pos} is not in "
-                f"its {self.vocab_size}-character vocabulary; use tokenizer=byte or bpe for open text"
-            )
+        ids = self._lookup.take(code_points, mode="clip")
+        if ids.size and ids.min() < 0:
+            raise self._unknown(text, int(np.flatnonzero(ids < 0)[0]))
         return ids
+
+    def _unknown(self, text: str, pos: int) -> UserInputError:
+        return UserInputError(
+            f"char tokenizer: character {text[pos]!r} (U+{ord(text[pos]):04X}) at position {pos} is not in "
+            f"its {self.vocab_size}-character vocabulary; use tokenizer=byte or bpe for open text"
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         arr = np.asarray(ids, dtype=np.int64)

@@ -1,0 +1,249 @@
+"""Format 2: pieces become shards, any worker count gives the same bytes, new files are appended, JSONL / Parquet."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data import DataConfig, load_manifest, load_prepared, prepare_dataset, verify_prepared
+from gaudi3_scale.data.manifest import FORMAT_VERSION
+from gaudi3_scale.data.sources import bundled_corpora
+from gaudi3_scale.data.tokenizers import ByteTokenizer
+
+SHAKESPEARE = bundled_corpora()["tinyshakespeare"].read_text(encoding="utf-8")
+SHARD_MB = 0.02  # ~21 KB of text per shard: several shards from tiny files
+
+
+def prepare(source: Path, out: Path, workers: int = 1, **cfg: object) -> Path:
+    fields: dict[str, object] = {"source": str(source), "shard_mb": SHARD_MB} | cfg
+    return prepare_dataset(DataConfig(**fields), out, workers=workers, progress=False)  # type: ignore[arg-type]
+
+
+def shard_stats(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(directory.glob("*-*.bin"))
+    }
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text(SHAKESPEARE[:50_000])
+    (root / "b.txt").write_text(SHAKESPEARE[50_000:60_000])
+    return root
+
+
+def test_layout_and_manifest(corpus: Path, tmp_path: Path) -> None:
+    out = prepare(corpus, tmp_path / "out")
+    manifest = load_manifest(out)
+    assert manifest.format_version == FORMAT_VERSION == 2
+    # a.txt (50 KB) -> 3 pieces of >= 20,971 bytes (the last one shorter), b.txt (10 KB) -> 1
+    assert [s.shards for s in manifest.sources] == [[0, 1, 2], [3]]
+    names = [f"{split}-{i:05d}.bin" for split in ("train", "val") for i in range(4)]
+    assert [s.file for s in manifest.shards] == names
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(names)
+    assert manifest.split_rule == "per shard: last val_fraction of its tokens -> val, rest -> train"
+    assert manifest.settings["shard_mb"] == SHARD_MB
+    data = load_prepared(out)
+    tokens = np.concatenate(
+        [np.concatenate([t, v]) for t, v in zip(data.train_shards, data.val_shards, strict=True)]
+    )
+    assert data.tokenizer.decode(tokens.tolist()) == SHAKESPEARE[:60_000]
+    for train, val in zip(data.train_shards, data.val_shards, strict=True):
+        assert len(train) == int((len(train) + len(val)) * 0.9)
+    assert manifest.num_tokens == {
+        "train": sum(map(len, data.train_shards)),
+        "val": sum(map(len, data.val_shards)),
+    }
+
+
+def test_worker_count_does_not_change_the_bytes(corpus: Path, tmp_path: Path) -> None:
+    one = prepare(corpus, tmp_path / "w1", workers=1)
+    two = prepare(corpus, tmp_path / "w2", workers=2)
+    assert {n: b for n, (_, _, b) in shard_stats(one).items()} == {
+        n: b for n, (_, _, b) in shard_stats(two).items()
+    }
+    assert load_manifest(one).shards == load_manifest(two).shards
+
+
+def test_new_file_is_appended_without_touching_old_shards(
+    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = prepare(corpus, tmp_path / "out")
+    before = shard_stats(out)
+    (corpus / "0-new.txt").write_text(SHAKESPEARE[10_000:40_000])  # sorts first, still appended last
+    with caplog.at_level(logging.INFO, logger="gaudi3_scale.data.prepare"):
+        prepare(corpus, out, workers=2)
+    assert "appended 2 shard(s) for 1 new source file(s)" in caplog.text
+    after = shard_stats(out)
+    assert {name: after[name] for name in before} == before  # same inode, mtime and bytes
+    assert sorted(set(after) - set(before)) == [f"{s}-{i:05d}.bin" for s in ("train", "val") for i in (4, 5)]
+    manifest = verify_prepared(out)
+    assert [(Path(s.path).name, s.shards) for s in manifest.sources][-1] == ("0-new.txt", [4, 5])
+    appended = load_prepared(out)
+    new_text = np.concatenate(
+        [np.concatenate([appended.train_shards[i], appended.val_shards[i]]) for i in (4, 5)]
+    )
+    assert appended.tokenizer.decode(new_text.tolist()) == SHAKESPEARE[10_000:40_000]
+    assert prepare(corpus, out) == out and shard_stats(out) == after  # and now it is current
+
+
+def test_change_to_an_old_file_rebuilds(corpus: Path, tmp_path: Path) -> None:
+    out = prepare(corpus, tmp_path / "out", tokenizer="byte")
+    before = shard_stats(out)
+    (corpus / "b.txt").write_text(SHAKESPEARE[70_000:80_000])  # same size, other content
+    (corpus / "c.txt").write_text("new\n")
+    prepare(corpus, out, tokenizer="byte")
+    after = shard_stats(out)
+    assert after["train-00000.bin"][0] != before["train-00000.bin"][0]  # renamed in from a new build
+    assert [Path(s.path).name for s in load_manifest(out).sources] == ["a.txt", "b.txt", "c.txt"]
+    (corpus / "a.txt").unlink()  # a removed file rebuilds too, and the shards it no longer needs go away
+    prepare(corpus, out, tokenizer="byte")
+    assert sorted(p.name for p in out.glob("*.bin")) == [
+        f"{s}-{i:05d}.bin" for s in ("train", "val") for i in (0, 1)
+    ]
+    verify_prepared(out)
+
+
+def test_new_characters_or_trained_tokenizer_rebuild(
+    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = prepare(corpus, tmp_path / "out")
+    inode = (out / "train-00000.bin").stat().st_ino
+    (corpus / "c.txt").write_text("naïve ✓\n")
+    with caplog.at_level(logging.INFO, logger="gaudi3_scale.data.prepare"):
+        prepare(corpus, out)
+    assert "outside the char vocabulary" in caplog.text
+    assert (out / "train-00000.bin").stat().st_ino != inode
+    assert load_prepared(out).vocab_size == len(set(SHAKESPEARE[:60_000]) | set("naïve ✓\n"))
+
+
+def test_format_1_manifest_still_loads(tmp_path: Path) -> None:
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:5_000])
+    out = prepare(src, tmp_path / "out", shard_mb=64)
+    raw = json.loads((out / "manifest.json").read_text())
+    for shard in raw["shards"]:
+        (out / shard["file"]).rename(out / f"{shard['split']}.bin")
+        shard["file"] = f"{shard['split']}.bin"
+    for entry in raw["sources"]:
+        del entry["shards"]
+    raw["format_version"] = raw["settings"]["format_version"] = 1
+    (out / "manifest.json").write_text(json.dumps(raw))
+    data = load_prepared(out)
+    assert data.tokenizer.decode(np.concatenate([data.train, data.val]).tolist()) == SHAKESPEARE[:5_000]
+    assert data.manifest.sources[0].shards == []
+    raw["shards"][0]["file"] = "train-00000.bin"
+    (out / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        UserInputError, match=r"format 1 has exactly train.bin and val.bin, got train-00000.bin"
+    ):
+        load_manifest(out)
+    raw["shards"][0]["file"] = "train.bin"
+    (out / "manifest.json").write_text(json.dumps(raw))
+    prepare(src, out, shard_mb=64)  # an old format-1 dataset is rebuilt as format 2, its train.bin removed
+    assert sorted(p.name for p in out.glob("*.bin")) == ["train-00000.bin", "val-00000.bin"]
+    assert load_manifest(out).format_version == 2
+
+
+def test_format_2_shard_names_are_checked(corpus: Path, tmp_path: Path) -> None:
+    out = prepare(corpus, tmp_path / "out")
+    raw = json.loads((out / "manifest.json").read_text())
+    raw["shards"][1]["file"] = "train-00000.bin"
+    (out / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(UserInputError, match=r"shard file\(s\) train-00000.bin listed twice"):
+        load_manifest(out)
+    raw["shards"][1]["file"] = "val-00001.bin"
+    (out / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        UserInputError, match=r"'val-00001.bin' of split 'train' is not named train-NNNNN.bin"
+    ):
+        load_manifest(out)
+
+
+def test_missing_and_corrupt_shards_are_one_line(corpus: Path, tmp_path: Path) -> None:
+    out = prepare(corpus, tmp_path / "out")
+    shard = out / "val-00002.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        UserInputError, match=r"^\S*val-00002.bin: SHA-256 mismatch with manifest.json [^\n]*$"
+    ):
+        verify_prepared(out)
+    shard.unlink()
+    with pytest.raises(
+        UserInputError, match=r"^\S*val-00002.bin: missing \(listed in manifest.json\)[^\n]*$"
+    ):
+        verify_prepared(out, checksums=False)
+
+
+def write_rows(path: Path, rows: list[object], *, row_group_size: int = 2) -> None:
+    if path.suffix == ".parquet":
+        pq.write_table(
+            pa.table({"id": list(range(len(rows))), "text": rows}), path, row_group_size=row_group_size
+        )
+    else:
+        path.write_text("".join(json.dumps({"id": i, "text": r}) + "\n" for i, r in enumerate(rows)))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_table_sources_read_the_text_column(tmp_path: Path, suffix: str) -> None:
+    rows = ["First row.\nline two", None, "é ✓ third", "fourth\n"]
+    root = tmp_path / "mixed"
+    root.mkdir()
+    write_rows(root / f"rows{suffix}", rows)
+    (root / "plain.txt").write_text("plain text\n")  # a directory may mix formats
+    data = load_prepared(prepare(root, tmp_path / "out", tokenizer="byte", val_fraction=0.0, shard_mb=64))
+    texts = [data.tokenizer.decode(t.tolist()) for t in data.train_shards]
+    # sorted paths: plain.txt, rows.*; each non-null row is followed by a blank line
+    assert texts == ["plain text\n", "".join(r + "\n\n" for r in rows if r is not None)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_table_pieces_split_into_shards(tmp_path: Path, suffix: str) -> None:
+    rows = [SHAKESPEARE[i : i + 3000] for i in range(0, 60_000, 3000)]
+    write_rows(tmp_path / f"rows{suffix}", rows, row_group_size=4)
+    out = prepare(tmp_path / f"rows{suffix}", tmp_path / "out", tokenizer="byte", workers=2)
+    data = load_prepared(out)
+    assert len(data.train_shards) >= 3
+    tokens = np.concatenate(
+        [np.concatenate([t, v]) for t, v in zip(data.train_shards, data.val_shards, strict=True)]
+    )
+    assert bytes(tokens.astype(np.uint8)) == "".join(r + "\n\n" for r in rows).encode()
+    assert np.array_equal(ByteTokenizer().encode_array(rows[0] + "\n\n"), tokens[: len(rows[0]) + 2])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_table_errors_are_one_line(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"rows{suffix}"
+    write_rows(path, ["a", "b"])
+    with pytest.raises(
+        UserInputError,
+        match=rf"^\S*rows{suffix}: no column 'body' \(data.text_field\); its columns: id, text$",
+    ):
+        prepare(path, tmp_path / "out", text_field="body")
+    with pytest.raises(
+        UserInputError, match=rf"^\S*rows{suffix}: (line 1|row 0): column 'id' holds int64, not a string"
+    ):
+        prepare(path, tmp_path / "out", text_field="id")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_without_pyarrow_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_rows(tmp_path / "rows.parquet", ["a", "b"])
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # makes `import pyarrow.parquet` fail
+    with pytest.raises(
+        UserInputError, match=r"^JSONL / Parquet sources need pyarrow: pip install 'gaudi3-scale\[parquet\]'$"
+    ):
+        prepare(tmp_path / "rows.parquet", tmp_path / "out")
