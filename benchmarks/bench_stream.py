@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the S3 test server
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_prepare import build_corpus  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: E402
 
+from bench_prepare import build_corpus  # noqa: E402
 from gaudi3_scale.data import DataConfig, prepare_dataset  # noqa: E402
 from gaudi3_scale.data.manifest import load_manifest  # noqa: E402
 from gaudi3_scale.data.publish import publish_prepared  # noqa: E402
@@ -74,7 +74,10 @@ def finish(proc: subprocess.Popen[str], out: Path) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
     waits = [r["data_wait_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
              if r.get("data_wait_s") is not None]  # fmt: skip
-    return summary | {"data_wait_s_max": max(waits, default=None), "data_wait_s_mean": statistics.fmean(waits)}
+    return summary | {
+        "data_wait_s_max": max(waits, default=None),
+        "data_wait_s_mean": statistics.fmean(waits),
+    }
 
 
 def throughput(tmp: Path, local: Path, url: str, env: dict[str, str], cache_gib: float, repeats: int,
@@ -93,7 +96,11 @@ def throughput(tmp: Path, local: Path, url: str, env: dict[str, str], cache_gib:
                                    "data_wait_s_mean": summary["data_wait_s_mean"], "data_cache": summary.get("data_cache")})  # fmt: skip
                 progress.advance(task)
         med = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in runs.items()}
-        results[label] = {"runs": runs, "tokens_per_s": med, "stream_over_local": med["stream"] / med["local"]}
+        results[label] = {
+            "runs": runs,
+            "tokens_per_s": med,
+            "stream_over_local": med["stream"] / med["local"],
+        }
         print(f"{label:10s} local {med['local']:10,.0f} tok/s  stream {med['stream']:10,.0f} tok/s  "
               f"ratio {med['stream'] / med['local']:.3f}")  # fmt: skip
     return results
@@ -123,9 +130,14 @@ def outage(tmp: Path, url: str, server: S3Server, env: dict[str, str], cache_gib
             print(f"object store stopped at {stopped_at:.1f} s for {outage_s:.0f} s")
             time.sleep(outage_s)
             server.start()
-        summaries[name] = finish(proc, out) | {"wall_s": time.perf_counter() - started, "stopped_at_s": stopped_at}
+        summaries[name] = finish(proc, out) | {
+            "wall_s": time.perf_counter() - started,
+            "stopped_at_s": stopped_at,
+        }
         checkpoints[name] = Path(summaries[name]["checkpoint"])
-    diff = first_difference(*(read_checkpoint(checkpoints[n]) for n in ("reference", "outage")), keys=DIFF_KEYS)
+    diff = first_difference(
+        *(read_checkpoint(checkpoints[n]) for n in ("reference", "outage")), keys=DIFF_KEYS
+    )
     result = {"outage_s": outage_s, "at_step": at_step, "steps": steps, "bitwise_equal": diff is None,
               "first_difference": diff, "summaries": summaries}  # fmt: skip
     print(f"outage of {outage_s:.0f} s: final checkpoint bitwise equal to the reference: {diff is None}; wall "
@@ -134,12 +146,16 @@ def outage(tmp: Path, url: str, server: S3Server, env: dict[str, str], cache_gib
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--corpus-mb", type=float, default=16.0, help="generated corpus size")
     parser.add_argument("--shard-mb", type=float, default=0.125, help="data.shard_mb of the prepared corpus")
     parser.add_argument("--cache-mib", type=float, default=1.0, help="data.cache_limit_gib, in MiB")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--only", default="default,gpt2-124m", help="comma-separated: default, gpt2-124m, outage")
+    parser.add_argument(
+        "--only", default="default,gpt2-124m", help="comma-separated: default, gpt2-124m, outage"
+    )
     parser.add_argument("--outage-s", type=float, default=30.0)
     parser.add_argument("--outage-at-step", type=int, default=60)
     parser.add_argument("--outage-steps", type=int, default=400)
@@ -153,14 +169,18 @@ def main() -> None:
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         os.environ[key] = env[key]
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    results.update(benchmark="bench_stream", machine=environment_info(), args={k: str(v) for k, v in vars(args).items()})
+    results.update(
+        benchmark="bench_stream", machine=environment_info(), args={k: str(v) for k, v in vars(args).items()}
+    )
     cache_gib = args.cache_mib / 1024
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp_name, progress:
         tmp = Path(tmp_name)
         corpus = build_corpus(tmp / "corpus", args.corpus_mb)
-        local = prepare_dataset(DataConfig(source=str(corpus), shard_mb=args.shard_mb), tmp / "prepared", progress=False)
+        local = prepare_dataset(
+            DataConfig(source=str(corpus), shard_mb=args.shard_mb), tmp / "prepared", progress=False
+        )
         manifest = load_manifest(local)
         from gaudi3_scale.storage import open_remote
 
@@ -171,7 +191,9 @@ def main() -> None:
         dataset_bytes = sum(s.size_bytes for s in manifest.shards)
         results["dataset"] = {"shards": len(manifest.shards), "bytes": dataset_bytes, "tokens": manifest.num_tokens,
                               "cache_limit_bytes": int(cache_gib * (1 << 30))}  # fmt: skip
-        print(f"dataset: {len(manifest.shards)} shards, {dataset_bytes / 2**20:.1f} MiB; cache {args.cache_mib} MiB")
+        print(
+            f"dataset: {len(manifest.shards)} shards, {dataset_bytes / 2**20:.1f} MiB; cache {args.cache_mib} MiB"
+        )
         wanted = [c for c in only if c in CONFIGS]
         if wanted:
             results.setdefault("throughput", {}).update(

@@ -50,7 +50,9 @@ def test_sharded_val_windows_stay_in_shards_and_equal_the_flat_rule_for_one_shar
     for rank in range(world):
         one = val_window_starts_sharded([1000], 16, micro_batch_size=micro, max_batches=batches,
                                         world_size=world, rank=rank)  # fmt: skip
-        flat = val_window_starts(1000, 16, micro_batch_size=micro, max_batches=batches, world_size=world, rank=rank)
+        flat = val_window_starts(
+            1000, 16, micro_batch_size=micro, max_batches=batches, world_size=world, rank=rank
+        )
         assert np.array_equal(one, flat)
     starts = val_window_starts_sharded(COUNTS, 16, micro_batch_size=micro, max_batches=batches)
     bases = np.cumsum([0, *COUNTS])[:-1]

@@ -86,7 +86,9 @@ def _split_tokens(manifest: Manifest, split: str, opener_for: Any) -> ShardedTok
     shards = manifest.shards_of(split)
     counts = [s.num_tokens for s in shards]
     opener = opener_for(shards, counts)
-    return ShardedTokens(counts, opener, dtype=numpy_dtype(manifest.dtype), prefetch=getattr(opener, "prefetch", None))
+    return ShardedTokens(
+        counts, opener, dtype=numpy_dtype(manifest.dtype), prefetch=getattr(opener, "prefetch", None)
+    )
 
 
 def training_data_from_dir(
@@ -115,7 +117,9 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
     from gaudi3_scale.data.remote_shards import RemoteShardOpener, remote_settings
 
     settings = remote_settings(cfg, url, field=field)
-    probe = RemoteShardOpener.handle(url, settings)  # opens (fails fast, one line) and shares the cache handle
+    probe = RemoteShardOpener.handle(
+        url, settings
+    )  # opens (fails fast, one line) and shares the cache handle
     manifest = probe.manifest
 
     def remote(shards: list[Shard], counts: list[int]) -> RemoteShardOpener:
@@ -139,7 +143,9 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
     )
 
 
-def _open_member(cfg: DataConfig, source: str, *, name: str, weight: float, field: str, progress: bool) -> DatasetMember:
+def _open_member(
+    cfg: DataConfig, source: str, *, name: str, weight: float, field: str, progress: bool
+) -> DatasetMember:
     from gaudi3_scale.data.prepare import prepare_dataset
     from gaudi3_scale.data.remote import is_url
 
@@ -165,7 +171,9 @@ def _member_name(source: MixtureSource) -> str:
 def open_training_data(cfg: DataConfig, *, progress: bool = True) -> TrainingData:
     """Prepare what needs preparing and open every member; bad input is one `UserInputError` line."""
     if cfg.mixture is None:
-        member = _open_member(cfg, cfg.source, name="data", weight=1.0, field="data.source", progress=progress)
+        member = _open_member(
+            cfg, cfg.source, name="data", weight=1.0, field="data.source", progress=progress
+        )
         return TrainingData(members=[member])
     members = [
         _open_member(cfg, m.source, name=_member_name(m), weight=m.weight, field=f"data.mixture[{i}].source",
@@ -190,4 +198,3 @@ def _check_one_tokenizer(members: list[DatasetMember]) -> None:
             f"{first} and {other} were prepared with different tokenizers; prepare every member with one "
             "tokenizer (data.tokenizer byte, or a tokenizer.json path)",
         )
-

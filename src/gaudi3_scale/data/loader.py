@@ -86,8 +86,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
         num_steps: int | None = None,
         prefetch_shards: int = 0,
     ) -> None:
-        members = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
-        self._members = [as_sharded(t) for t in members]
+        self._members = _members(tokens)
         self.sampler: TrainSampler = SingleSource(sampler) if isinstance(sampler, WindowSampler) else sampler
         if [m.shard_tokens for m in self._members] != [list(m.shard_tokens) for m in self.sampler.members]:
             raise ValueError("the sampler was built for other shards than the tokens given")
@@ -167,13 +166,20 @@ class ValWindowDataset(Dataset[Batch]):
         rank: int = 0,
         weights: Sequence[float] | None = None,
     ) -> None:
-        members = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
-        self._members = [as_sharded(t) for t in members]
-        budgets = _val_budgets(max_batches, weights or [1.0] * len(members))
+        self._members = _members(tokens)
+        budgets = _val_budgets(max_batches, weights or [1.0] * len(self._members))
         self._batches: list[tuple[int, np.ndarray]] = []
         for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
-            rows = val_window_starts_sharded(member.shard_tokens, context_length, micro_batch_size=micro_batch_size,
-                                             max_batches=budget, world_size=world_size, rank=rank) if budget else []  # fmt: skip
+            if budget == 0:
+                continue
+            rows = val_window_starts_sharded(
+                member.shard_tokens,
+                context_length,
+                micro_batch_size=micro_batch_size,
+                max_batches=budget,
+                world_size=world_size,
+                rank=rank,
+            )
             self._batches += [(m, row) for row in rows]
         self._offsets = np.arange(context_length + 1, dtype=np.int64)
 
@@ -189,6 +195,14 @@ class ValWindowDataset(Dataset[Batch]):
             raise IndexError(f"validation batch {index} out of range [0, {len(self._batches)})")
         member, starts = self._batches[index]
         return _split(self._members[member].gather(starts, self._offsets))
+
+
+def _members(
+    tokens: np.ndarray | ShardedTokens | Sequence[np.ndarray | ShardedTokens],
+) -> list[ShardedTokens]:
+    if isinstance(tokens, np.ndarray | ShardedTokens):
+        return [as_sharded(tokens)]
+    return [as_sharded(t) for t in tokens]
 
 
 def _val_budgets(max_batches: int, weights: Sequence[float]) -> list[int]:

@@ -39,7 +39,7 @@ def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_d
     fs, root = open_remote(url, field=field)
     try:
         fs.makedirs(root, exist_ok=True)
-        files = [(s.file, s.size_bytes, s.sha256) for s in manifest.shards]
+        files: list[tuple[str, int, str | None]] = [(s.file, s.size_bytes, s.sha256) for s in manifest.shards]
         tokenizer = directory / manifest.tokenizer_file
         files.append((manifest.tokenizer_file, tokenizer.stat().st_size, None))
         for name, size_bytes, sha256 in files:
@@ -49,7 +49,9 @@ def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_d
             fs.put_file(str(directory / name), remote)
             expected = sha256 or hashlib.sha256((directory / name).read_bytes()).hexdigest()
             if _remote_sha256(fs, remote) != expected:
-                raise UserInputError(f"{url}/{name}: read back with another SHA-256 after upload; not published")
+                raise UserInputError(
+                    f"{url}/{name}: read back with another SHA-256 after upload; not published"
+                )
         fs.put_file(str(directory / MANIFEST_FILE), f"{root}/{MANIFEST_FILE}")  # the commit point
     except OSError as exc:
         raise UserInputError(f"{field}: cannot publish to {url}: {type(exc).__name__}: {exc}") from None

@@ -39,7 +39,9 @@ def remote_settings(cfg: DataConfig, url: str, *, field: str) -> dict[str, Any]:
 class RemoteShardOpener:
     """Shard `index` of one split: fetched (or found) in the local cache, then memory-mapped."""
 
-    def __init__(self, url: str, settings: dict[str, Any], shards: Sequence[Shard], dtype: np.dtype[Any]) -> None:
+    def __init__(
+        self, url: str, settings: dict[str, Any], shards: Sequence[Shard], dtype: np.dtype[Any]
+    ) -> None:
         self.url, self.settings, self.shards, self.dtype = url, dict(settings), list(shards), np.dtype(dtype)
 
     @staticmethod
