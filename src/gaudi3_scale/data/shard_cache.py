@@ -102,11 +102,11 @@ class ShardCache:
 
     def _pin(self, shard: Shard) -> int:
         fd = self._open_lock(local_name(shard))
-        _lock(fd, fcntl.LOCK_SH)  # waits at most for an eviction attempt in progress (never blocking ones)
+        _lock(fd, fcntl.LOCK_SH)  # waits at most for an eviction in progress: evictions never wait themselves
         return fd
 
     def pin_if_present(self, shard: Shard) -> int | None:
-        """A pin (an fd holding the shared lock; close it to unpin) when the verified file is here, else None."""
+        """A pin (an fd holding the shared lock; `unpin` it) when the verified file is here, else None."""
         fd = self._pin(shard)
         if self._present(shard):
             os.utime(self.path(shard))  # the LRU clock
@@ -125,9 +125,8 @@ class ShardCache:
         """A pin on the verified local copy of `shard`, downloading it (`download(part_path)` writes and verifies,
         or raises) when absent; None when pinned files leave no room for it for `space_wait_s`. `make_room` is
         called once when the first attempt to make room fails (e.g. to drop the caller's own prefetch pins)."""
-        pin = self._pin(
-            shard
-        )  # held from here on: the file cannot be evicted between its download and our use
+        # The pin is held from here on: the file cannot be evicted between its download and its use.
+        pin = self._pin(shard)
         try:
             if not self._present(shard):
                 fetch = self._open_lock(local_name(shard), ".fetch.lock")
