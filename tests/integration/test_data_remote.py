@@ -406,3 +406,12 @@ def test_object_of_the_wrong_size_is_one_line(change: str, prepared: Path, tmp_p
     assert f"{val.size_bytes} bytes, SHA-256 {val.sha256[:12]}" in str(info.value)
     assert f"corrupt, twice: {expected_bytes} bytes, not read;" in str(info.value)
     assert list((tmp_path / "cache" / "shards").glob("*.part")) == []
+
+
+def test_missing_backend_names_the_package_and_the_field(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ConfigError, match=r"^data\.prepared_dir: 'gs://bucket/ds' needs .*gcsfs"):
+        _open("gs://bucket/ds", tmp_path)
