@@ -406,3 +406,28 @@ def test_object_of_the_wrong_size_is_one_line(change: str, prepared: Path, tmp_p
     assert f"{val.size_bytes} bytes, SHA-256 {val.sha256[:12]}" in str(info.value)
     assert f"corrupt, twice: {expected_bytes} bytes, not read;" in str(info.value)
     assert list((tmp_path / "cache" / "shards").glob("*.part")) == []
+
+
+def test_missing_backend_names_the_package_and_the_field(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ConfigError, match=r"^data\.prepared_dir: 'gs://bucket/ds' needs .*gcsfs"):
+        _open("gs://bucket/ds", tmp_path)
+
+
+def test_shard_path_takes_the_room_of_its_own_prefetch_window(prepared: Path, tmp_path: Path) -> None:
+    manifest = load_manifest(prepared)
+    train, val = manifest.shards_of("train")[0], manifest.shards_of("val")[0]
+    limit = max(train.size_bytes, val.size_bytes)  # room for one shard
+    with _open(prepared.as_uri(), tmp_path / "cache", cache_limit_bytes=limit, prefetch_shards=1) as dataset:
+        dataset.prefetch([val])
+        deadline = time.monotonic() + 10
+        while dataset.stats()["shards_fetched"] < 1:
+            assert time.monotonic() < deadline, "prefetch did not fetch"
+            time.sleep(0.01)
+        start_s = time.monotonic()
+        assert _sha256(dataset.shard_path(train)) == train.sha256  # not in the window: val's pin gives way
+        assert time.monotonic() - start_s < 2, "waited for room its own prefetch held"
+        assert dataset.stats()["evictions"] == 1 and _cached_bytes(dataset) <= limit

@@ -172,7 +172,7 @@ class RemoteDataset:
             self._skipped.clear()  # room may have been freed: failed prefetches are worth another try
             self._cond.notify_all()
         if previous is not None:
-            os.close(previous)
+            self._cache.unpin(previous)
         return self._cache.path(shard)
 
     def prefetch(self, shards: Sequence[Shard]) -> None:
@@ -191,7 +191,7 @@ class RemoteDataset:
             fds = [self._window_pins.pop(k) for k in stale]
             self._cond.notify_all()
         for fd in fds:
-            os.close(fd)
+            self._cache.unpin(fd)
 
     def stats(self) -> dict[str, float]:
         """Counters since open: bytes_fetched, shards_fetched, cache_hits, fetch_wait_s (time shard_path blocked),
@@ -230,15 +230,13 @@ class RemoteDataset:
             if pause:
                 self._paused += 1
         for fd in fds:
-            os.close(fd)
+            self._cache.unpin(fd)
 
     def _after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) shares the parent's lock files' open descriptions: keeping them
-        would keep the parent's pins alive as long as the child lives. Drop them, renew the locks a parent thread
-        may have held at the fork, and go without the prefetch thread (which does not exist in the child)."""
-        fds = [*self._window_pins.values(), *([self._last_pin] if self._last_pin is not None else [])]
-        for fd in fds:
-            os.close(fd)
+        would keep the parent's pins alive as long as the child lives. Forget them (the cache closes the child's
+        copies), renew the locks a parent thread may have held at the fork, and go without the prefetch thread
+        (which does not exist in the child)."""
         self._window_pins, self._last_pin, self._window = {}, None, []
         self._cond, self._thread, self._paused = threading.Condition(), None, 0
         stopped, self._stop = self._stop.is_set(), threading.Event()
@@ -276,7 +274,7 @@ class RemoteDataset:
                 elif fd is None:
                     self._skipped.add(key)
             if fd is not None:
-                os.close(fd)
+                self._cache.unpin(fd)
 
     def _next_prefetch(self) -> Shard | None:
         if self._paused:

@@ -63,19 +63,36 @@ class ShardCache:
         self.limit_bytes = limit_bytes
         self._evictions = 0
         self._count_lock = threading.Lock()
+        self._fds: set[int] = set()  # every lock file descriptor open now, whichever thread opened it
 
     @property
     def evictions(self) -> int:
         return self._evictions
 
+    def unpin(self, fd: int) -> None:
+        self._close(fd)
+
     def after_fork_in_child(self) -> None:
+        """Close the child's copies of every lock descriptor (pins held, or being taken by another thread of the
+        parent at the fork): a flock lives as long as any copy, so they would pin or block for the parent."""
         self._count_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        fds, self._fds = self._fds, set()
+        for fd in fds:
+            os.close(fd)
+
+    def _close(self, fd: int) -> None:
+        with self._count_lock:
+            self._fds.discard(fd)
+            os.close(fd)  # under the lock: a number closed and reused by another thread is never confused
 
     def path(self, shard: Shard) -> Path:
         return self.directory / local_name(shard)
 
     def _open_lock(self, name: str, suffix: str = ".lock") -> int:
-        return os.open(self.directory / f"{name}{suffix}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with self._count_lock:  # opened under the lock, so a fork never separates an fd from its record
+            fd = os.open(self.directory / f"{name}{suffix}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fds.add(fd)
+        return fd
 
     def _present(self, shard: Shard) -> bool:
         try:
@@ -85,16 +102,16 @@ class ShardCache:
 
     def _pin(self, shard: Shard) -> int:
         fd = self._open_lock(local_name(shard))
-        _lock(fd, fcntl.LOCK_SH)  # waits at most for an eviction attempt in progress (never blocking ones)
+        _lock(fd, fcntl.LOCK_SH)  # waits at most for an eviction in progress: evictions never wait themselves
         return fd
 
     def pin_if_present(self, shard: Shard) -> int | None:
-        """A pin (an fd holding the shared lock; close it to unpin) when the verified file is here, else None."""
+        """A pin (an fd holding the shared lock; `unpin` it) when the verified file is here, else None."""
         fd = self._pin(shard)
         if self._present(shard):
             os.utime(self.path(shard))  # the LRU clock
             return fd
-        os.close(fd)
+        self._close(fd)
         return None
 
     def acquire(
@@ -108,9 +125,8 @@ class ShardCache:
         """A pin on the verified local copy of `shard`, downloading it (`download(part_path)` writes and verifies,
         or raises) when absent; None when pinned files leave no room for it for `space_wait_s`. `make_room` is
         called once when the first attempt to make room fails (e.g. to drop the caller's own prefetch pins)."""
-        pin = self._pin(
-            shard
-        )  # held from here on: the file cannot be evicted between its download and our use
+        # The pin is held from here on: the file cannot be evicted between its download and its use.
+        pin = self._pin(shard)
         try:
             if not self._present(shard):
                 fetch = self._open_lock(local_name(shard), ".fetch.lock")
@@ -118,14 +134,14 @@ class ShardCache:
                     _lock(fetch, fcntl.LOCK_EX)  # waits while another thread or process downloads it
                     if not self._present(shard):
                         if not self._reserve_waiting(shard, space_wait_s, make_room):
-                            os.close(pin)
+                            self._close(pin)
                             return None
                         self._fill(shard, download)
                 finally:
-                    os.close(fetch)
+                    self._close(fetch)
             os.utime(self.path(shard))
         except BaseException:
-            os.close(pin)
+            self._close(pin)
             raise
         return pin
 
@@ -167,12 +183,12 @@ class ShardCache:
 
     @contextlib.contextmanager
     def _cache_locked(self) -> Iterator[None]:
-        fd = os.open(self.directory / _CACHE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open_lock(_CACHE_LOCK, "")
         try:
             _lock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            self._close(fd)
 
     def _usage(self) -> tuple[int, list[tuple[int, str, int]]]:
         """Bytes held (shards + reserved downloads) and the shards as (mtime_ns, name, size) eviction candidates."""
@@ -201,7 +217,7 @@ class ShardCache:
                 os.unlink(part_path)
             return True
         finally:
-            os.close(fd)
+            self._close(fd)
 
     def _evict(self, name: str) -> bool:
         fd = self._open_lock(name)
@@ -214,4 +230,4 @@ class ShardCache:
                 self._evictions += 1
             return True
         finally:
-            os.close(fd)
+            self._close(fd)
