@@ -16,7 +16,7 @@ import numpy as np
 
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.manifest import Shard
-from gaudi3_scale.data.remote import RemoteDataset
+from gaudi3_scale.data.remote import RemoteDataset, default_remote_cache_dir
 
 __all__ = ["RemoteShardOpener", "remote_settings"]
 
@@ -24,9 +24,12 @@ _HANDLES: dict[tuple[int, str], RemoteDataset] = {}
 
 
 def remote_settings(cfg: DataConfig, url: str, *, field: str) -> dict[str, Any]:
-    """`RemoteDataset.open` keyword arguments from the data config."""
+    """`RemoteDataset.open` keyword arguments from the data config (`data.cache_dir` gets a directory per URL)."""
     return {
-        "cache_dir": Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None,
+        # one subdirectory per URL: the members of a mixture must not share a manifest.json
+        "cache_dir": Path(cfg.cache_dir).expanduser() / default_remote_cache_dir(url).name
+        if cfg.cache_dir
+        else None,
         "cache_limit_bytes": int(cfg.cache_limit_gib * (1 << 30)),
         # The loader's hints say how far ahead to fetch (the blocks in use and next, plus data.prefetch_shards);
         # 0 turns prefetching off.
