@@ -40,7 +40,7 @@ from gaudi3_scale.data import DataConfig, prepare_dataset  # noqa: E402
 from gaudi3_scale.data.manifest import load_manifest  # noqa: E402
 from gaudi3_scale.data.publish import publish_prepared  # noqa: E402
 from gaudi3_scale.monitor.environment import environment_info  # noqa: E402
-from s3_server import S3Server, free_port  # noqa: E402
+from s3_server import S3Server, free_port, s3_options  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKET = "bench-stream"
@@ -177,14 +177,14 @@ def main() -> None:
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp_name, progress:
         tmp = Path(tmp_name)
-        corpus = build_corpus(tmp / "corpus", args.corpus_mb)
+        corpus = build_corpus(tmp, args.corpus_mb, file_mb=4.0)
         local = prepare_dataset(
             DataConfig(source=str(corpus), shard_mb=args.shard_mb), tmp / "prepared", progress=False
         )
         manifest = load_manifest(local)
         from gaudi3_scale.storage import open_remote
 
-        fs, _ = open_remote(f"s3://{BUCKET}", field="bench")
+        fs, _ = open_remote(f"s3://{BUCKET}", s3_options(server.port), field="bench")
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
         url = publish_prepared(local, f"s3://{BUCKET}/corpus")

@@ -59,3 +59,11 @@ def test_sharded_val_windows_stay_in_shards_and_equal_the_flat_rule_for_one_shar
     shard = np.searchsorted(bases, starts, side="right") - 1
     assert (starts - bases[shard] + 17 <= np.array(COUNTS)[shard]).all()  # x and y inside the shard
     assert len(set(starts.ravel().tolist())) == starts.size  # distinct windows
+
+
+def test_validation_reads_few_shards_of_a_large_split_spread_over_it() -> None:
+    counts = [1000] * 500  # 31 windows of 32 tokens each
+    starts = val_window_starts_sharded(counts, 32, micro_batch_size=4, max_batches=20)  # 80 windows
+    assert starts.size == 80
+    shards = np.unique(starts // 1000)
+    assert len(shards) == 3 and shards[0] == 0 and shards[-1] >= 300  # 3 shards, from across the split

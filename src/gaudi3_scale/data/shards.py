@@ -114,7 +114,10 @@ def val_window_starts_sharded(
     rank: int = 0,
 ) -> np.ndarray:
     """Virtual offsets of a fixed validation set over several shards: non-overlapping windows (stride T) inside
-    each shard, spread evenly over all of them. With one shard this is exactly `sampler.val_window_starts`.
+    each shard, spread evenly over them. With one shard this is exactly `sampler.val_window_starts`.
+
+    Only as many shards as the batches need are read, evenly spaced over the split (so a dataset streamed from a
+    URL fetches a few val shards per validation, not all of them, and they still come from across the sources).
 
     Shape [batches, micro]; the rank split is `val_window_starts`'s (every rank runs the same number of batches).
     """
@@ -123,6 +126,7 @@ def val_window_starts_sharded(
     per_shard = np.array(
         [(n - 1) // context_length if n > context_length else 0 for n in shard_tokens], dtype=np.int64
     )
+    per_shard = _fewest_spread_shards(per_shard, max_batches * micro_batch_size)
     available = int(per_shard.sum())
     # val_window_starts over a flat split of `available` windows gives the evenly spaced window indices …
     flat = val_window_starts(
@@ -139,3 +143,19 @@ def val_window_starts_sharded(
     shard = np.searchsorted(first_window, window, side="right") - 1
     bases = np.concatenate([[0], np.cumsum(np.asarray(shard_tokens, dtype=np.int64))])[:-1]
     return bases[shard] + (window - first_window[shard]) * context_length
+
+
+def _fewest_spread_shards(windows: np.ndarray, needed: int) -> np.ndarray:
+    """`windows` per shard with all but the fewest evenly spaced shards (those with windows) zeroed, such that the
+    kept ones hold at least `needed` windows (all of them when the split holds fewer)."""
+    candidates = np.flatnonzero(windows)
+    if int(windows.sum()) <= needed or len(candidates) <= 1:
+        return windows
+    start = max(1, int(needed / windows[candidates].mean()) - 1)  # about right at once: few iterations
+    for count in range(start, len(candidates) + 1):
+        kept = candidates[(np.arange(count) * len(candidates)) // count]
+        if int(windows[kept].sum()) >= needed:
+            out = np.zeros_like(windows)
+            out[kept] = windows[kept]
+            return out
+    return windows
