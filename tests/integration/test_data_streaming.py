@@ -169,3 +169,24 @@ def test_bad_mixtures_are_one_line(
                                   f"--data.mixture={mixture}", *COMMON)  # fmt: skip
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+def test_prepare_publishes_to_a_url_manifest_last_and_reuploads_nothing(
+    store: tuple[S3Server, Path, str], tmp_path: Path, gaudi3_cli: Any
+) -> None:
+    server, _, _ = store
+    source = tmp_path / "part.txt"
+    source.write_text(bundled_corpora()["tinyshakespeare"].read_text()[:5_000])
+    url = f"s3://{BUCKET}/cli"
+    code, out, err = gaudi3_cli("prepare", str(source), "--shard-mb", "0.002", "--out", url)
+    assert code == 0, err
+    assert out.strip() == url
+    fs, root = open_remote(url, field="test")
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+    manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+    assert names == sorted(["manifest.json", "tokenizer.json", *(s["file"] for s in manifest["shards"])])
+    assert len(manifest["shards"]) > 2
+    puts = len([r for r in server.requests if r[0] == "PUT"])
+    assert gaudi3_cli("prepare", str(source), "--shard-mb", "0.002", "--out", url)[0] == 0
+    new_puts = [r for r in server.requests if r[0] == "PUT"][puts:]
+    assert [path.rsplit("/", 1)[-1] for _, path in new_puts] == ["manifest.json"]  # only the commit point

@@ -138,7 +138,11 @@ def train(
     help="source text per shard, MiB (the unit of parallel work)",
 )
 @click.option("--text-field", default="text", show_default=True, help="the text column of JSONL / Parquet")
-@click.option("--out", "out_dir", help="output directory (default: the cache directory)")
+@click.option(
+    "--out",
+    "out_dir",
+    help="output directory (default: the cache directory), or an fsspec URL to publish to (s3://bucket/prefix)",
+)
 @click.option("--workers", type=Count(), default=1, show_default=True, help="tokenizer worker processes")
 @click.option("--force", is_flag=True, help="rebuild even when the inputs are unchanged")
 def prepare(sources: tuple[str, ...], **options: Any) -> None:

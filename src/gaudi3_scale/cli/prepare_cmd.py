@@ -1,4 +1,4 @@
-"""`gaudi3 prepare`: text in, verified token shards + manifest out."""
+"""`gaudi3 prepare`: text in, verified token shards + manifest out (in a directory, or published to a URL)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import click
 
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.data import DataConfig, prepare_dataset
+from gaudi3_scale.data.publish import publish_prepared
+from gaudi3_scale.data.remote import is_url
 
 __all__ = ["run_prepare"]
 
@@ -26,13 +28,15 @@ def run_prepare(
     force: bool,
 ) -> None:
     fields = {"tokenizer": tokenizer, "vocab_size": vocab_size, "val_fraction": val_fraction}
+    url = out_dir if out_dir is not None and is_url(out_dir) else None
     fields |= {
         "source": ",".join(sources),
         "split_seed": seed,
         "shard_mb": shard_mb,
         "text_field": text_field,
-        "prepared_dir": out_dir,
+        "prepared_dir": None if url else out_dir,  # a URL: prepared in the cache directory, then published
         "prepare_workers": workers,
     }
     cfg = from_dict(DataConfig, fields, prefix="data")
-    click.echo(str(prepare_dataset(cfg, force=force)))
+    local = prepare_dataset(cfg, force=force)
+    click.echo(publish_prepared(local, url, field="--out") if url else str(local))

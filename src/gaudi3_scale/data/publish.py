@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.manifest import MANIFEST_FILE, verify_prepared
+from gaudi3_scale.data.sources import sha256_file
 from gaudi3_scale.storage import open_remote
 
 __all__ = ["publish_prepared"]
@@ -39,16 +40,15 @@ def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_d
     fs, root = open_remote(url, field=field)
     try:
         fs.makedirs(root, exist_ok=True)
-        files: list[tuple[str, int, str | None]] = [(s.file, s.size_bytes, s.sha256) for s in manifest.shards]
+        files = [(s.file, s.size_bytes, s.sha256) for s in manifest.shards]
         tokenizer = directory / manifest.tokenizer_file
-        files.append((manifest.tokenizer_file, tokenizer.stat().st_size, None))
+        files.append((manifest.tokenizer_file, tokenizer.stat().st_size, sha256_file(tokenizer)))
         for name, size_bytes, sha256 in files:
             remote = f"{root}/{name}"
-            if sha256 is not None and _same(fs, remote, size_bytes, sha256):
+            if _same(fs, remote, size_bytes, sha256):
                 continue
             fs.put_file(str(directory / name), remote)
-            expected = sha256 or hashlib.sha256((directory / name).read_bytes()).hexdigest()
-            if _remote_sha256(fs, remote) != expected:
+            if _remote_sha256(fs, remote) != sha256:
                 raise UserInputError(
                     f"{url}/{name}: read back with another SHA-256 after upload; not published"
                 )
