@@ -77,29 +77,36 @@ def encode_piece(task: PieceTask) -> tuple[Shard, Shard]:
         _WORKER_TOKENIZERS.clear()
         tok = _WORKER_TOKENIZERS[task.tokenizer_key] = load_tokenizer_file(Path(task.tokenizer_path))
     dtype = numpy_dtype(task.dtype)
-    # A piece's tokens are held in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
-    # cut needs the total count; that bounds a worker's memory by the shard size, not by the corpus.
-    arrays = [
-        tok.encode_array(text).astype(dtype, copy=False) for text in piece_texts(task.piece, task.text_field)
-    ]
-    num_tokens = sum(len(a) for a in arrays)
+    # A piece's tokens are gathered in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
+    # cut needs their count; the buffer is kept for the worker's next piece, so memory is touched once per worker.
+    tokens = _token_buffer(dtype, task.piece.size_bytes)  # char, byte and byte-level BPE: <= 1 token per byte
+    num_tokens = 0
+    for text in piece_texts(task.piece, task.text_field):
+        ids = tok.encode_array(text)
+        if num_tokens + len(ids) > len(tokens):  # a tokenizer with more tokens than bytes
+            tokens = _token_buffer(dtype, 2 * (num_tokens + len(ids)), keep=tokens[:num_tokens])
+        tokens[num_tokens : num_tokens + len(ids)] = ids
+        num_tokens += len(ids)
     cut = int(num_tokens * (1 - task.val_fraction))
     out = Path(task.out_dir)
     index = task.piece.index
     return (
-        write_shard(out / shard_file("train", index), "train", _token_range(arrays, 0, cut)),
-        write_shard(out / shard_file("val", index), "val", _token_range(arrays, cut, num_tokens)),
+        write_shard(out / shard_file("train", index), "train", [tokens[:cut]]),
+        write_shard(out / shard_file("val", index), "val", [tokens[cut:num_tokens]]),
     )
 
 
-def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.ndarray]:
-    """Tokens [start, end) of the concatenation of `arrays`, as views."""
-    offset = 0
-    for array in arrays:
-        lo, hi = max(start - offset, 0), min(end - offset, len(array))
-        if lo < hi:
-            yield array[lo:hi]
-        offset += len(array)
+_WORKER_BUFFER: list[np.ndarray] = []
+
+
+def _token_buffer(dtype: np.dtype[Any], size: int, keep: np.ndarray | None = None) -> np.ndarray:
+    """A `dtype` array of at least `size` tokens, reused across a worker's pieces (first `keep` copied in)."""
+    if not _WORKER_BUFFER or _WORKER_BUFFER[0].dtype != dtype or len(_WORKER_BUFFER[0]) < size:
+        grown = np.empty(size, dtype=dtype)
+        if keep is not None:
+            grown[: len(keep)] = keep
+        _WORKER_BUFFER[:] = [grown]
+    return _WORKER_BUFFER[0]
 
 
 def piece_alphabet(task: tuple[Piece, str]) -> str:
@@ -181,7 +188,10 @@ def _init_worker() -> None:
 @contextmanager
 def ordered_map(workers: int) -> Iterator[OrderedMap[Any, Any]]:
     if workers == 1:
-        yield map  # in-process: no start-up cost, and what a 1-worker benchmark should measure
+        try:
+            yield map  # in-process: no start-up cost, and what a 1-worker benchmark should measure
+        finally:
+            _WORKER_BUFFER.clear()  # this process goes on (to train, perhaps): not the piece buffer's memory
         return
     # fork on Linux, as torch's DataLoader does: workers start in milliseconds instead of re-importing the
     # package (spawn) and work with any __main__ (spawn hangs re-running a `python -` script). The workers run
