@@ -84,9 +84,13 @@ def prepare_once(cfg: DataConfig, out: Path, workers: int, progress: bool) -> fl
     that no run pays for another's writeback."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
+    LOAD_BEFORE_RUNS.append(os.getloadavg()[0])  # this machine may be shared: a busy run shows here
     start = time.perf_counter()
     prepare_dataset(cfg, out, workers=workers, progress=progress, force=True)
     return time.perf_counter() - start
+
+
+LOAD_BEFORE_RUNS: list[float] = []
 
 
 def summarize(cfg: DataConfig, out: Path, workers: int, times: list[float]) -> dict[str, Any]:
@@ -210,6 +214,7 @@ def main() -> None:
         "results": {"prepare": runs, "loader": loader},
         "speedup_workers_over_1": speedups,
         "noop_rerun_max_s": max(r["noop_rerun_s"] for r in runs),
+        "load_avg_1min_before_each_run": LOAD_BEFORE_RUNS,
         "loader_median_per_batch_us": statistics.median(r["per_batch_us"] for r in loader),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
