@@ -153,7 +153,9 @@ def main() -> None:
         "--repeats", type=int, default=3, help="prepare runs per setting, interleaved; the fastest counts"
     )
     parser.add_argument("--bpe-size-mb", type=float, default=10.0, help="0 skips BPE")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed prepare runs per setting first")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed prepare runs per setting and worker count first"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide prepare's progress bars")
     parser.add_argument(
         "--out", type=Path, default=None, help="default results/prepare.json, _1gb for >= 1 GB"
@@ -179,9 +181,10 @@ def main() -> None:
             outs = {w: Path(tmp) / f"{name}-w{w}" for w in (1, args.workers)}
             times: dict[int, list[float]] = {w: [] for w in outs}
             for _ in range(args.warmup):
-                # Untimed: memory a process touches for the first time is slow to fault in on a VM (the host backs
-                # it then), which would bill the first timed run for it.
-                prepare_once(cfg, outs[args.workers], args.workers, progress=False)
+                # Untimed, each worker count: memory a process touches for the first time is slow to fault in on
+                # a VM (the host backs it then), which would bill the first timed run for it.
+                for workers, out in outs.items():
+                    prepare_once(cfg, out, workers, progress=False)
             for _ in range(args.repeats):  # interleaved: a load change on the machine hits both alike
                 for workers, out in outs.items():
                     times[workers].append(prepare_once(cfg, out, workers, not args.no_progress))
