@@ -1,7 +1,7 @@
 """How fast `prepare_dataset` tokenizes, with 1 worker vs N, and what the training loader costs per batch.
 
 Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into files of
---file-mb MB in a temp directory (so that pieces, prepare's unit of parallel work, spread over the workers),
+--file-mb MB (default: 16 files) in a temp directory (so that pieces, prepare's unit of parallel work, spread over the workers),
 prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes (best of
 --repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
 the first --bpe-size-mb MB with a tokenizer.json trained beforehand (encoding, not training, is what workers
@@ -147,7 +147,12 @@ def time_loader(directory: Path, micro: int, context: int, accum: int, batches: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=float, default=50.0)
-    parser.add_argument("--file-mb", type=float, default=64.0, help="size of each corpus file")
+    parser.add_argument(
+        "--file-mb",
+        type=float,
+        default=None,
+        help="size of each corpus file (default: 1/16 of it, at most 64)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--repeats", type=int, default=3, help="prepare runs per setting, interleaved; the fastest counts"
@@ -161,6 +166,8 @@ def main() -> None:
         "--out", type=Path, default=None, help="default results/prepare.json, _1gb for >= 1 GB"
     )
     args = parser.parse_args()
+    if args.file_mb is None:  # 16 files: pieces (<= data.shard_mb, 64 MiB, of one file) for up to 16 workers
+        args.file_mb = min(64.0, args.size_mb / 16)
     if args.out is None:
         name = "prepare_1gb.json" if args.size_mb >= 1000 else "prepare.json"
         args.out = Path(__file__).parent / "results" / name
