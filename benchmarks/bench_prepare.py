@@ -1,15 +1,16 @@
 """How fast `prepare_dataset` tokenizes, with 1 worker vs N, and what the training loader costs per batch.
 
 Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into files of
---file-mb MB (default: 16 files) in a temp directory (so that pieces, prepare's unit of parallel work, spread over the workers),
-prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes (best of
---repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
-the first --bpe-size-mb MB with a tokenizer.json trained beforehand (encoding, not training, is what workers
-parallelize; it is ~100x slower per byte than char/byte). Finally it times TokenWindowDataset batches. Results
-(MB/s, tokens/s, speedup) are printed and saved as JSON with machine info.
+--file-mb MB (default: 16 files) in a temp directory, so that pieces (prepare's unit of parallel work, at most
+data.shard_mb of one file) spread over the workers. Prepares it with the char and byte tokenizers using 1 worker
+(in-process) and --workers processes (after an untimed warm-up, repeats interleaved, best of --repeats), checks
+both give bit-identical shards, and times the no-op re-run. BPE is measured too, on the first --bpe-size-mb MB
+with a tokenizer.json trained beforehand (encoding, not training, is what workers parallelize; it is ~100x slower
+per byte than char/byte). Finally it times TokenWindowDataset batches on the first train shard. Results (MB/s,
+tokens/s, speedup, the load average before each run) are printed and saved as JSON with machine info.
 
     python benchmarks/bench_prepare.py                      # 50 MB, 1 vs 2 workers -> results/prepare.json
-    python benchmarks/bench_prepare.py --size-mb 1024 --repeats 2 --bpe-size-mb 0   # -> results/prepare_1gb.json
+    python benchmarks/bench_prepare.py --size-mb 1024 --repeats 2   # 16 x 64 MB -> results/prepare_1gb.json
     python benchmarks/bench_prepare.py --size-mb 200 --workers 8
 """
 
