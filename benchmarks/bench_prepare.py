@@ -67,8 +67,12 @@ def corpus_bytes(source: Path) -> int:
 
 
 def head_of(corpus: Path, size_mb: float) -> Path:
-    """The first `size_mb` MB of the corpus's first file, cut after a newline."""
-    text = sorted(corpus.iterdir())[0].read_bytes()[: int(size_mb * MB)]
+    """The first `size_mb` MB of the corpus files (in order, concatenated), cut after a newline."""
+    text = b""
+    for part in sorted(corpus.iterdir()):
+        if len(text) >= size_mb * MB:
+            break
+        text += part.read_bytes()[: int(size_mb * MB) - len(text)]
     path = corpus.with_name("corpus-head.txt")
     path.write_bytes(text[: text.rfind(b"\n") + 1])
     return path
