@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from rich.console import Console
@@ -77,36 +77,44 @@ def encode_piece(task: PieceTask) -> tuple[Shard, Shard]:
         _WORKER_TOKENIZERS.clear()
         tok = _WORKER_TOKENIZERS[task.tokenizer_key] = load_tokenizer_file(Path(task.tokenizer_path))
     dtype = numpy_dtype(task.dtype)
-    # A piece's tokens are gathered in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
-    # cut needs their count; the buffer is kept for the worker's next piece, so memory is touched once per worker.
-    tokens = _token_buffer(dtype, task.piece.size_bytes)  # char, byte and byte-level BPE: <= 1 token per byte
-    num_tokens = 0
-    for text in piece_texts(task.piece, task.text_field):
-        ids = tok.encode_array(text)
-        if num_tokens + len(ids) > len(tokens):  # a tokenizer with more tokens than bytes
-            tokens = _token_buffer(dtype, 2 * (num_tokens + len(ids)), keep=tokens[:num_tokens])
-        tokens[num_tokens : num_tokens + len(ids)] = ids
-        num_tokens += len(ids)
-    cut = int(num_tokens * (1 - task.val_fraction))
     out = Path(task.out_dir)
-    index = task.piece.index
-    return (
-        write_shard(out / shard_file("train", index), "train", [tokens[:cut]]),
-        write_shard(out / shard_file("val", index), "val", [tokens[cut:num_tokens]]),
+    train_path = out / shard_file("train", task.piece.index)
+    # Tokens stream into the train shard as soon as they are sure to be train: with n tokens seen so far, the
+    # first int(n * (1 - val_fraction)) are, whatever follows (the cut only moves right). Only the tail that may
+    # still become val waits in memory, ~val_fraction of a shard, so a worker touches little fresh memory.
+    keep_fraction = 1 - task.val_fraction
+    pending: list[np.ndarray] = []
+    num_tokens = num_train = 0
+    digest = hashlib.sha256()
+    with train_path.open("wb") as fh:
+        for text in piece_texts(task.piece, task.text_field):
+            ids = tok.encode_array(text).astype(dtype, copy=False)
+            pending.append(ids)
+            num_tokens += len(ids)
+            num_train = _write_until(pending, num_train, int(num_tokens * keep_fraction), fh, digest)
+    train = Shard(
+        split="train",
+        file=train_path.name,
+        num_tokens=num_train,
+        size_bytes=num_train * dtype.itemsize,
+        sha256=digest.hexdigest(),
     )
+    return train, write_shard(out / shard_file("val", task.piece.index), "val", pending)
 
 
-_WORKER_BUFFER: list[np.ndarray] = []
-
-
-def _token_buffer(dtype: np.dtype[Any], size: int, keep: np.ndarray | None = None) -> np.ndarray:
-    """A `dtype` array of at least `size` tokens, reused across a worker's pieces (first `keep` copied in)."""
-    if not _WORKER_BUFFER or _WORKER_BUFFER[0].dtype != dtype or len(_WORKER_BUFFER[0]) < size:
-        grown = np.empty(size, dtype=dtype)
-        if keep is not None:
-            grown[: len(keep)] = keep
-        _WORKER_BUFFER[:] = [grown]
-    return _WORKER_BUFFER[0]
+def _write_until(pending: list[np.ndarray], written: int, until: int, fh: BinaryIO, digest: Any) -> int:
+    """Write and hash tokens from the front of `pending` until `until` tokens are written in all; returns that."""
+    while pending and written < until:
+        head = pending[0]
+        part = head[: until - written]
+        fh.write(part.data)
+        digest.update(part.data)
+        written += len(part)
+        if len(part) == len(head):
+            pending.pop(0)
+        else:
+            pending[0] = head[len(part) :]
+    return written
 
 
 def piece_alphabet(task: tuple[Piece, str]) -> str:
@@ -188,10 +196,7 @@ def _init_worker() -> None:
 @contextmanager
 def ordered_map(workers: int) -> Iterator[OrderedMap[Any, Any]]:
     if workers == 1:
-        try:
-            yield map  # in-process: no start-up cost, and what a 1-worker benchmark should measure
-        finally:
-            _WORKER_BUFFER.clear()  # this process goes on (to train, perhaps): not the piece buffer's memory
+        yield map  # in-process: no start-up cost, and what a 1-worker benchmark should measure
         return
     # fork on Linux, as torch's DataLoader does: workers start in milliseconds instead of re-importing the
     # package (spawn) and work with any __main__ (spawn hangs re-running a `python -` script). The workers run
