@@ -23,6 +23,8 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,15 +86,30 @@ def train_bpe(directory: Path, vocab_size: int = 2048) -> Path:
     return build_tokenizer("bpe", [text], vocab_size=vocab_size).save(directory)
 
 
+_TIMED_PREPARE = """
+import sys, time
+from pathlib import Path
+from gaudi3_scale.data import DataConfig, prepare_dataset
+source, tokenizer, shard_mb, out, workers, progress = sys.argv[1:]
+cfg = DataConfig(source=source, tokenizer=tokenizer, shard_mb=float(shard_mb))
+start = time.perf_counter()
+prepare_dataset(cfg, Path(out), workers=int(workers), progress=progress == "1", force=True)
+print(time.perf_counter() - start)
+"""
+
+
 def prepare_once(cfg: DataConfig, out: Path, workers: int, progress: bool) -> float:
-    """Seconds of one full prepare into an empty `out`, dirty pages of earlier runs flushed first (untimed), so
-    that no run pays for another's writeback."""
+    """Seconds of one full prepare into an empty `out`, in a fresh process as `gaudi3 prepare` runs (interpreter
+    start-up not counted), so 1 worker in-process gets no memory warmed by earlier runs that N fresh workers lack.
+    Dirty pages of earlier runs are flushed first (untimed), so that no run pays for another's writeback."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
     LOAD_BEFORE_RUNS.append(os.getloadavg()[0])  # this machine may be shared: a busy run shows here
-    start = time.perf_counter()
-    prepare_dataset(cfg, out, workers=workers, progress=progress, force=True)
-    return time.perf_counter() - start
+    args = [cfg.source, cfg.tokenizer, str(cfg.shard_mb), str(out), str(workers), "1" if progress else "0"]
+    done = subprocess.run(
+        [sys.executable, "-c", _TIMED_PREPARE, *args], stdout=subprocess.PIPE, text=True, check=True
+    )
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 LOAD_BEFORE_RUNS: list[float] = []
