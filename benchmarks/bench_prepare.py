@@ -1,15 +1,16 @@
 """How fast `prepare_dataset` tokenizes, with 1 worker vs N, and what the training loader costs per batch.
 
 Builds a deterministic corpus of >= --size-mb MB by shuffling lines of the bundled tinyshakespeare into files of
---file-mb MB in a temp directory (so that pieces, prepare's unit of parallel work, spread over the workers),
-prepares it with the char and byte tokenizers using 1 worker (in-process) and --workers processes (best of
---repeats), checks both give bit-identical shards, and times the no-op re-run. BPE is measured too, on
-the first --bpe-size-mb MB with a tokenizer.json trained beforehand (encoding, not training, is what workers
-parallelize; it is ~100x slower per byte than char/byte). Finally it times TokenWindowDataset batches. Results
-(MB/s, tokens/s, speedup) are printed and saved as JSON with machine info.
+--file-mb MB (default: 16 files) in a temp directory, so that pieces (prepare's unit of parallel work, at most
+data.shard_mb of one file) spread over the workers. Prepares it with the char and byte tokenizers using 1 worker
+(in-process) and --workers processes (after an untimed warm-up, repeats interleaved, best of --repeats), checks
+both give bit-identical shards, and times the no-op re-run. BPE is measured too, on the first --bpe-size-mb MB
+with a tokenizer.json trained beforehand (encoding, not training, is what workers parallelize; it is ~100x slower
+per byte than char/byte). Finally it times TokenWindowDataset batches on the first train shard. Results (MB/s,
+tokens/s, speedup, the load average before each run) are printed and saved as JSON with machine info.
 
     python benchmarks/bench_prepare.py                      # 50 MB, 1 vs 2 workers -> results/prepare.json
-    python benchmarks/bench_prepare.py --size-mb 1024 --repeats 2 --bpe-size-mb 0   # -> results/prepare_1gb.json
+    python benchmarks/bench_prepare.py --size-mb 1024 --repeats 2   # 16 x 64 MB -> results/prepare_1gb.json
     python benchmarks/bench_prepare.py --size-mb 200 --workers 8
 """
 
@@ -22,6 +23,8 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,8 +69,12 @@ def corpus_bytes(source: Path) -> int:
 
 
 def head_of(corpus: Path, size_mb: float) -> Path:
-    """The first `size_mb` MB of the corpus's first file, cut after a newline."""
-    text = sorted(corpus.iterdir())[0].read_bytes()[: int(size_mb * MB)]
+    """The first `size_mb` MB of the corpus files (in order, concatenated), cut after a newline."""
+    text = b""
+    for part in sorted(corpus.iterdir()):
+        if len(text) >= size_mb * MB:
+            break
+        text += part.read_bytes()[: int(size_mb * MB) - len(text)]
     path = corpus.with_name("corpus-head.txt")
     path.write_bytes(text[: text.rfind(b"\n") + 1])
     return path
@@ -79,14 +86,33 @@ def train_bpe(directory: Path, vocab_size: int = 2048) -> Path:
     return build_tokenizer("bpe", [text], vocab_size=vocab_size).save(directory)
 
 
+_TIMED_PREPARE = """
+import sys, time
+from pathlib import Path
+from gaudi3_scale.data import DataConfig, prepare_dataset
+source, tokenizer, shard_mb, out, workers, progress = sys.argv[1:]
+cfg = DataConfig(source=source, tokenizer=tokenizer, shard_mb=float(shard_mb))
+start = time.perf_counter()
+prepare_dataset(cfg, Path(out), workers=int(workers), progress=progress == "1", force=True)
+print(time.perf_counter() - start)
+"""
+
+
 def prepare_once(cfg: DataConfig, out: Path, workers: int, progress: bool) -> float:
-    """Seconds of one full prepare into an empty `out`, dirty pages of earlier runs flushed first (untimed), so
-    that no run pays for another's writeback."""
+    """Seconds of one full prepare into an empty `out`, in a fresh process as `gaudi3 prepare` runs (interpreter
+    start-up not counted), so 1 worker in-process gets no memory warmed by earlier runs that N fresh workers lack.
+    Dirty pages of earlier runs are flushed first (untimed), so that no run pays for another's writeback."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
-    start = time.perf_counter()
-    prepare_dataset(cfg, out, workers=workers, progress=progress, force=True)
-    return time.perf_counter() - start
+    LOAD_BEFORE_RUNS.append(os.getloadavg()[0])  # this machine may be shared: a busy run shows here
+    args = [cfg.source, cfg.tokenizer, str(cfg.shard_mb), str(out), str(workers), "1" if progress else "0"]
+    done = subprocess.run(
+        [sys.executable, "-c", _TIMED_PREPARE, *args], stdout=subprocess.PIPE, text=True, check=True
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+LOAD_BEFORE_RUNS: list[float] = []
 
 
 def summarize(cfg: DataConfig, out: Path, workers: int, times: list[float]) -> dict[str, Any]:
@@ -143,18 +169,27 @@ def time_loader(directory: Path, micro: int, context: int, accum: int, batches: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=float, default=50.0)
-    parser.add_argument("--file-mb", type=float, default=64.0, help="size of each corpus file")
+    parser.add_argument(
+        "--file-mb",
+        type=float,
+        default=None,
+        help="size of each corpus file (default: 1/16 of it, at most 64)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--repeats", type=int, default=3, help="prepare runs per setting, interleaved; the fastest counts"
     )
     parser.add_argument("--bpe-size-mb", type=float, default=10.0, help="0 skips BPE")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed prepare runs per setting first")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed prepare runs per setting and worker count first"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide prepare's progress bars")
     parser.add_argument(
         "--out", type=Path, default=None, help="default results/prepare.json, _1gb for >= 1 GB"
     )
     args = parser.parse_args()
+    if args.file_mb is None:  # 16 files: pieces (<= data.shard_mb, 64 MiB, of one file) for up to 16 workers
+        args.file_mb = min(64.0, args.size_mb / 16)
     if args.out is None:
         name = "prepare_1gb.json" if args.size_mb >= 1000 else "prepare.json"
         args.out = Path(__file__).parent / "results" / name
@@ -175,9 +210,10 @@ def main() -> None:
             outs = {w: Path(tmp) / f"{name}-w{w}" for w in (1, args.workers)}
             times: dict[int, list[float]] = {w: [] for w in outs}
             for _ in range(args.warmup):
-                # Untimed: memory a process touches for the first time is slow to fault in on a VM (the host backs
-                # it then), which would bill the first timed run for it.
-                prepare_once(cfg, outs[args.workers], args.workers, progress=False)
+                # Untimed, each worker count: memory a process touches for the first time is slow to fault in on
+                # a VM (the host backs it then), which would bill the first timed run for it.
+                for workers, out in outs.items():
+                    prepare_once(cfg, out, workers, progress=False)
             for _ in range(args.repeats):  # interleaved: a load change on the machine hits both alike
                 for workers, out in outs.items():
                     times[workers].append(prepare_once(cfg, out, workers, not args.no_progress))
@@ -210,6 +246,7 @@ def main() -> None:
         "results": {"prepare": runs, "loader": loader},
         "speedup_workers_over_1": speedups,
         "noop_rerun_max_s": max(r["noop_rerun_s"] for r in runs),
+        "load_avg_1min_before_each_run": LOAD_BEFORE_RUNS,
         "loader_median_per_batch_us": statistics.median(r["per_batch_us"] for r in loader),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

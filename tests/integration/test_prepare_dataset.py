@@ -86,6 +86,11 @@ def test_two_workers_give_identical_shards(tmp_path: Path) -> None:
     )
     assert [s.sha256 for s in one.shards] == [s.sha256 for s in two.shards]
     assert one.num_tokens["train"] == int(len(SHAKESPEARE) * 4 * 0.9)
+    # one piece of three chunks: the cut falls inside the last chunk, train streamed out before it was known
+    data = load_prepared(tmp_path / "w2")
+    expected = CharTokenizer(SHAKESPEARE).encode_array(SHAKESPEARE * 4)
+    cut = int(len(expected) * 0.9)
+    assert np.array_equal(data.train, expected[:cut]) and np.array_equal(data.val, expected[cut:])
 
 
 def write_documents(root: Path) -> dict[str, str]:

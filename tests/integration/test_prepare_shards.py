@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -247,3 +248,27 @@ def test_without_pyarrow_the_error_names_the_extra(tmp_path: Path, monkeypatch: 
         UserInputError, match=r"^JSONL / Parquet sources need pyarrow: pip install 'gaudi3-scale\[parquet\]'$"
     ):
         prepare(tmp_path / "rows.parquet", tmp_path / "out")
+
+
+def test_cli_prepares_jsonl_into_shards_and_appends(tmp_path: Path) -> None:
+    rows = [SHAKESPEARE[i : i + 4000] for i in range(0, 40_000, 4000)]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_rows(corpus / "a.jsonl", rows)
+    cli = [sys.executable, "-m", "gaudi3_scale.cli", "prepare", str(corpus), "--out", str(tmp_path / "out")]
+    cli += ["--tokenizer", "byte", "--shard-mb", "0.02", "--workers", "2"]
+    done = subprocess.run(cli, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "out")
+    first = load_manifest(tmp_path / "out")
+    assert [s.shards for s in first.sources] == [[0, 1]]
+    write_rows(corpus / "b.jsonl", rows[:2])
+    assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
+    manifest = verify_prepared(tmp_path / "out")
+    assert manifest.shards[:2] == first.shards_of("train") and [s.shards for s in manifest.sources] == [
+        [0, 1],
+        [2],
+    ]
+    bad = subprocess.run([*cli, "--text-field", "body"], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "no column 'body' (data.text_field); its columns: id, text" in bad.stderr

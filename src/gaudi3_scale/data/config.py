@@ -44,11 +44,11 @@ class DataConfig:
         default=None, metadata={"help": "vocabulary size to train for tokenizer=bpe"}
     )
     val_fraction: float = field(
-        default=0.1, metadata={"help": "fraction of each source's tokens held out for validation"}
+        default=0.1, metadata={"help": "fraction of each shard's tokens held out for validation (its tail)"}
     )
     split_seed: int = field(
         default=0,
-        metadata={"help": "seed of the train/val split, and of synthetic ids (recorded in the manifest)"},
+        metadata={"help": "seed of synthetic ids (recorded in the manifest; the text split needs none)"},
     )
     synthetic_tokens: int = field(
         default=2_000_000,
@@ -100,7 +100,9 @@ class DataConfig:
             "too); null = all shards of a local dataset, as many as fit half the cache for a URL"
         },
     )
-    prepare_workers: int = field(default=1, metadata={"help": "tokenizer worker processes used by prepare"})
+    prepare_workers: int = field(
+        default=1, metadata={"help": "worker processes of prepare (each reads, tokenizes and writes a shard)"}
+    )
     loader_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ class PreparedData:
         if len(shards) != 1:
             raise UserInputError(
                 f"{self.directory}: the {split} split has {len(shards)} shards and this reader takes a "
-                f"single-shard dataset; use PreparedData.{split}_shards (or a larger data.shard_mb)"
+                f"single-shard dataset (one source file of at most data.shard_mb); use PreparedData.{split}_shards"
             )
         return shards[0]
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from rich.console import Console
@@ -77,29 +77,44 @@ def encode_piece(task: PieceTask) -> tuple[Shard, Shard]:
         _WORKER_TOKENIZERS.clear()
         tok = _WORKER_TOKENIZERS[task.tokenizer_key] = load_tokenizer_file(Path(task.tokenizer_path))
     dtype = numpy_dtype(task.dtype)
-    # A piece's tokens are held in memory (2 bytes per token of ~shard_mb MiB of text) because the train / val
-    # cut needs the total count; that bounds a worker's memory by the shard size, not by the corpus.
-    arrays = [
-        tok.encode_array(text).astype(dtype, copy=False) for text in piece_texts(task.piece, task.text_field)
-    ]
-    num_tokens = sum(len(a) for a in arrays)
-    cut = int(num_tokens * (1 - task.val_fraction))
     out = Path(task.out_dir)
-    index = task.piece.index
-    return (
-        write_shard(out / shard_file("train", index), "train", _token_range(arrays, 0, cut)),
-        write_shard(out / shard_file("val", index), "val", _token_range(arrays, cut, num_tokens)),
+    train_path = out / shard_file("train", task.piece.index)
+    # Tokens stream into the train shard as soon as they are sure to be train: with n tokens seen so far, the
+    # first int(n * (1 - val_fraction)) are, whatever follows (the cut only moves right). Only the tail that may
+    # still become val waits in memory, ~val_fraction of a shard, so a worker touches little fresh memory.
+    keep_fraction = 1 - task.val_fraction
+    pending: list[np.ndarray] = []
+    num_tokens = num_train = 0
+    digest = hashlib.sha256()
+    with train_path.open("wb") as fh:
+        for text in piece_texts(task.piece, task.text_field):
+            ids = tok.encode_array(text).astype(dtype, copy=False)
+            pending.append(ids)
+            num_tokens += len(ids)
+            num_train = _write_until(pending, num_train, int(num_tokens * keep_fraction), fh, digest)
+    train = Shard(
+        split="train",
+        file=train_path.name,
+        num_tokens=num_train,
+        size_bytes=num_train * dtype.itemsize,
+        sha256=digest.hexdigest(),
     )
+    return train, write_shard(out / shard_file("val", task.piece.index), "val", pending)
 
 
-def _token_range(arrays: list[np.ndarray], start: int, end: int) -> Iterator[np.ndarray]:
-    """Tokens [start, end) of the concatenation of `arrays`, as views."""
-    offset = 0
-    for array in arrays:
-        lo, hi = max(start - offset, 0), min(end - offset, len(array))
-        if lo < hi:
-            yield array[lo:hi]
-        offset += len(array)
+def _write_until(pending: list[np.ndarray], written: int, until: int, fh: BinaryIO, digest: Any) -> int:
+    """Write and hash tokens from the front of `pending` until `until` tokens are written in all; returns that."""
+    while pending and written < until:
+        head = pending[0]
+        part = head[: until - written]
+        fh.write(part.data)
+        digest.update(part.data)
+        written += len(part)
+        if len(part) == len(head):
+            pending.pop(0)
+        else:
+            pending[0] = head[len(part) :]
+    return written
 
 
 def piece_alphabet(task: tuple[Piece, str]) -> str:

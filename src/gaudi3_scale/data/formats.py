@@ -11,6 +11,7 @@ pyarrow is an optional dependency (the ``parquet`` extra), imported only when su
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "JSONL",
     "PARQUET",
     "TEXT",
+    "check_jsonl_field",
     "jsonl_texts",
     "parquet_row_group_sizes",
     "parquet_texts",
@@ -105,6 +107,21 @@ def jsonl_texts(path: str, offset_bytes: int, length_bytes: int, field: str) -> 
         return f"line {_line_before(path, offset_bytes) + lines[i] + 1}"
 
     yield from _row_texts(table.column(field).combine_chunks(), path, field, row_of)
+
+
+def check_jsonl_field(path: str, field: str) -> None:
+    """Refuse a JSON-lines file whose first record lacks `field`, before any worker starts (the whole file is
+    checked as it is read)."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise UserInputError(f"{path}: not valid JSON lines (first record: {exc})") from None
+                if isinstance(record, dict) and field not in record:
+                    raise _missing_column(path, field, list(record))
+                return
 
 
 def _line_before(path: str, offset_bytes: int) -> int:

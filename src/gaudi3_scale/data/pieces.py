@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gaudi3_scale.data.formats import (
     JSONL,
     PARQUET,
+    check_jsonl_field,
     jsonl_texts,
     parquet_row_group_sizes,
     parquet_texts,
@@ -60,6 +61,8 @@ def plan_pieces(
         if kind == PARQUET:
             sizes = parquet_row_group_sizes(str(file.path), text_field)
         else:
+            if kind == JSONL:
+                check_jsonl_field(str(file.path), text_field)
             chunk_bytes = chunk_bytes_for(shard_mb)
             chunks = split_into_chunks(
                 source_index, file.path, file.size_bytes, chunk_bytes, whole_lines=kind == JSONL
