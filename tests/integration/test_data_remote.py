@@ -4,7 +4,7 @@ On-demand fetch with verification; the bounded cache evicting the least recently
 one download; a corrupted or missing object and an unreachable URL as one line; an outage the fetch retries through
 (server stopped, then started again on the same port) without touching the global RNG; a retry budget running out.
 
-Format 1 datasets hold one shard per split (train.bin, val.bin): the eviction tests use those two shards.
+The prepared corpus fits one shard per split (train-00000.bin, val-00000.bin): the eviction tests use those two.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_a_shard_larger_than_the_cache_limit_fails_at_open(prepared: Path, tmp_p
     with pytest.raises(UserInputError) as info:
         _open(prepared.as_uri(), tmp_path / "cache", cache_limit_bytes=1000)
     message = str(info.value)
-    assert message.startswith("data.cache_limit_gib=") and "train.bin" in message and "\n" not in message
+    assert message.startswith("data.cache_limit_gib=") and "train-00000.bin" in message and "\n" not in message
 
 
 def test_prefetch_fetches_ahead_in_the_background(prepared: Path, tmp_path: Path) -> None:
@@ -223,7 +223,7 @@ def test_missing_object_is_one_line(
     fs.rm_file(f"{root}/{val.file}")
     with _open(url, tmp_path / "cache", options, fetch_retry_s=30.0) as dataset:
         start_s = time.monotonic()
-        with pytest.raises(UserInputError, match=r"val\.bin: missing at the store") as info:
+        with pytest.raises(UserInputError, match=r"val-00000\.bin: missing at the store") as info:
             dataset.shard_path(val)
         assert time.monotonic() - start_s < 5, "a missing object is not retried"
     assert str(info.value).startswith(f"{url}/{val.file}: ")
@@ -359,7 +359,7 @@ def test_a_shard_another_process_uses_is_not_evicted(prepared: Path, tmp_path: P
     with holder, other:
         path = holder.shard_path(train)  # pinned while holder uses it
         with pytest.raises(
-            UserInputError, match=r"val\.bin: the shard cache \(data\.cache_limit_gib=.*stayed full"
+            UserInputError, match=r"val-00000\.bin: the shard cache \(data\.cache_limit_gib=.*stayed full"
         ):
             other.shard_path(val)
         assert _sha256(path) == train.sha256

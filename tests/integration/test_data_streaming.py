@@ -190,3 +190,16 @@ def test_prepare_publishes_to_a_url_manifest_last_and_reuploads_nothing(
     assert gaudi3_cli("prepare", str(source), "--shard-mb", "0.002", "--out", url)[0] == 0
     new_puts = [r for r in server.requests if r[0] == "PUT"][puts:]
     assert [path.rsplit("/", 1)[-1] for _, path in new_puts] == ["manifest.json"]  # only the commit point
+
+
+def test_prepared_dir_url_prepares_publishes_and_trains_from_the_store(
+    store: tuple[S3Server, Path, str], tmp_path: Path
+) -> None:
+    source = tmp_path / "part.txt"
+    source.write_text(bundled_corpora()["tinyshakespeare"].read_text()[:8_000])
+    url = f"s3://{BUCKET}/prepared-dir"
+    summary = _train(tmp_path / "run", str(source), f"--data.prepared_dir={url}", "--train.max_steps=3",
+                     "--data.shard_mb=0.002", f"--data.cache_dir={tmp_path / 'cache'}", callbacks=[])  # fmt: skip
+    assert summary["steps"] == 3 and summary["data_cache"]["shards_fetched"] >= 1
+    fs, root = open_remote(url, field="test")
+    assert fs.exists(f"{root}/manifest.json") and len(json.loads(fs.cat_file(f"{root}/manifest.json"))["shards"]) > 2
