@@ -137,7 +137,9 @@ def test_a_shard_larger_than_the_cache_limit_fails_at_open(prepared: Path, tmp_p
     with pytest.raises(UserInputError) as info:
         _open(prepared.as_uri(), tmp_path / "cache", cache_limit_bytes=1000)
     message = str(info.value)
-    assert message.startswith("data.cache_limit_gib=") and "train-00000.bin" in message and "\n" not in message
+    assert (
+        message.startswith("data.cache_limit_gib=") and "train-00000.bin" in message and "\n" not in message
+    )
 
 
 def test_prefetch_fetches_ahead_in_the_background(prepared: Path, tmp_path: Path) -> None:

@@ -202,4 +202,7 @@ def test_prepared_dir_url_prepares_publishes_and_trains_from_the_store(
                      "--data.shard_mb=0.002", f"--data.cache_dir={tmp_path / 'cache'}", callbacks=[])  # fmt: skip
     assert summary["steps"] == 3 and summary["data_cache"]["shards_fetched"] >= 1
     fs, root = open_remote(url, field="test")
-    assert fs.exists(f"{root}/manifest.json") and len(json.loads(fs.cat_file(f"{root}/manifest.json"))["shards"]) > 2
+    assert (
+        fs.exists(f"{root}/manifest.json")
+        and len(json.loads(fs.cat_file(f"{root}/manifest.json"))["shards"]) > 2
+    )
