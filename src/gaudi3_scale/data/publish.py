@@ -9,14 +9,13 @@ uploads only its new shards; a file that differs is replaced. Nothing is deleted
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.manifest import MANIFEST_FILE, verify_prepared
 from gaudi3_scale.data.sources import sha256_file
-from gaudi3_scale.storage import open_remote
+from gaudi3_scale.storage import copy_stream, open_remote
 
 __all__ = ["publish_prepared"]
 
@@ -26,10 +25,7 @@ log = logging.getLogger(__name__)
 def _remote_sha256(fs: object, path: str) -> str | None:
     try:
         with fs.open(path, "rb") as fh:  # type: ignore[attr-defined]
-            digest = hashlib.sha256()
-            while chunk := fh.read(8 << 20):
-                digest.update(chunk)
-            return digest.hexdigest()
+            return copy_stream(fh, None)[1]
     except FileNotFoundError:
         return None
 
