@@ -9,15 +9,17 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = ["GaudiAccelerator", "GaudiOptimizer", "__version__"]
 
+# "hpu", "habana_ddp" and "habana_fsdp" in lightning.pytorch and pytorch_lightning, as soon as either is imported.
+from gaudi3_scale.lightning_hook import install as _install_lightning_hook
+
+_install_lightning_hook()
+
 
 def __getattr__(name: str) -> object:
-    # Lazy: `import gaudi3_scale` stays light; the first use registers "hpu" and "habana_ddp" with Lightning.
+    # Lazy: `import gaudi3_scale` stays light (no torch, no Lightning).
     if name == "GaudiAccelerator":
-        from gaudi3_scale.device.gaudi_accelerator import GaudiAccelerator, register_gaudi_accelerator
-        from gaudi3_scale.distributed.hpu import register_hpu_strategies
+        from gaudi3_scale.device.gaudi_accelerator import GaudiAccelerator
 
-        register_gaudi_accelerator()
-        register_hpu_strategies()
         return GaudiAccelerator
     if name == "GaudiOptimizer":
         from gaudi3_scale.device.optim import GaudiOptimizer

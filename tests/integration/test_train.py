@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 from gaudi3_scale.train.step import at_step_boundary
 
@@ -259,6 +261,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["train", "--config", str(tmp_path / "missing.yaml")], "does not exist"),
         (["generate", str(tmp_path / "none.ckpt")], "does not exist"),
         (["frobnicate"], "No such command"),
+        (
+            ["train", "--train.max_epochs", "2", "--train.max_steps", "5"],
+            "train.max_epochs: 2 and train.max_steps 5",
+        ),
+        (["train", "--train.max_epochs", "0"], "train.max_epochs: must be"),
     ]:
         proc = subprocess.run([*GAUDI3, *args], capture_output=True, text=True, env=env)
         assert proc.returncode == 2, (args, proc.stderr)
@@ -348,6 +355,25 @@ def test_val_every_steps_0_validates_once_at_the_end(tmp_path: Path) -> None:
 
     manifest = read_manifest(Path(summary["checkpoint"]))
     assert manifest is not None and (manifest["step"], manifest["val_loss"]) == (3, summary["val_loss"])
+
+
+def test_max_epochs_trains_passes_over_the_training_tokens(tmp_path: Path) -> None:
+    from gaudi3_scale.data.inputs import open_training_data
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question\n" * 200)
+    cfg = _config(tmp_path / "run", "--data.source", str(text), "--model.num_layers", "1", "--model.context_length",
+                  "32", "--train.global_batch_size", "8", "--train.max_epochs", "2", "--train.val_every_steps", "0",
+                  "--train.val_batches", "1", "--optim.warmup_steps", "1")  # fmt: skip
+    assert cfg.train.max_epochs == 2
+    summary = GaudiTrainer(cfg, progress=False).fit()
+    train_tokens = sum(int(sum(m.train.shard_tokens)) for m in open_training_data(cfg.data).members)
+    assert 6000 < train_tokens < 8200  # the split's training part of 8,200 characters
+    assert summary["steps"] == math.ceil(2 * train_tokens / (8 * 32))
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"max_steps: {summary['steps']}\n" in saved and "max_epochs: null\n" in saved  # loadable as is
+    with pytest.raises(ConfigError, match=r"^train\.max_epochs: counts passes over the run's own dataset"):
+        GaudiTrainer(cfg, progress=False).fit(_TinyRegression(), _TinyData())
 
 
 def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "lazy", "document"], 0),
     **dict.fromkeys(["device", "storage"], 1),  # storage: fsspec URLs, for data and checkpoint
     **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering"], 2),
+    **dict.fromkeys(["lightning_hook"], 2),  # registers distributed.lightning_ns when Lightning is imported
     **dict.fromkeys(["train"], 3),
     **dict.fromkeys(["tune", "bench", "cost", "serve", "deploy", "dashboard", "artifacts", "verify"], 4),
     **dict.fromkeys(["cli"], 5),

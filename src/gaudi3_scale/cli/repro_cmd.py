@@ -76,6 +76,11 @@ def repro(
         raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
     user_overrides = [*overrides, *launch_overrides(launch)]
     cfg = resolve_config(config_path, user_overrides)
+    if not steps and cfg.train.max_epochs is not None:
+        raise UserInputError(
+            f"--steps: the config trains train.max_epochs {cfg.train.max_epochs}; repro compares a fixed number of "
+            "optimizer steps: pass --steps N"
+        )
     # Created only once the input is known good; pid + time make the default name unique.
     stamp = f"gaudi3-repro-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     directory = out_dir or Path(tempfile.gettempdir()) / stamp

@@ -2,7 +2,8 @@
 
 Lightning 2.5.6 removed its HPU support and lightning-habana is archived, so the accelerator lives here.
 `pl.Trainer(accelerator=GaudiAccelerator(), devices=8, precision="bf16-mixed", strategy="habana_ddp")` is the
-intended use. Not yet validated on Gaudi hardware.
+intended use, under `lightning.pytorch` or `pytorch_lightning` (see `distributed.lightning_ns`). Not yet validated on
+Gaudi hardware.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ class GaudiAccelerator(Accelerator):
         accelerator_registry.register("hpu", cls, description=cls.__name__, override=True)
 
 
-def register_gaudi_accelerator() -> None:
-    if "hpu" not in AcceleratorRegistry:
-        GaudiAccelerator.register_accelerators(AcceleratorRegistry)
+def register_gaudi_accelerator(
+    registry: Any = AcceleratorRegistry, accelerator_base: type | None = None
+) -> None:
+    """ "hpu" in a Lightning namespace's accelerator registry (lightning.pytorch's by default).
+
+    For another namespace (`pytorch_lightning`), GaudiAccelerator becomes a virtual subclass of that namespace's
+    `Accelerator` (an ABC), so its Trainer takes `accelerator=GaudiAccelerator()` as well: the class only answers
+    the Accelerator interface, which both namespaces share."""
+    if accelerator_base is not None:
+        accelerator_base.register(GaudiAccelerator)  # type: ignore[attr-defined]
+    if "hpu" not in registry:
+        GaudiAccelerator.register_accelerators(registry)

@@ -23,14 +23,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
 from lightning.fabric.utilities.rank_zero import WarningCache
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch import nn
 
-__all__ = ["PRECISIONS", "GaudiMixedPrecision"]
+__all__ = ["PRECISIONS", "GaudiMixedPrecision", "gaudi_precision_class"]
+
+# The body below is shared by the plugin of each Lightning namespace (`lightning.pytorch`, `pytorch_lightning`):
+# a mixin, typed against lightning.pytorch's Precision for the checker only.
+if TYPE_CHECKING:
+    _PrecisionBase = Precision
+else:
+    _PrecisionBase = object
 
 GaudiPrecision = Literal["bf16-mixed", "bf16-true", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(GaudiPrecision)
@@ -54,12 +61,14 @@ _NO_EFFECT_YET = {
 }
 
 
-class GaudiMixedPrecision(Precision):
+class _GaudiPrecisionBody(_PrecisionBase):
     """bf16 autocast on the model's device (hpu, cuda or cpu); also "bf16-true" and "32-true".
 
     `cache_fp32_weights` is torch.autocast's `cache_enabled`: within one forward pass, each fp32 weight is cast to
     bf16 once and the copy reused. Lightning's own MixedPrecision turns it off, so the default matches Lightning.
     """
+
+    _half_precision: ClassVar[type[HalfPrecision]]  # the namespace's HalfPrecision, for "bf16-true"
 
     def __init__(
         self,
@@ -80,7 +89,7 @@ class GaudiMixedPrecision(Precision):
         self.use_flash_attention_v2 = use_flash_attention_v2
         self.cache_fp32_weights = cache_fp32_weights
         # bf16-true is exactly Lightning's HalfPrecision; reuse it rather than copy it.
-        self._half = HalfPrecision("bf16-true") if precision == "bf16-true" else None
+        self._half = self._half_precision("bf16-true") if precision == "bf16-true" else None
         self._module: nn.Module | None = None
         for option, message in _NO_EFFECT_YET.items():
             if getattr(self, option):
@@ -127,3 +136,18 @@ class GaudiMixedPrecision(Precision):
 
     def convert_input(self, data: Any) -> Any:
         return self._half.convert_input(data) if self._half else data
+
+
+class GaudiMixedPrecision(_GaudiPrecisionBody, Precision):
+    __doc__ = _GaudiPrecisionBody.__doc__
+    _half_precision = HalfPrecision
+
+
+def gaudi_precision_class(precision_base: type, half_precision: type) -> type:
+    """The plugin for another Lightning namespace (`pytorch_lightning`): the same body on that namespace's
+    `Precision`, so that namespace's Trainer accepts it."""
+    return type(
+        "GaudiMixedPrecision",
+        (_GaudiPrecisionBody, precision_base),
+        {"_half_precision": half_precision, "__doc__": _GaudiPrecisionBody.__doc__, "__module__": __name__},
+    )

@@ -13,17 +13,26 @@ FSDP, HSDP and tensor parallel, alone or combined.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from gaudi3_scale.checkpoint.sharded import optimizer_state_by_name
 from gaudi3_scale.distributed.mesh import build_device_mesh, data_parallel_rank
 
-__all__ = ["FSDPStrategy"]
+__all__ = ["FSDP2Body", "FSDPStrategy"]
+
+# The body is shared by the strategy of each Lightning namespace (`lightning.pytorch` here, `pytorch_lightning` in
+# `distributed.lightning_ns`): a mixin, typed against lightning.pytorch's ModelParallelStrategy for the checker only.
+if TYPE_CHECKING:
+    _Base = ModelParallelStrategy
+else:
+    _Base = object
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDP2Body(_Base):
+    _model_parallel: ClassVar[type]  # the namespace's ModelParallelStrategy, whose own mesh set-up is skipped
+
     # parallel.offload all: FSDP2 keeps the parameter shards in host memory (distributed.parallelize.apply_fsdp).
     cpu_offload: bool = False
 
@@ -39,8 +48,9 @@ class FSDPStrategy(ModelParallelStrategy):
         self.dp_replicate = dp_replicate
 
     def setup_environment(self) -> None:
-        # ModelParallelStrategy.setup_environment with our 3-D mesh in place of its (data_parallel, tensor_parallel)
-        ParallelStrategy.setup_environment(self)
+        # ModelParallelStrategy.setup_environment with our 3-D mesh in place of its (data_parallel, tensor_parallel):
+        # ParallelStrategy's (the next class after ModelParallelStrategy), then the mesh
+        super(self._model_parallel, self).setup_environment()  # type: ignore[arg-type]
         self._setup_distributed()
         self._data_parallel_size = self.world_size // self.tp_size
         self._device_mesh = build_device_mesh(
@@ -86,3 +96,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass
+
+
+class FSDPStrategy(FSDP2Body, ModelParallelStrategy):
+    _model_parallel = ModelParallelStrategy

@@ -1,45 +1,67 @@
 """HPU data parallelism over Habana's `hccl` backend: Lightning's DDP, registered as "habana_ddp", and our FSDP2
-strategy (FSDP, HSDP and tensor-parallel meshes; the mesh's device type is the root device's, "hpu").
+strategy (FSDP, HSDP and tensor-parallel meshes; the mesh's device type is the root device's, "hpu"), registered
+as "habana_fsdp".
 
+The classes here are lightning.pytorch's; `distributed.lightning_ns` builds the same ones on `pytorch_lightning`.
 Not yet validated on Gaudi hardware.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from gaudi3_scale.device.hpu import load_hccl
 from gaudi3_scale.distributed.fsdp import FSDPStrategy
 
-__all__ = ["HPUDDPStrategy", "HPUFSDPStrategy", "register_hpu_strategies"]
+__all__ = [
+    "HABANA_DDP",
+    "HABANA_FSDP",
+    "HCCLBody",
+    "HPUDDPStrategy",
+    "HPUFSDPStrategy",
+    "register_hpu_strategies",
+]
+
+HABANA_DDP = "habana_ddp"
+HABANA_FSDP = "habana_fsdp"
+
+if TYPE_CHECKING:
+    _Base = DDPStrategy
+else:
+    _Base = object
 
 
-class HPUDDPStrategy(DDPStrategy):
-    strategy_name = "habana_ddp"
+class HCCLBody(_Base):
+    """Any Lightning parallel strategy over hccl: the backend is registered before the process group (and a device
+    mesh) is created."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("process_group_backend", "hccl")
         super().__init__(**kwargs)
 
     def setup_environment(self) -> None:
-        load_hccl()  # registers the hccl backend before the process group is created
+        load_hccl()
         super().setup_environment()
 
 
-class HPUFSDPStrategy(FSDPStrategy):
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("process_group_backend", "hccl")
-        super().__init__(**kwargs)
-
-    def setup_environment(self) -> None:
-        load_hccl()  # registers the hccl backend before the process group and the device mesh are created
-        super().setup_environment()
+class HPUDDPStrategy(HCCLBody, DDPStrategy):
+    strategy_name = HABANA_DDP
 
 
-def register_hpu_strategies() -> None:
-    if HPUDDPStrategy.strategy_name not in StrategyRegistry:
-        StrategyRegistry.register(
-            HPUDDPStrategy.strategy_name, HPUDDPStrategy, description="DDP over HCCL on Intel Gaudi"
-        )
+class HPUFSDPStrategy(HCCLBody, FSDPStrategy):
+    strategy_name = HABANA_FSDP
+
+
+def register_hpu_strategies(
+    registry: Any = StrategyRegistry, ddp: type = HPUDDPStrategy, fsdp: type = HPUFSDPStrategy
+) -> None:
+    """ "habana_ddp" and "habana_fsdp" in a Lightning namespace's strategy registry (lightning.pytorch's by default).
+    With "habana_fsdp" the LightningModule shards itself in `configure_model`, as under ModelParallelStrategy."""
+    for name, cls, description in (
+        (HABANA_DDP, ddp, "DDP over HCCL on Intel Gaudi"),
+        (HABANA_FSDP, fsdp, "FSDP2 (fully_shard) over HCCL on Intel Gaudi"),
+    ):
+        if name not in registry:
+            registry.register(name, cls, description=description)

@@ -7,6 +7,7 @@ override the preset, so the resolved file always shows the full shape.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,17 @@ class TrainConfig:
     micro_batch_size: int | None = field(
         default=None, metadata={"help": "sequences per forward pass per rank; null = global batch / ranks"}
     )
-    max_steps: int = field(default=2000, metadata={"help": "optimizer steps to train"})
+    max_steps: int = field(
+        default=2000, metadata={"help": "optimizer steps to train (or set train.max_epochs instead)"}
+    )
+    max_epochs: int | None = field(
+        default=None,
+        metadata={
+            "help": "passes over the training tokens, an alternative to train.max_steps: the run trains "
+            "ceil(max_epochs × train tokens / tokens per step) optimizer steps, resolved when the data is opened "
+            "(the saved config then holds that max_steps); null = use max_steps"
+        },
+    )
     val_every_steps: int = field(
         default=250, metadata={"help": "validate every N optimizer steps; 0 = only at end"}
     )
@@ -176,6 +187,7 @@ class TrainConfig:
         for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps"):
             check_positive(name, getattr(self, name))
         check_positive("val_every_steps", self.val_every_steps, allow_zero=True)
+        check_positive("max_epochs", self.max_epochs)
         check_positive("global_batch_tokens", self.global_batch_tokens)
         check_positive("micro_batch_size", self.micro_batch_size)
         check_number("threads", self.threads, low=1, high=INT32_MAX)  # torch.set_num_threads takes a C int
@@ -184,8 +196,10 @@ class TrainConfig:
             raise ConfigError("spot_url", f"must be an http:// or https:// URL, got {self.spot_url!r}")
         check_positive("profile_num_steps", self.profile_num_steps)
         check_positive("profile_start_step", self.profile_start_step, allow_zero=True)
+        steps_known = self.max_epochs is None  # else max_steps is a placeholder until the data is opened
         if (
-            self.profile_start_step is not None
+            steps_known
+            and self.profile_start_step is not None
             and self.profile_start_step + self.profile_num_steps > self.max_steps
         ):
             raise ConfigError(
@@ -194,7 +208,11 @@ class TrainConfig:
                 f"the last step, {self.max_steps - 1} (train.max_steps {self.max_steps}); lower the start or the count",
             )
         check_positive("throughput_warmup_steps", self.throughput_warmup_steps, allow_zero=True)
-        if self.throughput_warmup_steps is not None and self.throughput_warmup_steps >= self.max_steps:
+        if (
+            steps_known
+            and self.throughput_warmup_steps is not None
+            and self.throughput_warmup_steps >= self.max_steps
+        ):
             raise ConfigError(
                 "throughput_warmup_steps",
                 f"{self.throughput_warmup_steps} leaves no measured step of train.max_steps {self.max_steps}; "
@@ -367,6 +385,28 @@ def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
     raw["train"] = {**train_raw, "global_batch_size": _batch_size_from_tokens(tokens, context_length)}
 
 
+def _check_steps_or_epochs(raw: Mapping[str, Any]) -> None:
+    """`train.max_epochs` and `train.max_steps` are alternatives. Told apart from max_steps' default only here, on
+    the raw dict (as `_fill_batch_size_from_tokens` does for the batch)."""
+    train_raw = raw.get("train")
+    if (
+        isinstance(train_raw, Mapping)
+        and train_raw.get("max_epochs") is not None
+        and "max_steps" in train_raw
+    ):
+        raise ConfigError(
+            "train.max_epochs",
+            f"{train_raw['max_epochs']!r} and train.max_steps {train_raw['max_steps']!r} are both set; they are "
+            "alternatives: set one (max_epochs = passes over the training tokens, max_steps = optimizer steps)",
+        )
+
+
+def steps_for_epochs(max_epochs: int, *, train_tokens: int, tokens_per_step: int) -> int:
+    """Optimizer steps that read the training tokens `max_epochs` times: windows are drawn at random offsets
+    without replacement (data.sampler), so an epoch covers the split in expectation, as nanoGPT-style samplers do."""
+    return max(1, math.ceil(max_epochs * train_tokens / tokens_per_step))
+
+
 def _pretrained_name(model_raw: Mapping[str, Any]) -> str:
     """The default model (and run) name with `model.init_from`: the checkpoint directory's name when it can name a
     run directory, else the default preset's."""
@@ -402,10 +442,10 @@ def build_run_config(
     """YAML file (optional) → dotted overrides → model preset expansion → batch in tokens → validated RunConfig."""
     from gaudi3_scale.models.registry import get_model_config
 
-    raw: dict[str, Any] = dict(base or {})
-    if config_path is not None:
-        raw = merge_mappings(raw, load_yaml(config_path))
-    raw = apply_overrides(RunConfig, raw, overrides)
+    user: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
+    user = apply_overrides(RunConfig, user, overrides)
+    _check_steps_or_epochs(user)  # what the user set, not `base` (a whole config, every field present)
+    raw = merge_mappings(dict(base or {}), user)
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, Mapping):
         raise ConfigError("model", f"expected a mapping of fields, got {model_raw!r}")

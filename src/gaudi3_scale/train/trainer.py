@@ -25,7 +25,7 @@ from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
-from gaudi3_scale.data.inputs import open_training_data
+from gaudi3_scale.data.inputs import TrainingData, open_training_data
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -34,7 +34,7 @@ from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.monitor.trackers import build_trackers
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, TrainConfig, steps_for_epochs
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost
 from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
@@ -162,7 +162,7 @@ class GaudiTrainer:
         else:
             model_cfg = cfg.model
         model_cfg = self._resolve_padding(model_cfg, resume_from)
-        self.config = dataclasses.replace(cfg, model=model_cfg)
+        self.config = cfg = dataclasses.replace(cfg, model=model_cfg, train=self._steps_of_epochs(prepared))
         batch, parallel = self._plans()
         module = LanguageModel(
             model_cfg,
@@ -191,6 +191,24 @@ class GaudiTrainer:
             tokenizer_dir.mkdir(parents=True, exist_ok=True)
             prepared.tokenizer.save(tokenizer_dir)
         return module, datamodule
+
+    def _steps_of_epochs(self, prepared: TrainingData) -> TrainConfig:
+        """`train.max_epochs` as optimizer steps over this dataset (all members' training tokens): the config from
+        here on, the saved one included, says max_steps (and max_epochs null), as if the user had set it."""
+        train, model = self.config.train, self.config.model
+        if train.max_epochs is None:
+            return train
+        train_tokens = sum(int(sum(m.train.shard_tokens)) for m in prepared.members)
+        steps = steps_for_epochs(
+            train.max_epochs,
+            train_tokens=train_tokens,
+            tokens_per_step=train.global_batch_size * model.context_length,
+        )
+        self._note(
+            f"train.max_epochs {train.max_epochs}: {steps} optimizer steps ({train_tokens:,} training tokens, "
+            f"{train.global_batch_size * model.context_length:,} per step)"
+        )
+        return dataclasses.replace(train, max_steps=steps, max_epochs=None)
 
     def _plans(self) -> tuple[BatchPlan, ParallelPlan]:
         """The run's batch and parallel plans, resolved once for this launch (see `distributed.plan`)."""
@@ -395,6 +413,11 @@ class GaudiTrainer:
             if datamodule is not None:
                 raise ValueError("pass a datamodule together with your own model, or neither")
             model, datamodule = self._build_default(ckpt_path)
+        elif self.config.train.max_epochs is not None:
+            raise ConfigError(
+                "train.max_epochs",
+                "counts passes over the run's own dataset; with your own model and datamodule set train.max_steps",
+            )
         self.module, self.datamodule = model, datamodule
         out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         str(settings.world_size),
         *candidate.overrides(),
         f"--train.max_steps={total}",
+        "--train.max_epochs=null",  # a trial's length is steps, whatever the config's
         f"--train.throughput_warmup_steps={warmup}",
         "--train.log_every_steps=1",
         "--train.val_every_steps=0",

@@ -67,6 +67,7 @@ class ReproPlan:
         """Appended after the user's overrides, so they win."""
         return [
             f"--train.max_steps={self.steps}",
+            "--train.max_epochs=null",  # the runs compare a fixed number of steps
             "--train.log_every_steps=1",  # one record per step: each step's loss, not a window mean
             f"--checkpoint.every_steps={self.checkpoint_every_steps}",
             # Retention must not delete the checkpoint run B resumes from (0 = no such rule).
