@@ -407,8 +407,8 @@ def test_policy_validation(kwargs: dict[str, Any], field: str) -> None:
 
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spot, "_PROVIDERS", dict(spot._PROVIDERS))  # leave the real registry as it was
-    with pytest.raises(UserInputError, match=r"unknown spot price provider 'gcp'; known: aws"):
-        spot_provider("gcp")
+    with pytest.raises(UserInputError, match=r"unknown spot price provider 'nope'; known: aws, azure, gcp$"):
+        spot_provider("nope")
     aws = spot_provider("aws", timeout_s=1.0, availability_zone="us-east-1a")
     assert isinstance(aws, AwsSpotPrices) and aws.timeout_s == 1.0 and aws.name == "aws"
     register_spot_provider("fixed", _Provider)

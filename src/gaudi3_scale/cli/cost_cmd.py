@@ -1,7 +1,9 @@
-"""`gaudi3 cost compare|catalog`: what training a model costs per platform, and the sourced catalog behind it."""
+"""`gaudi3 cost compare|catalog|quote`: what training a model costs per platform, the sourced catalog behind it, and
+a live price from a cloud's price API."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -151,4 +153,47 @@ def catalog_cmd(catalog_file: str | None) -> None:
         console.print(f"  {i.type} ({i.region}): {i.source}", highlight=False, soft_wrap=True)
     console.print(
         "Gaudi 2 / Gaudi 3: no sourced instance price; add one with --catalog FILE.", highlight=False
+    )
+
+
+@cost.command(name="quote")
+@click.option(
+    "--provider", "provider_name", required=True, help="price API: aws, azure or gcp (docs/cost.md)"
+)
+@click.option(
+    "--type", "instance_type", required=True,
+    help="an EC2 instance type, an Azure VM size (Standard_ND96isr_H100_v5), or for gcp COUNT*SKU description[+…]",
+)  # fmt: skip
+@click.option("--region", required=True, help="us-east-1 (aws), eastus (azure), us-central1 (gcp)")
+@click.option("--pricing", type=click.Choice(["spot", "on_demand"]), default="spot", show_default=True)
+@click.option("--endpoint-url", help="the price API's URL [default: the provider's public endpoint]")
+@click.option("--timeout-s", type=Number(integer=False, above=0), default=10.0, show_default=True,
+              help="seconds per connection and per read")  # fmt: skip
+def quote_cmd(
+    provider_name: str,
+    instance_type: str,
+    region: str,
+    pricing: str,
+    endpoint_url: str | None,
+    timeout_s: float,
+) -> None:
+    """The current price of one instance (the whole node) in USD/h from the provider's price API. Exit 2 on bad
+    input (an unknown provider, a missing gcp key), 1 when the API gives no price."""
+    from gaudi3_scale.config.errors import print_error
+    from gaudi3_scale.metering.spot import SpotPriceError, fetch_price, spot_provider
+
+    provider = spot_provider(provider_name, endpoint_url=endpoint_url, timeout_s=timeout_s)
+    check = getattr(provider, "check_instance", None)
+    if check is not None:
+        check(instance_type, region)
+    try:
+        quote = fetch_price(provider, instance_type, region, "spot" if pricing == "spot" else "on_demand")
+    except SpotPriceError as exc:
+        print_error(str(exc))
+        sys.exit(1)
+    what = f" ({quote.priced_as})" if quote.priced_as else ""
+    zone = f", zone {quote.availability_zone}" if quote.availability_zone else ""
+    click.echo(
+        f"{quote.provider} {pricing} {quote.instance_type} in {quote.region}{zone}: "
+        f"${quote.usd_per_hour:,.4f}/h per node{what}"
     )

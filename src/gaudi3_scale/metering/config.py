@@ -59,14 +59,21 @@ class CostConfig:
         default=0.8, metadata={"help": "warn once when the accrued cost passes this fraction of budget_usd"}
     )
     spot_provider: str = field(
-        default="aws", metadata={"help": "where live spot prices come from (pricing spot)"}
+        default="aws",
+        metadata={
+            "help": "where live spot prices come from (pricing spot): aws (boto3, AWS credentials), azure "
+            "(Retail Prices API, no auth) or gcp (Cloud Billing Catalog, key in $GOOGLE_CLOUD_API_KEY; the "
+            "instance type is COUNT*SKU description[+...]); see docs/cost.md"
+        },
     )
     spot_endpoint_url: str | None = field(
         default=None, metadata={"help": "spot price API endpoint; null = the provider's default"}
     )
     spot_availability_zone: str | None = field(
         default=None,
-        metadata={"help": "quote this availability zone only; null = the cheapest in the region"},
+        metadata={
+            "help": "aws only: quote this availability zone; null = the highest price of the region's zones"
+        },
     )
     spot_ttl_s: float = field(
         default=300.0, metadata={"help": "seconds a spot quote is reused before it is fetched again"}

@@ -300,7 +300,13 @@ def check_cost_config(cfg: CostConfig) -> ResolvedPrice | None:
     """
     price = resolve_price(cfg)
     if uses_spot_quotes(cfg):
-        _spot_provider(cfg)
+        provider, key = _spot_provider(cfg), cfg.instance_key
+        check = getattr(provider, "check_instance", None)  # azure, gcp: names the provider can tell are wrong
+        if check is not None and key is not None:
+            try:
+                check(key[1], key[2])
+            except UserInputError as exc:
+                raise ConfigError("cost.instance", str(exc)) from None
     return price
 
 

@@ -1,7 +1,11 @@
 """Spot prices: recent prices from a cloud API, cached off the training thread, and a pause/continue/scale-up policy.
 
-A provider (`AwsSpotPrices`, or any object with `name` and `fetch(instance_type, region)`; see
-`register_spot_provider`) asks the cloud for the current price of ONE instance (the whole node) in USD per hour.
+A provider (`AwsSpotPrices`, `azure_prices.AzureRetailPrices`, `gcp_prices.GcpCatalogPrices`, or any object with
+`name` and `fetch(instance_type, region)`; see `register_spot_provider`) asks the cloud for the current spot price of
+ONE instance (the whole node) in USD per hour. Providers whose API also lists pay-as-you-go prices (Azure, GCP) have
+a sibling `fetch_on_demand` with the same signature (`OnDemandPriceProvider`); `fetch_price` picks either (these
+and the quote and error types live in `metering.quotes`, re-exported here). AWS's DescribeSpotPriceHistory has spot
+prices only: its on-demand prices are the catalog's.
 `CachedSpotPrices` keeps the last quote per (instance type, region) and refreshes it in a daemon thread once it is
 older than its TTL, so a training callback can ask at every checkpoint boundary without ever waiting on the network:
 a slow or failing price API means an old (stale-marked) price or none, never a stalled or crashed run.
@@ -18,50 +22,33 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.metering.quotes import (  # re-exported: the provider interface lives there
+    OnDemandPriceProvider,
+    SpotPriceError,
+    SpotPriceProvider,
+    SpotQuote,
+    fetch_price,
+)
 
 __all__ = [
     "AwsSpotPrices",
     "CachedSpotPrices",
+    "OnDemandPriceProvider",
     "SpotDecision",
     "SpotPolicy",
     "SpotPriceError",
     "SpotPriceProvider",
     "SpotQuote",
+    "fetch_price",
     "register_spot_provider",
     "spot_provider",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class SpotPriceError(Exception):
-    """A provider could not give a price; the message is one line saying what failed."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))  # botocore messages may span lines
-
-
-@dataclass(frozen=True, kw_only=True)
-class SpotQuote:
-    usd_per_hour: float  # price of ONE instance (the whole node), USD/h
-    instance_type: str
-    region: str
-    availability_zone: str | None  # the zone the price is from; None: the provider does not say
-    provider: str  # e.g. "aws"
-    fetched_at_unix: float  # time.time() when fetched
-    stale: bool = False  # True: the last good value, returned because a refresh failed
-
-
-class SpotPriceProvider(Protocol):
-    name: str
-
-    def fetch(self, instance_type: str, region: str) -> SpotQuote:
-        """The current price; raises SpotPriceError when there is none to be had."""
-        ...
 
 
 class AwsSpotPrices:
@@ -193,7 +180,21 @@ def spot_provider(name: str, **kwargs: Any) -> SpotPriceProvider:
     return _PROVIDERS[name](**kwargs)
 
 
+def _azure(**kwargs: Any) -> SpotPriceProvider:
+    from gaudi3_scale.metering.azure_prices import AzureRetailPrices  # urllib & co. only when asked for
+
+    return AzureRetailPrices(**kwargs)
+
+
+def _gcp(**kwargs: Any) -> SpotPriceProvider:
+    from gaudi3_scale.metering.gcp_prices import GcpCatalogPrices
+
+    return GcpCatalogPrices(**kwargs)
+
+
 register_spot_provider("aws", AwsSpotPrices)
+register_spot_provider("azure", _azure)
+register_spot_provider("gcp", _gcp)
 
 
 @dataclass
