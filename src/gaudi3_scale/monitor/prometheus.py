@@ -100,7 +100,7 @@ METRICS: tuple[Metric, ...] = (
            "checkpoint/remote_uploaded_bytes"),
     # StepCheckpoint.blocking_s.
     Metric("gaudi3_checkpoint_save_seconds", "gauge", "how long the latest checkpoint save stopped training"),
-    Metric("gaudi3_checkpoint_saves_total", "counter", "checkpoint saves this process made"),
+    Metric("gaudi3_checkpoint_saves_total", "counter", "checkpoint saves this process made, full and light"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
