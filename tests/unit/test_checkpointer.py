@@ -128,3 +128,55 @@ def test_the_reader_resolves_run_directories_and_latest_and_refuses_damage_in_on
     with pytest.raises(UserInputError, match="is not usable"):  # a resume loads committed checkpoints only
         checkpointer.io.load_checkpoint(plain)
     assert torch.equal(read_checkpoint(good)["w"], torch.full((64,), 10.0))
+
+
+def test_light_commits_have_their_own_directory_pointer_and_retention_and_are_not_mirrored(
+    tmp_path: Path,
+) -> None:
+    config = CheckpointConfig(keep_last=3, light_keep_last=1, remote_url=(tmp_path / "remote").as_uri())
+    checkpointer = Checkpointer(config, tmp_path / "run" / "checkpoints").start()
+    light = checkpointer.light_manager
+    assert light.directory == tmp_path / "run" / "light_checkpoints"
+    full_state = {"global_step": 10, "w": torch.ones(64), "moment": torch.zeros(32)}
+    checkpointer.io.save_checkpoint(full_state, checkpointer.manager.path_for(10) / STATE_NAME)
+    for step in (11, 12):  # weights only: the snapshot of a light save needs no `moment` buffer
+        checkpointer.io.save_checkpoint(
+            {"global_step": step, "w": torch.ones(64)}, light.path_for(step) / STATE_NAME
+        )
+    checkpointer.wait()
+    # The full save's host buffer the light ones did not use is kept for the next full save.
+    assert checkpointer.io._buffers.get(((32,), torch.float32))  # type: ignore[attr-defined]
+    checkpointer.io.save_checkpoint(
+        {**full_state, "global_step": 20}, checkpointer.manager.path_for(20) / STATE_NAME
+    )
+    assert checkpointer.wait()  # the save in flight, then the uploads
+    checkpointer.close()
+    assert _steps(checkpointer) == [10, 20] and [step for step, _ in light.steps()] == [12]
+    assert (light.directory / "latest").read_text() == "step-00000012\n"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000020\n"
+    fs, root = open_remote(config.remote_url)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root)) == ["latest", "step-00000010", "step-00000020"]
+
+
+def test_light_checkpoint_config_is_validated_in_one_line() -> None:
+    from gaudi3_scale.config.core import parse_overrides
+    from gaudi3_scale.config.errors import ConfigError
+    from gaudi3_scale.train import build_run_config
+
+    def error(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as caught:
+            build_run_config(None, parse_overrides(list(overrides)))
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert (
+        error("--checkpoint.light_every_steps", "-1") == "checkpoint.light_every_steps: must be >= 0, got -1"
+    )
+    assert error("--checkpoint.light_keep_last", "0").startswith("checkpoint.light_keep_last: must be > 0")
+    pointless = error("--checkpoint.every_steps", "50", "--checkpoint.light_every_steps", "100")
+    assert pointless.startswith(
+        "checkpoint.light_every_steps: 100 is a multiple of checkpoint.every_steps (50)"
+    )
+    for fine in (("50", "20"), ("50", "70"), ("0", "10")):  # some light steps are not full ones
+        config = CheckpointConfig(every_steps=int(fine[0]), light_every_steps=int(fine[1]))
+        assert config.light_every_steps == int(fine[1])

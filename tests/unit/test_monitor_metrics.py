@@ -38,8 +38,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--train.threads", "1", "--model.num_layers", "1", "--train.log_every_steps", "1",
         "--optim.warmup_steps", "2"]  # fmt: skip
 # Exporters the dashboard also reads (facts: NVIDIA/dcgm-exporter default counters, Intel Gaudi metric exporter).
-DCGM_NAMES = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE"}
-HABANA_NAMES = {"habanalabs_utilization", "habanalabs_memory_used_bytes", "habanalabs_power_mW"}
+DCGM_NAMES = {
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_GPU_TEMP",
+}
+HABANA_NAMES = {"habanalabs_utilization", "habanalabs_memory_used_bytes", "habanalabs_power_mW",
+                "habanalabs_temperature_onchip"}  # fmt: skip
 EXTERNAL_NAME = re.compile(r"\b(gaudi3_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|habanalabs_[A-Za-z0-9_]+)\b")
 
 
@@ -198,21 +204,22 @@ def test_missing_prometheus_client_names_the_extra(
 
 
 def test_hl_smi_csv_with_and_without_units() -> None:
-    with_units = "0, 35 %, 1024 MiB, 131072 MiB, 220 W\n1, 0 %, N/A, 131072 MiB, 450500 mW\n"
+    # Units as hl-smi prints them ("226 W, 850 W, 36 C, 0 %" in a Gaudi 3 sample of `hl-smi -Q … -f csv`).
+    with_units = "0, 35 %, 1024 MiB, 131072 MiB, 220 W, 36 C\n1, 0 %, N/A, 131072 MiB, 450500 mW, N/A\n"
     assert parse_hl_smi_csv(with_units) == [
         DeviceSample(index=0, utilization_ratio=0.35, memory_used_bytes=2.0**30, memory_total_bytes=2.0**37,
-                     power_watts=220.0),
+                     power_watts=220.0, temperature_celsius=36.0),
         DeviceSample(index=1, utilization_ratio=0.0, memory_used_bytes=None, memory_total_bytes=2.0**37,
-                     power_watts=450.5),
+                     power_watts=450.5, temperature_celsius=None),
     ]  # fmt: skip
-    assert parse_hl_smi_csv("3, 50, 2048, 4096, 100\n") == [
+    assert parse_hl_smi_csv("3, 50, 2048, 4096, 100, 41.5\n") == [
         DeviceSample(index=3, utilization_ratio=0.5, memory_used_bytes=2.0**31, memory_total_bytes=2.0**32,
-                     power_watts=100.0)
+                     power_watts=100.0, temperature_celsius=41.5)
     ]  # fmt: skip
-    with pytest.raises(ValueError, match="expected 5 fields"):
-        parse_hl_smi_csv("0, 35 %\n")
+    with pytest.raises(ValueError, match="expected 6 fields"):
+        parse_hl_smi_csv("0, 35 %, 1024 MiB, 131072 MiB, 220 W\n")  # the query without temperature.aip
     with pytest.raises(ValueError, match="unknown unit 'furlongs'"):
-        parse_hl_smi_csv("0, 35 %, 1 furlongs, 2 MiB, 3 W\n")
+        parse_hl_smi_csv("0, 35 %, 1 furlongs, 2 MiB, 3 W, 36 C\n")
 
 
 def _stand_in_nvml() -> types.ModuleType:
@@ -229,6 +236,11 @@ def _stand_in_nvml() -> types.ModuleType:
             raise NVMLError_NotSupported
         return 312_500  # mW
 
+    def temperature(handle: int, sensor: int) -> int:
+        if sensor != 0:  # NVML_TEMPERATURE_GPU
+            raise NVMLError(f"no sensor {sensor}")
+        return 61 + handle  # whole degrees Celsius
+
     nvml = types.ModuleType("pynvml")
     nvml.__dict__.update(
         NVMLError=NVMLError,
@@ -240,6 +252,8 @@ def _stand_in_nvml() -> types.ModuleType:
         nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=87 + handle),
         nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=5 * 2**30, total=80 * 2**30),
         nvmlDeviceGetPowerUsage=power,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetTemperature=temperature,
     )
     return nvml
 
@@ -251,7 +265,7 @@ def test_device_series_from_stand_in_hl_smi_and_nvml(tmp_path: Path, monkeypatch
     fake.write_text(
         "#!/bin/sh\n"
         f'[ "$*" = "-Q {",".join(HL_SMI_QUERY)} -f csv,noheader" ] || exit 9\n'
-        "echo '0, 71 %, 4096 MiB, 131072 MiB, 600 W'\n"
+        "echo '0, 71 %, 4096 MiB, 131072 MiB, 600 W, 52 C'\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
@@ -269,6 +283,7 @@ def test_device_series_from_stand_in_hl_smi_and_nvml(tmp_path: Path, monkeypatch
         ("gaudi3_hpu_memory_used_bytes", "0"): 4096 * 2**20,
         ("gaudi3_hpu_memory_total_bytes", "0"): 131072 * 2**20,
         ("gaudi3_hpu_power_watts", "0"): 600.0,
+        ("gaudi3_hpu_temperature_celsius", "0"): 52.0,
         ("gaudi3_gpu_utilization_ratio", "0"): 0.87,
         ("gaudi3_gpu_utilization_ratio", "1"): 0.88,
         ("gaudi3_gpu_memory_used_bytes", "0"): 5 * 2**30,
@@ -276,6 +291,8 @@ def test_device_series_from_stand_in_hl_smi_and_nvml(tmp_path: Path, monkeypatch
         ("gaudi3_gpu_memory_total_bytes", "0"): 80 * 2**30,
         ("gaudi3_gpu_memory_total_bytes", "1"): 80 * 2**30,
         ("gaudi3_gpu_power_watts", "0"): 312.5,  # GPU 1 does not report power: absent, not 0
+        ("gaudi3_gpu_temperature_celsius", "0"): 61.0,
+        ("gaudi3_gpu_temperature_celsius", "1"): 62.0,
     }
 
 

@@ -105,18 +105,26 @@ class AsyncVerifiedCheckpointIO(VerifiedCheckpointIO):
         buffers, self._buffers = self._buffers, {}
         snapshot = stage_to_host(checkpoint, buffers=buffers)
         self.last_staging_s = time.perf_counter() - started
+        # `buffers` now holds what this snapshot did not use (the optimizer's, when a light checkpoint follows a
+        # full one): handed back with the snapshot's own, so the next full save allocates nothing either.
         self._thread = threading.Thread(
-            target=self._write, args=(snapshot, checkpoint_directory(path)), name="gaudi3-checkpoint-writer"
+            target=self._write,
+            args=(snapshot, checkpoint_directory(path), buffers),
+            name="gaudi3-checkpoint-writer",
         )
         self._thread.start()
 
-    def _write(self, snapshot: dict[str, Any], directory: Path) -> None:
+    def _write(
+        self, snapshot: dict[str, Any], directory: Path, unused: dict[tuple[Any, ...], list[torch.Tensor]]
+    ) -> None:
         # The writer yields the CPU to training: on Linux, nice applies per thread.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
         try:
             VerifiedCheckpointIO.save_checkpoint(self, snapshot, directory)
             _recycle(snapshot, self._buffers)
+            for key, tensors in unused.items():
+                self._buffers.setdefault(key, []).extend(tensors)
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = exc if isinstance(exc, CheckpointSaveError) else CheckpointSaveError(directory, exc)
 

@@ -10,6 +10,10 @@ crash interrupted resume (verified ones only cost a read-back). `commit(director
 manifest is written: queue the upload first, then move `latest` and apply retention, so remote deletions that
 retention queues run after the upload, when the remote `latest` already names the new checkpoint. A checkpoint
 waiting for its upload to be verified is never deleted locally. Reading checkpoints is `checkpoint.reader`.
+
+Light checkpoints (`config.light_every_steps`) go through the same IO and commit: `commit` sees a directory of
+`light_manager` (`<run>/light_checkpoints/`) and moves that tier's `latest` and applies its retention
+(`config.light_keep_last`) instead. They are not uploaded: the remote mirror is what a fresh machine resumes from.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
 from gaudi3_scale.checkpoint.config import CheckpointConfig
-from gaudi3_scale.checkpoint.manager import CheckpointManager, RetentionPolicy
+from gaudi3_scale.checkpoint.manager import LIGHT_DIR_NAME, CheckpointManager, RetentionPolicy
 from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 
 if TYPE_CHECKING:
@@ -34,7 +38,8 @@ class Checkpointer:
     `config.async_save`) and, from `start()` to `close()`, the remote mirror of `config.remote_url`.
 
     `rank` is the process's global rank: rank 0 alone commits single-file checkpoints and uploads. `warn`
-    receives the mirror's outage and recovery lines. `storage_options` go to fsspec (`RemoteMirror`).
+    receives the mirror's outage and recovery lines. `storage_options` go to fsspec (`RemoteMirror`). Light
+    checkpoints go to `light_directory` (default: `light_checkpoints/` beside `directory`).
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class Checkpointer:
         rank: int = 0,
         warn: Callable[[str], None] | None = None,
         storage_options: dict[str, object] | None = None,
+        light_directory: Path | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -57,6 +63,10 @@ class Checkpointer:
             RetentionPolicy.from_config(config),
             can_delete=self._uploaded,
             on_delete=self._deleted,
+        )
+        self.light_manager = CheckpointManager(
+            light_directory or Path(directory).with_name(LIGHT_DIR_NAME),
+            RetentionPolicy(keep_last=config.light_keep_last),
         )
         io_type = AsyncVerifiedCheckpointIO if config.async_save else VerifiedCheckpointIO
         # Lightning writes single-file checkpoints on rank 0 only; other ranks never commit.
@@ -81,7 +91,11 @@ class Checkpointer:
         return self
 
     def commit(self, directory: Path) -> None:
-        """After a checkpoint's manifest is written (rank 0): queue its upload, move `latest`, apply retention."""
+        """After a checkpoint's manifest is written (rank 0): queue its upload, move `latest`, apply retention;
+        a light checkpoint: move its tier's `latest` and apply that tier's retention."""
+        if directory.parent == self.light_manager.directory:
+            self.light_manager.mark_latest(directory)
+            return
         if self.mirror is not None:
             self.mirror.submit(directory)
         self.manager.mark_latest(directory)

@@ -1,10 +1,12 @@
-"""When checkpoints are written and which ones are kept."""
+"""When checkpoints are written and which ones are kept: the full tier (everything a resume needs) and the light
+tier (weights only, for export, serving and evaluation; never resumed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
 
 __all__ = ["CheckpointConfig"]
@@ -28,6 +30,18 @@ class CheckpointConfig:
     keep_best: int = field(
         default=0, metadata={"help": "also keep the N checkpoints with the lowest validation loss; 0 = none"}
     )
+    light_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "also save a light checkpoint (weights and run config only: exportable and servable, not "
+            "resumable) every N optimizer steps into <out>/light_checkpoints/; a step due for a full checkpoint "
+            "gets only the full one; 0 = off"
+        },
+    )
+    light_keep_last: int = field(
+        default=2,
+        metadata={"help": "keep the newest N light checkpoints (full checkpoints keep their own retention)"},
+    )
     async_save: bool = field(
         default=True,
         metadata={"help": "copy to host memory, then write in the background (single-file checkpoints)"},
@@ -36,7 +50,7 @@ class CheckpointConfig:
     remote_url: str = field(
         default="",
         metadata={
-            "help": "also upload every committed checkpoint to this fsspec URL (s3://, gs://, az://, file://, "
+            "help": "also upload every committed full checkpoint to this fsspec URL (s3://, gs://, az://, file://, "
             "memory://) in the background; credentials and endpoint from the backend's environment variables"
         },
     )
@@ -51,5 +65,15 @@ class CheckpointConfig:
         check_positive("keep_last", self.keep_last)
         check_seconds("remote_max_backoff_s", self.remote_max_backoff_s)
         check_seconds("remote_drain_timeout_s", self.remote_drain_timeout_s, allow_zero=True)
-        for name in ("every_steps", "keep_every_steps", "keep_best"):
+        check_positive("light_keep_last", self.light_keep_last)
+        for name in ("every_steps", "keep_every_steps", "keep_best", "light_every_steps"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        light, full = self.light_every_steps, self.every_steps
+        if light and full and light % full == 0:
+            # Every light step would also be a full one, where the full checkpoint wins: no light one, ever.
+            raise ConfigError(
+                "light_every_steps",
+                f"{light} is a multiple of checkpoint.every_steps ({full}), so every light checkpoint would fall "
+                f"on a full one (which wins) and none would be written; use an interval below {full} (or any "
+                "non-multiple), or 0 for no light checkpoints",
+            )

@@ -19,13 +19,16 @@ __all__ = [
     "DIFF_KEYS",
     "EPOCH_KEY",
     "GLOBAL_STEP_KEY",
+    "LIGHT_TIER",
     "META_KEY",
     "MODEL_PREFIX",
     "OPTIMIZER_STATES_KEY",
     "RNG_KEY",
     "STATE_DICT_KEY",
+    "TIER_KEY",
     "ZERO_PARTITIONS_KEY",
     "global_step",
+    "is_light",
     "model_weights",
     "run_config",
     "trained_data_sha256",
@@ -51,6 +54,10 @@ ZERO_PARTITIONS_KEY = (
 # Entries of META_KEY, hence of the manifest.
 DATA_SHA256_KEY = "data_sha256"  # the tokens trained on (data.manifest.tokens_sha256)
 COST_KEY = "cost_usd"  # the run's accrued cost in USD
+# A light checkpoint (checkpoint.light_every_steps) holds the weights, counters, run config and these entries, but
+# no optimizer, scheduler, RNG or sampler state: it can be exported or served, never resumed. Full ones omit the key.
+TIER_KEY = "tier"
+LIGHT_TIER = "light"
 
 # The top-level entries `gaudi3 ckpt diff` and `gaudi3 repro` compare bitwise: everything a resume restores.
 DIFF_KEYS = (GLOBAL_STEP_KEY, STATE_DICT_KEY, OPTIMIZER_STATES_KEY, DATAMODULE_KEY, RNG_KEY)
@@ -71,6 +78,11 @@ def model_weights(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """The Transformer's weights, keyed as in `Transformer.state_dict()` (the LightningModule's prefix removed)."""
     state = checkpoint.get(STATE_DICT_KEY) or {}
     return {k[len(MODEL_PREFIX) :]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def is_light(manifest: Mapping[str, Any] | None) -> bool:
+    """Whether a checkpoint's manifest marks it as light (weights only, not resumable)."""
+    return (manifest or {}).get(TIER_KEY) == LIGHT_TIER
 
 
 def zero_layout(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -6,6 +6,11 @@ Layout of a run's `checkpoints/`:
     step-00000500/manifest.json   written last: the commit (sizes, SHA-256, step, tokens, world size, …)
     latest                        "step-00000500", replaced atomically after the commit
 
+Light checkpoints (`checkpoint.light_every_steps`: weights only, tagged `"tier": "light"` in the manifest) live in
+`<run>/light_checkpoints/` beside `checkpoints/`, with the same layout, commit, pointer and their own retention. A
+resume looks only in `checkpoints/`; `<run>/light_checkpoints` (or one of its `step-X/`) can be named wherever a
+checkpoint is read for its weights (export, serve, generate), and the run's `tokenizer/` is found the same way.
+
 A directory without a committed manifest is never loaded; the pointer moves only after the commit; retention
 deletes only committed checkpoints that a newer committed one supersedes. `resolve_checkpoint` turns whatever a
 user names (a run directory, its checkpoints/, a step directory or its state.ckpt) into one checkpoint.
@@ -33,6 +38,7 @@ from gaudi3_scale.config.errors import UserInputError
 
 __all__ = [
     "LATEST_NAME",
+    "LIGHT_DIR_NAME",
     "META_KEY",
     "STATE_NAME",
     "CheckpointManager",
@@ -46,6 +52,9 @@ __all__ = [
 
 STATE_NAME = "state.ckpt"
 LATEST_NAME = "latest"  # the pointer file: the name of the newest committed checkpoint directory
+LIGHT_DIR_NAME = (
+    "light_checkpoints"  # beside checkpoints/, so <checkpoint>/../../tokenizer is the run's for both
+)
 _PREFIX = "step-"
 
 

@@ -100,7 +100,7 @@ METRICS: tuple[Metric, ...] = (
            "checkpoint/remote_uploaded_bytes"),
     # StepCheckpoint.blocking_s.
     Metric("gaudi3_checkpoint_save_seconds", "gauge", "how long the latest checkpoint save stopped training"),
-    Metric("gaudi3_checkpoint_saves_total", "counter", "checkpoint saves this process made"),
+    Metric("gaudi3_checkpoint_saves_total", "counter", "checkpoint saves this process made, full and light"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
@@ -112,14 +112,24 @@ METRICS: tuple[Metric, ...] = (
     Metric("gaudi3_gpu_memory_used_bytes", "gauge", f"GPU memory used; {_NODE}", per_device=True),
     Metric("gaudi3_gpu_memory_total_bytes", "gauge", f"GPU memory; {_NODE}", per_device=True),
     Metric("gaudi3_gpu_power_watts", "gauge", f"GPU power draw; {_NODE}", per_device=True),
+    Metric("gaudi3_gpu_temperature_celsius", "gauge", f"GPU die temperature, degrees Celsius; {_NODE}",
+           per_device=True),
     Metric("gaudi3_hpu_utilization_ratio", "gauge", f"Gaudi utilization, 0..1; {_NODE}", per_device=True),
     Metric("gaudi3_hpu_memory_used_bytes", "gauge", f"Gaudi memory used; {_NODE}", per_device=True),
     Metric("gaudi3_hpu_memory_total_bytes", "gauge", f"Gaudi memory; {_NODE}", per_device=True),
     Metric("gaudi3_hpu_power_watts", "gauge", f"Gaudi power draw; {_NODE}", per_device=True),
+    Metric("gaudi3_hpu_temperature_celsius", "gauge", f"Gaudi temperature, degrees Celsius; {_NODE}",
+           per_device=True),
 )
 # fmt: on
 
-_DEVICE_FIELDS = ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts")
+_DEVICE_FIELDS = (
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "power_watts",
+    "temperature_celsius",
+)
 _SYSTEM_FIELDS = (
     "device_memory_allocated_bytes",
     "device_memory_peak_bytes",

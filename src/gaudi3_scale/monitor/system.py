@@ -8,8 +8,8 @@ reports its own process and device memory.
 GPUs are read through NVML (`pynvml`, from the nvidia-ml-py package, imported lazily); Gaudis through the
 `hl-smi` CSV query. The hl-smi path is **not yet validated on Gaudi hardware**: the query fields are the ones
 docs.habana.ai lists for `hl-smi -Q` ("System Management Interface Tool"), and the units are parsed from the
-output (an assumption: the same "35 %", "1024 MiB", "220 W" style as nvidia-smi; bare numbers are read as
-%, MiB and W).
+output (an assumption: the same "35 %", "1024 MiB", "220 W", "36 C" style as nvidia-smi; bare numbers are read
+as %, MiB, W and °C).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 # Fields of `hl-smi -Q` (docs.habana.ai, "System Management Interface Tool (hl-smi)", --query-aip), in this order.
-HL_SMI_QUERY = ("index", "utilization.aip", "memory.used", "memory.total", "power.draw")
+HL_SMI_QUERY = ("index", "utilization.aip", "memory.used", "memory.total", "power.draw", "temperature.aip")
 _HL_SMI_TIMEOUT_S = 10.0
 
 # Unit suffix → (multiply, divide) to the base unit (ratio, bytes, watts); dividing keeps 35 % exactly 0.35.
@@ -55,8 +55,15 @@ _UNITS = {
     "gb": (10**9, 1),
     "w": (1, 1),
     "mw": (1, 1000),
+    "c": (1, 1),  # degrees Celsius
 }
-_DEFAULT_UNIT = {"utilization.aip": "%", "memory.used": "mib", "memory.total": "mib", "power.draw": "w"}
+_DEFAULT_UNIT = {
+    "utilization.aip": "%",
+    "memory.used": "mib",
+    "memory.total": "mib",
+    "power.draw": "w",
+    "temperature.aip": "c",
+}
 _VALUE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([A-Za-z%]*)\s*$")
 
 
@@ -69,6 +76,7 @@ class DeviceSample:
     memory_used_bytes: float | None = None
     memory_total_bytes: float | None = None
     power_watts: float | None = None
+    temperature_celsius: float | None = None
 
 
 @dataclass
@@ -112,7 +120,7 @@ def _parse_value(text: str, field_name: str) -> float | None:
 
 
 def parse_hl_smi_csv(text: str) -> list[DeviceSample]:
-    """Rows of `hl-smi -Q index,utilization.aip,memory.used,memory.total,power.draw -f csv,noheader`."""
+    """Rows of `hl-smi -Q <HL_SMI_QUERY> -f csv,noheader`, e.g. `0, 35 %, 1024 MiB, 131072 MiB, 220 W, 36 C`."""
     devices = []
     for line in text.splitlines():
         if not line.strip():
@@ -132,6 +140,7 @@ def parse_hl_smi_csv(text: str) -> list[DeviceSample]:
                 memory_used_bytes=values["memory.used"],
                 memory_total_bytes=values["memory.total"],
                 power_watts=values["power.draw"],
+                temperature_celsius=values["temperature.aip"],
             )
         )
     return devices
@@ -153,6 +162,11 @@ def _nvml_reading(nvml: ModuleType, function: Callable[[Any], Any], handle: Any)
         return None
 
 
+def _nvml_gpu_temperature(nvml: ModuleType) -> Callable[[Any], Any]:
+    """The GPU die sensor's reading, whole °C (NVML `nvmlDeviceGetTemperature(handle, NVML_TEMPERATURE_GPU)`)."""
+    return lambda handle: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+
+
 def query_nvml(nvml: ModuleType) -> list[DeviceSample]:
     """Every GPU NVML sees (its indices ignore CUDA_VISIBLE_DEVICES); `nvml` is the initialized pynvml module."""
     devices = []
@@ -161,6 +175,7 @@ def query_nvml(nvml: ModuleType) -> list[DeviceSample]:
         rates = _nvml_reading(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
         memory = _nvml_reading(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
         power_mw = _nvml_reading(nvml, nvml.nvmlDeviceGetPowerUsage, handle)
+        temperature_c = _nvml_reading(nvml, _nvml_gpu_temperature(nvml), handle)
         devices.append(
             DeviceSample(
                 index=index,
@@ -168,6 +183,7 @@ def query_nvml(nvml: ModuleType) -> list[DeviceSample]:
                 memory_used_bytes=None if memory is None else float(memory.used),
                 memory_total_bytes=None if memory is None else float(memory.total),
                 power_watts=None if power_mw is None else power_mw / 1000,
+                temperature_celsius=None if temperature_c is None else float(temperature_c),
             )
         )
     return devices

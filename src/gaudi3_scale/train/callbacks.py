@@ -20,7 +20,15 @@ import torch
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gaudi3_scale.checkpoint.contents import DATA_SHA256_KEY, META_KEY
+from gaudi3_scale.checkpoint.contents import (
+    DATA_SHA256_KEY,
+    EPOCH_KEY,
+    GLOBAL_STEP_KEY,
+    LIGHT_TIER,
+    META_KEY,
+    STATE_DICT_KEY,
+    TIER_KEY,
+)
 from gaudi3_scale.checkpoint.manager import (
     STATE_NAME,
     CheckpointManager,
@@ -53,6 +61,11 @@ class StepCheckpoint(pl.Callback):
 
     A periodic save that fails (disk full, storage gone) is never committed and is cleaned up; the run continues
     with a warning naming it. The final or emergency save failing stops the run with that one line instead.
+
+    With `light_manager` and `light_every_steps`, a step that is a multiple of `light_every_steps` and not due for a
+    full checkpoint (periodic, final or emergency: the full one wins) gets a light one in `light_manager`'s
+    directory: weights, counters, run config and manifest metadata only (`_light_state`), through the same IO and
+    commit. A light save that fails only warns, even when found at the end.
     """
 
     def __init__(
@@ -69,8 +82,12 @@ class StepCheckpoint(pl.Callback):
         data_sha256: str | None = None,
         tokens_per_step: int = 0,
         strategy: str | None = None,
+        light_manager: CheckpointManager | None = None,
+        light_every_steps: int = 0,
     ) -> None:
         self.manager = manager
+        self.light_manager = light_manager
+        self.light_every_steps = light_every_steps if light_manager is not None else 0
         self.tokens_per_step = tokens_per_step  # 0 = unknown: the manifest's tokens_seen is null
         self.strategy = strategy  # the run's resolved strategy name; None = the Lightning strategy's class
         self.commit = commit or manager.mark_latest  # after rank 0 wrote a sharded checkpoint's manifest
@@ -90,6 +107,7 @@ class StepCheckpoint(pl.Callback):
         self.save_requested = False
         self.blocking_s: list[float] = []
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
+        self._light_in_flight = False  # and it is a light one: its failure never stops the run
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
@@ -114,6 +132,8 @@ class StepCheckpoint(pl.Callback):
                 self._after_validation = True  # validation runs right after this hook: record its loss too
             else:
                 self.save(trainer)
+        elif self.enabled and self.light_every_steps and step % self.light_every_steps == 0:
+            self.save(trainer, light=True)
 
     def periodic_due(self, step: int) -> bool:
         """Whether a periodic checkpoint falls on optimizer step `step` (a checkpoint boundary)."""
@@ -146,19 +166,24 @@ class StepCheckpoint(pl.Callback):
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,
         }
 
-    def save(self, trainer: pl.Trainer, *, wait: bool = False) -> None:
+    def save(self, trainer: pl.Trainer, *, wait: bool = False, light: bool = False) -> None:
+        """A full checkpoint of this step (unless it has one), or with `light` a light one; `wait`: until committed."""
         step = trainer.global_step
         if not self.enabled:
             return
-        if step != self._last_step:
+        if light or step != self._last_step:
             if self.metrics is not None:
                 self.metrics.pause()
             self._wait_for_commit(trainer, final=False)  # the previous save's outcome, before a new one
             started = time.perf_counter()
-            path = self.manager.path_for(step)
+            manager = self.light_manager if light else self.manager
+            assert manager is not None, "light saves need a light_manager"
+            path = manager.path_for(step)
             failure: CheckpointSaveError | None = None
             try:
-                if saves_sharded(trainer.strategy):
+                if light:
+                    trainer.strategy.save_checkpoint(self._light_state(trainer), path / STATE_NAME)
+                elif saves_sharded(trainer.strategy):
                     self._save_sharded(trainer, path)
                 else:
                     trainer.save_checkpoint(path / STATE_NAME, weights_only=False)
@@ -167,22 +192,38 @@ class StepCheckpoint(pl.Callback):
             self.blocking_s.append(time.perf_counter() - started)
             # Single-file checkpoints are written by rank 0 alone: its outcome decides for every rank.
             if trainer.strategy.broadcast(failure is None, src=0):
-                self.last_path = path
-                self._last_step = step  # a failed step is tried again at the end of training
-                self._uncommitted = True
+                if not light:
+                    self.last_path = path
+                    self._last_step = step  # a failed step is tried again at the end of training
+                self._uncommitted, self._light_in_flight = True, light
             elif failure is not None:
-                self._failed(failure, final=wait)
+                self._failed(failure, final=wait and not light)
             if self.metrics is not None:
                 self.metrics.resume()
         if wait and self._uncommitted:
             self._wait_for_commit(trainer, final=True)
             self.committed_at = time.perf_counter()
 
+    def _light_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a light checkpoint holds: the weights, the counters and what the callbacks add on a save (the run
+        config, this hook's manifest metadata, the accrued cost), tagged light; no optimizer, RNG or sampler state.
+        """
+        checkpoint: dict[str, Any] = {
+            EPOCH_KEY: trainer.current_epoch,
+            GLOBAL_STEP_KEY: trainer.global_step,
+            STATE_DICT_KEY: trainer.strategy.lightning_module_state_dict(),  # ZeRO-3: gathered on every rank
+        }
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set at runtime by Lightning
+            callback.on_save_checkpoint(trainer, trainer.lightning_module, checkpoint)
+        checkpoint.setdefault(META_KEY, {})[TIER_KEY] = LIGHT_TIER
+        return checkpoint
+
     def _wait_for_commit(self, trainer: pl.Trainer, *, final: bool) -> None:
         """Wait for an asynchronous save in flight (rank 0 writes it); warn or raise if it failed."""
         if not self._uncommitted:
             return
         self._uncommitted = False
+        final = final and not self._light_in_flight
         wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
         if trainer.is_global_zero and wait is not None:
             try:

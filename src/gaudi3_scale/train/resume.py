@@ -10,6 +10,7 @@ from typing import Any
 
 from gaudi3_scale.checkpoint.contents import (
     OPTIMIZER_STATES_KEY,
+    is_light,
     run_config,
     trained_data_sha256,
     zero_layout,
@@ -118,6 +119,7 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     directory), or None.
 
     `auto` takes the newest checkpoint that verifies; a damaged or uncommitted one is skipped and named via `warn`.
+    Light checkpoints (`<out>/light_checkpoints/`) are never taken: `auto` does not look there, a path is refused.
     With `checkpoint.remote_url` and no usable local checkpoint, the newest verified remote one is downloaded
     first (a fresh machine resumes from the remote copy alone). The download happens in the process that launches
     the ranks (or the only process), never in launched workers.
@@ -151,4 +153,10 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     problems = verify_checkpoint(directory)
     if problems:
         raise ConfigError("train.resume", f"checkpoint {resume!r} is not usable: {problems[0]}")
+    if is_light(read_manifest(directory)):
+        raise ConfigError(
+            "train.resume",
+            f"{directory} is a light checkpoint (weights only: no optimizer, RNG or sampler state) and cannot be "
+            "resumed; name a full one (the run's checkpoints/), or export this one with gaudi3 ckpt export",
+        )
     return state_path(directory)

@@ -4,7 +4,8 @@ It builds the Lightning `Trainer` from a `RunConfig` (device, precision, accumul
 callbacks) and trains either the registry model on the configured dataset or a user's own LightningModule and
 DataModule. Outputs land in the run directory:
 
-    config.yaml  metrics.jsonl  checkpoints/step-XXXXXXXX/ + latest  tokenizer/  summary.json  loss.png
+    config.yaml  metrics.jsonl  checkpoints/step-XXXXXXXX/ + latest  [light_checkpoints/…]  tokenizer/  summary.json
+    loss.png
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from gaudi3_scale.data.inputs import TrainingData, open_training_data
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
-from gaudi3_scale.distributed.strategies import build_strategy
+from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu
 from gaudi3_scale.monitor.trackers import build_trackers
@@ -300,6 +301,19 @@ class GaudiTrainer:
         )
         trackers = build_trackers(self.config, out, metrics)  # monitor.loggers; None when none are named
         ckpt_cfg = self.config.checkpoint
+        strategy = build_strategy(
+            parallel,
+            batch,
+            accelerator=plan.accelerator,
+            grad_clip_norm=self.config.optim.grad_clip_norm,
+            hidden_size=self.config.model.dim,
+        )
+        if ckpt_cfg.enabled and ckpt_cfg.light_every_steps and saves_sharded(strategy):
+            raise ConfigError(
+                "checkpoint.light_every_steps",
+                f"light checkpoints are one file written by rank 0, but parallel.strategy {parallel.strategy} "
+                "saves sharded checkpoints (not supported yet); set it to 0 and export a full checkpoint instead",
+            )
         # Rank 0 uploads committed checkpoints to checkpoint.remote_url; local copies stay until verified.
         checkpointer = self._checkpointer = Checkpointer(
             ckpt_cfg, out / "checkpoints", rank=_global_rank(), warn=self._warn
@@ -318,6 +332,8 @@ class GaudiTrainer:
             data_sha256=self._data_sha256,
             tokens_per_step=state.tokens_per_step,
             strategy=parallel.strategy if isinstance(self.module, LanguageModel) else None,
+            light_manager=checkpointer.light_manager,
+            light_every_steps=ckpt_cfg.light_every_steps,
         )
         interrupt = GracefulInterrupt(checkpoint, self.console)
         # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
@@ -357,13 +373,7 @@ class GaudiTrainer:
             "accelerator": plan.accelerator,
             "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes,
-            "strategy": build_strategy(
-                parallel,
-                batch,
-                accelerator=plan.accelerator,
-                grad_clip_norm=self.config.optim.grad_clip_norm,
-                hidden_size=self.config.model.dim,
-            ),
+            "strategy": strategy,
             "max_steps": cfg.max_steps,
             # Lightning counts batches: an optimizer step is `accumulation` of them for the module's own loop.
             "val_check_interval": cfg.val_every_steps * state.accumulation if cfg.val_every_steps else None,
