@@ -19,7 +19,7 @@ def deploy() -> None:
 
 
 @deploy.command(name="render")
-@click.option("--target", required=True, help="aws, azure, gcp, onprem or k8s")
+@click.option("--target", required=True, help="aws, azure, gcp, onprem, k8s or ci")
 @click.option("--accelerator", required=True, help="gaudi3, gaudi2, h100, h200 or a100")
 @click.option("--nodes", type=Count(), required=True, help="machines (or pods) to train on")
 @click.option(
@@ -40,7 +40,8 @@ def deploy() -> None:
     multiple=True,
     metavar="KEY=VALUE",
     help="a target option, repeatable (k8s: namespace, storage, storage_class, storage_size, credentials_secret, "
-    "cpu, memory, max_restarts, … — see the rendered README)",
+    "cpu, memory, max_restarts, … — see the rendered README; ci: registry, image_name, platforms, "
+    "smoke_runs_on, repro_runs_on, python_version, … — listed in the workflow's header)",
 )
 @click.option(
     "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"

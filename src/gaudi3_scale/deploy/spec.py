@@ -13,7 +13,7 @@ from gaudi3_scale.deploy.instances import ACCELERATORS, instance_for
 
 __all__ = ["ACCELERATORS", "TARGETS", "DeploySpec"]
 
-TARGETS = ("aws", "azure", "gcp", "onprem", "k8s")
+TARGETS = ("aws", "azure", "gcp", "onprem", "k8s", "ci")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +83,7 @@ def default_image(accelerator: str) -> str:
 
 def default_per_node(target: str, accelerator: str) -> int:
     """Accelerators per node: the catalog instance's for a cloud target (`deploy.instances` picks the instance),
-    else 8 (8-device HGX / Gaudi OAM baseboards)."""
+    else 8 (8-device HGX / Gaudi OAM baseboards); ci: 1 (the repro tier's ranks; hosted runners have no accelerator)."""
     if target in ("aws", "azure", "gcp"):
         return instance_for(target, accelerator).accelerators_per_node
-    return 8
+    return 1 if target == "ci" else 8
