@@ -18,6 +18,7 @@ EXPECTED = {
     "cost": [],
     "dashboard": ["--host", "--port", "--runs", "--token"],
     "deploy": [],
+    "doctor": ["--check", "--config", "--json", "--out", "--rdzv-endpoint", "--skip"],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--shard-mb", "--text-field", "--tokenizer", "--val-fraction", "--vocab-size",

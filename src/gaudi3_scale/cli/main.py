@@ -18,6 +18,7 @@ from gaudi3_scale.cli.ckpt_cmd import ckpt
 from gaudi3_scale.cli.cost_cmd import cost
 from gaudi3_scale.cli.dashboard_cmd import dashboard
 from gaudi3_scale.cli.deploy_cmd import deploy
+from gaudi3_scale.cli.doctor_cmd import doctor, doctor_before_training
 from gaudi3_scale.cli.options import Count, Number, Seed, launch_options, launch_overrides
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.serve_cmd import serve
@@ -104,6 +105,7 @@ def train(
     if dry_run:
         print_dry_run(cfg)
         return
+    doctor_before_training(config_path, out_dir, overrides)  # in the training image only
 
     worker_args = [
         *(["--config", config_path] if config_path else []),
@@ -199,6 +201,7 @@ cli.add_command(benchmark)
 cli.add_command(cost)
 cli.add_command(dashboard)
 cli.add_command(deploy)
+cli.add_command(doctor)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

@@ -24,6 +24,7 @@ from typing import Any
 from gaudi3_scale.deploy.quoting import comment, dockerfile_exec, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import CONTAINERS, register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.verify.doctor import BEFORE_TRAIN_ENV, SKIP_ENV
 
 __all__ = [
     "CONFIG_MOUNT",
@@ -164,6 +165,9 @@ FROM base AS train
 COPY --from=builder /wheels /tmp/wheels
 RUN python -m pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 WORKDIR /workspace
+# `gaudi3 train` runs `gaudi3 doctor` before any rank starts and stops on a FAIL (docs/doctor.md), whatever the
+# entrypoint (Kubernetes and the node scripts call gaudi3 directly); {SKIP_ENV}=1 skips it in an emergency
+ENV {BEFORE_TRAIN_ENV}=1
 USER {IMAGE_UID}:{IMAGE_UID}
 # No HEALTHCHECK for training: a job serves nothing to probe and ends with an exit status (the inference stage has one)
 ENTRYPOINT {dockerfile_exec(["gaudi3"])}
