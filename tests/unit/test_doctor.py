@@ -305,3 +305,16 @@ def test_train_in_the_image_runs_the_doctor_first_and_stops_on_a_fail(
     monkeypatch.setenv(SKIP_ENV, "1")
     doctor_before_training(None, str(blocker / "run"), [])  # skipped: no doctor, no exit
     assert capfd.readouterr() == ("", "")
+
+
+def test_tools_that_start_many_trainings_check_the_node_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(BEFORE_TRAIN_ENV, "1")
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    doctor_once_for_trainings(None, [])  # this node passes (warnings at most), so no exit
+    assert "OK versions:" in capfd.readouterr().out
+    assert os.environ[SKIP_ENV] == "1"  # the trainings tune / repro / benchmark start next skip it

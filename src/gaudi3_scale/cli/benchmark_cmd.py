@@ -38,6 +38,7 @@ def run_cmd(
     from gaudi3_scale.bench.matrix import load_matrix
     from gaudi3_scale.bench.runner import run_matrix
     from gaudi3_scale.cli.config_cmd import wide_console
+    from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
 
     matrix, cells = load_matrix(matrix_spec)
     console = wide_console()
@@ -46,6 +47,7 @@ def run_cmd(
             console.print(f"{cell.id}: {cell.label}", highlight=False)
         console.print(f"matrix {matrix.name}: {len(cells)} cells (dry run: nothing run)", highlight=False)
         return
+    doctor_once_for_trainings(None, [])  # in the training image only
     console.print(f"matrix {matrix.name}: {len(cells)} cells → {out_dir}/cells/", highlight=False)
     outcome = run_matrix(matrix, cells, Path(out_dir), timeout_s=cell_timeout_s, retry_failed=retry_failed,
                          console=console)  # fmt: skip

@@ -69,6 +69,7 @@ def repro(
     **launch: Any,
 ) -> None:
     """Train twice with the same config and seed and compare per-step losses and the final checkpoint bitwise."""
+    from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
     from gaudi3_scale.train.config import resolve_config
     from gaudi3_scale.verify.repro import plan_runs
 
@@ -87,6 +88,7 @@ def repro(
     plan = plan_runs(mode, steps or cfg.train.max_steps, directory, remote_url=cfg.checkpoint.remote_url)
     # The runs' own config, resolved once here: bad input is one line before anything is trained.
     resolve_config(config_path, [*user_overrides, *plan.overrides()])
+    doctor_once_for_trainings(config_path, user_overrides)  # in the training image only
     directory.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"verdict": None, "mode": mode, "steps": plan.steps, "seed": cfg.seed,
                               "note": plan.note, "runs": []}  # fmt: skip

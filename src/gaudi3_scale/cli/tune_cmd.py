@@ -140,10 +140,12 @@ def tune(
     that `gaudi3 train --config` takes. Exit 0 with a winner, 1 when nothing fits, 2 on bad input.
     """
     from gaudi3_scale.cli.config_cmd import wide_console
+    from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
     from gaudi3_scale.train.config import resolve_config
     from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 
     base = resolve_config(config_path, overrides)
+    doctor_once_for_trainings(config_path, overrides)  # in the training image only
     world = world_size if world_size is not None else base.parallel.world_size
     budget = parse_bytes(memory_budget) if memory_budget else None
     global_batches, thread_counts = (
