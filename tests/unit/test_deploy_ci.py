@@ -158,6 +158,9 @@ def test_tiers_run_in_order_and_publish_waits_for_all(rendered: dict[str, dict[s
     assert "python -m pytest" in runs["unit"]
     assert "gaudi3 doctor" in runs["smoke"] and "gaudi3 smoke" in runs["smoke"]
     assert "gaudi3 doctor" in runs["repro"] and "gaudi3 repro" in runs["repro"]
+    from gaudi3_scale.cli.main import VERBS
+
+    assert {"doctor", "smoke", "repro"} <= set(VERBS)  # the verbs the workflow calls exist
 
 
 def test_image_is_built_with_the_cache_scanned_and_pushed_multi_arch(
