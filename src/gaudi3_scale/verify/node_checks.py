@@ -141,7 +141,8 @@ def disk_finding(directory: Path, checkpoint_bytes: int, keep: int) -> Finding:
         return warn(
             "disk", f"{found}; {need}, and {keep} exist at once (keep_last + the one being written)", fix
         )
-    return ok("disk", f"{found}; writable; {need}, room for {keep}")
+    room = free // checkpoint_bytes
+    return ok("disk", f"{found}; writable; {need}: room for {room:,}, {keep} needed at once")
 
 
 def check_disk(inputs: DoctorInputs) -> Finding:
