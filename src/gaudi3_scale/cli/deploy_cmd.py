@@ -40,7 +40,7 @@ def deploy() -> None:
     multiple=True,
     metavar="KEY=VALUE",
     help="a target option, repeatable (k8s: namespace, storage, storage_class, storage_size, credentials_secret, "
-    "cpu, memory, max_restarts, … — see the rendered README)",
+    "cpu, memory, max_restarts, monitoring, … — see the rendered README; onprem: monitoring)",
 )
 @click.option(
     "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"

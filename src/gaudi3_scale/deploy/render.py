@@ -36,7 +36,7 @@ _MODULES = (
     "gaudi3_scale.deploy.containers",
 )
 CONTAINERS = "containers"  # not a target: the image files every target's nodes run, rendered with each target
-TAKES_OPTIONS = {"k8s"}  # targets that read `DeploySpec.extra` (`--set KEY=VALUE`); the others refuse options
+TAKES_OPTIONS = {"k8s", "onprem"}  # targets that read `DeploySpec.extra` (--set KEY=VALUE); others refuse it
 
 
 def register_renderer(target: str, renderer: Renderer) -> None:
@@ -63,7 +63,7 @@ def render(spec: DeploySpec) -> dict[str, str]:
         raise UserInputError(f"--target {spec.target}: no renderer yet; available: {available}")
     if spec.extra and spec.target not in TAKES_OPTIONS:
         raise UserInputError(
-            f"--set: --target {spec.target} takes no options (only {', '.join(sorted(TAKES_OPTIONS))} does); "
+            f"--set: --target {spec.target} takes no options (only {', '.join(sorted(TAKES_OPTIONS))} take them); "
             "its settings are Terraform / Ansible variables in the rendered files"
         )
     check_run_geometry(spec)
