@@ -1,8 +1,9 @@
 """`gaudi3 deploy render --target k8s` and `deploy.collect`, offline.
 
 Every rendered manifest is validated against the Kubernetes OpenAPI schemas bundled by kubernetes-validate (strict:
-unknown fields fail), the PyTorchJob against our schema (`deploy/schemas/pytorchjob-v1.schema.json`) and its pod
-templates as Kubernetes PodTemplates; the pods' command line is run through `gaudi3 train --print-config`.
+unknown fields fail), the custom resources against our schemas (`deploy/schemas/`: PyTorchJob, and the monitoring
+stack's, tested further in test_deploy_monitoring.py) and the PyTorchJob's pod templates as Kubernetes
+PodTemplates; the pods' command line is run through `gaudi3 train --print-config`.
 
 Golden files: `tests/golden/deploy/k8s/<case>/`. After a deliberate change, regenerate them and review the diff:
 
@@ -33,6 +34,7 @@ from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.deploy.collect import collect_pod_logs, collect_results, kubectl_logs
 from gaudi3_scale.deploy.k8s_job import PYTORCHJOB_SCHEMA, RETRYABLE_EXIT_CODES
+from gaudi3_scale.deploy.k8s_monitoring import SCHEMAS as MONITORING_SCHEMAS
 from gaudi3_scale.deploy.kubernetes import FILES, render_k8s
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES
@@ -41,7 +43,7 @@ from gaudi3_scale.train.config import resolve_config
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden" / "deploy" / "k8s"
 K8S_VERSION = "1.30"  # the oldest release kubernetes-validate bundles that has every field we use
-CRDS = {"PyTorchJob", "PodMonitor"}
+CRDS = {"PyTorchJob", "PodMonitor", "PrometheusRule", "AlertmanagerConfig"}  # validated by their schemas
 TINY = """\
 name: tiny-k8s
 model:
@@ -74,8 +76,9 @@ def _spec(
 
 
 def _docs(files: dict[str, str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every Kubernetes object rendered (not the Helm values of the monitoring stack)."""
     for rel, text in files.items():
-        if rel.endswith(".yaml"):
+        if rel.endswith(".yaml") and rel != FILES["values"]:
             for doc in yaml.safe_load_all(text):
                 yield rel, doc
 
@@ -142,12 +145,16 @@ def test_every_manifest_validates(variant: str, tiny_config: Path, pytorchjob_sc
         kinds.add(doc["kind"])
         if doc["kind"] not in CRDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        elif doc["kind"] in MONITORING_SCHEMAS:
+            jsonschema.validate(doc, json.loads(MONITORING_SCHEMAS[doc["kind"]].read_text()))
     expected = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PyTorchJob", "Service", "Job",
-                "PodMonitor", "PersistentVolumeClaim"}  # fmt: skip
+                "PodMonitor", "PrometheusRule", "AlertmanagerConfig", "PersistentVolumeClaim"}  # fmt: skip
     if extra.get("storage") == "emptydir":
         expected.remove("PersistentVolumeClaim")
-    if "--monitor.metrics_port" not in overrides:
-        expected.remove("PodMonitor")
+    if (
+        "--monitor.metrics_port" not in overrides
+    ):  # no metrics, no monitoring stack (test_deploy_monitoring.py)
+        expected -= {"PodMonitor", "PrometheusRule", "AlertmanagerConfig"}
     assert kinds == expected
     (job,) = _kind(files, "PyTorchJob")
     jsonschema.validate(job, pytorchjob_schema)
@@ -164,7 +171,9 @@ def test_every_manifest_validates(variant: str, tiny_config: Path, pytorchjob_sc
     for monitor in _kind(files, "PodMonitor"):
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= port_names
     namespaces = {doc["metadata"].get("namespace") for _, doc in _docs(files) if doc["kind"] != "Namespace"}
-    assert namespaces == {extra.get("namespace", "tiny-k8s")}
+    # The alert rules and the dashboard serve every run from the monitoring stack's namespace.
+    shared = {"monitoring"} if "PrometheusRule" in kinds else set()
+    assert namespaces == {extra.get("namespace", "tiny-k8s"), *shared}
 
 
 def test_a_broken_pytorchjob_fails_the_schema(tiny_config: Path, pytorchjob_schema: dict[str, Any]) -> None:
@@ -278,7 +287,7 @@ def test_the_pods_command_line_is_a_valid_train_command(
 ) -> None:
     """The pod's args, with Kubernetes' $(VAR) expansion done by hand, through `gaudi3 train --print-config`."""
     files = render_k8s(_spec(tiny_config, "gaudi3", 2, "--monitor.metrics_port", "9300"))
-    (config_map,) = _kind(files, "ConfigMap")
+    (config_map,) = [m for m in _kind(files, "ConfigMap") if "run.yaml" in m["data"]]  # not the dashboard
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(config_map["data"]["run.yaml"])
     pod = _pod_specs(files)[-1] if kind == "Job" else _pod_specs(files)[0]

@@ -40,8 +40,8 @@ def deploy() -> None:
     multiple=True,
     metavar="KEY=VALUE",
     help="a target option, repeatable (k8s: namespace, storage, storage_class, storage_size, credentials_secret, "
-    "cpu, memory, max_restarts, … — see the rendered README; ci: registry, image_name, platforms, "
-    "smoke_runs_on, repro_runs_on, python_version, … — listed in the workflow's header)",
+    "cpu, memory, max_restarts, monitoring, … — see the rendered README; onprem: monitoring; ci: registry, "
+    "image_name, platforms, smoke_runs_on, repro_runs_on, python_version, … — listed in the workflow's header)",
 )
 @click.option(
     "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"

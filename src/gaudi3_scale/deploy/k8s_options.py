@@ -13,13 +13,13 @@ from typing import Literal
 from gaudi3_scale.config.core import check_positive, check_range, from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.grammar import check_dns_label, check_dns_subdomain, check_quantity
+from gaudi3_scale.deploy.monitoring import DEFAULT_METRICS_PORT, metrics_port, monitoring_on
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan_job"]
 
 GAUDI_RESOURCE = "habana.ai/gaudi"  # Habana device plugin
 GPU_RESOURCE = "nvidia.com/gpu"  # NVIDIA device plugin
-DEFAULT_METRICS_PORT = 9100  # for a run config's monitor.metrics_port 0; rank r serves on it + its local rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,31 @@ class K8sOptions:
         default=10001,
         metadata={"help": "UID and GID the pods run as (the rendered Dockerfile's user, 10001)"},
     )
+    monitoring: bool | None = field(
+        default=None,
+        metadata={
+            "help": "render the monitoring stack under k8s/monitoring/ (kube-prometheus-stack values, PodMonitor, "
+            "alert rules, dashboard, Alertmanager routing); null = when the run config sets monitor.metrics_port"
+        },
+    )
+    monitoring_namespace: str = field(
+        default="monitoring",
+        metadata={
+            "help": "namespace of the kube-prometheus-stack release; the alert rules and dashboard go there"
+        },
+    )
+    grafana_admin_secret: str = field(
+        default="grafana-admin",
+        metadata={
+            "help": "Secret in monitoring_namespace with Grafana's admin-user and admin-password (never rendered)"
+        },
+    )
+    alert_webhook_secret: str = field(
+        default="gaudi3-alert-webhook",
+        metadata={
+            "help": "Secret in the run's namespace whose key `url` is the alert webhook (never rendered)"
+        },
+    )
 
     def __post_init__(self) -> None:
         # Each value is written into the manifests: held to its Kubernetes grammar (deploy/grammar.py).
@@ -86,6 +111,9 @@ class K8sOptions:
             check_dns_subdomain(self.storage_class, "storage_class")
         if self.credentials_secret:  # '' = none
             check_dns_subdomain(self.credentials_secret, "credentials_secret")
+        check_dns_label(self.monitoring_namespace, "monitoring_namespace")
+        check_dns_subdomain(self.grafana_admin_secret, "grafana_admin_secret")
+        check_dns_subdomain(self.alert_webhook_secret, "alert_webhook_secret")
         for name in ("storage_size", "cpu", "memory", "hugepages_2mi", "shm_size"):
             value = getattr(self, name)
             if value is not None:
@@ -113,6 +141,7 @@ class JobPlan:
     per_node: int
     gaudi: bool
     metrics_port: int | None  # the first of a pod's Prometheus ports; None = no metrics endpoint
+    monitoring: bool  # render k8s/monitoring/ (k8s_monitoring.py)
     max_restarts: int
     credentials_secret: str  # "" = none
     opts: K8sOptions
@@ -130,21 +159,6 @@ class JobPlan:
         return f"{self.name}-trainer"
 
 
-def _metrics_port(configured: int | None, per_node: int, rdzv_port: int) -> int | None:
-    """The run config's `monitor.metrics_port`, as the pods serve it. Metrics are exposed only when the config asks
-    for them: the image built from the same config (deploy/containers.py) has prometheus-client only then. A
-    config's 0 (a free port per rank) becomes the default port: a scrape config must be able to name the ports."""
-    if configured is None:
-        return None
-    port = configured or DEFAULT_METRICS_PORT
-    last = port + per_node - 1
-    if last > 65535:
-        raise UserInputError(f"monitor.metrics_port: {port} + {per_node - 1} local ranks is over 65535")
-    if port <= rdzv_port <= last:
-        raise UserInputError(f"k8s.rdzv_port: {rdzv_port} is one of the metrics ports {port}-{last}")
-    return port
-
-
 def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
     if not spec.name[0].isalpha():
         # PyTorchJob names are DNS-1035 labels (the operator's webhook), and so are the Services named after them.
@@ -155,7 +169,9 @@ def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
         raise UserInputError(
             "k8s.storage: emptydir loses every checkpoint with its pod; set checkpoint.remote_url or use pvc"
         )
-    metrics_port = _metrics_port(cfg["monitor"]["metrics_port"], spec.per_node, opts.rdzv_port)
+    port = metrics_port(
+        cfg["monitor"]["metrics_port"], spec.per_node, rdzv_port=opts.rdzv_port, rdzv_field="k8s.rdzv_port"
+    )
     secret = opts.credentials_secret
     if secret is None:
         secret = f"{spec.name}-checkpoint-credentials" if remote_url else ""
@@ -173,7 +189,8 @@ def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
         nodes=spec.nodes,
         per_node=spec.per_node,
         gaudi=spec.accelerator.startswith("gaudi"),
-        metrics_port=metrics_port,
+        metrics_port=port,
+        monitoring=monitoring_on(opts.monitoring, port, "k8s.monitoring"),
         max_restarts=restarts,
         credentials_secret=secret,
         opts=opts,

@@ -7,11 +7,12 @@
     k8s/base/03-storage.yaml       PersistentVolumeClaim (ReadWriteMany) for outputs and checkpoints (k8s.storage=pvc)
     k8s/pytorchjob.yaml            the job, for clusters with the Kubeflow training operator …
     k8s/indexed-job.yaml           … or the same job as a headless Service + indexed Job, without it (pick one)
-    k8s/monitoring/podmonitor.yaml PodMonitor (Prometheus Operator): every rank's /metrics
+    k8s/monitoring/…               the monitoring stack: kube-prometheus-stack values, PodMonitor, alert rules …
 
-The pods and the two job flavours are in `k8s_job.py`; the options (`DeploySpec.extra`) in `k8s_options.py`.
-Nothing here needs a cluster: the tests validate every manifest offline against the Kubernetes OpenAPI schemas
-(kubernetes-validate) and the PyTorchJob against our schema in `schemas/`.
+The pods and the two job flavours are in `k8s_job.py`, the monitoring stack in `k8s_monitoring.py`, the options
+(`DeploySpec.extra`) in `k8s_options.py`. Nothing here needs a cluster: the tests validate every manifest offline
+against the Kubernetes OpenAPI schemas (kubernetes-validate) and the custom resources against our schemas in
+`schemas/`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from gaudi3_scale.deploy.k8s_job import (
     indexed_job,
     pytorchjob,
 )
+from gaudi3_scale.deploy.k8s_monitoring import (
+    MONITORING_FILES,
+    monitoring_manifests,
+    monitoring_readme,
+    stack_values_text,
+)
 from gaudi3_scale.deploy.k8s_options import JobPlan, k8s_options, plan_job
 from gaudi3_scale.deploy.quoting import comment, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import register_renderer
@@ -42,8 +49,8 @@ FILES = {
     "storage": "k8s/base/03-storage.yaml",
     "pytorchjob": "k8s/pytorchjob.yaml",
     "indexed": "k8s/indexed-job.yaml",
-    "podmonitor": "k8s/monitoring/podmonitor.yaml",
     "readme": "k8s/README.md",
+    **MONITORING_FILES,
 }
 _URL_WITH_PASSWORD = re.compile(
     r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]*@"
@@ -69,8 +76,10 @@ def render_k8s(spec: DeploySpec) -> dict[str, str]:
         FILES["indexed"]: _dump(indexed_job(plan, spec.image), [*notes, *_INDEXED_NOTE]),
         FILES["readme"]: _readme(plan, spec),
     }
-    if plan.metrics_port is not None:
-        files[FILES["podmonitor"]] = _dump([_pod_monitor(plan)], [*notes, *_PODMONITOR_NOTE])
+    if plan.monitoring:
+        for rel, (documents, more) in monitoring_manifests(plan).items():
+            files[rel] = _dump(documents, [*notes, *more])
+        files[FILES["values"]] = stack_values_text(plan, notes)
     if plan.opts.storage == "pvc":
         files[FILES["storage"]] = _dump([_volume_claim(plan)], [*notes, *_STORAGE_NOTE])
     return dict(sorted(files.items()))
@@ -89,10 +98,6 @@ _PYTORCHJOB_NOTE = [
 _INDEXED_NOTE = [
     "Without the training operator: a headless Service and an indexed Job. Apply this file OR pytorchjob.yaml.",
     "Pod i is node i (JOB_COMPLETION_INDEX); pod 0 hosts the c10d rendezvous.",
-]
-_PODMONITOR_NOTE = [
-    "Needs the Prometheus Operator (monitoring.coreos.com/v1). Rank r of a pod serves metrics on port",
-    "monitor.metrics_port + its local rank; one endpoint per local rank.",
 ]
 _STORAGE_NOTE = [
     "Every pod writes its checkpoint shards into one directory, and a re-created pod resumes from it on any node:",
@@ -186,18 +191,6 @@ def _volume_claim(plan: JobPlan) -> dict[str, Any]:
     }
 
 
-def _pod_monitor(plan: JobPlan) -> dict[str, Any]:
-    endpoints = [
-        {"port": f"metrics-{i}", "path": "/metrics", "interval": "15s"} for i in range(plan.per_node)
-    ]
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
-        "metadata": _meta(plan, plan.name),
-        "spec": {"selector": {"matchLabels": dict(plan.labels)}, "podMetricsEndpoints": endpoints},
-    }
-
-
 def _dump(documents: list[dict[str, Any]], notes: list[str]) -> str:
     """The notes as comments, then the documents (yaml_text writes no anchors: the Master and Worker templates
     are written out in full, as a reader expects)."""
@@ -211,16 +204,18 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
         if plan.opts.storage == "pvc"
         else "pod-local scratch; the bucket in checkpoint.remote_url is the only durable copy"
     )
+    apply_monitoring = (
+        ["kubectl apply -f k8s/monitoring/         # the monitoring stack: see Monitoring below"]
+        if plan.monitoring
+        else []
+    )
     if plan.metrics_port is not None:
-        apply_monitoring = [
-            "kubectl apply -f k8s/monitoring/         # optional: needs the Prometheus Operator"
-        ]
         metrics = [
             f"- Metrics: rank r of a pod serves Prometheus metrics on port {plan.metrics_port} + its local rank,",
-            "  bound to 0.0.0.0; the prometheus.io annotations name local rank 0, the PodMonitor every rank.",
+            "  bound to 0.0.0.0; the prometheus.io annotations name local rank 0"
+            + (", the PodMonitor every rank." if plan.monitoring else "."),
         ]
     else:
-        apply_monitoring = []
         metrics = [
             "- Metrics: off. Set monitor.metrics_port in the run config (the image then includes prometheus-client)",
             "  to get per-rank ports, scrape annotations and a PodMonitor.",
@@ -260,6 +255,8 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
             "  --from-literal=AWS_ACCESS_KEY_ID=<key-id> --from-literal=AWS_SECRET_ACCESS_KEY=<secret-key>",
             "```",
         ]
+    if plan.monitoring:
+        lines += monitoring_readme(plan)
     if plan.gaudi:
         lines += ["", GAUDI_NOTE]
     return "\n".join(lines) + "\n"

@@ -9,15 +9,29 @@ the NVIDIA container toolkit for GPUs), and must reach each other on every port 
 Secrets are never rendered: each host reads them from `gaudi3_secrets_env_file` (default /etc/gaudi3/secrets.env,
 NAME=value lines, mode 0600), which you provision yourself, e.g. from an Ansible Vault. Checkpoints go where the run
 config's `checkpoint.remote_url` says (no bucket is created here).
+
+When the run config sets `monitor.metrics_port` (or `--set monitoring=true`), a second playbook, `monitoring.yaml`,
+runs Prometheus, Alertmanager and Grafana for the job (`onprem_monitoring.py`); the rendered run.yaml then binds the
+ranks' metrics to 0.0.0.0 so that they can be scraped from the monitoring host.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import ipaddress
 
+from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
 from gaudi3_scale.deploy.containers import IMAGE_UID
+from gaudi3_scale.deploy.monitoring import metrics_port, monitoring_on
+from gaudi3_scale.deploy.onprem_monitoring import (
+    MONITORING_GROUP,
+    OnpremOptions,
+    monitoring_files,
+    monitoring_inventory_group,
+)
 from gaudi3_scale.deploy.quoting import yaml_text
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
@@ -145,8 +159,26 @@ def _rdzv_host(host: str) -> str:
     return f"[{host}]" if _is_address(host) and ipaddress.ip_address(host).version == 6 else host
 
 
+def _monitoring_port(spec: DeploySpec) -> int | None:
+    """The first metrics port of each node when the monitoring stack is rendered, else None."""
+    opts = from_dict(OnpremOptions, spec.extra, prefix="onprem")
+    configured = spec.run_config.get("monitor", {}).get("metrics_port")
+    port = metrics_port(configured, spec.per_node, rdzv_port=RDZV_PORT, rdzv_field="the rendezvous port")
+    return port if monitoring_on(opts.monitoring, port, "onprem.monitoring") else None
+
+
+def _scrapeable(spec: DeploySpec, port: int) -> DeploySpec:
+    """`spec` with its ranks' metrics on `port` + local rank and bound to every interface, for the monitoring host."""
+    run_config = copy.deepcopy(spec.run_config)
+    run_config.setdefault("monitor", {}).update(metrics_port=port, metrics_host="0.0.0.0")
+    return dataclasses.replace(spec, run_config=run_config)
+
+
 def render_onprem(spec: DeploySpec) -> dict[str, str]:
     hosts = _check_hosts(spec)
+    port = _monitoring_port(spec)
+    if port is not None:
+        spec = _scrapeable(spec, port)
     inventory = {
         "all": {
             "children": {
@@ -167,6 +199,14 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
         f"# The machines of {spec.name}, rendered by `gaudi3 deploy render --target onprem`: node_rank 0 is the\n"
         f"# master (c10d rendezvous on port {RDZV_PORT}). Add ansible_user / ansible_host per host as you need.\n"
     )
+    if port is not None:
+        inventory["all"]["children"][MONITORING_GROUP] = monitoring_inventory_group(hosts[0])
+        header += (
+            f"# {MONITORING_GROUP}: the machine monitoring.yaml runs Prometheus, Alertmanager and Grafana on (the\n"
+            "# master here; any host that reaches every node). FILL IN gaudi3_alert_webhook_url, where alerts are\n"
+            "# posted (a secret: ansible-vault encrypt_string). gaudi3_grafana_admin_password is generated into\n"
+            "# credentials/ on the first run; set it to a vault variable to choose it.\n"
+        )
     env = node_env(
         node_rank="{{ node_rank }}",
         nnodes="{{ gaudi3_nnodes }}",
@@ -184,6 +224,11 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
         "files/gaudi3-train.service": systemd_unit(fetch_secrets=False),
         "templates/node.env.j2": "# {{ ansible_managed }}\n" + env,
     }
+    if port is not None:
+        addresses = [_rdzv_host(host) for host in hosts]
+        files.update(
+            monitoring_files(addresses, spec.per_node, port, gaudi=spec.accelerator.startswith("gaudi"))
+        )
     return {f"{ANSIBLE_DIR}/{name}": text for name, text in files.items()}
 
 

@@ -37,10 +37,7 @@ _MODULES = (
     "gaudi3_scale.deploy.ci",
 )
 CONTAINERS = "containers"  # not a target: the image files every target's nodes run, rendered with each target
-TAKES_OPTIONS = {
-    "k8s",
-    "ci",
-}  # targets that read `DeploySpec.extra` (`--set KEY=VALUE`); the others refuse options
+TAKES_OPTIONS = {"k8s", "onprem", "ci"}  # targets that read `DeploySpec.extra` (--set KEY=VALUE); others refuse it
 
 
 def register_renderer(target: str, renderer: Renderer) -> None:
