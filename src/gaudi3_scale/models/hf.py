@@ -94,7 +94,7 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
         module, param = name.rsplit(".", 1)
         index, inner = _split_layer(module)
         if model_type == "bert":
-            sources[name] = Source(bert_name(name))
+            sources[name] = Source(bert_name(name, tied=cfg.tie_embeddings))
         elif model_type == "llama":
             hf_module = f"model.layers.{index}.{_LLAMA_LAYER[inner]}" if index else _LLAMA_TOP[inner]
             heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner, 0)

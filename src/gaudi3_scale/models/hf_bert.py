@@ -1,9 +1,11 @@
 """Hugging Face `BertForMaskedLM` ↔ our encoder (`models.encoder`): names, config both ways.
 
 Every parameter is one HF tensor in the same layout (`nn.Linear` [out, in], no fused or permuted rows), so the
-mapping is names only. The decoder weight is the word embedding when tied (HF saves it once, as we do) and its bias
-is `cls.predictions.bias` (HF ties `cls.predictions.decoder.bias` to it). HF's pooler and NSP head have no
-counterpart here (BertForMaskedLM has neither).
+mapping is names only. Tied (BERT's own setting), the decoder weight is the word embedding (HF saves it once, as we
+do) and its bias is `cls.predictions.bias`, which HF ties `cls.predictions.decoder.bias` to. Untied
+(`tie_word_embeddings` false), transformers 5 unties that bias too and its forward adds `cls.predictions.decoder.bias`
+(checked with transformers 5.23): we read that one, and export the bias under both names. HF's pooler and NSP head
+have no counterpart here (BertForMaskedLM has neither).
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ _TOP = {
     "output.bias": "cls.predictions.bias",
     "output.weight": "cls.predictions.decoder.weight",  # an untied decoder (tie_word_embeddings false)
 }
+_UNTIED_BIAS = "cls.predictions.decoder.bias"
 _INT_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
              "max_position_embeddings", "type_vocab_size")  # fmt: skip
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}  # ours → the name BertConfig takes
 
 
-def bert_name(name: str) -> str:
+def bert_name(name: str, *, tied: bool) -> str:
     """The HF tensor name of our encoder parameter `name` (`layers.0.attention.wq.weight` →
-    `bert.encoder.layer.0.attention.self.query.weight`)."""
+    `bert.encoder.layer.0.attention.self.query.weight`) in a model with `tie_word_embeddings` = `tied`."""
+    if name == "output.bias" and not tied:
+        return _UNTIED_BIAS
     module, param = name.rsplit(".", 1)
     index, inner = _split_layer(module)
     return f"bert.encoder.layer.{index}.{_LAYER[inner]}.{param}" if index else _TOP[name]
@@ -59,7 +64,12 @@ def bert_name(name: str) -> str:
 def to_hf_bert(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our encoder's weights (tied alias removed) under `BertForMaskedLM` names."""
     sources = hf_sources(cfg, "bert")
-    return {sources[name].name: tensor.contiguous() for name, tensor in state.items()}
+    out = {sources[name].name: tensor.contiguous() for name, tensor in state.items()}
+    if (
+        not cfg.tie_embeddings
+    ):  # HF still has `cls.predictions.bias`; a copy (safetensors refuses shared storage)
+        out[_TOP["output.bias"]] = out[_UNTIED_BIAS].clone()
+    return out
 
 
 def hf_bert_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
