@@ -10,6 +10,8 @@ from gaudi3_scale.models import ModelConfig, build_model, get_model_config, list
 from gaudi3_scale.models.registry import _MODELS
 
 PRESET_NAMES = [
+    "bert-base",
+    "bert-tiny",
     "gpt2-1.5b",
     "gpt2-124m",
     "gpt2-350m",

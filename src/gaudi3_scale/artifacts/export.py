@@ -1,10 +1,10 @@
-"""`gaudi3 ckpt export`: a checkpoint's model as one safetensors file, or as a Hugging Face Llama directory.
+"""`gaudi3 ckpt export`: a checkpoint's model as one safetensors file, or as a Hugging Face Llama / BERT directory.
 
     safetensors  `model.safetensors` under our parameter names (`Transformer.state_dict()` keys) and
                  `model_config.json` (the `ModelConfig`); `load_exported(dir)` builds the model back.
     hf           `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM.from_pretrained(dir)`
-                 loads with the same logits (Llama-arch models only; the mapping is `models.hf`); `load_exported`
-                 reads it back too, as does `model.init_from`.
+                 loads with the same logits (Llama-arch models; bert ones as `BertForMaskedLM`, `models.hf_bert`;
+                 the mapping is `models.hf`); `load_exported` reads it back too, as does `model.init_from`.
 
 Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
 safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
@@ -30,6 +30,7 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 from gaudi3_scale.models.hf import hf_llama_config, to_hf_llama
+from gaudi3_scale.models.hf_bert import hf_bert_config, to_hf_bert
 from gaudi3_scale.models.pretrained import (
     HF_CONFIG_NAME,  # format hf: transformers' LlamaConfig
     MODEL_CONFIG_NAME,  # format safetensors: our ModelConfig
@@ -37,6 +38,7 @@ from gaudi3_scale.models.pretrained import (
     open_pretrained,
 )
 from gaudi3_scale.models.pretrained_reader import load_pretrained
+from gaudi3_scale.models.transformer import model_class
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -76,13 +78,16 @@ def export_checkpoint(
     tokenizer = _run_tokenizer(checkpoint, tokenizer_dir)
     state = _untied(cfg, _checked_state(cfg, state, checkpoint))
     if fmt == "hf":
-        if cfg.arch != "llama":
+        if cfg.arch not in ("llama", "bert"):
             raise UserInputError(
-                f"{checkpoint}: --format hf writes LlamaForCausalLM, but model {cfg.name!r} has arch "
-                f"{cfg.arch!r}; use --format safetensors"
+                f"{checkpoint}: --format hf writes LlamaForCausalLM or BertForMaskedLM, but model {cfg.name!r} has "
+                f"arch {cfg.arch!r}; use --format safetensors"
             )
-        tensors, config_name = to_hf_llama(cfg, state), HF_CONFIG_NAME
-        config = hf_llama_config(cfg, dtype=state["tok_embeddings.weight"].dtype)
+        dtype, config_name = state["tok_embeddings.weight"].dtype, HF_CONFIG_NAME
+        if cfg.arch == "bert":
+            tensors, config = to_hf_bert(cfg, state), hf_bert_config(cfg, dtype=dtype)
+        else:
+            tensors, config = to_hf_llama(cfg, state), hf_llama_config(cfg, dtype=dtype)
     else:
         tensors, config_name, config = state, MODEL_CONFIG_NAME, to_dict(cfg)
     with _staged_directory(out_dir, force=force) as staging:
@@ -133,7 +138,7 @@ def _checked_state(
 ) -> dict[str, torch.Tensor]:
     """`state` if its names and shapes are those of `cfg`'s model, else one line naming the first mismatch."""
     with torch.device("meta"):  # shapes only: no memory, even for llama3-70b
-        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in model_class(cfg)(cfg).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if cfg.tie_embeddings:  # a consolidated checkpoint may carry the alias or not; it is dropped anyway
         expected.pop(TIED_ALIAS, None)

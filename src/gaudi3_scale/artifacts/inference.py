@@ -16,7 +16,7 @@ from gaudi3_scale.data import Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.generate import generate
 
-__all__ = ["generate_text", "load_for_generation", "read_model_state", "run_tokenizer_dir"]
+__all__ = ["generate_text", "load_for_generation", "read_model_state", "refuse_encoder", "run_tokenizer_dir"]
 
 
 def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -26,6 +26,15 @@ def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, di
     if config is None or STATE_DICT_KEY not in ckpt:
         raise UserInputError(f"{path}: not a gaudi3-scale checkpoint (no run config inside)")
     return from_dict(ModelConfig, config["model"]), model_weights(ckpt)
+
+
+def refuse_encoder(cfg: ModelConfig, where: str | Path) -> None:
+    """One line for an encoder: generating and serving continue text, which a masked-language model cannot."""
+    if cfg.arch == "bert":
+        raise UserInputError(
+            f"{where}: model {cfg.name!r} is a bert encoder (masked-language model) and cannot generate text; "
+            "generate and serve take a decoder checkpoint (arch gpt2 or llama)"
+        )
 
 
 def run_tokenizer_dir(checkpoint: Path) -> Path:
@@ -43,6 +52,7 @@ def load_for_generation(
     """
     path = resolve_checkpoint(checkpoint)
     model_cfg, state = read_model_state(path)
+    refuse_encoder(model_cfg, path)
     model = build_model(model_cfg)
     model.load_state_dict(state)
     model.eval()

@@ -120,7 +120,8 @@ def diff(a: Path, b: Path) -> None:
     default="safetensors",
     show_default=True,
     help="safetensors: model.safetensors + model_config.json, our names; "
-    "hf: config.json + model.safetensors for transformers' LlamaForCausalLM (llama models only)",
+    "hf: config.json + model.safetensors for transformers' LlamaForCausalLM or BertForMaskedLM (llama and "
+    "bert models)",
 )
 @click.option("--force", is_flag=True, help="replace a non-empty --out directory")
 @click.option(
@@ -154,7 +155,7 @@ def export(
     experiment: str,
 ) -> None:
     """Write a checkpoint's model weights (a run directory: its newest checkpoint that verifies) as one
-    safetensors file, or as a Hugging Face Llama directory."""
+    safetensors file, or as a Hugging Face Llama or BERT directory."""
     from gaudi3_scale.artifacts.export import export_checkpoint
     from gaudi3_scale.checkpoint.manager import resolve_checkpoint
 

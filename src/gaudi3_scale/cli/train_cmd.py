@@ -64,7 +64,8 @@ def _train_here(cfg: RunConfig, *, sample_tokens: int, progress: bool) -> None:
             accelerator=plan.accelerator,
         )
     print_outputs(run)
-    if sample_tokens > 0 and run.summary.get("checkpoint") and not run.exit_code:
+    encoder = run.trainer.config.model.arch == "bert"  # an encoder has no text to sample
+    if sample_tokens > 0 and run.summary.get("checkpoint") and not run.exit_code and not encoder:
         _print_sample(run.summary["checkpoint"], sample_tokens, seed=cfg.seed)
     exit_if_stopped(cfg, run)
 
@@ -83,7 +84,8 @@ def _after_launched_run(cfg: RunConfig, *, started: float, sample_tokens: int) -
 
         plan = plan_device(cfg.train.device, cfg.train.precision, threads=cfg.train.threads or 1)
         emit_run_result(cfg, cfg.output_dir, precision=plan.precision_name, accelerator=plan.accelerator)
-    if sample_tokens > 0 and summary.get("checkpoint"):
+    encoder = cfg.model.arch == "bert"  # an encoder has no text to sample
+    if sample_tokens > 0 and summary.get("checkpoint") and not encoder:
         _print_sample(summary["checkpoint"], sample_tokens, seed=cfg.seed)
 
 

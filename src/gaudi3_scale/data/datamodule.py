@@ -25,6 +25,7 @@ from gaudi3_scale.data.dataset import PreparedData
 from gaudi3_scale.data.inputs import DatasetMember, TrainingData, training_data_from_dir
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
 from gaudi3_scale.data.mixture import MixtureSampler
+from gaudi3_scale.data.mlm import MlmMasking
 from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.distributed.mesh import data_parallel_rank
 
@@ -45,6 +46,7 @@ class TokenDataModule(pl.LightningDataModule):
         stride: int = 1,
         tp_size: int = 1,
         prefetch_shards: int = 0,
+        masking: MlmMasking | None = None,
     ) -> None:
         super().__init__()
         if isinstance(data, PreparedData):
@@ -60,6 +62,7 @@ class TokenDataModule(pl.LightningDataModule):
         self.stride = stride
         self.tp_size = tp_size
         self.prefetch_shards = prefetch_shards
+        self.masking = masking  # arch bert: batches are (masked inputs, labels), data.mlm
         self.start_step = 0  # optimizer step the next train_dataloader() starts at
         self.sampler: WindowSampler | MixtureSampler | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -144,6 +147,7 @@ class TokenDataModule(pl.LightningDataModule):
             self._require_sampler(),
             start_step=self.start_step,
             prefetch_shards=self.prefetch_shards,
+            masking=self.masking,
         )
         return DataLoader(
             dataset,
@@ -170,6 +174,7 @@ class TokenDataModule(pl.LightningDataModule):
             world_size=world_size,
             rank=rank,
             weights=[m.weight for m in self.data.members],
+            masking=self.masking,
         )
         # No worker processes: the validation set is a handful of batches and workers would restart every epoch.
         return DataLoader(

@@ -3,7 +3,8 @@
 `TokenWindowDataset` is the training stream: this rank's micro-batches in order (step ``start_step`` micro-steps
 ``0..accum-1``, then the next step, ...), which is the order Lightning consumes them with
 ``accumulate_grad_batches=accum``. `ValWindowDataset` is a fixed, map-style validation set. Both are used with
-``DataLoader(batch_size=None)`` because every item already is a batch.
+``DataLoader(batch_size=None)`` because every item already is a batch. With an `MlmMasking` (arch bert) a batch is
+``(inputs, labels)`` of the window instead: masked by the sample's position in the stream (`data.mlm`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from gaudi3_scale.data.mixture import SingleSource, TrainSampler
-from gaudi3_scale.data.sampler import WindowSampler
+from gaudi3_scale.data.mlm import TRAIN_STREAM, VAL_STREAM, MlmMasking
+from gaudi3_scale.data.sampler import WindowSampler, rank_sample_positions
 from gaudi3_scale.data.shards import ShardedTokens, val_window_starts_sharded
 
 __all__ = ["TokenWindowDataset", "ValWindowDataset", "as_sharded", "gather_windows"]
@@ -85,6 +87,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
         start_step: int = 0,
         num_steps: int | None = None,
         prefetch_shards: int = 0,
+        masking: MlmMasking | None = None,
     ) -> None:
         self._members = _members(tokens)
         self.sampler: TrainSampler = SingleSource(sampler) if isinstance(sampler, WindowSampler) else sampler
@@ -93,6 +96,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
         self.start_step = start_step
         self.num_steps = num_steps
         self.prefetch_shards = prefetch_shards
+        self.masking = masking
         self._offsets = np.arange(self.sampler.context_length + 1, dtype=np.int64)
         self._hints = any(m.fetches for m in self._members)  # local shards need no prefetch hints
         # The blocks in use and the next ones, plus the prefetch depth: what a fetching cache should hold next.
@@ -137,8 +141,22 @@ class TokenWindowDataset(IterableDataset[Batch]):
                 if self._hints:
                     self._hint(step)  # every step: a block boundary may fall anywhere in a chunk
                 for a in mine:
-                    yield self.batch(members[step - chunk_first, a], starts[step - chunk_first, a])
+                    batch = self.batch(members[step - chunk_first, a], starts[step - chunk_first, a])
+                    yield batch if self.masking is None else self._masked(batch, step, a)
             step, index = step + 1, index + accum
+
+    def _masked(self, batch: Batch, step: int, micro_step: int) -> Batch:
+        s = self.sampler
+        positions = rank_sample_positions(
+            np.array([step]),
+            np.array([micro_step]),
+            global_batch_size=s.global_batch_size,
+            micro_batch_size=s.micro_batch_size,
+            world_size=s.world_size,
+            rank=s.rank,
+        )
+        assert self.masking is not None
+        return self.masking.apply(batch[0], positions.reshape(-1), stream=TRAIN_STREAM)
 
 
 def _split(windows: np.ndarray) -> Batch:
@@ -165,8 +183,15 @@ class ValWindowDataset(Dataset[Batch]):
         world_size: int = 1,
         rank: int = 0,
         weights: Sequence[float] | None = None,
+        masking: MlmMasking | None = None,
     ) -> None:
         self._members = _members(tokens)
+        self.masking = masking
+        self._first_sample = (
+            world_size,
+            rank,
+            micro_batch_size,
+        )  # batch i's first sample: (i·world + rank)·micro
         budgets = _val_budgets(max_batches, weights or [1.0] * len(self._members))
         self._batches: list[tuple[int, np.ndarray]] = []
         for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
@@ -194,7 +219,13 @@ class ValWindowDataset(Dataset[Batch]):
         if not 0 <= index < len(self._batches):
             raise IndexError(f"validation batch {index} out of range [0, {len(self._batches)})")
         member, starts = self._batches[index]
-        return _split(self._members[member].gather(starts, self._offsets))
+        batch = _split(self._members[member].gather(starts, self._offsets))
+        if self.masking is None:
+            return batch
+        # Fixed masks: the same at every evaluation, so val loss and accuracy compare across steps.
+        world_size, rank, micro = self._first_sample
+        positions = (index * world_size + rank) * micro + np.arange(len(starts), dtype=np.int64)
+        return self.masking.apply(batch[0], positions, stream=VAL_STREAM)
 
 
 def _members(

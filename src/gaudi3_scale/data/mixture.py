@@ -54,6 +54,10 @@ class TrainSampler(Protocol):
     @property
     def context_length(self) -> int: ...
     @property
+    def world_size(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
     def start_step(self) -> int: ...
 
     def steps_starts(self, first_step: int, num_steps: int) -> tuple[np.ndarray, np.ndarray]: ...
@@ -262,6 +266,14 @@ class SingleSource:
     @property
     def context_length(self) -> int:
         return self.sampler.context_length
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.sampler.rank
 
     @property
     def start_step(self) -> int:

@@ -74,6 +74,10 @@ class Tokenizer(ABC):
         """`encode` as an integer array; char and byte override it with vectorized versions (prepare's hot path)."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as ``[MASK]`` when the vocabulary has one (`data.mlm`), else None."""
+        return None
+
     def save(self, directory: Path) -> Path:
         path = Path(directory) / TOKENIZER_FILE
         path.write_text(self.to_json(), encoding="utf-8")
@@ -213,6 +217,10 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def token_id(self, token: str) -> int | None:
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))

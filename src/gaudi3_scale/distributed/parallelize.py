@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from gaudi3_scale.distributed.mesh import TP_DIM, data_parallel_mesh
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
-from gaudi3_scale.models import ModelConfig, Transformer, build_model
+from gaudi3_scale.models import ModelConfig, build_model
+from gaudi3_scale.models.transformer import model_class
 
 __all__ = [
     "Parallelized",
@@ -228,7 +229,7 @@ def build_parallelized(
 
         # Under the strategy's `zero.Init` (Lightning opens it around configure_model) every module is partitioned
         # as it is built; the init then gathers one module at a time. Outside it this is a plain whole build.
-        model = Transformer(model_cfg)
+        model = model_class(model_cfg)(model_cfg)
         if init_weights is None:
             model.init_weights(seed, gathered=gathered_for_update)
         else:

@@ -1,4 +1,5 @@
-"""Shape of a decoder-only model. Presets are instances of this class kept in `models/registry.py`."""
+"""Shape of a transformer (decoder-only, or a BERT encoder). Presets are instances of this class kept in
+`models/registry.py`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ class ModelConfig:
     name: str = field(
         default="shakespeare-char", metadata={"help": "registry preset the other fields start from"}
     )
-    arch: Literal["gpt2", "llama"] = field(
+    arch: Literal["gpt2", "llama", "bert"] = field(
         default="gpt2",
-        metadata={"help": "gpt2: learned positions, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA"},
+        metadata={
+            "help": "gpt2: learned positions, LayerNorm, GELU; llama: RMSNorm, RoPE, SwiGLU, GQA; bert: "
+            "bidirectional encoder, post-LayerNorm, masked-language-model objective (models/encoder.py)"
+        },
     )
     num_layers: int = field(default=4, metadata={"help": "transformer blocks"})
     num_heads: int = field(default=4, metadata={"help": "attention (query) heads"})
@@ -55,6 +59,12 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
+    type_vocab_size: int = field(
+        default=2,
+        metadata={
+            "help": "bert: token-type (segment) embeddings; training feeds type 0 (single-segment text)"
+        },
+    )
     init_from: str | None = field(
         default=None,
         metadata={
@@ -79,6 +89,7 @@ class ModelConfig:
         check_positive("vocab_size", self.vocab_size)
         check_positive("norm_eps", self.norm_eps)
         check_positive("rope_theta", self.rope_theta)
+        check_positive("type_vocab_size", self.type_vocab_size)
         check_range("dropout", self.dropout, 0.0, 1.0)
         if self.dim % self.num_heads:
             raise ConfigError("dim", f"must be divisible by num_heads ({self.num_heads}), got {self.dim}")

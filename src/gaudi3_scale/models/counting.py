@@ -33,6 +33,8 @@ def _build_on_meta(cfg: ModelConfig) -> Transformer:
 
 def _lookup_only_embeddings(model: Transformer) -> list[torch.Tensor]:
     tables = [] if model.pos_embeddings is None else [model.pos_embeddings.weight]
+    if (types := getattr(model, "type_embeddings", None)) is not None:  # bert's segment table
+        tables.append(types.weight)
     if model.output.weight is not model.tok_embeddings.weight:
         tables.append(model.tok_embeddings.weight)
     return tables
@@ -56,7 +58,9 @@ def count_parameters(
     assert cfg.vocab_size is not None  # build_model refused an unresolved vocabulary
     padding_rows = cfg.padded_vocab_size - cfg.vocab_size
     vocab_tables = {id(model.tok_embeddings.weight), id(model.output.weight)}
-    return sum(p.numel() - (padding_rows * cfg.dim if id(p) in vocab_tables else 0) for p in params)
+    if model.output.bias is not None:  # bert's decoder bias: one padding entry per padding row
+        vocab_tables.add(id(model.output.bias))
+    return sum(p.numel() - (padding_rows * p[0].numel() if id(p) in vocab_tables else 0) for p in params)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:

@@ -7,6 +7,8 @@ it lives with the model code it describes.
            `permute_rope_rows`).
     GPT-2  `GPT2LMHeadModel`: Conv1D weights stored transposed ([in, out]); `c_attn` fuses q, k and v along its
            output dimension; learned positions `wpe`; the head is tied to `wte`; `gelu_new` is GELU's tanh form.
+    BERT   `BertForMaskedLM`: one tensor per parameter under `bert.` and `cls.predictions.`; the decoder weight is
+           tied to the word embeddings, its bias stored once as `cls.predictions.bias`; no pooler.
 
 A `Source` says where one of our parameters is in a checkpoint, so a rank can read just the rectangle it holds.
 """
@@ -32,7 +34,7 @@ __all__ = [
     "to_hf_llama",
 ]
 
-HF_MODEL_TYPES = ("llama", "gpt2")  # config.json model_type values we can compute exactly
+HF_MODEL_TYPES = ("llama", "gpt2", "bert")  # config.json model_type values we can compute exactly
 
 # Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
 # inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
@@ -84,12 +86,16 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
     `prefix` is what GPT-2 names start with (`transformer.` as transformers saves them; "" in the original OpenAI
     conversion). A tied head has no entry: it is the embedding.
     """
+    from gaudi3_scale.models.hf_bert import bert_name  # it imports this module
+
     params = _parameter_names(cfg)
     sources: dict[str, Source] = {}
     for name in params:
         module, param = name.rsplit(".", 1)
         index, inner = _split_layer(module)
-        if model_type == "llama":
+        if model_type == "bert":
+            sources[name] = Source(bert_name(name, tied=cfg.tie_embeddings))
+        elif model_type == "llama":
             hf_module = f"model.layers.{index}.{_LLAMA_LAYER[inner]}" if index else _LLAMA_TOP[inner]
             heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner, 0)
             sources[name] = Source(f"{hf_module}.{param}", rope_heads=heads)
@@ -121,10 +127,10 @@ def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dic
 
 
 def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from gaudi3_scale.models.transformer import Transformer
+    from gaudi3_scale.models.transformer import model_class
 
     with torch.device("meta"):  # shapes only
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}  # the tied head is listed once
 
 
@@ -199,13 +205,15 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
 
     The vocabulary is the embedding's rows, padding included (`pad_vocab_to_multiple` 1).
     """
+    from gaudi3_scale.models.hf_bert import bert_fields  # it imports this module
+
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise UserInputError(
             f"{where}: model_type {model_type!r} is not supported; allowed: Llama (LlamaForCausalLM, model_type "
-            "'llama') and GPT-2 (GPT2LMHeadModel, model_type 'gpt2')"
+            "'llama'), GPT-2 (GPT2LMHeadModel, model_type 'gpt2') and BERT (BertForMaskedLM, model_type 'bert')"
         )
-    build = _llama_fields if model_type == "llama" else _gpt2_fields
+    build = {"llama": _llama_fields, "gpt2": _gpt2_fields, "bert": bert_fields}[model_type]
     fields = build(config, where)
     try:
         return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)

@@ -1,7 +1,7 @@
 """Pretrained checkpoint directories (`model.init_from`, serving an export): what one is, checked before use.
 
 A checkpoint directory is a Hugging Face one (`config.json` + `model.safetensors`, or shards listed in
-`model.safetensors.index.json`; Llama or GPT-2) or a `gaudi3 ckpt export` one (`--format safetensors`:
+`model.safetensors.index.json`; Llama, GPT-2 or BertForMaskedLM) or a `gaudi3 ckpt export` one (`--format safetensors`:
 `model_config.json` + our names; `--format hf` is a Hugging Face Llama directory). `open_pretrained` checks it —
 configs, every shard present and readable, every tensor there with the right shape — reading only headers;
 `pretrained_model_fields` is the model section `model.init_from` decides. Filling a model built from the config,
@@ -23,7 +23,7 @@ from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.common.init import logical_shape
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, stored_shapes
-from gaudi3_scale.models.transformer import Transformer
+from gaudi3_scale.models.transformer import model_class
 
 __all__ = [
     "HF_CONFIG_NAME",
@@ -114,7 +114,7 @@ def read_pretrained_config(
 
 # What the checkpoint decides; the rest of the model section (name, dropout, vocabulary padding) is the run's.
 SHAPE_FIELDS = ("arch", "num_layers", "num_heads", "num_kv_heads", "activation", "dim", "ffn_dim", "vocab_size",
-                "bias", "norm_eps", "rope_theta", "tie_embeddings")  # fmt: skip
+                "bias", "norm_eps", "rope_theta", "tie_embeddings", "type_vocab_size")  # fmt: skip
 
 
 def pretrained_model_fields(init_from: str, explicit: Mapping[str, Any]) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def pretrained_model_fields(init_from: str, explicit: Mapping[str, Any]) -> dict
     effective = {"num_kv_heads": lambda v: v or config.num_heads, "ffn_dim": lambda v: v or 4 * config.dim}
     wanted = {"num_kv_heads": config.kv_heads, "ffn_dim": config.hidden_dim}
     for name in SHAPE_FIELDS:
-        if name not in explicit or (name == "activation" and config.arch != "gpt2"):
+        if name not in explicit or (name == "activation" and config.arch == "llama"):
             continue
         value = effective.get(name, lambda v: v)(explicit[name])
         if value != wanted.get(name, fields[name]):
@@ -151,7 +151,7 @@ def pretrained_model_fields(init_from: str, explicit: Mapping[str, Any]) -> dict
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name → shape for `cfg` (built on meta; a tied head listed once)."""
     with torch.device("meta"):
-        return {name: logical_shape(p) for name, p in Transformer(cfg).named_parameters()}
+        return {name: logical_shape(p) for name, p in model_class(cfg)(cfg).named_parameters()}
 
 
 def _tensor_files(directory: Path, field_name: str) -> dict[str, Path]:

@@ -60,6 +60,16 @@ PRESETS: list[dict[str, Any]] = [
     # and RoPE, for tests and smoke runs. ffn_dim = 3·dim, near Llama's 8/3·dim.
     dict(name="llama-tiny", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, dim=64, ffn_dim=192,
          context_length=64, vocab_size=None, dropout=0.0, bias=False, tie_embeddings=False),
+    # BERT-base: Devlin et al. 2018 (arXiv:1810.04805) §3, "L=12, H=768, A=12, Total Parameters=110M", feed-forward
+    # 4H, dropout 0.1 on all layers (§A.2); vocab 30522, 512 positions, 2 token types and LayerNorm eps 1e-12 from
+    # HF google-bert/bert-base-uncased config.json. Counted with its MLM head and without the NSP pooler:
+    # 109,514,298, HF BertForMaskedLM's count (tests/unit/test_models_encoder.py).
+    dict(name="bert-base", arch="bert", num_layers=12, num_heads=12, dim=768, ffn_dim=3072, vocab_size=30522,
+         context_length=512, type_vocab_size=2, dropout=0.1, bias=True, tie_embeddings=True, norm_eps=1e-12),
+    # The shape of BERT-Tiny (Turc et al. 2019, arXiv:1908.08962, L=2, H=128, A=2) with a short context and the
+    # vocabulary of the data: the encoder for CPU tests and smoke runs.
+    dict(name="bert-tiny", arch="bert", num_layers=2, num_heads=2, dim=128, ffn_dim=512, vocab_size=None,
+         context_length=64, dropout=0.0, bias=True, tie_embeddings=True, norm_eps=1e-12),
 ]  # fmt: skip
 
 _MODELS: dict[str, ModelConfig] = {}

@@ -22,7 +22,7 @@ from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout
 from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.config import ModelConfig
 
-__all__ = ["Transformer", "TransformerBlock", "build_model"]
+__all__ = ["Transformer", "TransformerBlock", "build_model", "model_class"]
 
 # nanoGPT `_init_weights` / GPT-2 paper §2.3: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2·L).
 INIT_STD = 0.02
@@ -165,7 +165,17 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
         raise ValueError(
             f"model {cfg.name!r} has vocab_size null; resolve it from the dataset first (cfg.resolve_vocab(n))"
         )
-    model = Transformer(cfg)
+    model = model_class(cfg)(cfg)
     if model.tok_embeddings.weight.device.type != "meta":
         model.init_weights(seed)
     return model
+
+
+def model_class(cfg: ModelConfig) -> type[Transformer]:
+    """The module class `cfg.arch` builds: `Transformer` for the decoders, its `models.encoder.Encoder` subclass for
+    bert (imported here, not at the top: encoder imports this module)."""
+    if cfg.arch == "bert":
+        from gaudi3_scale.models.encoder import Encoder
+
+        return Encoder
+    return Transformer

@@ -56,6 +56,7 @@ METRIC_NAMES: dict[str, str] = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "val_loss": "val/loss",
+    "val_mlm_accuracy": "val/mlm_accuracy",
     "tokens_per_s": "perf/tokens_per_s",
     "samples_per_s": "perf/samples_per_s",
     "step_time_s": "perf/step_time_s",
@@ -77,7 +78,7 @@ METRIC_NAMES: dict[str, str] = {
 
 # Logged by the LightningModule itself (`self.log("val/loss")`), which Lightning passes on to the loggers: not
 # forwarded a second time.
-_LOGGED_BY_MODULE = frozenset({"val_loss"})
+_LOGGED_BY_MODULE = frozenset({"val_loss", "val_mlm_accuracy"})
 
 
 class _Listeners(Protocol):

@@ -86,7 +86,10 @@ def load_served_model(
 
     if source.kind == "export":
         from gaudi3_scale.artifacts.export import load_exported
+        from gaudi3_scale.artifacts.inference import refuse_encoder
+        from gaudi3_scale.models.pretrained import read_pretrained_config
 
+        refuse_encoder(read_pretrained_config(source.path, field_name="export")[0], source.path)
         model: nn.Module = load_exported(source.path)
         tokenizer = load_tokenizer(_export_tokenizer_dir(source.path, tokenizer_dir))
     else:

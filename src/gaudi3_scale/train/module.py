@@ -1,4 +1,4 @@
-"""LightningModule for registry language models.
+"""LightningModule for registry language models: next-token prediction, or masked-language modelling for arch bert.
 
 Optimization is manual: Lightning's automatic path wraps every step in a closure and several hook layers, which on
 a small model costs more than the 3 % framework overhead we allow. Doing accumulation, clipping and the LR schedule
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY
+from gaudi3_scale.data.mlm import IGNORE_INDEX
 from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
 from gaudi3_scale.distributed.parallelize import build_parallelized
@@ -35,6 +36,7 @@ __all__ = [
     "RNG_KEY",
     "LanguageModel",
     "capture_rng_state",
+    "masked_lm_loss",
     "next_token_loss",
     "restore_rng_state",
 ]
@@ -66,6 +68,20 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
     """Mean cross-entropy of the next-token logits (over the padded vocabulary: padding rows learn to lose)."""
     logits = model(tokens)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def masked_lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the masked positions only: `labels` is IGNORE_INDEX everywhere else (data.mlm)."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX)
+
+
+def masked_lm_metrics(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, accuracy) over the masked positions: accuracy is how often the top logit is the original token."""
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX)
+    selected = labels != IGNORE_INDEX
+    accuracy = (logits.argmax(-1)[selected] == labels[selected]).float().mean()
+    return loss, accuracy
 
 
 # Plain attributes set on every step: `_current_fx_name` by Lightning, twice around each of its 16 hook calls a step
@@ -154,7 +170,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             self.model_cfg,
             plan,
             seed=self.seed,
-            loss=next_token_loss,
+            loss=masked_lm_loss if self.model_cfg.arch == "bert" else next_token_loss,
             mesh=self.device_mesh if plan.shards_parameters else None,  # also the tensor-parallel one
             device=self.trainer.strategy.root_device if plan.shards_parameters else None,
             init_weights=init_weights,
@@ -250,9 +266,16 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         state.loss = loss.detach()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        with self._step_context():
-            loss = self._loss(batch)
-        self.log("val/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch[0].size(0))
+        size = batch[0].size(0)
+        if self.model_cfg.arch == "bert":  # batch = (masked inputs, labels): loss and accuracy, one forward
+            assert self.model is not None
+            with self._step_context():
+                loss, accuracy = masked_lm_metrics(self.model(batch[0]), batch[1])
+            self.log("val/mlm_accuracy", accuracy, on_epoch=True, sync_dist=True, batch_size=size)
+        else:
+            with self._step_context():
+                loss = self._loss(batch)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True, batch_size=size)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() runs before configure_optimizers()"

@@ -148,6 +148,9 @@ class RunMetrics(pl.Callback):
         if val is None or trainer.sanity_checking:
             return
         record = {"step": trainer.global_step, "val_loss": float(val)}
+        accuracy = trainer.callback_metrics.get("val/mlm_accuracy")  # arch bert
+        if accuracy is not None:
+            record["val_mlm_accuracy"] = float(accuracy)
         self.latest["val_loss"] = record["val_loss"]
         self.latest["val_loss_step"] = record["step"]
         self._write(trainer, record)

@@ -27,6 +27,7 @@ from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import TrainingData, open_training_data
+from gaudi3_scale.data.mlm import MlmMasking, mlm_vocabulary
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -142,7 +143,12 @@ class GaudiTrainer:
         cfg = self.config
         prepared = open_training_data(cfg.data, progress=self.progress)
         self._data_sha256 = prepared.tokens_sha256
-        vocab = prepared.vocab_size
+        vocab, masking = prepared.vocab_size, None
+        if (
+            cfg.model.arch == "bert"
+        ):  # MLM: special tokens after the text vocabulary, batches masked (data.mlm)
+            mlm = mlm_vocabulary(prepared.tokenizer)
+            vocab, masking = mlm.vocab_size, MlmMasking(mlm, cfg.data.mlm_mask_rate, cfg.seed)
         if (
             cfg.model.init_from is not None
             and cfg.model.vocab_size is not None
@@ -186,6 +192,7 @@ class GaudiTrainer:
             loader_workers=cfg.data.loader_workers,
             tp_size=parallel.tp_size,
             prefetch_shards=cfg.data.prefetch_shards,
+            masking=masking,
         )
         if _global_rank() == 0:
             tokenizer_dir = self.out_dir / "tokenizer"

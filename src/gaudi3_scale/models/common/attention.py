@@ -1,4 +1,5 @@
-"""Causal self-attention with grouped-query heads (Ainslie et al. 2023, arXiv:2305.13245) and optional RoPE."""
+"""Self-attention with grouped-query heads (Ainslie et al. 2023, arXiv:2305.13245) and optional RoPE; causal for the
+decoders, bidirectional (`causal=False`) for the BERT encoder."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ __all__ = ["Attention"]
 
 
 class Attention(nn.Module):
-    """Multi-head causal attention; `num_kv_heads < num_heads` shares each key/value head across a query group.
+    """Multi-head attention, causal unless `causal=False`; `num_kv_heads < num_heads` shares each key/value head across
+    a query group.
 
     Separate `wq` / `wk` / `wv` projections (torchtitan's layout) rather than one fused matrix, so tensor parallel
     can shard each column-wise and Meta/HF checkpoints map one-to-one. `wo` is the residual output projection.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
@@ -44,7 +47,7 @@ class Attention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
             dropout_p=self.attn_dropout_p if self.training else 0.0,
-            is_causal=True,
+            is_causal=self.causal,
             enable_gqa=self.enable_gqa,
         )
         return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(batch, seq_len, -1)))

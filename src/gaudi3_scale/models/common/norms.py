@@ -10,8 +10,9 @@ __all__ = ["build_dropout", "build_norm"]
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm for GPT-2 (Radford et al. 2019), RMSNorm for Llama (Zhang & Sennrich 2019; Touvron et al. 2023)."""
-    if cfg.arch == "gpt2":
+    """LayerNorm for GPT-2 (Radford et al. 2019) and BERT (Devlin et al. 2018), RMSNorm for Llama (Zhang & Sennrich
+    2019; Touvron et al. 2023)."""
+    if cfg.arch in ("gpt2", "bert"):
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
     return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
