@@ -290,6 +290,22 @@ def test_cached_decoder_frees_and_reuses_slots(static_shapes: bool) -> None:
     assert cached._keys == [2, 1, 3]
 
 
+def test_static_decode_step_is_one_graph_for_every_step() -> None:
+    """What `--kv-cache static` is for: torch.compile captures the decode step whole (fullgraph), once for all
+    steps (positions change, shapes do not), and it computes what the eager step does."""
+    cfg = replace(get_model_config("llama-tiny"), vocab_size=256, context_length=16, num_layers=2)
+    model = build_model(cfg, seed=0).eval()
+    eager, captured = (CachedDecoder(model, 256, 3, static_shapes=True) for _ in range(2))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(captured.decode_step, backend="eager", fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for position in range(3):
+            tokens, positions = torch.tensor([[1], [2], [3 + position]]), torch.tensor([[position]] * 3)
+            assert torch.equal(step(tokens, positions, 16), eager.decode_step(tokens, positions, 16))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     generator = torch.Generator().manual_seed(0)
