@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from rich.table import Table
 from gaudi3_scale.artifacts.export import export_checkpoint
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.data.tokenizers import ByteTokenizer
-from gaudi3_scale.models import build_model, count_parameters, get_model_config
+from gaudi3_scale.models import ModelConfig, build_model, count_parameters, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train.module import CONFIG_KEY
 
@@ -57,9 +58,9 @@ CLIENTS = (1, 4, 16)
 SERVING = re.compile(r"^serving \S+ \(([\d,]+) parameters\) on http://127\.0\.0\.1:(\d+)$")
 
 
-def _build_export(directory: Path) -> Path:
-    """A random-weight model of the preset as a `gaudi3 ckpt export --format safetensors` directory."""
-    cfg = replace(get_model_config(PRESET), vocab_size=ByteTokenizer().vocab_size)
+def _build_export(directory: Path, cfg: ModelConfig | None = None) -> Path:
+    """A random-weight model (default: the preset's shape) as a `gaudi3 ckpt export --format safetensors` dir."""
+    cfg = cfg or replace(get_model_config(PRESET), vocab_size=ByteTokenizer().vocab_size)
     model = build_model(cfg, seed=0)
     # A plain Lightning-style checkpoint file: what `gaudi3 train` writes, minus the optimizer state.
     checkpoint = directory / "random.ckpt"
@@ -72,9 +73,11 @@ def _build_export(directory: Path) -> Path:
     return directory / "export"
 
 
-def _start_server(export: Path, batch_size: int, log: Path) -> tuple[subprocess.Popen[str], int]:
+def _start_server(
+    export: Path, batch_size: int, log: Path, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], int]:
     cmd = [sys.executable, "-m", "gaudi3_scale.cli", "serve", str(export), "--port", "0",
-           "--max-batch-size", str(batch_size)]  # fmt: skip
+           "--max-batch-size", str(batch_size), *extra]  # fmt: skip
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
@@ -92,9 +95,11 @@ def _post(port: int, path: str, body: dict[str, Any] | None = None) -> dict[str,
         return json.loads(resp.read())
 
 
-def _complete(port: int, prompt: str, seed: int) -> tuple[float, int, str | None]:
+def _complete(
+    port: int, prompt: str, seed: int, max_tokens: int = MAX_TOKENS
+) -> tuple[float, int, str | None]:
     """(latency s, completion tokens, the problem if the response is not a complete 200)."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": seed}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed}
     start = time.perf_counter()
     try:
         answer = _post(port, "/v1/completions", body)
@@ -102,12 +107,17 @@ def _complete(port: int, prompt: str, seed: int) -> tuple[float, int, str | None
         return time.perf_counter() - start, 0, f"{type(exc).__name__}: {exc}"
     latency = time.perf_counter() - start
     tokens, choice = answer["usage"]["completion_tokens"], answer["choices"][0]
-    if tokens != MAX_TOKENS or choice["finish_reason"] != "length" or not choice["text"]:
+    if tokens != max_tokens or choice["finish_reason"] != "length" or not choice["text"]:
         return latency, tokens, f"incomplete: {tokens} tokens, finish_reason {choice['finish_reason']}"
     return latency, tokens, None
 
 
-def _run_clients(port: int, clients: int, requests: int, progress: Progress, task: Any) -> dict[str, Any]:
+def _prompt(client: int, request: int) -> str:
+    return f"Client {client}, request {request}:\n"
+
+
+def _run_clients(port: int, clients: int, requests: int, progress: Progress, task: Any,
+                 prompt: Callable[[int, int], str] = _prompt, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:  # fmt: skip
     """One round: `clients` threads, each sending `requests` completions back to back."""
     before = _post(port, "/health")["engine"]
     results: list[tuple[float, int, str | None]] = []
@@ -115,7 +125,7 @@ def _run_clients(port: int, clients: int, requests: int, progress: Progress, tas
 
     def client(index: int) -> None:
         for i in range(requests):
-            outcome = _complete(port, f"Client {index}, request {i}:\n", seed=1000 * index + i)
+            outcome = _complete(port, prompt(index, i), seed=1000 * index + i, max_tokens=max_tokens)
             with lock:
                 results.append(outcome)
             progress.advance(task)

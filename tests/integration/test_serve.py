@@ -36,7 +36,8 @@ from gaudi3_scale.data.tokenizers import ByteTokenizer
 from gaudi3_scale.models import build_model, count_parameters, get_model_config
 from gaudi3_scale.models.generate import generate, sample_next_token
 from gaudi3_scale.serve import loading
-from gaudi3_scale.serve.engine import Engine, last_position_logits
+from gaudi3_scale.serve.decoding import CachedDecoder, RecomputeDecoder, last_position_logits
+from gaudi3_scale.serve.engine import Engine
 from gaudi3_scale.serve.protocol import CompletionRequest
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 
@@ -148,6 +149,8 @@ def servers(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "tiny-export",
         "--client-timeout-s",
         str(CLIENT_TIMEOUT_S),
+        "--kv-cache",
+        "static",  # the run's server uses the default, dynamic
     ]
     procs = [  # started together: their imports overlap
         _start([str(run_dir), "--max-batch-size", "4"], logs / "run.err"),
@@ -230,6 +233,77 @@ def test_engine_batches_requests_exactly_like_generate_alone() -> None:
     assert stats.largest_batch == 4 and stats.completed_requests == 6
     assert stats.generated_tokens == sum(c[1] for c in cases)
     assert stats.decode_steps < stats.generated_tokens / 2  # batching: far fewer forwards than tokens
+
+
+def _engine_texts(model: torch.nn.Module, kv_cache: str, cases: list[tuple[str, int, float]]) -> list[str]:
+    tok = ByteTokenizer()
+    engine = Engine(model, tok, max_batch_size=3, max_queue=8, kv_cache=kv_cache).start()  # type: ignore[arg-type]
+    completions = []
+    for seed, (prompt, max_tokens, temperature) in enumerate(cases):
+        request = CompletionRequest(model="m", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                    top_p=None, top_k=None, seed=seed, stream=False, stop=(), echo=False)  # fmt: skip
+        completions.append(engine.submit(tok.encode(prompt), request))
+    texts = ["".join(d.text for d in c.deltas()) for c in completions]
+    assert engine.close(grace_s=5.0) == 0
+    return texts
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "shakespeare-char"])
+def test_kv_cache_engines_give_the_tokens_of_the_recompute_engine(name: str) -> None:
+    """5 requests through 3 slots: two join mid-batch into freed (reused) slots, one prompt fills the context (16)
+    and two run past it (recomputed from there); greedy and seeded sampling. Static shapes = dynamic = off."""
+    model = _random_model(name)
+    cases = [
+        ("abc", 20, 0.0),
+        ("a prompt of 16 b", 4, 0.0),
+        ("x", 6, 0.9),
+        ("joins later", 9, 0.0),
+        ("zz", 3, 1.0),
+    ]
+    texts = {mode: _engine_texts(model, mode, cases) for mode in ("off", "dynamic", "static")}
+    assert texts["dynamic"] == texts["off"]
+    assert texts["static"] == texts["off"]
+    assert len(set(texts["off"])) == len(cases)  # five different completions, none empty
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_cached_decoder_frees_and_reuses_slots(static_shapes: bool) -> None:
+    """Slots stay contiguous: when a request leaves, the last one moves into its slot and keeps decoding right; a
+    request joining a running batch takes the freed slot (static shapes: idle slots decode too, and must not
+    disturb it)."""
+    model = _random_model("llama-tiny")
+    cached = CachedDecoder(model, 256, 3, static_shapes=static_shapes)
+    recompute = RecomputeDecoder(model, 256)
+    rows = {0: [5, 6, 7], 1: [8, 9], 2: [10, 11, 12, 13]}
+    with torch.inference_mode():
+        for step in range(6):
+            if step == 2:
+                del rows[0]  # request 0 ends: request 2 moves from slot 2 into slot 0
+            if step == 3:
+                rows[3] = [1, 2]  # and a new one takes the freed slot
+            batch = sorted(rows.items())
+            got, want = cached.next_logits(batch), recompute.next_logits(batch)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            assert cached.slots_in_use == len(rows)
+            for key, tokens in rows.items():
+                tokens.append(int(want[[k for k, _ in batch].index(key)].argmax()))
+    assert cached._keys == [2, 1, 3]
+
+
+def test_static_decode_step_is_one_graph_for_every_step() -> None:
+    """What `--kv-cache static` is for: torch.compile captures the decode step whole (fullgraph), once for all
+    steps (positions change, shapes do not), and it computes what the eager step does."""
+    cfg = replace(get_model_config("llama-tiny"), vocab_size=256, context_length=16, num_layers=2)
+    model = build_model(cfg, seed=0).eval()
+    eager, captured = (CachedDecoder(model, 256, 3, static_shapes=True) for _ in range(2))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(captured.decode_step, backend="eager", fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for position in range(3):
+            tokens, positions = torch.tensor([[1], [2], [3 + position]]), torch.tensor([[position]] * 3)
+            assert torch.equal(step(tokens, positions, 16), eager.decode_step(tokens, positions, 16))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
@@ -506,6 +580,7 @@ def test_safetensors_export_loads_the_checkpoints_model(run_dir: Path) -> None:
 
 
 def test_hf_export_serves_the_same_model(export_server: Server, server: Server) -> None:
+    """The same text from the export served with a static-shape KV cache as from the run with a dynamic one."""
     assert export_server.name == "tiny-export" and export_server.health()["model"] == "tiny-export"
     body = {"prompt": "Speak, speak.", "max_tokens": 16, "temperature": 0}
     assert (export_server.complete(**body)["choices"][0]["text"]

@@ -1,6 +1,8 @@
-"""Sampling: argument checks, determinism under a seeded generator, greedy decoding, context cropping."""
+"""Sampling: argument checks, determinism under a seeded generator, greedy decoding, context cropping, KV cache."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +51,21 @@ def test_temperature_zero_is_greedy_and_top_k_one_matches_it(model: Transformer)
         model, _prompt(), max_new_tokens=30, top_k=1, generator=torch.Generator().manual_seed(0)
     )
     assert torch.equal(sampled, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_heads"), [("shakespeare-char", None), ("llama-tiny", 1)]
+)  # gpt2; llama GQA
+def test_kv_cache_gives_the_tokens_of_recomputing(name: str, kv_heads: int | None) -> None:
+    """Greedy and seeded: 2 prompts of 5 tokens, 20 new ones, context 16 (the last 9 steps run past it)."""
+    cfg = replace(get_model_config(name).resolve_vocab(65), context_length=16, num_kv_heads=kv_heads)
+    model = build_model(cfg, seed=0).eval()
+    prompt = torch.randint(0, 65, (2, 5), generator=torch.Generator().manual_seed(1))
+    for temperature in (0.0, 1.0):
+        out = {use_cache: generate(model, prompt, max_new_tokens=20, temperature=temperature, use_cache=use_cache,
+                                   generator=torch.Generator().manual_seed(3)) for use_cache in (True, False)}  # fmt: skip
+        assert torch.equal(out[True], out[False]), temperature
+    assert not torch.equal(out[True][0], out[True][1])  # the rows are two different sequences
 
 
 def test_padding_rows_are_never_sampled() -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from gaudi3_scale.cli.options import Count, Number, Port
 from gaudi3_scale.config.errors import UserInputError
+
+if TYPE_CHECKING:
+    from gaudi3_scale.serve.decoding import KvCacheMode
 
 __all__ = ["serve"]
 
@@ -25,6 +29,10 @@ MAX_CLIENT_TIMEOUT_S = 3600.0
               help="requests decoded together in one forward pass")  # fmt: skip
 @click.option("--max-queue", type=Count(), default=64, show_default=True,
               help="requests waiting for a batch slot; more are refused with 503")  # fmt: skip
+@click.option("--kv-cache", type=click.Choice(["dynamic", "static", "off"]), default="dynamic", show_default=True,
+              help="dynamic: a KV cache slot per request, each decode step as wide as the batch; static: every "
+                   "step decodes all --max-batch-size slots over the whole context (fixed shapes, for CUDA graphs); "
+                   "off: recompute the context at every token")  # fmt: skip
 @click.option("--max-prompt-tokens", type=Count(), default=None,
               help="longest prompt in tokens (default: the model's context length)")  # fmt: skip
 @click.option("--max-tokens-limit", type=Count(), default=512, show_default=True,
@@ -45,6 +53,7 @@ def serve(
     port: int,
     max_batch_size: int,
     max_queue: int,
+    kv_cache: KvCacheMode,
     max_prompt_tokens: int | None,
     max_tokens_limit: int,
     client_timeout_s: float,
@@ -74,7 +83,7 @@ def serve(
                          client_timeout_s=client_timeout_s)  # fmt: skip
     try:
         app = build_app(source, tokenizer_dir=tokenizer_dir, name=name, max_batch_size=max_batch_size,
-                        max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
+                        max_queue=max_queue, kv_cache=kv_cache, max_prompt_tokens=max_prompt_tokens,
                         max_tokens_limit=max_tokens_limit)  # fmt: skip
     except BaseException:
         server.server_close()

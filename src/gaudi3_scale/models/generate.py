@@ -1,6 +1,11 @@
-"""Autoregressive sampling, nanoGPT's `GPT.generate` with argument checks and a seedable generator.
+"""Autoregressive sampling, nanoGPT's `GPT.generate` with argument checks, a seedable generator and a KV cache.
 
-No KV cache: each new token re-runs the (cropped) context. Fine for the small models sampled on CPU here.
+With the cache (the default) the prompt runs once and each new token is one position wide. Past `context_length`
+the model sees only the last `context_length` tokens, at positions 0.. again, so every hidden state changes and no
+cached key is valid any more: from there each token recomputes that cropped window, exactly as `use_cache=False`
+does at every step. The policy keeps the two paths equal (greedy tokens are the same) at the price of the cache's
+speed once a sequence outgrows the context; a sliding window that kept old keys would be faster but would give
+other tokens than the model was trained to give.
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gaudi3_scale.models.common.kv_cache import KVCache
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["generate", "sample_next_token"]
@@ -74,22 +80,44 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> torch.Tensor:
     """Extend `prompt` [batch, T0] by `max_new_tokens` sampled tokens; returns [batch, T0 + max_new_tokens].
 
     temperature 0 is greedy (argmax); top_k keeps only the k most likely tokens. The model runs in eval mode
     (restored afterwards) and sees at most its last `context_length` tokens. Padding rows of the vocabulary are
-    never sampled.
+    never sampled. `use_cache=False` re-runs the (cropped) context for every token: the reference the cache is
+    tested against.
     """
     _check_args(prompt, max_new_tokens, temperature, top_k)
     cfg = _model_config(model)
     was_training = model.training
     model.eval()
     tokens = prompt
+    # The longest sequence fed with a cache is prompt + max_new_tokens - 1 tokens, and never past the context.
+    capacity = min(cfg.context_length, prompt.shape[1] + max_new_tokens - 1)
+    use_cache = use_cache and prompt.shape[1] < capacity
+    cache = KVCache.for_model(model, prompt.shape[0], capacity=capacity) if use_cache else None
+    cached = 0  # leading tokens whose keys and values the cache holds
     try:
         for _ in range(max_new_tokens):
-            logits = model(tokens[:, -cfg.context_length :])[:, -1, : cfg.vocab_size].float()
+            logits = _next_logits(model, tokens, cache, cached, cfg.context_length)[
+                :, : cfg.vocab_size
+            ].float()
+            cached = tokens.shape[1]
             tokens = torch.cat((tokens, sample_next_token(logits, temperature, top_k, generator)), dim=1)
     finally:
         model.train(was_training)
     return tokens
+
+
+def _next_logits(
+    model: nn.Module, tokens: torch.Tensor, cache: KVCache | None, cached: int, context_length: int
+) -> torch.Tensor:
+    """Logits [batch, vocab] after `tokens`; with a cache only the tokens it does not hold yet run (see the
+    module docstring for what happens past the context)."""
+    length = tokens.shape[1]
+    if cache is None or length > context_length:
+        return model(tokens[:, -context_length:])[:, -1]
+    positions = torch.arange(cached, length, device=tokens.device).expand(tokens.shape[0], -1)
+    return model(tokens[:, cached:], cache.step(positions, key_length=length))[:, -1]

@@ -20,6 +20,7 @@ from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
 from gaudi3_scale.models.common.init import fill_normal
+from gaudi3_scale.models.common.kv_cache import CacheStep, LayerCache
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["Transformer", "TransformerBlock", "build_model", "model_class"]
@@ -40,8 +41,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.feed_forward = _MLPS[cfg.arch](cfg)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor | None = None, kv_cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope_cache, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def residual_projections(self) -> list[nn.Linear]:
@@ -73,20 +76,27 @@ class Transformer(nn.Module):
         )
         self.register_buffer("rope_cache", rope, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: int64 [batch, seq] → logits [batch, seq, padded_vocab_size]."""
+    def forward(self, tokens: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
+        """tokens: int64 [batch, seq] → logits [batch, seq, padded_vocab_size].
+
+        With `cache` (models/common/kv_cache.py) the tokens are the NEW ones of each row, at `cache.positions`; they
+        attend to the row's cached keys too, and their own keys/values are stored. Without it (training) the
+        positions are 0..seq-1 and nothing else is done."""
         seq_len = tokens.shape[1]
         if seq_len > self.config.context_length:
             raise ValueError(
                 f"sequence of {seq_len} tokens exceeds context_length {self.config.context_length}"
             )
         h = self.tok_embeddings(tokens)
+        where = (
+            slice(seq_len) if cache is None else cache.positions
+        )  # a slice, not an arange + gather per step
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings.weight[:seq_len]  # a slice, not an arange + gather per step
+            h = h + self.pos_embeddings.weight[where]
         h = self.dropout(h)
-        rope = self.rope_cache[:seq_len] if self.rope_cache is not None else None
-        for layer in self.layers:
-            h = layer(h, rope)
+        rope = self.rope_cache[where] if self.rope_cache is not None else None
+        for index, layer in enumerate(self.layers):
+            h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(index))
         return self.output(self.norm(h))
 
     def _tie_weights(self) -> None:

@@ -3,6 +3,7 @@
     protocol   request validation, response / error / stream bodies (no torch)
     text       incremental detokenization and stop strings (no torch)
     engine     the decode thread: iteration-level batching, per-request sampling
+    decoding   next-token logits of the batch: a KV cache slot per request, or the context recomputed
     loading    what can be served (run, checkpoint, safetensors export) and loading it
     server     HTTP handler on `http.server.ThreadingHTTPServer`
     lifecycle  bind, serve until SIGTERM / SIGINT, drain
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 from gaudi3_scale.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from gaudi3_scale.serve.engine import Engine, last_position_logits
+    from gaudi3_scale.serve.decoding import last_position_logits
+    from gaudi3_scale.serve.engine import Engine
     from gaudi3_scale.serve.loading import ServedModel, load_served_model, resolve_source
     from gaudi3_scale.serve.protocol import CompletionRequest, RequestError, parse_completion_request
 
@@ -37,7 +39,7 @@ _LAZY = {
     "RequestError": "gaudi3_scale.serve.protocol",
     "parse_completion_request": "gaudi3_scale.serve.protocol",
     "Engine": "gaudi3_scale.serve.engine",
-    "last_position_logits": "gaudi3_scale.serve.engine",
+    "last_position_logits": "gaudi3_scale.serve.decoding",
     "ServedModel": "gaudi3_scale.serve.loading",
     "load_served_model": "gaudi3_scale.serve.loading",
     "resolve_source": "gaudi3_scale.serve.loading",

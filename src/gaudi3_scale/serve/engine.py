@@ -1,11 +1,9 @@
 """The decode loop: one thread owns the model and batches every active request at each step (continuous batching).
 
 Iteration-level scheduling as in Orca (Yu et al., OSDI 2022): requests join the batch between decode steps and
-leave it as soon as they finish, so a short request never waits for a long one. Each step right-pads every row's
-last `context_length` tokens into one [B, T] batch and runs ONE forward. Attention is causal and every row's
-positions start at 0, so the padding after a row's last real token cannot change that token's logits: no attention
-mask is needed, and each row reads its logits at its own last real position. No KV cache: like
-`models.generate.generate`, every step re-reads the (cropped) context.
+leave it as soon as they finish, so a short request never waits for a long one. Each step gets every row's
+next-token logits from ONE decode forward (`serve/decoding.py`: a KV cache slot per request by default, or the
+whole context recomputed with `kv_cache="off"`), plus one prefill forward when requests joined.
 
 Sampling is per request with its own `torch.Generator`, so a seeded request gives the same tokens whatever it is
 batched with (up to float rounding of the batched matmuls, ~1e-7 here).
@@ -14,6 +12,7 @@ batched with (up to float rounding of the batched matmuls, ~1e-7 here).
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import secrets
 import sys
@@ -28,10 +27,11 @@ from torch import nn
 from gaudi3_scale.data.tokenizers import Tokenizer
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.generate import sample_next_token
+from gaudi3_scale.serve.decoding import KvCacheMode, build_decoder
 from gaudi3_scale.serve.protocol import CompletionRequest
 from gaudi3_scale.serve.text import TextStream
 
-__all__ = ["Completion", "Delta", "Engine", "EngineClosed", "QueueFull", "last_position_logits"]
+__all__ = ["Completion", "Delta", "Engine", "EngineClosed", "QueueFull"]
 
 
 class QueueFull(Exception):
@@ -90,6 +90,7 @@ class _Active:
     tokens: list[int]
     generator: torch.Generator
     text: TextStream
+    key: int  # unique while the engine runs: names the request's KV cache slot
     generated: int = 0
 
 
@@ -105,32 +106,30 @@ class EngineStats:
     queued_requests: int = 0
 
 
-def last_position_logits(model: nn.Module, contexts: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """Next-token logits [B, vocab_size] (float32) of every context, from ONE forward of the right-padded batch."""
-    device = next(model.parameters()).device
-    lengths = torch.tensor([len(c) for c in contexts], device=device)
-    batch = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long, device=device)
-    for row, context in enumerate(contexts):
-        batch[row, : len(context)] = torch.tensor(context, dtype=torch.long)
-    logits = model(batch)
-    rows = torch.arange(len(contexts), device=device)
-    return logits[rows, lengths - 1, :vocab_size].float()
-
-
 class Engine:
-    """Owns the model; `submit` queues a request (bounded), the decode thread batches up to `max_batch_size`."""
+    """Owns the model; `submit` queues a request (bounded), the decode thread batches up to `max_batch_size`.
+
+    `kv_cache`: "dynamic" (a cache slot per request, decode shapes follow the batch), "static" (every slot decoded
+    over the whole context at every step: fixed shapes) or "off" (recompute the context every step)."""
 
     def __init__(
-        self, model: nn.Module, tokenizer: Tokenizer, *, max_batch_size: int, max_queue: int
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        max_batch_size: int,
+        max_queue: int,
+        kv_cache: KvCacheMode = "dynamic",
     ) -> None:
         assert max_batch_size >= 1 and max_queue >= 1, (max_batch_size, max_queue)
         config = model.config
         assert isinstance(config, ModelConfig) and config.vocab_size is not None, "a model from build_model"
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.context_length = config.context_length
         # Never sample an id the tokenizer cannot decode (a model may pad its vocabulary beyond the tokenizer's).
         self.vocab_size = min(config.vocab_size, tokenizer.vocab_size)
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self._decoder = build_decoder(model, self.vocab_size, max_batch_size, kv_cache)
+        self._keys = itertools.count()
         self._pending: collections.deque[Completion] = collections.deque()
         self._active: list[_Active] = []
         self._wakeup = threading.Condition()
@@ -208,6 +207,7 @@ class Engine:
                                 Delta("", "error", state.generated, error=f"decode failed: {exc}")
                             )
                         self._active.clear()
+                        self._decoder.reset()
         finally:
             self._finished.set()
 
@@ -238,13 +238,12 @@ class Engine:
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         return _Active(completion, list(completion.prompt_ids), generator,
-                       TextStream(self.tokenizer.decode, request.stop))  # fmt: skip
+                       TextStream(self.tokenizer.decode, request.stop), next(self._keys))  # fmt: skip
 
     def _step(self) -> None:
         if not self._active:
             return
-        contexts = [state.tokens[-self.context_length :] for state in self._active]
-        logits = last_position_logits(self.model, contexts, self.vocab_size)
+        logits = self._decoder.next_logits([(state.key, state.tokens) for state in self._active])
         next_ids = []
         for row, state in enumerate(self._active):
             request = state.completion.request

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.serve.decoding import KvCacheMode
 from gaudi3_scale.serve.engine import Engine
 from gaudi3_scale.serve.loading import ModelSource, load_served_model
 from gaudi3_scale.serve.server import CLIENT_TIMEOUT_S, LISTEN_BACKLOG_MIN, CompletionServer, ServeApp
@@ -57,10 +58,12 @@ def build_app(
     max_queue: int,
     max_prompt_tokens: int | None,
     max_tokens_limit: int,
+    kv_cache: KvCacheMode = "dynamic",
 ) -> ServeApp:
     """Load the model; its engine is built, not yet running (`serve_until_signal` runs it)."""
     served = load_served_model(source, tokenizer_dir=tokenizer_dir, name=name)
-    engine = Engine(served.model, served.tokenizer, max_batch_size=max_batch_size, max_queue=max_queue)
+    engine = Engine(served.model, served.tokenizer, max_batch_size=max_batch_size, max_queue=max_queue,
+                    kv_cache=kv_cache)  # fmt: skip
     return ServeApp(
         engine=engine,
         served=served,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.models.common.kv_cache import LayerCache
 from gaudi3_scale.models.common.norms import build_dropout
 from gaudi3_scale.models.common.rope import apply_rope
 from gaudi3_scale.models.config import ModelConfig
@@ -34,7 +35,9 @@ class Attention(nn.Module):
         self.resid_dropout = build_dropout(cfg.dropout)
         self.enable_gqa = cfg.kv_heads != cfg.num_heads
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor | None = None, kv_cache: LayerCache | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: after tensor parallel shards wq/wk/wv, each rank holds only its local heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -42,6 +45,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         if rope_cache is not None:
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        if (
+            kv_cache is not None
+        ):  # decoding: attend to this sequence's cached keys too (models/common/kv_cache.py)
+            keys, values = kv_cache.update(k, v)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=kv_cache.mask, enable_gqa=self.enable_gqa
+            )
+            return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(batch, seq_len, -1)))
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),

@@ -24,11 +24,12 @@ def build_rope_cache(
 
 
 def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` of shape [batch, seq, heads, head_dim] by position; `rope_cache` is [seq, head_dim // 2, 2]."""
+    """Rotate `x` of shape [batch, seq, heads, head_dim] by position; `rope_cache` is [seq, head_dim // 2, 2], or
+    [batch, seq, head_dim // 2, 2] when each row has its own positions (decoding with a KV cache)."""
     # Rotate in float32 and cast back, as the reference does, so bf16 runs keep positional precision.
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    cos = rope_cache[:, None, :, 0]  # broadcast over heads
-    sin = rope_cache[:, None, :, 1]
+    cos = rope_cache[..., None, :, 0]  # broadcast over heads
+    sin = rope_cache[..., None, :, 1]
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
