@@ -151,7 +151,7 @@ def test_hf_bert_loads_with_transformers_logits(tmp_path: Path, tied: bool) -> N
     types = torch.randint(0, 3, (2, 40))
     with torch.no_grad():
         expected = hf(tokens, token_type_ids=types).logits
-        torch.testing.assert_close(ours(tokens, types), expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ours(tokens, token_types=types), expected, atol=ATOL, rtol=0)
         shorter = load_ours(
             tmp_path / "bert", context_length=16
         )  # model.init_from may ask for fewer positions

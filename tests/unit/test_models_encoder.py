@@ -67,8 +67,10 @@ def test_token_types_default_to_segment_0() -> None:
     model = _tiny()
     x = torch.randint(0, 65, (2, 16))
     with torch.no_grad():
-        assert torch.equal(model(x), model(x, torch.zeros_like(x)))
-        assert not torch.equal(model(x), model(x, torch.ones_like(x)))
+        assert torch.equal(model(x), model(x, token_types=torch.zeros_like(x)))
+        assert not torch.equal(model(x), model(x, token_types=torch.ones_like(x)))
+        with pytest.raises(ValueError, match="has no KV cache"):
+            model(x, object())  # type: ignore[arg-type]
 
 
 def test_bert_base_has_the_published_110m_parameters() -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, build_dropout, build_norm
+from gaudi3_scale.models.common.kv_cache import CacheStep
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.transformer import Transformer
 
@@ -87,8 +88,15 @@ class Encoder(Transformer):
         self._tie_weights()
         self.register_buffer("rope_cache", None, persistent=False)  # learned positions: no rotary cache
 
-    def forward(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (and token_types, default all 0): int64 [batch, seq] → logits [batch, seq, padded_vocab_size]."""
+    def forward(
+        self, tokens: torch.Tensor, cache: CacheStep | None = None, *, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (and token_types, default all 0): int64 [batch, seq] → logits [batch, seq, padded_vocab_size].
+        An encoder reads the whole sequence at once: there is no KV cache to pass."""
+        if cache is not None:
+            raise ValueError(
+                "an encoder (arch bert) has no KV cache: it attends both ways over the whole sequence"
+            )
         seq_len = tokens.shape[1]
         if seq_len > self.config.context_length:
             raise ValueError(
