@@ -37,7 +37,11 @@ _MODULES = (
     "gaudi3_scale.deploy.ci",
 )
 CONTAINERS = "containers"  # not a target: the image files every target's nodes run, rendered with each target
-TAKES_OPTIONS = {"k8s", "onprem", "ci"}  # targets that read `DeploySpec.extra` (--set KEY=VALUE); others refuse it
+TAKES_OPTIONS = {
+    "k8s",
+    "onprem",
+    "ci",
+}  # targets that read `DeploySpec.extra` (--set KEY=VALUE); others refuse it
 
 
 def register_renderer(target: str, renderer: Renderer) -> None:
