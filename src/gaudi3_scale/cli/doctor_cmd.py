@@ -105,5 +105,6 @@ def doctor_before_training(config_path: str | None, out_dir: str | None, overrid
 def doctor_once_for_trainings(config_path: str | None, overrides: Sequence[Any]) -> None:
     """Tools that start many `gaudi3 train` processes (tune, repro, benchmark run) check the node once, before the
     first, in the training image; their trainings then skip it (each check costs seconds, and the node is the same)."""
-    doctor_before_training(config_path, None, overrides)
-    os.environ[SKIP_ENV] = "1"
+    if os.environ.get(BEFORE_TRAIN_ENV) == "1":  # nothing to hand down elsewhere
+        doctor_before_training(config_path, None, overrides)
+        os.environ[SKIP_ENV] = "1"
