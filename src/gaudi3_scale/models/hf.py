@@ -5,6 +5,11 @@ it lives with the model code it describes.
 
     Llama  `LlamaForCausalLM`: one HF tensor per parameter; wq / wk rows in HF's rotate-half order (see
            `permute_rope_rows`).
+    Mixtral `MixtralForCausalLM` (our llama with `num_experts`): Llama's attention and norms; the MLP is
+           `block_sparse_moe.gate` (our router) and one Linear per expert and projection,
+           `block_sparse_moe.experts.{e}.w1/w2/w3.weight` [out, in], the layout on the Hub and the one
+           transformers 5 `save_pretrained` writes (it fuses them to `gate_up_proj` / `down_proj` in memory only);
+           each is one [in, out] slice of our batched expert weights, transposed.
     GPT-2  `GPT2LMHeadModel`: Conv1D weights stored transposed ([in, out]); `c_attn` fuses q, k and v along its
            output dimension; learned positions `wpe`; the head is tied to `wte`; `gelu_new` is GELU's tanh form.
 
@@ -32,7 +37,7 @@ __all__ = [
     "to_hf_llama",
 ]
 
-HF_MODEL_TYPES = ("llama", "gpt2")  # config.json model_type values we can compute exactly
+HF_MODEL_TYPES = ("llama", "mixtral", "gpt2")  # config.json model_type values we can compute exactly
 
 # Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
 # inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
@@ -48,6 +53,9 @@ _LLAMA_LAYER = {
     "feed_forward.w2": "mlp.down_proj",
 }
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+# MixtralDecoderLayer (transformers models/mixtral): the MoE feed-forward; our experts' w1 / w3 / w2 keep the names.
+_MIXTRAL_ROUTER = {"feed_forward.router": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = "feed_forward.experts"
 _LLAMA_INT_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
                    "max_position_embeddings")  # fmt: skip
 
@@ -70,12 +78,19 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", 
 class Source:
     """Where one of our parameters is stored: our rows r are the stored tensor's output rows `offset + r` (its
     columns when `transposed`, GPT-2's Conv1D [in, out]); `rope_heads` > 0 means the rows of each of that many heads
-    are in HF's rotate-half order and need `permute_rope_rows(..., to_hf=False)`."""
+    are in HF's rotate-half order and need `permute_rope_rows(..., to_hf=False)`.
+
+    `experts` > 0: our parameter stacks that many experts on dim 0 and expert e is its own stored tensor,
+    `name.format(expert=e)`, a Linear weight [out, in] whose transpose is our slice [e] (Mixtral)."""
 
     name: str
     transposed: bool = False
     offset: int = 0
     rope_heads: int = 0
+    experts: int = 0
+
+    def expert_names(self) -> list[str]:
+        return [self.name.format(expert=e) for e in range(self.experts)]
 
 
 def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, Source]:
@@ -89,8 +104,12 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
     for name in params:
         module, param = name.rsplit(".", 1)
         index, inner = _split_layer(module)
-        if model_type == "llama":
-            hf_module = f"model.layers.{index}.{_LLAMA_LAYER[inner]}" if index else _LLAMA_TOP[inner]
+        if model_type == "llama" and inner == _MIXTRAL_EXPERTS:
+            hf_name = f"model.layers.{index}.block_sparse_moe.experts.{{expert}}.{param}.weight"
+            sources[name] = Source(hf_name, transposed=True, experts=params[name][0])
+        elif model_type == "llama":
+            layer = {**_LLAMA_LAYER, **_MIXTRAL_ROUTER}
+            hf_module = f"model.layers.{index}.{layer[inner]}" if index else _LLAMA_TOP[inner]
             heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner, 0)
             sources[name] = Source(f"{hf_module}.{param}", rope_heads=heads)
         elif inner in _GPT2_QKV:
@@ -114,6 +133,9 @@ def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dic
     shapes: dict[str, tuple[int, ...]] = {}
     for name, source in hf_sources(cfg, model_type, prefix=prefix).items():
         shape = list(params[name])
+        if source.experts:
+            shapes.update(dict.fromkeys(source.expert_names(), (shape[2], shape[1])))
+            continue
         if source.name.endswith("c_attn.weight") or source.name.endswith("c_attn.bias"):
             shape[0] *= 3  # q, k and v side by side
         shapes[source.name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
@@ -150,11 +172,20 @@ def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> t
 
 
 def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout."""
+    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout (`MixtralForCausalLM`
+    names with experts)."""
     sources = hf_sources(cfg, "llama")
     out = {}
     for name, tensor in state.items():
         source = sources[name]
+        if source.experts:
+            out.update(
+                {
+                    hf: expert.t().contiguous()
+                    for hf, expert in zip(source.expert_names(), tensor, strict=True)
+                }
+            )
+            continue
         if source.rope_heads:
             tensor = permute_rope_rows(tensor, source.rope_heads, to_hf=True)
         out[source.name] = tensor.contiguous()
@@ -162,9 +193,9 @@ def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
-    """`config.json` of a `LlamaForCausalLM` with our model's shape."""
+    """`config.json` of a `LlamaForCausalLM` with our model's shape (`MixtralForCausalLM` with experts)."""
     assert cfg.arch == "llama", cfg.arch
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
@@ -191,6 +222,19 @@ def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
         "initializer_range": INIT_STD,
         "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 also reads this (as `dtype`)
     }
+    if cfg.num_experts:
+        for key in ("attention_bias", "mlp_bias"):  # not MixtralConfig fields (a MoE config has no bias)
+            del config[key]
+        config.update({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,  # full causal attention, as ours
+        })  # fmt: skip
+    return config
 
 
 def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelConfig:
@@ -203,10 +247,14 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
     if model_type not in HF_MODEL_TYPES:
         raise UserInputError(
             f"{where}: model_type {model_type!r} is not supported; allowed: Llama (LlamaForCausalLM, model_type "
-            "'llama') and GPT-2 (GPT2LMHeadModel, model_type 'gpt2')"
+            "'llama'), Mixtral (MixtralForCausalLM, 'mixtral') and GPT-2 (GPT2LMHeadModel, model_type 'gpt2')"
         )
-    build = _llama_fields if model_type == "llama" else _gpt2_fields
-    fields = build(config, where)
+    if model_type == "gpt2":
+        fields = _gpt2_fields(config, where)
+    else:
+        fields = _llama_fields(config, where)
+        if model_type == "mixtral":
+            fields.update(_mixtral_fields(config, where))
     try:
         return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)
     except (ConfigError, TypeError) as exc:
@@ -253,6 +301,21 @@ def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
+
+
+def _mixtral_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """What MixtralConfig adds to Llama's: the experts. A sliding window shorter than the context would mask keys
+    our full causal attention sees; router jitter (training-time noise) is not implemented."""
+    window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
+    if window is not None and not (
+        isinstance(positions, int) and isinstance(window, int) and window >= positions
+    ):
+        raise UserInputError(
+            f"{where}: sliding_window {window!r} is not supported (only null, or at least max_position_embeddings)"
+        )
+    _check_supported(where, {"router_jitter_noise": (config.get("router_jitter_noise", 0.0), 0.0)})
+    _check_ints(where, config, ("num_local_experts", "num_experts_per_tok"), "MixtralForCausalLM")
+    return {"num_experts": config["num_local_experts"], "experts_per_token": config["num_experts_per_tok"]}
 
 
 def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
 from gaudi3_scale.models.common.init import fill_normal
+from gaudi3_scale.models.common.moe import GroupedExperts, MoEFeedForward
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["Transformer", "TransformerBlock", "build_model"]
@@ -38,15 +39,18 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg)
-        self.feed_forward = _MLPS[cfg.arch](cfg)
+        # Mixtral: a Llama block whose MLP is routed experts (config validation keeps MoE to llama).
+        self.feed_forward = MoEFeedForward(cfg) if cfg.num_experts else _MLPS[cfg.arch](cfg)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def residual_projections(self) -> list[nn.Linear]:
-        """The linears that write into the residual stream; their init std is scaled down with depth."""
-        return [self.attention.wo, self.feed_forward.w2]
+        """The linears that write into the residual stream; their init std is scaled down with depth (the experts'
+        batched w2 too, in `Transformer.init_weights`)."""
+        ffn = self.feed_forward
+        return [self.attention.wo] if isinstance(ffn, MoEFeedForward) else [self.attention.wo, ffn.w2]
 
 
 class Transformer(nn.Module):
@@ -131,10 +135,14 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if module is self.output and self.config.tie_embeddings:
                 continue  # shares tok_embeddings.weight, initialized once
-            if not isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm | nn.RMSNorm):
+            if not isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm | nn.RMSNorm | GroupedExperts):
                 continue
             with gathered(list(module.parameters(recurse=False))) if gathered else nullcontext():
-                if isinstance(module, nn.Linear):
+                if isinstance(module, GroupedExperts):
+                    for part, param in module.named_parameters(recurse=False):
+                        std = residual_std if part == "w2" else INIT_STD
+                        fill_normal(param, std, seed=seed, name=f"{name}.{part}")
+                elif isinstance(module, nn.Linear):
                     std = residual_std if id(module) in residual else INIT_STD
                     fill_normal(module.weight, std, seed=seed, name=f"{name}.weight")
                     if module.bias is not None:
