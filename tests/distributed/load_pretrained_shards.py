@@ -56,7 +56,8 @@ def main(out_dir: str, directories: list[str]) -> None:
             init_weights=fill,
         ).model
         result = {"fsdp": _observe(fsdp)}
-        if checkpoint.config.num_experts:  # Mixtral: experts split over the ranks (Shard(0)); no tensor parallel
+        # Mixtral: experts split over the ranks (Shard(0)); no tensor parallel
+        if checkpoint.config.num_experts:
             if dist.get_rank() == 0:
                 torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
             continue

@@ -67,7 +67,12 @@ def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) 
         2,
     )
     config = load_ours(hf_dirs["mixtral-sharded"]).config  # MixtralForCausalLM: llama blocks with experts
-    assert (config.arch, config.num_experts, config.experts_per_token, config.hidden_dim) == ("llama", 4, 2, 64)
+    assert (config.arch, config.num_experts, config.experts_per_token, config.hidden_dim) == (
+        "llama",
+        4,
+        2,
+        64,
+    )
     config = load_ours(hf_dirs["gpt2-sharded"]).config
     assert (config.arch, config.activation, config.tie_embeddings, config.hidden_dim) == ("gpt2", "gelu_tanh",
                                                                                           True, 128)  # fmt: skip

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.models import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
 from gaudi3_scale.models.common.init import fill_normal
-from gaudi3_scale.models.common.moe import MoEFeedForward, load_balancing_loss, moe_layers, route, router_losses
+from gaudi3_scale.models.common.moe import (
+    MoEFeedForward,
+    load_balancing_loss,
+    moe_layers,
+    route,
+    router_losses,
+)
 
 
 def _moe(**changes: object) -> MoEFeedForward:
@@ -69,7 +75,9 @@ def test_same_output_as_transformers_mixtral_block() -> None:
 def test_load_balancing_loss_by_hand_and_as_transformers() -> None:
     # 4 tokens, 2 experts, top-1: expert 0 gets 3 tokens (f = .75, .25); mean probabilities P = .65, .35.
     probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
-    assert float(load_balancing_loss(probs, torch.tensor([3, 1]))) == pytest.approx(2 * (0.75 * 0.65 + 0.25 * 0.35))
+    assert float(load_balancing_loss(probs, torch.tensor([3, 1]))) == pytest.approx(
+        2 * (0.75 * 0.65 + 0.25 * 0.35)
+    )
     # One layer, top-2 of 8: transformers' load_balancing_loss_func computes the same value.
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -129,7 +137,9 @@ def test_sharded_expert_init_equals_the_whole_tensor(tmp_path: Path) -> None:
     model = build_model(get_model_config("moe-tiny").resolve_vocab(65), seed=3)
     experts = model.layers[1].feed_forward.experts
     assert experts.w1.std().item() == pytest.approx(0.02, rel=0.1)
-    assert experts.w2.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.1)  # residual: 1/sqrt(2·layers)
+    assert experts.w2.std().item() == pytest.approx(
+        0.02 / math.sqrt(4), rel=0.1
+    )  # residual: 1/sqrt(2·layers)
     assert len(moe_layers(model)) == 2
 
 

@@ -52,8 +52,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     # Eager under torch.compile: the per-expert row counts change every step, and a compiled graph would specialise
-    # on them and recompile each time (moe-tiny, CPU, torch 2.13: 5.5 s a step instead of 0.3 s). Around this call
-    # the graph breaks once; the router and the rest of the block stay compiled.
+    # on them and recompile each time (moe-tiny, CPU, torch 2.13: 5.5 s a step, against 0.06 s with this). Around
+    # this call the graph breaks once; the router and the rest of the block stay compiled.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [N, dim] rows sorted by expert, `counts[e]` rows for expert e → [N, dim] in the same order."""
