@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from gaudi3_scale.models import Transformer, build_model
 from gaudi3_scale.models.pretrained import open_pretrained
@@ -27,7 +34,8 @@ def _randomized(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_hf_checkpoints(root: Path) -> dict[str, Path]:
-    """Four small random HF checkpoints: Llama and GPT-2, each sharded (several files + index) and as one file."""
+    """Five small random HF checkpoints: Llama and GPT-2, each sharded (several files + index) and as one file, and a
+    sharded Mixtral (4 experts, top-2; one safetensors tensor per expert and projection)."""
     torch.manual_seed(0)
     llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -41,6 +49,9 @@ def save_hf_checkpoints(root: Path) -> dict[str, Path]:
         ),
         "gpt2-sharded": GPT2LMHeadModel(GPT2Config(vocab_size=97, **gpt2)),
         "gpt2-untied": GPT2LMHeadModel(GPT2Config(vocab_size=97, tie_word_embeddings=False, **gpt2)),
+        "mixtral-sharded": MixtralForCausalLM(
+            MixtralConfig(vocab_size=97, num_local_experts=4, num_experts_per_tok=2, **llama)
+        ),
     }
     out = {}
     for name, model in models.items():
@@ -52,7 +63,8 @@ def save_hf_checkpoints(root: Path) -> dict[str, Path]:
 
 def hf_model(directory: Path) -> torch.nn.Module:
     config = json.loads((directory / "config.json").read_text())
-    cls = LlamaForCausalLM if config["model_type"] == "llama" else GPT2LMHeadModel
+    classes = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "gpt2": GPT2LMHeadModel}
+    cls = classes[config["model_type"]]
     return cls.from_pretrained(directory, local_files_only=True).eval()
 
 

@@ -2,7 +2,7 @@
 over every rank — FSDP2 (`distributed.parallelize`, Shard(0)) and tensor parallel laid out here with torch's
 ColwiseParallel / RowwiseParallel (Shard(0) and Shard(1), vocabulary rows split unevenly), plus, for untied
 models, block weights in FSDP-over-TP's _StridedShard(0) (interleaved rows; weights only) — each rank reading only
-its blocks — and, for Llama, the trainer's own tensor parallel (TP=2). Rank 0 saves, per checkpoint, both layouts' logits on fixed tokens, their gathered weights and the
+its blocks — and, for Llama, the trainer's own tensor parallel (TP=2); a Mixtral in FSDP2 only. Rank 0 saves, per checkpoint, both layouts' logits on fixed tokens, their gathered weights and the
 placements seen to OUT_DIR/NAME.pt.
 
     torchrun --nproc-per-node 2 load_pretrained_shards.py OUT_DIR CHECKPOINT_DIR [CHECKPOINT_DIR ...]
@@ -55,8 +55,13 @@ def main(out_dir: str, directories: list[str]) -> None:
             device="cpu",
             init_weights=fill,
         ).model
-        tp = _tensor_parallel(checkpoint, tp_mesh)
-        result = {"fsdp": _observe(fsdp), "tp": _observe(tp)}
+        result = {"fsdp": _observe(fsdp)}
+        # Mixtral: experts split over the ranks (Shard(0)); no tensor parallel
+        if checkpoint.config.num_experts:
+            if dist.get_rank() == 0:
+                torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
+            continue
+        result["tp"] = _observe(_tensor_parallel(checkpoint, tp_mesh))
         if checkpoint.config.arch == "llama":
             # the trainer's own tensor parallel (distributed.tensor_parallel: sequence-parallel norms, vocabulary-
             # sharded logits), the vocabulary padded to split over the ranks as the trainer pads it

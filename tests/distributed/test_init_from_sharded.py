@@ -1,4 +1,4 @@
-"""`model.init_from` on 2 ranks: HF Llama and GPT-2 checkpoints (several shard files) load into FSDP2 shards and
+"""`model.init_from` on 2 ranks: HF Llama, GPT-2 and Mixtral (FSDP only) checkpoints (several shard files) load into FSDP2 shards and
 into a tensor-parallel layout (Shard(0) and Shard(1) placements, the 257 vocabulary rows split unevenly) with transformers' logits,
 and the gathered weights are bitwise those one process loads — also in FSDP-over-TP's _StridedShard layout, whose
 rows are interleaved. One torchrun launch for everything."""
@@ -22,7 +22,7 @@ ATOL = 1e-5  # fp32, against transformers' kernels
 
 def test_fsdp_and_tensor_parallel_shards_load_transformers_weights(tmp_path: Path) -> None:
     dirs = save_hf_checkpoints(tmp_path / "hf")
-    names = ("llama-sharded", "gpt2-sharded", "llama-tied-bias")
+    names = ("llama-sharded", "gpt2-sharded", "llama-tied-bias", "mixtral-sharded")
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run(
@@ -37,7 +37,7 @@ def test_fsdp_and_tensor_parallel_shards_load_transformers_weights(tmp_path: Pat
         whole = load_ours(dirs[name])
         with torch.no_grad():
             expected = hf_model(dirs[name])(tokens).logits
-        for layout in ("fsdp", "tp", "run_tp") if "run_tp" in saved else ("fsdp", "tp"):
+        for layout in [layout for layout in ("fsdp", "tp", "run_tp") if layout in saved]:
             torch.testing.assert_close(
                 saved[layout]["logits"], expected, atol=ATOL, rtol=0, msg=(name, layout)
             )
@@ -52,5 +52,9 @@ def test_fsdp_and_tensor_parallel_shards_load_transformers_weights(tmp_path: Pat
             for key, tensor in whole.named_parameters():
                 assert torch.equal(saved["strided"]["weights"][key], tensor), (name, "strided", key)
         assert saved["fsdp"]["placements"] == ["(Shard(dim=0),)"]
+        if name == "mixtral-sharded":  # 4 experts, 2 per rank, each read from its own stored tensors
+            assert saved["fsdp"]["weights"]["layers.0.feed_forward.experts.w1"].shape == (4, 32, 64)
+            continue
         assert {"(Shard(dim=0),)", "(Shard(dim=1),)"} <= set(saved["tp"]["placements"]), name
     assert all("run_tp" in torch.load(out / f"{n}.pt", weights_only=True) for n in names if "llama" in n)
+    assert "tp" not in torch.load(out / "mixtral-sharded.pt", weights_only=True)

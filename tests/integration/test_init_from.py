@@ -1,4 +1,4 @@
-"""`model.init_from`: Hugging Face Llama / GPT-2 checkpoints (made here with transformers, random weights, sharded
+"""`model.init_from`: Hugging Face Llama / Mixtral / GPT-2 checkpoints (made here with transformers, random weights, sharded
 into several files and as one file) load into our model with transformers' logits; the config comes from the
 checkpoint; bad directories are one line and exit 2 with nothing written; a run fine-tuned from one resumes,
 exports and serves. The 2-rank FSDP and tensor-parallel layouts are tests/distributed/test_init_from_sharded.py."""
@@ -65,6 +65,13 @@ def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) 
         True,
         500000.0,
         2,
+    )
+    config = load_ours(hf_dirs["mixtral-sharded"]).config  # MixtralForCausalLM: llama blocks with experts
+    assert (config.arch, config.num_experts, config.experts_per_token, config.hidden_dim) == (
+        "llama",
+        4,
+        2,
+        64,
     )
     config = load_ours(hf_dirs["gpt2-sharded"]).config
     assert (config.arch, config.activation, config.tie_embeddings, config.hidden_dim) == ("gpt2", "gelu_tanh",

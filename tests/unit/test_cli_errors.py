@@ -399,7 +399,7 @@ def test_list_fields_prints_readable_types(capsys: pytest.CaptureFixture[str]) -
     assert code == 0 and "<class" not in out
     assert rows["--seed"] == "int" and rows["--name"] == "str" and rows["--optim.lr"] == "float"
     assert rows["--train.compile"] == "bool" and rows["--out_dir"] == "str | None"
-    assert rows["--model.num_kv_heads"] == "int | None" and rows["--model.arch"] == "gpt2 | llama"
+    assert rows["--model.num_kv_heads"] == "int | None" and rows["--model.arch"] == "gpt2 | llama | bert"
 
 
 def test_hostile_json_in_a_benchmark_report_is_one_line(

@@ -20,6 +20,8 @@ PRESET_NAMES = [
     "llama3-70b",
     "llama3-8b",
     "llama3.2-1b",
+    "mixtral-8x7b",
+    "moe-tiny",
     "shakespeare-char",
 ]
 

@@ -29,6 +29,7 @@ from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
+from gaudi3_scale.models.build import model_class
 from gaudi3_scale.models.hf import hf_llama_config, to_hf_llama
 from gaudi3_scale.models.hf_bert import hf_bert_config, to_hf_bert
 from gaudi3_scale.models.pretrained import (
@@ -38,7 +39,6 @@ from gaudi3_scale.models.pretrained import (
     open_pretrained,
 )
 from gaudi3_scale.models.pretrained_reader import load_pretrained
-from gaudi3_scale.models.transformer import model_class
 
 __all__ = [
     "EXPORT_FORMATS",

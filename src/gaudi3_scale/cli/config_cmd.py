@@ -36,6 +36,8 @@ def print_models() -> None:
     for name in list_models():
         cfg = get_model_config(name)
         params = f"{count_parameters(cfg):,}" if cfg.vocab_size else "(vocab from data)"
+        if cfg.vocab_size and cfg.num_experts:  # mixture of experts: what one token uses, too
+            params += f" ({count_parameters(cfg, active=True):,} active)"
         table.add_row(
             name,
             cfg.arch,

@@ -58,6 +58,13 @@ class ParallelConfig:
             "num_kv_heads, ffn_dim and context_length; 1 = no tensor parallel"
         },
     )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "help": "expert-parallel ranks (mixture of experts: each holds num_experts / ep_size experts); must "
+            "divide model.num_experts; only 1 is implemented yet"
+        },
+    )
     dp_replicate: int = field(
         default=1,
         metadata={
@@ -93,6 +100,7 @@ class ParallelConfig:
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_number("tp_size", self.tp_size, low=1, high=INT32_MAX)
         check_number("dp_replicate", self.dp_replicate, low=1, high=INT32_MAX)
+        check_number("ep_size", self.ep_size, low=1, high=INT32_MAX)
         check_choice("offload", self.offload, list(OFFLOAD))
         if self.network_preset is not None:
             check_choice("network_preset", self.network_preset, sorted(NETWORK_PRESETS))

@@ -22,7 +22,7 @@ from gaudi3_scale.distributed.mesh import TP_DIM, data_parallel_mesh
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
 from gaudi3_scale.models import ModelConfig, build_model
-from gaudi3_scale.models.transformer import model_class
+from gaudi3_scale.models.build import model_class
 
 __all__ = [
     "Parallelized",

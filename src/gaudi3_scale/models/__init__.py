@@ -14,8 +14,9 @@ from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import get_model_config, list_models, register_model
 
 if TYPE_CHECKING:
+    from gaudi3_scale.models.build import build_model
     from gaudi3_scale.models.counting import count_parameters, flops_per_token, forward_flops_per_token
-    from gaudi3_scale.models.transformer import Transformer, TransformerBlock, build_model
+    from gaudi3_scale.models.transformer import Transformer, TransformerBlock
 
 __all__ = [
     "ModelConfig",
@@ -36,7 +37,7 @@ _LAZY = {
     "forward_flops_per_token": "gaudi3_scale.models.counting",
     "Transformer": "gaudi3_scale.models.transformer",
     "TransformerBlock": "gaudi3_scale.models.transformer",
-    "build_model": "gaudi3_scale.models.transformer",
+    "build_model": "gaudi3_scale.models.build",
 }
 
 __getattr__ = lazy_exports(__name__, _LAZY)

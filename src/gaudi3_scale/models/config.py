@@ -40,7 +40,29 @@ class ModelConfig:
         },
     )
     dim: int = field(default=128, metadata={"help": "residual stream width (d_model)"})
-    ffn_dim: int | None = field(default=None, metadata={"help": "hidden width of the MLP; null = 4 * dim"})
+    ffn_dim: int | None = field(
+        default=None,
+        metadata={"help": "hidden width of the MLP (of each expert with num_experts); null = 4 * dim"},
+    )
+    # Mixture of experts (llama only; models/common/moe.py): Mixtral = Llama blocks whose MLP is this.
+    num_experts: int | None = field(
+        default=None,
+        metadata={
+            "help": "SwiGLU experts per block, routed token by token (Mixtral: 8); null = one dense MLP"
+        },
+    )
+    experts_per_token: int = field(
+        default=2, metadata={"help": "experts each token is sent to (top-k routing; Mixtral: 2)"}
+    )
+    moe_aux_loss_coef: float = field(
+        default=0.02,
+        metadata={
+            "help": "weight of the load-balancing loss (Switch Transformer) added to the training loss"
+        },
+    )
+    moe_z_loss_coef: float = field(
+        default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE); 0 = off"}
+    )
     vocab_size: int | None = field(
         default=None, metadata={"help": "token vocabulary; null = taken from the prepared dataset"}
     )
@@ -99,6 +121,29 @@ class ModelConfig:
             )
         if self.arch == "llama" and (self.dim // self.num_heads) % 2:
             raise ConfigError("dim", "dim / num_heads must be even for RoPE")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        check_positive("num_experts", self.num_experts)
+        check_positive("experts_per_token", self.experts_per_token)
+        check_positive("moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
+        check_positive("moe_z_loss_coef", self.moe_z_loss_coef, allow_zero=True)
+        if self.num_experts is None:
+            return
+        if self.arch != "llama":
+            raise ConfigError(
+                "num_experts", f"mixture of experts is an option of arch llama, not {self.arch}; use null"
+            )
+        if self.bias:
+            raise ConfigError(
+                "bias", "must be false with num_experts: expert and router weights have no bias"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(
+                "experts_per_token",
+                f"{self.experts_per_token} is more than num_experts ({self.num_experts}); allowed: 1 to "
+                f"{self.num_experts}",
+            )
 
     def resolve_vocab(self, vocab_size: int) -> ModelConfig:
         """A copy with `vocab_size` taken from the dataset's tokenizer when this config leaves it null.

@@ -11,6 +11,9 @@ FLOPs convention — PaLM (Chowdhery et al. 2022, arXiv:2204.02311) Appendix B, 
   embedding stays in, because it is also the output head; Llama's untied `tok_embeddings` is excluded and its
   `output` head stays in (torchtitan subtracts `tok_embeddings`). Norm weights and biases are included (≪ 1%).
   Note this N is *not* Kaplan's "non-embedding" N, which also drops the tied head.
+  For a mixture of experts N is the *active* count: a token passes through k of the E experts of each block, so
+  the experts' weights count k/E (router included in full); this is what MFU and the cost planner use. Weights,
+  gradients and optimizer state are the *total* count (`count_parameters(cfg)`, the memory estimator's).
 * 12·L·H·Q·T: the attention score (QKᵀ) and weighted-sum (AV) matmuls, 2 matmuls × 2 FLOPs × 3 (fwd + bwd),
   with L layers, H query heads, Q head dim, T sequence length. Causal masking is *not* discounted (PaLM counts
   the full T×T product), grouped kv heads do not reduce it, and activation recomputation is not added.
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from gaudi3_scale.models.build import build_model
+from gaudi3_scale.models.common.moe import GroupedExperts
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.transformer import Transformer, build_model
+from gaudi3_scale.models.transformer import Transformer
 
 __all__ = ["count_parameters", "flops_per_token", "forward_flops_per_token"]
 
@@ -41,12 +46,13 @@ def _lookup_only_embeddings(model: Transformer) -> list[torch.Tensor]:
 
 
 def count_parameters(
-    cfg: ModelConfig, *, trainable_only: bool = True, exclude_embeddings: bool = False
+    cfg: ModelConfig, *, trainable_only: bool = True, exclude_embeddings: bool = False, active: bool = False
 ) -> int:
     """Parameters of the model `cfg` describes; tied weights are counted once, vocabulary padding rows not at all
     (they are never sampled, so a padded GPT-2 still counts its published 124 M).
 
     exclude_embeddings drops the lookup-only tables (see the module docstring), leaving the matmul parameters.
+    active counts what one token uses: experts_per_token of num_experts experts (Mixtral 8x7B: 12.9 B of 46.7 B).
     """
     model = _build_on_meta(cfg)
     params = [
@@ -60,7 +66,13 @@ def count_parameters(
     vocab_tables = {id(model.tok_embeddings.weight), id(model.output.weight)}
     if model.output.bias is not None:  # bert's decoder bias: one padding entry per padding row
         vocab_tables.add(id(model.output.bias))
-    return sum(p.numel() - (padding_rows * p[0].numel() if id(p) in vocab_tables else 0) for p in params)
+    total = sum(p.numel() - (padding_rows * p[0].numel() if id(p) in vocab_tables else 0) for p in params)
+    if active and cfg.num_experts:
+        counted = {id(p) for p in params}
+        experts = [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+        idle = cfg.num_experts - cfg.experts_per_token
+        total -= sum(p.numel() // cfg.num_experts * idle for p in experts if id(p) in counted)
+    return total
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
@@ -68,7 +80,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     seq_len = cfg.context_length if seq_len is None else seq_len
     if not 0 < seq_len <= cfg.context_length:
         raise ValueError(f"seq_len must be in 1..{cfg.context_length} (context_length), got {seq_len}")
-    n = count_parameters(cfg, trainable_only=False, exclude_embeddings=True)
+    n = count_parameters(cfg, trainable_only=False, exclude_embeddings=True, active=True)
     attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
     return float(6 * n + attention)
 

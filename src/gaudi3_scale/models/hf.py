@@ -5,6 +5,11 @@ it lives with the model code it describes.
 
     Llama  `LlamaForCausalLM`: one HF tensor per parameter; wq / wk rows in HF's rotate-half order (see
            `permute_rope_rows`).
+    Mixtral `MixtralForCausalLM` (our llama with `num_experts`): Llama's attention and norms; the MLP is
+           `block_sparse_moe.gate` (our router) and one Linear per expert and projection,
+           `block_sparse_moe.experts.{e}.w1/w2/w3.weight` [out, in], the layout on the Hub and the one
+           transformers 5 `save_pretrained` writes (it fuses them to `gate_up_proj` / `down_proj` in memory only);
+           each is one [in, out] slice of our batched expert weights, transposed.
     GPT-2  `GPT2LMHeadModel`: Conv1D weights stored transposed ([in, out]); `c_attn` fuses q, k and v along its
            output dimension; learned positions `wpe`; the head is tied to `wte`; `gelu_new` is GELU's tanh form.
     BERT   `BertForMaskedLM`: one tensor per parameter under `bert.` and `cls.predictions.`; the decoder weight is
@@ -22,6 +27,7 @@ import torch
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = [
@@ -34,7 +40,7 @@ __all__ = [
     "to_hf_llama",
 ]
 
-HF_MODEL_TYPES = ("llama", "gpt2", "bert")  # config.json model_type values we can compute exactly
+HF_MODEL_TYPES = ("llama", "mixtral", "gpt2", "bert")  # config.json model_type values we can compute exactly
 
 # Our block's modules → HF LlamaDecoderLayer's (transformers models/llama/modeling_llama.py); the parameter names
 # inside each (`weight`, `bias`) are the same. SwiGLU: our w1 is silu's input (gate), w3 the linear one (up).
@@ -50,6 +56,9 @@ _LLAMA_LAYER = {
     "feed_forward.w2": "mlp.down_proj",
 }
 _LLAMA_TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+# MixtralDecoderLayer (transformers models/mixtral): the MoE feed-forward; our experts' w1 / w3 / w2 keep the names.
+_MIXTRAL_ROUTER = {"feed_forward.router": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = "feed_forward.experts"
 _LLAMA_INT_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
                    "max_position_embeddings")  # fmt: skip
 
@@ -65,19 +74,25 @@ _GPT2_QKV = ("attention.wq", "attention.wk", "attention.wv")  # c_attn's output 
 _GPT2_TOP = {"tok_embeddings": "wte", "pos_embeddings": "wpe", "norm": "ln_f"}
 _GPT2_INT_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")
 # HF activation names → ours: gelu_new / gelu_pytorch_tanh are the tanh approximation GPT-2 was trained with.
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 @dataclass(frozen=True)
 class Source:
     """Where one of our parameters is stored: our rows r are the stored tensor's output rows `offset + r` (its
     columns when `transposed`, GPT-2's Conv1D [in, out]); `rope_heads` > 0 means the rows of each of that many heads
-    are in HF's rotate-half order and need `permute_rope_rows(..., to_hf=False)`."""
+    are in HF's rotate-half order and need `permute_rope_rows(..., to_hf=False)`.
+
+    `experts` > 0: our parameter stacks that many experts on dim 0 and expert e is its own stored tensor,
+    `name.format(expert=e)`, a Linear weight [out, in] whose transpose is our slice [e] (Mixtral)."""
 
     name: str
     transposed: bool = False
     offset: int = 0
     rope_heads: int = 0
+    experts: int = 0
+
+    def expert_names(self) -> list[str]:
+        return [self.name.format(expert=e) for e in range(self.experts)]
 
 
 def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, Source]:
@@ -86,17 +101,21 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
     `prefix` is what GPT-2 names start with (`transformer.` as transformers saves them; "" in the original OpenAI
     conversion). A tied head has no entry: it is the embedding.
     """
-    from gaudi3_scale.models.hf_bert import bert_name  # it imports this module
+    from gaudi3_scale.models.hf_bert import bert_name
 
     params = _parameter_names(cfg)
     sources: dict[str, Source] = {}
     for name in params:
         module, param = name.rsplit(".", 1)
-        index, inner = _split_layer(module)
+        index, inner = split_layer(module)
         if model_type == "bert":
             sources[name] = Source(bert_name(name, tied=cfg.tie_embeddings))
+        elif model_type == "llama" and inner == _MIXTRAL_EXPERTS:
+            hf_name = f"model.layers.{index}.block_sparse_moe.experts.{{expert}}.{param}.weight"
+            sources[name] = Source(hf_name, transposed=True, experts=params[name][0])
         elif model_type == "llama":
-            hf_module = f"model.layers.{index}.{_LLAMA_LAYER[inner]}" if index else _LLAMA_TOP[inner]
+            layer = {**_LLAMA_LAYER, **_MIXTRAL_ROUTER}
+            hf_module = f"model.layers.{index}.{layer[inner]}" if index else _LLAMA_TOP[inner]
             heads = {"attention.wq": cfg.num_heads, "attention.wk": cfg.kv_heads}.get(inner, 0)
             sources[name] = Source(f"{hf_module}.{param}", rope_heads=heads)
         elif inner in _GPT2_QKV:
@@ -120,6 +139,9 @@ def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dic
     shapes: dict[str, tuple[int, ...]] = {}
     for name, source in hf_sources(cfg, model_type, prefix=prefix).items():
         shape = list(params[name])
+        if source.experts:
+            shapes.update(dict.fromkeys(source.expert_names(), (shape[2], shape[1])))
+            continue
         if source.name.endswith("c_attn.weight") or source.name.endswith("c_attn.bias"):
             shape[0] *= 3  # q, k and v side by side
         shapes[source.name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
@@ -127,19 +149,11 @@ def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dic
 
 
 def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from gaudi3_scale.models.transformer import model_class
+    from gaudi3_scale.models.build import model_class
 
     with torch.device("meta"):  # shapes only
         model = model_class(cfg)(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}  # the tied head is listed once
-
-
-def _split_layer(module: str) -> tuple[str, str]:
-    """`layers.3.attention.wq` → ("3", "attention.wq"); a top-level module → ("", module)."""
-    if module.startswith("layers."):
-        _, index, inner = module.split(".", 2)
-        return index, inner
-    return "", module
 
 
 def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> torch.Tensor:
@@ -156,11 +170,20 @@ def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> t
 
 
 def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout."""
+    """Our Llama weights (tied alias removed) under `LlamaForCausalLM` names and its RoPE layout (`MixtralForCausalLM`
+    names with experts)."""
     sources = hf_sources(cfg, "llama")
     out = {}
     for name, tensor in state.items():
         source = sources[name]
+        if source.experts:
+            out.update(
+                {
+                    hf: expert.t().contiguous()
+                    for hf, expert in zip(source.expert_names(), tensor, strict=True)
+                }
+            )
+            continue
         if source.rope_heads:
             tensor = permute_rope_rows(tensor, source.rope_heads, to_hf=True)
         out[source.name] = tensor.contiguous()
@@ -168,9 +191,9 @@ def to_hf_llama(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
-    """`config.json` of a `LlamaForCausalLM` with our model's shape."""
+    """`config.json` of a `LlamaForCausalLM` with our model's shape (`MixtralForCausalLM` with experts)."""
     assert cfg.arch == "llama", cfg.arch
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
@@ -197,6 +220,19 @@ def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
         "initializer_range": INIT_STD,
         "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 also reads this (as `dtype`)
     }
+    if cfg.num_experts:
+        for key in ("attention_bias", "mlp_bias"):  # not MixtralConfig fields (a MoE config has no bias)
+            del config[key]
+        config.update({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,  # full causal attention, as ours
+        })  # fmt: skip
+    return config
 
 
 def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelConfig:
@@ -205,33 +241,27 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
 
     The vocabulary is the embedding's rows, padding included (`pad_vocab_to_multiple` 1).
     """
-    from gaudi3_scale.models.hf_bert import bert_fields  # it imports this module
+    from gaudi3_scale.models.hf_bert import bert_fields
 
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise UserInputError(
             f"{where}: model_type {model_type!r} is not supported; allowed: Llama (LlamaForCausalLM, model_type "
-            "'llama'), GPT-2 (GPT2LMHeadModel, model_type 'gpt2') and BERT (BertForMaskedLM, model_type 'bert')"
+            "'llama'), Mixtral (MixtralForCausalLM, 'mixtral'), GPT-2 (GPT2LMHeadModel, model_type 'gpt2') and BERT "
+            "(BertForMaskedLM, model_type 'bert')"
         )
-    build = {"llama": _llama_fields, "gpt2": _gpt2_fields, "bert": bert_fields}[model_type]
-    fields = build(config, where)
+    if model_type == "gpt2":
+        fields = _gpt2_fields(config, where)
+    elif model_type == "bert":
+        fields = bert_fields(config, where)
+    else:
+        fields = _llama_fields(config, where)
+        if model_type == "mixtral":
+            fields.update(_mixtral_fields(config, where))
     try:
         return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)
     except (ConfigError, TypeError) as exc:
         raise UserInputError(f"{where}: not a model this project can build ({exc})") from None
-
-
-def _check_supported(where: str, differences: dict[str, tuple[Any, Any]]) -> None:
-    for key, (got, supported) in differences.items():
-        if got != supported:
-            raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
-
-
-def _check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
-    for key in keys:
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserInputError(f"{where}: {key} is {value!r}; a {what} config needs an integer there")
 
 
 def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -245,8 +275,8 @@ def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         differences["head_dim"] = (config.get("head_dim") or hidden // heads, hidden // heads)
-    _check_supported(where, differences)
-    _check_ints(where, config, _LLAMA_INT_KEYS, "LlamaForCausalLM")
+    check_supported(where, differences)
+    check_ints(where, config, _LLAMA_INT_KEYS, "LlamaForCausalLM")
     return {
         "arch": "llama",
         "num_layers": config["num_hidden_layers"],
@@ -263,15 +293,30 @@ def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _mixtral_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """What MixtralConfig adds to Llama's: the experts. A sliding window shorter than the context would mask keys
+    our full causal attention sees; router jitter (training-time noise) is not implemented."""
+    window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
+    if window is not None and not (
+        isinstance(positions, int) and isinstance(window, int) and window >= positions
+    ):
+        raise UserInputError(
+            f"{where}: sliding_window {window!r} is not supported (only null, or at least max_position_embeddings)"
+        )
+    check_supported(where, {"router_jitter_noise": (config.get("router_jitter_noise", 0.0), 0.0)})
+    check_ints(where, config, ("num_local_experts", "num_experts_per_tok"), "MixtralForCausalLM")
+    return {"num_experts": config["num_local_experts"], "experts_per_token": config["num_experts_per_tok"]}
+
+
 def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     activation = config.get("activation_function", "gelu_new")
-    if activation not in _GPT2_ACTIVATIONS:
+    if activation not in GPT2_ACTIVATIONS:
         raise UserInputError(
             f"{where}: activation_function {activation!r} is not supported; allowed: "
-            f"{', '.join(_GPT2_ACTIVATIONS)}"
+            f"{', '.join(GPT2_ACTIVATIONS)}"
         )
     # Attention scaled by 1/sqrt(head_dim), as ours, and nothing else (GPT2Attention's other options).
-    _check_supported(
+    check_supported(
         where,
         {
             "scale_attn_weights": (config.get("scale_attn_weights", True), True),
@@ -279,14 +324,14 @@ def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             "add_cross_attention": (config.get("add_cross_attention", False), False),
         },
     )
-    _check_ints(where, config, _GPT2_INT_KEYS, "GPT2LMHeadModel")
+    check_ints(where, config, _GPT2_INT_KEYS, "GPT2LMHeadModel")
     return {
         "arch": "gpt2",
         "num_layers": config["n_layer"],
         "num_heads": config["n_head"],
         "dim": config["n_embd"],
         "ffn_dim": config.get("n_inner"),  # null = 4 * dim, as HF's
-        "activation": _GPT2_ACTIVATIONS[activation],
+        "activation": GPT2_ACTIVATIONS[activation],
         "vocab_size": config["vocab_size"],
         "context_length": config["n_positions"],
         "bias": True,

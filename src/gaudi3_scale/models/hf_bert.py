@@ -16,7 +16,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.hf import _GPT2_ACTIVATIONS, _check_ints, _check_supported, _split_layer, hf_sources
+from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = ["bert_fields", "bert_name", "hf_bert_config", "to_hf_bert"]
@@ -57,14 +57,13 @@ def bert_name(name: str, *, tied: bool) -> str:
     if name == "output.bias" and not tied:
         return _UNTIED_BIAS
     module, param = name.rsplit(".", 1)
-    index, inner = _split_layer(module)
+    index, inner = split_layer(module)
     return f"bert.encoder.layer.{index}.{_LAYER[inner]}.{param}" if index else _TOP[name]
 
 
 def to_hf_bert(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our encoder's weights (tied alias removed) under `BertForMaskedLM` names."""
-    sources = hf_sources(cfg, "bert")
-    out = {sources[name].name: tensor.contiguous() for name, tensor in state.items()}
+    out = {bert_name(name, tied=cfg.tie_embeddings): tensor.contiguous() for name, tensor in state.items()}
     if (
         not cfg.tie_embeddings
     ):  # HF still has `cls.predictions.bias`; a copy (safetensors refuses shared storage)
@@ -103,11 +102,11 @@ def hf_bert_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
 def bert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """Our model fields for a `BertForMaskedLM` config.json; one line for what our encoder cannot compute."""
     activation = config.get("hidden_act", "gelu")
-    if activation not in _GPT2_ACTIVATIONS:
+    if activation not in GPT2_ACTIVATIONS:
         raise UserInputError(
-            f"{where}: hidden_act {activation!r} is not supported; allowed: {', '.join(_GPT2_ACTIVATIONS)}"
+            f"{where}: hidden_act {activation!r} is not supported; allowed: {', '.join(GPT2_ACTIVATIONS)}"
         )
-    _check_supported(
+    check_supported(
         where,
         {
             "position_embedding_type": (config.get("position_embedding_type", "absolute"), "absolute"),
@@ -115,14 +114,14 @@ def bert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             "add_cross_attention": (config.get("add_cross_attention", False), False),
         },
     )
-    _check_ints(where, config, _INT_KEYS, "BertForMaskedLM")
+    check_ints(where, config, _INT_KEYS, "BertForMaskedLM")
     return {
         "arch": "bert",
         "num_layers": config["num_hidden_layers"],
         "num_heads": config["num_attention_heads"],
         "dim": config["hidden_size"],
         "ffn_dim": config["intermediate_size"],
-        "activation": _GPT2_ACTIVATIONS[activation],
+        "activation": GPT2_ACTIVATIONS[activation],
         "vocab_size": config["vocab_size"],
         "context_length": config["max_position_embeddings"],
         "type_vocab_size": config["type_vocab_size"],

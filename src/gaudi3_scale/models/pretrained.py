@@ -1,7 +1,7 @@
 """Pretrained checkpoint directories (`model.init_from`, serving an export): what one is, checked before use.
 
 A checkpoint directory is a Hugging Face one (`config.json` + `model.safetensors`, or shards listed in
-`model.safetensors.index.json`; Llama, GPT-2 or BertForMaskedLM) or a `gaudi3 ckpt export` one (`--format safetensors`:
+`model.safetensors.index.json`; Llama, Mixtral, GPT-2 or BertForMaskedLM) or a `gaudi3 ckpt export` one (`--format safetensors`:
 `model_config.json` + our names; `--format hf` is a Hugging Face Llama directory). `open_pretrained` checks it —
 configs, every shard present and readable, every tensor there with the right shape — reading only headers;
 `pretrained_model_fields` is the model section `model.init_from` decides. Filling a model built from the config,
@@ -20,10 +20,10 @@ import torch
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.files import load_json_file
+from gaudi3_scale.models.build import model_class
 from gaudi3_scale.models.common.init import logical_shape
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, stored_shapes
-from gaudi3_scale.models.transformer import model_class
 
 __all__ = [
     "HF_CONFIG_NAME",
@@ -113,8 +113,9 @@ def read_pretrained_config(
 
 
 # What the checkpoint decides; the rest of the model section (name, dropout, vocabulary padding) is the run's.
-SHAPE_FIELDS = ("arch", "num_layers", "num_heads", "num_kv_heads", "activation", "dim", "ffn_dim", "vocab_size",
-                "bias", "norm_eps", "rope_theta", "tie_embeddings", "type_vocab_size")  # fmt: skip
+SHAPE_FIELDS = ("arch", "num_layers", "num_heads", "num_kv_heads", "activation", "dim", "ffn_dim", "num_experts",
+                "experts_per_token", "vocab_size", "bias", "norm_eps", "rope_theta", "tie_embeddings",
+                "type_vocab_size")  # fmt: skip
 
 
 def pretrained_model_fields(init_from: str, explicit: Mapping[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,14 @@ def load_pretrained(
             with gathered([p for _, p in named]) if gathered else nullcontext():
                 for name, param in named:
                     source = checkpoint.sources[name]
-                    _fill(param, name, source, files[checkpoint.files[source.name]], stored_rows[name], seed)
+                    if source.experts:
+                        _fill_experts(
+                            param, source, {n: files[checkpoint.files[n]] for n in source.expert_names()}
+                        )
+                    else:
+                        _fill(
+                            param, name, source, files[checkpoint.files[source.name]], stored_rows[name], seed
+                        )
     model.init_buffers()
 
 
@@ -152,6 +159,20 @@ def _fill(
         if plain and whole_rows and file.read_rows(source.name, first + source.offset, out):
             continue
         out.copy_(_read_block(file.handle.get_slice(source.name), source, (first, last), cols))
+
+
+def _fill_experts(param: torch.Tensor, source: Source, files: dict[str, _StoredFile]) -> None:
+    """Batched expert weights [E, in, out] from one stored Linear [out, in] per expert (Mixtral): each rank reads
+    the experts its rows hold (sharding splits dim 0 only: FSDP's Shard(0), a future expert parallel)."""
+    local, shape, runs, _ = _local_layout(param)
+    if local.numel() == 0:
+        return
+    if tuple(local.shape[1:]) != shape[1:]:
+        raise NotImplementedError(f"{source.name}: expert weights sharded on a dimension other than 0")
+    for local_first, first, count in runs:
+        for i in range(count):
+            name = source.name.format(expert=first + i)
+            local[local_first + i].copy_(files[name].handle.get_slice(name)[:].t())
 
 
 def _local_layout(

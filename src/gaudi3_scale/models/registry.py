@@ -70,6 +70,17 @@ PRESETS: list[dict[str, Any]] = [
     # vocabulary of the data: the encoder for CPU tests and smoke runs.
     dict(name="bert-tiny", arch="bert", num_layers=2, num_heads=2, dim=128, ffn_dim=512, vocab_size=None,
          context_length=64, dropout=0.0, bias=True, tie_embeddings=True, norm_eps=1e-12),
+    # Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088) Table 1 and mistralai/Mixtral-8x7B-v0.1
+    # config.json (rope_theta 1e6, rms_norm_eps 1e-5, router_aux_loss_coef 0.02, untied). 46.7 B parameters in total,
+    # 12.9 B used per token (Mistral AI, "Mixtral of experts", 2023-12-11); pinned by tests/unit/test_moe.py.
+    dict(name="mixtral-8x7b", arch="llama", num_layers=32, num_heads=32, num_kv_heads=8, dim=4096, ffn_dim=14336,
+         num_experts=8, experts_per_token=2, vocab_size=32000, context_length=32768, rope_theta=1e6, norm_eps=1e-5,
+         dropout=0.0, bias=False, tie_embeddings=False),
+    # Not a published model: llama-tiny's shape with 8 experts of half its MLP width, top-2, so a token uses as many
+    # expert parameters as llama-tiny's MLP has (2 × 96 = 192); for tests and benchmarks.
+    dict(name="moe-tiny", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, dim=64, ffn_dim=96,
+         num_experts=8, experts_per_token=2, context_length=64, vocab_size=None, dropout=0.0, bias=False,
+         tie_embeddings=False),
 ]  # fmt: skip
 
 _MODELS: dict[str, ModelConfig] = {}

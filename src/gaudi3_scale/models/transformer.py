@@ -21,9 +21,10 @@ from torch import nn
 from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
 from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.common.kv_cache import CacheStep, LayerCache
+from gaudi3_scale.models.common.moe import GroupedExperts, MoEFeedForward
 from gaudi3_scale.models.config import ModelConfig
 
-__all__ = ["Transformer", "TransformerBlock", "build_model", "model_class"]
+__all__ = ["Transformer", "TransformerBlock"]
 
 # nanoGPT `_init_weights` / GPT-2 paper §2.3: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2·L).
 INIT_STD = 0.02
@@ -39,7 +40,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg)
-        self.feed_forward = _MLPS[cfg.arch](cfg)
+        # Mixtral: a Llama block whose MLP is routed experts (config validation keeps MoE to llama).
+        self.feed_forward = MoEFeedForward(cfg) if cfg.num_experts else _MLPS[cfg.arch](cfg)
 
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor | None = None, kv_cache: LayerCache | None = None
@@ -48,8 +50,10 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def residual_projections(self) -> list[nn.Linear]:
-        """The linears that write into the residual stream; their init std is scaled down with depth."""
-        return [self.attention.wo, self.feed_forward.w2]
+        """The linears that write into the residual stream; their init std is scaled down with depth (the experts'
+        batched w2 too, in `Transformer.init_weights`)."""
+        ffn = self.feed_forward
+        return [self.attention.wo] if isinstance(ffn, MoEFeedForward) else [self.attention.wo, ffn.w2]
 
 
 class Transformer(nn.Module):
@@ -141,10 +145,14 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if module is self.output and self.config.tie_embeddings:
                 continue  # shares tok_embeddings.weight, initialized once
-            if not isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm | nn.RMSNorm):
+            if not isinstance(module, nn.Linear | nn.Embedding | nn.LayerNorm | nn.RMSNorm | GroupedExperts):
                 continue
             with gathered(list(module.parameters(recurse=False))) if gathered else nullcontext():
-                if isinstance(module, nn.Linear):
+                if isinstance(module, GroupedExperts):
+                    for part, param in module.named_parameters(recurse=False):
+                        std = residual_std if part == "w2" else INIT_STD
+                        fill_normal(param, std, seed=seed, name=f"{name}.{part}")
+                elif isinstance(module, nn.Linear):
                     std = residual_std if id(module) in residual else INIT_STD
                     fill_normal(module.weight, std, seed=seed, name=f"{name}.weight")
                     if module.bias is not None:
@@ -164,28 +172,3 @@ class Transformer(nn.Module):
             self.rope_cache = build_rope_cache(
                 cfg.head_dim, cfg.context_length, cfg.rope_theta, device=device
             )
-
-
-def build_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
-    """Build and initialize a model on the current default device; under `torch.device("meta")` init is skipped.
-
-    `cfg.vocab_size` must be resolved (see `ModelConfig.resolve_vocab`); `seed=None` draws from the global RNG.
-    """
-    if cfg.vocab_size is None:
-        raise ValueError(
-            f"model {cfg.name!r} has vocab_size null; resolve it from the dataset first (cfg.resolve_vocab(n))"
-        )
-    model = model_class(cfg)(cfg)
-    if model.tok_embeddings.weight.device.type != "meta":
-        model.init_weights(seed)
-    return model
-
-
-def model_class(cfg: ModelConfig) -> type[Transformer]:
-    """The module class `cfg.arch` builds: `Transformer` for the decoders, its `models.encoder.Encoder` subclass for
-    bert (imported here, not at the top: encoder imports this module)."""
-    if cfg.arch == "bert":
-        from gaudi3_scale.models.encoder import Encoder
-
-        return Encoder
-    return Transformer

@@ -273,6 +273,7 @@ class RunConfig:
         # Fail before launching anything when the batch does not split over the ranks.
         self.batch_plan()
         _check_tensor_parallel(self.model, self.parallel.tp_size)
+        _check_expert_parallel(self.model, self.parallel.ep_size)
         if self.parallel.tp_size > 1 and self.train.precision == "fp8":
             raise ConfigError(
                 "train.precision",
@@ -335,6 +336,10 @@ def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     once the dataset has resolved it, by the trainer.)"""
     if tp_size == 1:
         return
+    if model.num_experts:
+        raise ConfigError(
+            "parallel.tp_size", "tensor parallel of mixture-of-experts blocks is not implemented yet; use 1"
+        )
     if model.arch != "llama":
         raise ConfigError(
             "parallel.tp_size", f"tensor parallel is implemented for arch llama, not {model.arch}; use 1"
@@ -349,6 +354,24 @@ def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
             raise ConfigError(
                 "parallel.tp_size", f"{tp_size} must divide {name} ({value}); allowed: a divisor of {value}"
             )
+
+
+def _check_expert_parallel(model: ModelConfig, ep_size: int) -> None:
+    """Expert parallel places num_experts / ep_size whole experts on each rank: the count must divide. (Checked
+    before the refusal below, so a config that could never work says why.)"""
+    if ep_size == 1:
+        return
+    if not model.num_experts:
+        raise ConfigError(
+            "parallel.ep_size", f"{ep_size} needs a mixture of experts (model.num_experts); use 1"
+        )
+    if model.num_experts % ep_size:
+        raise ConfigError(
+            "parallel.ep_size",
+            f"{ep_size} does not divide model.num_experts ({model.num_experts}) evenly; allowed: a divisor of "
+            f"{model.num_experts}",
+        )
+    raise ConfigError("parallel.ep_size", "expert parallel is not implemented yet; use 1")
 
 
 def _batch_size_from_tokens(global_batch_tokens: int, context_length: int) -> int:

@@ -27,6 +27,7 @@ from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import ModelConfig, flops_per_token
+from gaudi3_scale.models.common.moe import MoEFeedForward, moe_layers, router_losses
 from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
 from gaudi3_scale.train.step import SteppedModule, StepState
@@ -145,6 +146,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._sync = GradientSync()  # the strategy's, from on_train_start
         self._pending_loss = torch.zeros(())
         self._clip_params: list[nn.Parameter] | None = None  # built at the first step of a fit
+        self._moe_layers: list[MoEFeedForward] = []  # their router losses join the training objective
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -176,6 +178,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             init_weights=init_weights,
         )
         self.model = applied.model
+        self._moe_layers = moe_layers(applied.model)
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
         object.__setattr__(self, "_loss_fn", applied.loss_fn)
         self._step_context = applied.step_context
@@ -230,7 +233,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
         with self._step_context():
             loss = self._loss(batch)
-            scaled = loss / accumulation if accumulation > 1 and not sync.divides_loss else loss
+            objective = self._with_router_losses(loss) if self._moe_layers else loss
+            scaled = objective / accumulation if accumulation > 1 and not sync.divides_loss else objective
             self.manual_backward(scaled)
         if self.device.type == "hpu":
             mark_step()
@@ -264,6 +268,16 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             state.grad_norm = sync.grad_norm()
         state.lr = lr
         state.loss = loss.detach()
+
+    def _with_router_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy plus the MoE router losses of the forward that produced it (Switch load balancing,
+        ST-MoE z-loss; `models.common.moe`), which are logged apart: `train_loss` stays the cross-entropy, as
+        `val/loss` (evaluation adds no router loss)."""
+        router = router_losses(self._moe_layers)
+        cfg = self.model_cfg
+        self.step_state.extra["train/moe_aux_loss"] = router.aux.detach()
+        self.step_state.extra["train/moe_z_loss"] = router.z.detach()
+        return loss + cfg.moe_aux_loss_coef * router.aux + cfg.moe_z_loss_coef * router.z
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         size = batch[0].size(0)

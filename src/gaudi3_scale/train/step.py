@@ -5,12 +5,12 @@ profiler) are handed the same object when the trainer builds them and only read 
 lookups on the LightningModule.
 
     needs     batch plan (tokens per step, accumulation), FLOPs per token
-    produces  micro_step (0 = an optimizer step just ended), loss, grad_norm, lr
+    produces  micro_step (0 = an optimizer step just ended), loss, grad_norm, lr, extra metrics
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class StepState:
     loss: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     lr: float | None = None
+    # More scalars of the last micro-step, by metrics-record field (e.g. `train/moe_aux_loss`); detached tensors.
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def for_plan(cls, plan: BatchPlan, *, flops_per_token: float | None) -> StepState:

@@ -207,6 +207,7 @@ class RunMetrics(pl.Callback):
             "window_steps": self._window_steps,  # the steps the means above are over
             "mfu": None,
         }
+        record.update({name: float(value) for name, value in state.extra.items()})
         record.update(self._peak_memory(trainer, pl_module))
         for source in self.sources:
             record.update(source())

@@ -94,7 +94,10 @@ def _count_shape(cfg: ModelConfig) -> ModelShape:
         tied=cfg.tie_embeddings,
         layers=cfg.num_layers,
         dim=cfg.dim,
-        ffn=cfg.hidden_dim,
+        # Mixture of experts: a token passes through experts_per_token experts (models/common/moe.py), so it saves
+        # that many expert MLPs' activations; its routed input copies (k·dim per token) are left out. The weights
+        # above are the total count, all experts.
+        ffn=cfg.hidden_dim * (cfg.experts_per_token if cfg.num_experts else 1),
         kv_dim=cfg.kv_heads * cfg.head_dim,
         heads=cfg.num_heads,
         vocab=cfg.padded_vocab_size,

@@ -13,6 +13,7 @@ seeding gives the same answer on every device and world size.)
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -54,7 +55,11 @@ def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> No
     if local.numel() == 0:
         return
     if local.ndim > 2:
-        raise ValueError(f"{name}: fill_normal handles 1-D and 2-D parameters, got shape {tuple(shape)}")
+        # Batched weights (the MoE experts' [E, dim, hidden]): rows of the flattened trailing dims. Sharding may
+        # split dim 0 only (FSDP's Shard(0), a future expert parallel), which keeps each row whole.
+        if tuple(local.shape[1:]) != shape[1:]:
+            raise ValueError(f"{name}: a {len(shape)}-D parameter may be sharded on dim 0 only, got {shape}")
+        local, shape, offset = local.flatten(1), (shape[0], math.prod(shape[1:])), (offset[0], 0)
     key = _key(seed, name)
     cached: tuple[int, torch.Tensor] | None = None
 

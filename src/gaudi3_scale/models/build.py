@@ -1,0 +1,31 @@
+"""`build_model`: the module class of a config's architecture (decoder `Transformer` or encoder `Encoder`), built
+and initialized. Its own module because it knows both classes, and the encoder is a subclass of the decoder."""
+
+from __future__ import annotations
+
+from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.encoder import Encoder
+from gaudi3_scale.models.transformer import Transformer
+
+__all__ = ["build_model", "model_class"]
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
+    """Build and initialize a model on the current default device; under `torch.device("meta")` init is skipped.
+
+    `cfg.vocab_size` must be resolved (see `ModelConfig.resolve_vocab`); `seed=None` draws from the global RNG.
+    """
+    if cfg.vocab_size is None:
+        raise ValueError(
+            f"model {cfg.name!r} has vocab_size null; resolve it from the dataset first (cfg.resolve_vocab(n))"
+        )
+    model = model_class(cfg)(cfg)
+    if model.tok_embeddings.weight.device.type != "meta":
+        model.init_weights(seed)
+    return model
+
+
+def model_class(cfg: ModelConfig) -> type[Transformer]:
+    """The module class `cfg.arch` builds: `Transformer` for the decoders, its `models.encoder.Encoder` subclass for
+    bert."""
+    return Encoder if cfg.arch == "bert" else Transformer

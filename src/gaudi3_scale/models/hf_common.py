@@ -1,0 +1,32 @@
+"""What the Hugging Face mappings (`models.hf`, `models.hf_bert`) share: layer-name splitting, config checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "split_layer"]
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def split_layer(module: str) -> tuple[str, str]:
+    """`layers.3.attention.wq` → ("3", "attention.wq"); a top-level module → ("", module)."""
+    if module.startswith("layers."):
+        _, index, inner = module.split(".", 2)
+        return index, inner
+    return "", module
+
+
+def check_supported(where: str, differences: dict[str, tuple[Any, Any]]) -> None:
+    for key, (got, supported) in differences.items():
+        if got != supported:
+            raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
+
+
+def check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    for key in keys:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserInputError(f"{where}: {key} is {value!r}; a {what} config needs an integer there")
