@@ -156,7 +156,9 @@ def test_hf_bert_loads_with_transformers_logits(tmp_path: Path, tied: bool) -> N
             tmp_path / "bert", context_length=16
         )  # model.init_from may ask for fewer positions
         short_expected = hf(tokens[:, :16], token_type_ids=types[:, :16]).logits
-        torch.testing.assert_close(shorter(tokens[:, :16], token_types=types[:, :16]), short_expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            shorter(tokens[:, :16], token_types=types[:, :16]), short_expected, atol=ATOL, rtol=0
+        )
 
 
 @pytest.mark.parametrize(
