@@ -46,7 +46,8 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor | None = None, kv_cache: LayerCache | None = None
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope_cache, kv_cache)
+        # kv_cache by keyword: tensor parallel's PrepareModuleInput lays out the positional inputs (x, rope) only
+        x = x + self.attention(self.attention_norm(x), rope_cache, kv_cache=kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def residual_projections(self) -> list[nn.Linear]:
