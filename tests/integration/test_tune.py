@@ -172,11 +172,12 @@ def test_a_hanging_trial_is_killed_and_nothing_fitting_exits_1(tmp_path: Path) -
 
 def test_trials_are_ranked_by_synchronised_time(tmp_path: Path) -> None:
     """On a fake asynchronous device (tests/assets/fake_device_site) micro-batch 4 takes 150 ms of device time per
-    forward and the others 5 ms, while the host needs about as long for each: a host clock would pick micro-batch
-    4 (fewest launches). Timed after a synchronise, micro-batch 4 is the slowest and 2 wins (1 runs four forwards)."""
+    forward, 2 takes 5 ms and 1 takes 20 ms, while the host needs about as long for each: a host clock would pick
+    micro-batch 4 (fewest launches). Timed after a synchronise, micro-batch 4 is the slowest and 2 wins (1 runs four
+    forwards of 20 ms: a clear margin, so one measured step cannot flip the order)."""
     site = Path(__file__).resolve().parents[1] / "assets" / "fake_device_site"
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "FAKE_DEVICE_S_BY_BATCH": "4:0.15,2:0.005,1:0.005"}  # fmt: skip
+           "FAKE_DEVICE_S_BY_BATCH": "4:0.15,2:0.005,1:0.02"}  # fmt: skip
     out = tmp_path / "tune"
     proc = _gaudi3("tune", "--global-batch", "4", "--precisions", "32-true", "--activation-checkpointing", "off",
                    *SHORT, "--model.num_layers", "1", "--out", str(out), env=env)  # fmt: skip
