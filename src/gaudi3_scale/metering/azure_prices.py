@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.metering.price_http import MAX_PAGES, get_json, same_origin
-from gaudi3_scale.metering.quotes import SpotPriceError, SpotQuote
+from gaudi3_scale.metering.quotes import BothPricings, SpotPriceError, SpotQuote
 
 __all__ = ["AZURE_RETAIL_PRICES_URL", "AzureRetailPrices"]
 
@@ -40,7 +40,7 @@ def _check_name(what: str, value: str) -> None:
         )
 
 
-class AzureRetailPrices:
+class AzureRetailPrices(BothPricings):
     """The Azure Retail Prices API through urllib; `endpoint_url` replaces the public endpoint (tests, mirrors).
 
     One attempt per call, each request bounded by `timeout_s` per connection and read; retrying is the cache's job.
@@ -63,12 +63,6 @@ class AzureRetailPrices:
         check_positive("timeout_s", timeout_s)
         self.endpoint_url = endpoint_url or AZURE_RETAIL_PRICES_URL
         self.timeout_s = timeout_s
-
-    def fetch(self, instance_type: str, region: str) -> SpotQuote:
-        return self._quote(instance_type, region, "spot")
-
-    def fetch_on_demand(self, instance_type: str, region: str) -> SpotQuote:
-        return self._quote(instance_type, region, "on_demand")
 
     def check_instance(self, instance_type: str, region: str) -> None:
         """Bad names are bad input (UserInputError), found before anything is fetched."""

@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.metering.price_http import MAX_PAGES, get_json
-from gaudi3_scale.metering.quotes import SpotPriceError, SpotQuote
+from gaudi3_scale.metering.quotes import BothPricings, SpotPriceError, SpotQuote
 
 __all__ = ["API_KEY_ENV", "COMPUTE_ENGINE_SKUS_URL", "GcpCatalogPrices", "parse_parts"]
 
@@ -57,7 +57,7 @@ def parse_parts(instance_type: str) -> list[tuple[float, str]]:
     return parts
 
 
-class GcpCatalogPrices:
+class GcpCatalogPrices(BothPricings):
     """The Cloud Billing Catalog API through urllib; the API key comes from the environment variable `api_key_env`.
 
     A missing key is bad input (UserInputError) at construction, so a run refuses to start rather than warn later.
@@ -90,12 +90,6 @@ class GcpCatalogPrices:
         self.endpoint_url = endpoint_url or COMPUTE_ENGINE_SKUS_URL
         self.timeout_s = timeout_s
         self.page_size = page_size
-
-    def fetch(self, instance_type: str, region: str) -> SpotQuote:
-        return self._quote(instance_type, region, "spot")
-
-    def fetch_on_demand(self, instance_type: str, region: str) -> SpotQuote:
-        return self._quote(instance_type, region, "on_demand")
 
     def check_instance(self, instance_type: str, region: str) -> None:
         parse_parts(instance_type)

@@ -12,7 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["OnDemandPriceProvider", "SpotPriceError", "SpotPriceProvider", "SpotQuote", "fetch_price"]
+__all__ = [
+    "BothPricings",
+    "OnDemandPriceProvider",
+    "SpotPriceError",
+    "SpotPriceProvider",
+    "SpotQuote",
+    "fetch_price",
+]
+
+Pricing = Literal["spot", "on_demand"]
 
 
 class SpotPriceError(Exception):
@@ -47,6 +56,19 @@ class OnDemandPriceProvider(SpotPriceProvider, Protocol):
     def fetch_on_demand(self, instance_type: str, region: str) -> SpotQuote:
         """The current on-demand (pay-as-you-go) price; raises SpotPriceError when there is none to be had."""
         ...
+
+
+class BothPricings:
+    """A provider whose API answers both pricings with one query (`_quote`): `fetch` and `fetch_on_demand` are it."""
+
+    def _quote(self, instance_type: str, region: str, pricing: Pricing) -> SpotQuote:
+        raise NotImplementedError
+
+    def fetch(self, instance_type: str, region: str) -> SpotQuote:
+        return self._quote(instance_type, region, "spot")
+
+    def fetch_on_demand(self, instance_type: str, region: str) -> SpotQuote:
+        return self._quote(instance_type, region, "on_demand")
 
 
 def fetch_price(

@@ -73,13 +73,16 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
 
 def masked_lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the masked positions only: `labels` is IGNORE_INDEX everywhere else (data.mlm)."""
-    logits = model(inputs)
+    return _masked_cross_entropy(model(inputs), labels)
+
+
+def _masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX)
 
 
 def masked_lm_metrics(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, accuracy) over the masked positions: accuracy is how often the top logit is the original token."""
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX)
+    loss = _masked_cross_entropy(logits, labels)
     selected = labels != IGNORE_INDEX
     accuracy = (logits.argmax(-1)[selected] == labels[selected]).float().mean()
     return loss, accuracy
