@@ -16,6 +16,8 @@ on CPU the measured fp32 matmul peak). Results go to JSON (device, library versi
     python benchmarks/bench_gpu.py --cells gpt2-mb12-compiled  # some cells; results merge into the same JSON
     python benchmarks/bench_gpu.py --small                     # the tiny CPU set (the default without CUDA)
     python benchmarks/bench_gpu.py --list                      # the cells
+    python benchmarks/bench_gpu.py --cells llama3.2-1b-fp8-compiled --loss-only  # fp8 vs bf16: loss, tokens/s
+    python benchmarks/bench_gpu.py --cells gpt2-mb12-eager --profile 5  # where the two loops' steps differ
 
 A device call on the lent GPU machine is limited to 10 minutes: run the GPU set a few cells at a time.
 """
@@ -109,7 +111,11 @@ CPU_ABLATION: list[tuple[Cell, Cell, tuple[str, ...]]] = [
 
 
 # ---- the plain loop (runs in a worker process: `bench_gpu.py --worker plain CELL_JSON`) ------------------------
-def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
+def plain_loop(
+    cell: Cell, device_name: str, trace: Path | None = None, profile_steps: int = 0
+) -> dict[str, Any]:
+    """`trace`: record `profile_steps` steps after the warm-up with the profiler `gaudi3 train` uses (its
+    activities and one warm-up step before the window) and write them there as a Chrome trace."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -164,6 +170,9 @@ def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
 
     clock = DeviceClock(device)
     started = 0.0
+    profiler = _plain_profiler(cell, device.type, profile_steps) if trace else None
+    if profiler:
+        profiler.__enter__()
     for step in range(cell.warmup_steps + cell.measured_steps):
         if step == cell.warmup_steps:
             started = clock.now()
@@ -176,8 +185,23 @@ def plain_loop(cell: Cell, device_name: str) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if profiler:
+            profiler.step()
     step_time_s = (clock.now() - started) / cell.measured_steps
+    if profiler and trace:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(trace)
     return {"step_time_s": step_time_s, "final_loss": float(loss.detach())}
+
+
+def _plain_profiler(cell: Cell, device_type: str, steps: int) -> Any:
+    """What `train.profile_start_step = warmup_steps` gives `gaudi3 train` (train/profile_callback.py)."""
+    from gaudi3_scale.monitor.profiler import GaudiProfiler
+
+    activities = ["cpu", *([device_type] if device_type in ("cuda", "hpu") else []), "memory"]
+    return GaudiProfiler(
+        activities, schedule_wait=cell.warmup_steps - 1, schedule_warmup=1, schedule_active=steps
+    )
 
 
 def _model_config(cell: Cell, get_model_config: Any) -> Any:
@@ -205,10 +229,13 @@ def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> lis
     ]  # fmt: skip
 
 
-def run_gaudi3(cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 0) -> dict[str, Any]:
+    """`profile_steps` > 0: also profile that many steps after the warm-up (trace in `out/profile/`)."""
     steps = cell.warmup_steps + cell.measured_steps
+    profile = ([f"--train.profile_start_step={cell.warmup_steps}", f"--train.profile_num_steps={profile_steps}"]
+               if profile_steps else [])  # fmt: skip
     cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--resume", "never",
-           "--no-progress", "--sample-tokens", "0",
+           "--no-progress", "--sample-tokens", "0", *profile,
            *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -218,8 +245,11 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
             "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"]}  # fmt: skip
 
 
-def run_plain(cell: Cell, device: str, env: dict[str, str]) -> dict[str, Any]:
+def run_plain(cell: Cell, device: str, env: dict[str, str], trace: Path | None = None, profile_steps: int = 0
+              ) -> dict[str, Any]:  # fmt: skip
     cmd = [sys.executable, __file__, "--worker", "plain", json.dumps(asdict(cell)), "--device", device]
+    if trace:
+        cmd += ["--trace", str(trace), "--profile", str(profile_steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-20:]}
@@ -296,6 +326,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--worker", choices=["plain"], help=argparse.SUPPRESS)
+    parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("cell_json", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument(
@@ -306,16 +337,25 @@ def main() -> None:
     parser.add_argument("--measured-steps", type=int, help="override every cell's measured steps")
     parser.add_argument("--no-loss", action="store_true", help="skip the 200-step loss runs of the fp8 cells")
     parser.add_argument(
+        "--loss-only", action="store_true",
+        help="only the fp8 cells' loss runs (bf16 and fp8, 200 steps each: final loss and tokens/s of both)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, help="result JSON (merged by cell; default results/gpu_<device>.json)"
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument(
         "--ablation", action="store_true", help="each accelerator default against the same cell without it"
     )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="instead of timing: profile STEPS steps of each side after the warm-up and print and save where their "
+        "steps differ (results/gpu_<device>_profile.json; see trace_diff.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         cell = Cell(**json.loads(args.cell_json))
-        print(json.dumps(plain_loop(cell, args.device or "cpu")))
+        print(json.dumps(plain_loop(cell, args.device or "cpu", args.trace, args.profile)))
         return
 
     import torch
@@ -340,6 +380,8 @@ def main() -> None:
         cells = [Cell(**{**asdict(c), "measured_steps": args.measured_steps}) for c in cells]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):
+        parser.error(f"--profile must be between 1 and each cell's measured steps, got {args.profile}")
     out = args.out or RESULTS / f"gpu_{'cpu' if device == 'cpu' else 'cuda'}.json"
     results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"cells": {}}
     results.update(benchmark="bench_gpu", machine=environment_info())
@@ -352,7 +394,18 @@ def main() -> None:
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with progress, tempfile.TemporaryDirectory() as tmp:
         measure = _Measure(device, env, Path(tmp), progress, args.repeats)
-        if args.ablation:
+        if args.profile:
+            out = args.out or RESULTS / f"gpu_{'cpu' if device == 'cpu' else 'cuda'}_profile.json"
+            measure.task = progress.add_task("profile", total=len(cells) * 2)
+            profiles = {"benchmark": "bench_gpu --profile", "machine": results["machine"], "cells": {}}
+            for cell in cells:
+                profiles["cells"][cell.name] = measure.profile(cell, args.profile)
+                _write(profiles, out)
+            print(f"wrote {out}")
+            return
+        if args.loss_only:
+            pass
+        elif args.ablation:
             pairs = CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION
             measure.task = progress.add_task(
                 "ablation", total=sum(2 * len(sides) for *_, sides in pairs) * args.repeats
@@ -396,6 +449,27 @@ class _Measure:
         self.progress.advance(self.task)
         return run
 
+    def profile(self, cell: Cell, steps: int) -> dict[str, Any]:
+        """One profiled run per side; their per-step aggregates and the diff (trace_diff.py)."""
+        from trace_diff import aggregate, compare, format_diff
+
+        plain_trace = self.tmp / f"plain-{cell.name}.json"
+        ours_dir = self.tmp / f"profile-{cell.name}"
+        self.progress.update(self.task, description=f"{cell.name} plain (profiled)")
+        runs = {"plain": run_plain(cell, self.device, self.env, plain_trace, steps)}
+        self.progress.advance(self.task)
+        self.progress.update(self.task, description=f"{cell.name} gaudi3 (profiled)")
+        runs["gaudi3"] = run_gaudi3(cell, ours_dir, self.env, steps)
+        self.progress.advance(self.task)
+        if any(r.get("status") != "ok" for r in runs.values()):
+            return {"failed": runs}
+        plain, ours = aggregate(plain_trace), aggregate(ours_dir / "profile" / "trace-rank0.json")
+        diff = compare(plain, ours)
+        print(format_diff(cell.name, diff))
+        top = {side: dict(sorted(agg["kernels"].items(), key=lambda kv: -kv[1]["us"])[:20])
+               for side, agg in (("plain", plain), ("gaudi3", ours))}  # fmt: skip
+        return {"profiled_steps": steps, "diff": diff, "top_kernels": top}
+
     def runs(self, cell: Cell, sides: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for i in range(self.repeats):
@@ -436,9 +510,12 @@ def _print_cell(result: dict[str, Any]) -> None:
 
 
 def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path) -> None:
-    """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16, final losses."""
+    """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16: final losses, and
+    steady-state tokens/s of each (the two runs one after the other, on the same shape)."""
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
         losses: dict[str, Any] = {}
+        speeds: dict[str, Any] = {}
+        failures: dict[str, Any] = {}
         for precision in ("bf16-mixed", "fp8"):
             variant = Cell(**{**asdict(cell), "precision": precision})
             with tempfile.TemporaryDirectory() as tmp:
@@ -448,14 +525,22 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 summary = json.loads((Path(tmp) / "summary.json").read_text()) if done.returncode == 0 else {}
             losses[precision] = summary.get("train_loss")
+            speeds[precision] = summary.get("tokens_per_s")
+            if done.returncode != 0:
+                failures[precision] = (done.stderr or done.stdout).strip().splitlines()[-20:]
         bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
         relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
-        results["cells"][cell.name]["loss_after_steps"] = {
+        speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
+        results["cells"].setdefault(cell.name, {"cell": asdict(cell)})["loss_after_steps"] = {
             "steps": cell.loss_steps,
             **losses,
             "relative": relative,
+            "tokens_per_s": speeds,
+            "fp8_over_bf16_tokens_per_s": speedup,
+            **({"failed": failures} if failures else {}),
         }
-        print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative})")
+        print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative}); "
+              f"tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})")  # fmt: skip
         _write(results, out)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,44 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), "--small", "--cells", "nope"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown cell(s) nope; valid: tiny-eager, tiny-compiled" in bad.stderr
+
+
+def test_bench_gpu_profile_diffs_the_two_loops_steps(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    args = ["--small", "--cells", "tiny-eager", "--measured-steps", "3", "--profile", "2", "--out", str(out)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cell = json.loads(out.read_text())["cells"]["tiny-eager"]
+    assert cell["profiled_steps"] == 2
+    per_step = cell["diff"]["per_step"]
+    assert per_step["step_ms"]["plain"] > 0 and per_step["step_ms"]["gaudi3"] > 0
+    # Both sides run the same model math: no matmul or optimizer kernel differs in count between them.
+    differing = {row["name"] for row in cell["diff"]["op_calls"]}
+    assert not differing & {"aten::mm", "aten::addmm", "aten::_fused_adamw_", "aten::bmm"}, differing
+    assert "tiny-eager: per step, plain vs gaudi3" in done.stdout
+
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), *args[:5], "--profile", "4"], capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2
+        and "--profile must be between 1 and each cell's measured steps, got 4" in bad.stderr
+    )
+
+
+def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> None:
+    """The fp8 cells' 200-step check, on CPU: bf16 trains, fp8 is refused there, and both outcomes are recorded."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    assert spec and spec.loader
+    bench_gpu = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = bench_gpu  # dataclasses look their module up by name
+    spec.loader.exec_module(bench_gpu)
+    tiny = bench_gpu.CPU_CELLS[0]
+    cell = bench_gpu.Cell(**{**asdict(tiny), "name": "tiny-fp8", "precision": "fp8", "loss_steps": 8})
+    results: dict = {"cells": {}}
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
+    bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")
+    check = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
+    assert check["steps"] == 8 and 0 < check["bf16-mixed"] < 7 and check["tokens_per_s"]["bf16-mixed"] > 0
+    assert check["fp8"] is None and check["relative"] is None and check["fp8_over_bf16_tokens_per_s"] is None
+    assert any("fp8" in line and "compute capability" in line for line in check["failed"]["fp8"]), check
