@@ -23,6 +23,7 @@ from gaudi3_scale.bench.result import (
 )
 from gaudi3_scale.bench.schema import load_result, validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.monitor.perf import mfu_above_peak
 
 ENV = {"cpu": "test cpu", "packages": {"torch": "2.13.0"}, "git_commit": "abc"}
 
@@ -89,6 +90,10 @@ def _ok() -> dict[str, Any]:
         (lambda r: r["metrics"].pop("tokens_per_s"), "metrics.tokens_per_s is missing"),
         (lambda r: r["metrics"].update(tokens_per_s=-1.0), "metrics.tokens_per_s must be positive"),
         (lambda r: r["metrics"].update(mfu="high"), 'metrics.mfu must be number or null, got "high"'),
+        (
+            lambda r: r["metrics"].update(mfu=1.19),
+            "metrics.mfu must be at most 1: MFU 119.0% is above the devices' peak",
+        ),
         (lambda r: r["metrics"]["step_time_s"].pop("p95"), "metrics.step_time_s.p95 is missing"),
         (
             lambda r: r["metrics"].update(peak_memory_bytes_per_rank=[1]),
@@ -162,3 +167,11 @@ def test_a_damaged_or_cut_log(tmp_path: Path) -> None:
     assert collect_logs([log]) == [_ok() | {"created": collect_logs([log])[0]["created"]}]
     with pytest.raises(UserInputError, match="cannot read log"):
         collect_logs([tmp_path / "missing.log"])
+
+
+def test_an_mfu_above_the_peak_is_named_a_measuring_bug() -> None:
+    assert mfu_above_peak(None) is None and mfu_above_peak(0.45) is None and mfu_above_peak(1.0) is None
+    message = mfu_above_peak(
+        1.18
+    )  # what an unsynchronised clock on an H100 reported (1.18 PFLOP/s of 989 TFLOP/s)
+    assert message and "MFU 118.0% is above the devices' peak" in message and "synchronise" in message

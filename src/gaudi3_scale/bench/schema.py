@@ -46,6 +46,7 @@ from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
+from gaudi3_scale.monitor.perf import mfu_above_peak
 
 __all__ = [
     "RESULT_SCHEMA",
@@ -158,6 +159,9 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
     for name in ("tokens_per_s", "samples_per_s"):
         if metrics[name] <= 0:
             raise UserInputError(f"{source}: metrics.{name} must be positive, got {metrics[name]}")
+    above = mfu_above_peak(metrics["mfu"])
+    if above:
+        raise UserInputError(f"{source}: metrics.mfu must be at most 1: {above}")
     return obj
 
 

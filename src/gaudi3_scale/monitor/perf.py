@@ -1,13 +1,15 @@
-"""Throughput arithmetic shared by training, benchmarks and (later) the Prometheus exporter."""
+"""Throughput arithmetic shared by training, benchmarks and the Prometheus exporter (torch imported only where used)."""
 
 from __future__ import annotations
 
 import resource
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["mfu", "peak_memory_bytes"]
+__all__ = ["mfu", "mfu_above_peak", "peak_memory_bytes"]
 
 
 def mfu(
@@ -23,8 +25,24 @@ def mfu(
     return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
 
 
+def mfu_above_peak(value: float | None) -> str | None:
+    """What is wrong with an MFU above 1 (model FLOP/s above the devices' peak), or None for a possible value.
+
+    No device does more than its peak, so such a figure is a measuring bug, not a result: most often a clock read
+    without a device synchronise (it times kernel launches, not work), else a wrong peak or FLOP count.
+    """
+    if value is None or value <= 1.0:
+        return None
+    return (
+        f"MFU {value:.1%} is above the devices' peak: the timing or the peak is wrong (a clock read without a "
+        "device synchronise, a peak for another device), so this run's throughput figures are not results"
+    )
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated accelerator memory on CUDA; peak resident set size of this process on CPU."""
+    import torch
+
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

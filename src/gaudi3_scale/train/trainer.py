@@ -33,7 +33,7 @@ from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launche
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.models import ModelConfig
-from gaudi3_scale.monitor.perf import mfu
+from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
 from gaudi3_scale.monitor.trackers import build_trackers
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig, TrainConfig, steps_for_epochs
@@ -467,6 +467,9 @@ class GaudiTrainer:
             self._checkpointer.close()  # drains uploads, applies the retention that waited on them
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
+        above = mfu_above_peak(summary["mfu"])
+        if above:
+            self._warn(above)
         if isinstance(datamodule, TokenDataModule) and datamodule.has_data:
             cache = datamodule.data.stats()  # a URL dataset's shard cache, this process's handle
             if cache:
@@ -552,6 +555,7 @@ class GaudiTrainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu_value,
             "mfu_peak_source": plan.peak_source if plan else None,
+            "mfu_above_peak": mfu_above_peak(mfu_value) is not None,
             "step_time_s": step_time_s,
             # tokens/s, MFU and step time are over the measured steps, after this process's warm-up steps
             # (train.throughput_warmup_steps), whose time (compilation included) is reported on its own.
