@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, RESULT_SCHEMA_VERSION, validate_result
+from gaudi3_scale.monitor.perf import mfu_above_peak
 
 __all__ = [
     "BEGIN",
@@ -114,6 +115,9 @@ def result_from_metrics(
     mfu = (
         statistics.fmean(r["mfu"] / r["tokens_per_s"] for r in mfu_rows) * tokens_per_s if mfu_rows else None
     )
+    above = mfu_above_peak(mfu)
+    if above:  # a measuring bug, not a result: the cell fails with the reason
+        return {**base, "status": "failed", "reason": above, "metrics": None}
     metrics = {
         "tokens_per_s": tokens_per_s,
         "samples_per_s": cell["global_batch_size"] / mean_s,
