@@ -28,6 +28,9 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    from gaudi3_scale.distributed.deepspeed import skip_inference_comm_build
+
+    skip_inference_comm_build()  # as ZeroStrategy does: no JIT build of an op training never calls
     dist.init_process_group("gloo")
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     for name in model_names:

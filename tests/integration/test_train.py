@@ -1,4 +1,4 @@
-"""Real training runs of small models on the bundled corpus, on CPU."""
+"""Real training runs of small models on the bundled corpus, on CPU; the README's main command among them."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from gaudi3_scale.train.step import at_step_boundary
 pytestmark = pytest.mark.integration
 
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(out: Path, *extra: str):
@@ -30,50 +31,61 @@ def _config(out: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """The default shakespeare-char model, 300 steps: enough to learn far more than character frequencies."""
-    out = tmp_path_factory.mktemp("run")
-    cfg = _config(
-        out,
-        "--train.max_steps",
-        "300",
-        "--optim.warmup_steps",
-        "30",
-        "--train.val_every_steps",
-        "100",
-        "--checkpoint.every_steps",
-        "100",
-        "--checkpoint.keep_last",
-        "2",
+def readme_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """The README's main command, exactly as a user runs it: `python3 run.py train`, the default shakespeare-char
+    model for 2,000 steps. The tests below read its outputs (one run serves them all: it takes minutes)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "python3 run.py train\n" in readme and "python3 run.py test\n" in readme
+    out = tmp_path_factory.mktemp("readme") / "run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "train", "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    summary = GaudiTrainer(cfg, progress=False).fit()
-    return out, summary
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, json.loads((out / "summary.json").read_text()), proc.stdout
 
 
-def test_val_loss_falls_well_below_unigram_entropy(trained_run: tuple[Path, dict]) -> None:
-    out, summary = trained_run
+@pytest.mark.slow
+def test_readme_train_command_reaches_the_published_val_loss(readme_run: tuple[Path, dict, str]) -> None:
+    _out, summary, stdout = readme_run
+    assert summary["steps"] == 2000
+    # nanoGPT README: this model shape on a CPU reaches val loss 1.88 after 2,000 iterations — a figure given to two
+    # decimals, so anything that rounds to 1.88 reaches it (seed-to-seed spread is ±0.01; README "Performance").
+    assert summary["val_loss"] < 1.885, summary
+    sample = stdout.split("---- sample ----", 1)[1]
+    assert len(sample.strip()) > 100
+
+
+@pytest.mark.slow
+def test_val_loss_falls_well_below_unigram_entropy(readme_run: tuple[Path, dict, str]) -> None:
+    out, summary, _ = readme_run
     # ln(65) = 4.17 is a uniform guess; the character unigram entropy of the corpus is ~3.3 nats.
-    assert summary["steps"] == 300
+    assert summary["steps"] == 2000
     assert summary["val_loss"] < 2.6, summary
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in records if "val_loss" in r]
-    assert len(val) == 3 and val[0] > val[-1]
+    assert len(val) == 2000 // 250 and val[0] > val[-1]  # train.val_every_steps defaults to 250
 
 
-def test_run_directory_holds_every_output(trained_run: tuple[Path, dict]) -> None:
-    out, summary = trained_run
+@pytest.mark.slow
+def test_run_directory_holds_every_output(readme_run: tuple[Path, dict, str]) -> None:
+    out, summary, _ = readme_run
     for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "checkpoint"):
         assert summary[key] is not None, key
     assert summary["tokens_per_s"] > 1000 and 0 < summary["mfu"] < 1
-    assert json.loads((out / "summary.json").read_text())["steps"] == 300
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = (out / "config.yaml").read_text()
     assert "vocab_size: 65" in resolved and "num_layers: 4" in resolved
+    # checkpoint.every_steps 500 and keep_last 3 (the defaults): step 500 was saved, then pruned.
     ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
-    assert ckpts == ["step-00000200", "step-00000300"]  # checkpoint.keep_last=2
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000300"
-    manifest = json.loads((out / "checkpoints" / "step-00000300" / "manifest.json").read_text())
-    assert manifest["step"] == 300 and manifest["tokens_seen"] == 300 * 12 * 64  # steps × sequences × context
+    assert ckpts == ["step-00001000", "step-00001500", "step-00002000"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00002000"
+    manifest = json.loads((out / "checkpoints" / "step-00002000" / "manifest.json").read_text())
+    assert (
+        manifest["step"] == 2000 and manifest["tokens_seen"] == 2000 * 12 * 64
+    )  # steps × sequences × context
     assert manifest["world_size"] == 1 and manifest["val_loss"] == summary["val_loss"]
     train = [
         json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train_loss" in line
@@ -84,8 +96,9 @@ def test_run_directory_holds_every_output(trained_run: tuple[Path, dict]) -> Non
     assert train[-1]["lr"] == pytest.approx(1e-4, rel=1e-3)
 
 
-def test_generate_cli_samples_deterministically(trained_run: tuple[Path, dict]) -> None:
-    _out, summary = trained_run
+@pytest.mark.slow
+def test_generate_cli_samples_deterministically(readme_run: tuple[Path, dict, str]) -> None:
+    _out, summary, _ = readme_run
     args = [
         *GAUDI3,
         "generate",

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from gaudi3_scale.config.errors import UserInputError
 
-__all__ = ["ZeroStrategy", "build_zero_strategy", "gathered_for_update"]
+__all__ = ["ZeroStrategy", "build_zero_strategy", "gathered_for_update", "skip_inference_comm_build"]
 
 _STAGE = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}
 _PARTITIONS = "zero_partitions"  # optimizer_states[0] key: one ZeRO optimizer state per rank
@@ -71,6 +71,19 @@ def _offload_config(offload: str, stage: int, *, pin_memory: bool) -> dict[str, 
         assert stage == 3, "distributed.config refuses offload all with ZeRO-2"
         out["offload_param"] = dict(host)
     return out
+
+
+def skip_inference_comm_build() -> None:
+    """Keep DeepSpeed's comm backend from compiling its shared-memory all-reduce op when it starts.
+
+    On CPU, DeepSpeed's TorchBackend JIT-compiles `deepspeed_shm_comm` (a C++ op: 50 s of the first 2-rank ZeRO run
+    on this 2-core machine, 2026-11-26) for `inference_all_reduce`, which training never calls: every reduction of
+    a training step goes through torch.distributed. Marked incompatible, the op is skipped. DeepSpeed caches its
+    `__compatible_ops__` dict once per process, so the mark holds for this process's backend.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -140,6 +153,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         # DeepSpeedStrategy first checks CUDA device indices against local ranks; CPU devices have no index.
         reset_seed()
         self.set_world_ranks()
+        skip_inference_comm_build()
         self._init_deepspeed_distributed()
 
     def _format_batch_size_and_grad_accum_config(self) -> None:
