@@ -91,7 +91,10 @@ def _ok() -> dict[str, Any]:
         (lambda r: r["metrics"].update(tokens_per_s=-1.0), "metrics.tokens_per_s must be positive"),
         (lambda r: r["metrics"].update(mfu="high"), 'metrics.mfu must be number or null, got "high"'),
         (
-            lambda r: r["metrics"].update(mfu=1.19),
+            lambda r: (
+                r["metrics"].update(mfu=1.19),
+                r["environment"].update(cuda={"device": "NVIDIA H100"}),
+            ),
             "metrics.mfu must be at most 1: MFU 119.0% is above the devices' peak",
         ),
         (lambda r: r["metrics"]["step_time_s"].pop("p95"), "metrics.step_time_s.p95 is missing"),
@@ -171,7 +174,20 @@ def test_a_damaged_or_cut_log(tmp_path: Path) -> None:
 
 def test_an_mfu_above_the_peak_is_named_a_measuring_bug() -> None:
     assert mfu_above_peak(None) is None and mfu_above_peak(0.45) is None and mfu_above_peak(1.0) is None
-    message = mfu_above_peak(
-        1.18
-    )  # what an unsynchronised clock on an H100 reported (1.18 PFLOP/s of 989 TFLOP/s)
+    # What an unsynchronised clock on an H100 reported: 1.18 PFLOP/s against a 989 TFLOP/s peak.
+    message = mfu_above_peak(1.18)
     assert message and "MFU 118.0% is above the devices' peak" in message and "synchronise" in message
+    measured = mfu_above_peak(
+        2.5, peak_measured=True
+    )  # a CPU's matmul peak measured while the machine was busy
+    assert measured and "above the matmul peak measured at start" in measured and "busy" in measured
+    # A GPU cell whose steps claim more than the datasheet peak fails with that reason instead of recording a speed.
+    records = [{**r, "mfu": r["mfu"] * 1e4} for r in _records([9.0, 8.0, 0.1, 0.2]) if "mfu" in r]
+    gpu = {**ENV, "cuda": {"device": "NVIDIA H100 80GB HBM3", "count": 1, "runtime": "13.0"}}
+    result = result_from_metrics(_cell(), records, warmup_steps=2, h2d_gbps=None, environment=gpu)
+    validate_result(result, "test")
+    assert result["status"] == "failed" and result["metrics"] is None
+    assert result["reason"].startswith("MFU ") and "above the devices' peak" in result["reason"]
+    # On CPU the peak is itself a measurement: the figure is kept (tokens/s holds), the schema accepts it.
+    cpu = result_from_metrics(_cell(), records, warmup_steps=2, h2d_gbps=None, environment=ENV)
+    assert cpu["status"] == "ok" and validate_result(cpu, "test")["metrics"]["mfu"] > 1

@@ -159,7 +159,9 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
     for name in ("tokens_per_s", "samples_per_s"):
         if metrics[name] <= 0:
             raise UserInputError(f"{source}: metrics.{name} must be positive, got {metrics[name]}")
-    above = mfu_above_peak(metrics["mfu"])
+    # Against a GPU's datasheet peak an MFU above 1 is a measuring bug. On CPU the peak is itself measured (it comes
+    # out low when the machine was busy), and Gaudi is not yet validated on Gaudi hardware: not checked there.
+    above = mfu_above_peak(metrics["mfu"]) if (obj["environment"] or {}).get("cuda") else None
     if above:
         raise UserInputError(f"{source}: metrics.mfu must be at most 1: {above}")
     return obj

@@ -25,14 +25,21 @@ def mfu(
     return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
 
 
-def mfu_above_peak(value: float | None) -> str | None:
+def mfu_above_peak(value: float | None, *, peak_measured: bool = False) -> str | None:
     """What is wrong with an MFU above 1 (model FLOP/s above the devices' peak), or None for a possible value.
 
-    No device does more than its peak, so such a figure is a measuring bug, not a result: most often a clock read
-    without a device synchronise (it times kernel launches, not work), else a wrong peak or FLOP count.
+    Against a datasheet peak (an accelerator) no device does more, so such a figure is a measuring bug, not a
+    result: most often a clock read without a device synchronise (it times kernel launches, not work), else a wrong
+    peak or FLOP count. Against a measured peak (`peak_measured`: the CPU's matmul ceiling, measured at start) it
+    means the peak was measured while the machine was busy: the MFU is meaningless, tokens/s still holds.
     """
     if value is None or value <= 1.0:
         return None
+    if peak_measured:
+        return (
+            f"MFU {value:.1%} is above the matmul peak measured at start: the machine was busy while it was "
+            "measured, so this run's MFU is not meaningful (its tokens/s is)"
+        )
     return (
         f"MFU {value:.1%} is above the devices' peak: the timing or the peak is wrong (a clock read without a "
         "device synchronise, a peak for another device), so this run's throughput figures are not results"
