@@ -22,6 +22,7 @@ __all__ = [
     "URL_EXAMPLES",
     "copy_stream",
     "is_local_filesystem",
+    "is_storage_error",
     "is_transient_error",
     "open_remote",
     "url_protocol",
@@ -105,7 +106,24 @@ def open_remote(
         ) from e
     except (TypeError, ValueError) as e:
         raise ConfigError(field, f"{url!r} with storage options {storage_options}: {e}") from e
+    except OSError as e:  # a backend that connects at once (ftp://, sftp://): unknown host, refused
+        raise ConfigError(field, f"cannot reach {url!r}: {type(e).__name__}: {e}") from None
+    if not root.strip("/") and protocol != "file":
+        raise ConfigError(field, f"{url!r} names no bucket or path; use a URL such as {URL_EXAMPLES}")
     return fs, root.rstrip("/")
+
+
+# Where the exceptions of fsspec's backends come from besides OSError: botocore (s3fs passes NoCredentialsError,
+# EndpointConnectionError … through), aiohttp (http, gcsfs, adlfs), google.auth / azure.core (credentials).
+_STORAGE_ERROR_MODULES = ("botocore.", "aiobotocore.", "aiohttp.", "google.auth.", "azure.core.")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether `error` came from the store (unreachable, credentials, permissions, a missing bucket), not from a bug
+    of ours: what a command turns into one line naming the URL."""
+    if isinstance(error, OSError):
+        return True
+    return any(cls.__module__.startswith(_STORAGE_ERROR_MODULES) for cls in type(error).__mro__)
 
 
 def is_transient_error(error: BaseException) -> bool:

@@ -110,7 +110,7 @@ def _run_tokenizer(checkpoint: Path, tokenizer_dir: Path | None) -> Tokenizer | 
     directory = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(checkpoint)
     if tokenizer_dir is None and not (directory / TOKENIZER_FILE).is_file():
         return None  # a bare checkpoint file, not inside a run directory
-    return load_tokenizer(directory)
+    return load_tokenizer(directory, flag="--tokenizer" if tokenizer_dir else None)
 
 
 def _write_hf_tokenizer(tokenizer: HFTokenizer, directory: Path) -> list[str]:

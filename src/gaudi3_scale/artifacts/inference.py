@@ -59,7 +59,7 @@ def load_for_generation(
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(path)
     if not tok_dir.is_dir():
         raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
-    return model, load_tokenizer(tok_dir)
+    return model, load_tokenizer(tok_dir, flag="--tokenizer" if tokenizer_dir else None)
 
 
 @torch.no_grad()

@@ -99,6 +99,18 @@ def check_registry(name: str, uri: str, *, asked_by: str = "--register") -> Any:
     return client
 
 
+def _refuse_missing_file_store(model_uri: str, uri: str) -> None:
+    """Reading from a local store that is not there: MLflow would create an empty one at the (mistyped) path."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme in ("", "file") and not Path(parts.path).exists():
+        raise UserInputError(
+            f"{model_uri}: there is no MLflow store at {uri!r}; pass --tracking-uri with the file store that "
+            "holds the model (e.g. <run>/mlruns) or a server URL"
+        )
+
+
 def fetch_registered(model_uri: str, tracking_uri: str | None, cache_dir: Path) -> Path:
     """The export directory of `models:/NAME/VERSION`, downloaded from the registry at `tracking_uri` (else
     `MLFLOW_TRACKING_URI`) into `cache_dir`, or one line saying what is wrong. A version's artifacts do not change,
@@ -114,6 +126,7 @@ def fetch_registered(model_uri: str, tracking_uri: str | None, cache_dir: Path) 
         raise UserInputError(
             f"{model_uri}: pass --tracking-uri URI (or set MLFLOW_TRACKING_URI) to say which registry"
         )
+    _refuse_missing_file_store(model_uri, uri)
     client = check_registry(name, uri, asked_by=model_uri)
     from mlflow.exceptions import MlflowException
 

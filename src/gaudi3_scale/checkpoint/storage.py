@@ -26,6 +26,7 @@ from gaudi3_scale.checkpoint.manifest import (
     parse_manifest,
     verify_checkpoint,
 )
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.storage import copy_stream, is_local_filesystem
 
 if TYPE_CHECKING:
@@ -171,19 +172,27 @@ def fetch_latest(
 
     Tries the remote `latest` target first, then newest step first; every damaged one is skipped with a warning
     naming it. A local copy that already verifies is used as it is. None when the remote holds no usable
-    checkpoint; storage errors (unreachable, credentials) propagate, so a resume never silently starts over.
-    The local `latest` pointer is left to the caller (`CheckpointManager.mark_latest`).
+    checkpoint; a storage error (unreachable, credentials) is one `UserInputError` line, so a resume never silently
+    starts over. The local `latest` pointer is left to the caller (`CheckpointManager.mark_latest`).
     """
     warn = warn or default_warn
     fs, root = open_remote(url, storage_options)
     local_dir = Path(local_checkpoints_dir)
     local_dir.mkdir(parents=True, exist_ok=True)
-    for name in _remote_step_names(fs, root):
-        target = local_dir / name
-        if target.is_dir() and not verify_checkpoint(target):
-            return target
-        problem = _download(fs, f"{root}/{name}", target)
-        if problem is None:
-            return target
-        warn(f"skipping remote checkpoint {url.rstrip('/')}/{name}: {problem}")
+    try:
+        for name in _remote_step_names(fs, root):
+            target = local_dir / name
+            if target.is_dir() and not verify_checkpoint(target):
+                return target
+            problem = _download(fs, f"{root}/{name}", target)
+            if problem is None:
+                return target
+            warn(f"skipping remote checkpoint {url.rstrip('/')}/{name}: {problem}")
+    except Exception as exc:
+        if not storage.is_storage_error(exc):
+            raise
+        raise UserInputError(
+            f"{REMOTE_URL_FIELD}: cannot fetch a checkpoint to resume from {url!r} ({type(exc).__name__}: "
+            f"{exc}); fix the store or its credentials, or start without it: --train.resume never"
+        ) from None
     return None

@@ -22,6 +22,20 @@ def _checkpoints_dir(path: Path) -> Path:
     return path
 
 
+def _refuse_no_checkpoints(directory: Path) -> None:
+    from gaudi3_scale.checkpoint.manifest import has_manifest
+
+    if has_manifest(directory):
+        raise UserInputError(
+            f"{str(directory)!r} is one checkpoint, not a run; pass its run directory or checkpoints/ (or check "
+            "it alone with `gaudi3 ckpt verify`)"
+        )
+    raise UserInputError(
+        f"{str(directory)!r} holds no checkpoints (no step-* directories, no checkpoints/); pass a run directory "
+        "or its checkpoints/"
+    )
+
+
 def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
@@ -41,7 +55,12 @@ def list_cmd(directory: Path, verify: bool) -> None:
 
     from gaudi3_scale.checkpoint.inspect import checkpoint_rows
 
-    rows = checkpoint_rows(_checkpoints_dir(directory), verify=verify)
+    checkpoints = _checkpoints_dir(directory)
+    rows = checkpoint_rows(checkpoints, verify=verify)
+    if (
+        not rows and checkpoints.name != "checkpoints"
+    ):  # a run's empty checkpoints/ is listed (empty), not refused
+        _refuse_no_checkpoints(checkpoints)
     table = Table(title=str(directory))
     for column in ("step", "status", "latest", "size (MB)", "tokens seen", "ranks", "strategy", "val loss"):
         table.add_column(column)

@@ -47,6 +47,7 @@ class Number(click.ParamType):
         self.low, self.high, self.above = low, high, above
         self.name = "integer" if integer else "number"
         self.expected = expected or _expected(integer, low, high, above)
+        self._names_bound = bool(expected)  # a custom text states the upper bound already (a Port's 0..65535)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         flag = param.opts[0] if param is not None and param.opts else self.name
@@ -58,7 +59,8 @@ class Number(click.ParamType):
             check_number(flag, number, low=self.low, high=self.high, above=self.above)
         except ConfigError:
             expected = self.expected
-            if self.high is not None and isinstance(number, int | float) and number > self.high:
+            over = self.high is not None and isinstance(number, int | float) and number > self.high
+            if over and not self._names_bound:
                 expected += f" up to {self.high:,}" if self.integer else f" up to {self.high:g}"
             raise UserInputError(f"{flag}: {expected}, got {_shown(value)}") from None
         return number if self.integer else float(number)

@@ -8,7 +8,7 @@ import click
 
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.data import DataConfig, prepare_dataset
-from gaudi3_scale.data.publish import publish_prepared
+from gaudi3_scale.data.publish import check_publish_target, publish_prepared
 from gaudi3_scale.data.remote import is_url
 
 __all__ = ["run_prepare"]
@@ -38,5 +38,7 @@ def run_prepare(
         "prepare_workers": workers,
     }
     cfg = from_dict(DataConfig, fields, prefix="data")
+    if url:
+        check_publish_target(url, field="--out")
     local = prepare_dataset(cfg, force=force)
     click.echo(publish_prepared(local, url, field="--out") if url else str(local))

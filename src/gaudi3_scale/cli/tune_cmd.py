@@ -33,6 +33,23 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     return values
 
 
+def _check_mode(
+    estimate_only: bool, accelerator: str | None, strategies: str | None, precisions: str | None
+) -> None:
+    """Flags of the other mode are refused, not ignored: a search started by mistake runs for minutes."""
+    if accelerator is not None and not estimate_only:
+        raise UserInputError(
+            "--accelerator: only with --estimate-only (trials run on this machine's devices); add --estimate-only, "
+            "or drop --accelerator to tune here"
+        )
+    given = [flag for flag, value in (("--strategies", strategies), ("--precisions", precisions)) if value]
+    if estimate_only and given:
+        raise UserInputError(
+            f"{given[0]}: only shapes the search; --estimate-only lists every strategy at the config's "
+            f"train.precision (set that with --train.precision), so drop {given[0]} or --estimate-only"
+        )
+
+
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     epilog="Any config field can be set as --section.field VALUE, as for `gaudi3 train`.",
@@ -144,6 +161,7 @@ def tune(
     from gaudi3_scale.train.config import resolve_config
     from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 
+    _check_mode(estimate_only, accelerator, strategies, precisions)
     base = resolve_config(config_path, overrides)
     doctor_once_for_trainings(config_path, overrides)  # in the training image only
     world = world_size if world_size is not None else base.parallel.world_size

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
     "MAX_NODES",
+    "check_output_dir",
     "load_json_file",
     "load_yaml_file",
     "parse_json",
@@ -89,6 +90,20 @@ def read_text_file(path: str | Path, *, what: str, max_bytes: int = MAX_FILE_BYT
     if len(data) > max_bytes:
         raise UserInputError(f"{label} is larger than {max_bytes:,} bytes; a {what} is never that big")
     return decode_utf8(data, label)
+
+
+def check_output_dir(field: str, path: str | Path) -> None:
+    """A directory a command will create or write into: refused, naming `field`, when it or a directory above it
+    already exists as a file (mkdir would fail there with a traceback, after other work was done)."""
+    target = Path(path)
+    for candidate in (target, *target.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                where = (
+                    "is a file" if candidate == target else f"is inside {str(candidate)!r}, which is a file"
+                )
+                raise ConfigError(field, f"{str(target)!r} {where}; pass a directory (new or existing)")
+            return
 
 
 def decode_utf8(data: bytes, label: str) -> str:

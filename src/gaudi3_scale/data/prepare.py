@@ -36,6 +36,7 @@ from typing import Any
 from rich.progress import Progress
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.encode import (
     OrderedMap,
@@ -82,6 +83,7 @@ from gaudi3_scale.data.tokenizers import (
     SyntheticTokenizer,
     Tokenizer,
     build_tokenizer,
+    check_tokenizer_request,
     is_tokenizer_path,
     load_tokenizer_file,
 )
@@ -132,6 +134,7 @@ def prepare_dataset(
     fingerprint = _sha256_json(
         {"settings": settings, "files": [[str(f.path), f.size_bytes, f.mtime_ns] for f in source.files]}
     )
+    check_output_dir("data.prepared_dir", target)
     target.mkdir(parents=True, exist_ok=True)
     job = _Job(cfg, source, settings, fingerprint, workers or cfg.prepare_workers, progress)
 
@@ -172,6 +175,7 @@ def _sha256_json(obj: Any) -> str:
 
 def _settings(cfg: DataConfig, source: ResolvedSource) -> dict[str, Any]:
     """Everything besides the source files' content that changes the output."""
+    check_tokenizer_request(cfg.tokenizer, cfg.vocab_size)
     tokenizer_file = Path(cfg.tokenizer) if is_tokenizer_path(cfg.tokenizer) else None
     if tokenizer_file is not None:
         # Read and checked here, before any directory is touched or progress bar drawn: a missing, binary or

@@ -15,9 +15,9 @@ from pathlib import Path
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.manifest import MANIFEST_FILE, verify_prepared
 from gaudi3_scale.data.sources import sha256_file
-from gaudi3_scale.storage import copy_stream, open_remote
+from gaudi3_scale.storage import copy_stream, is_storage_error, open_remote
 
-__all__ = ["publish_prepared"]
+__all__ = ["check_publish_target", "publish_prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,18 @@ def _remote_sha256(fs: object, path: str) -> str | None:
             return copy_stream(fh, None)[1]
     except FileNotFoundError:
         return None
+
+
+def check_publish_target(url: str, *, field: str) -> None:
+    """Open `url` and ask the store whether it is there, before any tokenizing: an unreachable store, missing
+    credentials or a missing bucket are one line naming `field` now, not after the work."""
+    fs, root = open_remote(url, field=field)
+    try:
+        fs.exists(root)
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        raise UserInputError(f"{field}: cannot publish to {url}: {type(exc).__name__}: {exc}") from None
 
 
 def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_dir") -> str:
@@ -49,7 +61,9 @@ def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_d
                     f"{url}/{name}: read back with another SHA-256 after upload; not published"
                 )
         fs.put_file(str(directory / MANIFEST_FILE), f"{root}/{MANIFEST_FILE}")  # the commit point
-    except OSError as exc:
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
         raise UserInputError(f"{field}: cannot publish to {url}: {type(exc).__name__}: {exc}") from None
     log.info("published %s to %s", directory, url)
     return url.rstrip("/")

@@ -34,6 +34,7 @@ __all__ = [
     "SyntheticTokenizer",
     "Tokenizer",
     "build_tokenizer",
+    "check_tokenizer_request",
     "get_tokenizer",
     "is_tokenizer_path",
     "load_tokenizer",
@@ -251,6 +252,39 @@ def get_tokenizer(kind: str) -> TokenizerBuilder:
     return _BUILDERS[kind]
 
 
+def check_tokenizer_request(kind: str, vocab_size: int | None) -> None:
+    """What `build_tokenizer(kind, …, vocab_size)` would refuse without reading the data, refused before any is
+    read (and before a progress bar is drawn): an unknown kind, a vocab_size the kind cannot have."""
+    if is_tokenizer_path(kind):
+        return
+    get_tokenizer(kind)  # an unknown kind: one line with the allowed ones
+    if kind == "char" and vocab_size is not None:
+        raise ConfigError(
+            "vocab_size",
+            f"tokenizer=char takes its vocabulary from the data, got {vocab_size}; leave vocab_size unset, or "
+            "use tokenizer=bpe (vocab_size >= 256)",
+        )
+    if kind == "byte":
+        _check_byte_vocab(vocab_size)
+    if kind == "bpe":
+        _check_bpe_vocab(vocab_size)
+
+
+def _check_byte_vocab(vocab_size: int | None) -> None:
+    if vocab_size is not None and vocab_size != 256:
+        raise ConfigError(
+            "vocab_size", f"tokenizer=byte always has 256 ids, got {vocab_size}; set it to null"
+        )
+
+
+def _check_bpe_vocab(vocab_size: int | None) -> None:
+    if vocab_size is None or vocab_size < 256:
+        raise ConfigError(
+            "vocab_size",
+            f"tokenizer=bpe needs vocab_size >= 256 (256 byte symbols + merges), got {vocab_size}",
+        )
+
+
 def _build_char(texts: Iterable[str], vocab_size: int | None, progress: bool) -> Tokenizer:
     seen: set[str] = set()
     for text in texts:
@@ -267,10 +301,7 @@ def _build_char(texts: Iterable[str], vocab_size: int | None, progress: bool) ->
 
 
 def _build_byte(texts: Iterable[str], vocab_size: int | None, progress: bool) -> Tokenizer:
-    if vocab_size is not None and vocab_size != 256:
-        raise ConfigError(
-            "vocab_size", f"tokenizer=byte always has 256 ids, got {vocab_size}; set it to null"
-        )
+    _check_byte_vocab(vocab_size)
     return ByteTokenizer()
 
 
@@ -278,11 +309,8 @@ def _build_bpe(texts: Iterable[str], vocab_size: int | None, progress: bool) -> 
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size is None or vocab_size < 256:
-        raise ConfigError(
-            "vocab_size",
-            f"tokenizer=bpe needs vocab_size >= 256 (256 byte symbols + merges), got {vocab_size}",
-        )
+    _check_bpe_vocab(vocab_size)
+    assert vocab_size is not None  # checked just above
     # Byte-level BPE (GPT-2): every byte is in the initial alphabet, so no text is ever out of vocabulary.
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -363,9 +391,15 @@ def _read_tokenizer_file(path: Path) -> str:
     return read_text_file(path, what="tokenizer file", max_bytes=TOKENIZER_MAX_BYTES)
 
 
-def load_tokenizer(prepared_dir: Path) -> Tokenizer:
-    """Load the tokenizer that `Tokenizer.save` wrote into a prepared dataset directory."""
+def load_tokenizer(prepared_dir: Path, *, flag: str | None = None) -> Tokenizer:
+    """Load the tokenizer that `Tokenizer.save` wrote into a prepared dataset directory, or into the directory the
+    user named with `flag` (e.g. ``--tokenizer``: then a missing file is blamed on that choice)."""
     path = Path(prepared_dir) / TOKENIZER_FILE
+    if not path.is_file() and flag is not None:
+        raise UserInputError(
+            f"{flag} {str(prepared_dir)!r}: no {TOKENIZER_FILE} there; pass a directory that holds one (a run's "
+            "tokenizer/, an export's tokenizer/ or a prepared dataset)"
+        )
     if not path.is_file():
         raise UserInputError(
             f"{path}: missing; the prepared dataset has no tokenizer, re-run `gaudi3 prepare --force`"

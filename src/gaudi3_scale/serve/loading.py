@@ -91,7 +91,9 @@ def load_served_model(
 
         refuse_encoder(read_pretrained_config(source.path, field_name="export")[0], source.path)
         model: nn.Module = load_exported(source.path)
-        tokenizer = load_tokenizer(_export_tokenizer_dir(source.path, tokenizer_dir))
+        tokenizer = load_tokenizer(
+            _export_tokenizer_dir(source.path, tokenizer_dir), flag="--tokenizer" if tokenizer_dir else None
+        )
     else:
         from gaudi3_scale.artifacts.inference import load_for_generation
 

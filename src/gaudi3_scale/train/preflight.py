@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config
 from gaudi3_scale.monitor.trackers import check_trackers
 from gaudi3_scale.train.config import RunConfig
@@ -25,7 +26,8 @@ __all__ = ["check_run_inputs", "resume_point"]
 def check_run_inputs(cfg: RunConfig) -> None:
     """One line, exit 2, for: a model.init_from checkpoint that is incomplete or unreadable (every shard present,
     every tensor there with its config's shape; headers only), a checkpoint.remote_url that cannot be opened, an
-    unknown instance or price (cost), a tracker whose package is missing (monitor)."""
+    unknown instance or price (cost), a tracker whose package is missing (monitor), an --out that is a file."""
+    check_output_dir("out_dir", cfg.output_dir)
     if cfg.model.init_from is not None:
         from gaudi3_scale.models.pretrained import open_pretrained
 

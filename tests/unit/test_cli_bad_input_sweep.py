@@ -1,0 +1,192 @@
+"""The bad-input sweep of every `gaudi3` verb: each row is a mistake an experienced user plausibly types, answered
+with exit code 2 and exactly one `gaudi3: error:` line on stderr that names what is wrong and what is allowed, and
+no traceback. Rows that name files (`keep`) also check that what was already on disk is byte-identical afterwards.
+
+The first block holds the cases the sweep found broken (tracebacks, stray lines, flags silently ignored); the second
+a representative set that already worked, so a regression shows. Everything runs in this process (`main`) and, but
+for one tiny real training run that provides a checkpoint, in modes that refuse before any work is done.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.cli.main import main
+
+Args = Callable[[dict[str, Path]], list[str]]
+
+
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released): a connection there is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny trained run (one committed checkpoint), damaged copies of that checkpoint, and plain files."""
+    root = tmp_path_factory.mktemp("sweep")
+    run, text = root / "run", root / "notes.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 100)  # tokenized in milliseconds
+    main(["train", "--out", str(run), "--data.source", str(text), "--model.num_layers", "1", "--model.dim", "32",
+          "--model.context_length", "32", "--train.global_batch_size", "2", "--train.max_steps", "1",
+          "--train.val_every_steps", "0", "--train.threads", "1", "--sample-tokens", "0", "--no-progress"])  # fmt: skip
+    step = run / "checkpoints" / "step-00000001"
+    p = {"root": root, "run": run, "step": step, "a_file": text, "empty": root / "empty"}
+    p["empty"].mkdir()
+    p["trunc"] = root / "trunc"
+    shutil.copytree(step, p["trunc"])
+    data = (step / "state.ckpt").read_bytes()
+    (p["trunc"] / "state.ckpt").write_bytes(data[: len(data) // 2])
+    p["bad_manifest"] = root / "bad_manifest"
+    shutil.copytree(step, p["bad_manifest"])
+    (p["bad_manifest"] / "manifest.json").write_text('{"format": "gaudi3-chec')
+    p["export"] = root / "export"  # a non-empty --out
+    p["export"].mkdir()
+    (p["export"] / "keep.txt").write_text("mine\n")
+    p["no_tok"] = root / "no_tokenizer"
+    p["no_tok"].mkdir()
+    p["list.yaml"] = root / "list.yaml"
+    p["list.yaml"].write_text("- a\n- b\n")
+    p["syntax.yaml"] = root / "syntax.yaml"
+    p["syntax.yaml"].write_text("name: x\nmodel: {num_layers: 1\n")
+    p["good.yaml"] = root / "good.yaml"
+    p["good.yaml"].write_text(
+        "name: x\nmodel: {num_layers: 1}\ntrain: {max_steps: 2, global_batch_size: 16}\n"
+    )
+    p["rendered"] = root / "rendered"
+    main(["deploy", "render", "--target", "k8s", "--accelerator", "h100", "--nodes", "1", "--config",
+          str(p["good.yaml"]), "--out", str(p["rendered"])])  # fmt: skip
+    p["edited"] = p["rendered"] / "k8s" / "base" / "02-config.yaml"
+    p["edited"].write_text(p["edited"].read_text() + "# edited by hand\n")
+    return p
+
+
+def _train(p: dict[str, Path], *extra: str) -> list[str]:
+    return ["train", "--out", str(p["root"] / "new-run"), "--model.num_layers", "1", "--sample-tokens", "0",
+            "--no-progress", *extra]  # fmt: skip
+
+
+def _prepare(p: dict[str, Path], *extra: str) -> list[str]:
+    return ["prepare", str(p["a_file"]), *extra]
+
+
+_TUNE = ["tune", "--model.num_layers", "1"]
+_RENDER = ["deploy", "render", "--target", "k8s", "--accelerator", "h100", "--nodes", "1"]
+_QUOTE = ["cost", "quote", "--provider", "azure", "--type", "Standard_ND96isr_H100_v5", "--region", "eastus"]
+
+# (id, command, words the line must hold, fixture paths whose files must be unchanged afterwards)
+Case = tuple[str, Args, tuple[str, ...], tuple[str, ...]]
+FIXED: list[Case] = [
+    ("train-out-is-a-file", lambda p: _train(p, "--out", str(p["a_file"])), ("out_dir:", "is a file", "pass a directory"), ("a_file",)),
+    ("train-out-inside-a-file", lambda p: _train(p, "--out", str(p["a_file"] / "sub")), ("out_dir:", "which is a file"), ("a_file",)),
+    ("train-remote-ftp-refused", lambda p: _train(p, "--checkpoint.remote_url", f"ftp://127.0.0.1:{_closed_port()}/ck"), ("checkpoint.remote_url:", "cannot reach", "ConnectionRefusedError"), ()),
+    ("train-remote-s3-no-bucket", lambda p: _train(p, "--checkpoint.remote_url", "s3://"), ("checkpoint.remote_url:", "names no bucket", "s3://bucket/prefix"), ()),
+    ("prepare-out-is-a-file", lambda p: _prepare(p, "--out", str(p["a_file"])), ("data.prepared_dir:", "is a file"), ("a_file",)),
+    ("prepare-out-ftp-refused", lambda p: _prepare(p, "--out", f"ftp://127.0.0.1:{_closed_port()}/data"), ("--out:", "cannot reach"), ()),
+    ("prepare-out-s3-no-bucket", lambda p: _prepare(p, "--out", "s3://"), ("--out:", "names no bucket"), ()),
+    ("prepare-unknown-tokenizer", lambda p: _prepare(p, "--out", str(p["root"] / "d1"), "--tokenizer", "wordpiece"), ("unknown tokenizer 'wordpiece'", "allowed: bpe, byte, char"), ()),
+    ("prepare-char-with-vocab-size", lambda p: _prepare(p, "--out", str(p["root"] / "d2"), "--vocab-size", "100"), ("tokenizer=char takes its vocabulary from the data", "tokenizer=bpe"), ()),
+    ("prepare-bpe-without-vocab-size", lambda p: _prepare(p, "--out", str(p["root"] / "d3"), "--tokenizer", "bpe"), ("tokenizer=bpe needs vocab_size >= 256",), ()),
+    ("tune-accelerator-without-estimate-only", lambda p: [*_TUNE, "--accelerator", "h100"], ("--accelerator: only with --estimate-only",), ()),
+    ("tune-estimate-only-with-strategies", lambda p: [*_TUNE, "--estimate-only", "--strategies", "ddp,foo"], ("--strategies: only shapes the search", "--train.precision"), ()),
+    ("tune-estimate-only-with-precisions", lambda p: [*_TUNE, "--estimate-only", "--precisions", "fp64"], ("--precisions: only shapes the search",), ()),
+    ("tune-target-utilization-bound-once", lambda p: [*_TUNE, "--estimate-only", "--target-utilization", "2"], ("must be a fraction from 0.05 to 1, got 2",), ()),
+    ("serve-port-bound-once", lambda p: ["serve", str(p["step"]), "--port", "70000"], ("--port: expected a TCP port 0..65535 (0: any free port), got 70000",), ()),
+    ("ckpt-list-no-checkpoints", lambda p: ["ckpt", "list", str(p["empty"])], ("holds no checkpoints", "pass a run directory or its checkpoints/"), ()),
+    ("ckpt-list-one-checkpoint", lambda p: ["ckpt", "list", str(p["step"])], ("is one checkpoint, not a run", "gaudi3 ckpt verify"), ("step",)),
+    ("ckpt-export-tokenizer-dir-without-tokenizer", lambda p: ["ckpt", "export", str(p["step"]), "--out", str(p["root"] / "x1"), "--tokenizer", str(p["no_tok"])], ("--tokenizer", "no tokenizer.json there"), ("step",)),
+    ("generate-tokenizer-dir-without-tokenizer", lambda p: ["generate", str(p["step"]), "--tokenizer", str(p["no_tok"])], ("--tokenizer", "no tokenizer.json there"), ()),
+    ("cost-quote-endpoint-ftp", lambda p: [*_QUOTE, "--endpoint-url", "ftp://prices.example/x"], ("--endpoint-url:", "http:// or https://"), ()),
+    ("cost-quote-endpoint-port", lambda p: [*_QUOTE, "--endpoint-url", "http://127.0.0.1:99999/x"], ("--endpoint-url:", "Port out of range"), ()),
+    ("train-spot-endpoint-ftp", lambda p: ["train", "--print-config", "--cost.spot_endpoint_url", "ftp://x"], ("cost.spot_endpoint_url:", "http:// or https://"), ()),
+]  # fmt: skip
+
+WORKED: list[Case] = [
+    ("train-max-steps-text", lambda p: ["train", "--print-config", "--train.max_steps", "abc"], ("train.max_steps: expected an integer, got 'abc'",), ()),
+    ("train-max-steps-negative", lambda p: ["train", "--print-config", "--train.max_steps", "-1"], ("train.max_steps: must be > 0",), ()),
+    ("train-lr-zero", lambda p: ["train", "--print-config", "--optim.lr", "0"], ("optim.lr: must be > 0",), ()),
+    ("train-unknown-field", lambda p: ["train", "--print-config", "--train.max_stepz", "3"], ("train.max_stepz: unknown field", "allowed:", "max_steps"), ()),
+    ("train-null-field", lambda p: ["train", "--print-config", "--model.dim", "null"], ("model.dim: expected an integer, got None",), ()),
+    ("train-precision-enum", lambda p: ["train", "--print-config", "--train.precision", "fp64"], ("allowed: auto, 32-true",), ()),
+    ("train-config-list", lambda p: ["train", "--print-config", "--config", str(p["list.yaml"])], ("must hold a mapping", "got a list"), ()),
+    ("train-config-syntax", lambda p: ["train", "--print-config", "--config", str(p["syntax.yaml"])], ("not valid YAML at line 3",), ()),
+    ("train-config-directory", lambda p: ["train", "--print-config", "--config", str(p["empty"])], ("--config", "is a directory"), ()),
+    ("train-config-missing", lambda p: ["train", "--print-config", "--config", str(p["root"] / "nope.yaml")], ("does not exist",), ()),
+    ("train-metrics-port", lambda p: ["train", "--print-config", "--monitor.metrics_port", "70000"], ("must be 0..65535",), ()),
+    ("train-resume-missing", lambda p: _train(p, "--resume", str(p["root"] / "nope")), ("train.resume:", "allowed: auto, never, or a path"), ()),
+    ("train-resume-empty-dir", lambda p: _train(p, "--resume", str(p["empty"])), ("train.resume:", "no committed manifest"), ()),
+    ("train-resume-truncated", lambda p: _train(p, "--resume", str(p["trunc"])), ("train.resume:", "the manifest says"), ("trunc",)),
+    ("train-resume-corrupt-manifest", lambda p: _train(p, "--resume", str(p["bad_manifest"])), ("train.resume:", "not valid JSON"), ("bad_manifest",)),
+    ("train-remote-unknown-protocol", lambda p: _train(p, "--checkpoint.remote_url", "foo://x/y"), ("unknown protocol 'foo'", "allowed:"), ()),
+    ("ckpt-export-out-not-empty", lambda p: ["ckpt", "export", str(p["step"]), "--out", str(p["export"])], ("is not empty", "--force"), ("export", "step")),
+    ("ckpt-export-format", lambda p: ["ckpt", "export", str(p["step"]), "--out", str(p["root"] / "x2"), "--format", "onnx"], ("'onnx' is not one of 'safetensors', 'hf'",), ()),
+    ("generate-truncated", lambda p: ["generate", str(p["trunc"])], ("is not usable", "the manifest says"), ("trunc",)),
+    ("serve-kv-cache", lambda p: ["serve", str(p["step"]), "--kv-cache", "paged"], ("'paged' is not one of",), ()),
+    ("deploy-render-edited-file", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["rendered"])], ("exists and differs", "--force"), ("rendered",)),
+    ("deploy-render-unknown-set", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["root"] / "r2"), "--set", "bogus=1"], ("k8s.bogus: unknown field", "allowed:"), ()),
+    ("deploy-render-target", lambda p: [*_RENDER[:2], "--target", "heroku", "--accelerator", "h100", "--nodes", "1", "--config", str(p["good.yaml"]), "--out", str(p["root"] / "r3")], ("--target: must be one of aws",), ()),
+    ("benchmark-matrix", lambda p: ["benchmark", "run", "--matrix", "nosuch", "--out", str(p["root"] / "b")], ("shipped: cpu-small",), ()),
+    ("cost-platform", lambda p: ["cost", "compare", "--model", "70B", "--tokens", "1T", "--platforms", "tpu"], ("unknown accelerator 'tpu'", "known:"), ()),
+    ("dashboard-runs-file", lambda p: ["dashboard", "--runs", str(p["a_file"])], ("--runs:", "is not a directory"), ("a_file",)),
+    ("doctor-check", lambda p: ["doctor", "--check", "gpu"], ("unknown check 'gpu'", "allowed: accelerator"), ()),
+    ("unknown-verb", lambda p: ["trian"], ("No such command 'trian'", "Did you mean 'train'"), ()),
+]  # fmt: skip
+
+
+def _snapshot(p: dict[str, Path], names: tuple[str, ...]) -> dict[Path, bytes]:
+    files: dict[Path, bytes] = {}
+    for name in names:
+        path = p[name]
+        for f in [path] if path.is_file() else sorted(path.rglob("*")):
+            if f.is_file():
+                files[f] = f.read_bytes()
+    return files
+
+
+@pytest.mark.parametrize(("args", "words", "keep"), [pytest.param(*c[1:], id=c[0]) for c in FIXED + WORKED])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(
+    args: Args,
+    words: tuple[str, ...],
+    keep: tuple[str, ...],
+    paths: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(paths["root"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    argv = args(paths)
+    before = _snapshot(paths, keep)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    _, err = capsys.readouterr()
+    assert exited.value.code == 2, (argv, err)
+    assert "Traceback" not in err
+    assert err.startswith("gaudi3: error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert _snapshot(paths, keep) == before
+
+
+def test_serving_from_a_registry_that_is_not_there_creates_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow would make an empty file store at a mistyped --tracking-uri before saying the model is not in it."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = tmp_path / "mlruns-typo"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "models:/tiny/1", "--tracking-uri", str(store)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert (
+        err.startswith("gaudi3: error: models:/tiny/1: there is no MLflow store at")
+        and "--tracking-uri" in err
+    )
+    assert not store.exists()
