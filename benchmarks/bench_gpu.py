@@ -239,10 +239,15 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 
            *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-20:]}
+        return {"status": "failed", "reason": _tail(done)}
     summary = json.loads((out / "summary.json").read_text())
     return {"status": "ok", "step_time_s": summary["step_time_s"], "measured_steps": summary["measured_steps"],
             "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"]}  # fmt: skip
+
+
+def _tail(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The last lines a failed run printed: what its JSON entry keeps of it."""
+    return (done.stderr or done.stdout).strip().splitlines()[-20:]
 
 
 def run_plain(cell: Cell, device: str, env: dict[str, str], trace: Path | None = None, profile_steps: int = 0
@@ -252,7 +257,7 @@ def run_plain(cell: Cell, device: str, env: dict[str, str], trace: Path | None =
         cmd += ["--trace", str(trace), "--profile", str(profile_steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": (done.stderr or done.stdout).strip().splitlines()[-20:]}
+        return {"status": "failed", "reason": _tail(done)}
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -390,7 +395,8 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):
         parser.error(f"--profile must be between 1 and each cell's measured steps, got {args.profile}")
-    out = args.out or RESULTS / f"gpu_{'cpu' if device == 'cpu' else 'cuda'}.json"
+    stem = f"gpu_{'cpu' if device == 'cpu' else 'cuda'}"
+    out = args.out or RESULTS / f"{stem}.json"
     results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"cells": {}}
     results.update(benchmark="bench_gpu", machine=environment_info())
     peak, peak_source = _peak_flops(device)
@@ -403,7 +409,7 @@ def main() -> None:
     with progress, tempfile.TemporaryDirectory() as tmp:
         measure = _Measure(device, env, Path(tmp), progress, args.repeats)
         if args.profile:
-            out = args.out or RESULTS / f"gpu_{'cpu' if device == 'cpu' else 'cuda'}_profile.json"
+            out = args.out or RESULTS / f"{stem}_profile.json"
             measure.task = progress.add_task("profile", total=len(cells) * 2)
             profiles = {"benchmark": "bench_gpu --profile", "machine": results["machine"], "cells": {}}
             for cell in cells:
@@ -411,9 +417,7 @@ def main() -> None:
                 _write(profiles, out)
             print(f"wrote {out}")
             return
-        if args.loss_only:
-            pass
-        elif args.ablation:
+        if args.ablation and not args.loss_only:
             pairs = CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION
             measure.task = progress.add_task(
                 "ablation", total=sum(2 * len(sides) for *_, sides in pairs) * args.repeats
@@ -421,7 +425,7 @@ def main() -> None:
             for base, variant, sides in pairs:
                 results.setdefault("ablation", {})[variant.name] = measure.ablation(base, variant, sides)
                 _write(results, out)
-        else:
+        elif not args.loss_only:
             measure.task = progress.add_task("bench_gpu", total=len(cells) * args.repeats * 2)
             for cell in cells:
                 runs = measure.runs(cell, ("plain", "gaudi3"))
@@ -535,7 +539,7 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             losses[precision] = summary.get("train_loss")
             speeds[precision] = summary.get("tokens_per_s")
             if done.returncode != 0:
-                failures[precision] = (done.stderr or done.stdout).strip().splitlines()[-20:]
+                failures[precision] = _tail(done)
         bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
         relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None

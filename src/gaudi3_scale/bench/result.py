@@ -26,8 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from gaudi3_scale.bench.schema import RESULT_SCHEMA, RESULT_SCHEMA_VERSION, validate_result
-from gaudi3_scale.monitor.perf import mfu_above_peak
+from gaudi3_scale.bench.schema import RESULT_SCHEMA, RESULT_SCHEMA_VERSION, mfu_problem, validate_result
 
 __all__ = [
     "BEGIN",
@@ -115,7 +114,7 @@ def result_from_metrics(
     mfu = (
         statistics.fmean(r["mfu"] / r["tokens_per_s"] for r in mfu_rows) * tokens_per_s if mfu_rows else None
     )
-    above = mfu_above_peak(mfu) if environment.get("cuda") else None  # a datasheet peak (see the schema)
+    above = mfu_problem(mfu, environment)
     if above:  # a measuring bug, not a result: the cell fails with the reason
         return {**base, "status": "failed", "reason": above, "metrics": None}
     metrics = {

@@ -53,6 +53,7 @@ __all__ = [
     "RESULT_SCHEMA_VERSION",
     "STATUSES",
     "load_result",
+    "mfu_problem",
     "validate_result",
 ]
 
@@ -159,12 +160,17 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
     for name in ("tokens_per_s", "samples_per_s"):
         if metrics[name] <= 0:
             raise UserInputError(f"{source}: metrics.{name} must be positive, got {metrics[name]}")
-    # Against a GPU's datasheet peak an MFU above 1 is a measuring bug. On CPU the peak is itself measured (it comes
-    # out low when the machine was busy), and Gaudi is not yet validated on Gaudi hardware: not checked there.
-    above = mfu_above_peak(metrics["mfu"]) if (obj["environment"] or {}).get("cuda") else None
+    above = mfu_problem(metrics["mfu"], obj["environment"])
     if above:
         raise UserInputError(f"{source}: metrics.mfu must be at most 1: {above}")
     return obj
+
+
+def mfu_problem(mfu: float | None, environment: dict[str, Any] | None) -> str | None:
+    """Why a result's MFU is not a result, or None. Against a GPU's datasheet peak an MFU above 1 is a measuring bug.
+    On CPU the peak is itself measured (it comes out low when the machine was busy), and Gaudi is not yet validated
+    on Gaudi hardware: neither is checked."""
+    return mfu_above_peak(mfu) if (environment or {}).get("cuda") else None
 
 
 def load_result(path: Path) -> dict[str, Any]:

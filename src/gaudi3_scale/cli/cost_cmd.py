@@ -179,11 +179,11 @@ def quote_cmd(
 ) -> None:
     """The current price of one instance (the whole node) in USD/h from the provider's price API. Exit 2 on bad
     input (an unknown provider, a missing gcp key), 1 when the API gives no price."""
+    from gaudi3_scale.config.core import check_http_url
     from gaudi3_scale.config.errors import print_error
-    from gaudi3_scale.metering.config import check_endpoint_url
     from gaudi3_scale.metering.spot import SpotPriceError, fetch_price, spot_provider
 
-    check_endpoint_url("--endpoint-url", endpoint_url)
+    check_http_url("--endpoint-url", endpoint_url)
     provider = spot_provider(provider_name, endpoint_url=endpoint_url, timeout_s=timeout_s)
     check = getattr(provider, "check_instance", None)
     if check is not None:

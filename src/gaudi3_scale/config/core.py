@@ -22,6 +22,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -32,6 +33,7 @@ from gaudi3_scale.config.numbers import check_number, check_positive, check_rang
 __all__ = [
     "apply_overrides",
     "check_choice",
+    "check_http_url",
     "check_name",
     "check_positive",
     "check_range",
@@ -303,6 +305,23 @@ def check_name(name: str, value: str | None) -> None:
             name,
             f"must be 1 to {NAME_MAX_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory), got {brief(value)}",
+        )
+
+
+def check_http_url(name: str, url: str | None) -> None:
+    """An http(s)://HOST[:PORT]/PATH URL (an endpoint we send requests to), or None; else one line naming `name`.
+    Checked up front: boto3 would ask for credentials first and urllib name an 'unknown url type', both later."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ConfigError(name, f"{brief(url)}: {exc}; expected http(s)://HOST[:PORT]/PATH") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            name,
+            f"expected an http:// or https:// URL with a host (http(s)://HOST[:PORT]/PATH), got {brief(url)}",
         )
 
 

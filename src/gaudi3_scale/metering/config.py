@@ -10,34 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gaudi3_scale.config.core import check_choice, check_positive
-from gaudi3_scale.config.errors import ConfigError, brief
+from gaudi3_scale.config.core import check_choice, check_http_url, check_positive
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
 
-__all__ = ["PRICINGS", "CostConfig", "check_endpoint_url"]
+__all__ = ["PRICINGS", "CostConfig"]
 
 PRICINGS = ("on_demand", "spot", "capacity_block")
 Pricing = Literal["on_demand", "spot", "capacity_block"]
 _SPOT_ONLY = ("spot_pause_above_usd_per_hour", "spot_scale_up_below_usd_per_hour")
-
-
-def check_endpoint_url(field_name: str, url: str | None) -> None:
-    """A price API endpoint is an http(s)://HOST[:PORT]/… URL (boto3 and urllib would fail later, and differently:
-    boto3 asks for credentials first, urllib names an 'unknown url type')."""
-    from urllib.parse import urlsplit
-
-    if url is None:
-        return
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises ValueError for a port out of range or not a number
-    except ValueError as exc:
-        raise ConfigError(field_name, f"{brief(url)}: {exc}; expected http(s)://HOST[:PORT]/PATH") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            field_name,
-            f"expected an http:// or https:// URL with a host (http(s)://HOST[:PORT]/PATH), got {brief(url)}",
-        )
 
 
 @dataclass(kw_only=True)
@@ -124,7 +105,7 @@ class CostConfig:
         for name in ("price_usd_per_hour", "budget_usd", *_SPOT_ONLY):
             check_positive(name, getattr(self, name))
         check_seconds("spot_ttl_s", self.spot_ttl_s)
-        check_endpoint_url("spot_endpoint_url", self.spot_endpoint_url)
+        check_http_url("spot_endpoint_url", self.spot_endpoint_url)
         if not 0 < self.warn_at_fraction < 1:
             raise ConfigError(
                 "warn_at_fraction", f"must be between 0 and 1 (exclusive), got {self.warn_at_fraction}"

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
+    check_http_url,
     check_name,
     check_positive,
     check_range,
@@ -192,8 +193,7 @@ class TrainConfig:
         check_positive("micro_batch_size", self.micro_batch_size)
         check_number("threads", self.threads, low=1, high=INT32_MAX)  # torch.set_num_threads takes a C int
         check_seconds("spot_poll_s", self.spot_poll_s)
-        if not self.spot_url.startswith(("http://", "https://")):
-            raise ConfigError("spot_url", f"must be an http:// or https:// URL, got {self.spot_url!r}")
+        check_http_url("spot_url", self.spot_url)
         check_positive("profile_num_steps", self.profile_num_steps)
         check_positive("profile_start_step", self.profile_start_step, allow_zero=True)
         steps_known = self.max_epochs is None  # else max_steps is a placeholder until the data is opened

@@ -467,9 +467,6 @@ class GaudiTrainer:
             self._checkpointer.close()  # drains uploads, applies the retention that waited on them
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
-        above = mfu_above_peak(summary["mfu"], peak_measured=self._peak_measured())
-        if above:
-            self._warn(above)
         if isinstance(datamodule, TokenDataModule) and datamodule.has_data:
             cache = datamodule.data.stats()  # a URL dataset's shard cache, this process's handle
             if cache:
@@ -530,11 +527,6 @@ class GaudiTrainer:
         name, model = self.config.name, self.config.model.name
         return name if name == model else f"{name} ({model})"
 
-    def _peak_measured(self) -> bool:
-        """MFU is against a peak measured here (the CPU's matmul ceiling), not a datasheet figure."""
-        plan = self.device_plan
-        return plan is None or plan.accelerator == "cpu"
-
     def _summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         assert self.trainer is not None
         train = [r for r in records if r.get("train_loss") is not None]
@@ -548,6 +540,10 @@ class GaudiTrainer:
         mfu_value = None
         if tokens_per_s and fpt and plan:
             mfu_value = mfu(tokens_per_s, fpt, plan.peak_flops, self.trainer.world_size)
+        # On CPU the peak is the matmul ceiling measured at start, not a datasheet figure.
+        above = mfu_above_peak(mfu_value, peak_measured=plan is None or plan.accelerator == "cpu")
+        if above:
+            self._warn(above)
         committed = self._checkpoint.manager.committed()
         last = self._checkpoint.last_path or (committed[-1][1] if committed else None)
         interrupt, live = self._interrupt, self._live_cost
@@ -560,7 +556,7 @@ class GaudiTrainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu_value,
             "mfu_peak_source": plan.peak_source if plan else None,
-            "mfu_above_peak": mfu_above_peak(mfu_value, peak_measured=self._peak_measured()) is not None,
+            "mfu_above_peak": above is not None,
             "step_time_s": step_time_s,
             # tokens/s, MFU and step time are over the measured steps, after this process's warm-up steps
             # (train.throughput_warmup_steps), whose time (compilation included) is reported on its own.
