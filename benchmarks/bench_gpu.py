@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -370,6 +371,9 @@ def main() -> None:
         cell = Cell(**json.loads(args.cell_json))
         print(json.dumps(plain_loop(cell, args.device or "cpu", args.trace, args.profile)))
         return
+    # `timeout` and batch schedulers stop a run with SIGTERM. As SystemExit it reaches the `subprocess.run` in flight,
+    # which then kills its child: a training left running would share the device with whatever runs next.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

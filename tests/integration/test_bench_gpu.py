@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -85,3 +88,46 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     assert check["steps"] == 8 and 0 < check["bf16-mixed"] < 7 and check["tokens_per_s"]["bf16-mixed"] > 0
     assert check["fp8"] is None and check["relative"] is None and check["fp8_over_bf16_tokens_per_s"] is None
     assert any("fp8" in line and "compute capability" in line for line in check["failed"]["fp8"]), check
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:  # fields: state, ppid, ...
+                found.add(int(stat.parent.name))
+    return found
+
+
+def test_a_terminated_bench_takes_its_running_child_with_it(tmp_path: Path) -> None:
+    """`timeout 240 python bench_gpu.py …` sends SIGTERM to the bench only: the training it had started must not
+    go on running (on the GPU machine it would share the device with the next measurement)."""
+    args = [
+        "--small",
+        "--cells",
+        "tiny-eager",
+        "--repeats",
+        "1",
+        "--no-loss",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
+    bench = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    children: set[int] = set()
+    while not children and time.monotonic() < deadline and bench.poll() is None:
+        children = _children(bench.pid)
+        time.sleep(0.05)
+    assert children, "the bench started no child"
+    bench.send_signal(signal.SIGTERM)
+    code = bench.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in children if Path(f"/proc/{pid}/stat").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]  # fmt: skip
+    assert not alive, f"children still running after the bench ended: {alive}"
+    assert code == 128 + signal.SIGTERM
