@@ -21,6 +21,9 @@ import torch
 class FakeAsyncDevice:
     def __init__(self) -> None:
         self._work: queue.Queue[float] = queue.Queue()
+        self._done = threading.Condition()
+        self._launched = 0
+        self._finished_at: list[float] = []  # perf_counter time at which each launched item finished
         self.syncs = 0
         threading.Thread(target=self._run, daemon=True, name="fake-device").start()
 
@@ -28,15 +31,40 @@ class FakeAsyncDevice:
         while True:
             seconds = self._work.get()
             time.sleep(seconds)
+            with self._done:
+                self._finished_at.append(time.perf_counter())
+                self._done.notify_all()
             self._work.task_done()
 
     def launch(self, seconds: float) -> None:
         """Queue `seconds` of device work; returns at once."""
+        self._launched += 1
         self._work.put(seconds)
 
     def synchronize(self, device: torch.device | None = None) -> None:
         self.syncs += 1
         self._work.join()
+
+    def record_event(self, device: torch.device | None = None) -> FakeEvent:
+        """A timing event after the work launched so far (as `torch.cuda.Event(enable_timing=True).record()`)."""
+        return FakeEvent(self, self._launched, time.perf_counter())
+
+
+class FakeEvent:
+    def __init__(self, device: FakeAsyncDevice, after: int, recorded_at: float) -> None:
+        self.device, self.after, self.recorded_at = device, after, recorded_at
+
+    def synchronize(self) -> None:
+        with self.device._done:
+            self.device._done.wait_for(lambda: len(self.device._finished_at) >= self.after)
+
+    def reached_at(self) -> float:
+        """When the device got to this event: after the work before it, and not before it was recorded."""
+        finished = self.device._finished_at[self.after - 1] if self.after else 0.0
+        return max(self.recorded_at, finished)
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        return (end_event.reached_at() - self.reached_at()) * 1e3
 
 
 class LaunchPerStep(pl.Callback):

@@ -5,14 +5,18 @@ fast — the bug the first H100 run found."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from fake_device import FakeAsyncDevice, LaunchPerStep
 from gaudi3_scale.config.core import parse_overrides
-from gaudi3_scale.device.sync import register_synchronizer, synchronize
+from gaudi3_scale.device.sync import register_synchronizer, register_timing_events, synchronize
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 
@@ -35,11 +39,21 @@ def _records(out: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("tokens_per_s")]
 
 
-def test_every_measurement_boundary_waits_for_the_device(tmp_path: Path) -> None:
+@contextmanager
+def _on(device: FakeAsyncDevice, *, events: bool) -> Iterator[None]:
+    """The fake device as the `cpu` device: its synchronize, and (`events`) its timing events, as CUDA has."""
+    with register_synchronizer("cpu", device.synchronize), contextlib.ExitStack() as stack:
+        if events:
+            stack.enter_context(register_timing_events("cpu", device.record_event))
+        yield
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["synchronize", "timing-events"])
+def test_every_measurement_boundary_waits_for_the_device(tmp_path: Path, events: bool) -> None:
     device = FakeAsyncDevice()
     cfg = _tiny(tmp_path, "--train.max_steps", "12", "--train.log_every_steps", "6",
                 "--train.val_every_steps", "3", "--train.throughput_warmup_steps", "2")  # fmt: skip
-    with register_synchronizer("cpu", device.synchronize):
+    with _on(device, events=events):
         summary = GaudiTrainer(
             cfg, progress=False, callbacks=[LaunchPerStep(device, lambda m: DEVICE_S)]
         ).fit()
@@ -55,7 +69,47 @@ def test_every_measurement_boundary_waits_for_the_device(tmp_path: Path) -> None
     assert summary["measured_steps"] == 10
     assert summary["step_time_s"] >= 0.95 * DEVICE_S
     assert summary["tokens_per_s"] == pytest.approx(2 * 16 / summary["step_time_s"])
-    assert device.syncs >= 2 + 4 + 4  # window ends, warm-up end, pause + resume around each validation
+    # Without timing events every boundary synchronises: window ends, the warm-up end, pause + resume around each
+    # validation. With them, only the pauses do (and the start): window ends and the warm-up end are marks.
+    assert device.syncs >= (2 + 1 + 4 if events else 2 + 4 + 4)
+
+
+def test_window_ends_do_not_drain_the_device(tmp_path: Path) -> None:
+    """With timing events (CUDA) a logging window ends at a mark, resolved a step later: the device is never
+    synchronised at a window boundary (where it would sit idle while the host writes the record and queues the
+    next step), yet every window and the summary still measure the device's time, not the host's."""
+    device = FakeAsyncDevice()
+    cfg = _tiny(tmp_path, "--train.max_steps", "12", "--train.log_every_steps", "2",
+                "--train.val_every_steps", "0", "--train.throughput_warmup_steps", "2")  # fmt: skip
+    syncs_after_step: list[int] = []
+
+    class CountSyncs(LaunchPerStep):
+        def on_train_batch_end(self, *args: object) -> None:
+            syncs_after_step.append(device.syncs)
+
+    with _on(device, events=True):
+        summary = GaudiTrainer(cfg, progress=False, callbacks=[CountSyncs(device, lambda m: DEVICE_S)]).fit()
+    assert len(syncs_after_step) == 12
+    assert len(set(syncs_after_step)) == 1, f"a boundary inside training synchronised: {syncs_after_step}"
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
+    for r in records:
+        assert 0.95 * DEVICE_S <= r["step_time_s"] < 1.5 * DEVICE_S, r
+    assert summary["measured_steps"] == 10 and summary["warmup_steps"] == 2
+    assert 0.95 * DEVICE_S <= summary["step_time_s"] < 1.2 * DEVICE_S
+
+
+def test_a_mark_reads_the_time_the_device_reached_it() -> None:
+    """Resolved long after the device got there, a mark still reads when it did (the device's timestamp)."""
+    device = FakeAsyncDevice()
+    with _on(device, events=True):
+        clock = DeviceClock("cpu")
+        start = clock.now()
+        device.launch(0.1)
+        when = clock.mark()
+        time.sleep(0.4)
+        assert 0.095 <= when() - start < 0.3
+    assert device.syncs == 1  # the mark did not synchronise
 
 
 def test_summary_leaves_the_warmup_out(tmp_path: Path) -> None:

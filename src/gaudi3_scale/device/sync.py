@@ -7,18 +7,42 @@ returns: synchronising there is a no-op.
 
 `SYNCHRONIZERS` is a plain registry by `torch.device.type`; `register_synchronizer` adds a device (or, in the
 tests, a fake one whose work completes only on synchronize, to prove every measurement boundary synchronises).
+
+`TIMING_EVENTS` (CUDA) marks a point in the device's queue without waiting: waiting on the mark later, and the
+device's own timestamps, give the time it was reached. A full synchronise drains the queue, and the device then
+idles until the host has queued the next step; a mark lets the host read a finished window while the device is
+already busy with the next step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["SYNCHRONIZERS", "register_synchronizer", "synchronize"]
+__all__ = [
+    "SYNCHRONIZERS",
+    "TIMING_EVENTS",
+    "TimingEvent",
+    "record_timing_event",
+    "register_synchronizer",
+    "register_timing_events",
+    "synchronize",
+]
 
 Synchronizer = Callable[[torch.device], None]
+
+
+class TimingEvent(Protocol):
+    """A point in a device's queue with the device's own timestamp (what `torch.cuda.Event(enable_timing=True)` is):
+    `synchronize()` waits until the device has done the work queued before it, `elapsed_time(later)` is the device
+    time in milliseconds from this event to `later`, both reached."""
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end_event: Any, /) -> float: ...
 
 
 def _cuda(device: torch.device) -> None:
@@ -54,6 +78,25 @@ SYNCHRONIZERS: dict[str, Synchronizer] = {
 }
 
 
+def _cuda_event(device: torch.device) -> TimingEvent:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+# Devices whose queue can be marked without waiting. Gaudi (HPU) is left out until validated there: its clock
+# synchronises at every reading instead.
+TIMING_EVENTS: dict[str, Callable[[torch.device], TimingEvent]] = {"cuda": _cuda_event}
+
+
+def record_timing_event(device: torch.device | str) -> TimingEvent | None:
+    """A timing event recorded now on `device`'s current stream, or None where the device type has none (the
+    caller then synchronises instead)."""
+    device = torch.device(device)
+    record = TIMING_EVENTS.get(device.type)
+    return None if record is None else record(device)
+
+
 def synchronize(device: torch.device | str) -> None:
     """Block until `device` has finished all queued work; an unknown device type is an error, never a silent skip
     (a skipped synchronise is exactly the wrong-throughput bug this module exists to prevent)."""
@@ -80,3 +123,17 @@ def register_synchronizer(device_type: str, sync: Synchronizer) -> Iterator[None
             del SYNCHRONIZERS[device_type]
         else:
             SYNCHRONIZERS[device_type] = previous
+
+
+@contextmanager
+def register_timing_events(device_type: str, record: Callable[[torch.device], TimingEvent]) -> Iterator[None]:
+    """Use `record` for `device_type`'s timing events inside the block (tests: a fake asynchronous device)."""
+    previous = TIMING_EVENTS.get(device_type)
+    TIMING_EVENTS[device_type] = record
+    try:
+        yield
+    finally:
+        if previous is None:
+            del TIMING_EVENTS[device_type]
+        else:
+            TIMING_EVENTS[device_type] = previous

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +37,54 @@ def _batch_size(batch: Any) -> int | None:
     return None  # a batch type we cannot count: samples/s is unknown
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Optimizer steps that ended at a clock mark; `warmup`: booked to the warm-up."""
+
+    when: Callable[[], float]
+    steps: int
+    warmup: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Window:
+    """A logging window that ended at `step`: what its record needs besides its time, the device values as host
+    copies that are complete once the mark after them resolves."""
+
+    step: int
+    steps: int
+    wait_s: float
+    samples: int | None
+    lr: float | None
+    world_size: int
+    values: dict[str, Any]
+    peak_memory_per_rank: list[Any]
+
+
+def _to_host(value: Any) -> Any:
+    """A device scalar as a host tensor, copied without waiting (read it only after a later mark resolves);
+    numbers and None as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "full_tensor"):  # a DTensor (FSDP2 gradient norm): the global value
+        value = value.full_tensor()
+    return value.detach().to("cpu", non_blocking=True)
+
+
 class RunMetrics(pl.Callback):
     """Step time, tokens/s, MFU, loss, lr and peak memory → `metrics.jsonl` every `log_every_steps` steps.
 
     train_loss is the mean over the steps since the previous record (as Lightning's epoch-level logging does),
     not the last step's noisy value.
 
-    Time is read from a `DeviceClock`: the device is synchronised at every reading, so on an accelerator a window
-    measures finished work, not kernel launches. Readings are taken only at boundaries — the end of a logging
-    window, the end of the warm-up, and around pauses (validation, checkpoint saves), whose time is left out — so
-    the steps in between stay asynchronous. tokens/s in a record is its window's (raw: the first window includes
+    Time is read from a `DeviceClock` at boundaries only — the end of a logging window, the end of the warm-up, and
+    around pauses (validation, checkpoint saves), whose time is left out — so on an accelerator a window measures
+    finished work, not kernel launches, and the steps in between stay asynchronous. Window ends and the end of the
+    warm-up are *marks*, resolved one optimizer step later (or at the next pause, or the end of training): by then
+    the device has the next step queued behind the mark, so it does not drain at a window boundary and wait for
+    the host to write the record. The window's loss, gradient norm, extra metrics and peak memory are reduced
+    across ranks and copied to the host at the mark, queued behind the step, and read once it resolves: a record
+    is written one step after its window ends. tokens/s in a record is its window's (raw: the first window includes
     warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process.
 
     samples/s counts the sequences of this rank's micro-batches times the world size (ranks get equal batches).
@@ -80,6 +119,7 @@ class RunMetrics(pl.Callback):
         self._is_writer = False
         self._loss_sum: Any = None
         self._clock: DeviceClock | None = None
+        self._pending: list[_Segment | _Window] = []  # marked, not yet resolved (in the order they were made)
         self._mark = 0.0  # the last clock reading
         self._paused_since_mark = 0.0
         self._pause_start = 0.0
@@ -109,27 +149,38 @@ class RunMetrics(pl.Callback):
         assert self._clock is not None, "on_train_start() starts the clock"
         return self._clock.now()
 
-    def _read(self) -> float:
-        """Active (unpaused) seconds since the previous reading, booked to the warm-up or to the measured steps.
+    def _end_segment(self, *, always: bool = False) -> None:
+        """Mark the end of the steps since the last mark (`always`: even with none, to cover copies just queued)."""
+        if self._segment_steps or always:
+            assert self._clock is not None, "on_train_start() starts the clock"
+            warmup = self._session_steps <= self.warmup_steps
+            self._pending.append(_Segment(self._clock.mark(), self._segment_steps, warmup))
+            self._segment_steps = 0
 
-        A reading is taken at the end of the warm-up, so a segment never straddles it.
-        """
-        now = self._now()
-        active = max(0.0, now - self._mark - self._paused_since_mark)
-        self._mark, self._paused_since_mark = now, 0.0
-        if self._session_steps <= self.warmup_steps:
-            self.warmup_s += active
-            self.warmup_steps_done += self._segment_steps
-        else:
-            self.train_s += active
-            self.train_steps += self._segment_steps
-        self._segment_steps = 0
-        self._window_s += active
-        return active
+    def _resolve(self) -> None:
+        """Wait for the pending marks in order: book each segment's active (unpaused) time to the warm-up or to the
+        measured steps, and write each window's record. The end of the warm-up is a mark of its own, so a segment
+        never straddles it."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if isinstance(item, _Window):
+                self._write_window(item)
+                continue
+            now = item.when()
+            active = max(0.0, now - self._mark - self._paused_since_mark)
+            self._mark, self._paused_since_mark = now, 0.0
+            if item.warmup:
+                self.warmup_s += active
+                self.warmup_steps_done += item.steps
+            else:
+                self.train_s += active
+                self.train_steps += item.steps
+            self._window_s += active
 
     def pause(self) -> None:
         """Stop the throughput clock (validation, checkpointing); `resume` restarts it. Both synchronise: the
         training work queued before the pause counts as training, the paused work does not."""
+        self._resolve()
         self._pause_start = self._now()
 
     def resume(self) -> None:
@@ -153,7 +204,7 @@ class RunMetrics(pl.Callback):
             record["val_mlm_accuracy"] = float(accuracy)
         self.latest["val_loss"] = record["val_loss"]
         self.latest["val_loss_step"] = record["step"]
-        self._write(trainer, record)
+        self._write(record)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -174,74 +225,93 @@ class RunMetrics(pl.Callback):
         self._batch_end, self._paused_at_batch_end = time.perf_counter(), self._paused_total_s
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._segment_steps:  # steps after the last record (a stop between records): book their time
-            self._read()
+        self._end_segment()  # steps after the last record (a stop between records): book their time
+        self._resolve()
 
     def _step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Marks of earlier steps: this step's work is queued behind them, so the device stays busy meanwhile.
+        self._resolve()
         self._window_steps += 1
         self._segment_steps += 1
         self._session_steps += 1
-        state = self.state
-        loss = state.loss
+        loss = self.state.loss
         if loss is not None:  # summed on device: no host sync until the record is written
             self._loss_sum = loss if self._window_steps == 1 else self._loss_sum + loss
         if self._session_steps == self.warmup_steps:
-            self._read()  # the end of the warm-up
+            self._end_segment()  # the end of the warm-up
         step = trainer.global_step
-        if step % self.log_every_steps and step != trainer.max_steps:
+        last = step == trainer.max_steps
+        if step % self.log_every_steps and not last:
             return
-        if self._segment_steps:
-            self._read()
-        elapsed = self._window_s
-        tokens_per_s = self.tokens_per_step * self._window_steps / elapsed if elapsed > 0 else 0.0
-        grad_norm = state.grad_norm
+        window = self._capture(trainer, pl_module, step, with_loss=loss is not None)
+        self._end_segment(always=True)  # marked after the capture's copies: resolving it covers them
+        self._pending.append(window)
+        self._window_steps, self._window_wait_s, self._window_samples = 0, 0.0, 0
+        if last:  # no step follows to resolve it behind
+            self._resolve()
+
+    def _capture(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, *, with_loss: bool
+    ) -> _Window:
+        """The window's record inputs: host values now, device values reduced across ranks (every rank reaches
+        this at the same step) and queued for copying to the host."""
+        state = self.state
+        values: dict[str, Any] = {}
+        if with_loss:
+            mean = self._loss_sum.detach().float() / self._window_steps
+            values["train_loss"] = trainer.strategy.reduce(mean, reduce_op="mean")
+        values["grad_norm"] = state.grad_norm
+        values.update(state.extra)
+        peak = torch.tensor(
+            [float(peak_memory_bytes(pl_module.device))], dtype=torch.float64, device=pl_module.device
+        )
+        gathered = [peak]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The list form of all_gather: gloo and NCCL both have it (Lightning's wrapper warns on torch 2.13).
+            gathered = [torch.empty_like(peak) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(gathered, peak)
+        return _Window(
+            step=step,
+            steps=self._window_steps,
+            wait_s=self._window_wait_s,
+            samples=self._window_samples,
+            lr=state.lr,
+            world_size=trainer.world_size,
+            values={name: _to_host(value) for name, value in values.items()},
+            peak_memory_per_rank=[_to_host(t) for t in gathered],
+        )
+
+    def _write_window(self, window: _Window) -> None:
+        elapsed, steps = self._window_s, window.steps
+        tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else 0.0
+        values = {name: None if value is None else float(value) for name, value in window.values.items()}
+        samples_per_s = None
+        if window.samples is not None:
+            samples_per_s = window.samples * window.world_size / elapsed if elapsed > 0 else 0.0
         record: dict[str, Any] = {
-            "step": step,
-            "train_loss": self._global_mean_loss(trainer) if loss is not None else None,
-            "lr": state.lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "step": window.step,
+            "train_loss": values.pop("train_loss", None),
+            "lr": window.lr,
+            "grad_norm": values.pop("grad_norm"),
             "tokens_per_s": tokens_per_s,
-            "samples_per_s": self._samples_per_s(trainer.world_size, elapsed),
-            "step_time_s": elapsed / self._window_steps,
-            "data_wait_s": self._window_wait_s / self._window_steps,
-            "window_steps": self._window_steps,  # the steps the means above are over
+            "samples_per_s": samples_per_s,
+            "step_time_s": elapsed / steps,
+            "data_wait_s": window.wait_s / steps,
+            "window_steps": steps,  # the steps the means above are over
             "mfu": None,
         }
-        record.update({name: float(value) for name, value in state.extra.items()})
-        record.update(self._peak_memory(trainer, pl_module))
+        record.update(values)
+        per_rank = [int(float(t)) for t in window.peak_memory_per_rank]
+        record.update({"peak_memory_bytes": max(per_rank), "peak_memory_bytes_per_rank": per_rank})
         for source in self.sources:
             record.update(source())
         if self.flops_per_token is not None:
             record["mfu"] = mfu(
-                tokens_per_s, self.flops_per_token, self.peak_flops_per_device, trainer.world_size
+                tokens_per_s, self.flops_per_token, self.peak_flops_per_device, window.world_size
             )
         self.latest.update(record)
-        self._write(trainer, record)
-        self._window_s, self._window_steps = 0.0, 0
-        self._window_wait_s, self._window_samples = 0.0, 0
-
-    def _samples_per_s(self, world_size: int, elapsed: float) -> float | None:
-        if self._window_samples is None:
-            return None
-        return self._window_samples * world_size / elapsed if elapsed > 0 else 0.0
-
-    def _peak_memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Peak memory of every rank (all-gathered: every rank reaches this at the same step) and their maximum."""
-        mine = torch.tensor(
-            [float(peak_memory_bytes(pl_module.device))], dtype=torch.float64, device=pl_module.device
-        )
-        gathered = [mine]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # The list form of all_gather: gloo and NCCL both have it (Lightning's wrapper warns on torch 2.13).
-            gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(gathered, mine)
-        per_rank = [int(t.item()) for t in gathered]
-        return {"peak_memory_bytes": max(per_rank), "peak_memory_bytes_per_rank": per_rank}
-
-    def _global_mean_loss(self, trainer: pl.Trainer) -> float:
-        """Mean over the window's steps and over all ranks (every rank reaches this at the same step)."""
-        mean = self._loss_sum.detach().float() / self._window_steps
-        return float(trainer.strategy.reduce(mean, reduce_op="mean"))
+        self._write(record)
+        self._window_s = 0.0
 
     def steady_state(self) -> dict[str, Any]:
         """Throughput over the measured steps of this process (after its first `warmup_steps`): `tokens_per_s`,
@@ -251,6 +321,7 @@ class RunMetrics(pl.Callback):
         When this process ran no step past the warm-up (e.g. a resume close to the end), the warm-up steps are
         measured instead and `includes_warmup` says so; with no step at all the figures are None.
         """
+        self._resolve()
         steps, seconds, includes_warmup = self.train_steps, self.train_s, False
         if not steps:
             steps, seconds, includes_warmup = self.warmup_steps_done, self.warmup_s, True
@@ -264,7 +335,7 @@ class RunMetrics(pl.Callback):
             "includes_warmup": includes_warmup and steps > 0,
         }
 
-    def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         for listener in self.listeners:
             listener(record)
