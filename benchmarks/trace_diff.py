@@ -13,10 +13,9 @@ activities) and calls `compare` on the two traces. What a step is made of, per r
 Where the idle time goes: each idle gap of a step (before its first device interval, between two, after its last)
 ends when the host launches the next kernel, so the gap is charged to the innermost CPU operator around that
 launch (else the innermost `record_function` scope, such as `Optimizer.step#AdamW.step`), with the Python function
-around it when the trace has stacks (`idle_by_op`). The kernel → launch link is the
-`correlation` argument shared by a kernel and its `cuda_runtime` / `cuda_driver` launch call, else the "ac2g" flow
-arrow between them; a kernel with neither is `(no linked launch)`, a gap after the trace's last kernel
-`(no later kernel)`. A gap that a blocking host sync overlaps is also charged to that sync (`idle_after_sync_us`):
+around it when the trace has stacks (`idle_by_op`). The kernel → launch link is the `correlation` argument shared
+by a kernel and its `cuda_runtime` / `cuda_driver` launch call, else the "ac2g" flow arrow between them; a kernel
+with neither is `(no linked launch)`, a gap after the trace's last kernel `(no later kernel)`. A gap that a blocking host sync overlaps is also charged to that sync (`idle_after_sync_us`):
 the sync drained the device and the host had nothing queued behind it, the classic bubble. `largest_gaps` lists the
 longest gaps with their start relative to their step.
 
