@@ -47,11 +47,28 @@ def test_a_real_trace_diff_names_the_op_only_one_loop_runs(tmp_path: Path) -> No
         "aten::_local_scalar_dense"
     ] == pytest.approx(1.0)
     assert "aten::mm" not in deltas and diff["kernel_us"] == []
-    assert "aten::item" in trace_diff.format_diff("cell", diff)
+    # No device work: no idle gaps to attribute, and no block about them.
+    assert plain["gaps_over_100us_per_step"] is None and plain["largest_gaps"] == []
+    assert plain["idle_by_op"] == plain["idle_after_sync_us"] == {}
+    assert diff["idle_us_by_op"] == diff["idle_us_after_sync"] == []
+    text = trace_diff.format_diff("cell", diff)
+    assert "aten::item" in text and "idle" not in text and "gap" not in text
 
 
-def _event(name: str, cat: str, ts: float, dur: float) -> dict[str, Any]:
-    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+_HOST, _BACKWARD, _STREAM = (1, 1), (1, 2), (0, 7)  # (pid, tid) as torch.profiler writes them
+
+
+def _event(
+    name: str, cat: str, ts: float, dur: float, *, thread: tuple[int, int] | None = None, **args: Any
+) -> dict[str, Any]:
+    pid, tid = thread or (_STREAM if cat in ("kernel", "gpu_memcpy") else _HOST)
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def _flow(phase: str, flow_id: int, ts: float, thread: tuple[int, int]) -> dict[str, Any]:
+    """One end of the "ac2g" arrow from a launch call (phase "s") to its kernel (phase "f")."""
+    pid, tid = thread
+    return {"ph": phase, "id": flow_id, "pid": pid, "tid": tid, "ts": ts, "cat": "ac2g", "name": "ac2g"}
 
 
 def test_device_busy_idle_and_host_syncs_come_from_kernel_intervals_inside_the_steps(tmp_path: Path) -> None:
@@ -78,7 +95,108 @@ def test_device_busy_idle_and_host_syncs_come_from_kernel_intervals_inside_the_s
     assert agg["host_syncs_per_step"] == pytest.approx(0.5)
     assert agg["kernels"]["gemm"] == {"launches": 1.5, "us": 6_000.0}
     assert agg["ops"] == {"aten::mm": 0.5}
+    # No correlation ids nor flow arrows: every gap is still counted, under one honest key.
+    assert agg["idle_by_op"] == {"(no linked launch)": {"us": 5_500.0, "gaps": 2.0, "python_function": None}}
+    assert agg["idle_after_sync_us"] == {"cudaStreamSynchronize": 3_000.0}  # overlaps the 12000..18000 gap
+    assert agg["gaps_over_100us_per_step"] == 2.0
 
     (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": events[2:]}))
     with pytest.raises(ValueError, match="no ProfilerStep# spans"):
         trace_diff.aggregate(tmp_path / "empty.json")
+
+
+def _linked_trace(path: Path, *, with_sync: bool, with_orphan: bool) -> Path:
+    """Two 10 ms steps whose idle gaps (µs) end with known launches:
+
+    step 1: [0, 500) aten::mm │ [2500, 2700) aten::addmm │ [3000, 3050) and, after the sync, [3060, 7200)
+            .item()'s copy then aten::zero_ (flow arrow only) │ [7300, 10000) step 2's first copy
+    step 2: [10000, 10500) aten::copy_ │ [10600, 11000) aten::mm on the backward thread │ [19000, 19200)
+            Optimizer.step, a record_function scope │ [19300, 19500) a kernel whose launch is not in the trace │
+            [19600 or 19300, 20000) no later kernel
+    """
+    events = [
+        _event("ProfilerStep#1", "user_annotation", 0, 10_000),
+        _event("ProfilerStep#2", "user_annotation", 10_000, 10_000),
+        _event("model.py(5): forward", "python_function", 50, 2_950),
+        _event("<built-in method mm of type object>", "python_function", 100, 300),
+        _event("aten::mm", "cpu_op", 100, 300),
+        _event("cudaLaunchKernel", "cuda_runtime", 150, 10, correlation=1),
+        _event("gemm", "kernel", 500, 2_000, correlation=1),
+        _event("aten::linear", "cpu_op", 2_550, 250),
+        _event(
+            "aten::addmm", "cpu_op", 2_600, 100
+        ),  # innermost: the gap is charged here, not to aten::linear
+        _event("cudaLaunchKernel", "cuda_runtime", 2_610, 10, correlation=2),
+        _event("addmm", "kernel", 2_700, 300, correlation=2),
+        _event("aten::item", "cpu_op", 2_990, 3_010),
+        _event("aten::_local_scalar_dense", "cpu_op", 3_000, 3_000),
+        _event("cudaMemcpyAsync", "cuda_runtime", 3_010, 10, correlation=3),  # not a sync
+        _event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 3_050, 10, correlation=3),
+        _event(
+            "Optimizer.zero_grad#AdamW.zero_grad", "user_annotation", 6_900, 250
+        ),  # the cpu_op inside wins
+        _event("aten::zero_", "cpu_op", 7_000, 100),
+        _event("cuLaunchKernel", "cuda_driver", 7_010, 10),  # linked by the flow arrow only
+        _flow("s", 4, 7_010, _HOST),
+        _flow("f", 4, 7_200, _STREAM),
+        _event("fill", "kernel", 7_200, 100),
+        _event("aten::copy_", "cpu_op", 10_100, 100),
+        _event("cudaMemcpyAsync", "cuda_runtime", 10_110, 10, correlation=5),
+        _event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 10_500, 100, correlation=5),
+        _event("aten::sum", "cpu_op", 10_600, 200),  # running on the main thread meanwhile: not the launcher
+        _event("aten::mm", "cpu_op", 10_600, 100, thread=_BACKWARD),
+        _event("cudaLaunchKernel", "cuda_runtime", 10_650, 10, thread=_BACKWARD, correlation=6),
+        _event("gemm", "kernel", 11_000, 8_000, correlation=6),
+        _event("Optimizer.step#AdamW.step", "user_annotation", 19_050, 100),  # no cpu_op around this launch
+        _event("cudaLaunchKernel", "cuda_runtime", 19_100, 10, correlation=7),
+        _event("multi_tensor_apply_kernel", "kernel", 19_200, 100, correlation=7),
+    ]
+    if with_sync:
+        events.append(_event("cudaStreamSynchronize", "cuda_runtime", 3_020, 60))
+    if with_orphan:
+        events.append(_event("orphan", "kernel", 19_500, 100, correlation=99))
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_idle_gaps_are_charged_to_the_op_launching_the_next_kernel_and_to_the_sync_before(
+    tmp_path: Path,
+) -> None:
+    agg = trace_diff.aggregate(_linked_trace(tmp_path / "ours.json", with_sync=True, with_orphan=True))
+    us = {op: row["us"] for op, row in agg["idle_by_op"].items()}
+    assert us == {
+        "aten::mm": (500 + 400) / 2,
+        "aten::addmm": 200 / 2,
+        "aten::_local_scalar_dense": 50 / 2,
+        "aten::zero_": (7_200 - 3_060) / 2,
+        "aten::copy_": (2_700 + 500) / 2,  # step 1's last gap ends with step 2's first copy
+        "Optimizer.step#AdamW.step": 200 / 2,
+        "(no linked launch)": 200 / 2,
+        "(no later kernel)": 400 / 2,
+    }
+    assert sum(us.values()) == pytest.approx(agg["device_idle_ms"] * 1e3)  # every idle µs is charged once
+    assert agg["idle_by_op"]["aten::mm"]["gaps"] == 1.0
+    assert agg["idle_by_op"]["aten::mm"]["python_function"] == "model.py(5): forward"  # not the built-in call
+    assert agg["idle_by_op"]["aten::zero_"]["python_function"] is None
+    assert agg["idle_after_sync_us"] == {"cudaStreamSynchronize": (50 + 4_140) / 2}
+    assert agg["host_syncs_per_step"] == 0.5 and agg["gaps_over_100us_per_step"] == 4.5
+    largest = agg["largest_gaps"][0]
+    assert largest == {"step": "ProfilerStep#1", "start_us": 3_060.0, "us": 4_140.0, "op": "aten::zero_",
+                       "python_function": None, "sync": "cudaStreamSynchronize"}  # fmt: skip
+    assert [g["us"] for g in agg["largest_gaps"]] == [4_140.0, 2_700.0, 500.0, 500.0, 400.0]
+
+    plain = trace_diff.aggregate(_linked_trace(tmp_path / "plain.json", with_sync=False, with_orphan=False))
+    diff = trace_diff.compare(plain, agg)
+    by_op = {r["name"]: r["delta"] for r in diff["idle_us_by_op"]}
+    assert by_op == {"(no linked launch)": 100.0, "(no later kernel)": 200.0 - 350.0}
+    assert diff["idle_us_after_sync"] == [
+        {"name": "cudaStreamSynchronize", "plain": 0.0, "gaudi3": 2_095.0, "delta": 2_095.0}
+    ]
+    assert diff["per_step"]["gaps_over_100us_per_step"] == {"plain": 4.0, "gaudi3": 4.5}
+    text = trace_diff.format_diff("cell", diff)
+    idle_block = text[text.index("device idle µs per step by") :].splitlines()
+    assert len(idle_block) <= 12
+    assert (
+        "4140.0 µs at +3060.0 µs into ProfilerStep#1, ended by aten::zero_, after cudaStreamSynchronize"
+        in text
+    )
