@@ -1,5 +1,6 @@
 """FP8 training (`train.precision fp8`): refused with one line where it cannot run, kept out of the tuner's axis
-there, and torchao's float8 linears swapped into our Transformer with the state-dict keys of a bf16 run.
+there, and torchao's float8 linears swapped into our Transformer with the state-dict keys of a bf16 run, by the
+recipe of `train.fp8_recipe` and with the head when `train.fp8_head` says so.
 
 torch 2.13 has a CPU kernel for `torch._scaled_mm`, so torchao's float8 forward and backward run here for real
 (not emulated): the training test below compares them with fp32."""
@@ -7,7 +8,9 @@ torch 2.13 has a CPU kernel for `torch._scaled_mm`, so torchao's float8 forward 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.device.float8 import apply_float8, check_float8_supported
+from gaudi3_scale.device.float8 import FLOAT8_RECIPES, Float8Plan, apply_float8, check_float8_supported
 from gaudi3_scale.device.select import plan_device
 from gaudi3_scale.models import ModelConfig, Transformer, build_model
 from gaudi3_scale.train.config import build_run_config
-from gaudi3_scale.tune.space import build_space, supported_precisions
+from gaudi3_scale.tune.space import Candidate, build_space, supported_precisions
+from gaudi3_scale.tune.tuner import winner_config
 
 VOCAB = 96
 
@@ -94,9 +99,10 @@ def test_tuner_axis_keeps_fp8_out_on_cpu() -> None:
 def test_cli_train_fp8_on_cpu_exits_2_with_one_line(
     gaudi3_cli: Callable[..., tuple[int, str, str]], tmp_path: Path
 ) -> None:
+    # With an fp8 option too: the line that helps is that fp8 cannot run here, not one about the option.
     code, _, err = gaudi3_cli(
-        "train", "--train.precision", "fp8", "--train.max_steps", "1", "--train.threads", "1",
-        "--out", str(tmp_path / "run"),
+        "train", "--train.precision", "fp8", "--train.fp8_recipe", "rowwise", "--train.max_steps", "1",
+        "--train.threads", "1", "--out", str(tmp_path / "run"),
     )  # fmt: skip
     assert code == 2, err
     assert (
@@ -189,8 +195,48 @@ def test_apply_float8_on_meta_then_init_matches_a_direct_build() -> None:
 
 
 def test_apply_float8_refuses_an_unknown_recipe() -> None:
-    with pytest.raises(ValueError, match="float8 recipe 'delayed' is not one of tensorwise, rowwise"):
+    with pytest.raises(
+        ValueError, match=r"float8 recipe 'delayed' is not one of tensorwise, rowwise, rowwise_with_gw_hp$"
+    ):
         apply_float8(build_model(GPT2, seed=0), recipe="delayed")
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["head-bf16", "head-fp8"])
+@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
+def test_each_recipe_reaches_torchao_and_the_head_is_swapped_only_when_asked(recipe: str, head: bool) -> None:
+    _torchao()
+    from torchao.float8 import Float8LinearConfig
+
+    for cfg in (GPT2, LLAMA):
+        model = build_model(cfg, seed=0)
+        expected = EXPECTED[cfg.arch] | ({"output"} if head else set())
+        assert apply_float8(model, recipe=recipe, head=head) == len(expected)
+        assert _float8_names(model) == expected
+        configs = {m.config for m in model.modules() if type(m).__name__ == "Float8Linear"}
+        assert configs == {Float8LinearConfig.from_recipe_name(recipe)}
+        if cfg.tie_embeddings:  # GPT-2's head, swapped or not, still is the token embedding
+            assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_loading_the_run_config_does_not_import_torch() -> None:
+    """`train.fp8_recipe` is typed by device.float8, which therefore imports torch only inside its functions."""
+    code = "import sys, gaudi3_scale.train.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tuner_candidates_of_other_precisions_hold_the_fp8_options_at_their_defaults() -> None:
+    """The config's fp8 options go to its fp8 candidates; a bf16 trial or winner would otherwise be refused."""
+    base = build_run_config(
+        None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise"), ("train.fp8_head", "true")]
+    )
+    bf16 = Candidate(strategy="auto", precision="bf16-mixed", global_batch_size=12, micro_batch_size=12,
+                     activation_checkpointing=False, compile=False, threads=None)  # fmt: skip
+    fp8 = dataclasses.replace(bf16, precision="fp8")
+    for candidate, want in ((bf16, ("tensorwise", False)), (fp8, ("rowwise", True))):
+        pairs = [(k, v) for k, v in (o[2:].split("=", 1) for o in candidate.overrides())]
+        trial = build_run_config(None, pairs, base=to_dict(base)).train
+        winner = winner_config(base, candidate, 1, "none")[0].train
+        assert (trial.fp8_recipe, trial.fp8_head) == (winner.fp8_recipe, winner.fp8_head) == want
 
 
 def _train(model: nn.Module, steps: int) -> list[float]:
@@ -225,19 +271,27 @@ def test_fp8_forward_and_backward_train_like_fp32_on_cpu() -> None:
     assert abs(fp8_losses[-1] - ref_losses[-1]) / ref_losses[-1] < 0.05
 
 
-def test_the_training_module_applies_float8_before_compile() -> None:
-    """`LanguageModel(parallel=ParallelPlan(float8=True))` (what an fp8 plan gives the trainer) swaps the linears in configure_model, and
+def test_the_fp8_options_reach_the_training_module_through_the_plan_before_compile() -> None:
+    """`train.fp8_recipe` and `train.fp8_head` become the plan's `Float8Plan` when the device plan says fp8 (as the
+    trainer asks for it); the module swaps the linears in configure_model with that recipe, the head included, and
     the compiled loss region then wraps the swapped model."""
     _torchao()
-    from gaudi3_scale.distributed.plan import ParallelPlan
+    from torchao.float8 import Float8LinearConfig
+
     from gaudi3_scale.train.config import OptimConfig
     from gaudi3_scale.train.module import LanguageModel
 
-    module = LanguageModel(
-        LLAMA, OptimConfig(), max_steps=1, parallel=ParallelPlan(float8=True, compile=True)
-    )
+    cfg = build_run_config(
+        None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise_with_gw_hp"), ("train.fp8_head", "true"),
+               ("train.compile", "true")],
+    )  # fmt: skip
+    assert cfg.parallel_plan().float8 is None  # the device plan decides whether: here it did not say fp8
+    plan = cfg.parallel_plan(float8=True)
+    assert plan.float8 == Float8Plan(recipe="rowwise_with_gw_hp", head=True) and plan.compile
+    module = LanguageModel(LLAMA, OptimConfig(), max_steps=1, parallel=plan)
     module.configure_model()
-    assert module.model is not None and _float8_names(module.model) == EXPECTED["llama"]
+    assert module.model is not None and _float8_names(module.model) == EXPECTED["llama"] | {"output"}
+    assert module.model.output.config == Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
     plain = LanguageModel(LLAMA, OptimConfig(), max_steps=1)
     plain.configure_model()
     assert plain.model is not None and not _float8_names(plain.model)

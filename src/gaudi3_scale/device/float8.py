@@ -7,7 +7,10 @@ weight and output gradient to FP8 on the fly and multiplies with `torch._scaled_
 state and every other op stay in high precision, so Lightning's bf16-mixed runs around it. Scales are dynamic:
 taken from each tensor's current absolute maximum. "tensorwise" (one scale per tensor, cuBLAS kernel) is torchao's
 default recipe and its fastest; "rowwise" (one scale per row, rounded to a power of two) is more accurate, and its
-CUTLASS kernel is Hopper-only in PyTorch (sm_90, pytorch/pytorch#145728).
+CUTLASS kernel is Hopper-only in PyTorch (sm_90, pytorch/pytorch#145728); "rowwise_with_gw_hp" is rowwise with the
+weight gradient computed in high precision, the most accurate of torchao's recipes (its `Float8LinearRecipeName`).
+The recipe and whether the output head is converted too are `train.fp8_recipe` and `train.fp8_head`, carried to
+`apply_float8` by the run's `ParallelPlan` as a `Float8Plan`.
 
 FP8 tensor cores start at compute capability 8.9 (Ada, Hopper), the bound torchtitan checks too. On Gaudi 3 the FP8
 and BF16 dense peaks are equal (1,835 TFLOP/s on Intel's spec sheet), so FP8 there would save memory and bandwidth,
@@ -22,35 +25,51 @@ torch.compile fuses them, which is where the speed comes from.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
-
-import torch
-from torch import nn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from gaudi3_scale.config.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported inside the functions: the run config types its `train.fp8_recipe` with `Float8Recipe`, and
+# loading a config stays free of torch.
+
 __all__ = [
     "FLOAT8_RECIPES",
+    "Float8Plan",
     "Float8Recipe",
     "apply_float8",
     "check_float8_supported",
     "float8_unsupported_reason",
 ]
 
-Float8Recipe = Literal["tensorwise", "rowwise"]
+# The values of torchao's Float8LinearRecipeName (torchao 0.18), in order of accuracy.
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
 
 MIN_CAPABILITY = (8, 9)  # first compute capability with FP8 tensor cores (Ada)
 _NO_TORCHAO = "fp8 training needs torchao: pip install 'gaudi3-scale[fp8]'"
 _NEEDS_GPU = "fp8 training needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper or newer)"
-# The head stays in high precision, as torchtitan's float8 configs keep it (filter_fqns ["output"]): its logits feed
-# the softmax over the whole vocabulary, where FP8 rounding reaches the loss most directly; in GPT-2 its weight is
-# also the token embedding (tied), which an embedding lookup reads, not a matmul.
-_SKIPPED_NAMES = ("output",)
+# By default the head stays in high precision, as torchtitan's float8 configs keep it (filter_fqns ["output"]): its
+# logits feed the softmax over the whole vocabulary, where FP8 rounding reaches the loss most directly; in GPT-2 its
+# weight is also the token embedding (tied), which an embedding lookup reads, not a matmul. `head=True` converts it.
+HEAD_NAME = "output"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Plan:
+    """How `apply_float8` converts a model (`train.fp8_recipe`, `train.fp8_head`); a plan without one has no fp8."""
+
+    recipe: Float8Recipe = "tensorwise"
+    head: bool = False
 
 
 def float8_unsupported_reason(device_type: str, *, device_index: int | None = None) -> str | None:
     """Why fp8 training cannot run on this device (one line, without the field name), or None when it can."""
+    import torch
+
     if device_type == "hpu":
         return "fp8 through this option is not yet validated on Gaudi hardware; use bf16-mixed"
     if device_type != "cuda":
@@ -70,10 +89,11 @@ def check_float8_supported(device_type: str, *, device_index: int | None = None)
         raise ConfigError("train.precision", reason)
 
 
-def apply_float8(model: nn.Module, *, recipe: str = "tensorwise") -> int:
+def apply_float8(model: nn.Module, *, recipe: str = "tensorwise", head: bool = False) -> int:
     """Swap the eligible `nn.Linear` layers of `model` for torchao's `Float8Linear`, in place; how many were swapped.
 
-    Skipped: the output head (`output`) and every linear whose in or out features are not multiples of 16 (what
+    `recipe` is one of torchao's recipe names (`Float8LinearConfig.from_recipe_name`). Skipped: the output head
+    (`output`) unless `head`, and every linear whose in or out features are not multiples of 16 (what
     `torch._scaled_mm` requires). Layers already swapped are left alone, so a second call returns 0. `Float8Linear`
     keeps the very `weight` and `bias` Parameters, so state-dict keys, weight tying and checkpoints stay exactly
     those of a bf16 run. Call it before activation checkpointing, torch.compile and FSDP.
@@ -83,7 +103,15 @@ def apply_float8(model: nn.Module, *, recipe: str = "tensorwise") -> int:
     float8 = _import_float8()
     if float8 is None:
         raise ConfigError("train.precision", _NO_TORCHAO)
-    eligible = {name for name, module in model.named_modules() if _eligible(name, module)}
+    from torch import nn
+
+    skipped = () if head else (HEAD_NAME,)
+    eligible = {
+        name
+        for name, module in model.named_modules()
+        # Exactly nn.Linear: a Float8Linear (a subclass) is already converted; other subclasses are not ours.
+        if type(module) is nn.Linear and name not in skipped and _fits_scaled_mm(module)
+    }
     if eligible:
         float8.convert_to_float8_training(
             model,
@@ -93,11 +121,8 @@ def apply_float8(model: nn.Module, *, recipe: str = "tensorwise") -> int:
     return len(eligible)
 
 
-def _eligible(name: str, module: nn.Module) -> bool:
-    # Exactly nn.Linear: a Float8Linear (a subclass) is already converted, and other subclasses are not ours to swap.
-    if type(module) is not nn.Linear or name in _SKIPPED_NAMES:
-        return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+def _fits_scaled_mm(linear: nn.Linear) -> bool:
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
 def _import_float8() -> Any | None:

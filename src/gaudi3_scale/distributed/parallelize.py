@@ -70,10 +70,10 @@ def parallelize(
         if mesh is None:
             raise ValueError("tensor parallel splits the model over a device mesh; the strategy provides it")
         apply_tensor_parallel(model, mesh[TP_DIM])
-    if plan.float8:
+    if plan.float8 is not None:
         from gaudi3_scale.device.float8 import apply_float8
 
-        apply_float8(model)
+        apply_float8(model, recipe=plan.float8.recipe, head=plan.float8.head)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
 

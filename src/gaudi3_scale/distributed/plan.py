@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.device.float8 import Float8Plan
 
 __all__ = ["CUDA_GRAPH_COMPILE_MODES", "SHARDED_STRATEGIES", "ZERO_STAGES", "BatchPlan", "ParallelPlan"]
 
@@ -78,9 +79,9 @@ class ParallelPlan:
     """What `parallelize` applies to a single-device model, in torchtitan's order, and which strategy runs it.
 
     `strategy` is resolved: single, ddp, fsdp, fsdp_grad_op, deepspeed_zero2 or deepspeed_zero3 (never auto).
-    `float8` swaps eligible linears for torchao's Float8Linear (device.float8); `hpu_graphs` wraps the model in
-    Gaudi HPU graphs (device.hpu). `bf16_params` is FSDP's mixed-precision policy for bf16-mixed runs: bf16
-    parameters for compute, fp32 gradient reduction.
+    `float8` (None = off) swaps eligible linears for torchao's Float8Linear with its recipe, and the output head
+    too if it says so (device.float8); `hpu_graphs` wraps the model in Gaudi HPU graphs (device.hpu). `bf16_params`
+    is FSDP's mixed-precision policy for bf16-mixed runs: bf16 parameters for compute, fp32 gradient reduction.
     """
 
     strategy: str = "single"
@@ -88,7 +89,7 @@ class ParallelPlan:
     activation_checkpointing: bool = False
     compile: bool = False
     compile_mode: str = "default"
-    float8: bool = False
+    float8: Float8Plan | None = None
     hpu_graphs: bool = False
     bf16_params: bool = False
     tp_size: int = (

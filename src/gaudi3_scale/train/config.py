@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from gaudi3_scale.config.core import (
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
 from gaudi3_scale.data.config import DataConfig
+from gaudi3_scale.device.float8 import Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import resolve_strategy
@@ -38,7 +39,16 @@ from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.bench_config import BenchmarkConfig
 from gaudi3_scale.train.spot import AWS_SPOT_URL
 
-__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "build_run_config", "config_yaml", "resolve_config"]
+__all__ = [
+    "FP8_OPTIONS",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "build_run_config",
+    "config_yaml",
+    "fp8_option_defaults",
+    "resolve_config",
+]
 
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "fp8"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -114,6 +124,25 @@ class TrainConfig:
         metadata={
             "help": "auto = 32-true on CPU, bf16-mixed on GPUs that support it; fp8 = bf16-mixed with torchao "
             "float8 linears (NVIDIA compute capability >= 8.9, the fp8 extra)"
+        },
+    )
+    fp8_recipe: Float8Recipe = field(
+        default="tensorwise",
+        metadata={
+            "help": "only with precision fp8: torchao's float8 scaling recipe. tensorwise = one scale per tensor "
+            "(cuBLAS; torchao's default, its fastest); rowwise = one scale per row, rounded to a power of two "
+            "(more accurate; CUTLASS kernel, Hopper sm_90 in PyTorch); rowwise_with_gw_hp = rowwise with the "
+            "weight gradient computed in high precision, torchao's most accurate recipe: for runs whose loss "
+            "drifts from bf16"
+        },
+    )
+    fp8_head: bool = field(
+        default=False,
+        metadata={
+            "help": "only with precision fp8: convert the output head too (when its sizes are multiples of 16). "
+            "Off by default, as torchtitan keeps it: its logits feed the softmax over the whole vocabulary, where "
+            "FP8 rounding reaches the loss most directly. On is faster: the head of Llama 3.2 1B is ~21 % of its "
+            "6N FLOPs"
         },
     )
     device: Literal["auto", "cpu", "cuda", "hpu"] = field(
@@ -218,6 +247,7 @@ class TrainConfig:
                 f"{self.throughput_warmup_steps} leaves no measured step of train.max_steps {self.max_steps}; "
                 f"allowed: 0 to {self.max_steps - 1}, or null for the default rule",
             )
+        _check_fp8_options(self)
         if self.compile_mode != "default" and not self.compile:
             raise ConfigError(
                 "compile_mode",
@@ -236,6 +266,29 @@ class TrainConfig:
         from gaudi3_scale.monitor.clock import default_throughput_warmup_steps
 
         return min(default_throughput_warmup_steps(compile=self.compile), self.max_steps - 1)
+
+
+FP8_OPTIONS = ("fp8_recipe", "fp8_head")  # TrainConfig fields that act only with precision fp8
+
+
+def fp8_option_defaults() -> dict[str, Any]:
+    """The `train.fp8_*` fields at their defaults: what a run in another precision holds (the tuner's)."""
+    return {f.name: f.default for f in fields(TrainConfig) if f.name in FP8_OPTIONS}
+
+
+def _check_fp8_options(train: TrainConfig) -> None:
+    """An fp8 option set for a run that is not fp8 would be silently ignored: refuse it, naming the field."""
+    if train.precision == "fp8":
+        return
+    for name, default in fp8_option_defaults().items():
+        value = getattr(train, name)
+        if value != default:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(
+                name,
+                f"{shown} applies only with train.precision fp8, not {train.precision} (it would be ignored); "
+                f"set train.precision fp8 or leave {name} at its default, {str(default).lower()}",
+            )
 
 
 @dataclass(kw_only=True)
@@ -312,7 +365,7 @@ class RunConfig:
         self, world_size: int | None = None, *, float8: bool = False, bf16_mixed: bool = False
     ) -> ParallelPlan:
         """What is applied to the model and which strategy runs it, resolved for `world_size` ranks; `float8` and
-        `bf16_mixed` come from the device plan (`device.plan_device`)."""
+        `bf16_mixed` come from the device plan (`device.plan_device`), the float8 recipe and head from `train`."""
         world = world_size or self.parallel.world_size
         strategy = resolve_strategy(self.parallel, world)
         return ParallelPlan(
@@ -321,7 +374,7 @@ class RunConfig:
             activation_checkpointing=self.parallel.activation_checkpointing,
             compile=self.train.compile,
             compile_mode=self.train.compile_mode,
-            float8=float8,
+            float8=Float8Plan(recipe=self.train.fp8_recipe, head=self.train.fp8_head) if float8 else None,
             hpu_graphs=self.train.hpu_graphs,
             bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
             tp_size=self.parallel.tp_size,

@@ -21,7 +21,7 @@ from gaudi3_scale.device.float8 import float8_unsupported_reason
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.distributed.strategies import supported_strategies
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
 from gaudi3_scale.tune.layouts import tensor_parallel_sizes
 
 __all__ = [
@@ -83,6 +83,13 @@ class Candidate:
             out.append(f"--train.threads={self.threads}")
         if self.compile_mode != "default":
             out.append(f"--train.compile_mode={self.compile_mode}")
+        if self.precision != "fp8":
+            # The config's train.fp8_* act in its fp8 candidates (the tuner does not search them); any other
+            # precision holds them at their defaults, or the run would be refused.
+            out += [
+                f"--train.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in fp8_option_defaults().items()
+            ]
         for name, default in _LAYOUT_DEFAULTS.items():
             if getattr(self, name) != default:
                 out.append(f"--parallel.{name}={getattr(self, name)}")

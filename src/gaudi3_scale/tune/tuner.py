@@ -17,7 +17,7 @@ from rich.table import Table
 
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
 from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
@@ -131,6 +131,8 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         threads=c.threads,
         max_steps=sched.max_steps,
     )
+    if c.precision != "fp8":
+        raw["train"].update(fp8_option_defaults())  # as its trials ran (Candidate.overrides)
     raw["parallel"].update(
         strategy=c.strategy,
         activation_checkpointing=c.activation_checkpointing,
