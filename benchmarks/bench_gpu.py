@@ -61,6 +61,8 @@ class Cell:
         True  # plain loop only: False compiles the model alone, the loss runs eagerly after it
     )
     pin_memory: bool = True  # plain loop only: False copies batches from pageable memory
+    fp8_recipe: str = "tensorwise"  # both sides, fp8 cells (train.fp8_recipe)
+    fp8_head: bool = False  # both sides, fp8 cells (train.fp8_head)
 
     @property
     def tokens_per_step(self) -> int:
@@ -134,7 +136,7 @@ def plain_loop(
     if cell.precision == "fp8":
         from gaudi3_scale.device.float8 import apply_float8
 
-        apply_float8(model)
+        apply_float8(model, recipe=cell.fp8_recipe, head=cell.fp8_head)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
@@ -227,6 +229,8 @@ def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> lis
         "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
         *([f"--model.pad_vocab_to_multiple={cell.pad_vocab_to_multiple}"] if cell.pad_vocab_to_multiple else []),
         *([f"--train.compile_mode={cell.compile_mode}"] if cell.compile_mode != "default" else []),
+        *([f"--train.fp8_recipe={cell.fp8_recipe}", f"--train.fp8_head={str(cell.fp8_head).lower()}"]
+          if cell.precision == "fp8" else []),
     ]  # fmt: skip
 
 
@@ -359,6 +363,13 @@ def main() -> None:
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument(
+        "--fp8-recipe", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+        help="the fp8 cells' torchao recipe (train.fp8_recipe; default tensorwise)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fp8-head", action="store_true", help="the fp8 cells also convert the output head (train.fp8_head)"
+    )
+    parser.add_argument(
         "--ablation", action="store_true", help="each accelerator default against the same cell without it"
     )
     parser.add_argument(
@@ -395,6 +406,16 @@ def main() -> None:
         cells = [c for c in cells if c.name in wanted]
     if args.measured_steps:
         cells = [Cell(**{**asdict(c), "measured_steps": args.measured_steps}) for c in cells]
+    if args.fp8_recipe or args.fp8_head:
+        recipe = args.fp8_recipe or "tensorwise"
+        fp8 = {"fp8_recipe": recipe, "fp8_head": args.fp8_head}
+        suffix = f"-{recipe}" + (
+            "-head" if args.fp8_head else ""
+        )  # results merge by cell name: keep variants apart
+        cells = [
+            Cell(**{**asdict(c), **fp8, "name": c.name + suffix}) if c.precision == "fp8" else c
+            for c in cells
+        ]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):

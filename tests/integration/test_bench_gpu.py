@@ -80,11 +80,15 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     sys.modules["bench_gpu"] = bench_gpu  # dataclasses look their module up by name
     spec.loader.exec_module(bench_gpu)
     tiny = bench_gpu.CPU_CELLS[0]
-    cell = bench_gpu.Cell(**{**asdict(tiny), "name": "tiny-fp8", "precision": "fp8", "loss_steps": 8})
+    cell = bench_gpu.Cell(**{**asdict(tiny), "name": "tiny-fp8", "precision": "fp8", "loss_steps": 8,
+                             "fp8_recipe": "rowwise", "fp8_head": True})  # fmt: skip
+    fp8_args = bench_gpu.gaudi3_overrides(cell, steps=8, warmup=1, source="synthetic")
+    assert {"--train.fp8_recipe=rowwise", "--train.fp8_head=true"} <= set(fp8_args)
     results: dict = {"cells": {}}
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
     bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")
     check = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
+    # The bf16 run gets no fp8 option (refused without train.precision fp8), so it trains.
     assert check["steps"] == 8 and 0 < check["bf16-mixed"] < 7 and check["tokens_per_s"]["bf16-mixed"] > 0
     assert check["fp8"] is None and check["relative"] is None and check["fp8_over_bf16_tokens_per_s"] is None
     assert any("fp8" in line and "compute capability" in line for line in check["failed"]["fp8"]), check
