@@ -17,7 +17,7 @@ already busy with the next step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -111,29 +111,26 @@ def synchronize(device: torch.device | str) -> None:
     sync(device)
 
 
-@contextmanager
-def register_synchronizer(device_type: str, sync: Synchronizer) -> Iterator[None]:
+def register_synchronizer(device_type: str, sync: Synchronizer) -> AbstractContextManager[None]:
     """Use `sync` for `device_type` inside the block (the previous one, if any, comes back afterwards)."""
-    previous = SYNCHRONIZERS.get(device_type)
-    SYNCHRONIZERS[device_type] = sync
-    try:
-        yield
-    finally:
-        if previous is None:
-            del SYNCHRONIZERS[device_type]
-        else:
-            SYNCHRONIZERS[device_type] = previous
+    return _registered(SYNCHRONIZERS, device_type, sync)
+
+
+def register_timing_events(
+    device_type: str, record: Callable[[torch.device], TimingEvent]
+) -> AbstractContextManager[None]:
+    """Use `record` for `device_type`'s timing events inside the block (tests: a fake asynchronous device)."""
+    return _registered(TIMING_EVENTS, device_type, record)
 
 
 @contextmanager
-def register_timing_events(device_type: str, record: Callable[[torch.device], TimingEvent]) -> Iterator[None]:
-    """Use `record` for `device_type`'s timing events inside the block (tests: a fake asynchronous device)."""
-    previous = TIMING_EVENTS.get(device_type)
-    TIMING_EVENTS[device_type] = record
+def _registered(registry: dict[str, Any], device_type: str, entry: Any) -> Iterator[None]:
+    previous = registry.get(device_type)
+    registry[device_type] = entry
     try:
         yield
     finally:
         if previous is None:
-            del TIMING_EVENTS[device_type]
+            del registry[device_type]
         else:
-            TIMING_EVENTS[device_type] = previous
+            registry[device_type] = previous
