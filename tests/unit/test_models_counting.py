@@ -19,6 +19,10 @@ from gaudi3_scale.models.config import ModelConfig
             "llama3.2-1b",
             1_235_814_400,
         ),  # the config.json shapes summed; HF meta-llama/Llama-3.2-1B page: 1.24B
+        (
+            "llama3.2-3b",
+            3_212_749_824,
+        ),  # the config.json shapes summed; HF meta-llama/Llama-3.2-3B page: 3.21B
     ],
 )
 def test_published_parameter_counts(name: str, expected: int) -> None:

@@ -20,6 +20,7 @@ PRESET_NAMES = [
     "llama3-70b",
     "llama3-8b",
     "llama3.2-1b",
+    "llama3.2-3b",
     "mixtral-8x7b",
     "moe-tiny",
     "shakespeare-char",

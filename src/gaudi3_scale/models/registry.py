@@ -56,6 +56,10 @@ PRESETS: list[dict[str, Any]] = [
     # context here is its original_max_position_embeddings, 8192, where that scaling does not apply.
     dict(name="llama3.2-1b", num_layers=16, num_heads=32, dim=2048, ffn_dim=8192,
          **{**_LLAMA3, "tie_embeddings": True}),
+    # meta-llama/Llama-3.2-3B config.json (2024-09-25): hidden 3072, 28 layers, 24 heads, 8 kv heads, intermediate
+    # 8192, tied embeddings; the same context note as the 1B.
+    dict(name="llama3.2-3b", num_layers=28, num_heads=24, dim=3072, ffn_dim=8192,
+         **{**_LLAMA3, "tie_embeddings": True}),
     # Not a published model: the smallest Llama-shaped net that still exercises GQA (2 query heads per kv head)
     # and RoPE, for tests and smoke runs. ffn_dim = 3·dim, near Llama's 8/3·dim.
     dict(name="llama-tiny", arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, dim=64, ffn_dim=192,
