@@ -63,15 +63,8 @@ def test_one_process_saves_and_exits_restartable(sig: signal.Signals, tmp_path: 
     assert ckpt.name == f"step-{summary['steps']:08d}" and verify_checkpoint(ckpt) == []
 
 
-@pytest.mark.parametrize(("target", "strategy"), [("rank 1", "ddp"), ("launcher", "fsdp")])
-def test_sigterm_stops_both_ranks_after_the_same_step_and_resumes(
-    target: str, strategy: str, tmp_path: Path
-) -> None:
-    """SIGTERM to one rank only (rank 0 never sees it), or to the launcher (as Kubernetes sends it to PID 1)."""
-    out = tmp_path / "run"
-    launcher = _start(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
-    _wait_for_steps(launcher, out, 3)
-    (launcher if target == "launcher" else _worker(launcher, 1)).send_signal(signal.SIGTERM)
+def _stopped_by_sigterm(launcher: subprocess.Popen[str], out: Path) -> int:
+    """Both ranks stopped after the same step, committed a checkpoint, and the launcher exited 143: that step."""
     _, stderr = launcher.communicate(timeout=180)
     assert launcher.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr.split("stopped by SIGTERM")[-1]  # the launcher exits quietly, 143
@@ -81,14 +74,27 @@ def test_sigterm_stops_both_ranks_after_the_same_step_and_resumes(
     manifest = read_manifest(ckpt)
     assert manifest is not None and manifest["world_size"] == 2 and manifest["step"] == summary["steps"]
     assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.name
-    stopped_at = summary["steps"]
+    return int(summary["steps"])
+
+
+def _train_steps(out: Path) -> list[int]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "train_loss" in r]
+
+
+def test_sigterm_to_the_launcher_stops_both_ranks_after_the_same_step_and_resumes(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (as Kubernetes sends it to PID 1), under FSDP; the rerun resumes and finishes."""
+    out = tmp_path / "run"
+    launcher = _start(out, "--nproc-per-node", "2", "--parallel.strategy", "fsdp")
+    _wait_for_steps(launcher, out, 3)
+    launcher.send_signal(signal.SIGTERM)
+    stopped_at = _stopped_by_sigterm(launcher, out)
     resumed = subprocess.run(
         [*GAUDI3, *ARGS, "--out", str(out), "--train.max_steps", str(stopped_at + 2), "--nproc-per-node", "2",
-         "--parallel.strategy", strategy], capture_output=True, text=True, timeout=300,
+         "--parallel.strategy", "fsdp"], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "train_loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
+    assert _train_steps(out)[-2:] == [stopped_at + 1, stopped_at + 2]
 
 
 def _logged_lines(out: Path) -> int:
@@ -96,11 +102,19 @@ def _logged_lines(out: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
 
-def test_sigusr1_and_ctrl_c_to_the_launcher_reach_both_ranks(tmp_path: Path) -> None:
-    """torch's agent passed on SIGTERM only: SIGUSR1 killed the launcher and the ranks trained on, and Ctrl-C
-    exited 130. Now each reaches both ranks, which save together; the launcher exits 138, then 0 (Ctrl-C)."""
+def test_sigterm_to_rank_1_then_sigusr1_and_ctrl_c_to_the_launcher_reach_both_ranks(tmp_path: Path) -> None:
+    """SIGTERM to one rank only (rank 0 never sees it): both stop after the same step, exit 143. Then the same
+    directory's reruns, each resuming the one before (the first right after the SIGTERM step): torch's agent
+    passed on SIGTERM only, so SIGUSR1 killed the launcher and the ranks trained on, and Ctrl-C exited 130. Now
+    each reaches both ranks, which save together; the launcher exits 138, then 0 (Ctrl-C). One chain of runs, as
+    the three stops are each a 2-rank launch (the slow part of the suite on 2 cores); 2 ranks default to DDP."""
     out = tmp_path / "run"
-    for sig, exit_code in ((signal.SIGUSR1, 138), (signal.SIGINT, 0)):  # the second run resumes the first
+    launcher = _start(out, "--nproc-per-node", "2")
+    _wait_for_steps(launcher, out, 3)
+    _worker(launcher, 1).send_signal(signal.SIGTERM)
+    stopped_at = _stopped_by_sigterm(launcher, out)
+    for sig, exit_code in ((signal.SIGUSR1, 138), (signal.SIGINT, 0)):  # each run resumes the one before
+        before = len(_train_steps(out))
         launcher = _start(out, "--nproc-per-node", "2")
         _wait_for_steps(launcher, out, _logged_lines(out) + 2)
         launcher.send_signal(sig)
@@ -110,6 +124,9 @@ def test_sigusr1_and_ctrl_c_to_the_launcher_reach_both_ranks(tmp_path: Path) -> 
         assert summary["stop_signal"] == sig.name and summary["interrupted"]
         manifest = read_manifest(Path(summary["checkpoint"]))
         assert manifest is not None and manifest["world_size"] == 2 and manifest["step"] == summary["steps"]
+        steps = _train_steps(out)[before:]  # this run's steps: from the one after the last stop, none skipped
+        assert steps == list(range(stopped_at + 1, summary["steps"] + 1)), steps
+        stopped_at = summary["steps"]
 
 
 def test_one_run_per_directory_and_ranks_stop_with_their_launcher(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -20,9 +21,12 @@ from gaudi3_scale.checkpoint.reader import read_checkpoint
 pytestmark = pytest.mark.distributed
 
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
-COMMON = ["--train.max_steps", "20", "--train.log_every_steps", "1", "--train.val_every_steps", "0",
+COMMON = ["--train.max_steps", "12", "--train.log_every_steps", "1", "--train.val_every_steps", "0",
           "--sample-tokens", "0", "--no-progress", "--train.global_batch_size", "8", "--optim.warmup_steps", "2",
-          "--train.micro_batch_size", "2", "--checkpoint.every_steps", "10"]  # fmt: skip
+          "--train.micro_batch_size", "2", "--checkpoint.every_steps", "6"]  # fmt: skip
+# 12 steps, a checkpoint at 6 and 12: DeepSpeed steps take ~0.6 s each on 2 cores, and every assertion below holds
+# from step 6 on (the loss falls by more than 0.5 in the first five steps).
+STEPS, MID, END = 12, "step-00000006", "step-00000012"
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
 
 
@@ -45,16 +49,62 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _train_two_nodes(out: Path) -> None:
+    """DDP on 2 nodes of 1 rank each, both on loopback: `gaudi3 train --nnodes 2 --node-rank N` twice."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"127.0.0.1:{port}"
+    # The threads `--nproc-per-node 2` gives each of its ranks (half the usable cores): the same kernels, so the
+    # single-node resume below matches bit for bit.
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    node_args = [*COMMON, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                 "--parallel.strategy", "ddp", "--train.threads", threads]  # fmt: skip
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        cmd = [*GAUDI3, "train", "--out", str(out), *node_args, "--node-rank", str(rank)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # Node 0 checks that the rendezvous port is free, then its agent hosts the store there. On one machine both
+    # agents could try to host it, so node 1 starts once node 0's store is listening (as on a real cluster,
+    # where only node 0 has that address).
+    nodes = [start(0)]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert nodes[0].poll() is None and time.monotonic() < deadline, nodes[0].communicate()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        nodes.append(start(1))
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:  # never leave an agent waiting for a rendezvous behind
+            if node.poll() is None:
+                node.kill()
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The uninterrupted 2-rank run of a strategy, trained once and shared (read-only) by the tests below."""
+    """The uninterrupted 2-rank run of a strategy, trained once and shared (read-only) by the tests below.
+
+    DDP's 2 ranks run as 2 nodes of 1 rank on loopback: the tests below then show that the multi-node launch
+    trains like one process and that `--nproc-per-node 2` on one node resumes its checkpoint bit for bit (one
+    2-rank launch fewer; `--nproc-per-node 2` DDP from scratch runs in the bf16 test, and in test_elastic_restart,
+    test_preemption and test_benchmark)."""
     runs: dict[str, Path] = {}
 
     def run(strategy: str) -> Path:
         if strategy not in runs:
             out = tmp_path_factory.mktemp(f"two-ranks-{strategy}")
-            proc = _train(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            if strategy == "ddp":
+                _train_two_nodes(out)
+            else:
+                proc = _train(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
+                assert proc.returncode == 0, proc.stderr[-3000:]
             runs[strategy] = out
         return runs[strategy]
 
@@ -65,7 +115,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 def test_two_ranks_match_one_process(strategy: str, single: Path, two_ranks: Callable[[str], Path]) -> None:
     run = two_ranks(strategy)
     reference, losses = _losses(single), _losses(run)
-    assert len(losses) == len(reference) == 20
+    assert len(losses) == len(reference) == STEPS
     for a, b in zip(reference, losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (strategy, reference, losses)
     last = [
@@ -73,7 +123,7 @@ def test_two_ranks_match_one_process(strategy: str, single: Path, two_ranks: Cal
     ][-1]
     per_rank = last["peak_memory_bytes_per_rank"]
     assert len(per_rank) == 2 and min(per_rank) > 50e6 and last["peak_memory_bytes"] == max(per_rank)
-    ckpt = "checkpoints/step-00000020"  # sharded under FSDP, consolidated by read_checkpoint
+    ckpt = f"checkpoints/{END}"  # sharded under FSDP, consolidated by read_checkpoint
     want = read_checkpoint(single / ckpt)["state_dict"]
     got = read_checkpoint(run / ckpt)["state_dict"]
     assert got.keys() == want.keys()
@@ -88,28 +138,41 @@ def test_two_ranks_match_one_process(strategy: str, single: Path, two_ranks: Cal
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_rank_resume_is_bitwise(strategy: str, two_ranks: Callable[[str], Path], tmp_path: Path) -> None:
-    """Stop after step 10 (keep only that checkpoint), resume: the losses equal the uninterrupted run's exactly."""
+def test_two_rank_resume_is_bitwise(
+    strategy: str,
+    two_ranks: Callable[[str], Path],
+    tmp_path: Path,
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stop after step 6 (keep only that checkpoint), resume: the losses equal the uninterrupted run's exactly."""
     full, resumed = two_ranks(strategy), tmp_path / "resumed"
     args = ("--nproc-per-node", "2", "--parallel.strategy", strategy)
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step-00000010", resumed / "checkpoints" / "step-00000010")
-    (resumed / "checkpoints" / "latest").write_text("step-00000010\n")
+    shutil.copytree(full / "checkpoints" / MID, resumed / "checkpoints" / MID)
+    (resumed / "checkpoints" / "latest").write_text(MID + "\n")
     proc = _train(resumed, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _losses(resumed) == _losses(full)[10:]  # steps 11-20 only: it resumed, and bit for bit
+    assert _losses(resumed) == _losses(full)[6:]  # steps 7-12 only: it resumed, and bit for bit
     if strategy.startswith("deepspeed"):
-        # ZeRO optimizer partitions resume only under the same stage and world size: one line, exit 2.
-        before = (full / "checkpoints" / "step-00000020" / "state.ckpt").read_bytes()
-        for other in (
-            ("--nproc-per-node", "2", "--parallel.strategy", "ddp"),
-            ("--parallel.strategy", strategy),
-        ):
-            proc = _train(full, *other)
-            lines = proc.stderr.strip().splitlines()
-            assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-            assert f"holds {strategy} optimizer partitions for 2 ranks" in lines[0]
-        assert (full / "checkpoints" / "step-00000020" / "state.ckpt").read_bytes() == before
+        # ZeRO optimizer partitions resume only under the same stage and world size: one line, exit 2. Refused
+        # before any worker starts (the launcher's or the single process's preflight), so in this process, each
+        # as `gaudi3 train …` would run it; the single process sets torch's thread count first: restored below.
+        before = (full / "checkpoints" / END / "state.ckpt").read_bytes()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test; the preflight overwrites it
+        threads = torch.get_num_threads()
+        try:
+            for other in (
+                ("--nproc-per-node", "2", "--parallel.strategy", "ddp"),
+                ("--parallel.strategy", strategy),
+            ):
+                code, _out, err = gaudi3_cli("train", "--out", str(full), *COMMON, *other)
+                lines = err.strip().splitlines()
+                assert code == 2 and len(lines) == 1, (other, err[-3000:])
+                assert f"holds {strategy} optimizer partitions for 2 ranks" in lines[0]
+        finally:
+            torch.set_num_threads(threads)
+        assert (full / "checkpoints" / END / "state.ckpt").read_bytes() == before
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_zero3"])
@@ -139,10 +202,10 @@ def test_cpu_offload_trains_and_checkpoints_as_without_it(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference, losses = _losses(two_ranks(strategy)), _losses(tmp_path)
-    assert len(losses) == 20 and losses[-1] < losses[0] - 0.5
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5
     rtol = 0.0 if strategy == "fsdp" else 1e-5
     assert losses == pytest.approx(reference, rel=rtol, abs=0.0)
-    ckpt = "checkpoints/step-00000020"
+    ckpt = f"checkpoints/{END}"
     want = read_checkpoint(two_ranks(strategy) / ckpt)["state_dict"]
     got = read_checkpoint(tmp_path / ckpt)["state_dict"]
     assert got.keys() == want.keys()
@@ -203,38 +266,9 @@ def test_bad_launches_are_one_line_and_exit_2(
         assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
-def test_two_nodes_on_loopback_train_and_checkpoint(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"127.0.0.1:{port}"
-    node_args = [*COMMON, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-                 "--parallel.strategy", "ddp"]  # fmt: skip
-
-    def start(rank: int) -> subprocess.Popen[str]:
-        cmd = [*GAUDI3, "train", "--out", str(tmp_path / "run"), *node_args, "--node-rank", str(rank)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    # Node 0 checks that the rendezvous port is free, then its agent hosts the store there. On one machine both
-    # agents could try to host it, so node 1 starts once node 0's store is listening (as on a real cluster,
-    # where only node 0 has that address).
-    nodes = [start(0)]
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert nodes[0].poll() is None and time.monotonic() < deadline, nodes[0].communicate()
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.2)
-        nodes.append(start(1))
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:  # never leave an agent waiting for a rendezvous behind
-            if node.poll() is None:
-                node.kill()
-    for node, (_, err) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, err[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 20 and (Path(summary["checkpoint"]) / "manifest.json").is_file()
-    assert len(_losses(tmp_path / "run")) == 20
+def test_two_nodes_on_loopback_train_and_checkpoint(two_ranks: Callable[[str], Path]) -> None:
+    """Both nodes exited 0 (asserted where the fixture ran them); rank 0's node wrote the outputs."""
+    run = two_ranks("ddp")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and (Path(summary["checkpoint"]) / "manifest.json").is_file()
+    assert len(_losses(run)) == STEPS

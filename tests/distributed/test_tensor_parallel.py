@@ -1,11 +1,11 @@
 """Tensor parallel and 2-D meshes on real ranks (gloo, fp32): TP=2 and FSDP×TP (2×2) train llama-tiny like one
-process over 20 steps — losses, gradient norms, validation loss and final weights within 1e-5 — reading the same
+process over 12 steps — losses, gradient norms, validation loss and final weights within 1e-5 — reading the same
 stream of samples (the ranks of a tensor-parallel group read the same batch); and their sharded (DCP) checkpoints
 resume under another layout with the stream intact: TP=2 → one process, FSDP×TP → FSDP on 2 ranks and → HSDP
 (2 replicas × 2 shards), which then train on like one process too.
 
 Four-rank launches are the slow part of the suite on 2 cores, hence one uninterrupted FSDP×TP run and HSDP only as
-the resumed half (steps 11-20) rather than a run of its own."""
+the resumed half (steps 7-12) rather than a run of its own."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ pytestmark = pytest.mark.distributed
 
 RECORD = Path(__file__).with_name("record_samples.py")
 # llama-tiny: 4 heads, 2 kv heads, ffn 192, context 64 all split over 2; the 65-character vocabulary is padded to 66.
-COMMON = ["--model.name=llama-tiny", "--model.pad_vocab_to_multiple=2", "--train.max_steps=20",
-          "--train.log_every_steps=1", "--train.val_every_steps=10", "--train.val_batches=2",
+COMMON = ["--model.name=llama-tiny", "--model.pad_vocab_to_multiple=2", "--train.max_steps=12",
+          "--train.log_every_steps=1", "--train.val_every_steps=6", "--train.val_batches=2",
           "--train.global_batch_size=8", "--train.micro_batch_size=2", "--optim.warmup_steps=2",
-          "--checkpoint.every_steps=10", "--checkpoint.keep_last=2"]  # fmt: skip
+          "--checkpoint.every_steps=6", "--checkpoint.keep_last=2"]  # fmt: skip
 LAYOUTS = {  # name: (ranks, overrides)
     "single": (1, ["--train.threads=2"]),
     "tp2": (2, ["--parallel.tp_size=2"]),
@@ -39,7 +39,7 @@ LAYOUTS = {  # name: (ranks, overrides)
 # relative); AdamW divides by sqrt(v), which magnifies that for elements whose gradient is near zero. After 20 steps
 # the largest weight difference measured was 3.3e-6 (weights ~0.02); the losses stay within 1e-5 relative.
 WEIGHT_ATOL = 1e-5
-STEP10, STEP20 = "checkpoints/step-00000010", "checkpoints/step-00000020"
+STEP6, STEP12 = "checkpoints/step-00000006", "checkpoints/step-00000012"
 
 
 def _run(out: Path, ranks: int, overrides: list[str], tp_size: int = 1) -> dict[int, Counter[str]]:
@@ -89,15 +89,15 @@ def test_layout_trains_like_one_process(
     runs: dict[str, tuple[Path, dict[int, Counter[str]]]], layout: str
 ) -> None:
     (single, reference), (run, samples) = runs["single"], runs[layout]
-    assert samples == reference and sorted(samples) == list(range(20))  # the same global batches, in order
+    assert samples == reference and sorted(samples) == list(range(12))  # the same global batches, in order
     assert all(sum(c.values()) == 8 for c in samples.values())
     for key in ("train_loss", "grad_norm", "val_loss"):  # clipped at 1.0: the norm is the whole model's
         _assert_close(_metrics(run, key), _metrics(single, key), f"{layout} {key}")
-    manifest = read_manifest(run / STEP20)
+    manifest = read_manifest(run / STEP12)
     assert manifest is not None and manifest["layout"] == "sharded"
     assert manifest["world_size"] == LAYOUTS[layout][0]
-    want = read_checkpoint(single / STEP20)["state_dict"]
-    got = read_checkpoint(run / STEP20)["state_dict"]  # DCP shards consolidated to full tensors
+    want = read_checkpoint(single / STEP12)["state_dict"]
+    got = read_checkpoint(run / STEP12)["state_dict"]  # DCP shards consolidated to full tensors
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=key)
@@ -120,18 +120,18 @@ def test_resume_under_another_layout(
     overrides: list[str],
 ) -> None:
     (tmp_path / "checkpoints").mkdir()
-    shutil.copytree(runs[source][0] / STEP10, tmp_path / STEP10)
-    (tmp_path / "checkpoints" / "latest").write_text("step-00000010\n")
+    shutil.copytree(runs[source][0] / STEP6, tmp_path / STEP6)
+    (tmp_path / "checkpoints" / "latest").write_text("step-00000006\n")
     resumed = _run(tmp_path, ranks, overrides)
     single, reference = runs["single"]
-    manifest = read_manifest(tmp_path / STEP20)
+    manifest = read_manifest(tmp_path / STEP12)
     assert manifest is not None and manifest["world_size"] == ranks
-    # Steps 10-19 read exactly the samples the uninterrupted run read: none repeated, none skipped.
-    assert resumed == {step: c for step, c in reference.items() if step >= 10}
-    want = {step: loss for step, loss in _metrics(single, "train_loss").items() if step > 10}
+    # Steps 6-11 read exactly the samples the uninterrupted run read: none repeated, none skipped.
+    assert resumed == {step: c for step, c in reference.items() if step >= 6}
+    want = {step: loss for step, loss in _metrics(single, "train_loss").items() if step > 6}
     _assert_close(_metrics(tmp_path, "train_loss"), want, f"{source} resumed")
-    want = {step: norm for step, norm in _metrics(single, "grad_norm").items() if step > 10}
+    want = {step: norm for step, norm in _metrics(single, "grad_norm").items() if step > 6}
     _assert_close(_metrics(tmp_path, "grad_norm"), want, f"{source} resumed")
-    got = read_checkpoint(tmp_path / STEP20)["state_dict"]
-    for key, value in read_checkpoint(single / STEP20)["state_dict"].items():
+    got = read_checkpoint(tmp_path / STEP12)["state_dict"]
+    for key, value in read_checkpoint(single / STEP12)["state_dict"].items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=key)
