@@ -344,6 +344,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
+    from gaudi3_scale.device.float8 import FLOAT8_RECIPES
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -367,7 +369,7 @@ def main() -> None:
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument(
-        "--fp8-recipe", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+        "--fp8-recipe", choices=FLOAT8_RECIPES,
         help="the fp8 cells' torchao recipe (train.fp8_recipe; default tensorwise)",
     )  # fmt: skip
     parser.add_argument(
@@ -413,9 +415,8 @@ def main() -> None:
     if args.fp8_recipe or args.fp8_head:
         recipe = args.fp8_recipe or "tensorwise"
         fp8 = {"fp8_recipe": recipe, "fp8_head": args.fp8_head}
-        suffix = f"-{recipe}" + (
-            "-head" if args.fp8_head else ""
-        )  # results merge by cell name: keep variants apart
+        # Results merge by cell name: each variant keeps its own.
+        suffix = f"-{recipe}-head" if args.fp8_head else f"-{recipe}"
         cells = [
             Cell(**{**asdict(c), **fp8, "name": c.name + suffix}) if c.precision == "fp8" else c
             for c in cells

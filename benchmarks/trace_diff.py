@@ -113,10 +113,12 @@ def _launch_sites(
 
 
 def _idle_gaps(
-    events: list[dict[str, Any]], steps: list[tuple[str, Interval, list[Interval]]]
+    events: list[dict[str, Any]],
+    complete: list[dict[str, Any]],
+    steps: list[tuple[str, Interval, list[Interval]]],
 ) -> list[dict[str, Any]]:
-    """Every device-idle gap of the (step name, span, busy intervals) steps, with what the host did about it."""
-    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    """Every device-idle gap of the (step name, span, busy intervals) steps, with what the host did about it;
+    `complete` are the trace's complete ("X") events among `events`."""
     device = sorted((e for e in complete if e.get("cat") in _DEVICE_CATEGORIES), key=lambda e: float(e["ts"]))
     starts = [float(e["ts"]) for e in device]
     gaps = [(name, span, gap) for name, span, busy in steps for gap in _gaps(span, busy)]
@@ -205,7 +207,7 @@ def aggregate(trace_path: Path) -> dict[str, Any]:
             for name, (s, t) in spans]  # fmt: skip
     step_us = sum(t - s for _, (s, t) in spans) / steps
     busy_us = sum(b - a for _, _, intervals in busy for a, b in intervals) / steps
-    idle = _idle_summary(_idle_gaps(events, busy), steps) if device else {}
+    idle = _idle_summary(_idle_gaps(events, complete, busy), steps) if device else {}
     return {
         "steps": steps,
         "step_ms": step_us / 1e3,

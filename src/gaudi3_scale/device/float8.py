@@ -60,10 +60,11 @@ HEAD_NAME = "output"
 
 @dataclass(frozen=True, kw_only=True)
 class Float8Plan:
-    """How `apply_float8` converts a model (`train.fp8_recipe`, `train.fp8_head`); a plan without one has no fp8."""
+    """How `apply_float8` converts a model (`train.fp8_recipe`, `train.fp8_head`, whose defaults are the ones); a
+    plan without one has no fp8."""
 
-    recipe: Float8Recipe = "tensorwise"
-    head: bool = False
+    recipe: Float8Recipe
+    head: bool
 
 
 def float8_unsupported_reason(device_type: str, *, device_index: int | None = None) -> str | None:

@@ -161,6 +161,8 @@ class RunMetrics(pl.Callback):
         """Wait for the pending marks in order: book each segment's active (unpaused) time to the warm-up or to the
         measured steps, and write each window's record. The end of the warm-up is a mark of its own, so a segment
         never straddles it."""
+        if not self._pending:  # most steps
+            return
         pending, self._pending = self._pending, []
         for item in pending:
             if isinstance(item, _Window):
