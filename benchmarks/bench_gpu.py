@@ -28,11 +28,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -553,23 +555,41 @@ def _print_cell(result: dict[str, Any]) -> None:
 
 def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path) -> None:
     """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16: final losses, and
-    steady-state tokens/s of each (the two runs one after the other, on the same shape)."""
+    steady-state tokens/s of each (the two runs one after the other, on the same shape).
+
+    Each run keeps its directory (metrics.jsonl, summary.json, loss.png; no checkpoints) and its output
+    (`train.log`) under `<out stem>_runs/<cell>-<precision>/`, replaced by the next bench: a run stopped by a time
+    limit still shows how far it got and how long its steps took."""
+    runs_dir = out.with_name(f"{out.stem}_runs")
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
         losses: dict[str, Any] = {}
         speeds: dict[str, Any] = {}
+        mfus: dict[str, Any] = {}
+        peak_bytes: dict[str, Any] = {}
         failures: dict[str, Any] = {}
         for precision in ("bf16-mixed", "fp8"):
             variant = Cell(**{**asdict(cell), "precision": precision})
-            with tempfile.TemporaryDirectory() as tmp:
-                cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", tmp, "--resume", "never",
-                       "--no-progress", "--sample-tokens", "0",
-                       *gaudi3_overrides(variant, steps=cell.loss_steps, warmup=5, source="tinyshakespeare")]  # fmt: skip
-                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                summary = json.loads((Path(tmp) / "summary.json").read_text()) if done.returncode == 0 else {}
+            run_dir = runs_dir / f"{cell.name}-{precision}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(run_dir / "run"), "--resume",
+                   "never", "--no-progress", "--sample-tokens", "0",
+                   *gaudi3_overrides(variant, steps=cell.loss_steps, warmup=5, source="tinyshakespeare")]  # fmt: skip
+            log = run_dir / "train.log"
+            start = time.perf_counter()
+            with log.open("w") as sink:
+                done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+            summary = (
+                json.loads((run_dir / "run" / "summary.json").read_text()) if done.returncode == 0 else {}
+            )
+            print(f"{cell.name} {precision}: {cell.loss_steps} steps, exit {done.returncode}, "
+                  f"{time.perf_counter() - start:.0f} s ({log})")  # fmt: skip
             losses[precision] = summary.get("train_loss")
             speeds[precision] = summary.get("tokens_per_s")
+            mfus[precision] = summary.get("mfu")
+            peak_bytes[precision] = summary.get("peak_memory_bytes")
             if done.returncode != 0:
-                failures[precision] = _tail(done)
+                failures[precision] = log.read_text().strip().splitlines()[-20:]
         bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
         relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
@@ -578,6 +598,8 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             **losses,
             "relative": relative,
             "tokens_per_s": speeds,
+            "mfu": mfus,
+            "peak_memory_bytes": peak_bytes,
             "fp8_over_bf16_tokens_per_s": speedup,
             **({"failed": failures} if failures else {}),
         }
