@@ -23,8 +23,8 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None) -> Transformer:
         )
     device = torch.get_default_device()
     # Built on meta, then given storage: nn.Linear's own init (kaiming_uniform_) would be drawn only to be
-    # overwritten. Llama 3.2 1B on a 2-core AMD EPYC: 8.6 of a 14 s build (cProfile); the build went from 25.8 s to
-    # 9.0 s with this and the threaded init (models.common.init), 2026-11-26.
+    # overwritten. Llama 3.2 1B on a 2-core AMD EPYC, 2026-11-26: that draw was 8.6 of a 14 s build (cProfile); built
+    # alternately in one process, 15.6 and 16.2 s directly against 6.7 and 9.2 s this way.
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     if device.type != "meta":

@@ -8,18 +8,12 @@ weights one process would build — and no rank ever allocates more than its sha
 
 (torch's CPU generator cannot skip ahead, and DTensor's offset-based RNG only exists for CUDA-like devices; per-chunk
 seeding gives the same answer on every device and world size.)
-
-The chunks are independent, so a block of whole rows draws them on `torch.get_num_threads()` threads (torch's
-sampler releases the GIL), straight into the parameter where it is a float32 host tensor. Filling Llama 3.2 1B's
-embedding (262 M values) on a 2-core AMD EPYC took 1.61 s through a temporary copy on one thread, 0.74 s straight
-into the parameter, 0.65 s on both threads (2026-11-26); hosts with more cores gain more.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -39,32 +33,6 @@ def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def _key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
-
-
-def _draw(key: int, start: int, out: torch.Tensor) -> None:
-    """Elements [start, start + out.numel()) of the flattened full tensor's standard normal draws, into `out`
-    (a contiguous 1-D float32 host tensor); one generator per chunk, the chunks on several threads."""
-    end = start + out.numel()
-
-    @torch.no_grad()  # grad mode is per thread: `out` may be a parameter's storage
-    def one(k: int) -> None:
-        lo, hi = max(start, k * CHUNK_ELEMENTS), min(end, (k + 1) * CHUNK_ELEMENTS)
-        generator = torch.Generator().manual_seed((key + k * _GOLDEN) & _MASK64)
-        if hi - lo == CHUNK_ELEMENTS:
-            out[lo - start : hi - start].normal_(generator=generator)  # what torch.randn does
-        else:  # a chunk the block only partly covers: draw it whole, keep the part
-            whole = torch.randn(CHUNK_ELEMENTS, generator=generator, device="cpu")  # not the default device
-            out[lo - start : hi - start] = whole[lo - k * CHUNK_ELEMENTS : hi - k * CHUNK_ELEMENTS]
-
-    chunks = range(start // CHUNK_ELEMENTS, (end - 1) // CHUNK_ELEMENTS + 1)
-    workers = min(torch.get_num_threads(), len(chunks))
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(one, chunks, chunksize=max(1, len(chunks) // (4 * workers))):
-                pass
-    else:
-        for k in chunks:
-            one(k)
 
 
 def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -119,15 +87,7 @@ def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> No
     first_row = offset[0] if len(shape) == 2 else 0
     first_col = offset[1] if len(shape) == 2 else offset[0]
     if rows.shape[1] == row_length:  # whole rows: one contiguous segment of the flattened tensor
-        start = first_row * row_length
-        if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
-            flat = rows.view(-1)
-            _draw(key, start, flat)
-            flat.mul_(std)
-            return
-        values = torch.empty(rows.numel(), device="cpu")
-        _draw(key, start, values)
-        values = values.view(rows.shape)
+        values = segment(first_row * row_length, rows.numel()).view(rows.shape)
     else:  # a column block (tensor parallel Shard(1)): one segment per row
         values = torch.stack(
             [segment((first_row + i) * row_length + first_col, rows.shape[1]) for i in range(rows.shape[0])]
