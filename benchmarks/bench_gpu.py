@@ -41,6 +41,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
+# gaudi3 train's default train.log_every_steps: both sides report per-window times at its steps.
+LOG_EVERY_STEPS = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,10 +181,13 @@ def plain_loop(
 
     clock = DeviceClock(device)
     started = 0.0
+    total = cell.warmup_steps + cell.measured_steps
+    # (last step, its clock mark) where gaudi3 train writes a record: the per-window times beside its own
+    marks: list[tuple[int, Any]] = []
     profiler = _plain_profiler(cell, device.type, profile_steps) if trace else None
     if profiler:
         profiler.__enter__()
-    for step in range(cell.warmup_steps + cell.measured_steps):
+    for step in range(total):
         if step == cell.warmup_steps:
             started = clock.now()
         x, y = batch()
@@ -196,11 +201,20 @@ def plain_loop(
         opt.zero_grad(set_to_none=True)
         if profiler:
             profiler.step()
+        done = step + 1
+        if done > cell.warmup_steps and (done % LOG_EVERY_STEPS == 0 or done == total):
+            marks.append((done, clock.mark()))  # a timing event on CUDA: no synchronise inside the loop
     step_time_s = (clock.now() - started) / cell.measured_steps
+    windows: list[dict[str, float]] = []
+    last_step, last_s = cell.warmup_steps, started
+    for done, when in marks:
+        reached = when()
+        windows.append({"step": done, "ms_per_step": (reached - last_s) / (done - last_step) * 1e3})
+        last_step, last_s = done, reached
     if profiler and trace:
         profiler.__exit__(None, None, None)
         profiler.export_chrome_trace(trace)
-    return {"step_time_s": step_time_s, "final_loss": float(loss.detach())}
+    return {"step_time_s": step_time_s, "final_loss": float(loss.detach()), "windows": windows}
 
 
 def _plain_profiler(cell: Cell, device_type: str, steps: int) -> Any:
@@ -252,8 +266,15 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 
     if done.returncode != 0:
         return {"status": "failed", "reason": _tail(done)}
     summary = json.loads((out / "summary.json").read_text())
+    # The raw per-window step times (the first window holds the warm-up steps too), to set beside the plain loop's:
+    # is a difference spread over every window, or in one?
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [
+        {"step": r["step"], "ms_per_step": r["step_time_s"] * 1e3} for r in records if "step_time_s" in r
+    ]
     return {"status": "ok", "step_time_s": summary["step_time_s"], "measured_steps": summary["measured_steps"],
-            "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"]}  # fmt: skip
+            "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"],
+            "windows": windows}  # fmt: skip
 
 
 def _tail(done: subprocess.CompletedProcess[str]) -> list[str]:

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
 
 def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_cpu.json"
-    args = ["--small", "--cells", "tiny-eager", "--repeats", "1", "--measured-steps", "3", "--no-loss"]
+    args = ["--small", "--cells", "tiny-eager", "--repeats", "1", "--measured-steps", "12", "--no-loss"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=600
     )
@@ -38,7 +38,14 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     assert cell["ratio_tokens_per_s"] == pytest.approx(
         cell["gaudi3"]["tokens_per_s"] / cell["plain"]["tokens_per_s"]
     )
-    assert cell["runs"]["gaudi3"][0]["measured_steps"] == 3
+    assert cell["runs"]["gaudi3"][0]["measured_steps"] == 12
+    # Per-window times at gaudi3 train's record steps (10 and the last, 14), for both sides; the plain loop's
+    # windows start after its warm-up (2 steps), so they average to its measured step time.
+    plain, ours = cell["runs"]["plain"][0], cell["runs"]["gaudi3"][0]
+    assert [w["step"] for w in plain["windows"]] == [w["step"] for w in ours["windows"]] == [10, 14]
+    assert all(w["ms_per_step"] > 0 for w in plain["windows"] + ours["windows"])
+    mean_ms = (plain["windows"][0]["ms_per_step"] * 8 + plain["windows"][1]["ms_per_step"] * 4) / 12
+    assert mean_ms == pytest.approx(plain["step_time_s"] * 1e3, rel=0.02)
     assert result["machine"]["packages"]["torch"] and result["peak_source"].startswith("measured")
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "tiny-eager" in done.stdout and "×" in done.stdout
