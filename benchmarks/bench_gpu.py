@@ -264,7 +264,7 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 
            *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": _tail(done)}
+        return {"status": "failed", "reason": _tail(done.stderr or done.stdout)}
     summary = json.loads((out / "summary.json").read_text())
     # The raw per-window step times (the first window holds the warm-up steps too), to set beside the plain loop's:
     # is a difference spread over every window, or in one?
@@ -277,9 +277,9 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 
             "windows": windows}  # fmt: skip
 
 
-def _tail(done: subprocess.CompletedProcess[str]) -> list[str]:
+def _tail(output: str) -> list[str]:
     """The last lines a failed run printed: what its JSON entry keeps of it."""
-    return (done.stderr or done.stdout).strip().splitlines()[-20:]
+    return output.strip().splitlines()[-20:]
 
 
 def run_plain(cell: Cell, device: str, env: dict[str, str], trace: Path | None = None, profile_steps: int = 0
@@ -289,7 +289,7 @@ def run_plain(cell: Cell, device: str, env: dict[str, str], trace: Path | None =
         cmd += ["--trace", str(trace), "--profile", str(profile_steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return {"status": "failed", "reason": _tail(done)}
+        return {"status": "failed", "reason": _tail(done.stderr or done.stdout)}
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -610,7 +610,7 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             mfus[precision] = summary.get("mfu")
             peak_bytes[precision] = summary.get("peak_memory_bytes")
             if done.returncode != 0:
-                failures[precision] = log.read_text().strip().splitlines()[-20:]
+                failures[precision] = _tail(log.read_text())
         bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
         relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
