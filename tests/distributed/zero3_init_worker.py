@@ -59,7 +59,6 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
         if dist.get_rank() == 0:
             torch.save({"weights": full, "held": held, "partition": partition}, f"{out_dir}/{name}.pt")
     dist.barrier()
-    dist.barrier()  # frees the first barrier and the gathers it waited on before exit (train/trainer.py says why)
     dist.destroy_process_group()
 
 

@@ -480,11 +480,6 @@ class GaudiTrainer:
             # Lightning leaves the group up; gloo's threads then abort the process at exit ("terminate called
             # without an active exception") now and then, more often when one rank leaves while another still
             # writes its outputs. So all ranks leave together, then tear down. A later fit() makes a new group.
-            # Twice: gloo's runloop thread frees a finished barrier, and with it the earlier collectives it waited on,
-            # after the barrier returns; where those hold tensors with Python objects it needs the GIL, and during
-            # interpreter exit that aborts (gdb, a ZeRO-3 rank). The second barrier waits on nothing earlier, and the
-            # first is freed while this thread waits without the GIL.
-            torch.distributed.barrier()
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         return summary
