@@ -31,7 +31,9 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     cell = result["cells"]["tiny-eager"]
     for side in ("plain", "gaudi3"):
-        assert cell[side]["ms_per_step"] > 0 and 0 < cell[side]["mfu"] < 1, cell
+        # MFU against this CPU's matmul peak measured once before the cells: on a shared 2-core machine a side can
+        # run while the other test worker is idle and beat a peak measured while it was busy (CI: 1.07), so > 0 only.
+        assert cell[side]["ms_per_step"] > 0 and cell[side]["mfu"] > 0, cell
         (run,) = cell["runs"][side]
         # Uniformly random ids over 512: a model that trains on them sits at ln(512) = 6.24 nats.
         assert run["final_loss"] == pytest.approx(math.log(512), abs=0.3), run
