@@ -31,6 +31,8 @@ def test_zero3_builds_partitioned_with_the_whole_models_weights(tmp_path: Path) 
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # each rank joined its group's threads before exiting (a rank that did not could abort at exit)
+    assert [(tmp_path / f"gloo-threads-{rank}").read_text() for rank in range(ranks)] == ["0"] * ranks
     loaded = torch.load(tmp_path / f"{hf.name}.pt", weights_only=True)
     reference = load_ours(hf).state_dict()
     assert loaded["held"] == 0 and loaded["weights"].keys() == reference.keys()
