@@ -67,6 +67,7 @@ class Cell:
     pin_memory: bool = True  # plain loop only: False copies batches from pageable memory
     fp8_recipe: str = "tensorwise"  # both sides, fp8 cells (train.fp8_recipe)
     fp8_head: bool = False  # both sides, fp8 cells (train.fp8_head)
+    fp8_skip_small_linears: bool = False  # both sides, fp8 cells (train.fp8_skip_small_linears)
 
     @property
     def tokens_per_step(self) -> int:
@@ -144,7 +145,9 @@ def plain_loop(
     if cell.precision == "fp8":
         from gaudi3_scale.device.float8 import apply_float8
 
-        apply_float8(model, recipe=cell.fp8_recipe, head=cell.fp8_head)
+        apply_float8(
+            model, recipe=cell.fp8_recipe, head=cell.fp8_head, skip_small_linears=cell.fp8_skip_small_linears
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
@@ -249,7 +252,8 @@ def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> lis
         "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
         *([f"--model.pad_vocab_to_multiple={cell.pad_vocab_to_multiple}"] if cell.pad_vocab_to_multiple else []),
         *([f"--train.compile_mode={cell.compile_mode}"] if cell.compile_mode != "default" else []),
-        *([f"--train.fp8_recipe={cell.fp8_recipe}", f"--train.fp8_head={str(cell.fp8_head).lower()}"]
+        *([f"--train.fp8_recipe={cell.fp8_recipe}", f"--train.fp8_head={str(cell.fp8_head).lower()}",
+           f"--train.fp8_skip_small_linears={str(cell.fp8_skip_small_linears).lower()}"]
           if cell.precision == "fp8" else []),
     ]  # fmt: skip
 
@@ -367,7 +371,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    from gaudi3_scale.device.float8 import FLOAT8_RECIPES
+    from gaudi3_scale.device.float8 import FLOAT8_RECIPES, SKIP_SMALL_RECIPES
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -398,6 +402,10 @@ def main() -> None:
     parser.add_argument(
         "--fp8-head", action="store_true", help="the fp8 cells also convert the output head (train.fp8_head)"
     )
+    parser.add_argument(
+        "--fp8-skip-small", action="store_true",
+        help="the fp8 cells keep in bf16 the linears torchao expects to be slower in fp8 (train.fp8_skip_small_linears)",
+    )  # fmt: skip
     parser.add_argument(
         "--ablation", action="store_true", help="each accelerator default against the same cell without it"
     )
@@ -435,11 +443,15 @@ def main() -> None:
         cells = [c for c in cells if c.name in wanted]
     if args.measured_steps:
         cells = [Cell(**{**asdict(c), "measured_steps": args.measured_steps}) for c in cells]
-    if args.fp8_recipe or args.fp8_head:
+    if args.fp8_recipe or args.fp8_head or args.fp8_skip_small:
         recipe = args.fp8_recipe or "tensorwise"
-        fp8 = {"fp8_recipe": recipe, "fp8_head": args.fp8_head}
+        if args.fp8_skip_small and recipe not in SKIP_SMALL_RECIPES:
+            parser.error(f"--fp8-skip-small needs a recipe of {', '.join(SKIP_SMALL_RECIPES)}, not {recipe}")
+        fp8 = {"fp8_recipe": recipe, "fp8_head": args.fp8_head, "fp8_skip_small_linears": args.fp8_skip_small}
         # Results merge by cell name: each variant keeps its own.
-        suffix = f"-{recipe}-head" if args.fp8_head else f"-{recipe}"
+        suffix = (
+            f"-{recipe}" + ("-head" if args.fp8_head else "") + ("-skip-small" if args.fp8_skip_small else "")
+        )
         cells = [
             Cell(**{**asdict(c), **fp8, "name": c.name + suffix}) if c.precision == "fp8" else c
             for c in cells

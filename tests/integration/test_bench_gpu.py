@@ -90,9 +90,13 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     spec.loader.exec_module(bench_gpu)
     tiny = bench_gpu.CPU_CELLS[0]
     cell = bench_gpu.Cell(**{**asdict(tiny), "name": "tiny-fp8", "precision": "fp8", "loss_steps": 8,
-                             "fp8_recipe": "rowwise", "fp8_head": True})  # fmt: skip
+                             "fp8_recipe": "rowwise", "fp8_head": True, "fp8_skip_small_linears": True})  # fmt: skip
     fp8_args = bench_gpu.gaudi3_overrides(cell, steps=8, warmup=1, source="synthetic")
-    assert {"--train.fp8_recipe=rowwise", "--train.fp8_head=true"} <= set(fp8_args)
+    assert {
+        "--train.fp8_recipe=rowwise",
+        "--train.fp8_head=true",
+        "--train.fp8_skip_small_linears=true",
+    } <= set(fp8_args)
     results: dict = {"cells": {}}
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
     bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")

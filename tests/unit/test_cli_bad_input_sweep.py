@@ -117,6 +117,7 @@ WORKED: list[Case] = [
     ("train-precision-enum", lambda p: ["train", "--print-config", "--train.precision", "fp64"], ("allowed: auto, 32-true",), ()),
     ("train-fp8-recipe-enum", lambda p: ["train", "--print-config", "--train.fp8_recipe", "bogus"], ("train.fp8_recipe: got 'bogus'; allowed: tensorwise, rowwise, rowwise_with_gw_hp",), ()),
     ("train-fp8-recipe-without-fp8", lambda p: _train(p, "--train.fp8_recipe", "rowwise"), ("train.fp8_recipe: rowwise applies only with train.precision fp8, not auto", "default, tensorwise"), ()),
+    ("train-fp8-skip-small-recipe", lambda p: ["train", "--print-config", "--train.precision", "fp8", "--train.fp8_recipe", "rowwise_with_gw_hp", "--train.fp8_skip_small_linears", "true"], ("train.fp8_skip_small_linears: true needs a recipe torchao has size thresholds for (tensorwise, rowwise), not train.fp8_recipe rowwise_with_gw_hp",), ()),
     ("train-fp8-head-without-fp8", lambda p: ["train", "--print-config", "--train.precision", "bf16-mixed", "--train.fp8_head", "true"], ("train.fp8_head: true applies only with train.precision fp8, not bf16-mixed",), ()),
     ("train-config-list", lambda p: ["train", "--print-config", "--config", str(p["list.yaml"])], ("must hold a mapping", "got a list"), ()),
     ("train-config-syntax", lambda p: ["train", "--print-config", "--config", str(p["syntax.yaml"])], ("not valid YAML at line 3",), ()),

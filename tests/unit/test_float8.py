@@ -218,6 +218,44 @@ def test_each_recipe_reaches_torchao_and_the_head_is_swapped_only_when_asked(rec
             assert model.output.weight is model.tok_embeddings.weight
 
 
+# (in_features, out_features) of linears on either side of torchao's thresholds (torchao 0.18, from its H100 GEMM
+# tables): tensorwise keeps in bf16 what has in <= 4096 and out <= 1024; rowwise what has out <= 2048, in <= 1024,
+# or out <= 4096 and in <= 2048.
+SIZES = [(2048, 512), (4096, 1024), (4112, 1024), (2048, 1040), (1024, 8192), (1040, 8192), (2048, 4096),
+         (2064, 4096), (2048, 4112), (8192, 2048), (8192, 2064), (2048, 1000)]  # fmt: skip
+FAST_IN_FP8 = {
+    "tensorwise": {(4112, 1024), (2048, 1040), (1024, 8192), (1040, 8192), (2048, 4096), (2064, 4096),
+                   (2048, 4112), (8192, 2048), (8192, 2064)},
+    "rowwise": {(1040, 8192), (2064, 4096), (2048, 4112), (8192, 2064)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_skip_small_linears_keeps_in_bf16_what_torchaos_thresholds_find_slower(recipe: str) -> None:
+    _torchao()
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in SIZES))
+    assert apply_float8(model, recipe=recipe, skip_small_linears=True) == len(FAST_IN_FP8[recipe])
+    assert {SIZES[int(name)] for name in _float8_names(model)} == FAST_IN_FP8[recipe]
+    with torch.device("meta"):
+        everything = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in SIZES))
+    assert (
+        apply_float8(everything, recipe=recipe) == len(SIZES) - 1
+    )  # all but 2048 -> 1000 (not a multiple of 16)
+
+
+def test_skip_small_linears_is_refused_for_the_recipe_without_thresholds() -> None:
+    with pytest.raises(ValueError, match=r"no size thresholds for the float8 recipe 'rowwise_with_gw_hp'$"):
+        apply_float8(build_model(LLAMA, seed=0), recipe="rowwise_with_gw_hp", skip_small_linears=True)
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.fp8_skip_small_linears: true needs a recipe .*\(tensorwise, "
+        r"rowwise\), not train\.fp8_recipe rowwise_with_gw_hp$",
+    ):
+        build_run_config(None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise_with_gw_hp"),
+                                ("train.fp8_skip_small_linears", "true")])  # fmt: skip
+
+
 def test_loading_the_run_config_does_not_import_torch() -> None:
     """`train.fp8_recipe` is typed by device.float8, which therefore imports torch only inside its functions."""
     code = "import sys, gaudi3_scale.train.config; assert 'torch' not in sys.modules, 'torch imported'"
@@ -227,16 +265,18 @@ def test_loading_the_run_config_does_not_import_torch() -> None:
 def test_tuner_candidates_of_other_precisions_hold_the_fp8_options_at_their_defaults() -> None:
     """The config's fp8 options go to its fp8 candidates; a bf16 trial or winner would otherwise be refused."""
     base = build_run_config(
-        None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise"), ("train.fp8_head", "true")]
-    )
+        None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise"), ("train.fp8_head", "true"),
+               ("train.fp8_skip_small_linears", "true")],
+    )  # fmt: skip
     bf16 = Candidate(strategy="auto", precision="bf16-mixed", global_batch_size=12, micro_batch_size=12,
                      activation_checkpointing=False, compile=False, threads=None)  # fmt: skip
     fp8 = dataclasses.replace(bf16, precision="fp8")
-    for candidate, want in ((bf16, ("tensorwise", False)), (fp8, ("rowwise", True))):
+    for candidate, want in ((bf16, ("tensorwise", False, False)), (fp8, ("rowwise", True, True))):
         pairs = [(k, v) for k, v in (o[2:].split("=", 1) for o in candidate.overrides())]
         trial = build_run_config(None, pairs, base=to_dict(base)).train
         winner = winner_config(base, candidate, 1, "none")[0].train
-        assert (trial.fp8_recipe, trial.fp8_head) == (winner.fp8_recipe, winner.fp8_head) == want
+        chosen = [(c.fp8_recipe, c.fp8_head, c.fp8_skip_small_linears) for c in (trial, winner)]
+        assert chosen == [want, want]
 
 
 def _train(model: nn.Module, steps: int) -> list[float]:
@@ -285,9 +325,14 @@ def test_the_fp8_options_reach_the_training_module_through_the_plan_before_compi
         None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise_with_gw_hp"), ("train.fp8_head", "true"),
                ("train.compile", "true")],
     )  # fmt: skip
+    skipping = build_run_config(None, [("train.precision", "fp8"), ("train.fp8_skip_small_linears", "true")])
+    assert skipping.parallel_plan(float8=True).float8 == Float8Plan(
+        recipe="tensorwise", head=False, skip_small_linears=True
+    )
     assert cfg.parallel_plan().float8 is None  # the device plan decides whether: here it did not say fp8
     plan = cfg.parallel_plan(float8=True)
-    assert plan.float8 == Float8Plan(recipe="rowwise_with_gw_hp", head=True) and plan.compile
+    assert plan.float8 == Float8Plan(recipe="rowwise_with_gw_hp", head=True, skip_small_linears=False)
+    assert plan.compile
     module = LanguageModel(LLAMA, OptimConfig(), max_steps=1, parallel=plan)
     module.configure_model()
     assert module.model is not None and _float8_names(module.model) == EXPECTED["llama"] | {"output"}

@@ -9,8 +9,9 @@ taken from each tensor's current absolute maximum. "tensorwise" (one scale per t
 default recipe and its fastest; "rowwise" (one scale per row, rounded to a power of two) is more accurate, and its
 CUTLASS kernel is Hopper-only in PyTorch (sm_90, pytorch/pytorch#145728); "rowwise_with_gw_hp" is rowwise with the
 weight gradient computed in high precision, the most accurate of torchao's recipes (its `Float8LinearRecipeName`).
-The recipe and whether the output head is converted too are `train.fp8_recipe` and `train.fp8_head`, carried to
-`apply_float8` by the run's `ParallelPlan` as a `Float8Plan`.
+The recipe, whether the output head is converted too and whether small linears stay in high precision are
+`train.fp8_recipe`, `train.fp8_head` and `train.fp8_skip_small_linears`, carried to `apply_float8` by the run's
+`ParallelPlan` as a `Float8Plan`.
 
 FP8 tensor cores start at compute capability 8.9 (Ada, Hopper), the bound torchtitan checks too. On Gaudi 3 the FP8
 and BF16 dense peaks are equal (1,835 TFLOP/s on Intel's spec sheet), so FP8 there would save memory and bandwidth,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLOAT8_RECIPES",
+    "SKIP_SMALL_RECIPES",
     "Float8Plan",
     "Float8Recipe",
     "apply_float8",
@@ -48,6 +50,10 @@ __all__ = [
 # The values of torchao's Float8LinearRecipeName (torchao 0.18), in order of accuracy.
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
+# The recipes torchao has size thresholds for (`_auto_filter_for_recipe`, torchao 0.18: tensorwise skips a linear
+# with in_features <= 4096 and out_features <= 1024; rowwise one with out <= 2048, in <= 1024, or out <= 4096 and
+# in <= 2048), taken from its H100 GEMM tables (torchao/float8/README.md, "Performance"); none for rowwise_with_gw_hp.
+SKIP_SMALL_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 
 MIN_CAPABILITY = (8, 9)  # first compute capability with FP8 tensor cores (Ada)
 _NO_TORCHAO = "fp8 training needs torchao: pip install 'gaudi3-scale[fp8]'"
@@ -65,6 +71,7 @@ class Float8Plan:
 
     recipe: Float8Recipe
     head: bool
+    skip_small_linears: bool
 
 
 def float8_unsupported_reason(device_type: str, *, device_index: int | None = None) -> str | None:
@@ -90,28 +97,41 @@ def check_float8_supported(device_type: str, *, device_index: int | None = None)
         raise ConfigError("train.precision", reason)
 
 
-def apply_float8(model: nn.Module, *, recipe: str = "tensorwise", head: bool = False) -> int:
+def apply_float8(
+    model: nn.Module, *, recipe: str = "tensorwise", head: bool = False, skip_small_linears: bool = False
+) -> int:
     """Swap the eligible `nn.Linear` layers of `model` for torchao's `Float8Linear`, in place; how many were swapped.
 
     `recipe` is one of torchao's recipe names (`Float8LinearConfig.from_recipe_name`). Skipped: the output head
-    (`output`) unless `head`, and every linear whose in or out features are not multiples of 16 (what
-    `torch._scaled_mm` requires). Layers already swapped are left alone, so a second call returns 0. `Float8Linear`
-    keeps the very `weight` and `bias` Parameters, so state-dict keys, weight tying and checkpoints stay exactly
-    those of a bf16 run. Call it before activation checkpointing, torch.compile and FSDP.
+    (`output`) unless `head`, every linear whose in or out features are not multiples of 16 (what
+    `torch._scaled_mm` requires), and with `skip_small_linears` every linear torchao's size thresholds for the
+    recipe expect to be slower in fp8 than in bf16 (the casts cost more than the faster GEMM saves; e.g. the
+    key/value projections of Llama 3.2 1B, 2048 -> 512, under tensorwise). Layers already swapped are left alone,
+    so a second call returns 0. `Float8Linear` keeps the very `weight` and `bias` Parameters, so state-dict keys,
+    weight tying and checkpoints stay exactly those of a bf16 run. Call it before activation checkpointing,
+    torch.compile and FSDP.
     """
     if recipe not in FLOAT8_RECIPES:
         raise ValueError(f"float8 recipe {recipe!r} is not one of {', '.join(FLOAT8_RECIPES)}")
+    if skip_small_linears and recipe not in SKIP_SMALL_RECIPES:
+        raise ValueError(f"torchao has no size thresholds for the float8 recipe {recipe!r}")
     float8 = _import_float8()
     if float8 is None:
         raise ConfigError("train.precision", _NO_TORCHAO)
     from torch import nn
 
     skipped = () if head else (HEAD_NAME,)
+    # torchao's filter for the recipe, with no names of its own to skip: it says False for a linear it expects to
+    # be slower in fp8 (and for one that is not an nn.Linear or whose sizes are not multiples of 16).
+    fast_in_fp8 = float8._auto_filter_for_recipe(recipe, filter_fqns=[]) if skip_small_linears else None
     eligible = {
         name
         for name, module in model.named_modules()
         # Exactly nn.Linear: a Float8Linear (a subclass) is already converted; other subclasses are not ours.
-        if type(module) is nn.Linear and name not in skipped and _fits_scaled_mm(module)
+        if type(module) is nn.Linear
+        and name not in skipped
+        and _fits_scaled_mm(module)
+        and (fast_in_fp8 is None or fast_in_fp8(module, name))
     }
     if eligible:
         float8.convert_to_float8_training(

@@ -73,7 +73,12 @@ def parallelize(
     if plan.float8 is not None:
         from gaudi3_scale.device.float8 import apply_float8
 
-        apply_float8(model, recipe=plan.float8.recipe, head=plan.float8.head)
+        apply_float8(
+            model,
+            recipe=plan.float8.recipe,
+            head=plan.float8.head,
+            skip_small_linears=plan.float8.skip_small_linears,
+        )
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
 

@@ -29,7 +29,7 @@ from gaudi3_scale.config.core import (
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
 from gaudi3_scale.data.config import DataConfig
-from gaudi3_scale.device.float8 import Float8Plan, Float8Recipe
+from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import resolve_strategy
@@ -143,6 +143,14 @@ class TrainConfig:
             "Off by default, as torchtitan keeps it: its logits feed the softmax over the whole vocabulary, where "
             "FP8 rounding reaches the loss most directly. On is faster: the head of Llama 3.2 1B is ~21 % of its "
             "6N FLOPs"
+        },
+    )
+    fp8_skip_small_linears: bool = field(
+        default=False,
+        metadata={
+            "help": "only with precision fp8 and the tensorwise or rowwise recipe: keep in bf16 the linears that "
+            "torchao's H100 GEMM tables find slower in fp8 (its auto filter; opt-in, as in torchtitan), e.g. the "
+            "2048 -> 512 key/value projections of Llama 3.2 1B under tensorwise"
         },
     )
     device: Literal["auto", "cpu", "cuda", "hpu"] = field(
@@ -268,7 +276,11 @@ class TrainConfig:
         return min(default_throughput_warmup_steps(compile=self.compile), self.max_steps - 1)
 
 
-FP8_OPTIONS = ("fp8_recipe", "fp8_head")  # TrainConfig fields that act only with precision fp8
+FP8_OPTIONS = (
+    "fp8_recipe",
+    "fp8_head",
+    "fp8_skip_small_linears",
+)  # TrainConfig fields that act only with precision fp8
 
 
 def fp8_option_defaults() -> dict[str, Any]:
@@ -279,6 +291,12 @@ def fp8_option_defaults() -> dict[str, Any]:
 def _check_fp8_options(train: TrainConfig) -> None:
     """An fp8 option set for a run that is not fp8 would be silently ignored: refuse it, naming the field."""
     if train.precision == "fp8":
+        if train.fp8_skip_small_linears and train.fp8_recipe not in SKIP_SMALL_RECIPES:
+            raise ConfigError(
+                "fp8_skip_small_linears",
+                f"true needs a recipe torchao has size thresholds for ({', '.join(SKIP_SMALL_RECIPES)}), "
+                f"not train.fp8_recipe {train.fp8_recipe}",
+            )
         return
     for name, default in fp8_option_defaults().items():
         value = getattr(train, name)
@@ -374,7 +392,13 @@ class RunConfig:
             activation_checkpointing=self.parallel.activation_checkpointing,
             compile=self.train.compile,
             compile_mode=self.train.compile_mode,
-            float8=Float8Plan(recipe=self.train.fp8_recipe, head=self.train.fp8_head) if float8 else None,
+            float8=Float8Plan(
+                recipe=self.train.fp8_recipe,
+                head=self.train.fp8_head,
+                skip_small_linears=self.train.fp8_skip_small_linears,
+            )
+            if float8
+            else None,
             hpu_graphs=self.train.hpu_graphs,
             bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
             tp_size=self.parallel.tp_size,
