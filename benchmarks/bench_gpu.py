@@ -590,12 +590,17 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
     """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16: final losses, and
     steady-state tokens/s of each (the two runs one after the other, on the same shape).
 
+    The train loss is the mean of the last logging window. At 200 steps a 1B model has seen the bundled corpus
+    several times, so that loss also measures memorisation. The loss of the run's final validation, on held-out
+    windows that neither run trained on, is recorded beside it (`val_loss`, `val_relative`).
+
     Each run keeps its directory (metrics.jsonl, summary.json, loss.png; no checkpoints) and its output
     (`train.log`) under `<out stem>_runs/<cell>-<precision>/`, replaced by the next bench: a run stopped by a time
     limit still shows how far it got and how long its steps took."""
     runs_dir = out.with_name(f"{out.stem}_runs")
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
         losses: dict[str, Any] = {}
+        val_losses: dict[str, Any] = {}
         speeds: dict[str, Any] = {}
         mfus: dict[str, Any] = {}
         peak_bytes: dict[str, Any] = {}
@@ -618,6 +623,7 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             print(f"{cell.name} {precision}: {cell.loss_steps} steps, exit {done.returncode}, "
                   f"{time.perf_counter() - start:.0f} s ({log})")  # fmt: skip
             losses[precision] = summary.get("train_loss")
+            val_losses[precision] = summary.get("val_loss")
             speeds[precision] = summary.get("tokens_per_s")
             mfus[precision] = summary.get("mfu")
             peak_bytes[precision] = summary.get("peak_memory_bytes")
@@ -625,11 +631,15 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
                 failures[precision] = _tail(log.read_text())
         bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
         relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
+        val_bf16, val_fp8 = val_losses["bf16-mixed"], val_losses["fp8"]
+        val_relative = abs(val_fp8 - val_bf16) / val_bf16 if val_bf16 and val_fp8 else None
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
         results["cells"].setdefault(cell.name, {"cell": asdict(cell)})["loss_after_steps"] = {
             "steps": cell.loss_steps,
             **losses,
             "relative": relative,
+            "val_loss": val_losses,
+            "val_relative": val_relative,
             "tokens_per_s": speeds,
             "mfu": mfus,
             "peak_memory_bytes": peak_bytes,
@@ -637,7 +647,7 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             **({"failed": failures} if failures else {}),
         }
         print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative}); "
-              f"tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})")  # fmt: skip
+              f"val loss bf16 {val_bf16} fp8 {val_fp8} (relative {val_relative}); tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})")  # fmt: skip
         _write(results, out)
 
 

@@ -106,12 +106,18 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     assert check["fp8"] is None and check["relative"] is None and check["fp8_over_bf16_tokens_per_s"] is None
     assert any("fp8" in line and "compute capability" in line for line in check["failed"]["fp8"]), check
     assert check["mfu"]["bf16-mixed"] > 0 and check["peak_memory_bytes"]["fp8"] is None
+    assert 0 < check["val_loss"]["bf16-mixed"] < 7 and check["val_loss"]["fp8"] is None
+    assert check["val_relative"] is None
     # Each run keeps its directory and output, so a run a time limit stops still shows how far it got.
     runs = tmp_path / "loss_runs"
     bf16_run = runs / "tiny-fp8-bf16-mixed"
     records = [json.loads(line) for line in (bf16_run / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 8
-    assert json.loads((bf16_run / "run" / "summary.json").read_text())["train_loss"] == check["bf16-mixed"]
+    summary = json.loads((bf16_run / "run" / "summary.json").read_text())
+    assert (summary["train_loss"], summary["val_loss"]) == (
+        check["bf16-mixed"],
+        check["val_loss"]["bf16-mixed"],
+    )
     assert "compute capability" in (runs / "tiny-fp8-fp8" / "train.log").read_text()
     # A second bench replaces them (gaudi3 train's --resume never would refuse an existing run).
     bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")
