@@ -276,11 +276,8 @@ class TrainConfig:
         return min(default_throughput_warmup_steps(compile=self.compile), self.max_steps - 1)
 
 
-FP8_OPTIONS = (
-    "fp8_recipe",
-    "fp8_head",
-    "fp8_skip_small_linears",
-)  # TrainConfig fields that act only with precision fp8
+# TrainConfig fields that act only with precision fp8
+FP8_OPTIONS = ("fp8_recipe", "fp8_head", "fp8_skip_small_linears")
 
 
 def fp8_option_defaults() -> dict[str, Any]:
