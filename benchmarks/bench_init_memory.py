@@ -43,6 +43,7 @@ def worker(model_name: str, way: str, out: str) -> None:
     from gaudi3_scale.distributed.mesh import build_device_mesh
     from gaudi3_scale.distributed.parallelize import build_parallelized, parallelize
     from gaudi3_scale.distributed.plan import ParallelPlan
+    from gaudi3_scale.distributed.teardown import leave_process_group
     from gaudi3_scale.models import build_model, get_model_config
     from gaudi3_scale.train.module import next_token_loss
 
@@ -68,8 +69,8 @@ def worker(model_name: str, way: str, out: str) -> None:
              "setup_s": setup_s, "sample": sample},
             out,
         )  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
+    del model, sample
+    leave_process_group()  # the groups go with their gloo threads before the exit
 
 
 def main() -> None:

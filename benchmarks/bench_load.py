@@ -123,6 +123,7 @@ def worker(directory: str, out: str) -> None:
     from gaudi3_scale.distributed.mesh import build_device_mesh
     from gaudi3_scale.distributed.parallelize import build_parallelized
     from gaudi3_scale.distributed.plan import ParallelPlan
+    from gaudi3_scale.distributed.teardown import leave_process_group
     from gaudi3_scale.models import build_model, get_model_config
     from gaudi3_scale.models.hf import permute_rope_rows
     from gaudi3_scale.models.pretrained import open_pretrained
@@ -178,8 +179,8 @@ def worker(directory: str, out: str) -> None:
                   "weights_match_files": same, "rank0_fraction_of_parameters":
                   local / total, "parameters": total, "threads_per_rank": torch.get_num_threads()}  # fmt: skip
         Path(out).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    del model, params, sample
+    leave_process_group()  # the groups go with their gloo threads before the exit
 
 
 def _launch_load(directory: Path, ranks: int) -> dict[str, Any]:

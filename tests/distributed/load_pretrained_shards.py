@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from gaudi3_scale.distributed.mesh import build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import build_model
 from gaudi3_scale.models.pretrained import PretrainedCheckpoint, open_pretrained
 from gaudi3_scale.models.pretrained_reader import load_pretrained
@@ -82,8 +83,7 @@ def main(out_dir: str, directories: list[str]) -> None:
             result["strided"] = _observe(_strided(checkpoint, tp_mesh), forward=False)
         if dist.get_rank() == 0:
             torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()  # the groups go with their gloo threads before the exit
 
 
 def _tensor_parallel(checkpoint: PretrainedCheckpoint, mesh: DeviceMesh) -> nn.Module:

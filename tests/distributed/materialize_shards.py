@@ -10,6 +10,7 @@ OUT_DIR/MODEL-tp2.pt.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from gaudi3_scale.distributed.mesh import build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import get_model_config
 from gaudi3_scale.train.module import next_token_loss
 
@@ -28,8 +30,9 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
         _materialize(model_name, seed, f"{out_dir}/{model_name}.pt", world, tp_size=1)
         if world % 2 == 0 and get_model_config(model_name).arch == "llama":
             _materialize(model_name, seed, f"{out_dir}/{model_name}-tp2.pt", world, tp_size=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    rank = dist.get_rank()
+    left = leave_process_group()  # the meshes stay in DTensor's caches: their groups are released here
+    Path(out_dir, f"gloo-threads-{rank}").write_text(str(left))
 
 
 def _materialize(model_name: str, seed: int, out: str, world: int, *, tp_size: int) -> None:

@@ -4,18 +4,21 @@
 
 Each line of OUT_JSONL.rank<R> is {"step": optimizer steps done before the micro-batch, "samples": [hash, …]},
 one hash per sequence of the micro-batch's inputs, so tests can check that no sample is repeated or skipped.
+OUT_JSONL.gloo-threads.rank<R> holds how many gloo worker threads the rank still has after the fit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
+from gaudi3_scale.distributed.teardown import gloo_threads
 from gaudi3_scale.train import GaudiTrainer
 from gaudi3_scale.train.config import resolve_config
 
@@ -36,4 +39,6 @@ class RecordSamples(pl.Callback):
 if __name__ == "__main__":
     out, *overrides = sys.argv[1:]
     config = resolve_config(None, overrides)
-    GaudiTrainer(config, callbacks=[RecordSamples(Path(out))], progress=False).fit()
+    trainer = GaudiTrainer(config, callbacks=[RecordSamples(Path(out))], progress=False)
+    trainer.fit()  # kept alive (and the callback): the run must have released its groups all the same
+    Path(f"{out}.gloo-threads.rank{os.environ.get('RANK', '0')}").write_text(str(gloo_threads()))

@@ -35,6 +35,8 @@ def test_sharded_init_is_bitwise_the_whole_models(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # the meshes live on in DTensor's caches; their groups, and so gloo's threads, must not
+        assert [(out / f"gloo-threads-{rank}").read_text() for rank in range(ranks)] == ["0"] * ranks
         for model_name in MODELS:
             whole = build_model(get_model_config(model_name).resolve_vocab(98), seed=11)
             expected = whole.state_dict()

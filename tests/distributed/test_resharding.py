@@ -33,6 +33,9 @@ def _run(out: Path, ranks: int, strategy: str) -> dict[int, Counter[str]]:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the trainer (and its callbacks) are still held after fit(); the run's groups are gone all the same
+    left = [(out / f"samples.jsonl.gloo-threads.rank{rank}").read_text() for rank in range(ranks)]
+    assert left == ["0"] * ranks, (strategy, left)
     steps: dict[int, Counter[str]] = {}
     for path in sorted(out.glob("samples.jsonl.rank*")):
         for line in path.read_text().splitlines():

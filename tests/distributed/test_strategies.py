@@ -105,6 +105,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
             else:
                 proc = _train(out, "--nproc-per-node", "2", "--parallel.strategy", strategy)
                 assert proc.returncode == 0, proc.stderr[-3000:]
+                # every strategy lets go of its groups before the ranks exit (`distributed.teardown`)
+                assert "gloo worker threads are still up" not in proc.stderr, proc.stderr[-3000:]
             runs[strategy] = out
         return runs[strategy]
 

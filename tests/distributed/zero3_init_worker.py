@@ -8,7 +8,6 @@ shape comes from the checkpoint and its weights are loaded module by module, gat
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import get_model_config
 from gaudi3_scale.models.pretrained import open_pretrained
 from gaudi3_scale.models.pretrained_reader import load_pretrained
@@ -60,27 +60,9 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
         if dist.get_rank() == 0:
             torch.save({"weights": full, "held": held, "partition": partition}, f"{out_dir}/{name}.pt")
     rank = dist.get_rank()
-    del model, params
-    dist.barrier()
-    dist.destroy_process_group()
-    # gloo's worker threads end only when the last reference to the group goes, and every partitioned parameter
-    # holds one (`ds_process_group`). A thread still up while the interpreter finalises can be the one that
-    # releases a finished all-gather's tensors; that needs the GIL then, and the rank aborts ("terminate called
-    # without an active exception") after a successful run, about one run in seven under load. Collected here,
-    # the group goes and its threads are joined before the exit.
-    gc.collect()
-    Path(out_dir, f"gloo-threads-{rank}").write_text(str(gloo_threads()))
-
-
-def gloo_threads() -> int:
-    """The gloo threads (`pt_gloo_runloop`) this process still has."""
-    names = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # the thread ended while we looked
-            continue
-    return names.count("pt_gloo_runloop")
+    del model, params  # every partitioned parameter holds the group (`ds_process_group`)
+    left = leave_process_group()
+    Path(out_dir, f"gloo-threads-{rank}").write_text(str(left))
 
 
 if __name__ == "__main__":

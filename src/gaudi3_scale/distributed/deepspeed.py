@@ -156,6 +156,17 @@ class ZeroStrategy(DeepSpeedStrategy):
         skip_inference_comm_build()
         self._init_deepspeed_distributed()
 
+    def teardown(self) -> None:
+        # Lightning never destroys the engine: its ZeRO optimizer's gradient hooks keep the model's parameters, and
+        # they keep the process group (`distributed.teardown`). Destroyed while the group is still up: it logs
+        # through it.
+        engine: Any = self.model
+        if hasattr(engine, "destroy") and torch.distributed.is_initialized():
+            engine.destroy()
+            if self.stage == 3:
+                _release_zero3_globals(engine.module)
+        super().teardown()
+
     def _format_batch_size_and_grad_accum_config(self) -> None:
         # The LightningModule accumulates (manual optimization); the engine learns the boundary from it.
         assert isinstance(self.config, dict)
@@ -251,6 +262,24 @@ class ZeroStrategy(DeepSpeedStrategy):
             part.setdefault("loss_scaler", optimizer.loss_scaler)
         # The fp32 master partitions come from the checkpoint, not from the (possibly bf16) module weights.
         optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def _release_zero3_globals(module: torch.nn.Module) -> None:
+    """What DeepSpeed 0.19's ZeRO-3 keeps of a destroyed engine's model in module-level state."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    # Setup puts the engine's module at the bottom of the forward stack, and destroy() leaves it there.
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not module]
+    # The coordinator's release plan is an lru_cache on the class (inside an NVTX wrapper), keyed by coordinator,
+    # and a coordinator holds the model's modules: a cache, cleared for every engine alike.
+    plan = getattr(
+        PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None
+    )
+    for cached in [plan, *(cell.cell_contents for cell in getattr(plan, "__closure__", None) or ())]:
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def gathered_for_update(params: list[torch.nn.Parameter]) -> Any:

@@ -10,6 +10,7 @@ data module uses without a mesh (`data_parallel_rank`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 __all__ = [
@@ -19,9 +20,13 @@ __all__ = [
     "build_device_mesh",
     "data_parallel_mesh",
     "data_parallel_rank",
+    "release_mesh_groups",
 ]
 
 DP_REPLICATE, DP_SHARD, TP_DIM = "dp_replicate", "dp_shard", "tensor_parallel"
+
+# The meshes build_device_mesh made, for release_mesh_groups; by id: meshes of one shape compare (and hash) equal.
+_BUILT: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def build_device_mesh(device_type: str, *, world_size: int, tp_size: int, dp_replicate: int) -> Any:
@@ -41,7 +46,22 @@ def build_device_mesh(device_type: str, *, world_size: int, tp_size: int, dp_rep
         # A norm over FSDP×TP shards (gradient clipping) is partial on both dimensions; with them flattened,
         # DTensor reduces it in one all-reduce instead of two in sequence.
         mesh[(DP_SHARD, TP_DIM)]._flatten()
+    _BUILT[id(mesh)] = mesh
     return mesh
+
+
+def release_mesh_groups() -> None:
+    """After `destroy_process_group`: let go of the groups the meshes built here still hold.
+
+    A mesh keeps its dimensions' process groups (and those of its flattened dimensions) in `_pg_registry`, and
+    DTensor's sharding and redistribution caches keep meshes for the life of the process. gloo's worker threads
+    end only when the last reference to their group goes, so without this they run until the interpreter exits.
+    """
+    for mesh in list(_BUILT.values()):
+        # A private field of the root mesh (torch 2.13); its sub-meshes and flattened dimensions register there.
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def data_parallel_mesh(mesh: Any) -> Any:

@@ -374,3 +374,4 @@ class GracefulInterrupt(pl.Callback):
         for signum, previous in self._previous.items():
             if previous is not None:
                 signal.signal(signum, previous)
+        self._previous.clear()  # Lightning's handlers hold its trainer, and with it the model

@@ -32,6 +32,7 @@ from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
+from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
 from gaudi3_scale.monitor.trackers import build_trackers
@@ -101,6 +102,9 @@ class GaudiTrainer:
     With a `cost` price the run's cost is tracked live (`metering.live`); a run that reaches `cost.budget_usd` or is
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
     `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
+
+    A multi-rank `fit` ends by destroying the process group, so that no rank exits with gloo's threads still up:
+    `trainer` and `module` are released with it (None afterwards; the checkpoint holds the trained state).
 
     A run holds its output directory for as long as `fit` runs (`train.run_lock`): a second run there is refused
     with `RunDirectoryBusyError`. Inside a launcher's worker (torchrun) the launch geometry comes from the launcher
@@ -477,12 +481,38 @@ class GaudiTrainer:
             if self.progress:
                 print_summary(summary, self.console)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Lightning leaves the group up; gloo's threads then abort the process at exit ("terminate called
-            # without an active exception") now and then, more often when one rank leaves while another still
-            # writes its outputs. So all ranks leave together, then tear down. A later fit() makes a new group.
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+            # Lightning leaves the group up. Ours goes now, with what holds it. A later fit() makes a new group.
+            del trainer, model
+            self._leave_process_group(datamodule)
         return summary
+
+    def _leave_process_group(self, datamodule: pl.LightningDataModule | None) -> None:
+        """Release the fitted trainer and module, then the group, so that its gloo threads are joined before the
+        process exits (`distributed.teardown`). Their parameters are shards or replicas whose collectives are
+        gone; the checkpoint holds the trained state."""
+        assert self.trainer is not None
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+            # Lightning binds the module's log functions onto every callback and never unbinds them; our callbacks
+            # and the caller's outlive the fit and would keep the module.
+            for name in ("log", "log_dict"):
+                vars(callback).pop(name, None)
+        if datamodule is not None:
+            datamodule.trainer = None  # Lightning's back-reference: datamodule → trainer → strategy → model
+        self.trainer = self.module = None
+        left = leave_process_group()
+        if left:
+            self.console.print(
+                f"[yellow]warning:[/yellow] rank {_global_rank()}: {left} gloo worker threads are still up after the"
+                " process group was destroyed: something outside the run holds a group (a model passed to fit?);"
+                " release it before the process exits, or the rank may abort at exit",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process is rank 0 of the run (also after a multi-rank fit has released the trainer)."""
+        return _global_rank() == 0
 
     def _start_metrics_endpoint(self, trainer: pl.Trainer) -> MetricsEndpoint | None:
         """This rank's Prometheus endpoint (`monitor.metrics_port`); a busy port is one line before training."""

@@ -45,7 +45,7 @@ class FinishedRun:
 
     @property
     def is_global_zero(self) -> bool:
-        return self.trainer.trainer is None or self.trainer.trainer.is_global_zero
+        return self.trainer.is_global_zero
 
 
 @contextmanager
