@@ -122,18 +122,22 @@ def test_mixtral_8x7b_has_its_published_parameter_counts() -> None:
 def test_sharded_expert_init_equals_the_whole_tensor(tmp_path: Path) -> None:
     """fill_normal on 3-D expert weights: a Shard(0) DTensor on each of 2 ranks holds its rows of the whole init."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gaudi3_scale.distributed.mesh import DP_SHARD, build_device_mesh
+    from gaudi3_scale.distributed.teardown import leave_process_group
 
     whole = torch.empty(4, 3, 5)
     fill_normal(whole, 0.02, seed=7, name="layers.0.feed_forward.experts.w1")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        mesh = DeviceMesh("cpu", [0])
+        mesh = build_device_mesh("cpu", world_size=1, tp_size=1, dp_replicate=1)[DP_SHARD]
         sharded = distribute_tensor(torch.zeros(4, 3, 5), mesh, [Shard(0)])
         fill_normal(sharded, 0.02, seed=7, name="layers.0.feed_forward.experts.w1")
         assert torch.equal(sharded.full_tensor(), whole)
     finally:
-        dist.destroy_process_group()
+        mesh = sharded = None  # let go before leaving (also after a failed assertion)
+        assert leave_process_group() == 0  # this pytest worker lives on: no gloo threads left behind in it
     model = build_model(get_model_config("moe-tiny").resolve_vocab(65), seed=3)
     experts = model.layers[1].feed_forward.experts
     assert experts.w1.std().item() == pytest.approx(0.02, rel=0.1)
