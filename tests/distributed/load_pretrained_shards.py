@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from gaudi3_scale.distributed.mesh import build_device_mesh
+from gaudi3_scale.distributed.mesh import TP_DIM, build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.teardown import leave_process_group
@@ -37,53 +37,65 @@ TOKENS = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1
 
 def main(out_dir: str, directories: list[str]) -> None:
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     fsdp_mesh = build_device_mesh("cpu", world_size=world, tp_size=1, dp_replicate=1)
     run_tp_mesh = build_device_mesh("cpu", world_size=world, tp_size=world, dp_replicate=1)
-    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor_parallel",))
-    for directory in directories:
-        checkpoint = open_pretrained(directory)
+    tp_mesh = run_tp_mesh[TP_DIM]  # 1-D over every rank; its group is released with the run mesh's
+    for directory in directories:  # in a function: its models, which hold groups, go before the leave
+        _load_layouts(out_dir, directory, world, fsdp_mesh, run_tp_mesh, tp_mesh)
+    left = leave_process_group()  # the groups go with their gloo threads before the exit
+    Path(out_dir, f"gloo-threads-{rank}").write_text(str(left))
 
-        def fill(model: nn.Module, checkpoint: PretrainedCheckpoint = checkpoint) -> None:
-            load_pretrained(model, checkpoint)
 
-        fsdp = build_parallelized(
-            checkpoint.config,
-            ParallelPlan(strategy="fsdp", world_size=world),
-            seed=0,
-            loss=next_token_loss,
-            mesh=fsdp_mesh,
-            device="cpu",
-            init_weights=fill,
-        ).model
-        result = {"fsdp": _observe(fsdp)}
-        # Mixtral: experts split over the ranks (Shard(0)); no tensor parallel
-        if checkpoint.config.num_experts:
-            if dist.get_rank() == 0:
-                torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
-            continue
-        result["tp"] = _observe(_tensor_parallel(checkpoint, tp_mesh))
-        if checkpoint.config.arch == "llama":
-            # the trainer's own tensor parallel (distributed.tensor_parallel: sequence-parallel norms, vocabulary-
-            # sharded logits), the vocabulary padded to split over the ranks as the trainer pads it
-            cfg = replace(checkpoint.config, pad_vocab_to_multiple=world)
-            applied = build_parallelized(
-                cfg,
-                ParallelPlan(strategy="fsdp", world_size=world, tp_size=world),
-                seed=0,
-                loss=next_token_loss,
-                mesh=run_tp_mesh,
-                device="cpu",
-                init_weights=fill,
-            )
-            observed = _observe(applied.model)
-            observed["logits"] = observed["logits"][..., : checkpoint.config.vocab_size]
-            result["run_tp"] = observed
-        if not checkpoint.config.tie_embeddings:
-            result["strided"] = _observe(_strided(checkpoint, tp_mesh), forward=False)
+def _load_layouts(
+    out_dir: str,
+    directory: str,
+    world: int,
+    fsdp_mesh: DeviceMesh,
+    run_tp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh,
+) -> None:
+    checkpoint = open_pretrained(directory)
+
+    def fill(model: nn.Module, checkpoint: PretrainedCheckpoint = checkpoint) -> None:
+        load_pretrained(model, checkpoint)
+
+    fsdp = build_parallelized(
+        checkpoint.config,
+        ParallelPlan(strategy="fsdp", world_size=world),
+        seed=0,
+        loss=next_token_loss,
+        mesh=fsdp_mesh,
+        device="cpu",
+        init_weights=fill,
+    ).model
+    result = {"fsdp": _observe(fsdp)}
+    # Mixtral: experts split over the ranks (Shard(0)); no tensor parallel
+    if checkpoint.config.num_experts:
         if dist.get_rank() == 0:
             torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
-    leave_process_group()  # the groups go with their gloo threads before the exit
+        return
+    result["tp"] = _observe(_tensor_parallel(checkpoint, tp_mesh))
+    if checkpoint.config.arch == "llama":
+        # the trainer's own tensor parallel (distributed.tensor_parallel: sequence-parallel norms, vocabulary-
+        # sharded logits), the vocabulary padded to split over the ranks as the trainer pads it
+        cfg = replace(checkpoint.config, pad_vocab_to_multiple=world)
+        applied = build_parallelized(
+            cfg,
+            ParallelPlan(strategy="fsdp", world_size=world, tp_size=world),
+            seed=0,
+            loss=next_token_loss,
+            mesh=run_tp_mesh,
+            device="cpu",
+            init_weights=fill,
+        )
+        observed = _observe(applied.model)
+        observed["logits"] = observed["logits"][..., : checkpoint.config.vocab_size]
+        result["run_tp"] = observed
+    if not checkpoint.config.tie_embeddings:
+        result["strided"] = _observe(_strided(checkpoint, tp_mesh), forward=False)
+    if dist.get_rank() == 0:
+        torch.save(result, f"{out_dir}/{Path(directory).name}.pt")
 
 
 def _tensor_parallel(checkpoint: PretrainedCheckpoint, mesh: DeviceMesh) -> nn.Module:

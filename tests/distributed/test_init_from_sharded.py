@@ -31,6 +31,8 @@ def test_fsdp_and_tensor_parallel_shards_load_transformers_weights(tmp_path: Pat
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the meshes live on in DTensor's caches; their groups, and so gloo's threads, must not
+    assert [(out / f"gloo-threads-{rank}").read_text() for rank in range(2)] == ["0", "0"]
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))  # the worker's TOKENS
     for name in names:
         saved = torch.load(out / f"{name}.pt", weights_only=True)
