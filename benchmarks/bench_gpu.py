@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 # gaudi3 train's default train.log_every_steps: both sides report per-window times at its steps.
 LOG_EVERY_STEPS = 10
+# The fp8 loss check's final validation: 20 batches of held-out windows (one batch is too noisy to set a 1 % goal on).
+LOSS_VAL_BATCHES = 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +241,9 @@ def _model_config(cell: Cell, get_model_config: Any) -> Any:
 
 
 # ---- the gaudi3 side ---------------------------------------------------------------------------------------------
-def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> list[str]:
+def gaudi3_overrides(
+    cell: Cell, *, steps: int, warmup: int, source: str, val_batches: int = 1, seed: int | None = None
+) -> list[str]:
     model = [f"--model.{k}={v}".lower() if isinstance(v, bool) else f"--model.{k}={v}"
              for k, v in cell.model_overrides.items()]  # fmt: skip
     return [
@@ -248,7 +252,8 @@ def gaudi3_overrides(cell: Cell, *, steps: int, warmup: int, source: str) -> lis
         f"--train.micro_batch_size={cell.micro_batch_size}", f"--train.global_batch_size={cell.micro_batch_size}",
         f"--train.precision={cell.precision}", f"--train.compile={str(cell.compile).lower()}",
         f"--train.max_steps={steps}", f"--train.throughput_warmup_steps={warmup}",
-        "--train.val_every_steps=0", "--train.val_batches=1", "--checkpoint.enabled=false",
+        "--train.val_every_steps=0", f"--train.val_batches={val_batches}", "--checkpoint.enabled=false",
+        *([f"--seed={seed}"] if seed is not None else []),
         "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
         *([f"--model.pad_vocab_to_multiple={cell.pad_vocab_to_multiple}"] if cell.pad_vocab_to_multiple else []),
         *([f"--train.compile_mode={cell.compile_mode}"] if cell.compile_mode != "default" else []),
@@ -392,6 +397,10 @@ def main() -> None:
         help="only the fp8 cells' loss runs (bf16 and fp8, 200 steps each: final loss and tokens/s of both)",
     )  # fmt: skip
     parser.add_argument(
+        "--loss-seeds", type=int, default=1, metavar="N",
+        help="the loss runs once per seed 0..N-1 for each precision: means, and bf16's seed spread as the noise band",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, help="result JSON (merged by cell; default results/gpu_<device>.json)"
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
@@ -458,6 +467,8 @@ def main() -> None:
         ]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.loss_seeds < 1:
+        parser.error(f"--loss-seeds must be at least 1, got {args.loss_seeds}")
     if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):
         parser.error(f"--profile must be between 1 and each cell's measured steps, got {args.profile}")
     stem = f"gpu_{'cpu' if device == 'cpu' else 'cuda'}"
@@ -498,7 +509,7 @@ def main() -> None:
                 _print_cell(results["cells"][cell.name])
                 _write(results, out)  # after every cell: a killed run keeps the rest
     if not args.no_loss and not args.ablation:
-        _loss_check(cells, env, results, out)
+        _loss_check(cells, env, results, out, seeds=args.loss_seeds)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -586,53 +597,59 @@ def _print_cell(result: dict[str, Any]) -> None:
           f"{ours['tokens_per_s']:12,.0f} tok/s{mfu}  ×{result['ratio_tokens_per_s']:.3f}")  # fmt: skip
 
 
-def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path) -> None:
+def _loss_check(
+    cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path, *, seeds: int = 1
+) -> None:
     """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16: final losses, and
-    steady-state tokens/s of each (the two runs one after the other, on the same shape).
+    steady-state tokens/s of each (the runs one after the other, on the same shape).
 
     The train loss is the mean of the last logging window. At 200 steps a 1B model has seen the bundled corpus
-    several times, so that loss also measures memorisation. The loss of the run's final validation, on held-out
-    windows that neither run trained on, is recorded beside it (`val_loss`, `val_relative`).
+    several times, so that loss also measures memorisation. The loss of the run's final validation, on
+    `LOSS_VAL_BATCHES` batches of held-out windows that no run trained on, is recorded beside it (`val_loss`,
+    `val_relative`).
+
+    With `seeds` > 1 each precision runs once per seed (`--seed`: initial weights and data order). The losses and
+    speeds recorded are then the means over the seeds (each seed's under `per_seed`), and the bf16 runs' spread,
+    (max − min) / mean, is the noise band a gap must clear (`bf16_seed_spread`, `bf16_val_seed_spread`).
 
     Each run keeps its directory (metrics.jsonl, summary.json, loss.png; no checkpoints) and its output
-    (`train.log`) under `<out stem>_runs/<cell>-<precision>/`, replaced by the next bench: a run stopped by a time
-    limit still shows how far it got and how long its steps took."""
+    (`train.log`) under `<out stem>_runs/<cell>-<precision>[-seed<N>]/`, replaced by the next bench: a run stopped
+    by a time limit still shows how far it got and how long its steps took."""
     runs_dir = out.with_name(f"{out.stem}_runs")
+    precisions = ("bf16-mixed", "fp8")
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
-        losses: dict[str, Any] = {}
-        val_losses: dict[str, Any] = {}
-        speeds: dict[str, Any] = {}
-        mfus: dict[str, Any] = {}
-        peak_bytes: dict[str, Any] = {}
+        per_seed: dict[str, dict[str, list[Any]]] = {
+            key: {p: [] for p in precisions}
+            for key in ("train_loss", "val_loss", "tokens_per_s", "mfu", "peak_memory_bytes")
+        }
         failures: dict[str, Any] = {}
-        for precision in ("bf16-mixed", "fp8"):
-            variant = Cell(**{**asdict(cell), "precision": precision})
-            run_dir = runs_dir / f"{cell.name}-{precision}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
-            cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(run_dir / "run"), "--resume",
-                   "never", "--no-progress", "--sample-tokens", "0",
-                   *gaudi3_overrides(variant, steps=cell.loss_steps, warmup=5, source="tinyshakespeare")]  # fmt: skip
-            log = run_dir / "train.log"
-            start = time.perf_counter()
-            with log.open("w") as sink:
-                done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-            summary = (
-                json.loads((run_dir / "run" / "summary.json").read_text()) if done.returncode == 0 else {}
-            )
-            print(f"{cell.name} {precision}: {cell.loss_steps} steps, exit {done.returncode}, "
-                  f"{time.perf_counter() - start:.0f} s ({log})")  # fmt: skip
-            losses[precision] = summary.get("train_loss")
-            val_losses[precision] = summary.get("val_loss")
-            speeds[precision] = summary.get("tokens_per_s")
-            mfus[precision] = summary.get("mfu")
-            peak_bytes[precision] = summary.get("peak_memory_bytes")
-            if done.returncode != 0:
-                failures[precision] = _tail(log.read_text())
-        bf16, fp8 = losses["bf16-mixed"], losses["fp8"]
-        relative = abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
-        val_bf16, val_fp8 = val_losses["bf16-mixed"], val_losses["fp8"]
-        val_relative = abs(val_fp8 - val_bf16) / val_bf16 if val_bf16 and val_fp8 else None
+        for seed in range(seeds):
+            for precision in precisions:
+                variant = Cell(**{**asdict(cell), "precision": precision})
+                run_dir = runs_dir / (f"{cell.name}-{precision}" + (f"-seed{seed}" if seed else ""))
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.mkdir(parents=True)
+                overrides = gaudi3_overrides(variant, steps=cell.loss_steps, warmup=5, source="tinyshakespeare",
+                                             val_batches=LOSS_VAL_BATCHES, seed=seed if seeds > 1 else None)  # fmt: skip
+                cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(run_dir / "run"),
+                       "--resume", "never", "--no-progress", "--sample-tokens", "0", *overrides]  # fmt: skip
+                log = run_dir / "train.log"
+                start = time.perf_counter()
+                with log.open("w") as sink:
+                    done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+                summary = (
+                    json.loads((run_dir / "run" / "summary.json").read_text()) if done.returncode == 0 else {}
+                )
+                print(f"{cell.name} {precision} seed {seed}: {cell.loss_steps} steps, exit {done.returncode}, "
+                      f"{time.perf_counter() - start:.0f} s ({log})")  # fmt: skip
+                for key, values in per_seed.items():
+                    values[precision].append(summary.get(key))
+                if done.returncode != 0:
+                    failures[precision if seeds == 1 else f"{precision} seed {seed}"] = _tail(log.read_text())
+        mean = {key: {p: _mean(v[p]) for p in precisions} for key, v in per_seed.items()}
+        losses, val_losses, speeds = mean["train_loss"], mean["val_loss"], mean["tokens_per_s"]
+        relative = _relative_gap(losses["fp8"], losses["bf16-mixed"])
+        val_relative = _relative_gap(val_losses["fp8"], val_losses["bf16-mixed"])
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
         results["cells"].setdefault(cell.name, {"cell": asdict(cell)})["loss_after_steps"] = {
             "steps": cell.loss_steps,
@@ -640,15 +657,43 @@ def _loss_check(cells: list[Cell], env: dict[str, str], results: dict[str, Any],
             "relative": relative,
             "val_loss": val_losses,
             "val_relative": val_relative,
+            "val_batches": LOSS_VAL_BATCHES,
             "tokens_per_s": speeds,
-            "mfu": mfus,
-            "peak_memory_bytes": peak_bytes,
+            "mfu": mean["mfu"],
+            "peak_memory_bytes": mean["peak_memory_bytes"],
             "fp8_over_bf16_tokens_per_s": speedup,
+            **(
+                {
+                    "seeds": seeds,
+                    "per_seed": per_seed,
+                    "bf16_seed_spread": _spread(per_seed["train_loss"]["bf16-mixed"]),
+                    "bf16_val_seed_spread": _spread(per_seed["val_loss"]["bf16-mixed"]),
+                }
+                if seeds > 1
+                else {}
+            ),
             **({"failed": failures} if failures else {}),
         }
-        print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {bf16} fp8 {fp8} (relative {relative}); "
-              f"val loss bf16 {val_bf16} fp8 {val_fp8} (relative {val_relative}); tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})")  # fmt: skip
+        print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {losses['bf16-mixed']} fp8 {losses['fp8']} "
+              f"(relative {relative}); val loss bf16 {val_losses['bf16-mixed']} fp8 {val_losses['fp8']} (relative "
+              f"{val_relative}); tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})"
+              + (f"; bf16 seed spread {_spread(per_seed['val_loss']['bf16-mixed'])} (val)" if seeds > 1 else ""))  # fmt: skip
         _write(results, out)
+
+
+def _mean(values: list[Any]) -> float | None:
+    """The mean over the seeds, or None when any seed's run gave no value (failed, or stopped)."""
+    return None if not values or any(v is None for v in values) else float(statistics.fmean(values))
+
+
+def _relative_gap(fp8: float | None, bf16: float | None) -> float | None:
+    return abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
+
+
+def _spread(values: list[Any]) -> float | None:
+    """(max − min) / mean over the seeds: how far two runs of one precision land apart."""
+    mean = _mean(values)
+    return (max(values) - min(values)) / mean if mean and len(values) > 1 else None
 
 
 if __name__ == "__main__":

@@ -119,11 +119,19 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
         check["val_loss"]["bf16-mixed"],
     )
     assert "compute capability" in (runs / "tiny-fp8-fp8" / "train.log").read_text()
-    # A second bench replaces them (gaudi3 train's --resume never would refuse an existing run).
-    bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")
-    assert json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"][
-        "bf16-mixed"
-    ]
+    # A second bench replaces them (gaudi3 train's --resume never would refuse an existing run); with two seeds each
+    # precision runs twice, and the bf16 runs' spread is the noise band.
+    bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json", seeds=2)
+    check = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
+    seeded = check["per_seed"]["train_loss"]["bf16-mixed"]
+    assert check["seeds"] == 2 and len(seeded) == 2 and seeded[0] != seeded[1]  # --seed reached the runs
+    assert check["bf16-mixed"] == pytest.approx(sum(seeded) / 2)
+    assert check["bf16_seed_spread"] == pytest.approx(abs(seeded[0] - seeded[1]) / (sum(seeded) / 2))
+    assert check["per_seed"]["train_loss"]["fp8"] == [None, None] and check["fp8"] is None
+    assert set(check["failed"]) == {"fp8 seed 0", "fp8 seed 1"}
+    assert (runs / "tiny-fp8-bf16-mixed-seed1" / "run" / "summary.json").is_file()
+    config = (runs / "tiny-fp8-bf16-mixed-seed1" / "run").glob("*.yaml")
+    assert any("val_batches: 20" in path.read_text() for path in config)
 
 
 def _children(pid: int) -> set[int]:
