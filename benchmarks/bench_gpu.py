@@ -18,6 +18,7 @@ on CPU the measured fp32 matmul peak). Results go to JSON (device, library versi
     python benchmarks/bench_gpu.py --list                      # the cells
     python benchmarks/bench_gpu.py --cells llama3.2-1b-fp8-compiled --loss-only  # fp8 vs bf16: loss, tokens/s
     python benchmarks/bench_gpu.py --cells gpt2-mb12-eager --profile 5  # where the two loops' steps differ
+    python benchmarks/bench_gpu.py --ablation max-autotune  # one default-vs-variant pair (--ablation: all of them)
 
 A device call on the lent GPU machine is limited to 10 minutes: run the GPU set a few cells at a time.
 """
@@ -416,8 +417,10 @@ def main() -> None:
         help="the fp8 cells keep in bf16 the linears torchao expects to be slower in fp8 (train.fp8_skip_small_linears)",
     )  # fmt: skip
     parser.add_argument(
-        "--ablation", action="store_true", help="each accelerator default against the same cell without it"
-    )
+        "--ablation", nargs="?", const="", metavar="LABELS",
+        help="each accelerator default against the same cell without it; LABELS (comma-separated, e.g. "
+        "max-autotune) runs only those pairs",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", type=int, default=0, metavar="STEPS",
         help="instead of timing: profile STEPS steps of each side after the warm-up and print and save where their "
@@ -467,6 +470,8 @@ def main() -> None:
         ]
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    ablation = _ablation_pairs(CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION, args.ablation,
+                               args.measured_steps, parser)  # fmt: skip
     if args.loss_seeds < 1:
         parser.error(f"--loss-seeds must be at least 1, got {args.loss_seeds}")
     if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):
@@ -493,12 +498,11 @@ def main() -> None:
                 _write(profiles, out)
             print(f"wrote {out}")
             return
-        if args.ablation and not args.loss_only:
-            pairs = CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION
+        if args.ablation is not None and not args.loss_only:
             measure.task = progress.add_task(
-                "ablation", total=sum(2 * len(sides) for *_, sides in pairs) * args.repeats
+                "ablation", total=sum(2 * len(sides) for *_, sides in ablation) * args.repeats
             )
-            for base, variant, sides in pairs:
+            for base, variant, sides in ablation:
                 results.setdefault("ablation", {})[variant.name] = measure.ablation(base, variant, sides)
                 _write(results, out)
         elif not args.loss_only:
@@ -508,7 +512,7 @@ def main() -> None:
                 results["cells"][cell.name] = summarize(cell, runs, peak, peak_measured=device == "cpu")
                 _print_cell(results["cells"][cell.name])
                 _write(results, out)  # after every cell: a killed run keeps the rest
-    if not args.no_loss and not args.ablation:
+    if not args.no_loss and args.ablation is None:
         _loss_check(cells, env, results, out, seeds=args.loss_seeds)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
@@ -584,6 +588,27 @@ class _Measure:
             else:
                 out[side] = {"failed": times}
         return out
+
+
+def _ablation_pairs(
+    pairs: list[tuple[Cell, Cell, tuple[str, ...]]],
+    labels: str | None,
+    measured_steps: int | None,
+    parser: Any,
+) -> list[tuple[Cell, Cell, tuple[str, ...]]]:
+    """The pairs `--ablation LABELS` asks for (all for no labels), with `--measured-steps` applied to both cells."""
+    if labels is None:
+        return []
+    by_label = {variant.name.split(" | ", 1)[1]: (base, variant, sides) for base, variant, sides in pairs}
+    wanted = [label.strip() for label in labels.split(",") if label.strip()] or list(by_label)
+    unknown = [label for label in wanted if label not in by_label]
+    if unknown:
+        parser.error(f"unknown ablation(s) {', '.join(unknown)}; valid: {', '.join(by_label)}")
+    chosen = [by_label[label] for label in wanted]
+    if measured_steps:
+        chosen = [(Cell(**{**asdict(b), "measured_steps": measured_steps}),
+                   Cell(**{**asdict(v), "measured_steps": measured_steps}), sides) for b, v, sides in chosen]  # fmt: skip
+    return chosen
 
 
 def _print_cell(result: dict[str, Any]) -> None:

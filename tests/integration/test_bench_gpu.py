@@ -81,6 +81,30 @@ def test_bench_gpu_profile_diffs_the_two_loops_steps(tmp_path: Path) -> None:
     )
 
 
+def test_one_ablation_pair_by_its_label(tmp_path: Path) -> None:
+    """`--ablation LABEL` runs only that default-vs-variant pair, both sides, with --measured-steps applied."""
+    out = tmp_path / "ablation.json"
+    args = ["--small", "--ablation", "vocab padded to 64", "--repeats", "1", "--measured-steps", "12"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ablation = json.loads(out.read_text())["ablation"]
+    assert list(ablation) == ["char-eager | vocab padded to 64"]  # not "loss outside compile"
+    pair = ablation["char-eager | vocab padded to 64"]
+    for side in ("plain", "gaudi3"):
+        assert pair[side]["default_ms_per_step"] > 0 and pair[side]["variant_ms_per_step"] > 0, pair
+        assert pair[side]["variant_step_time_over_default"] == pytest.approx(
+            pair[side]["variant_ms_per_step"] / pair[side]["default_ms_per_step"]
+        )
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--small", "--ablation", "max-autotun"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and (
+        "unknown ablation(s) max-autotun; valid: vocab padded to 64, loss outside compile" in bad.stderr
+    )
+
+
 def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> None:
     """The fp8 cells' 200-step check, on CPU: bf16 trains, fp8 is refused there, and both outcomes are recorded."""
     spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
