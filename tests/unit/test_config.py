@@ -207,3 +207,20 @@ def test_numbers_on_the_command_line_are_plain_ascii(value: str) -> None:
     with pytest.raises(ConfigError, match=r"^seed: expected an integer"):
         build_run_config(None, [("seed", value)])
     assert build_run_config(None, [("optim.lr", "3e-4")]).optim.lr == 3e-4  # YAML 1.1 reads it as text
+
+
+def test_an_empty_section_means_its_defaults(tmp_path: Path) -> None:
+    """`data:` with every field below it commented out is null in YAML: the section's defaults, in every section
+    (model and train always read it so); a section that is neither a mapping nor empty is still refused."""
+    import dataclasses
+
+    default = build_run_config()
+    sections = [f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.type)
+                or (isinstance(f.type, str) and dataclasses.is_dataclass(getattr(default, f.name)))]  # fmt: skip
+    assert {"model", "data", "optim", "train", "parallel", "checkpoint", "monitor", "cost"} <= set(sections)
+    path = tmp_path / "run.yaml"
+    path.write_text("".join(f"{name}:\n  # lr: 3e-4\n" for name in sections))
+    assert build_run_config(path) == default
+    path.write_text("data: 5\n")
+    with pytest.raises(ConfigError, match=r"^data: expected a mapping of fields, got 5$"):
+        build_run_config(path)

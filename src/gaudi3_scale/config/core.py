@@ -93,6 +93,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     """Convert `value` (from YAML or a parsed CLI string) to `tp`, or raise ConfigError naming `path`."""
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if (
+            value is None
+        ):  # a section left empty in YAML (`data:` with its fields commented out): its defaults
+            value = {}
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected a mapping of fields, got {brief(value)}")
         return from_dict(tp, value, prefix=path)
