@@ -7,9 +7,9 @@ on a CPU, where `torch._scaled_mm` exists too (torch ≥ 2.13, fp32 accumulation
   variants  bf16 autocast; fp8 through `device.float8.apply_float8` with each recipe (tensorwise, rowwise,
             rowwise_with_gw_hp), head in bf16 as the trainer's default; tensorwise with the head in fp8 as well
   seeds     every variant with each seed (initial weights and batch draws both follow it)
-  loop      a plain eager loop, the trainer's math: AdamW (β2 0.95, weight decay 0.1 on matrices), clip 1.0, warmup
-            + cosine, random windows of the bundled corpus (char tokens)
-  measures  train loss as the mean of the last `--tail` steps (one step is noisy), and the loss on fixed validation
+  loop      baseline_loop.BaselineLoop under bf16 autocast, the trainer's math: AdamW (β2 0.95, weight decay 0.1
+            on matrices), clip 1.0, warmup + cosine, random windows of the bundled corpus (char tokens)
+  measures  train loss as the mean of the last 20 steps (one step is noisy), and the loss on fixed validation
             windows the runs never train on; gaps are relative to bf16's mean over the seeds, and the bf16 seeds'
             own spread is the noise band
 
@@ -34,12 +34,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from baseline_loop import evaluate, lr_schedule
+from baseline_loop import BaselineLoop, evaluate
 from gaudi3_scale.data import load_prepared, prepare_dataset, val_window_starts
 from gaudi3_scale.device.float8 import apply_float8
 from gaudi3_scale.models import ModelConfig, build_model, get_model_config
@@ -80,38 +79,24 @@ def train_one(
     variant: Variant, seed: int, cfg: ModelConfig, train: np.ndarray, val: np.ndarray, val_starts: np.ndarray,
     setup: Setup, advance: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One run: per-step losses, the tail mean, the validation loss and how many linears ran in fp8."""
-    torch.manual_seed(seed)
-    model = build_model(cfg, seed=seed)
+    """One run: per-step losses, the tail mean, the validation loss and how many linears ran in fp8.
+
+    The plain loop of `baseline_loop` (weights and batch draws from `seed`), stepped under bf16 autocast; fp8
+    swaps its linears in place, and `Float8Linear` keeps their Parameters, so the loop's optimizer still holds them.
+    """
+    loop = BaselineLoop(cfg, train, steps=setup.steps, batch_size=setup.micro_batch_size, lr=setup.lr,
+                        min_lr=setup.lr / 10, warmup=setup.warmup_steps, beta2=0.95, seed=seed)  # fmt: skip
+    model = loop.model
     converted = 0
     if variant.fp8_recipe:
         converted = apply_float8(model, recipe=variant.fp8_recipe, head=variant.fp8_head)
         _cast_inputs_as_under_cuda_autocast(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    opt = torch.optim.AdamW(groups, lr=setup.lr, betas=(0.9, 0.95), fused=True)
-    lrs = lr_schedule(steps=setup.steps, lr=setup.lr, min_lr=setup.lr / 10, warmup=setup.warmup_steps)
-    data = torch.from_numpy(train.astype(np.int64))
-    generator = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(cfg.context_length + 1)
     losses: list[float] = []
     started = time.perf_counter()
     for step in range(setup.steps):
-        starts = torch.randint(
-            len(data) - cfg.context_length - 1, (setup.micro_batch_size,), generator=generator
-        )
-        window = data[starts[:, None] + offsets]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), window[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for group in opt.param_groups:
-            group["lr"] = lrs[step]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+            loop.step(step)
+        losses.append(float(loop.loss.detach()))
         if not math.isfinite(losses[-1]):
             break
         advance()
