@@ -71,6 +71,9 @@ class Cell:
     fp8_recipe: str = "tensorwise"  # both sides, fp8 cells (train.fp8_recipe)
     fp8_head: bool = False  # both sides, fp8 cells (train.fp8_head)
     fp8_skip_small_linears: bool = False  # both sides, fp8 cells (train.fp8_skip_small_linears)
+    activation_checkpointing: bool = False  # gaudi3 side only (parallel.activation_checkpointing)
+    # gaudi3 side: the synthetic ids' range when it is not the model's vocabulary (BERT's MLM adds 4 special tokens)
+    data_vocab_size: int | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -258,21 +261,32 @@ def gaudi3_overrides(
         "--optim.lr=3e-4", "--optim.beta2=0.95", "--optim.grad_clip_norm=1.0",
         *([f"--model.pad_vocab_to_multiple={cell.pad_vocab_to_multiple}"] if cell.pad_vocab_to_multiple else []),
         *([f"--train.compile_mode={cell.compile_mode}"] if cell.compile_mode != "default" else []),
+        *(["--parallel.activation_checkpointing=true"] if cell.activation_checkpointing else []),
         *([f"--train.fp8_recipe={cell.fp8_recipe}", f"--train.fp8_head={str(cell.fp8_head).lower()}",
            f"--train.fp8_skip_small_linears={str(cell.fp8_skip_small_linears).lower()}"]
           if cell.precision == "fp8" else []),
     ]  # fmt: skip
 
 
-def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 0) -> dict[str, Any]:
-    """`profile_steps` > 0: also profile that many steps after the warm-up (trace in `out/profile/`)."""
+def run_gaudi3(
+    cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 0, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """`profile_steps` > 0: also profile that many steps after the warm-up (trace in `out/profile/`); `timeout_s`:
+    stop the run after that long (status "timeout")."""
     steps = cell.warmup_steps + cell.measured_steps
     profile = ([f"--train.profile_start_step={cell.warmup_steps}", f"--train.profile_num_steps={profile_steps}"]
                if profile_steps else [])  # fmt: skip
     cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--resume", "never",
            "--no-progress", "--sample-tokens", "0", *profile,
-           *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.vocab_size}")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+           *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.data_vocab_size or cell.vocab_size}")]  # fmt: skip
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stderr or exc.stdout or b""
+        text = output.decode(errors="replace") if isinstance(output, bytes) else output
+        return {"status": "timeout", "timeout_s": timeout_s, "reason": _tail(text)}
+    process_s = time.perf_counter() - started
     if done.returncode != 0:
         return {"status": "failed", "reason": _tail(done.stderr or done.stdout)}
     summary = json.loads((out / "summary.json").read_text())
@@ -284,7 +298,8 @@ def run_gaudi3(cell: Cell, out: Path, env: dict[str, str], profile_steps: int = 
     ]
     return {"status": "ok", "step_time_s": summary["step_time_s"], "measured_steps": summary["measured_steps"],
             "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"],
-            "windows": windows}  # fmt: skip
+            "tokens_per_s": summary["tokens_per_s"], "peak_memory_bytes": summary["peak_memory_bytes"],
+            "wall_s": summary["wall_s"], "process_s": process_s, "windows": windows}  # fmt: skip
 
 
 def _tail(output: str) -> list[str]:

@@ -1,0 +1,87 @@
+"""benchmarks/bench_gpu_shapes.py keeps working on CPU (its tiny shape set), so a GPU session only has to run it;
+`--rescore` holds the forecasts of the code as it is against stored measurements."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu_shapes.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_shapes_measured_and_forecast_then_rescored(tmp_path: Path) -> None:
+    out = tmp_path / "shapes.json"
+    done = _run(
+        "--small", "--shapes", "tiny-gpt2-eager,tiny-bert", "--measured-steps", "6", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert list(result["shapes"]) == ["tiny-gpt2-eager", "tiny-bert"]
+    for row in result["shapes"].values():
+        run, forecast = row["run"], row["forecast"]
+        assert run["status"] == "ok" and run["measured_steps"] == 6, run
+        assert run["peak_memory_bytes"] > 0 and run["step_time_s"] > 0 and run["process_s"] >= run["wall_s"]
+        assert forecast["memory_bytes"] == sum(
+            v for k, v in forecast["memory_parts_bytes"].items() if k != "peak_phase"
+        )
+        assert row["memory_error"] == pytest.approx(
+            (forecast["memory_bytes"] - run["peak_memory_bytes"]) / run["peak_memory_bytes"]
+        )
+        tokens = row["cell"]["micro_batch_size"] * row["cell"]["context_length"]
+        assert forecast["step_time_s"] == pytest.approx(
+            forecast["flops_per_token"] * tokens / (result["peak_flops"] * 0.40)
+        )
+    # BERT's MLM adds its special tokens after the data's 512 ids: the model's vocabulary is 516
+    assert result["shapes"]["tiny-bert"]["cell"]["data_vocab_size"] == 512
+    assert result["fp8"] == {} and result["verdict"].startswith("2/2 shapes ran; memory estimate")
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+    # A stale forecast in a stored file is replaced by the code's; measurements and machine stay as measured.
+    stored = json.loads(out.read_text())
+    stored["shapes"]["tiny-bert"]["forecast"]["memory_bytes"] = 1
+    stored["shapes"]["tiny-bert"]["memory_error"] = 123.0
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(stored))
+    merged = tmp_path / "merged.json"
+    done = _run("--rescore", str(older), "--out", str(merged))
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = json.loads(merged.read_text())
+    bert = again["shapes"]["tiny-bert"]
+    assert bert["forecast"]["memory_bytes"] == result["shapes"]["tiny-bert"]["forecast"]["memory_bytes"]
+    assert bert["memory_error"] == pytest.approx(result["shapes"]["tiny-bert"]["memory_error"])
+    assert bert["run"] == result["shapes"]["tiny-bert"]["run"] and bert["measured_in"] == "older.json"
+    assert again["machine"] == result["machine"] and again["forecast_by"]["date"]
+
+
+def test_budget_and_run_timeout_leave_what_finished(tmp_path: Path) -> None:
+    out = tmp_path / "shapes.json"
+    # A 1 s run limit stops the first shape; the 21 s budget is then spent before the second could start usefully.
+    done = _run("--small", "--shapes", "tiny-moe,tiny-gpt2-eager", "--run-timeout-s", "1", "--budget-s", "21",
+                "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    shapes = json.loads(out.read_text())["shapes"]
+    assert shapes["tiny-moe"]["run"]["status"] == "timeout", shapes["tiny-moe"]["run"]
+    assert shapes["tiny-gpt2-eager"]["run"]["status"] == "skipped: budget spent"
+    assert shapes["tiny-gpt2-eager"]["forecast"]["memory_bytes"] > 0
+
+
+def test_bad_input_exits_2(tmp_path: Path) -> None:
+    bad = _run("--small", "--shapes", "nope")
+    assert bad.returncode == 2 and "unknown shape(s) nope; valid: tiny-gpt2-eager" in bad.stderr
+    assert _run("--rescore", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.json")).returncode == 2
+    not_ours = tmp_path / "other.json"
+    not_ours.write_text('{"cells": {}}')
+    done = _run("--rescore", str(not_ours), "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "is not a bench_gpu_shapes result file" in done.stderr
+    assert "--rescore needs --out" in _run("--rescore", str(not_ours)).stderr
+    assert not (tmp_path / "x.json").exists()
