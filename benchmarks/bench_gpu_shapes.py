@@ -105,16 +105,22 @@ CPU_SHAPES = [
 
 def forecast(cell: Cell, device: str, peak_flops: float | None) -> dict[str, Any]:
     """The estimator's peak memory and the cost planner's step time for `cell`, as the run resolves it."""
+    from gaudi3_scale.device.float8 import Float8Plan
     from gaudi3_scale.models import flops_per_token, get_model_config
     from gaudi3_scale.tune.memory import estimate_memory
 
     model = _model_config(cell, get_model_config).resolve_padding(device)
+    float8 = Float8Plan(
+        recipe=cell.fp8_recipe, head=cell.fp8_head, skip_small_linears=cell.fp8_skip_small_linears
+    )  # type: ignore[arg-type]
     est = estimate_memory(
         model,
         micro_batch_size=cell.micro_batch_size,
         precision=cell.precision,
         activation_checkpointing=cell.activation_checkpointing,
         device_kind=device,
+        compiled=cell.compile,
+        float8=float8 if cell.precision == "fp8" else None,
     )
     out: dict[str, Any] = {
         "memory_bytes": est.total_bytes,
@@ -336,10 +342,11 @@ def rescore(paths: list[Path], out: Path) -> None:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{path} is not a bench_gpu_shapes result file") from None
-        for key in ("benchmark", "machine", "peak_flops", "peak_source"):
-            merged.setdefault(key, data.get(key))
+        for key in ("benchmark", "machine", "peak_flops", "peak_source", "note"):
+            if key in data:
+                merged.setdefault(key, data[key])
         for name, row in shapes.items():
-            merged["shapes"][name] = {**row, "measured_in": path.name}
+            merged["shapes"][name] = {"measured_in": path.name, **row}  # a merged file's own record stays
     device = "cuda" if (merged.get("machine") or {}).get("cuda") else "cpu"
     for row in merged["shapes"].values():
         cell = Cell(**row["cell"])

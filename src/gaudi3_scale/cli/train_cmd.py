@@ -129,6 +129,8 @@ def print_dry_run(cfg: RunConfig) -> None:
         tp_size=plan.tp_size,
         dp_replicate=plan.dp_replicate,
         offload=plan.offload,
+        compiled=cfg.train.compile,
+        float8=cfg.float8_plan() if cfg.train.precision == "fp8" else None,
     )
     weight_bytes = 2 if estimate.precision == "bf16-true" else 4
     shards = parameter_bytes_per_rank(model, plan, element_bytes=weight_bytes)
@@ -153,7 +155,8 @@ def print_dry_run(cfg: RunConfig) -> None:
     parts = ", ".join(f"{name} {size / gib:.2f}" for name, size in estimate.rows())
     click.echo(
         f"estimated peak per rank: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} GiB; "
-        "tune.memory)"
+        + ("activations as torch.compile saves them; " if estimate.compiled else "")
+        + "tune.memory)"
     )
     if plan.offload != "none":
         per_node = estimate.host_bytes * cfg.parallel.nproc_per_node

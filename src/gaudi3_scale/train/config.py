@@ -376,6 +376,14 @@ class RunConfig:
             context_length=self.model.context_length,
         )
 
+    def float8_plan(self) -> Float8Plan:
+        """How `train.precision fp8` converts the linears (`train.fp8_*`)."""
+        return Float8Plan(
+            recipe=self.train.fp8_recipe,
+            head=self.train.fp8_head,
+            skip_small_linears=self.train.fp8_skip_small_linears,
+        )
+
     def parallel_plan(
         self, world_size: int | None = None, *, float8: bool = False, bf16_mixed: bool = False
     ) -> ParallelPlan:
@@ -389,13 +397,7 @@ class RunConfig:
             activation_checkpointing=self.parallel.activation_checkpointing,
             compile=self.train.compile,
             compile_mode=self.train.compile_mode,
-            float8=Float8Plan(
-                recipe=self.train.fp8_recipe,
-                head=self.train.fp8_head,
-                skip_small_linears=self.train.fp8_skip_small_linears,
-            )
-            if float8
-            else None,
+            float8=self.float8_plan() if float8 else None,
             hpu_graphs=self.train.hpu_graphs,
             bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
             tp_size=self.parallel.tp_size,

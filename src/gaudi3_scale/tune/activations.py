@@ -22,6 +22,19 @@ The loss adds logits work of b·s·V: log_softmax output, its gradient and the l
 cross-entropy runs in fp32 under autocast), or the logits' gradient plus the head weight's fresh gradient
 (b·s·V + V·h), whichever is larger; for small models with a large vocabulary this dominates.
 
+Under `torch.compile` (`train.compile`: the model and its loss in one region) the min-cut partitioner of AOTAutograd
+chooses what the forward keeps for backward, and recomputes the rest (`compiled_layer_bytes`; held against the
+partitioner's own choice on CPU by tests/integration/test_compiled_activations.py, and against
+`torch.cuda.max_memory_allocated` on an H200 by benchmarks/bench_gpu_shapes.py, within 2 % on every compiled shape
+measured). Per block it keeps each norm's fp32 input (RMSNorm) or normalised value (LayerNorm) and statistics,
+each norm's output once in the compute dtype (not once per reading linear), q, k, v, the attention output and its
+log-sum-exp, the MLP's up-projections and product (SwiGLU) or GELU input and output, and a 1-byte mask per dropout;
+residual adds and casts are recomputed. The loss keeps the logits in the compute dtype and writes their gradient
+over them (b·s·V); log_softmax is never stored. Under compiled fp8 (torchao tensorwise and rowwise recipes) the
+converted linears keep their inputs in fp8 (1 byte) and no cast copy of their weights (recast from the fp32
+parameter in backward); these two terms were set from the one fp8 shape measured on an H200 (+2 %): the CPU
+partitioner recomputes the fp8 inputs as well, so CPU inventories cannot check them.
+
 Under tensor parallel with sequence parallel (Korthikanti §4.2.2; `distributed/tensor_parallel.py`) the norms, the
 residual stream and the attention/MLP tensors are split over tp ranks, but DTensor saves the all-gathered inputs
 of the column-parallel linears whole (Megatron re-gathers them in backward instead), and the loss runs on
@@ -40,6 +53,7 @@ __all__ = [
     "ElementBytes",
     "ModelShape",
     "activation_bytes",
+    "compiled_layer_bytes",
     "element_bytes",
     "loss_workspace_bytes",
     "model_shape",
@@ -64,6 +78,8 @@ class ModelShape:
     vocab: int
     llama: bool
     dropout: bool
+    encoder: bool = False  # arch bert: post-norm blocks, an MLM transform before the head
+    experts: bool = False  # a mixture of experts (`ffn` is then the active experts' width)
 
 
 _SHAPES: dict[
@@ -103,6 +119,8 @@ def _count_shape(cfg: ModelConfig) -> ModelShape:
         vocab=cfg.padded_vocab_size,
         llama=cfg.arch == "llama",
         dropout=cfg.dropout > 0,
+        encoder=cfg.arch == "bert",
+        experts=bool(cfg.num_experts),
     )
 
 
@@ -177,22 +195,79 @@ def _mask_bytes(e: ElementBytes, device_kind: str) -> int:
     return 1 if device_kind == "cuda" else e.compute
 
 
+def compiled_layer_bytes(
+    sh: ModelShape, b: int, s: int, e: ElementBytes, device_kind: str, tp: int = 1, fp8_inputs: bool = False
+) -> float:
+    """Activations one block saves for backward under `torch.compile` (module docstring); `fp8_inputs`: compiled
+    fp8, whose converted linears keep their inputs in fp8. Under tensor parallel, as `_layer_bytes`: the norms'
+    outputs (the column-parallel linears' all-gathered inputs) whole, the rest split over `tp` ranks."""
+    sb = s * b
+    sbh, sbf = sb * sh.dim, sb * sh.ffn / tp
+    linear_input = 1 if fp8_inputs else e.compute
+    norms = (2 * sbh * e.residual + 2 * sb * 4) / tp + 2 * sbh * linear_input  # fp32 input or x̂, rstd; output
+    attention = (2 * sbh + 2 * sb * sh.kv_dim) * e.compute  # q, k, v, output
+    if fp8_inputs:
+        attention += sbh * 1  # the output once more, in fp8, for the output projection
+    if _fused_attention(device_kind, sh.dropout):
+        attention += b * sh.heads * s * 4  # fp32 log-sum-exp
+    else:  # math path: fp32 probabilities (+ a 1-byte dropout mask)
+        attention += sh.heads * s * s * b * (4 + (1 if sh.dropout else 0))
+    if sh.experts:  # the experts run eagerly (models/common/moe.py): eager autograd's four SwiGLU tensors
+        mlp = 4 * sbf * e.compute
+    elif sh.llama:  # w1·x, w3·x, and their product (the input of w2)
+        mlp = 2 * sbf * e.compute + sbf * linear_input
+    else:  # the GELU's input, and its output (the input of the second linear)
+        mlp = sbf * e.compute + sbf * linear_input
+    masks = 2 * sbh * 1 if sh.dropout else 0  # the two residual dropouts' bool masks
+    return norms + (attention + mlp + masks) / tp
+
+
 def activation_bytes(
-    sh: ModelShape, b: int, s: int, e: ElementBytes, ckpt: bool, device_kind: str, tp: int = 1
+    sh: ModelShape,
+    b: int,
+    s: int,
+    e: ElementBytes,
+    ckpt: bool,
+    device_kind: str,
+    tp: int = 1,
+    *,
+    compiled: bool = False,
+    fp8_inputs: bool = False,
 ) -> float:
     sbh = s * b * sh.dim
-    # final norm (sequence-parallel under tp); the head's input (all-gathered whole under tp)
-    head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
-    embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
-    layer = _layer_bytes(sh, b, s, e, device_kind, tp)
+    if compiled:
+        layer = compiled_layer_bytes(sh, b, s, e, device_kind, tp, fp8_inputs)
+        # The final norm's fp32 input or x̂ and its output; an encoder's MLM transform keeps its dense input and GELU
+        # input; the embedding dropout's mask. The logits are the loss's (`loss_workspace_bytes`).
+        head_side = (
+            sbh * e.residual / tp
+            + sbh * e.compute
+            + (0 if sh.llama or not sh.encoder else 2 * sbh * e.compute)
+        )
+        embedding_mask = sbh * 1 if sh.dropout else 0
+    else:
+        layer = _layer_bytes(sh, b, s, e, device_kind, tp)
+        # final norm (sequence-parallel under tp); the head's input (all-gathered whole under tp)
+        head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
+        embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
     blocks = sh.layers * sbh * e.residual / tp + layer if ckpt else sh.layers * layer
     return blocks + head_side + embedding_mask
 
 
 def loss_workspace_bytes(
-    sh: ModelShape, b: int, s: int, e: ElementBytes, head_grad_bytes: int, tp: int = 1
+    sh: ModelShape,
+    b: int,
+    s: int,
+    e: ElementBytes,
+    head_grad_bytes: int,
+    tp: int = 1,
+    *,
+    compiled: bool = False,
 ) -> float:
     """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger;
-    under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
+    compiled, the logits kept in the compute dtype (their gradient is written over them) and the head weight's fresh
+    gradient. Under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
     logits = b * s * sh.vocab / tp
+    if compiled:
+        return logits * e.compute + sh.head * head_grad_bytes
     return max(3 * logits * e.loss, logits * e.compute + sh.head * head_grad_bytes)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import accelerators_per_node
 from gaudi3_scale.models.config import ModelConfig
@@ -47,6 +48,8 @@ def format_estimate_table(
     device_kind: str = "cpu",
     device_memory_bytes: int | None = None,
     strategies: Sequence[str] = TABLE_STRATEGIES,
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> str:
     """One row per strategy × activation checkpointing, sizes in GiB per rank.
 
@@ -63,6 +66,8 @@ def format_estimate_table(
             precision=precision,
             activation_checkpointing=ckpt,
             device_kind=device_kind,
+            compiled=compiled,
+            float8=float8,
         )
         for strategy in strategies
         for ckpt in (False, True)
@@ -72,6 +77,7 @@ def format_estimate_table(
     lines = [
         f"{model.name}: {size} parameters, {world_size} rank(s), micro-batch "
         f"{micro_batch_size} × {first.context_length} tokens, {first.precision}, {device_kind}"
+        + (", torch.compile" if compiled else "")
         + (f", {device_memory_bytes / _GIB:.2f} GiB per device" if device_memory_bytes else ""),
     ]
     header = ["strategy", "act.ckpt", *(name for name, _ in first.rows()), "total GiB", "peak at"]
@@ -91,6 +97,8 @@ def format_estimate_table(
                 precision=precision,
                 activation_checkpointing=est.activation_checkpointing,
                 device_kind=device_kind,
+                compiled=compiled,
+                float8=float8,
             )
             row.append(("yes" if est.total_bytes <= device_memory_bytes else "no") + f" ({best})")
         table.append(row)
@@ -118,6 +126,8 @@ def format_layouts(
     per_node: int,
     micro_batch_size: int = 1,
     precision: str = "bf16-mixed",
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> str:
     """One line per layout (`tune.layouts`), fastest first: fits or not, and why not."""
     device_kind = device_kind_of(spec)
@@ -130,6 +140,8 @@ def format_layouts(
         device_bytes=device_bytes,
         micro_batch_size=micro_batch_size,
         precision=precision,
+        compiled=compiled,
+        float8=float8,
     )
     first = checks[0].estimate
     nodes = max(1, world_size // per_node)
@@ -196,6 +208,7 @@ def print_estimate_table(
     are not checked, and the device kind is the config's `train.device` (auto → cpu).
     """
     device_kind: str = base.train.device if base.train.device != "auto" else "cpu"
+    float8 = base.float8_plan() if base.train.precision == "fp8" else None
     memory = memory_budget_bytes
     micro = base.train.micro_batch_size or 1
     spec = accelerator_named(accelerator) if accelerator else None
@@ -220,6 +233,8 @@ def print_estimate_table(
             per_node=per_node,
             micro_batch_size=micro,
             precision=base.train.precision,
+            compiled=base.train.compile,
+            float8=float8,
         )
         console.print(text, highlight=False, soft_wrap=True)
         return
@@ -234,5 +249,7 @@ def print_estimate_table(
         precision=base.train.precision,
         device_kind=device_kind,
         device_memory_bytes=memory,
+        compiled=base.train.compile,
+        float8=float8,
     )
     console.print(table, highlight=False, soft_wrap=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.models.config import ModelConfig
@@ -166,6 +167,8 @@ class _Target:
     device_kind: str
     device_bytes: int
     host_limit_bytes: int | None
+    compiled: bool = False
+    float8: Float8Plan | None = None
 
 
 def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
@@ -178,6 +181,8 @@ def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
         tp_size=layout.tp_size,
         dp_replicate=layout.dp_replicate,
         offload=layout.offload,
+        compiled=t.compiled,
+        float8=t.float8,
     )
 
     def estimate(micro_batch_size: int) -> MemoryEstimate:
@@ -205,9 +210,11 @@ def check_layouts(
     micro_batch_size: int = 1,
     precision: str = "bf16-mixed",
     host_limit_bytes: int | None = None,
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> list[LayoutCheck]:
     """Every candidate layout checked, fastest first (module docstring); an offloaded variant is added only for a
-    layout that does not fit on the device without it."""
+    layout that does not fit on the device without it. `compiled`, `float8`: as `estimate_memory`."""
     target = _Target(
         world_size=world_size,
         per_node=per_node,
@@ -216,6 +223,8 @@ def check_layouts(
         device_kind=device_kind,
         device_bytes=device_bytes,
         host_limit_bytes=host_limit_bytes,
+        compiled=compiled,
+        float8=float8,
     )
     checks = []
     for layout in candidate_layouts(model, device_kind=device_kind, world_size=world_size, per_node=per_node):

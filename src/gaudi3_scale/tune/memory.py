@@ -50,7 +50,9 @@ Layouts (`tp_size`, `dp_replicate`, `offload`, as `parallel.*`):
 Empirical terms, labelled as such: the CPU runtime baseline (peak RSS of the Python/torch/Lightning process with a
 negligible model) and DeepSpeed's import, measured by the benchmark; on CUDA `max_memory_allocated` excludes the
 context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: FSDP's dim-0 padding of shards
-(< 0.1 % here), allocator fragmentation, data-loader workers, torch.compile, token/target ids (16·b·s bytes).
+(< 0.1 % here), allocator fragmentation, data-loader workers, token/target ids (16·b·s bytes). `compiled`
+(`train.compile`) takes what torch.compile's partitioner saves instead of what eager autograd does
+(`tune.activations`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import STRATEGIES
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.activations import (
@@ -115,6 +118,7 @@ class MemoryEstimate:
     dp_replicate: int = 1  # HSDP replicas; FSDP shards over world_size / (tp_size × dp_replicate) ranks
     offload: str = "none"  # none, optimizer or all (parallel.offload)
     host_bytes: int = 0  # what offload keeps in host memory for this rank (not in total_bytes); 0 on cpu
+    compiled: bool = False  # train.compile: activations as torch.compile's partitioner saves them
 
     @property
     def total_bytes(self) -> int:
@@ -166,22 +170,38 @@ class _Run:
     states: int
     tp: int = 1
     offload: str = "none"
+    compiled: bool = False  # train.compile: torch.compile's partitioner decides what is saved
+    float8: Float8Plan | None = None  # train.precision fp8: how the linears are converted
+
+    @property
+    def fp8_inputs(self) -> bool:
+        """Compiled fp8 keeps the converted linears' inputs in fp8; rowwise_with_gw_hp's weight gradient needs
+        them in high precision (tune.activations)."""
+        return self.compiled and self.float8 is not None and self.float8.recipe != "rowwise_with_gw_hp"
 
     @property
     def activations(self) -> float:
-        return activation_bytes(self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp)
+        return activation_bytes(
+            self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp,
+            compiled=self.compiled, fp8_inputs=self.fp8_inputs,
+        )  # fmt: skip
 
     def optimizer(self, shards: int) -> float:
         return (self.states * self.e.state + self.e.master) * self.sh.params / shards
 
     def loss(self, head_grad_bytes: int) -> float:
-        return loss_workspace_bytes(self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp)
+        return loss_workspace_bytes(
+            self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp, compiled=self.compiled
+        )
 
     def weight_casts(self) -> float:
-        """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %)."""
+        """bf16 copies autocast makes of the matmul weights and keeps for backward (norms/biases: < 0.2 %); fp8's
+        converted linears (every block's; the head with `float8.head`) keep none (tune.activations)."""
         if not self.e.weight_casts:
             return 0
         blocks = 1 if self.ckpt else self.sh.layers
+        if self.float8 is not None:
+            return 0 if self.float8.head else 2 * self.sh.head
         return 2 * (blocks * self.sh.block + self.sh.head)
 
     def tied_grads(self, count: int, grad_bytes: int) -> float:
@@ -361,7 +381,13 @@ def _build_run(
     tp_size: int = 1,
     dp_replicate: int = 1,
     offload: str = "none",
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> tuple[_Run, str, str]:
+    if precision == "fp8":  # torchao's defaults (train.fp8_*) unless the run's plan is given
+        float8 = float8 or Float8Plan(recipe="tensorwise", head=False, skip_small_linears=False)
+    else:
+        float8 = None
     if tp_size > 1 or dp_replicate > 1 or offload != "none":
         _check_layout(model, strategy, world_size, tp_size, dp_replicate, offload)
         if strategy == "auto" and (tp_size > 1 or dp_replicate > 1):
@@ -391,6 +417,8 @@ def _build_run(
         tp=tp_size,
         # On a CPU the host is the device: offloading moves nothing (the CPU run still takes the offload path).
         offload="none" if device_kind == "cpu" else offload,
+        compiled=compiled,
+        float8=float8,
     )
     return run, strategy, precision
 
@@ -430,6 +458,8 @@ def estimate_memory(
     tp_size: int = 1,
     dp_replicate: int = 1,
     offload: str = "none",
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> MemoryEstimate:
     """Peak memory per rank of training `model` (vocab_size resolved) with these settings; see the module docstring.
 
@@ -437,7 +467,8 @@ def estimate_memory(
     tensor parallel or HSDP); world_size: all ranks; micro_batch_size: sequences per forward pass per rank;
     context_length: tokens per sequence (default and maximum: the model's); precision: a `train.precision` value
     ("auto" = 32-true on cpu, bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu; tp_size,
-    dp_replicate, offload: as `parallel.*` (validated as the run config does).
+    dp_replicate, offload: as `parallel.*` (validated as the run config does); compiled: `train.compile`;
+    float8: with precision fp8, the run's `Float8Plan` (default: tensorwise, head in bf16).
     """
     run, strategy, precision = _build_run(
         model,
@@ -452,6 +483,8 @@ def estimate_memory(
         tp_size=tp_size,
         dp_replicate=dp_replicate,
         offload=offload,
+        compiled=compiled,
+        float8=float8,
     )
     phases = _PHASES[strategy](run)
     peak = max(phases, key=lambda phase: phase.total)
@@ -478,6 +511,7 @@ def estimate_memory(
         dp_replicate=dp_replicate,
         offload=offload,
         host_bytes=round(max(phase.host for phase in phases)),
+        compiled=compiled,
     )
 
 
@@ -490,6 +524,8 @@ def estimate_activation_bytes(
     activation_checkpointing: bool = False,
     strategy: str = "auto",
     device_kind: str = "cpu",
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
 ) -> int:
     """Activations saved for backward per rank at the start of backward (loss workspace not included).
 
@@ -507,6 +543,8 @@ def estimate_activation_bytes(
         activation_checkpointing=activation_checkpointing,
         optimizer="adamw",
         device_kind=device_kind,
+        compiled=compiled,
+        float8=float8,
     )
     return round(run.activations)
 
@@ -525,6 +563,8 @@ def max_micro_batch_that_fits(
     tp_size: int = 1,
     dp_replicate: int = 1,
     offload: str = "none",
+    compiled: bool = False,
+    float8: Float8Plan | None = None,
     limit: int = 65536,
 ) -> int:
     """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
@@ -547,6 +587,8 @@ def max_micro_batch_that_fits(
             tp_size=tp_size,
             dp_replicate=dp_replicate,
             offload=offload,
+            compiled=compiled,
+            float8=float8,
         )
         return est.total_bytes <= budget_bytes
 

@@ -133,6 +133,7 @@ class SearchSpace:
     # model's heads, kv heads and MLP width (`tune.layouts.tensor_parallel_sizes`). HSDP replicates across nodes
     # (one replica per node); the tuner's trials run on one node, so its replicate is 1.
     tp_sizes: tuple[int, ...] = (1,)
+    notes: tuple[str, ...] = ()  # what the space leaves out and why (printed with `describe`)
 
     def micro_batches(self, global_batch: int, tp_size: int = 1) -> list[int]:
         return divisors(global_batch // (self.world_size // tp_size))
@@ -176,6 +177,7 @@ class SearchSpace:
             + (f" × tensor parallel {'/'.join(map(str, self.tp_sizes))}" if self.tp_sizes != (1,) else "")
             + (f" × threads {'/'.join(str(t) for t in self.threads)}" if self.threads != (None,) else "")
             + f", {self.world_size} rank(s) on {self.device}"
+            + "".join(f"; {note}" for note in self.notes)
         )
 
 
@@ -273,12 +275,15 @@ def build_space(
                 f"allowed: {', '.join(allowed)}"
             )
     supported = supported_precisions(device)
+    notes: tuple[str, ...] = ()
     if precisions:
         unknown = [p for p in precisions if p not in supported]
         if unknown:
             raise UserInputError(
                 f"--precisions: {', '.join(unknown)} not supported on {device} here; allowed: {', '.join(supported)}"
             )
+    else:
+        supported, notes = fp8_if_it_pays(config, supported)
     if threads is None:
         threads = _cpu_threads(world_size) if device == "cpu" else (None,)
     return SearchSpace(
@@ -292,4 +297,25 @@ def build_space(
         threads=threads,
         cuda_graphs=device == "cuda" and True in compile,
         tp_sizes=tuple(tensor_parallel_sizes(config.model, world_size)),
+        notes=notes,
     )
+
+
+def fp8_if_it_pays(config: RunConfig, precisions: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`precisions` without fp8 where its modelled gain for the config's model, context and `train.fp8_*` is below
+    `MIN_FP8_GAIN` (`tune.fp8_gain`), and the note saying so; `--precisions fp8` asks for it anyway."""
+    if "fp8" not in precisions:
+        return precisions, ()
+    from gaudi3_scale.tune.estimate_table import resolved_model
+    from gaudi3_scale.tune.fp8_gain import MIN_FP8_GAIN, fp8_gain
+
+    plan = config.float8_plan()
+    gain = fp8_gain(resolved_model(config).resolve_padding("cuda"), plan)
+    if gain.pays:
+        return precisions, (f"fp8 ({plan.recipe}) modelled at ×{gain.gain:.2f} bf16 (tune.fp8_gain)",)
+    note = (
+        f"fp8 left out: {plan.recipe} is modelled at ×{gain.gain:.2f} bf16 tokens/s for this model, below "
+        f"×{MIN_FP8_GAIN} ({gain.share:.0%} of its FLOPs in linears fp8 speeds up; tune.fp8_gain); "
+        "--precisions fp8 tries it anyway"
+    )
+    return tuple(p for p in precisions if p != "fp8"), (note,)

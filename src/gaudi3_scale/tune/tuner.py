@@ -81,6 +81,8 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
             tp_size=c.tp_size,
             dp_replicate=c.dp_replicate,
             offload=c.offload,
+            compiled=c.compile,
+            float8=base.float8_plan() if c.precision == "fp8" else None,
         )
         return int(est.total_bytes)
 
