@@ -141,13 +141,20 @@ def _relative(predicted: float | None, measured: float | None) -> float | None:
 def measure(cell: Cell, device: str, peak_flops: float | None, env: dict[str, str], tmp: Path,
             timeout_s: float) -> dict[str, Any]:  # fmt: skip
     run = run_gaudi3(cell, tmp / cell.name, env, timeout_s=timeout_s)
-    row: dict[str, Any] = {"cell": asdict(cell), "run": run, "forecast": forecast(cell, device, peak_flops)}
+    row = _score({"cell": asdict(cell), "run": run}, device, peak_flops)
+    if run.get("status") == "ok" and peak_flops:
+        row["mfu"] = run["tokens_per_s"] * row["forecast"]["flops_per_token"] / peak_flops
+    return row
+
+
+def _score(row: dict[str, Any], device: str, peak_flops: float | None) -> dict[str, Any]:
+    """`row` with the forecast of the code as it is and, for a run that finished, the errors against it."""
+    row["forecast"] = fc = forecast(Cell(**row["cell"]), device, peak_flops)
+    row.pop("memory_error", None), row.pop("step_time_error", None)
+    run = row["run"]
     if run.get("status") == "ok":
-        fc = row["forecast"]
         row["memory_error"] = _relative(fc["memory_bytes"], run["peak_memory_bytes"])
         row["step_time_error"] = _relative(fc.get("step_time_s"), run["step_time_s"])
-        if peak_flops:
-            row["mfu"] = run["tokens_per_s"] * fc["flops_per_token"] / peak_flops
     return row
 
 
@@ -321,12 +328,7 @@ def main() -> None:
             _write(results, out)
             progress.console.print(_line(row))
             progress.advance(task)
-    results["fp8"] = fp8_pairs(results["shapes"])
-    results["verdict"] = verdict(results)
-    _write(results, out)
-    plot(results, out.with_suffix(".png"))
-    print(f"verdict: {results['verdict']}")
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    _finish(results, out)
 
 
 def rescore(paths: list[Path], out: Path) -> None:
@@ -349,20 +351,19 @@ def rescore(paths: list[Path], out: Path) -> None:
             merged["shapes"][name] = {"measured_in": path.name, **row}  # a merged file's own record stays
     device = "cuda" if (merged.get("machine") or {}).get("cuda") else "cpu"
     for row in merged["shapes"].values():
-        cell = Cell(**row["cell"])
-        row["forecast"] = forecast(cell, device, merged["peak_flops"])
-        row.pop("memory_error", None), row.pop("step_time_error", None)
-        run = row["run"]
-        if run.get("status") == "ok":
-            row["memory_error"] = _relative(row["forecast"]["memory_bytes"], run["peak_memory_bytes"])
-            row["step_time_error"] = _relative(row["forecast"].get("step_time_s"), run["step_time_s"])
+        _score(row, device, merged["peak_flops"])
     now = environment_info()
     merged["forecast_by"] = {"date": now.get("date"), "git_commit": now.get("git_commit")}
-    merged["fp8"] = fp8_pairs(merged["shapes"])
-    merged["verdict"] = verdict(merged)
-    _write(merged, out)
-    plot(merged, out.with_suffix(".png"))
-    print(f"verdict: {merged['verdict']}")
+    _finish(merged, out)
+
+
+def _finish(results: dict[str, Any], out: Path) -> None:
+    """The fp8 pairs and the verdict, written with the plot; the verdict printed."""
+    results["fp8"] = fp8_pairs(results["shapes"])
+    results["verdict"] = verdict(results)
+    _write(results, out)
+    plot(results, out.with_suffix(".png"))
+    print(f"verdict: {results['verdict']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
