@@ -5,11 +5,14 @@ models are also laid out with tensor parallel over pairs of ranks (FSDP × TP, o
 OUT_DIR/MODEL-tp2.pt.
 
     torchrun --nproc-per-node N materialize_shards.py SEED OUT_DIR MODEL [MODEL ...]
+
+MODEL is a registry name, optionally with integer overrides: `moe-tiny:num_experts=3` (`model_config`).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,8 +22,15 @@ from gaudi3_scale.distributed.mesh import build_device_mesh
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.teardown import leave_process_group
-from gaudi3_scale.models import get_model_config
+from gaudi3_scale.models import ModelConfig, get_model_config
 from gaudi3_scale.train.module import next_token_loss
+
+
+def model_config(spec: str) -> ModelConfig:
+    """`name[:field=int,...]`, with the vocabulary resolved to 98 (even: tensor parallel splits its rows)."""
+    name, _, overrides = spec.partition(":")
+    fields = {k: int(v) for k, v in (item.split("=") for item in overrides.split(",") if item)}
+    return replace(get_model_config(name), **fields).resolve_vocab(98)
 
 
 def main(seed: int, out_dir: str, model_names: list[str]) -> None:
@@ -28,7 +38,8 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
     world = dist.get_world_size()
     for model_name in model_names:
         _materialize(model_name, seed, f"{out_dir}/{model_name}.pt", world, tp_size=1)
-        if world % 2 == 0 and get_model_config(model_name).arch == "llama":
+        cfg = model_config(model_name)
+        if world % 2 == 0 and cfg.arch == "llama" and not cfg.num_experts:
             _materialize(model_name, seed, f"{out_dir}/{model_name}-tp2.pt", world, tp_size=2)
     rank = dist.get_rank()
     left = leave_process_group()  # the meshes stay in DTensor's caches: their groups are released here
@@ -38,7 +49,7 @@ def main(seed: int, out_dir: str, model_names: list[str]) -> None:
 def _materialize(model_name: str, seed: int, out: str, world: int, *, tp_size: int) -> None:
     mesh = build_device_mesh("cpu", world_size=world, tp_size=tp_size, dp_replicate=1)
     model = build_parallelized(
-        get_model_config(model_name).resolve_vocab(98),  # even: tensor parallel splits the vocabulary rows
+        model_config(model_name),
         ParallelPlan(strategy="fsdp", world_size=world, tp_size=tp_size),
         seed=seed,
         loss=next_token_loss,

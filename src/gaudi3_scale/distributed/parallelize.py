@@ -193,11 +193,24 @@ def apply_fsdp(
     accelerator device when none is available", torch 2.13 CPU), so a CPU mesh offloads unpinned.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    from gaudi3_scale.distributed.shard_plan import fsdp_shard_dim
 
     policy = (
         MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     )
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    shards = mesh.size(-1)  # the shard dimension of a (replicate, shard) mesh; the whole of a 1-D one
+
+    def placement(param: nn.Parameter) -> Any:
+        dim = fsdp_shard_dim(tuple(param.shape), shards)
+        return Shard(dim) if dim else None  # None: FSDP2's default, dim 0
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "shard_placement_fn": placement,
+    }
     if policy is not None:
         kwargs["mp_policy"] = policy
     if offload:

@@ -6,6 +6,12 @@ FSDP2 shards every parameter along dim 0 in `torch.chunk` pieces (ceil(rows / ra
 shorter or empty) over the `dp_shard` ranks of one HSDP replica; DeepSpeed ZeRO-3 partitions the flat parameters
 evenly; DDP, ZeRO-2 and one process keep them whole. Tied parameters count once.
 
+A mixture of experts' batched expert weights ([experts, in, out], `models/common/moe.GroupedExperts`) have few rows:
+Mixtral's 8 experts over 16 ranks would leave half the ranks without expert weights and put a whole expert (a third
+of the model) on each of the others. Where the expert count does not divide by the shard ranks they are sharded along
+dim 1 instead (`fsdp_shard_dim`, applied by `parallelize.apply_fsdp`; torchtitan shards its experts the same way
+when the data-parallel ranks outnumber them).
+
 Tensor parallel (`distributed/tensor_parallel.py`, Megatron's layout) splits each matrix before FSDP shards it:
 the row-parallel `wo` and `w2` by columns (dim 1), every other matrix (column-parallel projections, the head, and
 the embedding table, row-wise over the vocabulary) by rows; norm weights stay whole. Ranks are laid out
@@ -20,10 +26,16 @@ from torch import nn
 
 from gaudi3_scale.distributed.plan import ParallelPlan
 
-__all__ = ["parameter_bytes_per_rank"]
+__all__ = ["fsdp_shard_dim", "largest_rank_elements", "parameter_bytes_per_rank"]
 
 
-def _dim0_chunk_rows(rows: int, ranks: int, rank: int) -> int:
+def fsdp_shard_dim(shape: tuple[int, ...], shards: int) -> int:
+    """The dimension FSDP2 shards a parameter of `shape` along over `shards` ranks: 0, except for batched expert
+    weights (3-D) whose expert count does not divide by the ranks: 1 (module docstring)."""
+    return 1 if len(shape) == 3 and shape[0] % shards else 0
+
+
+def _chunk_rows(rows: int, ranks: int, rank: int) -> int:
     size = math.ceil(rows / ranks)
     return max(0, min(rows, (rank + 1) * size) - rank * size)
 
@@ -47,12 +59,21 @@ def parameter_bytes_per_rank(model: nn.Module, plan: ParallelPlan, *, element_by
         per_rank = [0] * ranks
         shards = plan.dp_shard
         for name, p in params:
-            rows, row = _tp_local_shape(name, tuple(p.shape), plan.tp_size)
+            shape = tuple(p.shape)
+            if fsdp_shard_dim(shape, shards) == 1:  # [experts, in, out] chunked along `in`
+                rows, row = shape[1], shape[0] * shape[2]
+            else:
+                rows, row = _tp_local_shape(name, shape, plan.tp_size)
             for rank in range(ranks):
                 shard = (rank // plan.tp_size) % shards
-                per_rank[rank] += _dim0_chunk_rows(rows, shards, shard) * row * element_bytes
+                per_rank[rank] += _chunk_rows(rows, shards, shard) * row * element_bytes
         return per_rank
     total = sum(p.numel() for _, p in params)
     if plan.strategy == "deepspeed_zero3":
         return [math.ceil(total / ranks) * element_bytes] * ranks
     return [total * element_bytes] * ranks
+
+
+def largest_rank_elements(model: nn.Module, plan: ParallelPlan) -> int:
+    """Parameter elements on the rank that holds the most: what must fit (`tune.memory` sizes shards by it)."""
+    return max(parameter_bytes_per_rank(model, plan, element_bytes=1))

@@ -45,6 +45,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "build_run_config",
+    "check_tensor_parallel",
     "config_yaml",
     "fp8_option_defaults",
     "resolve_config",
@@ -340,7 +341,7 @@ class RunConfig:
                 )
         # Fail before launching anything when the batch does not split over the ranks.
         self.batch_plan()
-        _check_tensor_parallel(self.model, self.parallel.tp_size)
+        check_tensor_parallel(self.model, self.parallel.tp_size)
         _check_expert_parallel(self.model, self.parallel.ep_size)
         if self.parallel.tp_size > 1 and self.train.precision == "fp8":
             raise ConfigError(
@@ -406,7 +407,7 @@ class RunConfig:
         )
 
 
-def _check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
+def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     """Tensor parallel splits whole attention heads and MLP columns, and sequence parallel the context: each count
     must divide by `tp_size`. (The vocabulary is checked
     once the dataset has resolved it, by the trainer.)"""

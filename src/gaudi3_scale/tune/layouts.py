@@ -112,12 +112,19 @@ class LayoutCheck:
 
 
 def tensor_parallel_sizes(model: ModelConfig, per_node: int) -> list[int]:
-    """tp sizes the trainer accepts: divisors of the node's accelerators that divide the query heads, the
-    key/value heads and the MLP width (whole heads per rank; `train.config`); Llama only."""
-    if model.arch != "llama":
-        return [1]
-    counts = (model.num_heads, model.kv_heads, model.hidden_dim)
-    return [t for t in range(1, per_node + 1) if per_node % t == 0 and all(c % t == 0 for c in counts)]
+    """tp sizes the trainer accepts (the run config's own check): divisors of the node's accelerators that divide
+    the query heads, key/value heads, MLP width and context; dense Llama only."""
+    from gaudi3_scale.config.errors import ConfigError
+    from gaudi3_scale.train.config import check_tensor_parallel
+
+    def accepted(tp: int) -> bool:
+        try:
+            check_tensor_parallel(model, tp)
+        except ConfigError:
+            return False
+        return True
+
+    return [t for t in range(1, per_node + 1) if per_node % t == 0 and accepted(t)]
 
 
 def tp_bytes_per_token(model: ModelConfig, tp_size: int, *, element_bytes: int = 2) -> float:

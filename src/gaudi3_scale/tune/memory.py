@@ -26,7 +26,8 @@ head's, the embedding's and their sum), "optimizer step". The breakdown reported
 Per strategy:
 * ddp: gradients live in all-reduce buckets for the whole run (`gradient_as_bucket_view=True`);
 * fsdp / fsdp_grad_op (FSDP2 `fully_shard` per block, then the root): shards of parameters, gradients and AdamW
-  state over N; gathered copies of two blocks in backward (current + prefetch) or, with reshard_after_forward=False,
+  state over N, sized by the rank the trainer's shard plan gives the most (`distributed.shard_plan`: uneven
+  dim-0 chunks, experts sharded on dim 1 when they do not divide over the ranks); gathered copies of two blocks in backward (current + prefetch) or, with reshard_after_forward=False,
   of every block from forward to backward; the root (embeddings, final norm, head) gathered, its gradients unsharded
   until the end of backward, then copied into a reduce-scatter input (N > 1; with N = 1 the shard is the gradient);
 * deepspeed_zero2: whole flat weights, master + moments (12Ψ/N) and the gradient partition; the step flattens a
@@ -49,8 +50,7 @@ Layouts (`tp_size`, `dp_replicate`, `offload`, as `parallel.*`):
 
 Empirical terms, labelled as such: the CPU runtime baseline (peak RSS of the Python/torch/Lightning process with a
 negligible model) and DeepSpeed's import, measured by the benchmark; on CUDA `max_memory_allocated` excludes the
-context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: FSDP's dim-0 padding of shards
-(< 0.1 % here), allocator fragmentation, data-loader workers, token/target ids (16·b·s bytes). `compiled`
+context, so the runtime term is 0; on HPU it is unknown and left out. Not modelled: allocator fragmentation, data-loader workers, token/target ids (16·b·s bytes). `compiled`
 (`train.compile`) takes what torch.compile's partitioner saves instead of what eager autograd does
 (`tune.activations`).
 """
@@ -58,11 +58,12 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import STRATEGIES
+from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.activations import (
     ElementBytes,
@@ -172,6 +173,7 @@ class _Run:
     offload: str = "none"
     compiled: bool = False  # train.compile: torch.compile's partitioner decides what is saved
     float8: Float8Plan | None = None  # train.precision fp8: how the linears are converted
+    shard: float = 0.0  # FSDP: parameter elements on the rank holding the most (`distributed.shard_plan`)
 
     @property
     def fp8_inputs(self) -> bool:
@@ -188,6 +190,10 @@ class _Run:
 
     def optimizer(self, shards: int) -> float:
         return (self.states * self.e.state + self.e.master) * self.sh.params / shards
+
+    def shard_optimizer(self) -> float:
+        """FSDP: AdamW state of the largest rank's shards."""
+        return (self.states * self.e.state + self.e.master) * self.shard
 
     def loss(self, head_grad_bytes: int) -> float:
         return loss_workspace_bytes(
@@ -236,7 +242,7 @@ def _ddp(r: _Run) -> list[_Phase]:
 
 def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     e, sh, n = r.e, r.sh, r.n
-    shards = sh.params * e.weight / n
+    shards = r.shard * e.weight  # the largest rank's (what must fit), not an even split
     gathered_blocks = min(2, sh.layers) if reshard_after_forward else sh.layers
     gathered = (gathered_blocks * sh.block + sh.root) * e.gathered
     # The root's gradients stay unsharded until the end of backward. With N > 1 they are then copied into a
@@ -247,20 +253,20 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     if r.offload == "all":
         # CPUOffloadPolicy: shards, their gradients (copied out after each reduce-scatter) and AdamW state live in
         # host memory; the device holds what is gathered and the unsharded gradients before their reduce-scatter.
-        host = shards + r.optimizer(n)
+        host = shards + r.shard_optimizer()
         return [
             _Phase("backward start", gathered, 0, 0, r.activations, r.loss(e.gathered), host=host),
-            _Phase(
-                "backward end", sh.root * e.gathered, 0, 0, 0, root_end, host=host + sh.params * e.grad / n
-            ),
+            _Phase("backward end", sh.root * e.gathered, 0, 0, 0, root_end, host=host + r.shard * e.grad),
         ]
     phases = [
-        _Phase("backward start", shards + gathered, 0, r.optimizer(n), r.activations, r.loss(e.gathered)),
+        _Phase(
+            "backward start", shards + gathered, 0, r.shard_optimizer(), r.activations, r.loss(e.gathered)
+        ),
         _Phase(
             "backward end",
             shards + sh.root * e.gathered,
-            sh.params * e.grad / n,
-            r.optimizer(n),
+            r.shard * e.grad,
+            r.shard_optimizer(),
             0,
             root_end,
         ),
@@ -419,8 +425,43 @@ def _build_run(
         offload="none" if device_kind == "cpu" else offload,
         compiled=compiled,
         float8=float8,
+        shard=(
+            _largest_shard(model, strategy, world_size, tp_size, dp_replicate)
+            if strategy in SHARDED_STRATEGIES
+            else 0.0
+        ),
     )
     return run, strategy, precision
+
+
+_SHARDS: dict[tuple[str, str, int, int, int], int] = {}  # the tuner estimates one model many times
+
+
+def _largest_shard(
+    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int
+) -> int:
+    """Parameter elements on the rank FSDP gives the most, from the trainer's own shard plan: the plan of a one-
+    and a two-block copy built on meta (blocks shard alike, so the whole model is the root plus L blocks)."""
+    key = (repr(model), strategy, world_size, tp_size, dp_replicate)
+    if key not in _SHARDS:
+        _SHARDS[key] = _plan_largest_shard(model, strategy, world_size, tp_size, dp_replicate)
+    return _SHARDS[key]
+
+
+def _plan_largest_shard(
+    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int
+) -> int:
+    import torch
+
+    from gaudi3_scale.distributed.plan import ParallelPlan
+    from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
+    from gaudi3_scale.models import build_model
+
+    plan = ParallelPlan(strategy=strategy, world_size=world_size, tp_size=tp_size, dp_replicate=dp_replicate)
+    with torch.device("meta"):
+        one, two = (build_model(replace(model, num_layers=n)) for n in (1, 2))
+    first, second = (parameter_bytes_per_rank(m, plan, element_bytes=1) for m in (one, two))
+    return max(a + (model.num_layers - 1) * (b - a) for a, b in zip(first, second, strict=True))
 
 
 def _check_layout(
@@ -428,7 +469,7 @@ def _check_layout(
 ) -> None:
     """The run config's own checks (`parallel.*` against one another and the model's heads), one line each."""
     from gaudi3_scale.distributed.config import ParallelConfig
-    from gaudi3_scale.train.config import _check_tensor_parallel
+    from gaudi3_scale.train.config import check_tensor_parallel
 
     # nproc_per_node = world_size: the estimate is per rank, so only the division of the ranks matters here.
     try:
@@ -441,7 +482,7 @@ def _check_layout(
         )
     except ConfigError as exc:  # named as in a run config
         raise ConfigError(f"parallel.{exc.field}", exc.problem) from None
-    _check_tensor_parallel(model, tp_size)
+    check_tensor_parallel(model, tp_size)
 
 
 def estimate_memory(
