@@ -131,6 +131,9 @@ def test_a_model_that_fits_nowhere_is_one_clear_line(gaudi3_cli: Callable[..., t
     ("args", "expected"),
     [
         (("--tokens", "lots"), "--tokens: expected a number with an optional K, M, B, T suffix"),
+        (("--tokens", "-1T"), "--tokens: expected a number with an optional K, M, B, T suffix"),
+        (("--tokens", "nan"), "--tokens: expected a number with an optional K, M, B, T suffix"),
+        (("--tokens", "inf"), "--tokens: expected a number with an optional K, M, B, T suffix"),
         (("--tokens", "1T", "--platforms", "tpu9"), "--platforms: unknown accelerator 'tpu9'"),
         (("--tokens", "1T", "--mfu", "1.5"), "--mfu: must be in (0, 1]"),
         (
@@ -153,15 +156,37 @@ def test_unknown_model_names_the_presets() -> None:
         compare_training_cost("13B", "1T", ["h100"])
 
 
+# Issue 36 item 7: a count below one token, a fraction of a token, or beyond 64 bits printed a table ($0.00 and
+# 0.0 days for 1e-300; inf days for 1e300) and exited 0.
+@pytest.mark.parametrize(
+    "tokens", ["1e-300", "0.5", "1.5", "0", "0K", "2.5e-4K", "1e300", "1e19", "1e99999999999999999999"]
+)
+def test_tokens_must_be_a_whole_count_of_at_least_one(
+    tokens: str, gaudi3_cli: Callable[..., tuple[int, str, str]]
+) -> None:
+    code, out, err = gaudi3_cli("cost", "compare", "--model", "llama3-70b", "--tokens", tokens)
+    assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
+    assert (
+        err.startswith("gaudi3: error: --tokens: must be a whole number of tokens from 1 to ") and "1T" in err
+    ), err
+    assert err.rstrip().endswith(f"got {tokens!r}"), err
+
+
 def test_parse_count() -> None:
+    # The documented forms (1T, 300B, 2.5e12, an integer) and a suffix on a decimal: whole counts, exactly.
     assert (
         parse_count("1T", "x") == 1e12
         and parse_count("300b", "x") == 3e11
         and parse_count("2.5e12", "x") == 2.5e12
     )
-    assert parse_count(70e9, "x") == 70e9
-    for bad in ("", "-1T", "1X", "0"):
-        with pytest.raises(UserInputError):
+    assert (
+        parse_count("1.1K", "x") == 1100
+        and parse_count("0.5K", "x") == 500
+        and parse_count(" 300B ", "x") == 3e11
+    )
+    assert parse_count("9000000000000000000", "x") == 9e18 and parse_count(70e9, "x") == 70e9
+    for bad in ("", "-1T", "1X", "0", 1.5, 0.25, float("nan"), float("inf"), 1e300, True):
+        with pytest.raises(UserInputError, match=r"^x: "):
             parse_count(bad, "x")
 
 

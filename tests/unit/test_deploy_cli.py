@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import pytest
 
 from gaudi3_scale.bench.result import cell_section, print_result, result_from_metrics
 from gaudi3_scale.cli.main import cli
+from gaudi3_scale.deploy.grammar import RUN_NAME
+from render_targets import TARGET_FLAGS
 
 Cli = Callable[..., tuple[int, str, str]]
 BIN = Path(sys.executable).parent
@@ -195,6 +198,70 @@ def test_render_refuses_to_overwrite_a_changed_file_without_force(
     code, out, err = gaudi3_cli(*args, "--force")
     assert code == 0, err
     assert edited.read_text() != "# my edit\n"
+
+
+# ---- resource names (issue 36 item 9) ---------------------------------------------------------------------------
+
+LONG_NAME = "Llama3.2_1B-continued-pretraining.on-the-web-mix-2025"  # 53 characters, '.', '_' and capitals
+
+
+def _render_named(cli: Cli, tmp_path: Path, target: str, config_text: str, out: str) -> tuple[str, Path]:
+    """Render `config_text` for `target`; (stdout, the output directory). The render must succeed."""
+    config = tmp_path / "named.yaml"
+    config.write_text(config_text)
+    out_dir = tmp_path / out
+    code, stdout, err = cli("deploy", "render", "--target", target, *TARGET_FLAGS[target], "--config", str(config),
+                            "--out", str(out_dir))  # fmt: skip
+    assert code == 0, err
+    return stdout, out_dir
+
+
+def _printed_name(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("resource name: ")]
+    assert len(lines) == 1, stdout  # printed once
+    return lines[0].split()[2]
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", "llama3.2-3b"])
+@pytest.mark.parametrize("target", TARGET_FLAGS)
+def test_the_llama_3_2_default_run_names_render_on_every_target(
+    gaudi3_cli: Cli, tmp_path: Path, target: str, preset: str
+) -> None:
+    # No `name:`: the run is named after the preset, whose '.' no cloud resource name takes.
+    text = f"model: {{name: {preset}}}\ntrain: {{max_steps: 10, global_batch_size: 16}}\n"
+    stdout, out_dir = _render_named(gaudi3_cli, tmp_path, target, text, "out")
+    derived = preset.replace(".", "-")
+    assert _printed_name(stdout) == derived and f"'{preset}'" in stdout
+    assert f"runs/{derived}-flow" in (out_dir / "metaflow" / "run.sh").read_text()  # every target ships it
+    assert f"name: {preset}\n" in (out_dir / "docker" / "run.yaml").read_text()  # the run keeps its own name
+    named = {
+        "aws": ("terraform/variables.tf", f'default     = "{derived}"'),
+        "azure": ("terraform/variables.tf", f'default     = "{derived}"'),
+        "gcp": ("terraform/variables.tf", f'default     = "{derived}"'),
+        "k8s": ("k8s/base/00-namespace.yaml", f"name: {derived}\n"),
+    }
+    if target in named:
+        rel, needle = named[target]
+        assert needle in (out_dir / rel).read_text(), rel
+
+
+def test_a_long_run_name_is_cut_with_a_hash_the_same_way_every_time(
+    gaudi3_cli: Cli, config: Path, tmp_path: Path
+) -> None:
+    text = f"name: {LONG_NAME}\nmodel: {{name: shakespeare-char, num_layers: 1}}\ntrain: {{global_batch_size: 32}}\n"
+    names = {
+        (target, out): _printed_name(_render_named(gaudi3_cli, tmp_path, target, text, f"{target}-{out}")[0])
+        for target in ("gcp", "k8s", "aws")
+        for out in ("a", "b")
+    }
+    (derived,) = set(names.values())  # stable: the same on every target and every render
+    assert re.fullmatch(RUN_NAME, derived) and derived[0].isalpha() and len(derived) <= 40, derived
+    assert re.fullmatch(r"llama3-2-1b-continued-pretrain[a-z-]*-[0-9a-f]{8}", derived), derived
+    other = _render_named(gaudi3_cli, tmp_path, "k8s", text.replace("2025", "2026"), "other")[0]
+    assert _printed_name(other) != derived  # names that differ only past the cut stay apart
+    stdout, out_dir = _render_named(gaudi3_cli, tmp_path, "k8s", config.read_text(), "valid")
+    assert "resource name" not in stdout  # a name every target takes is used as it is, and not printed
+    assert "name: deploy-cli\n" in (out_dir / "k8s" / "base" / "00-namespace.yaml").read_text()
 
 
 # ---- plan / apply / destroy ------------------------------------------------------------------------------------

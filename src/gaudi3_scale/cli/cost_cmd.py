@@ -179,8 +179,8 @@ def quote_cmd(
 ) -> None:
     """The current price of one instance (the whole node) in USD/h from the provider's price API. Exit 2 on bad
     input (an unknown provider, a missing gcp key), 1 when the API gives no price."""
-    from gaudi3_scale.config.core import check_http_url
     from gaudi3_scale.config.errors import print_error
+    from gaudi3_scale.config.urls import check_http_url
     from gaudi3_scale.metering.spot import SpotPriceError, fetch_price, spot_provider
 
     check_http_url("--endpoint-url", endpoint_url)

@@ -62,12 +62,13 @@ def render_cmd(
     """Render the deployment of CONFIG on NODES machines with ACCELERATOR for TARGET into OUT."""
     from gaudi3_scale.config.core import to_dict
     from gaudi3_scale.deploy.render import render, write_files
-    from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node
+    from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node, resource_name
     from gaudi3_scale.train.config import resolve_config
 
     if not Path(config_path).is_file():
         raise UserInputError(f"--config: {config_path} is not a file")
     cfg = resolve_config(config_path, [])  # what is in the file: one line naming it
+    name = resource_name(cfg.name)
     spec = DeploySpec(
         target=target,
         accelerator=accelerator,
@@ -75,7 +76,7 @@ def render_cmd(
         per_node=per_node if per_node is not None else default_per_node(target, accelerator),
         config_path=Path(config_path),
         run_config=to_dict(cfg),
-        name=cfg.name,
+        name=name,
         image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,
         hosts=tuple(h.strip() for h in (hosts or "").split(",") if h.strip()),
@@ -83,6 +84,8 @@ def render_cmd(
     )
     files = render(spec)
     written = write_files(files, Path(out_dir), force=force)
+    if name != cfg.name:
+        click.echo(f"resource name: {name} (the run name {cfg.name!r} as cloud and Kubernetes names allow)")
     click.echo(f"{len(files)} file(s) for {target} ({len(written)} written, the rest unchanged) → {out_dir}/")
 
 

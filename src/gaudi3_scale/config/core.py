@@ -8,7 +8,7 @@ dotted command-line overrides (`--model.num_layers 6`), and turn them back into 
 Validation of values lives in each section's ``__post_init__``; it raises `ConfigError(field, msg)` with the
 field name relative to the section, and `from_dict` prefixes the dotted path of the section. Numbers are checked
 by `config.numbers` (finite, 64-bit, in range), files and values read by `config.files` (size, UTF-8, nesting,
-aliases).
+aliases), and every string, as it is read, by `config.urls` (no credentials in a URL).
 """
 
 from __future__ import annotations
@@ -22,18 +22,17 @@ import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
-from urllib.parse import urlsplit
 
 import yaml
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.files import load_yaml_file, parse_yaml_value
 from gaudi3_scale.config.numbers import check_number, check_positive, check_range, is_number_text
+from gaudi3_scale.config.urls import check_no_credentials
 
 __all__ = [
     "apply_overrides",
     "check_choice",
-    "check_http_url",
     "check_name",
     "check_positive",
     "check_range",
@@ -91,6 +90,8 @@ def type_name(tp: Any) -> str:
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     """Convert `value` (from YAML or a parsed CLI string) to `tp`, or raise ConfigError naming `path`."""
+    if isinstance(value, str):  # first: no later message may quote a password (a str | int field's, say)
+        check_no_credentials(path, value)
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if (
@@ -309,23 +310,6 @@ def check_name(name: str, value: str | None) -> None:
             name,
             f"must be 1 to {NAME_MAX_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory), got {brief(value)}",
-        )
-
-
-def check_http_url(name: str, url: str | None) -> None:
-    """An http(s)://HOST[:PORT]/PATH URL (an endpoint we send requests to), or None; else one line naming `name`.
-    Checked up front: boto3 would ask for credentials first and urllib name an 'unknown url type', both later."""
-    if url is None:
-        return
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises ValueError for a port out of range or not a number
-    except ValueError as exc:
-        raise ConfigError(name, f"{brief(url)}: {exc}; expected http(s)://HOST[:PORT]/PATH") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            name,
-            f"expected an http:// or https:// URL with a host (http(s)://HOST[:PORT]/PATH), got {brief(url)}",
         )
 
 

@@ -22,10 +22,12 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.numbers import INT64_MAX
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
@@ -51,24 +53,38 @@ PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-1
 DEFAULT_MEMORY_FRACTION = 0.95  # the tuner's default target: what the runtime and fragmentation leave free
 MAX_ACCELERATORS = 65536
 
-_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+_SUFFIX_EXPONENT = {"": 0, "K": 3, "M": 6, "B": 9, "G": 9, "T": 12, "P": 15}
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*$", re.IGNORECASE)
 
 
 def parse_count(text: str | float | int, what: str) -> float:
-    """'1T', '300B', '2.5e12', 70e9 → a positive number; anything else is one line naming `what`."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = _COUNT.match(str(text))
+    """'1T', '300B', '2.5e12', 70e9 → a whole number of at least 1 (returned as a float: it scales FLOPs);
+    anything else — a fraction of a token ('1.5', '1e-300'), zero, more than 64 bits — is one line naming `what`."""
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise UserInputError(f"{what}: expected a number such as 1T, 300B or 2.5e12, got {brief(text)}")
+    if isinstance(text, str):
+        match = _COUNT.match(text)
         if not match:
             raise UserInputError(
-                f"{what}: expected a number with an optional K, M, B, T suffix (e.g. 1T, 300B, 2.5e12), got {text!r}"
+                f"{what}: expected a number with an optional K, M, B, T suffix (e.g. 1T, 300B, 2.5e12), "
+                f"got {brief(text)}"
             )
-        value = float(match.group(1)) * _SUFFIX[match.group(2).upper()]
-    if not math.isfinite(value) or value <= 0:
-        raise UserInputError(f"{what}: must be a positive number, got {text!r}")
-    return value
+        # Exact: the suffix moves the decimal point of the digits as written ('1.1K' is 1100; in floats, 1.1 * 1e3
+        # is 1100.0000000000002, and a Decimal product would round long digit strings to 28 places).
+        try:
+            sign, digits, exponent = Decimal(match.group(1)).as_tuple()
+        except InvalidOperation:  # an exponent of 20+ digits, far outside the range below
+            sign, digits, exponent = 0, (0,), 0
+        assert isinstance(exponent, int)  # the pattern admits no nan or infinity
+        value = Decimal((sign, digits, exponent + _SUFFIX_EXPONENT[match.group(2).upper()]))
+    else:
+        value = Decimal(text if math.isfinite(text) else 0)  # nan, inf: out of the range below
+    if not 1 <= value <= INT64_MAX or value != value.to_integral_value():
+        raise UserInputError(
+            f"{what}: must be a whole number of tokens from 1 to {INT64_MAX:,} (2**63 - 1), e.g. 1T, 300B, "
+            f"2.5e12 or 1000000, got {brief(text)}"
+        )
+    return float(value)
 
 
 def resolve_model(model: str | ModelConfig, context_length: int | None = None) -> ModelConfig:

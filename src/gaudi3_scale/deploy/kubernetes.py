@@ -17,11 +17,8 @@ against the Kubernetes OpenAPI schemas (kubernetes-validate) and the custom reso
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.k8s_job import (
     CONFIG_DIR,
     RETRYABLE_EXIT_CODES,
@@ -52,9 +49,6 @@ FILES = {
     "readme": "k8s/README.md",
     **MONITORING_FILES,
 }
-_URL_WITH_PASSWORD = re.compile(
-    r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]*@"
-)  # scheme://user:password@
 GAUDI_NOTE = (
     "Gaudi settings (hostIPC, SYS_NICE, hugepages-2Mi, HABANA_LOGS): not yet validated on Gaudi hardware."
 )
@@ -62,7 +56,6 @@ GAUDI_NOTE = (
 
 def render_k8s(spec: DeploySpec) -> dict[str, str]:
     plan = plan_job(spec, k8s_options(spec))
-    _refuse_inline_credentials(spec.run_config)
     check_pod_config(plan, spec.run_config)
     what = f"{spec.config_path.name} ({spec.accelerator} x {spec.nodes})"
     notes = [f"Rendered by `gaudi3 deploy render --target k8s` from {what}."] + (
@@ -103,25 +96,6 @@ _STORAGE_NOTE = [
     "Every pod writes its checkpoint shards into one directory, and a re-created pod resumes from it on any node:",
     "the class must offer ReadWriteMany (NFS, CephFS, EFS, Filestore, Azure Files ...).",
 ]
-
-
-def _refuse_inline_credentials(run_config: dict[str, Any]) -> None:
-    """The run config is written into a ConfigMap, readable by anyone who may read the namespace: a URL with a
-    password in it (checkpoint.remote_url, monitor.mlflow_tracking_uri …) is refused rather than published."""
-    for dotted, value in _strings(run_config, ""):
-        if _URL_WITH_PASSWORD.search(value):
-            raise UserInputError(
-                f"{dotted}: the URL carries a password, which would be written into the ConfigMap; remove it and "
-                "put the credentials in the Secret named by k8s.credentials_secret"
-            )
-
-
-def _strings(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _strings(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(node, str):
-        yield prefix, node
 
 
 def _meta(plan: JobPlan, name: str) -> dict[str, Any]:

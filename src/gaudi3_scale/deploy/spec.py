@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.grammar import RUN_NAME, check_host, check_image, check_region, matches
 from gaudi3_scale.deploy.instances import ACCELERATORS, instance_for
 
-__all__ = ["ACCELERATORS", "TARGETS", "DeploySpec"]
+__all__ = ["ACCELERATORS", "TARGETS", "DeploySpec", "resource_name"]
 
 TARGETS = ("aws", "azure", "gcp", "onprem", "k8s", "ci")
 
@@ -44,7 +45,7 @@ class DeploySpec:
         if not matches(RUN_NAME, self.name):
             raise UserInputError(
                 f"the run name {self.name!r} cannot name cloud resources: use 1-40 lower-case letters, digits "
-                "and '-' (set `name:` in the config or --name)"
+                "and '-' (`deploy.spec.resource_name` derives such a name from any run name)"
             )
         # Every value below reaches rendered files: each is held to its field's grammar (deploy/grammar.py), and an
         # option the target does not use is refused rather than silently ignored.
@@ -65,6 +66,33 @@ class DeploySpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.per_node
+
+
+RESOURCE_NAME_MAX = (
+    40  # RUN_NAME's longest: names are built from it with suffixes (`-checkpoint-credentials`)
+)
+_HASH_CHARS = 8
+
+
+def resource_name(run_name: str) -> str:
+    """The prefix of every resource a deployment names (instances, buckets, the namespace, jobs), from the run name.
+
+    The run name itself when every target takes it (`RUN_NAME`, starting with a letter as Kubernetes jobs and Google
+    Cloud resources must); else lower-cased, each run of other characters one '-' ('llama3.2-1b' → 'llama3-2-1b'),
+    'run-' before a leading digit, and a name longer than 40 characters cut to fit with the first 8 hex digits of
+    the run name's SHA-256 (two long names that share their start stay apart). The same run name always gives the
+    same resource name, on every target.
+    """
+    if matches(RUN_NAME, run_name) and run_name[0].isalpha():
+        return run_name
+    name = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")
+    if not name[:1].isalpha():
+        name = f"run-{name}".rstrip("-")
+    if len(name) > RESOURCE_NAME_MAX:
+        digest = hashlib.sha256(run_name.encode()).hexdigest()[:_HASH_CHARS]
+        name = f"{name[: RESOURCE_NAME_MAX - _HASH_CHARS - 1].rstrip('-')}-{digest}"
+    assert matches(RUN_NAME, name) and name[0].isalpha(), name
+    return name
 
 
 def default_image(accelerator: str) -> str:

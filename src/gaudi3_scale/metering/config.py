@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gaudi3_scale.config.core import check_choice, check_http_url, check_positive
+from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
+from gaudi3_scale.config.urls import check_http_url
 
 __all__ = ["PRICINGS", "CostConfig"]
 

@@ -16,7 +16,6 @@ from typing import Any, Literal
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     apply_overrides,
-    check_http_url,
     check_name,
     check_positive,
     check_range,
@@ -28,6 +27,7 @@ from gaudi3_scale.config.core import (
 )
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds, check_seed
+from gaudi3_scale.config.urls import check_http_url, check_no_credentials
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
@@ -527,6 +527,7 @@ def _fill_from_pretrained(raw: dict[str, Any], model_raw: Mapping[str, Any]) -> 
     init_from = raw["model"]["init_from"]
     if not isinstance(init_from, str) or not init_from:
         raise ConfigError("model.init_from", f"expected a directory path, got {init_from!r}")
+    check_no_credentials("model.init_from", init_from)  # read here, before `from_dict` checks every string
     raw["model"] = {**raw["model"], **pretrained_model_fields(init_from, model_raw)}
     data_raw = raw.get("data") or {}
     tokenizer = tokenizer_beside(init_from)

@@ -1,0 +1,63 @@
+"""URLs in user input: the endpoint check, and the one check that no value carries credentials.
+
+`check_no_credentials` is applied to every string a config holds, in any section and however nested (a
+`data.mixture` member's source, a tracker URI, a remote checkpoint URL), as `config.core` reads it: so
+`gaudi3 train`, `prepare`, `tune`, `benchmark` and `deploy render` refuse a URL with credentials alike, before
+anything is written. The resolved config goes into the run directory (`config.yaml`), into every tracker's
+hyperparameters, into checkpoints and into the rendered deployment files (Terraform user data, `docker/run.yaml`,
+`ansible/files/run.yaml`, the Kubernetes ConfigMap), which the README promises never hold a secret. Credentials
+come from the backend's own environment instead (s3fs: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; MLflow:
+MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN), which a deployment fills from a
+secret it references by name (k8s.credentials_secret, the Terraform `secrets` variable).
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+from gaudi3_scale.config.errors import ConfigError, brief
+
+__all__ = ["check_http_url", "check_no_credentials"]
+
+# scheme "://" authority, the authority ending at the path, query or fragment (RFC 3986 §3.2). The authority is a
+# look-ahead, not consumed, so that a second URL right after the first (`a://x,b://user:pw@host`) is found too.
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(?=([^/?#\s]*))")
+# Azure's `abfs[s]://<container>@<account>.dfs.core.windows.net/` (adlfs takes it for az:// too): the part before
+# '@' is a container, not a user. With a ':' in it, it is a password all the same.
+_CONTAINER_AT_ACCOUNT = ("abfs", "abfss", "az")
+
+
+def check_no_credentials(name: str, value: str) -> None:
+    """Refuse `value` when a URL in it has userinfo (`user:password@` or a token as `user@`), naming `name`; the
+    line shows the URL with the userinfo masked, never the secret."""
+    for match in _URL.finditer(value):
+        scheme, authority = match.group(1).lower(), match.group(2)
+        userinfo, at, host = authority.rpartition("@")
+        if not at or (scheme in _CONTAINER_AT_ACCOUNT and ":" not in userinfo):
+            continue
+        start = match.end()
+        masked = f"{value[:start]}***@{value[start + len(authority) - len(host) :]}"
+        raise ConfigError(
+            name,
+            f"{brief(masked)} carries credentials before '@' (they would be written into config.yaml, the trackers "
+            "and rendered deploy files); remove them and use the backend's credential environment "
+            "(e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD) or a secret reference (k8s.credentials_secret)",
+        )
+
+
+def check_http_url(name: str, url: str | None) -> None:
+    """An http(s)://HOST[:PORT]/PATH URL (an endpoint we send requests to), or None; else one line naming `name`.
+    Checked up front: boto3 would ask for credentials first and urllib name an 'unknown url type', both later."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ConfigError(name, f"{brief(url)}: {exc}; expected http(s)://HOST[:PORT]/PATH") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            name,
+            f"expected an http:// or https:// URL with a host (http(s)://HOST[:PORT]/PATH), got {brief(url)}",
+        )
