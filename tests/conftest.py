@@ -44,6 +44,22 @@ def missing_system_tool(reason: str) -> None:
     pytest.skip(reason)
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def strict_json_loads(text: str | bytes) -> Any:
+    """JSON as a browser's JSON.parse reads it: NaN, Infinity and -Infinity are an error, not numbers."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def summary_table(stderr: str) -> dict[str, str]:
+    """The rows of the run table `gaudi3 train` prints on stderr at the end (train.report.print_summary): label →
+    value."""
+    rows = [line.split("│") for line in stderr.splitlines() if line.count("│") == 3]
+    return {row[1].strip(): row[2].strip() for row in rows}
+
+
 @pytest.fixture
 def gaudi3_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     """Run `gaudi3 ARGS…` in this process: (exit code, stdout, stderr)."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
+from conftest import summary_table
 from gaudi3_scale.artifacts.export import load_exported
 from gaudi3_scale.artifacts.inference import read_model_state
 from gaudi3_scale.cli.main import main
@@ -31,20 +32,26 @@ from hf_checkpoints import load_ours
 pytestmark = pytest.mark.integration
 
 ATOL = 1e-5  # fp32: SDPA against HF's attention kernel, close but not bitwise
-TRAIN = ["train", "--no-progress", "--model.name", "bert-tiny", "--model.context_length", "32",
+TRAIN = ["train", "--model.name", "bert-tiny", "--model.context_length", "32",
          "--train.global_batch_size", "8", "--train.max_steps", "16", "--train.val_every_steps", "8",
          "--train.val_batches", "4", "--checkpoint.every_steps", "16", "--optim.warmup_steps", "2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The run directory and what the run printed on stderr (the summary table among it)."""
     out = tmp_path_factory.mktemp("bert") / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "gaudi3_scale.cli", *TRAIN, "--out", str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "---- sample ----" not in proc.stdout  # an encoder has no text to sample
-    return out
+    return out, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def run(trained: tuple[Path, str]) -> Path:
+    return trained[0]
 
 
 def _command(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -66,6 +73,28 @@ def test_mlm_training_lowers_val_loss_and_reports_accuracy(run: Path) -> None:
     assert val[-1]["val_mlm_accuracy"] > 0.05  # above chance (1/69): it predicts frequent characters at least
     config = (run / "config.yaml").read_text()
     assert "arch: bert" in config and "vocab_size: 69" in config  # 65 characters + [PAD] [CLS] [SEP] [MASK]
+
+
+def test_mlm_accuracy_is_in_the_summary_and_table_of_bert_runs_only(
+    trained: tuple[Path, str], tmp_path: Path
+) -> None:
+    run, stderr = trained
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_mlm_accuracy"] == last["val_mlm_accuracy"] and summary["val_loss"] == last["val_loss"]
+    assert summary_table(stderr)["val masked-token accuracy"] == f"{last['val_mlm_accuracy']:.2%}"
+
+    gpt = tmp_path / "gpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(gpt), "--model.num_layers", "1",
+         "--train.max_steps", "2", "--train.val_every_steps", "2", "--train.val_batches", "1",
+         "--sample-tokens", "0"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((gpt / "summary.json").read_text())
+    assert summary["val_loss"] is not None and "val_mlm_accuracy" not in summary
+    table = summary_table(proc.stderr)
+    assert "val loss" in table and not any("accuracy" in label for label in table)
 
 
 def test_export_to_hf_matches_and_reads_back(

@@ -194,3 +194,40 @@ def test_cost_view_shows_the_cost_modules_numbers(browser: Any, dashboard: str, 
             for key in ("accrued", "projected", "budget")}  # fmt: skip
     assert live == {"accrued": usd(321.09), "projected": usd(40123.5), "budget": usd(50000.0)}
     _screenshot(browser, "cost")
+
+
+def _diverged_run(runs_dir: Path) -> str:
+    """A run whose loss went NaN at step 3 and recovered (e.g. a skipped bad batch), written as runs before the strict
+    encoder wrote it: a bare NaN in metrics.jsonl, which JSON.parse refuses."""
+    run = runs_dir / "diverged"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"name": "diverged", "train": {"max_steps": 6}}))
+    losses = {1: 4.0, 2: 3.8, 3: float("nan"), 4: 3.5, 5: 3.4, 6: 3.3}
+    records = [
+        {"step": s, "train_loss": loss, "tokens_per_s": 1000.0 + s, "mfu": 0.3} for s, loss in losses.items()
+    ]
+    records += [{"step": 2, "val_loss": 3.9}, {"step": 6, "val_loss": 3.4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return "diverged"
+
+
+def test_a_nan_in_the_middle_of_a_run_is_a_gap_with_a_marker(
+    browser: Any, dashboard: str, runs_dir: Path
+) -> None:
+    name = _diverged_run(runs_dir)
+    browser.get(f"{dashboard}/runs/{name}")
+    _wait_for(
+        lambda: _points(browser, "chart-loss") == 7, 30, "the loss chart's 5 train and 2 validation points"
+    )
+    assert browser.find_element("id", "connection").text == "· live"  # the metrics parsed
+    chart = browser.find_element("id", "chart-loss")
+    assert chart.get_attribute("data-gaps") == "1"
+    segments = [[tuple(map(float, p.split(","))) for p in line.get_attribute("points").split()]
+                for line in chart.find_elements("css selector", "svg polyline.line.s0")]  # fmt: skip
+    assert [len(points) for points in segments] == [2, 3]  # steps 1-2, then 4-6: no line through step 3
+    marker = chart.find_element("css selector", "svg .gap.s0")
+    assert marker.get_attribute("data-step") == "3" and marker.get_attribute("data-value") == "NaN"
+    assert marker.is_displayed() and marker.text == "NaN"
+    x = float(marker.get_attribute("data-x"))
+    assert segments[0][-1][0] < x < segments[1][0][0]  # the gap is where step 3 is, with points after it
+    _screenshot(browser, "diverged")

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from conftest import strict_json_loads, summary_table
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.train import GaudiTrainer, build_run_config
@@ -232,6 +233,34 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     assert summary["interrupted"] and 0 < summary["steps"] < 100000
     assert Path(summary["checkpoint"]).name == f"step-{summary['steps']:08d}"
     assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
+
+
+def test_a_diverged_run_writes_strict_json(tmp_path: Path) -> None:
+    """lr 1e30 makes the loss NaN from step 2 on. metrics.jsonl and summary.json still parse as JSON.parse and other
+    strict parsers read JSON, NaN spelled "NaN"; the run's own readers get NaN back, and so does the dashboard."""
+    from gaudi3_scale.dashboard import create_app
+    from gaudi3_scale.train.report import read_metrics
+
+    out = tmp_path / "diverged"
+    proc = subprocess.run(
+        [*GAUDI3, "train", "--out", str(out), "--model.num_layers", "1", "--train.threads", "1",
+         "--train.max_steps", "4", "--train.log_every_steps", "1", "--train.val_every_steps", "2",
+         "--train.val_batches", "1", "--optim.lr", "1e30", "--optim.warmup_steps", "0", "--sample-tokens", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [strict_json_loads(line) for line in lines]
+    assert [r.get("train_loss", r.get("val_loss")) for r in records][1:] == ["NaN"] * 5, records
+    summary = strict_json_loads((out / "summary.json").read_text())
+    assert (summary["train_loss"], summary["val_loss"]) == ("NaN", "NaN")
+    table = summary_table(proc.stderr)
+    assert (table["train loss"], table["val loss"]) == ("NaN", "NaN")
+    assert math.isnan(read_metrics(out / "metrics.jsonl")[-1]["val_loss"])
+    served = create_app(tmp_path).test_client().get("/api/runs/diverged/metrics")
+    body = strict_json_loads(served.data)
+    assert [r.get("train_loss") for r in body["records"]][:2] == [records[0]["train_loss"], "NaN"]
+    assert body["run"]["text"]["train_loss"] == "NaN"
 
 
 class _TinyRegression(pl.LightningModule):

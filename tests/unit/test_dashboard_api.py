@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conftest import strict_json_loads
 from gaudi3_scale.cli import dashboard_cmd
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
@@ -177,6 +178,27 @@ def test_corrupt_metrics_lines_are_a_warning_not_a_crash(runs: Path, client: Any
     (runs / "alpha" / "config.yaml").write_text("model: [unclosed\n")
     detail = client.get("/api/runs/alpha").get_json()
     assert any(w.startswith("config.yaml unreadable") for w in detail["warnings"])
+
+
+def test_a_diverged_run_is_served_as_strict_json(runs: Path, client: Any) -> None:
+    """metrics.jsonl and summary.json as runs before the strict encoder wrote them (bare NaN, Infinity): every API
+    response about the run still parses with JSON.parse's rules, the non-finite numbers spelled out as strings."""
+    nan, inf = float("nan"), float("inf")
+    records = [_train_record(1), _train_record(2, train_loss=nan, grad_norm=inf), {"step": 2, "val_loss": nan},
+               _train_record(3, grad_norm=-inf)]  # fmt: skip
+    run = _make_run(runs, "diverged", records)
+    (run / "summary.json").write_text(json.dumps({"steps": 3, "train_loss": nan, "val_loss": nan}))
+    bodies = {url: strict_json_loads(client.get(url).data)
+              for url in ("/api/runs", "/api/runs/diverged", "/api/runs/diverged/metrics",
+                          "/api/runs/diverged/cost", "/api/system")}  # fmt: skip
+    served = bodies["/api/runs/diverged/metrics"]["records"]
+    assert [(r.get("train_loss"), r.get("grad_norm"), r.get("val_loss")) for r in served] == [
+        (3.99, 1.0, None), ("NaN", "Infinity", None), (None, None, "NaN"), (3.97, "-Infinity", None)]  # fmt: skip
+    detail = bodies["/api/runs/diverged"]
+    assert detail["summary"] == {"steps": 3, "train_loss": "NaN", "val_loss": "NaN"}
+    assert (detail["train_loss"], detail["val_loss"]) == (3.97, "NaN")
+    assert detail["text"]["val_loss"] == "NaN"
+    assert client.get("/runs/diverged").status_code == 200
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ result from the job's logs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,14 +53,11 @@ def emit_run_result(cfg: RunConfig, out_dir: Path, *, precision: str, accelerato
     import torch
 
     from gaudi3_scale.monitor.environment import environment_info
+    from gaudi3_scale.train.report import read_metrics
 
-    path = out_dir / "metrics.jsonl"
-    records = (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
     result = result_from_metrics(
         cell_of_config(cfg, precision=precision),
-        records,
+        read_metrics(out_dir / "metrics.jsonl"),
         warmup_steps=cell_warmup_steps(cfg),
         h2d_gbps=measure_h2d_gbps(torch.device(accelerator)),
         environment=environment_info(),

@@ -5,7 +5,6 @@ Exit 0: identical; 1: a difference (the first one is printed); 2: bad input, or 
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gaudi3_scale.cli.options import Count, launch_options, launch_overrides
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError, print_error
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def _write_report(directory: Path, report: dict[str, Any]) -> Path:
     from gaudi3_scale.monitor.environment import environment_info
 
     path = directory / REPORT_NAME
-    path.write_text(json.dumps({**report, "environment": environment_info()}, indent=2) + "\n")
+    path.write_text(strict_json.dumps({**report, "environment": environment_info()}, indent=2) + "\n")
     return path
 
 

@@ -9,6 +9,7 @@ Pages                                   API (JSON)
   /bench/NAME           benchmark report  /api/benchmarks/NAME
 Everything is read from `--runs DIR`, through `files` (nothing outside it); nothing is written (see `security`
 for who may read).
+All JSON, the API's and that in the pages, is strict (`json_provider`): a diverged run's NaN is the string "NaN".
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ def create_app(runs_dir: Path, *, host: str = "127.0.0.1", token: str | None = N
     """The dashboard over `runs_dir`, as served on `host`: off loopback, `token` is required (see `security`)."""
     from flask import Flask
 
+    from gaudi3_scale.dashboard.json_provider import StrictJSONProvider
+
     if not is_loopback(host) and token is None:
         raise ValueError(f"a dashboard bound to {host} needs a token")  # the CLI generates one
     if token is not None and (problem := token_problem(token)) is not None:
         raise ValueError(f"token: {problem}")
     app = Flask(__name__)
+    # Set before anything builds the Jinja environment, which takes the provider's `dumps` for `tojson`.
+    app.json = StrictJSONProvider(app)
     app.url_map.merge_slashes = False  # "//etc" is a 404, not a redirect to "/etc"
-    app.json.sort_keys = False  # type: ignore[attr-defined]
     install_guards(app, token)
     for name in ("usd", "gib", "percent", "loss", "rate", "hours", "when"):
         app.add_template_filter(getattr(formatting, name), name)

@@ -6,9 +6,11 @@ Unknown values are "unknown" (the cost module's word) or "—" for a metric a ru
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
+from gaudi3_scale.config.strict_json import non_finite_name
 from gaudi3_scale.cost.report import UNKNOWN, usd
 
 __all__ = ["UNKNOWN", "gib", "hours", "loss", "overview_text", "percent", "rate", "usd", "when"]
@@ -20,16 +22,23 @@ def gib(value: float | None) -> str:
     return MISSING if value is None else f"{value / 2**30:,.2f} GiB"
 
 
+def _number(value: float | None, spec: str) -> str:
+    """A metric as `format(value, spec)`; a diverged one (NaN, infinite) as the API and the charts spell it."""
+    if value is None:
+        return MISSING
+    return format(value, spec) if math.isfinite(value) else non_finite_name(value)
+
+
 def percent(value: float | None) -> str:
-    return MISSING if value is None else f"{value:.2%}"
+    return _number(value, ".2%")
 
 
 def loss(value: float | None) -> str:
-    return MISSING if value is None else f"{value:.4f}"
+    return _number(value, ".4f")
 
 
 def rate(value: float | None) -> str:
-    return MISSING if value is None else f"{value:,.0f}"
+    return _number(value, ",.0f")
 
 
 def hours(value: float | None) -> str:

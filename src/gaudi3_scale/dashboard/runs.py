@@ -23,6 +23,7 @@ from typing import Any
 from gaudi3_scale.config.core import load_yaml
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
+from gaudi3_scale.config.strict_json import restore_non_finite
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 
 __all__ = ["MetricsReader", "MetricsView", "RunStore", "child_kind", "config_section"]
@@ -76,6 +77,8 @@ class _Tail:
             self.unreadable += 1
             self.lines.append(None)
             return
+        # A diverged run's "NaN" is a number here (as in a file from before the strict encoder), spelled when served.
+        record = restore_non_finite(record)
         self.lines.append(record)
         if record.get("train_loss") is not None or record.get("tokens_per_s") is not None:
             self.latest_train = record

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.tokenizers import Tokenizer
 
@@ -367,5 +368,5 @@ def stream_chunk(
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else strict_json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()

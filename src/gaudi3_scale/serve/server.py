@@ -19,7 +19,6 @@ cannot queue with 503 `queue_full` (the kernel caps the backlog at net.core.soma
 from __future__ import annotations
 
 import io
-import json
 import socket
 import sys
 import time
@@ -30,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.serve.engine import Completion, Engine, EngineClosed, QueueFull
 from gaudi3_scale.serve.loading import ServedModel
 from gaudi3_scale.serve.protocol import (
@@ -214,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def _send_json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
+        data = strict_json.dumps(body, ensure_ascii=False).encode()
         self.connection.settimeout(self.server.client_timeout_s)  # each write; reading had its own deadline
         self.send_response(status)
         self.send_header("Content-Type", "application/json")

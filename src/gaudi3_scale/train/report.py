@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from gaudi3_scale.config import strict_json
+
 __all__ = ["plot_loss", "print_summary", "read_metrics", "write_summary"]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl, non-finite values as floats again (`config.strict_json`)."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    return [strict_json.restore_non_finite(json.loads(line)) for line in lines if line.strip()]
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.write_text(strict_json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
 
 
@@ -55,10 +60,15 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
+        if not math.isfinite(value):
+            return strict_json.non_finite_name(value)  # as summary.json spells it
         if abs(value) >= 1000:
             return f"{value:,.0f}"
         return f"{value:.4g}"
     return str(value)
+
+
+_RATIOS = {"mfu", "val_mlm_accuracy"}  # shown as percentages
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -67,6 +77,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         "steps": "optimizer steps",
         "train_loss": "train loss",
         "val_loss": "val loss",
+        "val_mlm_accuracy": "val masked-token accuracy",  # arch bert only (trainer summary)
         "tokens_per_s": "tokens/s",
         "mfu": "MFU",
         "step_time_s": "step time (s)",
@@ -77,7 +88,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     for key, label in labels.items():
         if key in summary:
             value = summary[key]
-            text = f"{value:.2%}" if key == "mfu" and isinstance(value, float) else _fmt(value)
+            ratio = key in _RATIOS and isinstance(value, float) and math.isfinite(value)
+            text = f"{value:.2%}" if ratio else _fmt(value)
             table.add_row(label, text)
         if key == "step_time_s" and summary.get("measured_steps"):
             table.add_row("measured over", _measured_over(summary))

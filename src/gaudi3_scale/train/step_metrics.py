@@ -7,7 +7,6 @@ accumulation group (`StepState.at_boundary`), and the step's loss, gradient norm
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 from gaudi3_scale.train.step import StepState, at_step_boundary
@@ -344,7 +344,7 @@ class RunMetrics(pl.Callback):
         if self._is_writer and self.path is not None:
             # Opened per record (every log_every_steps): survives a crash, and the final validation after fit.
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(strict_json.dumps(record) + "\n")
 
 
 class RichStepProgress(pl.Callback):

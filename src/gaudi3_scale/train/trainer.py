@@ -577,12 +577,16 @@ class GaudiTrainer:
         committed = self._checkpoint.manager.committed()
         last = self._checkpoint.last_path or (committed[-1][1] if committed else None)
         interrupt, live = self._interrupt, self._live_cost
+        # Masked-language modelling also scores its predictions (train.module): a key of BERT runs' summaries only.
+        bert = self.config.model.arch == "bert"
+        accuracy = {"val_mlm_accuracy": val[-1].get("val_mlm_accuracy") if val else None} if bert else {}
         return {
             "name": self.config.name,
             "model": self.config.model.name,
             "steps": self.trainer.global_step,
             "train_loss": train[-1]["train_loss"] if train else None,
             "val_loss": val[-1]["val_loss"] if val else None,
+            **accuracy,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu_value,
             "mfu_peak_source": plan.peak_source if plan else None,

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
+from gaudi3_scale.train.report import read_metrics
 from gaudi3_scale.tune.space import Candidate
 
 __all__ = ["TrialResult", "TrialSettings", "run_trial"]
@@ -129,7 +130,7 @@ def run_trial(
         result.peak_memory_bytes = job.watched_peak_rss_bytes or None
         return result
     watched_peak = job.watched_peak_rss_bytes
-    records = _read_jsonl(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if r.get("train_loss") is not None and r.get("step_time_s")]
     measured = [r for r in steps if r["step"] > warmup]
     peaks = [int(r.get("peak_memory_bytes") or 0) for r in steps]
@@ -151,11 +152,3 @@ def run_trial(
     result.measured_steps = [r["step"] for r in measured]
     result.reason = f"median of {len(measured)} steps after {warmup} warm-up"
     return result
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

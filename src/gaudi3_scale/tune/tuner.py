@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
@@ -327,7 +327,7 @@ def write_reports(result: TuneResult) -> None:
         "trials": [r.to_dict() for r in ranked],
         "environment": {"python": platform.python_version(), "platform": platform.platform(), "date": _now()},
     }
-    (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "tune.json").write_text(strict_json.dumps(report, indent=2) + "\n")
 
 
 def _now() -> str:

@@ -3,6 +3,11 @@
 // A chart lives in a <figure class="chart" data-title="…">; it keeps every point, draws at most MAX_DRAWN per
 // series (every k-th point plus the last: enough for a curve on a 640-unit-wide plot) and sets the figure's
 // data-points to the number of points it holds, for people and tests.
+//
+// A value that was NaN or infinite (a diverged loss) arrives spelled as a string, "NaN", "Infinity" or "-Infinity"
+// (the server's JSON is strict: config/strict_json.py). It is kept in its place: the series' line stops before it
+// and starts again after it, and a dashed vertical line labelled with the value marks its x (a <g class="gap">
+// with data-step, data-value and data-x); the figure's data-gaps counts them.
 "use strict";
 
 (function () {
@@ -12,6 +17,9 @@
   const MARGIN = { left: 58, right: 14, top: 12, bottom: 28 };
   const MAX_DRAWN = 1500;
   const TICKS = 5;
+  const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
+
+  const isGap = (point) => typeof point[1] === "string";
 
   function svgElement(name, attributes, parent) {
     const element = document.createElementNS(SVG_NS, name);
@@ -46,9 +54,19 @@
   function drawn(points) {
     if (points.length <= MAX_DRAWN) return points;
     const stride = Math.ceil(points.length / MAX_DRAWN);
-    const kept = points.filter((_, i) => i % stride === 0);
+    const kept = points.filter((p, i) => i % stride === 0 || isGap(p)); // never thin out a gap
     if (kept[kept.length - 1] !== points[points.length - 1]) kept.push(points[points.length - 1]);
     return kept;
+  }
+
+  // The runs of finite points between gaps: each is drawn as a line of its own.
+  function segments(points) {
+    const runs = [[]];
+    for (const p of points) {
+      if (isGap(p)) runs.push([]);
+      else runs[runs.length - 1].push(p);
+    }
+    return runs.filter((run) => run.length > 0);
   }
 
   function bounds(values, fixedLow, fixedHigh) {
@@ -92,7 +110,8 @@
     }
 
     add(key, x, y) {
-      if (typeof x !== "number" || typeof y !== "number" || !isFinite(x) || !isFinite(y)) return false;
+      const value = typeof y === "number" && isFinite(y);
+      if (typeof x !== "number" || !isFinite(x) || !(value || NON_FINITE.has(y))) return false;
       this.points.get(key).push([x, y]);
       return true;
     }
@@ -101,9 +120,9 @@
       for (const points of this.points.values()) points.length = 0;
     }
 
-    count() {
+    count(gaps = false) {
       let total = 0;
-      for (const points of this.points.values()) total += points.length;
+      for (const points of this.points.values()) total += points.filter((p) => isGap(p) === gaps).length;
       return total;
     }
 
@@ -111,6 +130,7 @@
       const svg = this.svg;
       svg.replaceChildren();
       this.figure.dataset.points = String(this.count());
+      this.figure.dataset.gaps = String(this.count(true));
       const all = [...this.points.values()].flat();
       const left = MARGIN.left;
       const right = WIDTH - MARGIN.right;
@@ -124,7 +144,8 @@
       }
       const o = this.options;
       const [x0, x1] = bounds(all.map((p) => p[0]));
-      let [y0, y1] = bounds(all.map((p) => p[1]), o.yMin, o.yMax);
+      const values = all.filter((p) => !isGap(p)).map((p) => p[1]);
+      let [y0, y1] = bounds(values.length ? values : [0], o.yMin, o.yMax); // only gaps so far: any y scale
       if (o.yMin === undefined) y0 -= (y1 - y0) * 0.05;
       if (o.yMax === undefined) y1 += (y1 - y0) * 0.05;
       const sx = (x) => left + ((x - x0) / (x1 - x0)) * (right - left);
@@ -142,14 +163,28 @@
       }
       this.series.forEach((s, i) => {
         const points = drawn(this.points.get(s.key));
-        if (points.length > 1) {
-          const path = points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
-          svgElement("polyline", { points: path, class: "line s" + i }, svg);
+        for (const run of segments(points)) {
+          if (run.length > 1) {
+            const path = run.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
+            svgElement("polyline", { points: path, class: "line s" + i }, svg);
+          }
+          if (s.markers || run.length === 1) {
+            for (const p of run) svgElement("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, class: "marker s" + i }, svg);
+          }
         }
-        if (s.markers || points.length === 1) {
-          for (const p of points) svgElement("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, class: "marker s" + i }, svg);
-        }
+        for (const p of points.filter(isGap)) this.drawGap(p, s, i, sx(p[0]), top, bottom);
       });
+    }
+
+    // A dashed line across the plot at the gap's x, labelled with the value (at the bottom for -Infinity).
+    drawGap([x, value], s, i, at, top, bottom) {
+      const group = svgElement("g", { class: "gap s" + i, "data-step": x, "data-value": value, "data-x": at.toFixed(1) },
+        this.svg);
+      svgElement("line", { x1: at, y1: top, x2: at, y2: bottom }, group);
+      const y = value === "-Infinity" ? bottom - 4 - 12 * i : top + 10 + 12 * i; // series apart
+      svgElement("text", { x: at + 3, y }, group).textContent = value;
+      const where = this.options.xLabel ? this.options.xLabel + " " + x : "x = " + x;
+      svgElement("title", {}, group).textContent = `${s.label}: ${value} at ${where}`;
     }
   }
 
