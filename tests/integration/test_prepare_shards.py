@@ -272,3 +272,76 @@ def test_cli_prepares_jsonl_into_shards_and_appends(tmp_path: Path) -> None:
     bad = subprocess.run([*cli, "--text-field", "body"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "no column 'body' (data.text_field); its columns: id, text" in bad.stderr
+
+
+def _prepare_cli(source: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cli = [sys.executable, "-m", "gaudi3_scale.cli", "prepare", str(source), "--out", str(out)]
+    return subprocess.run([*cli, "--tokenizer", "byte", *extra], capture_output=True, text=True, timeout=120)
+
+
+def _error_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one error line of a refused `gaudi3 prepare`: exit 2, no traceback, the last line on stderr (a progress
+    bar may stand before it when the line was found while tokenizing)."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert [n for n, text in enumerate(lines) if text.startswith("gaudi3: error:")] == [len(lines) - 1], lines
+    return lines[-1]
+
+
+def _nested(depth: int) -> str:
+    return json.dumps({"text": "deep", "meta": "<>"}).replace('"<>"', "[" * depth + "]" * depth)
+
+
+@pytest.mark.parametrize(
+    ("depth", "line"),
+    [
+        (5_000, 1),  # the first record is parsed by json.loads: a RecursionError
+        (200_000, 2),  # the rest by pyarrow: a segmentation fault
+    ],
+)
+def test_jsonl_nested_too_deep_is_one_line_naming_file_and_line(
+    tmp_path: Path, depth: int, line: int
+) -> None:
+    path = tmp_path / "deep.jsonl"
+    good = json.dumps({"text": "a fine row"})
+    path.write_text("\n".join([good] * (line - 1) + [_nested(depth), good]) + "\n")
+    done = _prepare_cli(path, tmp_path / "out")
+    assert _error_line(done) == (
+        f"gaudi3: error: {path}: line {line}: JSON nested more than 512 levels deep; allowed: at most 512"
+    )
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_jsonl_nesting_up_to_the_bound_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "nested.jsonl"
+    # 1 level for the record, 511 inside it; brackets inside strings are text, not nesting
+    rows = [_nested(511), json.dumps({"text": "[" * 600 + "{" * 600, "tags": [{"a": [1]}]})]
+    path.write_text("\n".join(rows) + "\n")
+    data = load_prepared(prepare(path, tmp_path / "out", tokenizer="byte", val_fraction=0.0))
+    text = "".join(data.tokenizer.decode(t.tolist()) for t in data.train_shards)
+    assert text == "deep\n\n" + "[" * 600 + "{" * 600 + "\n\n"
+    (tmp_path / "deeper.jsonl").write_text(_nested(512) + "\n")
+    with pytest.raises(UserInputError, match=r"deeper.jsonl: line 1: JSON nested more than 512 levels deep"):
+        prepare(tmp_path / "deeper.jsonl", tmp_path / "out2", tokenizer="byte")
+
+
+def test_bad_jsonl_lines_are_named_by_their_line_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    good = json.dumps({"text": "x" * 50})
+    path.write_text(f'{good}\n{{"text": "b"\n')
+    line = _error_line(_prepare_cli(path, tmp_path / "out"))
+    assert line.startswith(f"gaudi3: error: {path}: line 2: not valid JSON lines: Missing a comma")
+    assert "in row" not in line and "row 1" not in line
+    # Past blank lines and in a later piece of the file (~20 KB pieces): still the file's own line number.
+    lines = [good] * 1000
+    lines[3] = ""
+    lines[900] = json.dumps({"text": 7})  # the column changes type
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserInputError) as info:
+        prepare(path, tmp_path / "out", tokenizer="byte")
+    assert str(info.value) == (
+        f"{path}: line 901: not valid JSON lines: Column(/text) changed from string to number"
+    )
+    path.write_text("\n\n{\"text\": 'single'}\n")  # the first record, checked before any worker starts
+    with pytest.raises(UserInputError, match=r"rows.jsonl: line 3: not valid JSON lines: Expecting value"):
+        prepare(path, tmp_path / "out", tokenizer="byte")

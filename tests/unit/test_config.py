@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,63 @@ def test_an_empty_section_means_its_defaults(tmp_path: Path) -> None:
     path.write_text("data: 5\n")
     with pytest.raises(ConfigError, match=r"^data: expected a mapping of fields, got 5$"):
         build_run_config(path)
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_says_why(
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Before: "8 is not divisible by micro_batch_size (0) × ranks (16) = 0", a micro-batch nobody set."""
+    code, out, err = gaudi3_cli(
+        "train", "--dry-run", "--nproc-per-node", "16", "--train.global_batch_size", "8"
+    )
+    assert code == 2 and out == ""
+    assert err == (
+        "gaudi3: error: train.global_batch_size: 8 sequences are fewer than the 16 data-parallel ranks (each rank "
+        "needs at least one); allowed: a multiple of 16\n"
+    )
+    cfg = build_run_config(None, parse_overrides(["--train.global_batch_size", "20"]))
+    with pytest.raises(ConfigError) as info:
+        cfg.batch_plan(world_size=16)
+    assert str(info.value) == (
+        "train.global_batch_size: 20 is not divisible by the 16 data-parallel ranks; allowed: a multiple of 16"
+    )
+    micro = build_run_config(
+        None, parse_overrides(["--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
+    )
+    with pytest.raises(ConfigError) as info:
+        micro.batch_plan(world_size=16)
+    assert str(info.value) == (
+        "train.global_batch_size: 8 sequences are fewer than train.micro_batch_size 2 × 16 data-parallel ranks = "
+        "32 (each rank needs at least one micro-batch); allowed: a multiple of 32"
+    )
+
+
+def test_an_integer_bound_is_printed_as_the_integer(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, _, err = gaudi3_cli("train", "--print-config", "--parallel.nproc_per_node", "3000000000")
+    assert code == 2
+    assert err == "gaudi3: error: parallel.nproc_per_node: must be <= 2147483647, got 3000000000\n"
+    assert "2.14748e+09" not in err
+
+
+def test_numbers_with_an_exponent_are_numbers_in_yaml_files_and_nested_values(
+    tmp_path: Path, gaudi3_cli: Callable[..., tuple[int, str, str]]
+) -> None:
+    """YAML 1.1 (PyYAML) reads 3e-4 and 1e308 as strings; a float field takes them as the numbers they are."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "optim: {lr: 3e-4}\ndata:\n  mixture: [{source: a, weight: 1e308}, {source: b, weight: 1}]\n"
+    )
+    cfg = build_run_config(path)
+    assert cfg.optim.lr == 3e-4
+    assert cfg.data.mixture is not None and [m.weight for m in cfg.data.mixture] == [1e308, 1.0]
+    member = "[{source: a, weight: %s}, {source: b, weight: %s}]"
+    code, _, err = gaudi3_cli("train", "--print-config", "--data.mixture", member % ("1e309", "1"))
+    assert code == 2 and err == "gaudi3: error: data.mixture[0].weight: must be a finite number, got inf\n"
+    code, _, err = gaudi3_cli("train", "--print-config", "--data.mixture", member % ("1e308", "1e308"))
+    assert code == 2 and "expected a number" not in err
+    assert err == (
+        "gaudi3: error: data.mixture: the weights sum past the largest float (1.8e+308); weights are relative "
+        "(7, 2, 1 is 70 % / 20 % / 10 %): scale them down\n"
+    )
+    code, _, err = gaudi3_cli("train", "--print-config", "--data.mixture", member % ("heavy", "1"))
+    assert code == 2 and err == "gaudi3: error: data.mixture[0].weight: expected a number, got 'heavy'\n"

@@ -137,6 +137,7 @@ def test_state_refusals_name_what_differs() -> None:
     ("weights", "names", "message"),
     [
         ([0.0, 0.0, 0.0], NAMES, "weights sum to 0; they must sum to a positive number"),
+        ([1e308, 1e308, 1.0], NAMES, r"^data mixture: the weights sum past the largest float \(1.8e\+308\);"),
         ([0.5, -0.1, 0.6], NAMES, "weight of 'code' is -0.1; use a finite number >= 0"),
         ([0.5, float("nan"), 0.6], NAMES, "weight of 'code' is nan"),
         ([0.5, 0.5], NAMES, "3 members, 2 weights and 3 names"),

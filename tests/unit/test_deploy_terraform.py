@@ -470,7 +470,13 @@ def test_the_cli_refuses_gaudi_on_aws_with_exit_2(
     assert code == 0, err
     code, _, err = gaudi3_cli("deploy", "render", "--target", "aws", "--accelerator", "h100", "--nodes", "3",
                               "--config", str(config), "--out", str(tmp_path / "out3"))  # fmt: skip
-    assert code == 2 and "3 node(s) × 8 per node: train.global_batch_size: 16 is not divisible" in err
+    assert (
+        code == 2
+        and (
+            "3 node(s) × 8 per node: train.global_batch_size: 16 sequences are fewer than the 24 data-parallel ranks"
+        )
+        in err
+    )
     assert not (tmp_path / "out3").exists()
     assert "p5.48xlarge" in (tmp_path / "out" / "terraform" / "variables.tf").read_text()
 

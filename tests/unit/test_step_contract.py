@@ -32,7 +32,9 @@ def test_batch_plan_splits_the_global_batch_once() -> None:
     whole = BatchPlan.build(global_batch_size=64, micro_batch_size=None, data_parallel_size=4)
     assert (whole.micro_batch_size, whole.accumulation, whole.tokens_per_step) == (16, 1, 0)
     with pytest.raises(
-        ConfigError, match=r"^train.global_batch_size: 48 is not divisible by .* \(5\) × ranks \(2\) = 10$"
+        ConfigError,
+        match=r"^train.global_batch_size: 48 is not divisible by .* \(5\) × ranks \(2\) = 10; allowed: a multiple "
+        r"of 10$",
     ):
         BatchPlan.build(global_batch_size=48, micro_batch_size=5, data_parallel_size=2)
 

@@ -133,6 +133,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(path, f"expected true or false, got {brief(value)}")
+    if tp in (int, float):
+        value = _exponent_number(value)
     if tp is int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # 1e3 is 1000; 1e300 is then refused as wider than 64 bits
@@ -150,6 +152,14 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             return value
         raise ConfigError(path, f"expected a string, got {brief(value)}")
     raise TypeError(f"unsupported config field type {tp!r} at {path}")  # programming error, not user input
+
+
+def _exponent_number(value: Any) -> Any:
+    """`value`, or the float it spells when it is a number with an exponent: YAML 1.1 (PyYAML) reads 3e-4 and 1e308
+    as strings (its floats need a '.' and a signed exponent: 3.0e-4)."""
+    if isinstance(value, str) and "e" in value.lower() and is_number_text(value):
+        return float(value)
+    return value
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -259,7 +269,7 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
         _lookup_type(cls, key)  # fail early on unknown fields
         value = parse_yaml_value(raw, field=key)
         if isinstance(value, str) and is_number_text(value):
-            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+            value = float(value)  # YAML 1.1 reads "1e-3" as a string (`_exponent_number`), whatever the field
         node = data
         *parents, leaf = key.split(".")
         for p in parents:

@@ -65,11 +65,16 @@ def check_number(
     if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
         raise ConfigError(name, f"must fit in 64 bits (at most {INT64_MAX:,}), got {brief(value)}")
     if above is not None and not value > above:
-        raise ConfigError(name, f"must be > {above:g}, got {brief(value)}")
+        raise ConfigError(name, f"must be > {_bound(above)}, got {brief(value)}")
     if low is not None and not value >= low:
-        raise ConfigError(name, f"must be >= {low:g}, got {brief(value)}")
+        raise ConfigError(name, f"must be >= {_bound(low)}, got {brief(value)}")
     if high is not None and not value <= high:
-        raise ConfigError(name, f"must be <= {high:g}, got {brief(value)}")
+        raise ConfigError(name, f"must be <= {_bound(high)}, got {brief(value)}")
+
+
+def _bound(bound: float) -> str:
+    """An integer bound as the integer (2147483647, which `:g` shows as 2.14748e+09), a float one with `:g`."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def check_positive(name: str, value: float | int | None, *, allow_zero: bool = False) -> None:

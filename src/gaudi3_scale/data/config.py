@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gaudi3_scale.config.core import check_positive, check_range
@@ -9,7 +12,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seed
 from gaudi3_scale.data.sources import DEFAULT_SYNTHETIC_VOCAB, synthetic_vocab
 
-__all__ = ["DataConfig", "MixtureSource"]
+__all__ = ["DataConfig", "MixtureSource", "weight_sum_problem"]
 
 
 @dataclass(kw_only=True)
@@ -146,10 +149,22 @@ class DataConfig:
 def _check_mixture(mixture: list[MixtureSource]) -> None:
     if not mixture:
         raise ConfigError("mixture", "is empty; list at least one {source, weight}, or set it to null")
-    total = sum(m.weight for m in mixture)
-    if not total > 0:
-        raise ConfigError("mixture", f"weights sum to {total:g}; they must sum to a positive number")
+    if problem := weight_sum_problem([m.weight for m in mixture]):
+        raise ConfigError("mixture", problem)
     names = [m.name or m.source for m in mixture]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError("mixture", f"{', '.join(duplicates)} listed twice; give each member its own name")
+
+
+def weight_sum_problem(weights: Sequence[float]) -> str | None:
+    """Why relative sampling weights (finite, >= 0) cannot be normalised: they sum to 0, or past the largest float."""
+    total = sum(weights)  # inf past the largest float (math.fsum would raise OverflowError)
+    if math.isinf(total):
+        return (
+            f"the weights sum past the largest float ({sys.float_info.max:.2g}); weights are relative (7, 2, 1 is "
+            "70 % / 20 % / 10 %): scale them down"
+        )
+    if not total > 0:
+        return f"weights sum to {total:g}; they must sum to a positive number"
+    return None

@@ -29,6 +29,7 @@ import numpy as np
 
 from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.data.config import weight_sum_problem
 from gaudi3_scale.data.sampler import WindowSampler, accumulation_steps, rank_sample_positions
 
 __all__ = ["MIXTURE_STATE_FORMAT", "MixtureSampler", "SingleSource", "TrainSampler"]
@@ -321,9 +322,9 @@ def _fractions(weights: tuple[Any, ...], names: tuple[Any, ...], num_members: in
             raise UserInputError(
                 f"data mixture: weight of {name!r} is {brief(weight)}; use a finite number >= 0"
             )
+    if problem := weight_sum_problem(weights):
+        raise UserInputError(f"data mixture: {problem}")
     total = math.fsum(weights)
-    if total <= 0:
-        raise UserInputError(f"data mixture: weights sum to {total:g}; they must sum to a positive number")
     return tuple(w / total for w in weights)
 
 

@@ -11,10 +11,10 @@ Each pattern is a concatenation (no top-level `|`), so anchoring it is only `^â€
 
 from __future__ import annotations
 
-import ipaddress
 import re
 
 from gaudi3_scale.config.errors import ConfigError, brief
+from gaudi3_scale.config.hosts import is_host
 
 __all__ = [
     "DNS_LABEL",
@@ -60,10 +60,6 @@ _DNS_SUBDOMAIN_MAX = 253
 RUN_NAME = "[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?"
 # A Kubernetes resource quantity (apimachinery resource.Quantity), non-negative: 64, 500m, 1.5Gi, 1e3.
 QUANTITY = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[KMGTPE]i|[mkMGTPE]|[eE][-+]?[0-9]+)?"
-# A host name (RFC 1123 labels, any case); addresses are checked with `ipaddress`.
-_HOST_LABEL = "[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*"
-_HOSTNAME_MAX = 253
 
 # Where each cloud target puts its nodes: (pattern, what the line says is allowed).
 REGIONS = {
@@ -158,14 +154,8 @@ def check_region(target: str, value: object) -> str:
 def check_host(value: object, field: str = "--hosts") -> str:
     """A host name or an IP address. IPv6 zone ids (fe80::1%eth0) are refused: a zone names an interface of one
     machine, and its free text would reach the nodes' environment files."""
-    if isinstance(value, str) and "%" not in value:
-        try:
-            ipaddress.ip_address(value)
-            return value
-        except ValueError:
-            pass
-        if matches(_HOSTNAME, value) and len(value) <= _HOSTNAME_MAX:
-            return value
+    if is_host(value):
+        return value
     raise ConfigError(
         field,
         "each host must be a host name (letters, digits, '-' and '.') or an IP address without a zone id, "

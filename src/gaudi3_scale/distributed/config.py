@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.config.numbers import INT32_MAX, check_number
+from gaudi3_scale.config.hosts import parse_endpoint
+from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds
 from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
 __all__ = ["MESH_STRATEGIES", "OFFLOAD", "OFFLOAD_STRATEGIES", "STRATEGIES", "ParallelConfig"]
@@ -80,7 +80,17 @@ class ParallelConfig:
     node_rank: int = field(default=0, metadata={"help": "this node's rank, 0 … nnodes-1"})
     rdzv_endpoint: str | None = field(
         default=None,
-        metadata={"help": "HOST:PORT of the c10d rendezvous; null = a free port on 127.0.0.1 (one node)"},
+        metadata={
+            "help": "HOST:PORT of the c10d rendezvous (an IPv6 address in brackets: [fd00::1]:29500); null = a "
+            "free port on 127.0.0.1 (one node)"
+        },
+    )
+    rdzv_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds a node waits for the rendezvous: for HOST:PORT to accept connections (node 0's "
+            "`gaudi3 train` opens it), then for all nodes to join (torchrun's join_timeout, whose default is 600)"
+        },
     )
     max_restarts: int = field(
         default=0, metadata={"help": "restarts of the whole worker group after a failure"}
@@ -111,9 +121,8 @@ class ParallelConfig:
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ConfigError("rdzv_endpoint", "is required when nnodes > 1 (HOST:PORT of node 0)")
         if self.rdzv_endpoint is not None:
-            host, sep, port = self.rdzv_endpoint.rpartition(":")
-            if not sep or not host or not re.fullmatch("[0-9]{1,5}", port) or not 0 < int(port) < 65536:
-                raise ConfigError("rdzv_endpoint", f"must be HOST:PORT, got {self.rdzv_endpoint!r}")
+            parse_endpoint("rdzv_endpoint", self.rdzv_endpoint)
+        check_seconds("rdzv_timeout_s", self.rdzv_timeout_s)
 
         self._check_mesh()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import signal
 import socket
@@ -23,8 +24,10 @@ import uuid
 from collections.abc import Sequence
 
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.hosts import parse_endpoint
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.network import apply_network_preset
+from gaudi3_scale.distributed.rendezvous import hosted_here, wait_for_rendezvous
 
 __all__ = [
     "EXPLAINED_EXIT_CODES",
@@ -127,15 +130,18 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     from torch.distributed.run import get_args_parser, run
 
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    host, _, port = endpoint.rpartition(":")
+    host, port = parse_endpoint("parallel.rdzv_endpoint", endpoint)
     if cfg.node_rank == 0 and host in ("127.0.0.1", "localhost", socket.gethostname()):
-        _check_port_free(host, int(port))
+        _check_port_free(host, port)
+    elif not hosted_here(host):
+        wait_for_rendezvous(host, port, cfg.rdzv_timeout_s)
     launcher_args = [
         "--nnodes", str(cfg.nnodes),
         "--nproc-per-node", str(cfg.nproc_per_node),
         "--node-rank", str(cfg.node_rank),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint,
+        "--rdzv-conf", f"join_timeout={math.ceil(cfg.rdzv_timeout_s)}",
         "--rdzv-id", os.environ.get("GAUDI3_RUN_ID", uuid.uuid5(uuid.NAMESPACE_URL, endpoint).hex),
         "--max-restarts", str(cfg.max_restarts),
         "--signals-to-handle", ",".join(_agent_signals()),

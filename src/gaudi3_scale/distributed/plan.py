@@ -49,13 +49,8 @@ class BatchPlan:
 
         A global batch that does not split into whole micro-batches on every rank is a `ConfigError`.
         """
+        _check_split(global_batch_size, micro_batch_size, data_parallel_size)
         micro = micro_batch_size or global_batch_size // data_parallel_size
-        if micro < 1 or global_batch_size % (micro * data_parallel_size):
-            raise ConfigError(
-                "train.global_batch_size",
-                f"{global_batch_size} is not divisible by micro_batch_size ({micro}) × ranks ({data_parallel_size}) "
-                f"= {micro * data_parallel_size}",
-            )
         return cls(
             global_batch_size=global_batch_size,
             micro_batch_size=micro,
@@ -72,6 +67,31 @@ class BatchPlan:
     def per_rank_batch_size(self) -> int:
         """Sequences one rank trains on per optimizer step (micro-batch × accumulation)."""
         return self.micro_batch_size * self.accumulation
+
+
+def _check_split(global_batch_size: int, micro_batch_size: int | None, data_parallel_size: int) -> None:
+    """A `ConfigError` naming the smallest step when the global batch does not split into whole micro-batches."""
+    step = (micro_batch_size or 1) * data_parallel_size
+    if global_batch_size >= step and not global_batch_size % step:
+        return
+    ranks = f"{data_parallel_size} data-parallel ranks"
+    if micro_batch_size is None:
+        problem = (
+            f"{global_batch_size} sequences are fewer than the {ranks} (each rank needs at least one)"
+            if global_batch_size < step
+            else f"{global_batch_size} is not divisible by the {ranks}"
+        )
+    elif global_batch_size < step:
+        problem = (
+            f"{global_batch_size} sequences are fewer than train.micro_batch_size {micro_batch_size} × {ranks} = "
+            f"{step} (each rank needs at least one micro-batch)"
+        )
+    else:
+        problem = (
+            f"{global_batch_size} is not divisible by micro_batch_size ({micro_batch_size}) × ranks "
+            f"({data_parallel_size}) = {step}"
+        )
+    raise ConfigError("train.global_batch_size", f"{problem}; allowed: a multiple of {step}")
 
 
 @dataclass(frozen=True, kw_only=True)
