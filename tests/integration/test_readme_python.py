@@ -66,24 +66,33 @@ def test_gaudi_accelerator_says_gaudi_is_required(tmp_path: Path, monkeypatch: p
         _run("accelerator", tmp_path, monkeypatch)
 
 
-def test_optimizer_falls_back_and_precision_options_warn_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])  # the block's "or:" comment
+def test_optimizer_falls_back_and_either_trainer_takes_the_precision_plugin(
+    namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gaudi3_scale.device import optim, precision
 
+    block = _block("optimizer_precision")
+    assert "import lightning.pytorch as pl  # or: import pytorch_lightning as pl" in block
     monkeypatch.setattr(optim, "_WARNINGS", type(optim._WARNINGS)())  # fresh once-only caches for this test
     monkeypatch.setattr(precision, "_WARNINGS", type(precision._WARNINGS)())
+    monkeypatch.chdir(tmp_path)
+    ns: dict[str, Any] = {"__name__": "readme_optimizer_precision"}
+    code = block.replace("import lightning.pytorch as pl", f"import {namespace} as pl")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ns = _run("optimizer_precision", tmp_path, monkeypatch)
-        _run("optimizer_precision", tmp_path, monkeypatch)  # a second time: no new warnings
+        exec(compile(code, "README.md[optimizer_precision]", "exec"), ns)
     messages = [str(w.message) for w in caught if "gaudi3" in w.filename or "Gaudi" in str(w.message)]
-    assert any("using torch.optim.AdamW" in m for m in messages), messages
-    for option in ("optimize_bmm", "use_fused_rope", "use_flash_attention_v2"):
-        assert sum(f"GaudiMixedPrecision({option}=True)" in m for m in messages) == 1, (option, messages)
+    assert [m for m in messages if "GaudiOptimizer" in m] == [
+        "GaudiOptimizer.FusedAdamW(use_habana=True): no Gaudi (HPU) is usable here; using torch.optim.AdamW"
+    ]
+    assert not [m for m in messages if "GaudiMixedPrecision" in m], (
+        messages
+    )  # every option asked for takes effect
     assert type(ns["optimizer"]) is torch.optim.AdamW and ns["optimizer"].defaults["fused"] is True
-    assert ns["precision"].precision == "bf16-mixed" and ns["precision"].cache_fp32_weights is True
-    assert ns["trainer"].precision_plugin is ns["precision"]
+    plugin = ns["precision"]
+    assert plugin.precision == "bf16-mixed" and plugin.use_flash_attention_v2 and plugin.cache_fp32_weights
+    assert ns["trainer"].precision_plugin is plugin and ns["pl"].__name__ == namespace
 
 
 def test_batch_finder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

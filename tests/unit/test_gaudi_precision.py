@@ -7,6 +7,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from gaudi3_scale.device import optim as device_optim
 from gaudi3_scale.device import precision as device_precision
 from gaudi3_scale.device.hpu import hpu_available
+from gaudi3_scale.models.common.attention import Attention
+from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.precision import GaudiMixedPrecision
 from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer
@@ -25,8 +28,9 @@ from gaudi3_scale.train.optim import build_optimizer
 pytestmark = pytest.mark.skipif(hpu_available(), reason="checks the behaviour without Gaudi")
 
 
-class _TinyRegression(pl.LightningModule):
-    """Records the dtype its Linear produced and the loss of every training step."""
+class _RegressionBody:
+    """Records the dtype its Linear produced and the loss of every training step (a LightningModule of either
+    Lightning namespace, mixed in below)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,13 +55,18 @@ class _TinyRegression(pl.LightningModule):
         return DataLoader(data, batch_size=4)
 
 
-def _fit(plugin: GaudiMixedPrecision, tmp_path: Path) -> tuple[pl.Trainer, _TinyRegression]:
-    torch.manual_seed(0)
-    model = _TinyRegression()
-    trainer = pl.Trainer(
+class _TinyRegression(_RegressionBody, pl.LightningModule):
+    pass
+
+
+def _fit_module(
+    module: Any, plugin: GaudiMixedPrecision, tmp_path: Path, *, lightning: Any = pl, max_steps: int = 3
+) -> Any:
+    """`module` fitted on cpu by a Trainer of the `lightning` namespace that holds `plugin` itself."""
+    trainer = lightning.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=3,
+        max_steps=max_steps,
         plugins=[plugin],
         logger=False,
         enable_checkpointing=False,
@@ -65,12 +74,23 @@ def _fit(plugin: GaudiMixedPrecision, tmp_path: Path) -> tuple[pl.Trainer, _Tiny
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
+    assert trainer.precision_plugin is plugin
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
         # Lightning 2.6 calls a pytree API that newer torch deprecates (filtered the same way in train/trainer.py).
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-        trainer.fit(model)
-    return trainer, model
+        # torch says why it passed over an SDPA kernel (dropout on cpu) before falling back or refusing.
+        warnings.filterwarnings(
+            "ignore", message=r".*(kernel not used because|do not support non-zero dropout).*"
+        )
+        trainer.fit(module)
+    return trainer
+
+
+def _fit(plugin: GaudiMixedPrecision, tmp_path: Path) -> tuple[pl.Trainer, _TinyRegression]:
+    torch.manual_seed(0)
+    model = _TinyRegression()
+    return _fit_module(model, plugin, tmp_path), model
 
 
 @pytest.mark.parametrize(
@@ -112,24 +132,119 @@ def test_autocast_follows_the_model_device_and_cache_option() -> None:
         assert not torch.is_autocast_cache_enabled()  # Lightning's default
 
 
-def test_options_without_effect_warn_once_per_option() -> None:
+def test_cache_option_without_autocast_warns_once() -> None:
     device_precision._WARNINGS.clear()  # the cache is per process; start this test from a clean one
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         GaudiMixedPrecision()
-        GaudiMixedPrecision(cache_fp32_weights=True)  # takes effect under bf16-mixed: no warning
+        GaudiMixedPrecision(
+            cache_fp32_weights=True, use_flash_attention_v2=True
+        )  # both take effect: no warning
+        GaudiMixedPrecision(optimize_bmm=False, use_fused_rope=False)  # the seed's names, not requested
         assert caught == []
         for _ in range(3):
-            GaudiMixedPrecision(optimize_bmm=True, use_fused_rope=True, use_flash_attention_v2=True)
             GaudiMixedPrecision("32-true", cache_fp32_weights=True)
             GaudiMixedPrecision("bf16-true", cache_fp32_weights=True)
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 4, messages
-    for option in ("optimize_bmm", "use_fused_rope", "use_flash_attention_v2", "cache_fp32_weights"):
-        assert sum(f"({option}=True)" in m for m in messages) == 1, (option, messages)
-    assert all(w.category is UserWarning for w in caught)
-    plugin = GaudiMixedPrecision(use_fused_rope=True)
-    assert plugin.use_fused_rope is True  # the request is recorded
+    assert [str(w.message) for w in caught] == [
+        "GaudiMixedPrecision(cache_fp32_weights=True) has no effect unless precision='bf16-mixed': only autocast "
+        "casts fp32 weights"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("option", "reason"),
+    [
+        ("optimize_bmm", r"there is nothing to switch on \(bmm already runs in bf16 under autocast"),
+        ("use_fused_rope", r"no fused RoPE kernel is wired on any device"),
+    ],
+)
+def test_kernel_options_without_a_kernel_are_refused_in_one_line(option: str, reason: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^GaudiMixedPrecision\({option}=True\) is not supported: {reason}"
+    ) as info:
+        GaudiMixedPrecision(**{option: True})  # type: ignore[arg-type]
+    assert "\n" not in str(info.value) and str(info.value).endswith("; leave it False")
+
+
+class _Attention(pl.LightningModule):
+    """The models' own attention layer; records which SDPA kernel each training step ran."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.attention = Attention(ModelConfig(name="attention-test", dim=16, num_heads=2, dropout=dropout))
+        self.kernels: list[set[str]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = self.attention(batch[0])
+        self.kernels.append(
+            {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+        )
+        return out.float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(
+            TensorDataset(torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))), batch_size=2
+        )
+
+
+def _fit_attention(plugin: GaudiMixedPrecision, dropout: float, tmp_path: Path) -> _Attention:
+    module = _Attention(dropout)
+    _fit_module(module, plugin, tmp_path, max_steps=2)
+    return module
+
+
+FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+MATH = "aten::_scaled_dot_product_attention_math"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_flash_attention_option_holds_attention_to_the_flash_kernel(precision: str, tmp_path: Path) -> None:
+    flash = _fit_attention(GaudiMixedPrecision(precision, use_flash_attention_v2=True), 0.0, tmp_path)  # type: ignore[arg-type]
+    assert flash.kernels == [{FLASH_CPU}] * 2
+    # Dropout: torch's cpu flash kernel has none, so torch falls back to its math kernel; with the option it may not.
+    plain = _fit_attention(GaudiMixedPrecision(precision), 0.1, tmp_path)  # type: ignore[arg-type]
+    assert plain.kernels == [{MATH}] * 2
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        _fit_attention(GaudiMixedPrecision(precision, use_flash_attention_v2=True), 0.1, tmp_path)  # type: ignore[arg-type]
+
+
+def test_flash_attention_option_is_refused_where_torch_has_no_flash_backend() -> None:
+    plugin = GaudiMixedPrecision(use_flash_attention_v2=True)
+    plugin.convert_module(nn.Linear(2, 2, device="meta"))  # a device without it, as hpu is for this option
+    refused = r"^GaudiMixedPrecision\(use_flash_attention_v2=True\) is not supported on meta: .*allowed on: cuda, cpu$"
+    with pytest.raises(ValueError, match=refused), plugin.forward_context():
+        pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attention_option_on_cuda_runs_flash_attention_2() -> None:
+    attention = Attention(ModelConfig(name="attention-test", dim=64, num_heads=2)).cuda()
+    plugin = GaudiMixedPrecision(use_flash_attention_v2=True)
+    plugin.convert_module(attention)
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+        plugin.forward_context(),
+    ):
+        attention(torch.randn(2, 8, 64, device="cuda"))
+    assert "aten::_scaled_dot_product_flash_attention" in {e.key for e in prof.key_averages()}
+    plugin = GaudiMixedPrecision("32-true", use_flash_attention_v2=True)
+    plugin.convert_module(attention)
+    refused = r"needs bf16 on cuda .*allowed with precision: bf16-mixed, bf16-true$"
+    with pytest.raises(ValueError, match=refused), plugin.forward_context():
+        pass
+
+
+def test_the_seed_plugin_object_trains_under_pytorch_lightning(tmp_path: Path) -> None:
+    import pytorch_lightning
+
+    plugin = GaudiMixedPrecision("bf16-mixed")  # lightning.pytorch's, as `gaudi3_scale.precision` exports it
+    model = type("_TinyRegression", (_RegressionBody, pytorch_lightning.LightningModule), {})()
+    _fit_module(model, plugin, tmp_path, lightning=pytorch_lightning)
+    assert model.output_dtypes == [torch.bfloat16] * 3 and model.linear.weight.dtype == torch.float32
 
 
 def test_bad_precision_names_the_allowed_values() -> None:

@@ -69,6 +69,11 @@ assert t.precision_plugin.precision == "32-true"
 t = pl.Trainer(accelerator="hpu", devices=2, plugins=[ns.precision("bf16-mixed", cache_fp32_weights=True)], **quiet)
 assert t.precision_plugin.cache_fp32_weights
 
+from gaudi3_scale.precision import GaudiMixedPrecision  # the seed's object (lightning.pytorch's), in either namespace
+plugin = GaudiMixedPrecision("bf16-true")
+t = pl.Trainer(accelerator="hpu", devices=2, plugins=[plugin], **quiet)
+assert t.precision_plugin is plugin and type(plugin) is ns.precision and plugin.precision == "bf16-true"
+
 try:
     pl.Trainer(accelerator="hpu", devices=8, precision="16-mixed", **quiet)
 except UserInputError as exc:

@@ -7,15 +7,17 @@ torch.bfloat16)` on Gaudi, as Habana documents ("Mixed Precision Training with P
 docs.habana.ai/en/latest/PyTorch/PyTorch_Mixed_Precision/), and the same on "cpu" or "cuda" elsewhere, so one
 config trains everywhere. Not yet validated on Gaudi hardware.
 
-Kernel options: Habana ships fused kernels for attention (`habana_frameworks.torch.hpex.kernels.FusedSDPA`, whose
-flash-style recompute mode `habana_frameworks.torch.hpu.sdp_kernel(enable_recompute=True)` selects) and rotary
-embeddings (`habana_frameworks.torch.hpex.kernels.RotaryPosEmbeddingHelperV1/V2/V3`, `apply_rotary_pos_emb`); read in
-`hpex/kernels/__init__.py` and `hpu/__init__.py` of the habana_frameworks package. They replace calls inside the model's attention, which a
-precision plugin cannot reach, and it is not confirmed that `torch.nn.functional.scaled_dot_product_attention` (what
-`models/common/attention.py` calls) dispatches to FusedSDPA on HPU: Habana's GPU-migration layer swaps it for
-FusedSDPA explicitly. So `use_fused_rope` and `use_flash_attention_v2` only record the request and warn that they have
-no effect yet. `optimize_bmm` has no Habana switch we could confirm; bmm already runs in bf16 under autocast on hpu,
-cpu and cuda (it is on each device's lower-precision op list), so it too only records the request.
+Kernel options of the seed's API:
+- `use_flash_attention_v2=True` restricts `torch.nn.functional.scaled_dot_product_attention` (what
+  `models/common/attention.py` calls) to its flash backend during the forward pass (`torch.nn.attention.sdpa_kernel`):
+  FlashAttention-2 on cuda, torch's flash kernel on cpu. Where flash cannot run (fp32 inputs on cuda, dropout on cpu)
+  torch refuses the call ("No available kernel") instead of quietly using another kernel. On hpu it is refused in one
+  line: it is not confirmed that torch's scaled_dot_product_attention reaches Habana's FusedSDPA (Habana's
+  GPU-migration layer swaps it in explicitly), and FusedSDPA is not among the Habana APIs this project relies on.
+- `use_fused_rope=True` and `optimize_bmm=True` are refused in one line. No fused RoPE kernel is wired on any device
+  (the models rotate with their own code, `models/common/rope.py`, and a precision plugin cannot reach inside
+  them); bmm already runs in bf16 under autocast on hpu, cpu and cuda (it is on each device's lower-precision op
+  list) and no separate Habana switch for it is known.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 from lightning.fabric.utilities.rank_zero import WarningCache
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["PRECISIONS", "GaudiMixedPrecision", "gaudi_precision_class"]
+__all__ = ["PRECISIONS", "GaudiMixedPrecision", "gaudi_precision_class", "rebase_precision_plugin"]
 
 # The body below is shared by the plugin of each Lightning namespace (`lightning.pytorch`, `pytorch_lightning`):
 # a mixin, typed against lightning.pytorch's Precision for the checker only.
@@ -42,21 +45,17 @@ else:
 GaudiPrecision = Literal["bf16-mixed", "bf16-true", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(GaudiPrecision)
 
-# One warning per option per process (Lightning's rank-zero de-duplicating cache; each message is fixed per option).
+# One warning per message per process (Lightning's rank-zero de-duplicating cache).
 _WARNINGS = WarningCache()
 
-_NO_EFFECT_YET = {
+_REFUSED = {
     "optimize_bmm": (
-        "GaudiMixedPrecision(optimize_bmm=True) has no effect: bmm already runs in bf16 under autocast on hpu, cpu "
-        "and cuda, and no separate Habana switch for it is known"
+        "GaudiMixedPrecision(optimize_bmm=True) is not supported: there is nothing to switch on (bmm already runs in "
+        "bf16 under autocast on hpu, cpu and cuda, and no separate Habana switch for it is known); leave it False"
     ),
     "use_fused_rope": (
-        "GaudiMixedPrecision(use_fused_rope=True) has no effect yet: the model's rotary embedding does not call "
-        "Habana's fused RoPE kernel, and a precision plugin cannot swap it in"
-    ),
-    "use_flash_attention_v2": (
-        "GaudiMixedPrecision(use_flash_attention_v2=True) has no effect yet: the plugin does not choose attention "
-        "kernels (on cuda, torch's scaled_dot_product_attention already picks FlashAttention-2 when the inputs allow)"
+        "GaudiMixedPrecision(use_fused_rope=True) is not supported: no fused RoPE kernel is wired on any device (the "
+        "models rotate with their own code, models/common/rope.py); leave it False"
     ),
 }
 
@@ -64,8 +63,10 @@ _NO_EFFECT_YET = {
 class _GaudiPrecisionBody(_PrecisionBase):
     """bf16 autocast on the model's device (hpu, cuda or cpu); also "bf16-true" and "32-true".
 
+    `use_flash_attention_v2` runs attention on torch's flash kernel (FlashAttention-2 on cuda; cuda and cpu only).
     `cache_fp32_weights` is torch.autocast's `cache_enabled`: within one forward pass, each fp32 weight is cast to
     bf16 once and the copy reused. Lightning's own MixedPrecision turns it off, so the default matches Lightning.
+    `optimize_bmm` and `use_fused_rope` are the seed's names, kept so False still works; True is refused.
     """
 
     _half_precision: ClassVar[type[HalfPrecision]]  # the namespace's HalfPrecision, for "bf16-true"
@@ -83,17 +84,15 @@ class _GaudiPrecisionBody(_PrecisionBase):
             raise ValueError(
                 f"GaudiMixedPrecision(precision={precision!r}) is not supported; allowed: {', '.join(PRECISIONS)}"
             )
+        for option, requested in (("optimize_bmm", optimize_bmm), ("use_fused_rope", use_fused_rope)):
+            if requested:
+                raise ValueError(_REFUSED[option])
         self.precision = precision
-        self.optimize_bmm = optimize_bmm
-        self.use_fused_rope = use_fused_rope
         self.use_flash_attention_v2 = use_flash_attention_v2
         self.cache_fp32_weights = cache_fp32_weights
         # bf16-true is exactly Lightning's HalfPrecision; reuse it rather than copy it.
         self._half = self._half_precision("bf16-true") if precision == "bf16-true" else None
         self._module: nn.Module | None = None
-        for option, message in _NO_EFFECT_YET.items():
-            if getattr(self, option):
-                _WARNINGS.warn(message)
         if cache_fp32_weights and precision != "bf16-mixed":
             _WARNINGS.warn(
                 "GaudiMixedPrecision(cache_fp32_weights=True) has no effect unless precision='bf16-mixed': "
@@ -118,15 +117,31 @@ class _GaudiPrecisionBody(_PrecisionBase):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        with self._attention_context(), self._precision_context():
+            yield
+
+    def _precision_context(self) -> AbstractContextManager[Any]:
         if self.precision == "bf16-mixed":
             device_type = self.autocast_device_type()
-            with torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=self.cache_fp32_weights):
-                yield
-        elif self._half is not None:
-            with self._half.forward_context():
-                yield
-        else:
-            yield
+            return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=self.cache_fp32_weights)
+        return self._half.forward_context() if self._half else nullcontext()
+
+    def _attention_context(self) -> AbstractContextManager[Any]:
+        if not self.use_flash_attention_v2:
+            return nullcontext()
+        device_type = self.autocast_device_type()
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(
+                f"GaudiMixedPrecision(use_flash_attention_v2=True) is not supported on {device_type}: the model calls "
+                "torch's scaled_dot_product_attention, whose flash backend exists on cuda and cpu only (Habana's "
+                "FusedSDPA is not wired); allowed on: cuda, cpu"
+            )
+        if device_type == "cuda" and self.precision == "32-true":
+            raise ValueError(
+                "GaudiMixedPrecision(use_flash_attention_v2=True) needs bf16 on cuda (FlashAttention-2 takes no fp32); "
+                "allowed with precision: bf16-mixed, bf16-true"
+            )
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
     def tensor_init_context(self) -> AbstractContextManager[Any]:
         return self._half.tensor_init_context() if self._half else nullcontext()
@@ -151,3 +166,15 @@ def gaudi_precision_class(precision_base: type, half_precision: type) -> type:
         (_GaudiPrecisionBody, precision_base),
         {"_half_precision": half_precision, "__doc__": _GaudiPrecisionBody.__doc__, "__module__": __name__},
     )
+
+
+def rebase_precision_plugin(plugin: object, precision_class: type) -> None:
+    """Make a GaudiMixedPrecision built for another Lightning namespace an instance of `precision_class` (this
+    namespace's, from `gaudi_precision_class`), so this namespace's Trainer takes the very object the user made.
+
+    `pytorch_lightning`'s Precision is a plain class, not an ABC like its Accelerator (GaudiAccelerator is registered
+    as a virtual subclass there), so the object's class changes instead: the variants share one body and one
+    instance layout, and the `HalfPrecision` a "bf16-true" plugin holds only calls torch. Anything else is left as is.
+    """
+    if isinstance(plugin, _GaudiPrecisionBody) and not isinstance(plugin, precision_class):
+        plugin.__class__ = precision_class

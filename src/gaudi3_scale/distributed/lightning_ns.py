@@ -9,8 +9,10 @@ a namespace:
 - the defaults Lightning 2.6 no longer has for Gaudi (it raises "HPU is currently not supported" for "hpu" with
   strategy "auto", and its "bf16-mixed" autocasts on "cuda" for an accelerator it does not know): strategy "auto" is
   "habana_ddp" on several devices or nodes and a single-device strategy on hpu otherwise; precision "bf16-mixed",
-  "bf16-true" and "32-true" is that namespace's `GaudiMixedPrecision`; other precisions are refused in one line.
-  These two are wrappers around private methods of Lightning's `_AcceleratorConnector` (2.6); the tests pin them.
+  "bf16-true" and "32-true" is that namespace's `GaudiMixedPrecision`; other precisions are refused in one line;
+- `plugins=[GaudiMixedPrecision(...)]` made for the other namespace (`gaudi3_scale.precision`'s is lightning.pytorch's)
+  taken as it is: the object becomes this namespace's variant (`device.precision.rebase_precision_plugin`).
+  These three are wrappers around private methods of Lightning's `_AcceleratorConnector` (2.6); the tests pin them.
 
 `gaudi3_scale.lightning_hook` calls this for each namespace as it is imported. Not yet validated on Gaudi hardware.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,12 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.gaudi_accelerator import GaudiAccelerator, register_gaudi_accelerator
-from gaudi3_scale.device.precision import PRECISIONS, GaudiMixedPrecision, gaudi_precision_class
+from gaudi3_scale.device.precision import (
+    PRECISIONS,
+    GaudiMixedPrecision,
+    gaudi_precision_class,
+    rebase_precision_plugin,
+)
 from gaudi3_scale.distributed.fsdp import FSDP2Body
 from gaudi3_scale.distributed.hpu import (
     HABANA_DDP,
@@ -93,8 +101,17 @@ def register_namespace(namespace: str) -> None:
 def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: type) -> None:
     if getattr(connector, _PATCHED, False):
         return
+    check_config = connector._check_config_and_set_final_flags
     choose_strategy = connector._choose_strategy
     init_precision = connector._check_and_init_precision
+
+    def _check_config_and_set_final_flags(self: Any, **flags: Any) -> Any:
+        given = flags.get("plugins")
+        if isinstance(given, Iterable):
+            given = flags["plugins"] = list(given)  # a generator would be empty when Lightning reads it next
+        for plugin in given if isinstance(given, list) else [given]:
+            rebase_precision_plugin(plugin, plugins.precision)
+        return check_config(self, **flags)
 
     def _choose_strategy(self: Any) -> Any:
         if not isinstance(self.accelerator, GaudiAccelerator):
@@ -112,6 +129,7 @@ def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: t
             )
         return plugins.precision(self._precision_flag)
 
+    connector._check_config_and_set_final_flags = _check_config_and_set_final_flags
     connector._choose_strategy = _choose_strategy
     connector._check_and_init_precision = _check_and_init_precision
     setattr(connector, _PATCHED, True)
