@@ -5,6 +5,7 @@
     hf           `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM.from_pretrained(dir)`
                  loads with the same logits (Llama-arch models; bert ones as `BertForMaskedLM`, `models.hf_bert`;
                  the mapping is `models.hf`); `load_exported` reads it back too, as does `model.init_from`.
+                 Without the vocabulary padding (`models.vocab`): its `vocab_size` is the tokenizer's.
 
 Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
 safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
@@ -39,6 +40,7 @@ from gaudi3_scale.models.pretrained import (
     open_pretrained,
 )
 from gaudi3_scale.models.pretrained_reader import load_pretrained
+from gaudi3_scale.models.vocab import drop_vocab_padding
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -84,6 +86,7 @@ def export_checkpoint(
                 f"arch {cfg.arch!r}; use --format safetensors"
             )
         dtype, config_name = state["tok_embeddings.weight"].dtype, HF_CONFIG_NAME
+        cfg, state = drop_vocab_padding(cfg, state)  # transformers would sample the padding rows
         if cfg.arch == "bert":
             tensors, config = to_hf_bert(cfg, state), hf_bert_config(cfg, dtype=dtype)
         else:

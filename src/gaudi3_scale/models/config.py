@@ -70,7 +70,8 @@ class ModelConfig:
         default=None,
         metadata={
             "help": "round the embedding and output-head rows up to a multiple of this power of two (padding "
-            "rows are never sampled nor counted as parameters); null = 64 on GPUs and Gaudi, 1 on CPU"
+            "rows take no part in the loss, are never sampled nor counted as parameters); null = 64 on GPUs and "
+            "Gaudi, 1 on CPU, at least parallel.tp_size under tensor parallel"
         },
     )
     context_length: int = field(default=64, metadata={"help": "maximum sequence length in tokens"})

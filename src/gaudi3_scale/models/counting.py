@@ -27,6 +27,7 @@ from gaudi3_scale.models.build import build_model
 from gaudi3_scale.models.common.moe import GroupedExperts
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.transformer import Transformer
+from gaudi3_scale.models.vocab import VOCAB_TABLES
 
 __all__ = ["count_parameters", "flops_per_token", "forward_flops_per_token"]
 
@@ -63,9 +64,7 @@ def count_parameters(
         params = [p for p in params if id(p) not in lookup]
     assert cfg.vocab_size is not None  # build_model refused an unresolved vocabulary
     padding_rows = cfg.padded_vocab_size - cfg.vocab_size
-    vocab_tables = {id(model.tok_embeddings.weight), id(model.output.weight)}
-    if model.output.bias is not None:  # bert's decoder bias: one padding entry per padding row
-        vocab_tables.add(id(model.output.bias))
+    vocab_tables = {id(p) for name, p in model.named_parameters() if name in VOCAB_TABLES}
     total = sum(p.numel() - (padding_rows * p[0].numel() if id(p) in vocab_tables else 0) for p in params)
     if active and cfg.num_experts:
         counted = {id(p) for p in params}

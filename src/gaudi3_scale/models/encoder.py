@@ -91,7 +91,8 @@ class Encoder(Transformer):
     def forward(
         self, tokens: torch.Tensor, cache: CacheStep | None = None, *, token_types: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens (and token_types, default all 0): int64 [batch, seq] → logits [batch, seq, padded_vocab_size].
+        """tokens (and token_types, default all 0): int64 [batch, seq] → logits [batch, seq, padded_vocab_size], the
+        padding columns masked as `Transformer.forward`'s.
         An encoder reads the whole sequence at once: there is no KV cache to pass."""
         if cache is not None:
             raise ValueError(
@@ -108,7 +109,7 @@ class Encoder(Transformer):
         h = self.dropout(self.embedding_norm(h))
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.mlm_head(h))
+        return self._mask_padding(self.output(self.mlm_head(h)))
 
     @torch.no_grad()
     def init_weights(

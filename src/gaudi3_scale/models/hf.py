@@ -196,7 +196,7 @@ def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows, padding included, so logits line up
+        "vocab_size": cfg.padded_vocab_size,  # the embedding's rows (an export drops the padding: models.vocab)
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.num_layers,

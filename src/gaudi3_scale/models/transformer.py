@@ -23,6 +23,7 @@ from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.common.kv_cache import CacheStep, LayerCache
 from gaudi3_scale.models.common.moe import GroupedExperts, MoEFeedForward
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.vocab import mask_vocab_padding
 
 __all__ = ["Transformer", "TransformerBlock"]
 
@@ -82,7 +83,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cache", rope, persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
-        """tokens: int64 [batch, seq] → logits [batch, seq, padded_vocab_size].
+        """tokens: int64 [batch, seq] → logits [batch, seq, padded_vocab_size]; the padding columns hold the lowest
+        finite value of the dtype, so they get no probability (`models.vocab`).
 
         With `cache` (models/common/kv_cache.py) the tokens are the NEW ones of each row, at `cache.positions`; they
         attend to the row's cached keys too, and their own keys/values are stored. Without it (training) the
@@ -102,7 +104,12 @@ class Transformer(nn.Module):
         rope = self.rope_cache[where] if self.rope_cache is not None else None
         for index, layer in enumerate(self.layers):
             h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(index))
-        return self.output(self.norm(h))
+        return self._mask_padding(self.output(self.norm(h)))
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        vocab_size = self.config.vocab_size
+        assert vocab_size is not None, "the model is built with its vocabulary resolved"
+        return mask_vocab_padding(logits, vocab_size)
 
     def _tie_weights(self) -> None:
         if self.config.tie_embeddings:

@@ -66,7 +66,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the next-token logits (over the padded vocabulary: padding rows learn to lose)."""
+    """Mean cross-entropy of the next-token logits (vocabulary padding has no probability: `models.vocab`)."""
     logits = model(tokens)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
