@@ -99,6 +99,21 @@ def test_padding_rows_are_never_sampled() -> None:
     assert int(out.max()) < 65
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(model: Transformer) -> None:
+    """`vocab_size` below the model's (a Hugging Face model fine-tuned with a smaller tokenizer): the rows past it
+    are left out however likely, as padding rows are."""
+    handle = model.output.register_forward_hook(
+        lambda _m, _i, out: torch.cat((out[..., :60], out[..., 60:] + 1e4), -1)
+    )
+    try:
+        for temperature in (0.0, 1.0):
+            out = generate(model, _prompt(), max_new_tokens=10, temperature=temperature, vocab_size=60,
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+            assert int(out[:, 4:].max()) < 60, temperature
+    finally:
+        handle.remove()
+
+
 def test_restores_training_mode_and_allows_zero_new_tokens(model: Transformer) -> None:
     model.train()
     try:

@@ -92,16 +92,20 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Extend `prompt` [batch, T0] by `max_new_tokens` sampled tokens; returns [batch, T0 + max_new_tokens].
 
     temperature 0 is greedy (argmax); top_k keeps only the k most likely tokens. The model runs in eval mode
     (restored afterwards) and sees at most its last `context_length` tokens. Padding rows of the vocabulary are
-    never sampled. `use_cache=False` re-runs the (cropped) context for every token: the reference the cache is
-    tested against.
+    never sampled, nor ids from `vocab_size` on (a tokenizer with fewer tokens than the model's embedding rows, as a
+    Hugging Face model fine-tuned on bytes: those ids decode to nothing). `use_cache=False` re-runs the (cropped)
+    context for every token: the reference the cache is tested against.
     """
     _check_args(prompt, max_new_tokens, temperature, top_k)
     cfg = _model_config(model)
+    assert cfg.vocab_size is not None  # _model_config refused an unresolved vocabulary
+    sampled_vocab = cfg.vocab_size if vocab_size is None else min(cfg.vocab_size, vocab_size)
     was_training = model.training
     model.eval()
     tokens = prompt
@@ -112,9 +116,7 @@ def generate(
     cached = 0  # leading tokens whose keys and values the cache holds
     try:
         for _ in range(max_new_tokens):
-            logits = _next_logits(model, tokens, cache, cached, cfg.context_length)[
-                :, : cfg.vocab_size
-            ].float()
+            logits = _next_logits(model, tokens, cache, cached, cfg.context_length)[:, :sampled_vocab].float()
             cached = tokens.shape[1]
             tokens = torch.cat((tokens, sample_next_token(logits, temperature, top_k, generator)), dim=1)
     finally:
