@@ -149,7 +149,7 @@ def test_tied_biased_padded_llama_to_hf(tmp_path: Path, capsys: pytest.CaptureFi
             {"num_key_value_heads": 3},
             "not a model this project can build (num_kv_heads: must divide num_heads",
         ),
-        ({"num_hidden_layers": -1}, "num_layers"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be > 0, got -1"),  # named as config.json names it
     ],
 )
 def test_hf_exports_we_cannot_compute_exactly_are_refused(

@@ -9,11 +9,14 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from gaudi3_scale.artifacts.export import load_exported
 from gaudi3_scale.cli.main import main
@@ -270,3 +273,26 @@ def test_a_dataset_vocabulary_larger_than_the_checkpoints_is_refused(
     with pytest.raises(ConfigError, match=re.escape(message)):
         GaudiTrainer(build_run_config(None, overrides), progress=False).fit()
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_model_with_more_rows_than_the_byte_tokenizer_trains_and_prints_its_sample(tmp_path: Path) -> None:
+    """A Hugging Face model of vocabulary 320 fine-tuned with the byte tokenizer (256 tokens; ids 256..319 never
+    occur in the data) trains, saves and prints its end-of-run sample, drawn from ids the tokenizer decodes: it
+    exited 1 with a traceback there, after the run was saved."""
+    directory = tmp_path / "llama-320"
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, **shape)).save_pretrained(directory)
+    (tmp_path / "text.txt").write_text(TEXT)
+    args = ["train", "--model.init_from", str(directory), "--data.tokenizer", "byte", "--data.source",
+            str(tmp_path / "text.txt"), "--data.prepared_dir", str(tmp_path / "prepared"), "--out",
+            str(tmp_path / "run"), "--model.context_length", "32", "--train.global_batch_size", "2",
+            "--train.micro_batch_size", "2", "--train.max_steps", "1", "--train.val_every_steps", "0",
+            "--no-progress", "--sample-tokens", "64"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    sample = done.stdout.split("---- sample ----\n", 1)[1]
+    assert len(sample.encode()) >= 64  # the newline it starts from and 64 decoded bytes

@@ -306,6 +306,33 @@ def test_static_decode_step_is_one_graph_for_every_step() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static", "off"])
+def test_a_failing_request_fails_alone_and_its_batch_finishes(kv_cache: str) -> None:
+    """Four requests in one batch: one the sampler cannot handle (top_k 0, which only the HTTP layer refuses), one
+    whose prompt id is outside the vocabulary (the batched forward raises on it) and two good ones. The two bad
+    ones end with an error; the good ones get the tokens they get alone."""
+    model, tok = _random_model("llama-tiny"), ByteTokenizer()
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8, kv_cache=kv_cache)  # type: ignore[arg-type]
+    base = CompletionRequest(model="m", prompt="", max_tokens=10, temperature=0.8, top_p=None, top_k=None,
+                             seed=5, stream=False, stop=(), echo=False)  # fmt: skip
+    prompts = [([104, 105], base), ([104, 105], replace(base, top_k=0)), ([7, 300], base),
+               ([120, 121, 122], replace(base, temperature=0.0))]  # fmt: skip
+    completions = [engine.submit(ids, request) for ids, request in prompts]
+    engine.start()  # after the four are queued: they join one batch
+    last = [list(c.deltas()) for c in completions]
+    assert engine.close(grace_s=5.0) == 0
+    assert [d[-1].finish_reason for d in last] == ["length", "error", "error", "length"]
+    assert str(last[1][-1].error).startswith("sampling failed: "), last[1][-1]
+    assert str(last[2][-1].error).startswith("its forward failed: index out of range"), last[2][-1]
+    for i in (0, 3):
+        ids, request = prompts[i]
+        out = generate(model, torch.tensor([ids]), max_new_tokens=10, temperature=request.temperature,
+                       generator=torch.Generator().manual_seed(5))  # fmt: skip
+        assert "".join(d.text for d in last[i]) == tok.decode(out[0, len(ids) :].tolist()), i
+    stats = engine.stats()
+    assert stats.largest_batch == 4 and stats.completed_requests == 2 and stats.generated_tokens == 20
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     generator = torch.Generator().manual_seed(0)
@@ -353,30 +380,70 @@ def test_seeded_sampling_is_reproducible(server: Server, reference: Callable[...
     assert server.complete(**body, seed=4321)["choices"][0]["text"] != first
 
 
-def test_concurrent_requests_each_get_their_own_completion(server: Server) -> None:
-    """8 clients at once (batch 4): greedy and seeded, different lengths, so requests join and leave mid-batch."""
-    bodies = [{"prompt": p, "max_tokens": 8 + 5 * i, "temperature": 0.8 if i % 2 else 0.0, "seed": 100 + i}
-              for i, p in enumerate(PROMPTS)]  # fmt: skip
-    results: list[dict[str, Any] | None] = [None] * len(bodies)
+def _all_at_once(server: Server, bodies: list[dict[str, Any]]) -> list[tuple[int, Any] | None]:
+    """(status, answer) of each completion request, all sent at the same moment from their own threads."""
+    results: list[tuple[int, Any] | None] = [None] * len(bodies)
     start = threading.Barrier(len(bodies))
 
     def client(i: int) -> None:
         start.wait()
-        results[i] = server.complete(**bodies[i])
+        results[i] = server.request("POST", "/v1/completions", bodies[i])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    return results
+
+
+def test_concurrent_requests_each_get_their_own_completion(server: Server) -> None:
+    """8 clients at once (batch 4): greedy and seeded, different lengths, so requests join and leave mid-batch."""
+    bodies = [{"prompt": p, "max_tokens": 8 + 5 * i, "temperature": 0.8 if i % 2 else 0.0, "seed": 100 + i}
+              for i, p in enumerate(PROMPTS)]  # fmt: skip
+    answers = _all_at_once(server, bodies)
+    assert all(a is not None and a[0] == 200 for a in answers), answers
+    results = [a[1] for a in answers if a is not None]
     # Really batched, and never beyond --max-batch-size.
     assert 2 <= server.health()["engine"]["largest_batch"] <= 4
-    assert len({r["id"] for r in results if r}) == len(bodies)
+    assert len({r["id"] for r in results}) == len(bodies)
     for body, result in zip(bodies, results, strict=True):
-        assert result is not None
         alone = server.complete(**body)
         assert result["choices"][0]["text"] == alone["choices"][0]["text"], body
         assert result["usage"]["completion_tokens"] == body["max_tokens"]
+
+
+# Inside the validator's ranges, at their edges: each must sample, in any batch. The first four are greedy in effect
+# (a temperature below the sampler's greedy threshold; a top_p below the most likely token's probability, which
+# always stays); top_k 1 is greedy by definition.
+SAMPLING_EDGES: list[tuple[dict[str, Any], bool]] = [
+    ({"temperature": 5e-324}, True),
+    ({"temperature": 1e-300, "top_k": 3}, True),
+    ({"temperature": 1.0, "top_p": 1e-300}, True),
+    ({"temperature": 2.0, "top_p": 5e-324}, True),
+    ({"temperature": 2.0, "top_k": 1}, True),
+    ({"temperature": 2.0, "top_p": 1.0}, False),
+    ({"temperature": 2.0, "top_k": 2**31, "top_p": 0.999999999}, False),
+    ({"temperature": 1e-5 * 1.0001, "top_p": 1.0}, False),  # just above the threshold: sampled, sharply
+]
+
+
+def test_extreme_valid_sampling_values_complete_in_any_batch(
+    server: Server, reference: Callable[..., str]
+) -> None:
+    """Every edge at once (8 clients, batch 4): each gets 200 with all its tokens, none fails its batch, and the
+    greedy ones give the greedy text (a tiny temperature is temperature 0, whatever the seed)."""
+    greedy = reference("KING", 12)
+    bodies = [
+        {"prompt": "KING", "max_tokens": 12, "seed": 7 + i, **edge}
+        for i, (edge, _) in enumerate(SAMPLING_EDGES)
+    ]
+    answers = _all_at_once(server, bodies)
+    for (edge, is_greedy), answer in zip(SAMPLING_EDGES, answers, strict=True):
+        assert answer is not None and answer[0] == 200, (edge, answer)
+        assert answer[1]["usage"]["completion_tokens"] == 12, edge
+        if is_greedy:
+            assert answer[1]["choices"][0]["text"] == greedy, edge
 
 
 def test_stream_concatenates_to_the_completion(server: Server) -> None:

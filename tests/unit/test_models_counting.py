@@ -1,11 +1,22 @@
-"""Parameter counts pinned to published numbers; FLOPs per token checked against hand arithmetic."""
+"""Parameter counts pinned to published numbers; FLOPs per token checked against hand arithmetic; names and shapes
+from one block checked against the whole model."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
-from gaudi3_scale.models import count_parameters, flops_per_token, forward_flops_per_token, get_model_config
+import pytest
+import torch
+
+from gaudi3_scale.models import (
+    build_model,
+    count_parameters,
+    flops_per_token,
+    forward_flops_per_token,
+    get_model_config,
+)
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import parameter_shapes
 
 
 @pytest.mark.parametrize(
@@ -75,3 +86,15 @@ def test_flops_rejects_bad_seq_len_and_unresolved_vocab() -> None:
         flops_per_token(get_model_config("gpt2-124m"), seq_len=2048)
     with pytest.raises(ValueError, match="vocab_size"):
         count_parameters(get_model_config("shakespeare-char"))
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "llama-tiny", "moe-tiny", "bert-tiny"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_shapes_of_one_block_are_those_of_the_whole_model(name: str, tied: bool) -> None:
+    """`parameter_shapes` builds one block whatever num_layers (the counts above are extrapolated from one and two
+    blocks): the same names in the same order, and shapes, as the whole model built on meta."""
+    cfg = replace(get_model_config(name), num_layers=5, tie_embeddings=tied, pad_vocab_to_multiple=64)
+    cfg = cfg if cfg.vocab_size else cfg.resolve_vocab(100)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert list(parameter_shapes(cfg).items()) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]

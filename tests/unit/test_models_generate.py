@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gaudi3_scale.models import Transformer, build_model, get_model_config
-from gaudi3_scale.models.generate import generate
+from gaudi3_scale.models.generate import GREEDY_BELOW_TEMPERATURE, generate, sample_next_token
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,25 @@ def test_temperature_zero_is_greedy_and_top_k_one_matches_it(model: Transformer)
     assert torch.equal(sampled, expected)
 
 
+def test_every_temperature_and_top_p_in_range_gives_a_token() -> None:
+    """Denormal temperatures and top_p (valid requests of `gaudi3 serve`) once made NaN probabilities. Below the
+    greedy threshold, and with a top_p below the top token's probability, the draw is the argmax; huge logits
+    divided by the smallest sampled temperature do not overflow."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 65, generator=generator) * 10
+    logits[3] *= 1e30
+    greedy = logits.argmax(-1, keepdim=True)
+    below = GREEDY_BELOW_TEMPERATURE * 0.999
+    for temperature, top_p in [(5e-324, None), (1e-300, 0.5), (1e-44, None), (below, None), (1.0, 1e-300),
+                               (2.0, 5e-324)]:  # fmt: skip
+        assert torch.equal(sample_next_token(logits, temperature, None, generator, top_p=top_p), greedy)
+    for temperature, top_p, top_k in [(GREEDY_BELOW_TEMPERATURE, None, None), (2.0, 1.0, None), (2.0, None, 1),
+                                      (2.0, 0.999999999, 2**31)]:  # fmt: skip
+        ids = sample_next_token(logits, temperature, top_k, generator, top_p=top_p)
+        assert ids.shape == (4, 1) and int(ids.min()) >= 0 and int(ids.max()) < 65
+        assert int(ids[3]) == int(greedy[3])  # logits 1e30 apart: the top one, at any temperature
+
+
 @pytest.mark.parametrize(
     ("name", "kv_heads"), [("shakespeare-char", None), ("llama-tiny", 1)]
 )  # gpt2; llama GQA
@@ -78,6 +97,21 @@ def test_padding_rows_are_never_sampled() -> None:
     )
     out = generate(model, _prompt(), max_new_tokens=10, temperature=0.0)
     assert int(out.max()) < 65
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled(model: Transformer) -> None:
+    """`vocab_size` below the model's (a Hugging Face model fine-tuned with a smaller tokenizer): the rows past it
+    are left out however likely, as padding rows are."""
+    handle = model.output.register_forward_hook(
+        lambda _m, _i, out: torch.cat((out[..., :60], out[..., 60:] + 1e4), -1)
+    )
+    try:
+        for temperature in (0.0, 1.0):
+            out = generate(model, _prompt(), max_new_tokens=10, temperature=temperature, vocab_size=60,
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+            assert int(out[:, 4:].max()) < 60, temperature
+    finally:
+        handle.remove()
 
 
 def test_restores_training_mode_and_allows_zero_new_tokens(model: Transformer) -> None:

@@ -73,7 +73,8 @@ def generate_text(
     top_k: int | None = 200,
     seed: int = 0,
 ) -> str:
-    """Prompt + sampled continuation, decoded. An empty prompt starts from a newline."""
+    """Prompt + sampled continuation, decoded. An empty prompt starts from a newline; only ids the tokenizer can
+    decode are sampled (the model may have more rows, as a Hugging Face one fine-tuned with the byte tokenizer)."""
     ids = tokenizer.encode(prompt or "\n")
     if not ids:
         raise UserInputError("--prompt encodes to no tokens with this tokenizer")
@@ -90,6 +91,7 @@ def generate_text(
             temperature=temperature,
             top_k=top_k,
             generator=generator,
+            vocab_size=tokenizer.vocab_size,
         )
     finally:
         model.train(was_training)

@@ -107,12 +107,14 @@ def print_dry_run(cfg: RunConfig) -> None:
 
     from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
     from gaudi3_scale.models import build_model
+    from gaudi3_scale.models.counting import check_parameter_count
     from gaudi3_scale.tune.estimate_table import resolved_model
     from gaudi3_scale.tune.memory import estimate_memory
     from gaudi3_scale.tune.space import device_kind
 
     started = time.perf_counter()
     model_cfg = resolved_model(cfg)
+    check_parameter_count(model_cfg, "model")
     with torch.device("meta"):
         model = build_model(model_cfg)
     built_s = time.perf_counter() - started

@@ -10,9 +10,17 @@ from gaudi3_scale.config.core import check_positive, check_range
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_number
 
-__all__ = ["ACCELERATOR_VOCAB_MULTIPLE", "ModelConfig"]
+__all__ = ["ACCELERATOR_VOCAB_MULTIPLE", "MAX_NUM_LAYERS", "MAX_PARAMETERS", "ModelConfig"]
 
 ACCELERATOR_VOCAB_MULTIPLE = 64  # vocabulary padding on GPUs and Gaudi when the config leaves it null
+# Bounds on a shape, so that a typo (num_layers 100000000) is one line, not minutes of building modules while memory
+# grows (docs/models.md#shape-limits). Every block is a module of its own (2.5 ms each to build on meta on a 2-core
+# AMD EPYC VM, 2026-11-28), so depth is bounded by itself: the deepest transformer trained, DeepNet (Wang et al. 2022,
+# arXiv:2203.00555), has 1,000 layers; Llama 3.1 405B has 126. Size is bounded by the parameter count
+# (`models.counting.check_parameter_count`): ten times the largest open-weight model, Kimi K2 (1.04 T parameters;
+# Kimi Team 2025, arXiv:2507.20534).
+MAX_NUM_LAYERS = 1024
+MAX_PARAMETERS = 10**13
 
 
 @dataclass(kw_only=True)
@@ -100,6 +108,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "dim", "context_length"):
             check_positive(name, getattr(self, name))
+        if self.num_layers > MAX_NUM_LAYERS:
+            raise ConfigError(
+                "num_layers",
+                f"{self.num_layers} is over the limit of {MAX_NUM_LAYERS} layers (models.config.MAX_NUM_LAYERS, "
+                f"above the deepest transformer trained); allowed: 1 to {MAX_NUM_LAYERS}",
+            )
         pad = self.pad_vocab_to_multiple
         check_number("pad_vocab_to_multiple", pad)  # 64 bits: 2**70 is a power of two too
         if pad is not None and (pad < 1 or pad & (pad - 1)):

@@ -1,4 +1,8 @@
-"""Parameter counts and training FLOPs per token, from the config alone (the model is built on meta).
+"""Parameter names, shapes and counts and training FLOPs per token, from the config alone.
+
+Every block of a model has the same parameters, so a one-block model built on meta gives the names and shapes of all
+(`parameter_shapes`), and models of one and two blocks give the count (`count_parameters`): the time taken does not
+grow with `num_layers`. `check_parameter_count` bounds a shape by `models.config.MAX_PARAMETERS`.
 
 FLOPs convention — PaLM (Chowdhery et al. 2022, arXiv:2204.02311) Appendix B, as implemented by nanoGPT
 `GPT.estimate_mfu` and torchtitan `get_num_flop_per_token`:
@@ -21,20 +25,44 @@ FLOPs convention — PaLM (Chowdhery et al. 2022, arXiv:2204.02311) Appendix B, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.build import build_model
+from gaudi3_scale.models.common.init import logical_shape
 from gaudi3_scale.models.common.moe import GroupedExperts
-from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.config import MAX_PARAMETERS, ModelConfig
 from gaudi3_scale.models.transformer import Transformer
 from gaudi3_scale.models.vocab import VOCAB_TABLES
 
-__all__ = ["count_parameters", "flops_per_token", "forward_flops_per_token"]
+__all__ = [
+    "check_parameter_count",
+    "count_parameters",
+    "flops_per_token",
+    "forward_flops_per_token",
+    "parameter_shapes",
+]
+
+_BLOCK = "layers.0."  # the parameter names of the first block start with this
 
 
 def _build_on_meta(cfg: ModelConfig) -> Transformer:
     with torch.device("meta"):
         return build_model(cfg)
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name → shape for `cfg`, in `named_parameters()` order (a tied head listed once), from a
+    one-block model: block 0's entries are repeated for each block."""
+    named = [
+        (name, logical_shape(p)) for name, p in _build_on_meta(replace(cfg, num_layers=1)).named_parameters()
+    ]
+    first = next(i for i, (name, _) in enumerate(named) if name.startswith(_BLOCK))
+    block = [(name.removeprefix(_BLOCK), shape) for name, shape in named if name.startswith(_BLOCK)]
+    layers = [(f"layers.{i}.{name}", shape) for i in range(cfg.num_layers) for name, shape in block]
+    return dict(named[:first] + layers + named[first + len(block) :])
 
 
 def _lookup_only_embeddings(model: Transformer) -> list[torch.Tensor]:
@@ -55,6 +83,27 @@ def count_parameters(
     exclude_embeddings drops the lookup-only tables (see the module docstring), leaving the matmul parameters.
     active counts what one token uses: experts_per_token of num_experts experts (Mixtral 8x7B: 12.9 B of 46.7 B).
     """
+    one, two = (
+        _count_built(replace(cfg, num_layers=n), trainable_only, exclude_embeddings, active) for n in (1, 2)
+    )
+    return one + (cfg.num_layers - 1) * (two - one)  # every block has the same parameters
+
+
+def check_parameter_count(cfg: ModelConfig, where: str) -> None:
+    """One line naming `where` and the shape when `cfg` has more than `MAX_PARAMETERS` parameters (its vocabulary
+    must be resolved)."""
+    count = count_parameters(cfg)
+    if count > MAX_PARAMETERS:
+        experts = f", num_experts {cfg.num_experts}" if cfg.num_experts else ""
+        raise UserInputError(
+            f"{where}: the shape (num_layers {cfg.num_layers}, dim {cfg.dim}, ffn_dim {cfg.hidden_dim}, vocab_size "
+            f"{cfg.vocab_size}, context_length {cfg.context_length}{experts}) has {count:,} parameters, over the "
+            f"limit of {MAX_PARAMETERS:,} (models.config.MAX_PARAMETERS, ten times the largest open-weight model); "
+            "allowed: a smaller shape"
+        )
+
+
+def _count_built(cfg: ModelConfig, trainable_only: bool, exclude_embeddings: bool, active: bool) -> int:
     model = _build_on_meta(cfg)
     params = [
         p for p in model.parameters() if p.requires_grad or not trainable_only

@@ -16,7 +16,12 @@ from torch import nn
 from gaudi3_scale.models.common.kv_cache import KVCache
 from gaudi3_scale.models.config import ModelConfig
 
-__all__ = ["generate", "sample_next_token"]
+__all__ = ["GREEDY_BELOW_TEMPERATURE", "generate", "sample_next_token"]
+
+# Temperatures below this sample greedily: vLLM's `_SAMPLING_EPS` (vllm/sampling_params.py), which treats them as 0.
+# Dividing logits by a smaller one overflows float32 (5e-324 is 0 there, 1e-44 leaves a NaN after softmax), and at
+# 1e-5 a logit gap of 1e-3 already weighs e^100 : 1, so the draw is the argmax in all but ties.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _check_args(prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -50,23 +55,29 @@ def sample_next_token(
     *,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """logits [batch, vocab] → next token ids [batch, 1]; temperature 0 = greedy.
+    """logits [batch, vocab] → next token ids [batch, 1]; temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`) =
+    greedy.
 
     Filters apply in the order of transformers' samplers: temperature, then top_k, then top_p (nucleus sampling,
-    Holtzman et al. 2020, arXiv:1904.09751: the fewest most likely tokens whose probability reaches top_p).
+    Holtzman et al. 2020, arXiv:1904.09751: the fewest most likely tokens whose probability reaches top_p; the most
+    likely token always stays, however small top_p, as transformers' `min_tokens_to_keep`). Any temperature and
+    top_p of their ranges gives finite probabilities for finite logits.
     """
-    if temperature == 0:
+    if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # Shifted so that the largest is 0 before the division: softmax does not change, and nothing overflows to +inf.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_best = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # The probability mass of the more likely tokens: 0 for the most likely one, which therefore stays.
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        # The probability mass of the more likely tokens. A top_p below float32's smallest number compares as 0,
+        # so the most likely token is kept explicitly.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop[..., 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
@@ -81,16 +92,20 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Extend `prompt` [batch, T0] by `max_new_tokens` sampled tokens; returns [batch, T0 + max_new_tokens].
 
     temperature 0 is greedy (argmax); top_k keeps only the k most likely tokens. The model runs in eval mode
     (restored afterwards) and sees at most its last `context_length` tokens. Padding rows of the vocabulary are
-    never sampled. `use_cache=False` re-runs the (cropped) context for every token: the reference the cache is
-    tested against.
+    never sampled, nor ids from `vocab_size` on (a tokenizer with fewer tokens than the model's embedding rows, as a
+    Hugging Face model fine-tuned on bytes: those ids decode to nothing). `use_cache=False` re-runs the (cropped)
+    context for every token: the reference the cache is tested against.
     """
     _check_args(prompt, max_new_tokens, temperature, top_k)
     cfg = _model_config(model)
+    assert cfg.vocab_size is not None  # _model_config refused an unresolved vocabulary
+    sampled_vocab = cfg.vocab_size if vocab_size is None else min(cfg.vocab_size, vocab_size)
     was_training = model.training
     model.eval()
     tokens = prompt
@@ -101,9 +116,7 @@ def generate(
     cached = 0  # leading tokens whose keys and values the cache holds
     try:
         for _ in range(max_new_tokens):
-            logits = _next_logits(model, tokens, cache, cached, cfg.context_length)[
-                :, : cfg.vocab_size
-            ].float()
+            logits = _next_logits(model, tokens, cache, cached, cfg.context_length)[:, :sampled_vocab].float()
             cached = tokens.shape[1]
             tokens = torch.cat((tokens, sample_next_token(logits, temperature, top_k, generator)), dim=1)
     finally:

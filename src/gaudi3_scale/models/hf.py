@@ -27,6 +27,7 @@ import torch
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import parameter_shapes
 from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer
 from gaudi3_scale.models.transformer import INIT_STD
 
@@ -103,7 +104,7 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
     """
     from gaudi3_scale.models.hf_bert import bert_name
 
-    params = _parameter_names(cfg)
+    params = parameter_shapes(cfg)
     sources: dict[str, Source] = {}
     for name in params:
         module, param = name.rsplit(".", 1)
@@ -135,7 +136,7 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
 
 def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """Shape of every tensor a `model_type` checkpoint of shape `cfg` holds (what `hf_sources` points at)."""
-    params = _parameter_names(cfg)
+    params = parameter_shapes(cfg)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, source in hf_sources(cfg, model_type, prefix=prefix).items():
         shape = list(params[name])
@@ -146,14 +147,6 @@ def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dic
             shape[0] *= 3  # q, k and v side by side
         shapes[source.name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
     return shapes
-
-
-def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from gaudi3_scale.models.build import model_class
-
-    with torch.device("meta"):  # shapes only
-        model = model_class(cfg)(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # the tied head is listed once
 
 
 def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> torch.Tensor:
@@ -261,6 +254,9 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
     try:
         return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)
     except (ConfigError, TypeError) as exc:
+        if isinstance(exc, ConfigError) and exc.field == "num_layers":  # named as config.json names it
+            raise UserInputError(f"{where}: {'n_layer' if model_type == 'gpt2' else 'num_hidden_layers'} "
+                                 f"{exc.problem}") from None  # fmt: skip
         raise UserInputError(f"{where}: not a model this project can build ({exc})") from None
 
 

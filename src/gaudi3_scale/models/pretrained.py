@@ -15,14 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.files import load_json_file
-from gaudi3_scale.models.build import model_class
-from gaudi3_scale.models.common.init import logical_shape
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import check_parameter_count, parameter_shapes
 from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, stored_shapes
 
 __all__ = [
@@ -34,7 +31,6 @@ __all__ = [
     "PretrainedCheckpoint",
     "import_safe_open",
     "open_pretrained",
-    "parameter_shapes",
     "pretrained_model_fields",
     "read_pretrained_config",
     "tokenizer_beside",
@@ -69,7 +65,9 @@ def tokenizer_beside(directory: str | Path) -> Path | None:
 def open_pretrained(directory: str | Path, *, field_name: str = "model.init_from") -> PretrainedCheckpoint:
     """Check `directory` and describe it; one line naming `field_name`, the path and what is wrong otherwise.
 
-    Reads the config and each safetensors header (not the weights).
+    Reads the config and each safetensors header (not the weights): the config's shape is bounded first, then each
+    tensor it implies (listed without building the model, `models.counting.parameter_shapes`) must be in the files
+    with its shape.
     """
     path = Path(directory)
     config, model_type = read_pretrained_config(path, field_name=field_name)
@@ -77,8 +75,8 @@ def open_pretrained(directory: str | Path, *, field_name: str = "model.init_from
     # GPT-2 names start with `transformer.` as transformers saves them; not in the original OpenAI conversion.
     prefix = "transformer." if model_type == "gpt2" and "wte.weight" not in files else ""
     if model_type == "gaudi3":
-        sources = {name: Source(name) for name in parameter_shapes(config)}
         expected = parameter_shapes(config)
+        sources = {name: Source(name) for name in expected}
     else:
         sources = hf_sources(config, model_type, prefix=prefix)
         expected = stored_shapes(config, model_type, prefix=prefix)
@@ -89,7 +87,8 @@ def open_pretrained(directory: str | Path, *, field_name: str = "model.init_from
 def read_pretrained_config(
     directory: str | Path, *, field_name: str = "model.init_from"
 ) -> tuple[ModelConfig, str]:
-    """The checkpoint's `ModelConfig` and model type ("llama", "gpt2" or "gaudi3"), from its config file only."""
+    """The checkpoint's `ModelConfig` and model type ("llama", "gpt2" or "gaudi3"), from its config file only; its
+    shape is bounded (`models.config.MAX_NUM_LAYERS`, `MAX_PARAMETERS`) before anything is built from it."""
     path = Path(directory)
     if not path.is_dir():
         raise UserInputError(
@@ -97,19 +96,29 @@ def read_pretrained_config(
             "(config.json + *.safetensors) or one written by `gaudi3 ckpt export`"
         )
     if (path / MODEL_CONFIG_NAME).is_file():
+        where = f"{field_name} {path / MODEL_CONFIG_NAME}"
         raw = load_json_file(path / MODEL_CONFIG_NAME, what=f"{field_name} model config")
         try:
-            return from_dict(ModelConfig, raw), "gaudi3"
+            config, model_type = from_dict(ModelConfig, raw), "gaudi3"
         except UserInputError as exc:
-            raise UserInputError(f"{field_name} {path / MODEL_CONFIG_NAME}: {exc}") from None
-    if (path / HF_CONFIG_NAME).is_file():
+            raise UserInputError(f"{where}: {exc}") from None
+        if config.vocab_size is None:  # `gaudi3 ckpt export` writes the embedding's rows there
+            raise UserInputError(
+                f"{where}: vocab_size is {'null' if 'vocab_size' in raw else 'missing'}; allowed: a positive "
+                f"integer, the rows of tok_embeddings.weight in its {WEIGHTS_NAME}"
+            )
+    elif (path / HF_CONFIG_NAME).is_file():
+        where = f"{field_name} {path / HF_CONFIG_NAME}"
         raw = load_json_file(path / HF_CONFIG_NAME, what=f"{field_name} config")
-        config = hf_model_config(raw, name=path.name, where=f"{field_name} {path / HF_CONFIG_NAME}")
-        return config, config.arch
-    raise UserInputError(
-        f"{field_name}: {str(path)!r} has neither config.json (Hugging Face) nor model_config.json "
-        "(`gaudi3 ckpt export`); allowed: a directory holding one of them beside its safetensors"
-    )
+        config = hf_model_config(raw, name=path.name, where=where)
+        model_type = config.arch
+    else:
+        raise UserInputError(
+            f"{field_name}: {str(path)!r} has neither config.json (Hugging Face) nor model_config.json "
+            "(`gaudi3 ckpt export`); allowed: a directory holding one of them beside its safetensors"
+        )
+    check_parameter_count(config, where)
+    return config, model_type
 
 
 # What the checkpoint decides; the rest of the model section (name, dropout, vocabulary padding) is the run's.
@@ -147,12 +156,6 @@ def pretrained_model_fields(init_from: str, explicit: Mapping[str, Any]) -> dict
             f"{config.context_length}, or unset",
         )
     return {**fields, "context_length": context}
-
-
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name → shape for `cfg` (built on meta; a tied head listed once)."""
-    with torch.device("meta"):
-        return {name: logical_shape(p) for name, p in model_class(cfg)(cfg).named_parameters()}
 
 
 def _tensor_files(directory: Path, field_name: str) -> dict[str, Path]:

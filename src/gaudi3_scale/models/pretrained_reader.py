@@ -32,8 +32,9 @@ from torch import nn
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.common.init import fill_normal
+from gaudi3_scale.models.counting import parameter_shapes
 from gaudi3_scale.models.hf import Source, permute_rope_rows
-from gaudi3_scale.models.pretrained import PretrainedCheckpoint, import_safe_open, parameter_shapes
+from gaudi3_scale.models.pretrained import PretrainedCheckpoint, import_safe_open
 from gaudi3_scale.models.transformer import INIT_STD, Transformer
 
 __all__ = ["load_pretrained"]

@@ -7,6 +7,10 @@ whole context recomputed with `kv_cache="off"`), plus one prefill forward when r
 
 Sampling is per request with its own `torch.Generator`, so a seeded request gives the same tokens whatever it is
 batched with (up to float rounding of the batched matmuls, ~1e-7 here).
+
+A request fails alone: what raises in its sampling or its text ends it with an error and the batch goes on; when the
+batched forward raises, each request's logits are computed alone for that step, so only the one(s) whose own forward
+raises fail.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ class _Active:
     text: TextStream
     key: int  # unique while the engine runs: names the request's KV cache slot
     generated: int = 0
+    finished: bool = False  # its last token is out ("length" or "stop")
+    failed: bool = False  # it ended with an error
 
 
 @dataclass
@@ -198,7 +204,7 @@ class Engine:
                 while self._admit():
                     try:
                         self._step()
-                    except Exception as exc:  # a failed forward must not strand the clients of this batch
+                    except Exception as exc:  # a bug outside any one request: never strand the batch
                         print(
                             f"gaudi3 serve: decode step failed: {type(exc).__name__}: {exc}", file=sys.stderr
                         )
@@ -243,20 +249,54 @@ class Engine:
     def _step(self) -> None:
         if not self._active:
             return
-        logits = self._decoder.next_logits([(state.key, state.tokens) for state in self._active])
-        next_ids = []
+        logits = self._next_logits()
+        sampling, next_ids = [], []
         for row, state in enumerate(self._active):
+            if state.failed:
+                continue
             request = state.completion.request
-            next_ids.append(sample_next_token(logits[row : row + 1], request.temperature, request.top_k,
-                                              state.generator, top_p=request.top_p))  # fmt: skip
-        tokens = torch.cat(next_ids).view(-1).tolist()
-        done = [self._advance(state, int(token)) for state, token in zip(self._active, tokens, strict=True)]
+            try:
+                next_ids.append(sample_next_token(logits[row : row + 1], request.temperature, request.top_k,
+                                                  state.generator, top_p=request.top_p))  # fmt: skip
+            except Exception as exc:
+                self._fail(state, "sampling", exc)
+                continue
+            sampling.append(state)
+        tokens = torch.cat(next_ids).view(-1).tolist() if next_ids else []  # one device sync for the batch
+        for state, token in zip(sampling, tokens, strict=True):
+            try:
+                state.finished = self._advance(state, int(token))
+            except Exception as exc:
+                self._fail(state, "decoding its text", exc)
         with self._wakeup:
             self._stats.decode_steps += 1
-            self._stats.generated_tokens += len(self._active)
-            self._stats.completed_requests += sum(done)
-            self._active = [s for s, d in zip(self._active, done, strict=True)
-                            if not d and not s.completion.cancelled.is_set()]  # fmt: skip
+            self._stats.generated_tokens += len(tokens)
+            self._stats.completed_requests += sum(s.finished for s in self._active)
+            self._active = [s for s in self._active
+                            if not (s.finished or s.failed or s.completion.cancelled.is_set())]  # fmt: skip
+
+    def _next_logits(self) -> torch.Tensor:
+        """Every request's next-token logits, from one batched forward. When that raises, each request's alone: a
+        request whose own forward raises fails (its row stays 0), the others go on."""
+        rows = [(state.key, state.tokens) for state in self._active]
+        try:
+            return self._decoder.next_logits(rows)
+        except Exception:
+            self._decoder.reset()  # the slots' contents are not trusted after a failed forward
+        logits = torch.zeros(len(rows), self.vocab_size, device=next(self.model.parameters()).device)
+        for row, (state, one) in enumerate(zip(self._active, rows, strict=True)):
+            try:
+                logits[row] = self._decoder.next_logits([one])[0]
+            except Exception as exc:
+                self._decoder.reset()
+                self._fail(state, "its forward", exc)
+        return logits
+
+    def _fail(self, state: _Active, what: str, exc: Exception) -> None:
+        """End one request with an error (the HTTP layer answers 500, or an error event once streaming)."""
+        print(f"gaudi3 serve: a request failed in {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        state.completion.put(Delta("", "error", state.generated, error=f"{what} failed: {exc}"))
+        state.failed = True
 
     def _advance(self, state: _Active, token: int) -> bool:
         """Append one sampled token and send its text; True if the request is done (it then leaves the batch)."""

@@ -34,6 +34,7 @@ from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import ModelConfig
+from gaudi3_scale.models.counting import check_parameter_count
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
 from gaudi3_scale.monitor.trackers import build_trackers
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
@@ -173,6 +174,7 @@ class GaudiTrainer:
         else:
             model_cfg = cfg.model
         model_cfg = self._resolve_padding(model_cfg, resume_from)
+        check_parameter_count(model_cfg, "model")  # before anything is written or built
         self.config = cfg = dataclasses.replace(cfg, model=model_cfg, train=self._steps_of_epochs(prepared))
         batch, parallel = self._plans()
         module = LanguageModel(
