@@ -109,7 +109,9 @@ class Transformer(nn.Module):
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         vocab_size = self.config.vocab_size
         assert vocab_size is not None, "the model is built with its vocabulary resolved"
-        return mask_vocab_padding(logits, vocab_size)
+        # A head swapped for another linear (torchao's Float8Linear, train.fp8_head) returns a view made inside its
+        # custom Function, which may not be written in place.
+        return mask_vocab_padding(logits, vocab_size, copy=type(self.output) is not nn.Linear)
 
     def _tie_weights(self) -> None:
         if self.config.tie_embeddings:

@@ -22,9 +22,11 @@ __all__ = ["VOCAB_TABLES", "drop_vocab_padding", "mask_vocab_padding"]
 VOCAB_TABLES = ("tok_embeddings.weight", "output.weight", "output.bias")
 
 
-def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, *, copy: bool = False) -> torch.Tensor:
     """`logits` [..., padded vocabulary] with the padding columns (from `vocab_size` on) set to the lowest finite
-    value of their dtype, in place; returned. Nothing is done without padding (the CPU default).
+    value of their dtype, in place; returned. Nothing is done without padding (the CPU default). `copy`: a masked
+    copy instead, for logits autograd must not see written in place (the output of torchao's `Float8Linear`, a view
+    made inside its custom Function: writing it would be refused at the next op).
 
     Only the padding columns are written (GPT-2 on a GPU: 47 of each row's 50,304) and nothing is added to
     backward; a full-size masked copy (`masked_fill`) or a slice (which cross-entropy copies to make it contiguous)
@@ -37,6 +39,12 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """
     if logits.shape[-1] == vocab_size:
         return logits
+    if copy:
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= vocab_size
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication():  # a sharded DTensor's columns meet the replicated column mask
+            return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
     local, first = _local_columns(logits.detach())
     start = max(vocab_size - first, 0)
     if start < local.shape[-1]:
