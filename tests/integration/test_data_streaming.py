@@ -1,13 +1,17 @@
 """Training from a sharded dataset on a real S3 server (moto on 127.0.0.1) through a cache smaller than the data.
 
 The streamed run must read exactly the samples the same run reads from local disk, through an object-store outage
-in the middle, and end bitwise equal. Bad URLs, corrupt or missing shards and bad mixtures are one line, exit 2.
+in the middle, and end bitwise equal; a cache smaller than the prefetch window still downloads each shard once. Bad
+URLs, corrupt or missing shards, bad mixtures and a cache too small for one shuffle block are one line, exit 2.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +119,79 @@ def test_streamed_training_reads_the_local_stream_through_a_small_cache_and_an_o
     assert cache["shards_fetched"] > 8 and cache["evictions"] > 0 and cache["fetch_wait_s"] > 1.0, cache
     cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.bin"))
     assert cached <= cache_gib * 2**30 < sum(s.size_bytes for s in manifest.shards)
+
+
+def _cli_train(out: Path, source: str, *extra: str) -> dict[str, Any]:
+    """`gaudi3 train` in a subprocess with a timeout: a run that stalls fails the test instead of hanging it."""
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", "--resume", "never",
+           f"--data.source={source}", *COMMON, *extra]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def test_a_cache_smaller_than_the_prefetch_window_downloads_each_shard_once(
+    store: tuple[S3Server, Path, str], tmp_path: Path
+) -> None:
+    """Room for 2 shards under a window of 4 (the block in use, the next one, 2 ahead), and a final validation
+    that reads every one of ~37 val shards: the run reads the local stream, evicts, and never downloads a shard
+    twice (a val read must not evict the window, which the prefetch thread would fetch again, and so on)."""
+    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.checkpoint.reader import read_checkpoint
+    from gaudi3_scale.cli.ckpt_cmd import DIFF_KEYS
+
+    server, _, _ = store
+    source = tmp_path / "part.txt"
+    source.write_text(bundled_corpora()["tinyshakespeare"].read_text()[:TEXT_BYTES])
+    local = prepare_dataset(DataConfig(source=str(source), shard_mb=2.5 * SHARD_MB), tmp_path / "ds",
+                            progress=False)  # fmt: skip
+    manifest = load_manifest(local)
+    assert sum(s.num_tokens > 32 for s in manifest.shards_of("val")) > 20  # each val shard holds a window
+    url = publish_prepared(local, f"s3://{BUCKET}/small-cache")
+    cache_bytes = 2 * max(s.size_bytes for s in manifest.shards)
+    extra = ["--data.prefetch_shards=2"]
+    reference = _cli_train(tmp_path / "local", str(local), *extra)
+    first_request = len(server.requests)
+    summary = _cli_train(tmp_path / "s3", url, *extra, f"--data.cache_limit_gib={cache_bytes / 2**30}",
+                         f"--data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    diff = first_difference(
+        *(read_checkpoint(Path(s["checkpoint"])) for s in (reference, summary)), keys=DIFF_KEYS
+    )
+    assert diff is None and summary["val_loss"] == reference["val_loss"]
+    prefix = "/" + url.removeprefix("s3://") + "/"
+    gets = collections.Counter(
+        path
+        for method, path in server.requests[first_request:]
+        if method == "GET" and path.startswith(prefix)
+    )
+    shard_gets = {path: n for path, n in gets.items() if path.endswith(".bin")}
+    assert len(shard_gets) > 30 and max(shard_gets.values()) == 1, sorted(
+        shard_gets.items(), key=lambda x: -x[1]
+    )[:5]
+    cache = summary["data_cache"]
+    assert cache["evictions"] > 0 and cache["shards_fetched"] == len(shard_gets), cache
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.bin"))
+    assert cached <= cache_bytes
+
+
+def test_a_cache_smaller_than_one_shuffle_block_is_one_line(
+    store: tuple[S3Server, Path, str], tmp_path: Path, gaudi3_cli: Any
+) -> None:
+    _, local, url = store
+    largest = max(s.size_bytes for s in load_manifest(local).shards)
+    code, _, err = gaudi3_cli("train", "--out", str(tmp_path / "run"), "--no-progress", f"--data.source={url}",
+                              *COMMON, "--data.shuffle_block_shards=4", "--train.max_steps=1",
+                              f"--data.cache_limit_gib={3 * largest / 2**30}",
+                              f"--data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert (
+        lines[0].startswith("gaudi3: error: data.cache_limit_gib=")
+        and "data.shuffle_block_shards" in lines[0]
+    )
+    minimum = float(lines[0].rsplit("the minimum is data.cache_limit_gib=", 1)[1].split()[0].rstrip(",;"))
+    assert int(minimum * 2**30) >= 4 * largest > int(minimum * 2**30) - largest // 10, lines[0]
 
 
 def _corrupt(url: str, name: str, data: bytes | None) -> None:

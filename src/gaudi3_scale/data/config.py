@@ -115,6 +115,11 @@ class DataConfig:
         },
     )
 
+    @property
+    def cache_limit_bytes(self) -> int:
+        """`cache_limit_gib` in bytes (rounded down: the cache never holds more than the limit)."""
+        return int(self.cache_limit_gib * (1 << 30))
+
     def __post_init__(self) -> None:
         check_range("val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("vocab_size", self.vocab_size)

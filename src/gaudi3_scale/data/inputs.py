@@ -24,9 +24,13 @@ from gaudi3_scale.data.manifest import Manifest, Shard, numpy_dtype, tokens_sha2
 from gaudi3_scale.data.shards import LocalShardOpener, ShardedTokens
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer
 
-__all__ = ["DatasetMember", "TrainingData", "open_training_data", "training_data_from_dir"]
-
-_GIB = 1 << 30
+__all__ = [
+    "DatasetMember",
+    "TrainingData",
+    "open_training_data",
+    "remote_block_shards",
+    "training_data_from_dir",
+]
 
 
 @dataclass(kw_only=True)
@@ -126,10 +130,6 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
         return RemoteShardOpener(url, settings, shards, numpy_dtype(manifest.dtype))
 
     train = _split_tokens(manifest, "train", remote)
-    largest = max([s.size_bytes for s in manifest.shards] + [1])
-    # The block in use and the next one, prefetched, plus the prefetch depth and one val shard must fit the cache.
-    fit = max(1, (int(cfg.cache_limit_gib * _GIB) // largest - cfg.prefetch_shards - 1) // 2)
-    block = cfg.shuffle_block_shards or fit
     return DatasetMember(
         name=name,
         weight=weight,
@@ -137,10 +137,25 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
         directory=probe.directory,
         train=train,
         val=_split_tokens(manifest, "val", remote),
-        block_shards=min(block, len(train.shard_tokens)),
+        block_shards=remote_block_shards(cfg, manifest, url),
         block_auto=cfg.shuffle_block_shards is None,
         url=url,
     )
+
+
+def remote_block_shards(cfg: DataConfig, manifest: Manifest, url: str) -> int:
+    """`data.shuffle_block_shards` of a dataset read through the shard cache: as set, or by default as many shards as
+    let the block in use and the next one, the prefetch depth and one val shard fit the cache (at least 1); at
+    most the train shards. A cache that cannot hold one block is refused with one line: the windows of a block
+    are shuffled together, so every step reads from all of its shards."""
+    from gaudi3_scale.data.remote import require_cache_room
+
+    largest = max([s.size_bytes for s in manifest.shards] + [1])
+    fit = max(1, (cfg.cache_limit_bytes // largest - cfg.prefetch_shards - 1) // 2)
+    block = min(cfg.shuffle_block_shards or fit, len(manifest.shards_of("train")))
+    what = f"a shuffle block of {block} shards (data.shuffle_block_shards), which every step reads from,"
+    require_cache_room(url, manifest, cfg.cache_limit_bytes, shards=block, what=what)
+    return block
 
 
 def _open_member(

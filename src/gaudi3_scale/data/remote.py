@@ -4,7 +4,8 @@
 fails at once, with one line, when the URL cannot be reached or holds no prepared dataset. Shards come on demand:
 `shard_path(shard)` returns a local file, downloading it first if needed — into a `.part` file, its size and SHA-256
 checked while it streams, then renamed into place. `prefetch(shards)` names the shards needed next; a background
-thread fetches up to `prefetch_shards` of them ahead so that `shard_path` usually returns at once.
+thread fetches up to `prefetch_shards` of them ahead so that `shard_path` usually returns at once — and never more
+than the cache holds less one shard (`prefetch_room`), the room `shard_path` needs for a shard outside the window.
 
 Failures: a transient storage error (refused / reset / timed-out connection, 5xx) is retried with jittered
 exponential backoff for up to `fetch_retry_s` (one warning per outage, one on recovery), then training stops with
@@ -14,8 +15,10 @@ at once. An outage seen by the prefetch thread crashes nothing: `shard_path` ret
 The cache (`ShardCache`) is bounded by `cache_limit_bytes` and shared by every process on the node: one of them
 downloads a shard while the others wait for it. Shards this process uses are pinned against eviction: the one
 `shard_path` returned last, and those of the current prefetch window; when a `shard_path` download finds no room,
-this process's own pins are dropped first (prefetch pauses until it is done). s3 credentials and endpoint come from
-`storage_options` or the environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`).
+this process's own pins are dropped: first the shard returned last (it is memory-mapped already), then, if that is
+not enough, the window's (prefetch pauses until the download is done, then fetches them again). A cache smaller than
+`require_cache_room` asks for is refused with one line. s3 credentials and endpoint come from `storage_options` or
+the environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -42,7 +46,7 @@ from gaudi3_scale.storage import copy_stream, open_remote, url_protocol
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-__all__ = ["RemoteDataset", "default_remote_cache_dir", "is_url"]
+__all__ = ["RemoteDataset", "default_remote_cache_dir", "is_url", "prefetch_room", "require_cache_room"]
 
 log = logging.getLogger(__name__)
 OPEN_RETRY_S = 1.5  # at open, a few quick retries only: a wrong URL must fail fast
@@ -127,7 +131,8 @@ class RemoteDataset:
         cache = ShardCache(directory / SHARDS_DIR, cache_limit_bytes)
         return cls(
             url=url, fs=fs, root=root, directory=directory, manifest=manifest, cache=cache,
-            prefetch_shards=prefetch_shards, fetch_retry_s=fetch_retry_s,
+            prefetch_shards=min(prefetch_shards, prefetch_room(manifest, cache_limit_bytes)),
+            fetch_retry_s=fetch_retry_s,
         )  # fmt: skip
 
     # ---- reading ----
@@ -145,10 +150,17 @@ class RemoteDataset:
         took_room = False
         if fd is None:
 
-            def make_room() -> None:  # this process's pins (the last shard included: see ShardCache on mmap)
+            def make_room() -> bool:
+                """This process's pins, the cheapest first: the shard returned last (it is memory-mapped already:
+                see ShardCache), then the prefetch window's (whose shards would have to be fetched again)."""
                 nonlocal took_room
-                self._release_pins(pause=not took_room, last=True)
+                if self._release_last_pin():
+                    return True
+                if took_room:
+                    return False
+                self._release_pins(pause=True, last=True)
                 took_room = True
+                return True
 
             try:
                 fd = self._cache.acquire(
@@ -218,6 +230,15 @@ class RemoteDataset:
         self.close()
 
     # ---- internals ----
+    def _release_last_pin(self) -> bool:
+        """Unpin the shard `shard_path` returned last; False when there was none."""
+        with self._cond:
+            fd, self._last_pin = self._last_pin, None
+        if fd is None:
+            return False
+        self._cache.unpin(fd)
+        return True
+
     def _release_pins(self, *, pause: bool, last: bool) -> None:
         """Unpin the prefetch window's shards (and the last returned one when `last`); `pause` holds prefetching
         back until the caller's `shard_path` is done."""
@@ -366,12 +387,42 @@ def _check_relative(url: str, file: str) -> None:
 def _check_shards(url: str, manifest: Manifest, cache_limit_bytes: int) -> None:
     for shard in manifest.shards:
         _check_relative(url, shard.file)
-    largest = max(manifest.shards, key=lambda s: s.size_bytes)
-    if largest.size_bytes > cache_limit_bytes:
+    require_cache_room(url, manifest, cache_limit_bytes, shards=1, what="its largest shard")
+
+
+def _largest(manifest: Manifest) -> Shard:
+    return max(manifest.shards, key=lambda s: s.size_bytes)
+
+
+def require_cache_room(
+    url: str, manifest: Manifest, cache_limit_bytes: int, *, shards: int, what: str
+) -> None:
+    """One `UserInputError` line naming data.cache_limit_gib and its minimum when the cache cannot hold `shards` of
+    the dataset's largest shards at once (`what` says what needs them)."""
+    largest = _largest(manifest)
+    need_bytes = shards * largest.size_bytes
+    if need_bytes > cache_limit_bytes:
+        times = f"{shards} × " if shards > 1 else ""
         raise UserInputError(
-            f"data.cache_limit_gib={cache_limit_bytes / 2**30:g} is smaller than the largest shard of {url}: "
-            f"{largest.file}, {largest.size_bytes / 2**30:.3g} GiB; raise data.cache_limit_gib"
+            f"data.cache_limit_gib={cache_limit_bytes / 2**30:g} is too small for {url}: {what} takes "
+            f"{need_bytes:,} bytes ({times}{largest.file}); the minimum is data.cache_limit_gib="
+            f"{_gib_at_least(need_bytes)}"
         )
+
+
+def prefetch_room(manifest: Manifest, cache_limit_bytes: int) -> int:
+    """The most shards worth fetching ahead: what the cache holds of the largest shard, less one kept free for a
+    shard `shard_path` needs outside the window (a val shard, or the one in use past a block boundary). A window
+    that used that room too would be evicted by each such read and fetched again by the prefetch thread, over and
+    over. At least 1: with room for one shard only, prefetching still helps between reads."""
+    return max(1, cache_limit_bytes // max(1, _largest(manifest).size_bytes) - 1)
+
+
+def _gib_at_least(num_bytes: int) -> str:
+    """`num_bytes` in GiB, rounded up at 3 significant digits: a limit set to it holds `num_bytes`."""
+    gib = num_bytes / 2**30
+    scale = 10.0 ** (2 - math.floor(math.log10(gib)))
+    return f"{math.ceil(gib * scale) / scale:g}"
 
 
 def _download_small(

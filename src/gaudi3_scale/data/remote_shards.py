@@ -30,7 +30,7 @@ def remote_settings(cfg: DataConfig, url: str, *, field: str) -> dict[str, Any]:
         "cache_dir": Path(cfg.cache_dir).expanduser() / default_remote_cache_dir(url).name
         if cfg.cache_dir
         else None,
-        "cache_limit_bytes": int(cfg.cache_limit_gib * (1 << 30)),
+        "cache_limit_bytes": cfg.cache_limit_bytes,
         # The loader's hints say how far ahead to fetch (the blocks in use and next, plus data.prefetch_shards);
         # 0 turns prefetching off.
         "prefetch_shards": 1 << 20 if cfg.prefetch_shards else 0,

@@ -120,11 +120,12 @@ class ShardCache:
         download: Callable[[Path], None],
         *,
         space_wait_s: float,
-        make_room: Callable[[], None] | None = None,
+        make_room: Callable[[], bool] | None = None,
     ) -> int | None:
         """A pin on the verified local copy of `shard`, downloading it (`download(part_path)` writes and verifies,
-        or raises) when absent; None when pinned files leave no room for it for `space_wait_s`. `make_room` is
-        called once when the first attempt to make room fails (e.g. to drop the caller's own prefetch pins)."""
+        or raises) when absent; None when pinned files leave no room for it for `space_wait_s`. While there is no
+        room, `make_room` is called first: it drops one more of the caller's own pins each call (e.g. its prefetch
+        window's) and returns False when it has none left to drop; only then does the cache wait."""
         # The pin is held from here on: the file cannot be evicted between its download and its use.
         pin = self._pin(shard)
         try:
@@ -145,12 +146,10 @@ class ShardCache:
             raise
         return pin
 
-    def _reserve_waiting(self, shard: Shard, wait_s: float, make_room: Callable[[], None] | None) -> bool:
+    def _reserve_waiting(self, shard: Shard, wait_s: float, make_room: Callable[[], bool] | None) -> bool:
         deadline = time.monotonic() + wait_s
         while not self._reserve(shard):
-            if make_room is not None:
-                make_room()
-                make_room = None
+            if make_room is not None and make_room():
                 continue
             if time.monotonic() >= deadline:
                 return False
