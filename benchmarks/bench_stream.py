@@ -228,8 +228,13 @@ def _label_result(label: str, reads: dict[str, Any], runs: dict[str, list[dict[s
         raise SystemExit(f"{label}: a streamed run evicted nothing although it reads {reads['bytes']:,} bytes "
                          f"through a {reads['cache_limit_bytes']:,}-byte cache: {runs['stream']}")  # fmt: skip
     losses = {r["train_loss"] for rs in runs.values() for r in rs}
+    # Each stream run over the local run just before it (they alternate): a noisy machine moves both of a pair
+    pairs = [
+        s["tokens_per_s"] / loc["tokens_per_s"] for loc, s in zip(runs["local"], runs["stream"], strict=True)
+    ]
     print(f"{label:10s} local {med['local']:10,.0f} tok/s  stream {med['stream']:10,.0f} tok/s  ratio "
-          f"{med['stream'] / med['local']:.3f}; read {reads['bytes']:,} bytes in {reads['train_shards']} + "
+          f"{med['stream'] / med['local']:.3f} (pairs {min(pairs):.3f}–{max(pairs):.3f}, median "
+          f"{statistics.median(pairs):.3f}); read {reads['bytes']:,} bytes in {reads['train_shards']} + "
           f"{reads['val_shards']} shards through a {reads['cache_limit_bytes']:,}-byte cache: "
           f"{cache['evictions']:.0f} evictions, fetch wait {cache['fetch_wait_s']:.3f} s (medians)")  # fmt: skip
     return {
@@ -237,6 +242,8 @@ def _label_result(label: str, reads: dict[str, Any], runs: dict[str, list[dict[s
         "runs": runs,
         "tokens_per_s": med,
         "stream_over_local": med["stream"] / med["local"],
+        "pair_ratios": pairs,
+        "median_pair_ratio": statistics.median(pairs),
         "stream_cache": cache,
         "same_train_loss": len(losses) == 1,
     }

@@ -197,6 +197,10 @@ class RemoteDataset:
                 break
             window.setdefault(local_name(shard), shard)
         with self._cond:
+            if list(window.values()) == self._window:
+                # The loader hints every step, and the window moves only at block boundaries: waking the prefetch
+                # thread for the same window made it retry its skipped shards (a cache scan each) every step.
+                return
             self._window = list(window.values())
             self._skipped.clear()
             stale = [k for k in self._window_pins if k not in window]
