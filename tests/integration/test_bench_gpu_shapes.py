@@ -22,14 +22,14 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_shapes_measured_and_forecast_then_rescored(tmp_path: Path) -> None:
     out = tmp_path / "shapes.json"
     done = _run(
-        "--small", "--shapes", "tiny-gpt2-eager,tiny-bert", "--measured-steps", "6", "--out", str(out)
+        "--small", "--shapes", "tiny-llama-ckpt,tiny-bert", "--measured-steps", "4", "--out", str(out)
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    assert list(result["shapes"]) == ["tiny-gpt2-eager", "tiny-bert"]
+    assert list(result["shapes"]) == ["tiny-llama-ckpt", "tiny-bert"]
     for row in result["shapes"].values():
         run, forecast = row["run"], row["forecast"]
-        assert run["status"] == "ok" and run["measured_steps"] == 6, run
+        assert run["status"] == "ok" and run["measured_steps"] == 4, run
         assert run["peak_memory_bytes"] > 0 and run["step_time_s"] > 0 and run["process_s"] >= run["wall_s"]
         assert forecast["memory_bytes"] == sum(
             v for k, v in forecast["memory_parts_bytes"].items() if k != "peak_phase"

@@ -51,4 +51,5 @@ def test_streamed_runs_evict_and_record_it(tmp_path: Path) -> None:
         k: cache[k] for k in ("evictions", "shards_fetched", "bytes_fetched", "fetch_wait_s")
     }
     assert default["same_train_loss"] and stream["tokens_per_s"] > 0
+    assert default["pair_ratios"] == [stream["tokens_per_s"] / local["tokens_per_s"]]
     assert "default #0 stream: " in done.stdout  # a line per finished run where no bar shows

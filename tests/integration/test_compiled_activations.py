@@ -41,7 +41,6 @@ CASES = {
     "llama-bf16-mixed": (LLAMA, "bf16-mixed"),
     "llama-32-true": (LLAMA, "32-true"),
     "gpt2-bf16-mixed": (GPT2, "bf16-mixed"),
-    "gpt2-32-true": (GPT2, "32-true"),
     # dropout on CPU: attention takes the math path (its probabilities and mask are saved), two masks per block
     "gpt2-dropout-bf16-mixed": (replace(GPT2, dropout=0.1, bias=True), "bf16-mixed"),
     "bert-bf16-mixed": (replace(BERT, dropout=0.0), "bf16-mixed"),
