@@ -19,6 +19,7 @@ from conftest import strict_json_loads, summary_table
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.step import at_step_boundary
 
 pytestmark = pytest.mark.integration
@@ -149,8 +150,8 @@ class _StopAt(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         if trainer.global_step == self.step - 1 and at_step_boundary(pl_module):
             for cb in trainer.callbacks:  # type: ignore[attr-defined]
-                if hasattr(cb, "save_requested"):
-                    cb.save_requested = True
+                if isinstance(cb, AfterStep):  # what follows a step: its checkpoint saves and stops next
+                    cb.checkpoint.save_requested = True
 
 
 def test_stop_and_resume_is_bitwise_identical(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Callbacks that keep a run's state safe: periodic committed checkpoints and graceful stops (signals, spot
-notices, budget). Step metrics and the progress bar are in `train.step_metrics`.
+"""What keeps a run's state safe after each step: periodic committed checkpoints (`StepCheckpoint`) and graceful
+stops agreed by every rank (`GracefulInterrupt`: signals, spot notices, budget). `train.after_step.AfterStep` calls
+them in its order; step metrics and the progress bar are in `train.step_metrics`.
 
 They only read training state; nothing here changes the math.
 """
@@ -38,7 +39,6 @@ from gaudi3_scale.checkpoint.manager import (
 from gaudi3_scale.checkpoint.manifest import write_manifest
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
-from gaudi3_scale.train.step import at_step_boundary
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-class StepCheckpoint(pl.Callback):
+class StepCheckpoint:
     """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the validation
     that follows the last step); apply retention.
 
@@ -109,12 +109,13 @@ class StepCheckpoint(pl.Callback):
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
         self._light_in_flight = False  # and it is a light one: its failure never stops the run
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not at_step_boundary(pl_module):
-            return
+    def after_step(self, trainer: pl.Trainer) -> None:
+        """Save what this step is due (after the stop agreement): an emergency checkpoint and stop; at the last step,
+        the stop (the final save follows the last validation, in `end`); a periodic one now, or right after this
+        step's validation; else a light one."""
         step = trainer.global_step
         if self.save_requested:
             self.save(trainer, wait=True)  # an emergency save returns only once committed
@@ -139,17 +140,16 @@ class StepCheckpoint(pl.Callback):
         """Whether a periodic checkpoint falls on optimizer step `step` (a checkpoint boundary)."""
         return bool(self.enabled and self.every_steps and step % self.every_steps == 0)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def validation_end(self, trainer: pl.Trainer) -> None:
         if self._after_validation and not trainer.sanity_checking:
             self._after_validation = False
             self.save(trainer)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def end(self, trainer: pl.Trainer) -> None:
+        """The final checkpoint (after the last validation), committed before returning."""
         self.save(trainer, wait=True)
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def add_meta(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         # What the manifest records about this checkpoint, next to the files' checksums; other callbacks may
         # have added entries of their own (LiveCost: the accrued cost).
         tokens_per_step = self.tokens_per_step
@@ -268,7 +268,7 @@ def preemption_exit_code(signal_name: str | None) -> int:
     return 0 if signal_name is None else signal_exit_code(getattr(signal, signal_name))
 
 
-class GracefulInterrupt(pl.Callback):
+class GracefulInterrupt:
     """SIGTERM, SIGUSR1 or Ctrl-C: finish the current optimizer step, save a checkpoint on every rank, stop.
 
     A signal may reach only some ranks (a preempted node, `kill` of one process); at every step boundary the ranks
@@ -327,15 +327,17 @@ class GracefulInterrupt(pl.Callback):
             f"\n[yellow]{reason}: saving a checkpoint after this step", highlight=False, soft_wrap=True
         )
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self) -> None:
+        """Handle the stop signals (main thread only) until `end`."""
         for signum in PREEMPTION_SIGNALS:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread: leave signals alone
                 return
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not at_step_boundary(pl_module) or self.signal_name is not None:
+    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The ranks agree on a stop (of the previous boundary's flags); agreed, the checkpoint saves next."""
+        if self.signal_name is not None:
             return
         agreed, exit_code = self._received, self._exit_code
         if trainer.world_size > 1:
@@ -345,7 +347,9 @@ class GracefulInterrupt(pl.Callback):
             self.exit_code = exit_code or None
             if self._received_at is None:  # the signal reached another rank
                 self._received_at = time.perf_counter()
-            self.checkpoint.save_requested = True  # StepCheckpoint (after us) saves now and stops the run
+            self.checkpoint.save_requested = (
+                True  # StepCheckpoint (next in AfterStep) saves now and stops the run
+            )
 
     def _agree(self, device: torch.device) -> tuple[int, int]:
         """(signal, exit code), the max over ranks of what each had at the previous step boundary; issues this
@@ -363,7 +367,8 @@ class GracefulInterrupt(pl.Callback):
         signum, exit_code = previous[1].tolist()
         return int(signum), int(exit_code)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def end(self) -> None:
+        """Wait for the last boundary's all-reduce, restore the signal handlers."""
         if (
             self._in_flight is not None
         ):  # the last boundary's all-reduce: every rank issued it, so it completes

@@ -1,4 +1,5 @@
-"""LiveCost: the training callback over `metering.live` (accrual, projections, budget, spot policy)."""
+"""LiveCost: what `metering.live` does after each optimizer step (accrual, projections, budget, spot policy), called
+first by `train.after_step.AfterStep`."""
 
 from __future__ import annotations
 
@@ -25,17 +26,16 @@ from gaudi3_scale.metering.live import (
 )
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.step import at_step_boundary
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 __all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
 
 
-class LiveCost(pl.Callback):
+class LiveCost:
     """Live cost at every optimizer step (accounting in `metering.live.CostMeter`): metrics, budget, spot policy.
 
-    It must come before RunMetrics, GracefulInterrupt and StepCheckpoint in the callback list: a metrics record
-    then shows the cost up to its own step, and a stop asked for at a step boundary happens after that very step.
+    AfterStep calls it before RunMetrics, GracefulInterrupt and StepCheckpoint: a metrics record then shows the cost
+    up to its own step, and a stop asked for at a step boundary happens after that very step.
     Every rank keeps a meter, but only rank 0's clock decides: its stop request reaches the other ranks through
     GracefulInterrupt's all-reduce. The accrued cost is written into every checkpoint's `gaudi3_meta` (so also its
     manifest) and read back from it on resume, on the single-file and the sharded path alike.
@@ -62,26 +62,22 @@ class LiveCost(pl.Callback):
         """Fields for RunMetrics' records (append this to `RunMetrics.sources`)."""
         return {**self.meter.as_metrics(), **(self.spot.as_metrics() if self.spot is not None else {})}
 
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """The cost accrued before the checkpoint this run resumes from."""
         stored = checkpoint.get(META_KEY, {}).get(COST_KEY)
         if stored is not None:  # None: written before cost tracking was on; the sum starts here
             self.meter.cost_usd = float(stored)
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def add_meta(self, checkpoint: dict[str, Any]) -> None:
         checkpoint.setdefault(META_KEY, {})[COST_KEY] = self.meter.cost_usd
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
         self.meter.start(trainer.global_step)
         if self.spot is not None:
             self.spot.warm()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not at_step_boundary(pl_module):
-            return
+    def after_step(self, trainer: pl.Trainer) -> None:
+        """Accrue this step's cost; rank 0 warns, or asks for a stop (budget spent, spot price too high)."""
         step = trainer.global_step
         meter = self.meter
         meter.accrue(step)

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 
 from gaudi3_scale.monitor.profiler import GaudiProfiler
-from gaudi3_scale.train.step import at_step_boundary
 
 __all__ = ["StepProfiler"]
 
 
-class StepProfiler(pl.Callback):
+class StepProfiler:
     """Steps the profiler at every optimizer-step boundary and writes its outputs once the window has run.
 
     The trace names the recorded steps `ProfilerStep#N`, N counted from the step this fit started at (the global
@@ -44,7 +42,7 @@ class StepProfiler(pl.Callback):
         self.profiler: GaudiProfiler | None = None
         self._steps_left = 0
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
         first = max(self.start_step, trainer.global_step)
         if first >= self.end_step:
             self.warn(
@@ -62,23 +60,21 @@ class StepProfiler(pl.Callback):
         ).__enter__()
         self._steps_left = self.end_step - trainer.global_step
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.profiler is None or not at_step_boundary(pl_module):
+    def after_step(self, trainer: pl.Trainer) -> None:
+        if self.profiler is None:
             return
         self.profiler.step()
         self._steps_left -= 1
         if self._steps_left == 0:
             self._finish(trainer)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def end(self, trainer: pl.Trainer) -> None:
         if (
             self.profiler is not None
         ):  # stopped before the window ended (interrupt, budget): what was recorded
             self._finish(trainer)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def abort(self) -> None:
         if self.profiler is not None:  # an exception ended training: stop profiling, write nothing
             profiler, self.profiler = self.profiler, None
             profiler.__exit__(None, None, None)

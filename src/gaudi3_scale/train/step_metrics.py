@@ -1,5 +1,5 @@
 """What a run measures at every optimizer step: `RunMetrics` (records → metrics.jsonl and listeners) and the
-terminal progress bar. Both only read training state.
+terminal progress bar. Both only read training state; `train.after_step.AfterStep` calls them.
 
 Both read the step contract (`train.step.StepState`): an optimizer step ends with the last micro-batch of its
 accumulation group (`StepState.at_boundary`), and the step's loss, gradient norm and learning rate are there.
@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
-from gaudi3_scale.train.step import StepState, at_step_boundary
+from gaudi3_scale.train.step import StepState
 
 __all__ = ["RichStepProgress", "RunMetrics"]
 
@@ -71,7 +71,7 @@ def _to_host(value: Any) -> Any:
     return value.detach().to("cpu", non_blocking=True)
 
 
-class RunMetrics(pl.Callback):
+class RunMetrics:
     """Step time, tokens/s, MFU, loss, lr and peak memory → `metrics.jsonl` every `log_every_steps` steps.
 
     train_loss is the mean over the steps since the previous record (as Lightning's epoch-level logging does),
@@ -89,9 +89,9 @@ class RunMetrics(pl.Callback):
 
     samples/s counts the sequences of this rank's micro-batches times the world size (ranks get equal batches).
 
-    data_wait_s is the mean host time per step this rank spent between the end of one micro-batch and the start of
-    the next: mostly the data loader's `next()`, plus the other callbacks' per-batch hooks; validation and
-    checkpoint saves (paused time) are not counted.
+    data_wait_s is the mean host time per step this rank spent between the end of one micro-batch (its after-step
+    work included) and the start of the next: the data loader's `next()` and Lightning's own bookkeeping;
+    validation and checkpoint saves (paused time) are not counted.
 
     `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter.
     """
@@ -137,7 +137,7 @@ class RunMetrics(pl.Callback):
         self.train_s = 0.0  # active time of the measured steps after warm-up
         self.train_steps = 0
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._is_writer = self.path is not None and trainer.is_global_zero
         if self._is_writer:
             assert self.path is not None
@@ -146,13 +146,13 @@ class RunMetrics(pl.Callback):
         self._mark = self._clock.now()
 
     def _now(self) -> float:
-        assert self._clock is not None, "on_train_start() starts the clock"
+        assert self._clock is not None, "start() starts the clock"
         return self._clock.now()
 
     def _end_segment(self, *, always: bool = False) -> None:
         """Mark the end of the steps since the last mark (`always`: even with none, to cover copies just queued)."""
         if self._segment_steps or always:
-            assert self._clock is not None, "on_train_start() starts the clock"
+            assert self._clock is not None, "start() starts the clock"
             warmup = self._session_steps <= self.warmup_steps
             self._pending.append(_Segment(self._clock.mark(), self._segment_steps, warmup))
             self._segment_steps = 0
@@ -190,11 +190,12 @@ class RunMetrics(pl.Callback):
         self._paused_since_mark += paused
         self._paused_total_s += paused
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def validation_start(self) -> None:
         if self._clock is not None:  # not for a validation outside fit
             self.pause()
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def validation_end(self, trainer: pl.Trainer) -> None:
+        """Resume the clock; the validation's loss (and bert's accuracy) as a record."""
         if self._clock is not None:
             self.resume()
         val = trainer.callback_metrics.get("val/loss")
@@ -208,29 +209,29 @@ class RunMetrics(pl.Callback):
         self.latest["val_loss_step"] = record["step"]
         self._write(record)
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def batch_start(self) -> None:
+        """A micro-batch starts: the host time since the last one ended is data wait."""
         if self._batch_end is not None:
             gap = time.perf_counter() - self._batch_end - (self._paused_total_s - self._paused_at_batch_end)
             self._window_wait_s += max(0.0, gap)
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def batch_end(self, batch: Any) -> None:
+        """A micro-batch ended: count its sequences."""
         size = _batch_size(batch)
         self._window_samples = (
             None if size is None or self._window_samples is None else self._window_samples + size
         )
-        if self.state.at_boundary:
-            self._step_end(trainer, pl_module)
+
+    def batch_done(self) -> None:
+        """Everything after a micro-batch (and after its step) is done: data wait counts from here."""
         self._batch_end, self._paused_at_batch_end = time.perf_counter(), self._paused_total_s
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def end(self) -> None:
         self._end_segment()  # steps after the last record (a stop between records): book their time
         self._resolve()
 
-    def _step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An optimizer step ended: book it; at a logging window's end, capture the window's record."""
         # Marks of earlier steps: this step's work is queued behind them, so the device stays busy meanwhile.
         self._resolve()
         self._window_steps += 1
@@ -347,7 +348,7 @@ class RunMetrics(pl.Callback):
                 f.write(strict_json.dumps(record) + "\n")
 
 
-class RichStepProgress(pl.Callback):
+class RichStepProgress:
     """One progress bar over optimizer steps with loss, tokens/s and ETA (rank 0 only)."""
 
     def __init__(self, metrics: RunMetrics, *, console: Console | None = None) -> None:
@@ -356,7 +357,7 @@ class RichStepProgress(pl.Callback):
         self._progress: Progress | None = None
         self._task: Any = None
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def start(self, trainer: pl.Trainer) -> None:
         if not trainer.is_global_zero:
             return
         self._progress = Progress(
@@ -379,8 +380,8 @@ class RichStepProgress(pl.Callback):
             "train", total=trainer.max_steps, completed=trainer.global_step, loss="-", tps="-"
         )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._progress is None or not at_step_boundary(pl_module):
+    def after_step(self, trainer: pl.Trainer) -> None:
+        if self._progress is None:
             return
         latest = self.metrics.latest
         fields: dict[str, Any] = {}
@@ -388,15 +389,8 @@ class RichStepProgress(pl.Callback):
             fields = {"loss": f"{latest['train_loss']:.4f}", "tps": f"{latest['tokens_per_s']:,.0f}"}
         self._progress.update(self._task, completed=trainer.global_step, **fields)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.stop()
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self.stop()
-
     def stop(self) -> None:
+        """End the bar (the end of training, or an exception)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

@@ -37,6 +37,7 @@ from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
 from gaudi3_scale.monitor.trackers import build_trackers
+from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig, TrainConfig, steps_for_epochs
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost
@@ -300,108 +301,29 @@ class GaudiTrainer:
         return world
 
     def build_trainer(self, state: StepState) -> pl.Trainer:
-        """The Lightning Trainer and our callbacks for a module whose steps write `state` (the step contract)."""
-        cfg = self.config.train
-        plan = self._plan_device()
+        """The Lightning Trainer for a module whose steps write `state` (the step contract): the run's strategy,
+        precision and checkpoint IO, and `AfterStep`, which does everything that follows a step."""
+        cfg, plan = self.config.train, self._plan_device()
         batch, parallel = self._plans()
-        out = self.out_dir
-        metrics = RunMetrics(
-            out / "metrics.jsonl",
-            log_every_steps=cfg.log_every_steps,
-            state=state,
-            peak_flops_per_device=plan.peak_flops,
-            warmup_steps=cfg.resolved_throughput_warmup_steps(),
-        )
-        trackers = build_trackers(self.config, out, metrics)  # monitor.loggers; None when none are named
-        ckpt_cfg = self.config.checkpoint
-        strategy = build_strategy(
-            parallel,
-            batch,
-            accelerator=plan.accelerator,
-            grad_clip_norm=self.config.optim.grad_clip_norm,
-            hidden_size=self.config.model.dim,
-        )
-        if ckpt_cfg.enabled and ckpt_cfg.light_every_steps and saves_sharded(strategy):
-            raise ConfigError(
-                "checkpoint.light_every_steps",
-                f"light checkpoints are one file written by rank 0, but parallel.strategy {parallel.strategy} "
-                "saves sharded checkpoints (not supported yet); set it to 0 and export a full checkpoint instead",
-            )
-        # Rank 0 uploads committed checkpoints to checkpoint.remote_url; local copies stay until verified.
-        checkpointer = self._checkpointer = Checkpointer(
-            ckpt_cfg, out / "checkpoints", rank=_global_rank(), warn=self._warn
-        ).start()
-        if (mirror := checkpointer.mirror) is not None:
-            metrics.sources.append(lambda: mirror.status().as_metrics())
-        checkpoint = StepCheckpoint(
-            checkpointer.manager,
-            every_steps=ckpt_cfg.every_steps,
-            val_every_steps=cfg.val_every_steps,
-            metrics=metrics,
-            warn=self._warn,
-            config_sha256=config_sha256(self.config),
-            commit=checkpointer.commit,
-            enabled=ckpt_cfg.enabled,
-            data_sha256=self._data_sha256,
-            tokens_per_step=state.tokens_per_step,
-            strategy=parallel.strategy if isinstance(self.module, LanguageModel) else None,
-            light_manager=checkpointer.light_manager,
-            light_every_steps=ckpt_cfg.light_every_steps,
-        )
-        interrupt = GracefulInterrupt(checkpoint, self.console)
-        # Order matters: the ranks agree on a stop (interrupt) before StepCheckpoint decides whether to save.
-        callbacks: list[pl.Callback] = [metrics, interrupt, checkpoint]
-        callbacks.append(_StoreConfig(to_dict(self.config)))
-        callbacks.extend([trackers] if trackers is not None else [])
-        if self.progress:
-            callbacks.append(RichStepProgress(metrics, console=self.console))
-        if cfg.profile_start_step is not None:
-            from gaudi3_scale.train.profile_callback import StepProfiler
-
-            callbacks.append(
-                StepProfiler(
-                    out,
-                    start_step=cfg.profile_start_step,
-                    num_steps=cfg.profile_num_steps,
-                    accelerator=plan.accelerator,
-                    note=self._note,
-                    warn=self._warn,
-                )
-            )
-        self._metrics, self._checkpoint, self._interrupt = metrics, checkpoint, interrupt
-        live = self._live_cost = build_live_cost(
-            self.config,
-            metrics,
-            interrupt,
-            checkpoint,
-            warn=self._warn,
-            note=self._note,
-            announce=self.progress,
-        )
-        if live is not None:
-            # First: a metrics record then holds the cost up to its own step, and a budget or spot stop it asks
-            # for is agreed (GracefulInterrupt) and saved (StepCheckpoint) after that very step.
-            callbacks.insert(0, live)
+        strategy = build_strategy(parallel, batch, accelerator=plan.accelerator,
+                                  grad_clip_norm=self.config.optim.grad_clip_norm, hidden_size=self.config.model.dim)  # fmt: skip
+        after = self._after_step(state, strategy, parallel.strategy, plan.peak_flops, plan.accelerator)
+        trackers = build_trackers(
+            self.config, self.out_dir, after.metrics
+        )  # monitor.loggers; None when unnamed
         kwargs: dict[str, Any] = {
-            "accelerator": plan.accelerator,
-            "devices": self.config.parallel.nproc_per_node,
-            "num_nodes": self.config.parallel.nnodes,
-            "strategy": strategy,
-            "max_steps": cfg.max_steps,
+            "accelerator": plan.accelerator, "devices": self.config.parallel.nproc_per_node,
+            "num_nodes": self.config.parallel.nnodes, "strategy": strategy, "max_steps": cfg.max_steps,
             # Lightning counts batches: an optimizer step is `accumulation` of them for the module's own loop.
             "val_check_interval": cfg.val_every_steps * state.accumulation if cfg.val_every_steps else None,
-            "check_val_every_n_epoch": None,
-            "limit_val_batches": cfg.val_batches,
-            "num_sanity_val_steps": 0,
-            "logger": trackers.loggers if trackers is not None else False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "deterministic": cfg.deterministic,
-            "default_root_dir": str(out),
-            "callbacks": callbacks + self.extra_callbacks,
-            "plugins": [checkpointer.io],
-        }
+            "check_val_every_n_epoch": None, "limit_val_batches": cfg.val_batches, "num_sanity_val_steps": 0,
+            "logger": trackers.loggers if trackers is not None else False, "enable_checkpointing": False,
+            "enable_progress_bar": False, "enable_model_summary": False, "deterministic": cfg.deterministic,
+            "default_root_dir": str(self.out_dir),
+            "callbacks": [after, _StoreConfig(to_dict(self.config)), *([trackers] if trackers else []),
+                          *self.extra_callbacks],
+            "plugins": [self._checkpointer.io],
+        }  # fmt: skip
         if plan.accelerator == "hpu":
             # Lightning's own "bf16-mixed" autocasts on cuda; on Gaudi the plugin autocasts on hpu.
             # (hpu plans only hold bf16-mixed, bf16-true or 32-true: the plugin's Literal.)
@@ -412,6 +334,46 @@ class GaudiTrainer:
             kwargs["precision"] = plan.precision
         kwargs.update(self.trainer_kwargs)
         return pl.Trainer(**kwargs)
+
+    def _after_step(
+        self, state: StepState, strategy: Any, strategy_name: str, peak_flops: float | None, accelerator: str
+    ) -> AfterStep:
+        """The parts that act after each step (`train.after_step`), built from the run config."""
+        cfg, ckpt_cfg, out = self.config.train, self.config.checkpoint, self.out_dir
+        if ckpt_cfg.enabled and ckpt_cfg.light_every_steps and saves_sharded(strategy):
+            raise ConfigError(
+                "checkpoint.light_every_steps",
+                f"light checkpoints are one file written by rank 0, but parallel.strategy {strategy_name} "
+                "saves sharded checkpoints (not supported yet); set it to 0 and export a full checkpoint instead",
+            )
+        metrics = self._metrics = RunMetrics(out / "metrics.jsonl", log_every_steps=cfg.log_every_steps,
+                                             state=state, peak_flops_per_device=peak_flops,
+                                             warmup_steps=cfg.resolved_throughput_warmup_steps())  # fmt: skip
+        # Rank 0 uploads committed checkpoints to checkpoint.remote_url; local copies stay until verified.
+        checkpointer = self._checkpointer = Checkpointer(
+            ckpt_cfg, out / "checkpoints", rank=_global_rank(), warn=self._warn
+        ).start()
+        if (mirror := checkpointer.mirror) is not None:
+            metrics.sources.append(lambda: mirror.status().as_metrics())
+        checkpoint = self._checkpoint = StepCheckpoint(
+            checkpointer.manager, every_steps=ckpt_cfg.every_steps, val_every_steps=cfg.val_every_steps,
+            metrics=metrics, warn=self._warn, config_sha256=config_sha256(self.config), commit=checkpointer.commit,
+            enabled=ckpt_cfg.enabled, data_sha256=self._data_sha256, tokens_per_step=state.tokens_per_step,
+            strategy=strategy_name if isinstance(self.module, LanguageModel) else None,
+            light_manager=checkpointer.light_manager, light_every_steps=ckpt_cfg.light_every_steps,
+        )  # fmt: skip
+        stop = self._interrupt = GracefulInterrupt(checkpoint, self.console)
+        cost = self._live_cost = build_live_cost(self.config, metrics, stop, checkpoint, warn=self._warn,
+                                                 note=self._note, announce=self.progress)  # fmt: skip
+        profiler = None
+        if cfg.profile_start_step is not None:
+            from gaudi3_scale.train.profile_callback import StepProfiler
+
+            profiler = StepProfiler(out, start_step=cfg.profile_start_step, num_steps=cfg.profile_num_steps,
+                                    accelerator=accelerator, note=self._note, warn=self._warn)  # fmt: skip
+        progress = RichStepProgress(metrics, console=self.console) if self.progress else None
+        return AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, profiler=profiler,
+                         progress=progress)  # fmt: skip
 
     def fit(
         self, model: pl.LightningModule | None = None, datamodule: pl.LightningDataModule | None = None

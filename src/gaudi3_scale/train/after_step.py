@@ -1,0 +1,134 @@
+"""What follows an optimizer step, in one place: `AfterStep` is the one callback that hooks the training loop for
+the run's own work, and the lines of `AfterStep.after_step` are the order.
+
+    cost        train.cost_callback.LiveCost      accrue this step's cost; ask for a stop when the budget is spent
+    metrics     train.step_metrics.RunMetrics     book the step; at a window's end, its record (with that cost)
+    stop        train.callbacks.GracefulInterrupt the ranks agree on a stop (signal, spot notice, budget)
+    health      (a `StepCheck`)                   checks of the step's outcome, before anything is saved
+    checkpoint  train.callbacks.StepCheckpoint    the checkpoint this step is due (now, or after its validation)
+    profiler    train.profile_callback.StepProfiler  the profiler's window
+    progress    train.step_metrics.RichStepProgress  the terminal bar
+
+Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
+step is saved after the validation, so it records that loss. What the run reports (metrics.jsonl, the trackers,
+Prometheus, the dashboard) is what `RunMetrics` writes and passes to its listeners; none of them hooks the step.
+The other hooks (start, validation, end, checkpoint contents) go to the same parts, in the order written here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+
+from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
+from gaudi3_scale.train.cost_callback import LiveCost
+from gaudi3_scale.train.profile_callback import StepProfiler
+from gaudi3_scale.train.step import at_step_boundary
+from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
+
+__all__ = ["AfterStep", "StepCheck"]
+
+
+class StepCheck(Protocol):
+    """A check of an optimizer step's outcome, run after the ranks agreed on a stop and before the checkpoint."""
+
+    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
+
+
+class AfterStep(pl.Callback):
+    """The parts of the run that act after each optimizer step (module docstring), called in one order."""
+
+    def __init__(
+        self,
+        *,
+        metrics: RunMetrics,
+        stop: GracefulInterrupt,
+        checkpoint: StepCheckpoint,
+        cost: LiveCost | None = None,
+        health: StepCheck | None = None,
+        profiler: StepProfiler | None = None,
+        progress: RichStepProgress | None = None,
+    ) -> None:
+        self.cost, self.metrics, self.stop, self.health = cost, metrics, stop, health
+        self.checkpoint, self.profiler, self.progress = checkpoint, profiler, progress
+
+    def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An optimizer step ended (the last micro-batch of its accumulation): these lines are the order."""
+        if self.cost is not None:
+            self.cost.after_step(trainer)
+        self.metrics.after_step(trainer, pl_module)
+        self.stop.after_step(trainer, pl_module)
+        if self.health is not None:
+            self.health.after_step(trainer, pl_module)
+        self.checkpoint.after_step(trainer)
+        if self.profiler is not None:
+            self.profiler.after_step(trainer)
+        if self.progress is not None:
+            self.progress.after_step(trainer)
+
+    # ---- Lightning's hooks, dispatched to the parts -------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.cost is not None:
+            self.cost.start(trainer)
+        self.metrics.start(trainer, pl_module)
+        self.stop.start()
+        self.checkpoint.start(trainer)
+        if self.profiler is not None:
+            self.profiler.start(trainer)
+        if self.progress is not None:
+            self.progress.start(trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.metrics.batch_start()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.metrics.batch_end(batch)
+        if at_step_boundary(pl_module):
+            self.after_step(trainer, pl_module)
+        self.metrics.batch_done()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.metrics.validation_start()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.metrics.validation_end(
+            trainer
+        )  # the validation's record first: the checkpoint after it records it
+        self.checkpoint.validation_end(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.metrics.end()
+        self.stop.end()
+        self.checkpoint.end(trainer)  # the final checkpoint, committed
+        if self.progress is not None:
+            self.progress.stop()
+        if self.profiler is not None:
+            self.profiler.end(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.profiler is not None:  # an exception ended training: stop profiling, write nothing
+            self.profiler.abort()
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.cost is not None:
+            self.cost.add_meta(checkpoint)
+        self.checkpoint.add_meta(trainer, checkpoint)  # the manifest's fields, beside the cost
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.cost is not None:
+            self.cost.load(checkpoint)

@@ -1,0 +1,73 @@
+"""`AfterStep` is the one place that runs what follows an optimizer step, and its lines are the order: cost →
+metrics → stop agreement → health → checkpoint → profiler → progress. The parts here only record when they are
+called (the real ones are exercised by every training test); what is tested is the dispatcher's order."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from gaudi3_scale.train import after_step
+from gaudi3_scale.train.after_step import AfterStep
+
+
+class _Part:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def __getattr__(self, method: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.log.append(f"{self.name}.{method}")
+
+        return record
+
+
+def _after(log: list[str]) -> AfterStep:
+    parts = {name: _Part(name, log) for name in ("cost", "metrics", "stop", "health", "checkpoint", "profiler",
+                                                  "progress")}  # fmt: skip
+    return AfterStep(**parts)  # type: ignore[arg-type]
+
+
+def test_after_a_step_the_parts_run_in_the_written_order() -> None:
+    log: list[str] = []
+    _after(log).after_step(trainer=None, pl_module=None)  # type: ignore[arg-type]
+    assert log == ["cost.after_step", "metrics.after_step", "stop.after_step", "health.after_step",
+                   "checkpoint.after_step", "profiler.after_step", "progress.after_step"]  # fmt: skip
+
+
+def test_the_other_hooks_keep_one_order_too() -> None:
+    log: list[str] = []
+    after = _after(log)
+    after.on_train_start(None, None)  # type: ignore[arg-type]
+    assert log == ["cost.start", "metrics.start", "stop.start", "checkpoint.start", "profiler.start",
+                   "progress.start"]  # fmt: skip
+    log.clear()
+    after.on_validation_end(None, None)  # type: ignore[arg-type]
+    assert log == [
+        "metrics.validation_end",
+        "checkpoint.validation_end",
+    ]  # the loss recorded, then saved with it
+    log.clear()
+    after.on_train_end(None, None)  # type: ignore[arg-type]
+    assert log == ["metrics.end", "stop.end", "checkpoint.end", "progress.stop", "profiler.end"]
+    log.clear()
+    after.on_save_checkpoint(None, None, {})  # type: ignore[arg-type]
+    assert log == ["cost.add_meta", "checkpoint.add_meta"]
+
+
+def test_no_other_module_of_the_trainer_hooks_the_step() -> None:
+    """Only AfterStep implements on_train_batch_end among the trainer's own callbacks (train/*.py)."""
+    import importlib
+    import pkgutil
+
+    import gaudi3_scale.train as train_pkg
+
+    hooks = []
+    for info in pkgutil.iter_modules(train_pkg.__path__):
+        if info.name.startswith("_"):  # __main__ is the torchrun entry point: it parses sys.argv
+            continue
+        module = importlib.import_module(f"gaudi3_scale.train.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and "on_train_batch_end" in vars(cls):
+                hooks.append(f"{module.__name__}.{cls.__name__}")
+    assert hooks == [f"{after_step.__name__}.AfterStep"], hooks
