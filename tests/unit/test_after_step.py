@@ -50,9 +50,34 @@ def test_the_other_hooks_keep_one_order_too() -> None:
     log.clear()
     after.on_train_end(None, None)  # type: ignore[arg-type]
     assert log == ["metrics.end", "stop.end", "checkpoint.end", "progress.stop", "profiler.end"]
-    log.clear()
-    after.on_save_checkpoint(None, None, {})  # type: ignore[arg-type]
-    assert log == ["cost.add_meta", "checkpoint.add_meta"]
+
+
+def test_checkpoint_hooks_write_and_restore_the_registered_entries() -> None:
+    """Lightning's save/load hooks go to the run's `CheckpointContents`: each owner's entry, meta merged."""
+    from gaudi3_scale.checkpoint.contents import META_KEY, CheckpointContents, FixedState
+
+    class Meter:
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def state_dict(self) -> dict[str, float]:
+            return {"cost_usd": self.value}
+
+        def load_state_dict(self, state: dict[str, float]) -> None:
+            self.value = state.get("cost_usd", 0.0)
+
+    contents = CheckpointContents()
+    contents.register("config", FixedState({"lr": 1.0}), light=True)
+    meter = Meter(2.5)
+    contents.register("cost", meter, meta=True)
+    after = _after([])
+    after.checkpoint.checkpointer = type("C", (), {"contents": contents})()  # type: ignore[union-attr]
+    saved: dict[str, Any] = {"state_dict": {}}
+    after.on_save_checkpoint(None, None, saved)  # type: ignore[arg-type]
+    assert saved == {"state_dict": {}, "config": {"lr": 1.0}, META_KEY: {"cost_usd": 2.5}}
+    meter.value = 0.0
+    after.on_load_checkpoint(None, None, saved)  # type: ignore[arg-type]
+    assert meter.value == 2.5
 
 
 def test_no_other_module_of_the_trainer_hooks_the_step() -> None:

@@ -238,7 +238,8 @@ class _SettablePrice:
 
 
 def test_spot_policy_scale_up_is_noted_once_per_change_and_pause_stops(tmp_path: Path) -> None:
-    from gaudi3_scale.checkpoint.manager import CheckpointManager
+    from gaudi3_scale.checkpoint.checkpointer import Checkpointer
+    from gaudi3_scale.checkpoint.config import CheckpointConfig
     from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
     from gaudi3_scale.train.cost_callback import LiveCost
 
@@ -246,7 +247,7 @@ def test_spot_policy_scale_up_is_noted_once_per_change_and_pause_stops(tmp_path:
     prices = CachedSpotPrices(source, ttl_s=3600.0)  # refreshed by the test alone (refresh_now)
     check = SpotCheck(prices, SpotPolicy(pause_above_usd_per_hour=50.0, scale_up_below_usd_per_hour=35.0),
                       instance_type="p5.48xlarge", region="us-east-1")  # fmt: skip
-    checkpoint = StepCheckpoint(CheckpointManager(tmp_path), every_steps=2)
+    checkpoint = StepCheckpoint(Checkpointer(CheckpointConfig(), tmp_path), every_steps=2)
     interrupt = GracefulInterrupt(checkpoint)
     meter = _meter(FakeClock(), usd_per_hour_per_node=55.04)
     notes: list[str] = []

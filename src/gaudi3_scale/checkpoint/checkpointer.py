@@ -1,4 +1,5 @@
-"""One object for a run's checkpoints: directory and retention, Lightning's checkpoint IO, the remote mirror.
+"""One object for a run's checkpoints: directory and retention, Lightning's checkpoint IO, the remote mirror, and
+`save`, the one call that writes a checkpoint (with the writer of its layout, `checkpoint.writers`).
 
     with Checkpointer(run.checkpoint, out / "checkpoints", rank=rank, warn=warn) as checkpointer:
         trainer = pl.Trainer(plugins=[checkpointer.io], ...)   # saves commit through checkpointer.commit
@@ -20,14 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
 from gaudi3_scale.checkpoint.config import CheckpointConfig
-from gaudi3_scale.checkpoint.manager import LIGHT_DIR_NAME, CheckpointManager, RetentionPolicy
+from gaudi3_scale.checkpoint.contents import (
+    EPOCH_KEY,
+    GLOBAL_STEP_KEY,
+    META_KEY,
+    STATE_DICT_KEY,
+    CheckpointContents,
+)
+from gaudi3_scale.checkpoint.manager import (
+    LIGHT_DIR_NAME,
+    CheckpointManager,
+    CheckpointSaveError,
+    RetentionPolicy,
+)
 from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
+from gaudi3_scale.checkpoint.writers import write_light, write_sharded, write_single_file
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from gaudi3_scale.checkpoint.remote import RemoteMirror
 
 __all__ = ["Checkpointer"]
@@ -68,6 +84,7 @@ class Checkpointer:
             light_directory or Path(directory).with_name(LIGHT_DIR_NAME),
             RetentionPolicy(keep_last=config.light_keep_last),
         )
+        self.contents = CheckpointContents()  # our entries, registered by their owners (checkpoint.contents)
         io_type = AsyncVerifiedCheckpointIO if config.async_save else VerifiedCheckpointIO
         # Lightning writes single-file checkpoints on rank 0 only; other ranks never commit.
         self.io: VerifiedCheckpointIO = io_type(on_commit=self.commit if rank == 0 else None)
@@ -99,6 +116,55 @@ class Checkpointer:
         if self.mirror is not None:
             self.mirror.submit(directory)
         self.manager.mark_latest(directory)
+
+    def save(
+        self,
+        trainer: pl.Trainer,
+        *,
+        light: bool = False,
+        sharded: bool = False,
+    ) -> tuple[Path, bool, CheckpointSaveError | None]:
+        """Write the checkpoint of `trainer.global_step` with the writer of its layout (`checkpoint.writers`):
+        `light` into the light tier, else `sharded` (FSDP: every rank) or single-file; `contents` adds our entries.
+        On every rank: (its directory, whether the save went through — rank 0's outcome for a single file, which
+        rank 0 alone writes — and this rank's own error, if any)."""
+        manager = self.light_manager if light else self.manager
+        path = manager.path_for(trainer.global_step)
+        failure: CheckpointSaveError | None = None
+        try:
+            if light:
+                write_light(trainer, path, self._light_state(trainer))
+            elif sharded:  # the manifest gets the META_KEY entries this very save wrote
+                write_sharded(trainer, path, lambda: self.contents.written.get(META_KEY, {}), self.commit)
+            else:
+                write_single_file(trainer, path)
+        except CheckpointSaveError as exc:
+            failure = exc
+        return path, bool(trainer.strategy.broadcast(failure is None, src=0)), failure
+
+    def _light_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a light checkpoint holds: the weights, the counters and our entries of the light tier (the run
+        config, the manifest fields), tagged light; no optimizer, RNG or sampler state."""
+        checkpoint: dict[str, Any] = {
+            EPOCH_KEY: trainer.current_epoch,
+            GLOBAL_STEP_KEY: trainer.global_step,
+            STATE_DICT_KEY: trainer.strategy.lightning_module_state_dict(),  # ZeRO-3: gathered on every rank
+        }
+        self.contents.save_into(checkpoint, light=True)
+        return checkpoint
+
+    def wait_for_commit(self, trainer: pl.Trainer) -> CheckpointSaveError | None:
+        """Wait for the asynchronous save in flight (rank 0 writes it), then meet every rank at a barrier; the
+        save's error, if it failed."""
+        error: CheckpointSaveError | None = None
+        wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+        if trainer.is_global_zero and wait is not None:
+            try:
+                wait()
+            except CheckpointSaveError as exc:
+                error = exc
+        trainer.strategy.barrier("gaudi3_checkpoint_committed")
+        return error
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the save in flight is committed (raising its `CheckpointSaveError`) and every queued upload

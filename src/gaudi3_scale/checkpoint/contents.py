@@ -1,15 +1,26 @@
-"""What is in a checkpoint: the named entries of the dict a run saves and of its manifest, and typed readers.
+"""What is in a checkpoint: the named entries of the dict a run saves and of its manifest, who owns each, and
+typed readers. Every reader of these entries goes through this module; every writer through `Checkpointer.save`.
 
-A checkpoint dict is what Lightning saves (`dump_checkpoint`: weights, optimizer states, loop and callback state,
-the datamodule's state under its class name) plus our entries (`CONFIG_KEY`, `RNG_KEY`, `META_KEY`). The items of
-`META_KEY` are copied into the manifest at commit, so `DATA_SHA256_KEY` and `COST_KEY` are read from the manifest,
-without loading the checkpoint. Every reader of these entries goes through this module.
+    entry               owner (a `Stateful` unless Lightning writes it)                 in a light checkpoint
+    state_dict          the model: Lightning (the strategy gathers or shards it)         yes
+    optimizer_states    the optimizer (AdamW moments): Lightning, the strategy            no
+    lr_schedulers, loops, callbacks   Lightning: scheduler, step/epoch counters            no (counters: yes)
+    TokenDataModule     the sampler's position: the data module                         no
+    gaudi3_config       the resolved run config: GaudiTrainer                           yes
+    gaudi3_rng          every rank's generators: `train.rng.RngStates`                  no
+    gaudi3_meta         manifest fields: StepCheckpoint (tokens seen, world size, layout, data SHA-256, newest
+                        validation) and LiveCost (accrued cost); copied into the manifest at commit, so
+                        `DATA_SHA256_KEY` and `COST_KEY` are read without loading the checkpoint   yes (+ tier)
+
+Our entries are declared by their owners in a run's `CheckpointContents` (`register`); one hook writes them into
+every checkpoint Lightning dumps (and the light writer's) and hands them back on a resume.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 __all__ = [
     "CONFIG_KEY",
@@ -27,6 +38,9 @@ __all__ = [
     "STATE_DICT_KEY",
     "TIER_KEY",
     "ZERO_PARTITIONS_KEY",
+    "CheckpointContents",
+    "FixedState",
+    "Stateful",
     "global_step",
     "is_light",
     "model_weights",
@@ -98,3 +112,67 @@ def trained_data_sha256(manifest: Mapping[str, Any] | None) -> str | None:
     """The prepared tokens' SHA-256 a checkpoint was trained on, from its manifest (None: predates the record)."""
     saved = (manifest or {}).get(DATA_SHA256_KEY)
     return saved if isinstance(saved, str) else None
+
+
+class Stateful(Protocol):
+    """What owns a checkpoint entry (the shape of `torch.distributed.checkpoint.stateful.Stateful`)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
+
+class FixedState:
+    """An entry written into every checkpoint and not restored from one (the run config: a resume has its own)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Entry:
+    owner: Stateful
+    light: bool  # also in light checkpoints
+    meta: bool  # the owner's dict is merged into META_KEY (and so into the manifest)
+
+
+class CheckpointContents:
+    """Our entries of one run's checkpoints, declared by their owners (module docstring)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self.written: dict[
+            str, Any
+        ] = {}  # the entries of the last `save_into` (a sharded manifest reads META_KEY)
+
+    def register(self, key: str, owner: Stateful, *, light: bool = False, meta: bool = False) -> None:
+        """`owner.state_dict()` under `key` of every checkpoint (`light`: light ones too); with `meta` it is a dict
+        merged into `META_KEY`, and `key` only names the owner. Each key once."""
+        assert key not in self._entries, f"checkpoint entry {key!r} registered twice"
+        self._entries[key] = _Entry(owner, light, meta)
+
+    def save_into(self, checkpoint: dict[str, Any], *, light: bool = False) -> None:
+        for key, entry in self._entries.items():
+            if light and not entry.light:
+                continue
+            if entry.meta:
+                checkpoint[META_KEY] = {**checkpoint.get(META_KEY, {}), **entry.owner.state_dict()}
+            else:
+                checkpoint[key] = entry.owner.state_dict()
+        if light:
+            checkpoint.setdefault(META_KEY, {})[TIER_KEY] = LIGHT_TIER
+        self.written = {key: checkpoint[key] for key in (*self._entries, META_KEY) if key in checkpoint}
+
+    def load_from(self, checkpoint: Mapping[str, Any]) -> None:
+        """Hand each owner its entry back (a resume); an entry the checkpoint lacks is left to its owner's default."""
+        for key, entry in self._entries.items():
+            if entry.meta:
+                entry.owner.load_state_dict(checkpoint.get(META_KEY, {}))
+            elif key in checkpoint:
+                entry.owner.load_state_dict(checkpoint[key])

@@ -12,7 +12,8 @@ the run's own work, and the lines of `AfterStep.after_step` are the order.
 Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
 step is saved after the validation, so it records that loss. What the run reports (metrics.jsonl, the trackers,
 Prometheus, the dashboard) is what `RunMetrics` writes and passes to its listeners; none of them hooks the step.
-The other hooks (start, validation, end, checkpoint contents) go to the same parts, in the order written here.
+The other hooks (start, validation, end) go to the same parts, in the order written here; what a checkpoint holds
+beyond Lightning's own entries is the run's `CheckpointContents` (`checkpoint.contents`).
 """
 
 from __future__ import annotations
@@ -123,12 +124,9 @@ class AfterStep(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.cost is not None:
-            self.cost.add_meta(checkpoint)
-        self.checkpoint.add_meta(trainer, checkpoint)  # the manifest's fields, beside the cost
+        self.checkpoint.checkpointer.contents.save_into(checkpoint)  # our entries, by their owners
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.cost is not None:
-            self.cost.load(checkpoint)
+        self.checkpoint.checkpointer.contents.load_from(checkpoint)

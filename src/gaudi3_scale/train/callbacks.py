@@ -7,7 +7,6 @@ They only read training state; nothing here changes the math.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import time
 import warnings
@@ -19,24 +18,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from rich.console import Console
-from torch.distributed.checkpoint.api import CheckpointException
 
+from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.checkpoint.contents import (
     DATA_SHA256_KEY,
-    EPOCH_KEY,
-    GLOBAL_STEP_KEY,
-    LIGHT_TIER,
-    META_KEY,
-    STATE_DICT_KEY,
-    TIER_KEY,
 )
 from gaudi3_scale.checkpoint.manager import (
-    STATE_NAME,
     CheckpointManager,
     CheckpointSaveError,
-    prepare_directory,
 )
-from gaudi3_scale.checkpoint.manifest import write_manifest
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.train.step_metrics import RunMetrics
@@ -50,47 +40,38 @@ __all__ = [
 
 
 class StepCheckpoint:
-    """Save a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the validation
-    that follows the last step); apply retention.
-
-    Single-file checkpoints: the checkpoint IO (`VerifiedCheckpointIO`, rank 0) writes the state, then the
-    manifest, then calls the `on_commit` it was built with (`Checkpointer.commit`: upload, `latest`, retention) —
-    in the background when the IO is asynchronous. Sharded checkpoints (FSDP, DCP): every rank writes its shards,
-    and once all are past a barrier rank 0 writes the manifest and calls `commit` (default: move `latest` and
-    apply retention). `blocking_s` lists how long each save stopped training.
+    """When a run saves: a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the
+    validation that follows the last step), an emergency one when the ranks agreed on a stop, and light ones between.
+    How it is written is `Checkpointer.save`'s (one writer per layout: single file, sharded, light); the commit
+    (upload, `latest`, retention) is `Checkpointer.commit`'s. `blocking_s` lists how long each save stopped training.
 
     A periodic save that fails (disk full, storage gone) is never committed and is cleaned up; the run continues
     with a warning naming it. The final or emergency save failing stops the run with that one line instead.
 
-    With `light_manager` and `light_every_steps`, a step that is a multiple of `light_every_steps` and not due for a
-    full checkpoint (periodic, final or emergency: the full one wins) gets a light one in `light_manager`'s
-    directory: weights, counters, run config and manifest metadata only (`_light_state`), through the same IO and
-    commit. A light save that fails only warns, even when found at the end.
+    With `light_every_steps`, a step that is a multiple of it and not due for a full checkpoint (periodic, final or
+    emergency: the full one wins) gets a light one in the light tier: weights, counters, run config and manifest
+    metadata only (`_light_state`). A light save that fails only warns, even when found at the end.
     """
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        checkpointer: Checkpointer,
         *,
         every_steps: int,
         val_every_steps: int = 0,
         metrics: RunMetrics | None = None,
         warn: Callable[[str], None] | None = None,
         config_sha256: str | None = None,
-        commit: Callable[[Path], None] | None = None,
         enabled: bool = True,
         data_sha256: str | None = None,
         tokens_per_step: int = 0,
         strategy: str | None = None,
-        light_manager: CheckpointManager | None = None,
         light_every_steps: int = 0,
     ) -> None:
-        self.manager = manager
-        self.light_manager = light_manager
-        self.light_every_steps = light_every_steps if light_manager is not None else 0
+        self.checkpointer = checkpointer  # writes (`Checkpointer.save`), commits, keeps retention
+        self.light_every_steps = light_every_steps
         self.tokens_per_step = tokens_per_step  # 0 = unknown: the manifest's tokens_seen is null
         self.strategy = strategy  # the run's resolved strategy name; None = the Lightning strategy's class
-        self.commit = commit or manager.mark_latest  # after rank 0 wrote a sharded checkpoint's manifest
         # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
         self.data_sha256 = data_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
@@ -103,13 +84,19 @@ class StepCheckpoint:
         self.committed_at = 0.0
         self.last_path: Path | None = None
         self._last_step = -1
-        self._meta: dict[str, Any] = {}
+        self._trainer: pl.Trainer | None = None
         self.save_requested = False
         self.blocking_s: list[float] = []
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
         self._light_in_flight = False  # and it is a light one: its failure never stops the run
 
+    @property
+    def manager(self) -> CheckpointManager:
+        """The full checkpoints' directory and retention."""
+        return self.checkpointer.manager
+
     def start(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
 
     def after_step(self, trainer: pl.Trainer) -> None:
@@ -149,12 +136,13 @@ class StepCheckpoint:
         """The final checkpoint (after the last validation), committed before returning."""
         self.save(trainer, wait=True)
 
-    def add_meta(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-        # What the manifest records about this checkpoint, next to the files' checksums; other callbacks may
-        # have added entries of their own (LiveCost: the accrued cost).
+    def state_dict(self) -> dict[str, Any]:
+        """The manifest fields this run records about each checkpoint (a `Stateful` merged into META_KEY), next to
+        the files' checksums and the other owners' fields (LiveCost: the accrued cost)."""
+        trainer = self._trainer
+        assert trainer is not None, "start() runs before any save"
         tokens_per_step = self.tokens_per_step
-        self._meta = checkpoint[META_KEY] = {
-            **checkpoint.get(META_KEY, {}),
+        return {
             "tokens_seen": trainer.global_step * tokens_per_step if tokens_per_step else None,
             "world_size": trainer.world_size,
             "strategy": self.strategy or type(trainer.strategy).__name__,
@@ -166,6 +154,9 @@ class StepCheckpoint:
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,
         }
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # what a resume needs of the manifest fields, preflight reads from the manifest itself
+
     def save(self, trainer: pl.Trainer, *, wait: bool = False, light: bool = False) -> None:
         """A full checkpoint of this step (unless it has one), or with `light` a light one; `wait`: until committed."""
         step = trainer.global_step
@@ -176,22 +167,11 @@ class StepCheckpoint:
                 self.metrics.pause()
             self._wait_for_commit(trainer, final=False)  # the previous save's outcome, before a new one
             started = time.perf_counter()
-            manager = self.light_manager if light else self.manager
-            assert manager is not None, "light saves need a light_manager"
-            path = manager.path_for(step)
-            failure: CheckpointSaveError | None = None
-            try:
-                if light:
-                    trainer.strategy.save_checkpoint(self._light_state(trainer), path / STATE_NAME)
-                elif saves_sharded(trainer.strategy):
-                    self._save_sharded(trainer, path)
-                else:
-                    trainer.save_checkpoint(path / STATE_NAME, weights_only=False)
-            except CheckpointSaveError as exc:
-                failure = exc
+            path, saved, failure = self.checkpointer.save(
+                trainer, light=light, sharded=saves_sharded(trainer.strategy)
+            )
             self.blocking_s.append(time.perf_counter() - started)
-            # Single-file checkpoints are written by rank 0 alone: its outcome decides for every rank.
-            if trainer.strategy.broadcast(failure is None, src=0):
+            if saved:
                 if not light:
                     self.last_path = path
                     self._last_step = step  # a failed step is tried again at the end of training
@@ -204,33 +184,15 @@ class StepCheckpoint:
             self._wait_for_commit(trainer, final=True)
             self.committed_at = time.perf_counter()
 
-    def _light_state(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What a light checkpoint holds: the weights, the counters and what the callbacks add on a save (the run
-        config, this hook's manifest metadata, the accrued cost), tagged light; no optimizer, RNG or sampler state.
-        """
-        checkpoint: dict[str, Any] = {
-            EPOCH_KEY: trainer.current_epoch,
-            GLOBAL_STEP_KEY: trainer.global_step,
-            STATE_DICT_KEY: trainer.strategy.lightning_module_state_dict(),  # ZeRO-3: gathered on every rank
-        }
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set at runtime by Lightning
-            callback.on_save_checkpoint(trainer, trainer.lightning_module, checkpoint)
-        checkpoint.setdefault(META_KEY, {})[TIER_KEY] = LIGHT_TIER
-        return checkpoint
-
     def _wait_for_commit(self, trainer: pl.Trainer, *, final: bool) -> None:
         """Wait for an asynchronous save in flight (rank 0 writes it); warn or raise if it failed."""
         if not self._uncommitted:
             return
         self._uncommitted = False
         final = final and not self._light_in_flight
-        wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
-        if trainer.is_global_zero and wait is not None:
-            try:
-                wait()
-            except CheckpointSaveError as exc:
-                self._failed(exc, final=final)
-        trainer.strategy.barrier("gaudi3_checkpoint_committed")
+        error = self.checkpointer.wait_for_commit(trainer)
+        if error is not None:
+            self._failed(error, final=final)
 
     def _failed(self, error: CheckpointSaveError, *, final: bool) -> None:
         if final:
@@ -242,21 +204,6 @@ class StepCheckpoint:
             self.warn(message)
         else:
             warnings.warn(message, stacklevel=2)
-
-    def _save_sharded(self, trainer: pl.Trainer, path: Path) -> None:
-        if trainer.is_global_zero:
-            prepare_directory(path)
-        trainer.strategy.barrier("gaudi3_checkpoint_prepare")
-        try:
-            trainer.save_checkpoint(path, weights_only=False)  # every rank: its shards; rank 0 also meta.pt
-        except (OSError, CheckpointException) as exc:  # DCP raises the same CheckpointException on every rank
-            if trainer.is_global_zero:
-                shutil.rmtree(path, ignore_errors=True)
-            raise CheckpointSaveError(path, exc) from exc
-        trainer.strategy.barrier("gaudi3_checkpoint_shards")
-        if trainer.is_global_zero:
-            write_manifest(path, {"step": trainer.global_step, "epoch": trainer.current_epoch, **self._meta})
-            self.commit(path)
 
 
 # The signals a run stops on; the launcher passes the same ones on to its workers, and both exit by

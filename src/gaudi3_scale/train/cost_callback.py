@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from gaudi3_scale.checkpoint.contents import COST_KEY, META_KEY
+from gaudi3_scale.checkpoint.contents import COST_KEY
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.metering.live import (
@@ -62,14 +62,15 @@ class LiveCost:
         """Fields for RunMetrics' records (append this to `RunMetrics.sources`)."""
         return {**self.meter.as_metrics(), **(self.spot.as_metrics() if self.spot is not None else {})}
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """The accrued cost, a manifest field of every checkpoint (a `Stateful` merged into META_KEY)."""
+        return {COST_KEY: self.meter.cost_usd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The cost accrued before the checkpoint this run resumes from."""
-        stored = checkpoint.get(META_KEY, {}).get(COST_KEY)
+        stored = state_dict.get(COST_KEY)
         if stored is not None:  # None: written before cost tracking was on; the sum starts here
             self.meter.cost_usd = float(stored)
-
-    def add_meta(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint.setdefault(META_KEY, {})[COST_KEY] = self.meter.cost_usd
 
     def start(self, trainer: pl.Trainer) -> None:
         self.meter.start(trainer.global_step)

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
-import random
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY
+from gaudi3_scale.checkpoint.contents import CONFIG_KEY
 from gaudi3_scale.data.mlm import IGNORE_INDEX
 from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
@@ -32,37 +29,7 @@ from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
 from gaudi3_scale.train.step import SteppedModule, StepState
 
-__all__ = [
-    "CONFIG_KEY",
-    "RNG_KEY",
-    "LanguageModel",
-    "capture_rng_state",
-    "masked_lm_loss",
-    "next_token_loss",
-    "restore_rng_state",
-]
-
-
-def capture_rng_state() -> dict[str, Any]:
-    # Plain containers and tensors only, so checkpoints load with torch.load(weights_only=True).
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(np.array(keys)), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+__all__ = ["CONFIG_KEY", "LanguageModel", "masked_lm_loss", "next_token_loss"]
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -300,24 +267,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # size of the whole shard, unlike foreach, which matters for the ZeRO memory savings.
         return build_optimizer(self.model, self.optim_cfg, device_type=self.device.type)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Every rank's generators (each rank has its own stream), gathered in rank order.
-        states: list[Any] = [capture_rng_state()]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Gathered as torch.save bytes: all_gather_object cannot unpickle tensors on every torch version.
-            buffer = io.BytesIO()
-            torch.save(states[0], buffer)
-            gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, buffer.getvalue())
-            states = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
-        checkpoint[RNG_KEY] = {"per_rank": states}
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.configure_model()
-        states = checkpoint.get(RNG_KEY, {}).get("per_rank", [])
-        # On a new world size a rank the checkpoint has no state for keeps its fresh seed + rank stream.
-        if self.global_rank < len(states):
-            restore_rng_state(states[self.global_rank])
+        self.configure_model()  # the model exists before Lightning loads its weights into it
 
 
 # Lightning reads training_step's signature on every step (`_TrainingEpochLoop._build_kwargs`, via

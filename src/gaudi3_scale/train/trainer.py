@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
+from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY, FixedState
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
@@ -41,7 +42,7 @@ from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.config import RunConfig, TrainConfig, steps_for_epochs
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost
-from gaudi3_scale.train.module import CONFIG_KEY, LanguageModel
+from gaudi3_scale.train.module import LanguageModel
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
 from gaudi3_scale.train.report import plot_loss, print_summary, read_metrics, write_summary
 from gaudi3_scale.train.resume import (
@@ -49,6 +50,7 @@ from gaudi3_scale.train.resume import (
     check_resume_data,
     saved_run_config,
 )
+from gaudi3_scale.train.rng import RngStates
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step import StepState, step_state_of
@@ -82,16 +84,6 @@ def _default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
         return max(1, os.cpu_count() or 1)
-
-
-class _StoreConfig(pl.Callback):
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        checkpoint[CONFIG_KEY] = self.config
 
 
 class GaudiTrainer:
@@ -320,8 +312,7 @@ class GaudiTrainer:
             "logger": trackers.loggers if trackers is not None else False, "enable_checkpointing": False,
             "enable_progress_bar": False, "enable_model_summary": False, "deterministic": cfg.deterministic,
             "default_root_dir": str(self.out_dir),
-            "callbacks": [after, _StoreConfig(to_dict(self.config)), *([trackers] if trackers else []),
-                          *self.extra_callbacks],
+            "callbacks": [after, *([trackers] if trackers else []), *self.extra_callbacks],
             "plugins": [self._checkpointer.io],
         }  # fmt: skip
         if plan.accelerator == "hpu":
@@ -356,11 +347,11 @@ class GaudiTrainer:
         if (mirror := checkpointer.mirror) is not None:
             metrics.sources.append(lambda: mirror.status().as_metrics())
         checkpoint = self._checkpoint = StepCheckpoint(
-            checkpointer.manager, every_steps=ckpt_cfg.every_steps, val_every_steps=cfg.val_every_steps,
-            metrics=metrics, warn=self._warn, config_sha256=config_sha256(self.config), commit=checkpointer.commit,
+            checkpointer, every_steps=ckpt_cfg.every_steps, val_every_steps=cfg.val_every_steps,
+            metrics=metrics, warn=self._warn, config_sha256=config_sha256(self.config),
             enabled=ckpt_cfg.enabled, data_sha256=self._data_sha256, tokens_per_step=state.tokens_per_step,
             strategy=strategy_name if isinstance(self.module, LanguageModel) else None,
-            light_manager=checkpointer.light_manager, light_every_steps=ckpt_cfg.light_every_steps,
+            light_every_steps=ckpt_cfg.light_every_steps,
         )  # fmt: skip
         stop = self._interrupt = GracefulInterrupt(checkpoint, self.console)
         cost = self._live_cost = build_live_cost(self.config, metrics, stop, checkpoint, warn=self._warn,
@@ -372,6 +363,13 @@ class GaudiTrainer:
             profiler = StepProfiler(out, start_step=cfg.profile_start_step, num_steps=cfg.profile_num_steps,
                                     accelerator=accelerator, note=self._note, warn=self._warn)  # fmt: skip
         progress = RichStepProgress(metrics, console=self.console) if self.progress else None
+        # What our checkpoints hold beyond Lightning's entries, by owner (checkpoint.contents).
+        contents = checkpointer.contents
+        contents.register(CONFIG_KEY, FixedState(to_dict(self.config)), light=True)
+        contents.register(RNG_KEY, RngStates())
+        contents.register("step_checkpoint", checkpoint, light=True, meta=True)
+        if cost is not None:
+            contents.register("cost", cost, light=True, meta=True)
         return AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, profiler=profiler,
                          progress=progress)  # fmt: skip
 
