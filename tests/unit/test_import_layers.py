@@ -19,7 +19,7 @@ ROOT = Path(gaudi3_scale.__file__).parent
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "lazy", "document"], 0),
     **dict.fromkeys(["device", "storage"], 1),  # storage: fsspec URLs, for data and checkpoint
-    **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering"], 2),
+    **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering", "health"], 2),
     **dict.fromkeys(["lightning_hook"], 2),  # registers distributed.lightning_ns when Lightning is imported
     **dict.fromkeys(["train"], 3),
     **dict.fromkeys(["tune", "bench", "cost", "serve", "deploy", "dashboard", "artifacts", "verify"], 4),

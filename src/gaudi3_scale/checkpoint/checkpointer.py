@@ -10,7 +10,12 @@
 crash interrupted resume (verified ones only cost a read-back). `commit(directory)` is what happens after a
 manifest is written: queue the upload first, then move `latest` and apply retention, so remote deletions that
 retention queues run after the upload, when the remote `latest` already names the new checkpoint. A checkpoint
-waiting for its upload to be verified is never deleted locally. Reading checkpoints is `checkpoint.reader`.
+waiting for its upload to be verified is never deleted locally.
+
+Reading back: a resume is Lightning's `fit(ckpt_path=…)`, which reads through `io` (a single file is verified
+against its manifest before it is loaded; a sharded one is read by DCP into the sharded model) and restores the
+weights, optimizer, scheduler, counters and sampler; `contents.load_from` then hands our entries to their owners.
+The tools read checkpoints with `checkpoint.reader.read_checkpoint`.
 
 Light checkpoints (`config.light_every_steps`) go through the same IO and commit: `commit` sees a directory of
 `light_manager` (`<run>/light_checkpoints/`) and moves that tier's `latest` and applies its retention

@@ -110,7 +110,8 @@ def _is_number(value: Any) -> bool:
 
 
 def flatten_config(config: Any) -> dict[str, Any]:
-    """The resolved config as `section.field` → value (scalars; lists stay lists), for `log_hyperparams`."""
+    """The resolved config (a config dataclass or its `to_dict` form) as `section.field` → value (scalars; lists
+    stay lists), for `log_hyperparams`."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -120,7 +121,7 @@ def flatten_config(config: Any) -> dict[str, Any]:
         else:
             flat[prefix] = node
 
-    walk("", to_dict(config))
+    walk("", config if isinstance(config, Mapping) else to_dict(config))
     return flat
 
 
@@ -155,9 +156,9 @@ class ExperimentTrackers(pl.Callback):
     validation values land on the optimizer step that metrics.jsonl records them at.
     """
 
-    def __init__(self, loggers: list[Logger], config: Any) -> None:
+    def __init__(self, loggers: list[Logger], hyperparameters: Mapping[str, Any]) -> None:
         self.loggers = loggers  # empty on ranks other than 0
-        self.config = config
+        self.hyperparameters = hyperparameters  # the resolved run config, as config.yaml holds it
 
     def forward(self, record: dict[str, Any]) -> None:
         """A RunMetrics listener: one record → every logger, at the record's optimizer step."""
@@ -171,8 +172,8 @@ class ExperimentTrackers(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.loggers:
             return
-        params = flatten_config(self.config)
-        config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)  # the text of config.yaml
+        params = flatten_config(self.hyperparameters)
+        config_yaml = yaml.safe_dump(dict(self.hyperparameters), sort_keys=False)  # the text of config.yaml
         for logger in self.loggers:
             logger.log_hyperparams(params)
             _log_config_file(logger, config_yaml)
@@ -198,32 +199,39 @@ def _log_config_file(logger: Logger, config_yaml: str) -> None:
     # CSV: hparams.yaml next to metrics.csv holds the same; W&B: its run config holds the hyperparameters.
 
 
-def build_trackers(config: Any, out_dir: Path, metrics: _Listeners) -> ExperimentTrackers | None:
-    """The loggers `config.monitor.loggers` names, as a callback subscribed to `metrics`; None when none are named.
+def build_trackers(
+    monitor: MonitorConfig,
+    *,
+    run_name: str,
+    hyperparameters: Mapping[str, Any],
+    out_dir: Path,
+    metrics: _Listeners,
+) -> ExperimentTrackers | None:
+    """The loggers `monitor.loggers` names, as a callback subscribed to `metrics`; None when none are named.
 
-    `config` is the RunConfig (its `name` and `monitor` sections are read; all of it is logged).
+    `run_name` names the run (and the experiment, unless `monitor.experiment` does); `hyperparameters` is the
+    resolved run config as a dict (`config.core.to_dict`), logged whole.
     """
-    monitor: MonitorConfig = config.monitor
     names = monitor.logger_names
     if not names:
         return None
     check_trackers(monitor)
     loggers: list[Logger] = []
     if int(os.environ.get("RANK", "0")) == 0:
-        loggers = [_BUILDERS[name](config, out_dir) for name in names]
-    trackers = ExperimentTrackers(loggers, config)
+        loggers = [_BUILDERS[name](monitor, run_name, out_dir) for name in names]
+    trackers = ExperimentTrackers(loggers, hyperparameters)
     if loggers:
         metrics.listeners.append(trackers.forward)
     return trackers
 
 
-def _csv(config: Any, out_dir: Path) -> Logger:
+def _csv(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
     from lightning.pytorch.loggers import CSVLogger
 
     return CSVLogger(out_dir, name="csv")
 
 
-def _tensorboard(config: Any, out_dir: Path) -> Logger:
+def _tensorboard(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     # default_hp_metric off: no placeholder `hp_metric` = -1 series.
@@ -253,11 +261,11 @@ def prepare_mlflow_environment(uri: str) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
-def _mlflow(config: Any, out_dir: Path) -> Logger:
-    uri = mlflow_tracking_uri(config.monitor, out_dir)
+def _mlflow(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
+    uri = mlflow_tracking_uri(monitor, out_dir)
     from lightning.pytorch.loggers import MLFlowLogger
 
-    experiment = config.monitor.experiment or config.name
+    experiment = monitor.experiment or run_name
     prepare_mlflow_environment(uri)
     from mlflow.exceptions import MlflowException
 
@@ -273,18 +281,16 @@ def _mlflow(config: Any, out_dir: Path) -> Logger:
         raise ConfigError(
             "monitor.mlflow_tracking_uri", f"MLflow cannot use {uri!r}: {str(exc).splitlines()[0]}{hint}"
         ) from None
-    return MLFlowLogger(experiment_name=experiment, run_name=config.name, tracking_uri=uri)
+    return MLFlowLogger(experiment_name=experiment, run_name=run_name, tracking_uri=uri)
 
 
-def _wandb(config: Any, out_dir: Path) -> Logger:
+def _wandb(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
     from lightning.pytorch.loggers import WandbLogger
 
-    return WandbLogger(
-        name=config.name, project=config.monitor.experiment or config.name, save_dir=str(out_dir)
-    )
+    return WandbLogger(name=run_name, project=monitor.experiment or run_name, save_dir=str(out_dir))
 
 
-_BUILDERS: dict[str, Callable[[Any, Path], Logger]] = {
+_BUILDERS: dict[str, Callable[[MonitorConfig, str, Path], Logger]] = {
     "csv": _csv,
     "tensorboard": _tensorboard,
     "mlflow": _mlflow,

@@ -33,6 +33,7 @@ from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Rec
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import resolve_strategy
+from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.monitor.config import MonitorConfig
@@ -326,6 +327,7 @@ class RunConfig:
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -361,6 +363,12 @@ class RunConfig:
                 "train.compile",
                 "TorchDynamo cannot trace DeepSpeed ZeRO-3's parameter hooks; with deepspeed_zero3 use "
                 "train.compile false, or compile under ddp, fsdp, fsdp_grad_op or deepspeed_zero2",
+            )
+        if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
+            raise ConfigError(
+                "health.spike_policy",
+                "rollback restores the newest checkpoint before a spike, and checkpoint.enabled is false; enable "
+                "checkpoints or use warn or skip",
             )
 
     @property

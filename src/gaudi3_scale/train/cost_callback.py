@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 from gaudi3_scale.checkpoint.contents import COST_KEY
 from gaudi3_scale.checkpoint.manager import checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
+from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
     SPOT_PAUSE_EXIT_CODE,
@@ -25,7 +26,6 @@ from gaudi3_scale.metering.live import (
     uses_spot_quotes,
 )
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
-from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 __all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
@@ -109,7 +109,7 @@ class LiveCost:
             )
 
 
-def check_resume_budget(cfg: RunConfig, checkpoint: Path) -> None:
+def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
     """Refuse to resume a checkpoint whose accrued cost already reached `cost.budget_usd` (exit 3, one line).
 
     The accrued cost is read from the manifest (the checkpoint's own `gaudi3_meta`, copied there at commit), so
@@ -118,31 +118,33 @@ def check_resume_budget(cfg: RunConfig, checkpoint: Path) -> None:
     directory = checkpoint_directory(checkpoint)
     manifest = read_manifest(directory) or {}
     stored = manifest.get(COST_KEY)
-    if cfg.cost.budget_usd is not None and stored is not None:
-        check_budget_left(cfg.cost.budget_usd, float(stored), directory.name)
+    if cost.budget_usd is not None and stored is not None:
+        check_budget_left(cost.budget_usd, float(stored), directory.name)
 
 
 def build_live_cost(
-    config: RunConfig,
+    cfg: CostConfig,
     metrics: RunMetrics,
     interrupt: GracefulInterrupt,
     checkpoint: StepCheckpoint,
     *,
+    nodes: int,
+    max_steps: int,
     warn: Callable[[str], None],
     note: Callable[[str], None],
     announce: bool = True,
 ) -> LiveCost | None:
-    """Live cost tracking when `config.cost` resolves a price (else None); its fields join every metrics record.
+    """Live cost tracking when the `cost` section resolves a price (else None) for a run of `nodes` nodes and
+    `max_steps` steps; its fields join every metrics record.
 
     `note` prints lines for the user (spot decisions; with `announce`, also the price in use)."""
-    cfg = config.cost
     price = check_cost_config(cfg)
     if price is None:
         return None
     meter = CostMeter(
         usd_per_hour_per_node=price.usd_per_hour,
-        nodes=config.parallel.nnodes,
-        max_steps=config.train.max_steps,
+        nodes=nodes,
+        max_steps=max_steps,
         budget_usd=cfg.budget_usd,
         warn_at_fraction=cfg.warn_at_fraction,
     )

@@ -46,5 +46,5 @@ def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -
     ckpt = resume_checkpoint(cfg, warn=warn)
     if ckpt is not None:
         check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
-        check_resume_budget(cfg, ckpt)
+        check_resume_budget(cfg.cost, ckpt)
     return ckpt

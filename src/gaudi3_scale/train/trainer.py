@@ -202,18 +202,15 @@ class GaudiTrainer:
     def _steps_of_epochs(self, prepared: TrainingData) -> TrainConfig:
         """`train.max_epochs` as optimizer steps over this dataset (all members' training tokens): the config from
         here on, the saved one included, says max_steps (and max_epochs null), as if the user had set it."""
-        train, model = self.config.train, self.config.model
+        train = self.config.train
         if train.max_epochs is None:
             return train
         train_tokens = sum(int(sum(m.train.shard_tokens)) for m in prepared.members)
-        steps = steps_for_epochs(
-            train.max_epochs,
-            train_tokens=train_tokens,
-            tokens_per_step=train.global_batch_size * model.context_length,
-        )
+        tokens_per_step = self.config.batch_plan(self._world_size()).tokens_per_step
+        steps = steps_for_epochs(train.max_epochs, train_tokens=train_tokens, tokens_per_step=tokens_per_step)
         self._note(
             f"train.max_epochs {train.max_epochs}: {steps} optimizer steps ({train_tokens:,} training tokens, "
-            f"{train.global_batch_size * model.context_length:,} per step)"
+            f"{tokens_per_step:,} per step)"
         )
         return dataclasses.replace(train, max_steps=steps, max_epochs=None)
 
@@ -300,9 +297,8 @@ class GaudiTrainer:
         strategy = build_strategy(parallel, batch, accelerator=plan.accelerator,
                                   grad_clip_norm=self.config.optim.grad_clip_norm, hidden_size=self.config.model.dim)  # fmt: skip
         after = self._after_step(state, strategy, parallel.strategy, plan.peak_flops, plan.accelerator)
-        trackers = build_trackers(
-            self.config, self.out_dir, after.metrics
-        )  # monitor.loggers; None when unnamed
+        trackers = build_trackers(self.config.monitor, run_name=self.config.name, hyperparameters=to_dict(self.config),
+                                  out_dir=self.out_dir, metrics=after.metrics)  # monitor.loggers; None when unnamed  # fmt: skip
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator, "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes, "strategy": strategy, "max_steps": cfg.max_steps,
@@ -354,8 +350,9 @@ class GaudiTrainer:
             light_every_steps=ckpt_cfg.light_every_steps,
         )  # fmt: skip
         stop = self._interrupt = GracefulInterrupt(checkpoint, self.console)
-        cost = self._live_cost = build_live_cost(self.config, metrics, stop, checkpoint, warn=self._warn,
-                                                 note=self._note, announce=self.progress)  # fmt: skip
+        cost = self._live_cost = build_live_cost(self.config.cost, metrics, stop, checkpoint,
+                                                 nodes=self.config.parallel.nnodes, max_steps=cfg.max_steps,
+                                                 warn=self._warn, note=self._note, announce=self.progress)  # fmt: skip
         profiler = None
         if cfg.profile_start_step is not None:
             from gaudi3_scale.train.profile_callback import StepProfiler

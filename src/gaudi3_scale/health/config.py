@@ -1,0 +1,146 @@
+"""The `health` section of a run config: what watches a run for non-finite steps, loss spikes, hung and slow ranks,
+and what it does about them (docs/health.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import check_number, check_positive, check_seconds
+
+__all__ = ["SPIKE_POLICIES", "HealthConfig"]
+
+SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
+SpikePolicy = Literal["off", "warn", "skip", "rollback"]
+
+
+@dataclass(kw_only=True)
+class HealthConfig:
+    nonfinite_guard: bool = field(
+        default=True,
+        metadata={
+            "help": "skip an optimizer step whose loss or gradient norm is NaN/Inf on any rank (all ranks agree): "
+            "no update, no scheduler tick, the batch recorded and skipped on a resume"
+        },
+    )
+    spike_policy: SpikePolicy = field(
+        default="warn",
+        metadata={
+            "help": "a loss (or gradient norm) over median + spike_threshold_mads × MAD of the last "
+            "spike_window_steps steps: off | warn (one line and a record) | skip (drop this step's update) | "
+            "rollback (restore the newest checkpoint before the spike, skip health.rollback_skip_batches batches)"
+        },
+    )
+    spike_threshold_mads: float = field(
+        default=6.0,
+        metadata={"help": "how many median absolute deviations above the running median is a spike"},
+    )
+    spike_window_steps: int = field(
+        default=100, metadata={"help": "steps of loss history the running median and MAD are taken over"}
+    )
+    spike_warmup_steps: int = field(
+        default=20,
+        metadata={
+            "help": "steps of history needed before spikes are looked for (at most spike_window_steps)"
+        },
+    )
+    spike_on_grad_norm: bool = field(
+        default=True, metadata={"help": "also look for spikes of the gradient norm (when it is computed)"}
+    )
+    rollback_skip_batches: int = field(
+        default=200,
+        metadata={"help": "batches of the data stream skipped after a rollback (PaLM skipped 200-500)"},
+    )
+    rollback_lr_scale: float = field(
+        default=1.0,
+        metadata={"help": "learning rate multiplier after each rollback (1.0 = unchanged), in (0, 1]"},
+    )
+    max_rollbacks: int = field(
+        default=3,
+        metadata={"help": "rollbacks allowed in one run; one more spike stops it (restartable exit)"},
+    )
+    skip_batches: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "data-stream batches to skip, by index (0 = the first global batch); the run's own skips are "
+            "kept in its checkpoints and need not be listed"
+        },
+    )
+    watchdog: bool = field(
+        default=True,
+        metadata={
+            "help": "per-rank heartbeat: a rank silent past its section's timeout dumps every rank's stacks to "
+            "<out>/health/ and the run exits with a restartable code"
+        },
+    )
+    setup_timeout_s: float = field(
+        default=900.0,
+        metadata={"help": "watchdog timeout before the first step (launch, data, compile), seconds"},
+    )
+    step_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "watchdog timeout of one step, seconds; null = 10 × the slowest of the first measured steps, "
+            "at least 60"
+        },
+    )
+    checkpoint_timeout_s: float = field(
+        default=1800.0, metadata={"help": "watchdog timeout of one checkpoint save, seconds"}
+    )
+    validation_timeout_s: float = field(
+        default=1800.0, metadata={"help": "watchdog timeout of one validation, seconds"}
+    )
+    collective_timeout_s: float = field(
+        default=1800.0,
+        metadata={
+            "help": "the process group's timeout for one collective, seconds (torch's default is 1800)"
+        },
+    )
+    straggler_threshold: float = field(
+        default=0.2,
+        metadata={
+            "help": "a rank whose own compute time per logging window is this fraction over the median is slow"
+        },
+    )
+    straggler_windows: int = field(
+        default=3, metadata={"help": "logging windows in a row a rank must be slow to be named a straggler"}
+    )
+    rerun_check: bool = field(
+        default=False,
+        metadata={
+            "help": "re-run a spiking or non-finite step once from the same state: a different result suggests a "
+            "hardware fault (the rank is named), the same one a data or optimisation problem (the batch is named)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.spike_policy not in SPIKE_POLICIES:
+            raise ConfigError(
+                "spike_policy", f"must be one of {', '.join(SPIKE_POLICIES)}, got {self.spike_policy!r}"
+            )
+        check_positive("spike_threshold_mads", self.spike_threshold_mads)
+        check_number("spike_threshold_mads", self.spike_threshold_mads, high=1e6)
+        for name in ("spike_window_steps", "spike_warmup_steps", "max_rollbacks", "straggler_windows"):
+            check_positive(name, getattr(self, name), allow_zero=name == "max_rollbacks")
+        check_positive("rollback_skip_batches", self.rollback_skip_batches, allow_zero=True)
+        if self.spike_warmup_steps > self.spike_window_steps:
+            raise ConfigError(
+                "spike_window_steps",
+                f"must be at least spike_warmup_steps ({self.spike_warmup_steps}), got {self.spike_window_steps}",
+            )
+        check_number("rollback_lr_scale", self.rollback_lr_scale, above=0, high=1)
+        for name in (
+            "setup_timeout_s",
+            "checkpoint_timeout_s",
+            "validation_timeout_s",
+            "collective_timeout_s",
+        ):
+            check_seconds(name, getattr(self, name))
+        if self.step_timeout_s is not None:
+            check_seconds("step_timeout_s", self.step_timeout_s)
+        check_positive("straggler_threshold", self.straggler_threshold)
+        check_number("straggler_threshold", self.straggler_threshold, high=1e6)
+        bad = [b for b in self.skip_batches if isinstance(b, bool) or not isinstance(b, int) or b < 0]
+        if bad:
+            raise ConfigError("skip_batches", f"must be batch indices >= 0, got {bad[0]!r}")
