@@ -8,6 +8,8 @@ typed readers. Every reader of these entries goes through this module; every wri
     TokenDataModule     the sampler's position: the data module                         no
     gaudi3_config       the resolved run config: GaudiTrainer                           yes
     gaudi3_rng          every rank's generators: `train.rng.RngStates`                  no
+    gaudi3_health       the step guard (`health.guard.StepGuard`): batches skipped and dropped, the spike
+                        detectors' histories, event counts                              no
     gaudi3_meta         manifest fields: StepCheckpoint (tokens seen, world size, layout, data SHA-256, newest
                         validation) and LiveCost (accrued cost); copied into the manifest at commit, so
                         `DATA_SHA256_KEY` and `COST_KEY` are read without loading the checkpoint   yes (+ tier)
@@ -30,6 +32,7 @@ __all__ = [
     "DIFF_KEYS",
     "EPOCH_KEY",
     "GLOBAL_STEP_KEY",
+    "HEALTH_KEY",
     "LIGHT_TIER",
     "META_KEY",
     "MODEL_PREFIX",
@@ -58,6 +61,7 @@ DATAMODULE_KEY = "TokenDataModule"  # Lightning stores a datamodule's state_dict
 
 # Written by gaudi3-scale.
 CONFIG_KEY = "gaudi3_config"  # the resolved run config (train.module.LanguageModel / GaudiTrainer)
+HEALTH_KEY = "gaudi3_health"  # the step guard: skipped and dropped batches, spike histories, event counts
 RNG_KEY = "gaudi3_rng"  # every rank's Python, numpy and torch generator states (train.module)
 META_KEY = "gaudi3_meta"  # entries copied into the manifest at commit (tokens_seen, strategy, cost, …)
 MODEL_PREFIX = "model."  # LanguageModel keeps the Transformer as `self.model`

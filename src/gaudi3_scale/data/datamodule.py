@@ -27,6 +27,7 @@ from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
 from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.mlm import MlmMasking
 from gaudi3_scale.data.sampler import WindowSampler
+from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.distributed.mesh import data_parallel_rank
 
 __all__ = ["TokenDataModule"]
@@ -47,6 +48,7 @@ class TokenDataModule(pl.LightningDataModule):
         tp_size: int = 1,
         prefetch_shards: int = 0,
         masking: MlmMasking | None = None,
+        skips: BatchSkips | None = None,
     ) -> None:
         super().__init__()
         if isinstance(data, PreparedData):
@@ -63,7 +65,8 @@ class TokenDataModule(pl.LightningDataModule):
         self.tp_size = tp_size
         self.prefetch_shards = prefetch_shards
         self.masking = masking  # arch bert: batches are (masked inputs, labels), data.mlm
-        self.start_step = 0  # optimizer step the next train_dataloader() starts at
+        self.skips = skips or BatchSkips()  # batches that make no update (health)
+        self.start_step = 0  # data step the next train_dataloader() starts at
         self.sampler: WindowSampler | MixtureSampler | None = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -148,6 +151,7 @@ class TokenDataModule(pl.LightningDataModule):
             start_step=self.start_step,
             prefetch_shards=self.prefetch_shards,
             masking=self.masking,
+            skipped=self.skips.skipped,
         )
         return DataLoader(
             dataset,
@@ -192,8 +196,12 @@ class TokenDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self._require_sampler()
-        # trainer.global_step counts optimizer steps, each of which consumed exactly one global batch.
-        step = self.trainer.global_step if self.trainer is not None else self.start_step
+        # trainer.global_step counts optimizer updates; the stream also passed the batches that made none.
+        step = (
+            self.skips.next_data_step(self.trainer.global_step)
+            if self.trainer is not None
+            else self.start_step
+        )
         return sampler.state_dict(samples_consumed=step * self.global_batch_size)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,7 +76,8 @@ class TokenWindowDataset(IterableDataset[Batch]):
     member for a `MixtureSampler`. Infinite unless `num_steps` is given. With DataLoader workers, worker w of W
     builds micro-batches j ≡ w (mod W) (j counted from the first one); DataLoader collects them round-robin, so the
     stream is the same as with no workers and no batch is built twice. Each time the sampler is asked for more
-    steps, the shards it will read next are hinted to the tokens (a URL dataset fetches them ahead).
+    steps, the shards it will read next are hinted to the tokens (a URL dataset fetches them ahead). Steps in
+    `skipped` are passed over (`start_step` and the steps are data steps: global batch indices of the stream).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
         num_steps: int | None = None,
         prefetch_shards: int = 0,
         masking: MlmMasking | None = None,
+        skipped: Collection[int] = (),
     ) -> None:
         self._members = _members(tokens)
         self.sampler: TrainSampler = SingleSource(sampler) if isinstance(sampler, WindowSampler) else sampler
@@ -97,6 +99,7 @@ class TokenWindowDataset(IterableDataset[Batch]):
         self.num_steps = num_steps
         self.prefetch_shards = prefetch_shards
         self.masking = masking
+        self.skipped = frozenset(skipped)  # data steps never loaded (`data.skips.BatchSkips.skipped`)
         self._offsets = np.arange(self.sampler.context_length + 1, dtype=np.int64)
         self._hints = any(m.fetches for m in self._members)  # local shards need no prefetch hints
         # The blocks in use and the next ones, plus the prefetch depth: what a fetching cache should hold next.
@@ -132,6 +135,9 @@ class TokenWindowDataset(IterableDataset[Batch]):
         chunk_first = step
         members = starts = np.empty((0, accum, sampler.micro_batch_size), dtype=np.int64)
         while end is None or step < end:
+            if step in self.skipped:  # not in the stream at all: no worker builds it, the round-robin holds
+                step += 1
+                continue
             mine = [a for a in range(accum) if (index + a) % num_workers == worker]
             if mine:
                 if step - chunk_first >= len(starts):

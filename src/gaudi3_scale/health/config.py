@@ -1,5 +1,5 @@
-"""The `health` section of a run config: what watches a run for non-finite steps, loss spikes, hung and slow ranks,
-and what it does about them (docs/health.md)."""
+"""The `health` section of a run config: what watches a run for non-finite steps, loss spikes and hung ranks, and
+what it does about them (docs/health.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from gaudi3_scale.config.numbers import check_number, check_positive, check_seco
 
 __all__ = ["SPIKE_POLICIES", "HealthConfig"]
 
-SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
-SpikePolicy = Literal["off", "warn", "skip", "rollback"]
+SPIKE_POLICIES = ("off", "warn", "skip")
+SpikePolicy = Literal["off", "warn", "skip"]
 
 
 @dataclass(kw_only=True)
@@ -28,8 +28,8 @@ class HealthConfig:
         default="warn",
         metadata={
             "help": "a loss (or gradient norm) over median + spike_threshold_mads × MAD of the last "
-            "spike_window_steps steps: off | warn (one line and a record) | skip (drop this step's update) | "
-            "rollback (restore the newest checkpoint before the spike, skip health.rollback_skip_batches batches)"
+            "spike_window_steps steps: off | warn (one line and a record) | skip (drop this step's update, as "
+            "metaseq does)"
         },
     )
     spike_threshold_mads: float = field(
@@ -47,18 +47,6 @@ class HealthConfig:
     )
     spike_on_grad_norm: bool = field(
         default=True, metadata={"help": "also look for spikes of the gradient norm (when it is computed)"}
-    )
-    rollback_skip_batches: int = field(
-        default=200,
-        metadata={"help": "batches of the data stream skipped after a rollback (PaLM skipped 200-500)"},
-    )
-    rollback_lr_scale: float = field(
-        default=1.0,
-        metadata={"help": "learning rate multiplier after each rollback (1.0 = unchanged), in (0, 1]"},
-    )
-    max_rollbacks: int = field(
-        default=3,
-        metadata={"help": "rollbacks allowed in one run; one more spike stops it (restartable exit)"},
     )
     skip_batches: list[int] = field(
         default_factory=list,
@@ -97,22 +85,6 @@ class HealthConfig:
             "help": "the process group's timeout for one collective, seconds (torch's default is 1800)"
         },
     )
-    straggler_threshold: float = field(
-        default=0.2,
-        metadata={
-            "help": "a rank whose own compute time per logging window is this fraction over the median is slow"
-        },
-    )
-    straggler_windows: int = field(
-        default=3, metadata={"help": "logging windows in a row a rank must be slow to be named a straggler"}
-    )
-    rerun_check: bool = field(
-        default=False,
-        metadata={
-            "help": "re-run a spiking or non-finite step once from the same state: a different result suggests a "
-            "hardware fault (the rank is named), the same one a data or optimisation problem (the batch is named)"
-        },
-    )
 
     def __post_init__(self) -> None:
         if self.spike_policy not in SPIKE_POLICIES:
@@ -121,15 +93,13 @@ class HealthConfig:
             )
         check_positive("spike_threshold_mads", self.spike_threshold_mads)
         check_number("spike_threshold_mads", self.spike_threshold_mads, high=1e6)
-        for name in ("spike_window_steps", "spike_warmup_steps", "max_rollbacks", "straggler_windows"):
-            check_positive(name, getattr(self, name), allow_zero=name == "max_rollbacks")
-        check_positive("rollback_skip_batches", self.rollback_skip_batches, allow_zero=True)
+        for name in ("spike_window_steps", "spike_warmup_steps"):
+            check_positive(name, getattr(self, name))
         if self.spike_warmup_steps > self.spike_window_steps:
             raise ConfigError(
                 "spike_window_steps",
                 f"must be at least spike_warmup_steps ({self.spike_warmup_steps}), got {self.spike_window_steps}",
             )
-        check_number("rollback_lr_scale", self.rollback_lr_scale, above=0, high=1)
         for name in (
             "setup_timeout_s",
             "checkpoint_timeout_s",
@@ -139,8 +109,6 @@ class HealthConfig:
             check_seconds(name, getattr(self, name))
         if self.step_timeout_s is not None:
             check_seconds("step_timeout_s", self.step_timeout_s)
-        check_positive("straggler_threshold", self.straggler_threshold)
-        check_number("straggler_threshold", self.straggler_threshold, high=1e6)
         bad = [b for b in self.skip_batches if isinstance(b, bool) or not isinstance(b, int) or b < 0]
         if bad:
             raise ConfigError("skip_batches", f"must be batch indices >= 0, got {bad[0]!r}")

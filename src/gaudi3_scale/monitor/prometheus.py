@@ -101,6 +101,11 @@ METRICS: tuple[Metric, ...] = (
     # StepCheckpoint.blocking_s.
     Metric("gaudi3_checkpoint_save_seconds", "gauge", "how long the latest checkpoint save stopped training"),
     Metric("gaudi3_checkpoint_saves_total", "counter", "checkpoint saves this process made, full and light"),
+    # Training health (health.*): events of this process, from RunMetrics' health_event records.
+    Metric("gaudi3_health_nonfinite_steps_total", "counter", "steps whose loss or gradient norm was NaN/Inf"),
+    Metric("gaudi3_health_loss_spikes_total", "counter", "loss spikes over the running median + k × MAD"),
+    Metric("gaudi3_health_grad_norm_spikes_total", "counter", "gradient-norm spikes over the running median + k × MAD"),
+    Metric("gaudi3_health_dropped_updates_total", "counter", "optimizer updates dropped by the health guard"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
@@ -122,6 +127,12 @@ METRICS: tuple[Metric, ...] = (
            per_device=True),
 )
 # fmt: on
+
+_HEALTH_COUNTERS = {
+    "nonfinite": "gaudi3_health_nonfinite_steps_total",
+    "loss_spike": "gaudi3_health_loss_spikes_total",
+    "grad_norm_spike": "gaudi3_health_grad_norm_spikes_total",
+}
 
 _DEVICE_FIELDS = (
     "utilization_ratio",
@@ -201,6 +212,11 @@ class MetricsExporter:
             name = self._by_record_key.get(key)
             if name is not None and isinstance(value, int | float):  # bools too (the outage flag)
                 self.set(name, float(value))
+        event = record.get("health_event")
+        if event in _HEALTH_COUNTERS:
+            self._series(_HEALTH_COUNTERS[event]).inc()
+            if record.get("health_action") == "skip":
+                self._series("gaudi3_health_dropped_updates_total").inc()
         window_steps = record.get("window_steps")
         if window_steps:
             self._series("gaudi3_steps_total").inc(window_steps)

@@ -4,12 +4,14 @@ the run's own work, and the lines of `AfterStep.after_step` are the order.
     cost        train.cost_callback.LiveCost      accrue this step's cost; ask for a stop when the budget is spent
     metrics     train.step_metrics.RunMetrics     book the step; at a window's end, its record (with that cost)
     stop        train.callbacks.GracefulInterrupt the ranks agree on a stop (signal, spot notice, budget)
-    health      (a `StepCheck`)                   checks of the step's outcome, before anything is saved
+    health      train.step_health.StepHealth      reports what the step guard saw (health.guard decided, in
+                                                  the step, whether the update was applied), before any save
     checkpoint  train.callbacks.StepCheckpoint    the checkpoint this step is due (now, or after its validation)
     profiler    train.profile_callback.StepProfiler  the profiler's window
     progress    train.step_metrics.RichStepProgress  the terminal bar
 
-Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
+A step whose update the guard dropped made no step (global_step did not move): only its cost and its health
+report run. Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
 step is saved after the validation, so it records that loss. What the run reports (metrics.jsonl, the trackers,
 Prometheus, the dashboard) is what `RunMetrics` writes and passes to its listeners; none of them hooks the step.
 The other hooks (start, validation, end) go to the same parts, in the order written here; what a checkpoint holds
@@ -25,7 +27,7 @@ import lightning.pytorch as pl
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.cost_callback import LiveCost
 from gaudi3_scale.train.profile_callback import StepProfiler
-from gaudi3_scale.train.step import at_step_boundary
+from gaudi3_scale.train.step import StepState, at_step_boundary
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 __all__ = ["AfterStep", "StepCheck"]
@@ -50,14 +52,20 @@ class AfterStep(pl.Callback):
         health: StepCheck | None = None,
         profiler: StepProfiler | None = None,
         progress: RichStepProgress | None = None,
+        state: StepState | None = None,
     ) -> None:
         self.cost, self.metrics, self.stop, self.health = cost, metrics, stop, health
+        self.state = state  # the module's step contract: a step whose update was dropped is only reported
         self.checkpoint, self.profiler, self.progress = checkpoint, profiler, progress
 
     def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """An optimizer step ended (the last micro-batch of its accumulation): these lines are the order."""
         if self.cost is not None:
-            self.cost.after_step(trainer)
+            self.cost.after_step(trainer)  # time spent costs, update or not
+        if self.state is not None and self.state.update_dropped:  # no step was made: only its report
+            if self.health is not None:
+                self.health.after_step(trainer, pl_module)
+            return
         self.metrics.after_step(trainer, pl_module)
         self.stop.after_step(trainer, pl_module)
         if self.health is not None:
@@ -120,6 +128,7 @@ class AfterStep(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.profiler is not None:  # an exception ended training: stop profiling, write nothing
             self.profiler.abort()
+        self.checkpoint.release()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -136,6 +136,10 @@ class StepCheckpoint:
         """The final checkpoint (after the last validation), committed before returning."""
         self.save(trainer, wait=True)
 
+    def release(self) -> None:
+        """The fit is over: let go of its trainer (which holds the strategy, the model and the process groups)."""
+        self._trainer = None
+
     def state_dict(self) -> dict[str, Any]:
         """The manifest fields this run records about each checkpoint (a `Stateful` merged into META_KEY), next to
         the files' checksums and the other owners' fields (LiveCost: the accrued cost)."""

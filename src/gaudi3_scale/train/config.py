@@ -364,12 +364,6 @@ class RunConfig:
                 "TorchDynamo cannot trace DeepSpeed ZeRO-3's parameter hooks; with deepspeed_zero3 use "
                 "train.compile false, or compile under ddp, fsdp, fsdp_grad_op or deepspeed_zero2",
             )
-        if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
-            raise ConfigError(
-                "health.spike_policy",
-                "rollback restores the newest checkpoint before a spike, and checkpoint.enabled is false; enable "
-                "checkpoints or use warn or skip",
-            )
 
     @property
     def output_dir(self) -> Path:

@@ -23,6 +23,8 @@ from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
 from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.health.guard import StepGuard
+from gaudi3_scale.health.inject import faults_from_env, inject_delay, inject_into_loss
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.models.common.moe import MoEFeedForward, moe_layers, router_losses
 from gaudi3_scale.train.config import OptimConfig
@@ -117,6 +119,9 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._pending_loss = torch.zeros(())
         self._clip_params: list[nn.Parameter] | None = None  # built at the first step of a fit
         self._moe_layers: list[MoEFeedForward] = []  # their router losses join the training objective
+        # Whether a step's update is applied (health.guard), set by the trainer; None: always.
+        self.guard: StepGuard | None = None
+        self._faults = faults_from_env()  # test-only fault injection (health.inject); () in a real run
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -201,8 +206,18 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
             step = self.trainer.global_step * accumulation + state.micro_step
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
+        faults = self._faults
+        if faults:
+            data_step = (
+                self.guard.skips.next_data_step(self.trainer.global_step)
+                if self.guard
+                else self.trainer.global_step
+            )
+            inject_delay(faults, step=data_step, rank=self.global_rank)
         with self._step_context():
             loss = self._loss(batch)
+            if faults and state.micro_step + 1 == accumulation:
+                loss = inject_into_loss(faults, loss, step=data_step, rank=self.global_rank)
             objective = self._with_router_losses(loss) if self._moe_layers else loss
             scaled = objective / accumulation if accumulation > 1 and not sync.divides_loss else objective
             self.manual_backward(scaled)
@@ -227,6 +242,13 @@ class LanguageModel(SteppedModule, pl.LightningModule):
                     # on the default CPU model (callgrind), for a list that does not change during a fit.
                     self._clip_params = list(self.parameters())
                 state.grad_norm = torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
+        guard = self.guard
+        if guard is not None and not sync.clips:  # DeepSpeed clips and steps inside its engine
+            state.update_dropped = not guard.check(self.trainer.global_step, loss, state.grad_norm)
+            if state.update_dropped:  # no update, no scheduler tick (the lr follows global_step, unchanged)
+                opt.zero_grad(set_to_none=True)
+                state.loss = loss.detach()
+                return
         lr = lr_at_step(self.trainer.global_step, self.optim_cfg, self.max_steps)
         for group in opt.optimizer.param_groups:
             group["lr"] = lr

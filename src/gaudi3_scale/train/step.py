@@ -34,6 +34,7 @@ class StepState:
     loss: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     lr: float | None = None
+    update_dropped: bool = False  # the health guard dropped this step's update (global_step did not advance)
     # More scalars of the last micro-step, by metrics-record field (e.g. `train/moe_aux_loss`); detached tensors.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 

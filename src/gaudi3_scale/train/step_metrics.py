@@ -338,6 +338,11 @@ class RunMetrics:
             "includes_warmup": includes_warmup and steps > 0,
         }
 
+    def event(self, record: dict[str, Any]) -> None:
+        """A record of something that happened at a step (a health event), not a window's measurements: written
+        and passed to the listeners as it comes."""
+        self._write(record)
+
     def _write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         for listener in self.listeners:

@@ -23,17 +23,19 @@ import torch
 from rich.console import Console
 
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
-from gaudi3_scale.checkpoint.contents import CONFIG_KEY, RNG_KEY, FixedState
+from gaudi3_scale.checkpoint.contents import CONFIG_KEY, HEALTH_KEY, RNG_KEY, FixedState
 from gaudi3_scale.config.core import config_sha256, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import TrainingData, open_training_data
 from gaudi3_scale.data.mlm import MlmMasking, mlm_vocabulary
+from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.distributed.teardown import leave_process_group
+from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
@@ -54,6 +56,7 @@ from gaudi3_scale.train.rng import RngStates
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step import StepState, step_state_of
+from gaudi3_scale.train.step_health import StepHealth
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 if TYPE_CHECKING:
@@ -128,6 +131,8 @@ class GaudiTrainer:
         self.datamodule: pl.LightningDataModule | None = None
         self.device_plan: DevicePlan | None = None
         self._live_cost: LiveCost | None = None
+        self._guard: StepGuard | None = None  # the step guard of our own model (health.guard)
+        self._health: StepHealth | None = None
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
         self._data_sha256: str | None = None
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
@@ -192,7 +197,11 @@ class GaudiTrainer:
             tp_size=parallel.tp_size,
             prefetch_shards=cfg.data.prefetch_shards,
             masking=masking,
+            skips=(skips := BatchSkips(cfg.health.skip_batches)),
         )
+        guard = StepGuard(cfg.health, skips)
+        if guard.active:
+            module.guard = self._guard = guard
         if _global_rank() == 0:
             tokenizer_dir = self.out_dir / "tokenizer"
             tokenizer_dir.mkdir(parents=True, exist_ok=True)
@@ -367,8 +376,12 @@ class GaudiTrainer:
         contents.register("step_checkpoint", checkpoint, light=True, meta=True)
         if cost is not None:
             contents.register("cost", cost, light=True, meta=True)
-        return AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, profiler=profiler,
-                         progress=progress)  # fmt: skip
+        health = None
+        if self._guard is not None:
+            contents.register(HEALTH_KEY, self._guard)
+            health = self._health = StepHealth(self._guard, metrics, warn=self._warn)
+        return AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, health=health,
+                         profiler=profiler, progress=progress, state=state)  # fmt: skip
 
     def fit(
         self, model: pl.LightningModule | None = None, datamodule: pl.LightningDataModule | None = None
@@ -571,4 +584,5 @@ class GaudiTrainer:
             "precision": plan.precision_name if plan else None,
             "cost_usd": live.meter.cost_usd if live is not None else None,
             "cost_budget_usd": live.meter.budget_usd if live is not None else None,
+            "health": self._health.summary() if self._health is not None else None,
         }

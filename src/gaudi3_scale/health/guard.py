@@ -1,0 +1,142 @@
+"""The step guard: before an optimizer update, whether to apply it (`health.nonfinite_guard`, `health.spike_policy`).
+
+Every rank calls `StepGuard.check` at the same point of the same step. The verdict must be the same on every rank,
+so it is taken from values every rank holds: the gradient norm (computed from the synchronised gradients, the same
+everywhere) and the loss summed over ranks together with a count of ranks whose own loss or norm is not finite —
+one all-reduce of three numbers (a sum, so the norm's mean is the norm), the only collective the guard adds. A dropped update is recorded in the data
+stream's `BatchSkips` (so a resume passes the same batch) and as an event the `AfterStep` health part reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.health.config import HealthConfig
+from gaudi3_scale.health.spike import Spike, SpikeDetector
+
+__all__ = ["HealthEvent", "StepGuard"]
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One thing the guard saw at optimizer step `step` (the update count before it)."""
+
+    kind: str  # nonfinite | loss_spike | grad_norm_spike
+    step: int
+    action: str  # skip (the update was dropped) | warn (applied)
+    loss: float
+    grad_norm: float | None
+    data_step: int | None  # the dropped batch (skip)
+    detail: str
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl record of this event."""
+        return {
+            "step": self.step,
+            "health_event": self.kind,
+            "health_action": self.action,
+            "event_loss": self.loss,
+            "event_grad_norm": self.grad_norm,
+            "data_step": self.data_step,
+            "detail": self.detail,
+        }
+
+    def line(self) -> str:
+        what = "update dropped" if self.action == "skip" else "update applied"
+        batch = f", data batch {self.data_step} skipped on resume" if self.data_step is not None else ""
+        return f"health: step {self.step}: {self.detail}; {what}{batch}"
+
+
+class StepGuard:
+    """The run's non-finite guard and spike detectors, with the stream's `skips`; a `Stateful` of checkpoints."""
+
+    def __init__(self, cfg: HealthConfig, skips: BatchSkips) -> None:
+        self.cfg, self.skips = cfg, skips
+        spikes = dict(window=cfg.spike_window_steps, warmup=cfg.spike_warmup_steps,
+                      threshold_mads=cfg.spike_threshold_mads)  # fmt: skip
+        self.loss_spikes, self.norm_spikes = SpikeDetector(**spikes), SpikeDetector(**spikes)  # type: ignore[arg-type]
+        self.pending: list[HealthEvent] = []  # this step's events, taken by the AfterStep part
+        self.counts: dict[str, int] = {"nonfinite": 0, "loss_spike": 0, "grad_norm_spike": 0, "dropped": 0}
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.nonfinite_guard or self.cfg.spike_policy != "off"
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Whether the update of optimizer step `step` is applied (the same answer on every rank)."""
+        loss_sum, bad_ranks, norm, world = self._agree(loss, grad_norm)
+        mean_loss = loss_sum / world
+        if bad_ranks > 0:
+            if not self.cfg.nonfinite_guard:
+                return True
+            detail = f"non-finite loss or gradient norm on {int(bad_ranks)} of {world} rank(s)"
+            return self._event("nonfinite", step, "skip", math.nan, None, detail)
+        if self.cfg.spike_policy == "off":
+            return True
+        spike: tuple[str, Spike] | None = None
+        found = self.loss_spikes.check(mean_loss)
+        if found is not None:
+            spike = ("loss", found)
+        if self.cfg.spike_on_grad_norm and norm is not None and math.isfinite(norm):
+            found = self.norm_spikes.check(norm)
+            if spike is None and found is not None:
+                spike = ("grad_norm", found)
+        if spike is None:
+            return True
+        what, found = spike
+        action = "skip" if self.cfg.spike_policy == "skip" else "warn"
+        return self._event(
+            f"{what}_spike", step, action, mean_loss, norm, found.describe(what.replace("_", " "))
+        )
+
+    def _event(self, kind: str, step: int, action: str, loss: float, norm: float | None, detail: str) -> bool:
+        data_step = self.skips.drop(step) if action == "skip" else None
+        self.counts[kind] += 1
+        if action == "skip":
+            self.counts["dropped"] += 1
+        self.pending.append(HealthEvent(kind, step, action, loss, norm, data_step, detail))
+        return action != "skip"
+
+    @staticmethod
+    def _agree(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float, float | None, int]:
+        """(loss summed over ranks, ranks whose loss or norm is not finite, the norm, ranks): one all-reduce."""
+        local = loss.detach().float().reshape(())
+        values = [local]
+        if grad_norm is not None:
+            values.append(grad_norm.detach().float().reshape(()).to(local.device))
+        stacked = torch.stack(values)
+        bad = (~torch.isfinite(stacked)).any().float().reshape(1)
+        # [loss, norm?, bad]: non-finite values are zeroed so the sum stays finite; `bad` counts those ranks
+        packed = torch.cat([torch.nan_to_num(stacked, nan=0.0, posinf=0.0, neginf=0.0), bad])
+        world = 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+            if world > 1:
+                torch.distributed.all_reduce(packed)
+        summed = packed.tolist()  # the one host sync of the step
+        norm = summed[1] / world if grad_norm is not None else None  # the same on every rank: its mean is it
+        return summed[0], summed[-1], norm, world
+
+    def take_events(self) -> list[HealthEvent]:
+        events, self.pending = self.pending, []
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skips": self.skips.state_dict(),
+            "loss_history": self.loss_spikes.state_dict(),
+            "grad_norm_history": self.norm_spikes.state_dict(),
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skips.load_state_dict(state.get("skips", {}))
+        self.loss_spikes.load_state_dict(state.get("loss_history", {}))
+        self.norm_spikes.load_state_dict(state.get("grad_norm_history", {}))
+        self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})

@@ -1,0 +1,87 @@
+"""The health section's parts on their own: the spike statistic, the data stream's skip bookkeeping, and the
+section's bad input refused by `gaudi3 train` with one line and exit 2 before anything is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.health.spike import SpikeDetector
+
+
+def test_a_value_far_over_the_running_median_is_a_spike_and_stays_out_of_the_history() -> None:
+    detector = SpikeDetector(window=8, warmup=4, threshold_mads=6.0)
+    for value in (3.0, 3.1, 2.9, 3.05):
+        assert detector.check(value) is None
+    spike = detector.check(9.0)
+    assert spike is not None and spike.median == pytest.approx(3.025) and spike.value == 9.0
+    assert 9.0 not in detector.history  # one spike moves neither the median nor the MAD
+    assert detector.check(3.2) is None  # an ordinary value after it is not a spike
+
+
+def test_no_spike_is_called_during_the_warm_up_or_on_a_flat_history() -> None:
+    detector = SpikeDetector(window=10, warmup=5, threshold_mads=6.0)
+    assert [detector.check(v) for v in (1.0, 50.0, 1.0, 1.0)] == [None] * 4  # still warming up
+    flat = SpikeDetector(window=10, warmup=3, threshold_mads=6.0)
+    for _ in range(5):
+        assert flat.check(2.0) is None
+    assert flat.check(2.001) is None  # MAD 0: the spread's floor keeps a tiny change from being a spike
+    assert flat.check(4.0) is not None
+
+
+def test_the_detector_state_restores_the_same_decisions() -> None:
+    a = SpikeDetector(window=6, warmup=3, threshold_mads=4.0)
+    for value in (1.0, 1.2, 0.9, 1.1, 1.05):
+        a.check(value)
+    b = SpikeDetector(window=6, warmup=3, threshold_mads=4.0)
+    b.load_state_dict(a.state_dict())
+    assert [a.check(v) is None for v in (1.3, 3.0, 1.0)] == [b.check(v) is None for v in (1.3, 3.0, 1.0)]
+
+
+def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
+    skips = BatchSkips([2, 3, 7])
+    assert [skips.data_step_of_load(n) for n in range(6)] == [0, 1, 4, 5, 6, 8]
+    assert skips.next_data_step(0) == 0 and skips.next_data_step(2) == 4
+    assert skips.drop(2) == 4  # update 2 was to come from data step 4: dropped
+    assert skips.next_data_step(2) == 5  # the same update count now loads the next batch
+    restored = BatchSkips([11])
+    restored.load_state_dict(skips.state_dict())
+    assert restored.skipped == [2, 3, 7, 11] and restored.dropped == [4]
+    assert restored.next_data_step(2) == 5
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--health.spike_threshold_mads", "0", "health.spike_threshold_mads: must be > 0, got 0"),
+        ("--health.spike_threshold_mads", "nan", "health.spike_threshold_mads"),
+        (
+            "--health.spike_policy",
+            "rollback-now",
+            "health.spike_policy: got 'rollback-now'; allowed: off, warn, skip",
+        ),
+        (
+            "--health.spike_window_steps",
+            "5",
+            "health.spike_window_steps: must be at least spike_warmup_steps (20)",
+        ),
+        ("--health.skip_batches", "[-1]", "health.skip_batches: must be batch indices >= 0, got -1"),
+    ],
+)
+def test_bad_health_settings_get_one_line_and_exit_2(
+    tmp_path: Path, flag: str, value: str, message: str
+) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", flag, value],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not out.exists()
