@@ -106,6 +106,7 @@ CPU_SHAPES = [
 def forecast(cell: Cell, device: str, peak_flops: float | None) -> dict[str, Any]:
     """The estimator's peak memory and the cost planner's step time for `cell`, as the run resolves it."""
     from gaudi3_scale.device.float8 import Float8Plan
+    from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
     from gaudi3_scale.models import flops_per_token, get_model_config
     from gaudi3_scale.tune.memory import estimate_memory
 
@@ -113,23 +114,20 @@ def forecast(cell: Cell, device: str, peak_flops: float | None) -> dict[str, Any
     float8 = Float8Plan(
         recipe=cell.fp8_recipe, head=cell.fp8_head, skip_small_linears=cell.fp8_skip_small_linears
     )  # type: ignore[arg-type]
-    est = estimate_memory(
-        model,
-        micro_batch_size=cell.micro_batch_size,
-        precision=cell.precision,
+    plan = ParallelPlan.build(
         activation_checkpointing=cell.activation_checkpointing,
-        device_kind=device,
-        compiled=cell.compile,
+        compile=cell.compile,
         float8=float8 if cell.precision == "fp8" else None,
     )
+    batch = BatchPlan.from_micro_batch(cell.micro_batch_size, context_length=cell.context_length)
+    est = estimate_memory(model, plan, batch, precision=cell.precision, device_kind=device)
     out: dict[str, Any] = {
         "memory_bytes": est.total_bytes,
         "memory_parts_bytes": {**dict(est.rows()), "peak_phase": est.peak_phase},
         "flops_per_token": flops_per_token(model),
     }
     if peak_flops:
-        tokens = cell.micro_batch_size * cell.context_length
-        out["step_time_s"] = out["flops_per_token"] * tokens / (peak_flops * COST_PLANNER_MFU)
+        out["step_time_s"] = out["flops_per_token"] * batch.tokens_per_step / (peak_flops * COST_PLANNER_MFU)
         out["step_time_source"] = f"cost planner: FLOPs ÷ (peak × MFU {COST_PLANNER_MFU}, its default)"
     return out
 

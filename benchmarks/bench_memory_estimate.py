@@ -94,14 +94,9 @@ def _train(out: Path, case: tuple) -> dict[str, Any]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_step = [max(r["peak_memory_bytes_per_rank"]) for r in records if "peak_memory_bytes_per_rank" in r]
     cfg = build_run_config(out / "config.yaml")  # the resolved config: vocabulary from the dataset
+    # as the run resolved it: its strategy on `ranks` ranks, its micro-batch and activation checkpointing
     estimate = estimate_memory(
-        cfg.model,
-        strategy=strategy,
-        world_size=ranks,
-        micro_batch_size=micro,
-        precision=precision,
-        activation_checkpointing=ckpt,
-        device_kind="cpu",
+        cfg.model, cfg.parallel_plan(), cfg.batch_plan(), precision=precision, device_kind="cpu"
     )
     return {
         "measured_bytes": max(per_step),

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gaudi3_scale.distributed.parallelize import apply_activation_checkpointing
+from gaudi3_scale.distributed.parallelize import apply_single_device
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 
 __all__ = ["MemoryOptimizer"]
 
@@ -62,20 +63,21 @@ class MemoryOptimizer:
     @property
     def batch_size(self) -> int | None:
         """Samples per optimizer step (micro-batch × accumulation), when the micro-batch is set."""
-        return None if self.micro_batch_size is None else self.micro_batch_size * self.accumulation_steps
+        if self.micro_batch_size is None:
+            return None
+        return BatchPlan.from_micro_batch(
+            self.micro_batch_size, accumulation=self.accumulation_steps
+        ).global_batch_size
 
     def optimize_model(self, model: nn.Module) -> nn.Module:
-        """Apply the enabled changes to `model` in place and return it (parameter names are unchanged)."""
-        if self.enable_hpu_graphs:
-            from gaudi3_scale.device.hpu import require_hpu
-
-            require_hpu()  # before anything changes: one line saying Gaudi is required
+        """Apply the enabled changes to `model` in place and return it (parameter names are unchanged): the same
+        function, in the same order, as `gaudi3 train` (`distributed.parallelize.apply_single_device`)."""
+        plan = ParallelPlan(
+            activation_checkpointing=self.enable_gradient_checkpointing, hpu_graphs=self.enable_hpu_graphs
+        )
+        blocks = apply_single_device(model, plan, max_hpu_graphs=self.max_hpu_graphs)
         if self.enable_gradient_checkpointing:
-            self.checkpointed_blocks = apply_activation_checkpointing(model)
-        if self.enable_hpu_graphs:
-            from gaudi3_scale.device.hpu import apply_hpu_graphs
-
-            apply_hpu_graphs(model, max_graphs=self.max_hpu_graphs)
+            self.checkpointed_blocks = blocks
         return model
 
     def trainer_kwargs(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import ModelConfig, build_model, get_model_config
 from gaudi3_scale.train.module import masked_lm_loss, next_token_loss
 from gaudi3_scale.tune.memory import estimate_activation_bytes
@@ -98,8 +99,8 @@ def saved_activation_bytes(cfg: ModelConfig, precision: str) -> int:
 
 
 def _estimate(cfg: ModelConfig, precision: str) -> int:
-    return estimate_activation_bytes(cfg, micro_batch_size=B, context_length=S, precision=precision,
-                                     device_kind="cpu", compiled=True)  # fmt: skip
+    return estimate_activation_bytes(cfg, ParallelPlan(compile=True), BatchPlan.from_micro_batch(B, context_length=S),
+                                     precision=precision, device_kind="cpu")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -121,6 +122,11 @@ def test_eager_saves_more_than_compiled() -> None:
     """What the estimate changes with train.compile: one cast per norm instead of one per reading linear, no
     fp32 log_softmax: at Llama 3.2 1B, micro-batch 8 × 2048, about a third fewer activations."""
     cfg = get_model_config("llama3.2-1b")
-    kwargs: dict[str, Any] = {"micro_batch_size": 8, "precision": "bf16-mixed", "device_kind": "cuda"}
-    eager, compiled = (estimate_activation_bytes(cfg, compiled=c, **kwargs) for c in (False, True))
+    batch = BatchPlan.from_micro_batch(8)
+    eager, compiled = (
+        estimate_activation_bytes(
+            cfg, ParallelPlan(compile=c), batch, precision="bf16-mixed", device_kind="cuda"
+        )
+        for c in (False, True)
+    )
     assert 0.6 < compiled / eager < 0.7, compiled / eager

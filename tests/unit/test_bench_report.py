@@ -14,6 +14,7 @@ from gaudi3_scale.bench.report import PRICE_NOTE, ReportFiles, load_results, wri
 from gaudi3_scale.bench.result import cell_section
 from gaudi3_scale.bench.schema import validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan
 
 GIB = 2**30
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -40,9 +41,9 @@ def make_result(
 ) -> dict[str, Any]:
     """A valid version-1 result; tokens_per_s None makes a cell that ended with `status` and null metrics."""
     cell = cell_section(cell_id=f"tiny.{strategy}.w{world_size}.mb4.32-true", matrix="t", model="tiny",
-                        strategy=strategy, world_size=world_size, nnodes=1, micro_batch_size=4,
-                        global_batch_size=4 * world_size, context_length=64, precision="32-true",
-                        data="synthetic")  # fmt: skip
+                        strategy=strategy, world_size=world_size, nnodes=1,
+                        batch=BatchPlan.from_micro_batch(4, data_parallel_size=world_size, context_length=64),
+                        precision="32-true", data="synthetic")  # fmt: skip
     metrics = None
     if tokens_per_s is not None:
         step_s = 4 * world_size * 64 / tokens_per_s

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gaudi3_scale.bench.cell import cell_of_config
 from gaudi3_scale.bench.collect import collect_from_lines, collect_logs
 from gaudi3_scale.bench.result import (
     CHUNK_CHARS,
@@ -23,14 +24,16 @@ from gaudi3_scale.bench.result import (
 )
 from gaudi3_scale.bench.schema import load_result, validate_result
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.monitor.perf import mfu_above_peak
+from gaudi3_scale.train.config import build_run_config
 
 ENV = {"cpu": "test cpu", "packages": {"torch": "2.13.0"}, "git_commit": "abc"}
 
 
 def _cell(world: int = 2, cell_id: str = "m.ddp.w2.mb4.32-true") -> dict[str, Any]:
     return cell_section(cell_id=cell_id, matrix="t", model="shakespeare-char", strategy="ddp", world_size=world,
-                        nnodes=1, micro_batch_size=4, global_batch_size=4 * world, context_length=64,
+                        nnodes=1, batch=BatchPlan.from_micro_batch(4, data_parallel_size=world, context_length=64),
                         precision="32-true", data="tinyshakespeare")  # fmt: skip
 
 
@@ -60,6 +63,22 @@ def test_result_from_metrics_by_hand() -> None:
     assert m["mean_loss"] == pytest.approx(statistics.fmean(5.0 - s * 0.1 for s in range(3, 8)))
     assert m["mfu"] == pytest.approx(1e-6 * m["tokens_per_s"])  # per-step mfu scaled to the cell's tokens/s
     assert m["scaling_efficiency"] is None and result["steps"] == {"warmup": 2, "measured": 5}
+
+
+def test_a_tensor_parallel_cell_counts_every_rank() -> None:
+    # 4 ranks in tensor-parallel pairs: 2 data-parallel ranks read micro-batches of 2, twice per step of 8. The cell
+    # is run on all 4 (one peak per rank), while its accumulation is over the 2 that read different data.
+    cfg = build_run_config(None, [("model.name", "llama-tiny"), ("parallel.tp_size", "2"),
+                                  ("parallel.nproc_per_node", "4"), ("train.global_batch_size", "8"),
+                                  ("train.micro_batch_size", "2")])  # fmt: skip
+    cell = cell_of_config(cfg, precision="32-true")
+    assert (cell["world_size"], cell["micro_batch_size"], cell["accumulation"]) == (4, 2, 2)
+    records = [{"step": step, "train_loss": 4.0, "step_time_s": 0.5, "peak_memory_bytes_per_rank": [10, 11, 12, 13]}
+               for step in (1, 2, 3)]  # fmt: skip
+    result = result_from_metrics(cell, records, warmup_steps=1, h2d_gbps=None, environment=ENV)
+    validate_result(result, "test")
+    assert result["metrics"]["peak_memory_bytes_per_rank"] == [10, 11, 12, 13]
+    assert result["metrics"]["tokens_per_s"] == 8 * cfg.model.context_length / 0.5
 
 
 def test_no_measured_steps_is_a_failed_result() -> None:

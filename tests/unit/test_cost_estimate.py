@@ -11,6 +11,7 @@ import pytest
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.cost import CostAnalyzer, compare_training_cost
 from gaudi3_scale.cost.estimate import DEFAULT_PUE, Assumptions, parse_count
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import get_model_config
 from gaudi3_scale.tune.memory import estimate_memory
 
@@ -35,8 +36,10 @@ def test_llama3_70b_on_h100_matches_the_hand_computation() -> None:
     # Fit: ZeRO-3 over 16 H100s is over 95 % of 80 GB per device, over 32 it is under → 4 nodes of 8.
     budget = 0.95 * 80e9
     per_device = {
-        n: estimate_memory(get_model_config("llama3-70b"), strategy="fsdp", world_size=n, precision="bf16-mixed",
-                           activation_checkpointing=True, device_kind="cuda").total_bytes
+        n: estimate_memory(get_model_config("llama3-70b"),
+                           ParallelPlan.build(strategy="fsdp", world_size=n, activation_checkpointing=True),
+                           BatchPlan.from_micro_batch(1, data_parallel_size=n), precision="bf16-mixed",
+                           device_kind="cuda").total_bytes
         for n in (16, 32)
     }  # fmt: skip
     assert per_device[16] > budget >= per_device[32]

@@ -102,9 +102,10 @@ def _bench_result(strategy: str, status: str, reason: str = "") -> dict[str, Any
     """A valid benchmark result (bench.schema version 1) of a 1-rank CPU cell."""
     from gaudi3_scale.bench.result import cell_section
     from gaudi3_scale.bench.schema import validate_result
+    from gaudi3_scale.distributed.plan import BatchPlan
 
     cell = cell_section(cell_id=f"tiny.{strategy}.w1", matrix="t", model="tiny", strategy=strategy, world_size=1,
-                        nnodes=1, micro_batch_size=4, global_batch_size=4, context_length=64, precision="32-true",
+                        nnodes=1, batch=BatchPlan.from_micro_batch(4, context_length=64), precision="32-true",
                         data="synthetic")  # fmt: skip
     metrics = None
     if status == "ok":

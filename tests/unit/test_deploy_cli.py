@@ -20,6 +20,7 @@ import pytest
 from gaudi3_scale.bench.result import cell_section, print_result, result_from_metrics
 from gaudi3_scale.cli.main import cli
 from gaudi3_scale.deploy.grammar import RUN_NAME
+from gaudi3_scale.distributed.plan import BatchPlan
 from render_targets import TARGET_FLAGS
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -425,8 +426,8 @@ def test_plan_of_a_real_k8s_render_needs_a_job_flavour(
 
 def _result(cell_id: str) -> dict[str, Any]:
     cell = cell_section(cell_id=cell_id, matrix=None, model="shakespeare-char", strategy="ddp", world_size=2,
-                        nnodes=2, micro_batch_size=4, global_batch_size=8, context_length=64, precision="32-true",
-                        data="tinyshakespeare")  # fmt: skip
+                        nnodes=2, batch=BatchPlan.from_micro_batch(4, data_parallel_size=2, context_length=64),
+                        precision="32-true", data="tinyshakespeare")  # fmt: skip
     records = [{"step": s, "train_loss": 4.0 - 0.1 * s, "step_time_s": 0.5, "tokens_per_s": 1024.0, "mfu": 0.01,
                 "peak_memory_bytes_per_rank": [100, 101]} for s in range(1, 8)]  # fmt: skip
     env = {"cpu": "test cpu", "packages": {"torch": "2.13.0"}, "git_commit": None}

@@ -38,6 +38,7 @@ from gaudi3_scale.deploy.k8s_monitoring import SCHEMAS as MONITORING_SCHEMAS
 from gaudi3_scale.deploy.kubernetes import FILES, render_k8s
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES
+from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.metering.live import BUDGET_EXIT_CODE, SPOT_PAUSE_EXIT_CODE
 from gaudi3_scale.train.config import resolve_config
 
@@ -524,7 +525,7 @@ ENV = {"cpu": "test cpu", "packages": {"torch": "2.13.0"}, "git_commit": "abc"}
 
 def _result(cell_id: str, pad: int = 0) -> dict[str, Any]:
     cell = cell_section(cell_id=cell_id, matrix="k8s", model="shakespeare-char", strategy="ddp", world_size=16,
-                        nnodes=2, micro_batch_size=4, global_batch_size=64, context_length=64,
+                        nnodes=2, batch=BatchPlan.from_micro_batch(4, data_parallel_size=16, context_length=64),
                         precision="bf16-mixed", data="synthetic")  # fmt: skip
     return failed_result(cell, "failed", "x" * pad or "stopped", warmup_steps=1, environment=ENV)
 

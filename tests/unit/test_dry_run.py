@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
 from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.tune.memory import estimate_memory
@@ -75,8 +75,10 @@ def test_dry_run_shows_tensor_parallel_hsdp_and_offload(
     assert f"parameters per rank: {per_rank[0] / 2**30:.2f} GiB on rank 0" in out
     assert "held in host memory (offload all)" in out
     est = estimate_memory(
-        get_model_config("llama3-70b"), strategy="fsdp", world_size=64, precision="bf16-mixed", device_kind="cuda",
-        activation_checkpointing=True, tp_size=8, dp_replicate=8, offload="all",
+        get_model_config("llama3-70b"),
+        ParallelPlan.build(strategy="fsdp", world_size=64, activation_checkpointing=True, tp_size=8, dp_replicate=8,
+                           offload="all"),
+        BatchPlan.from_micro_batch(1, data_parallel_size=8), precision="bf16-mixed", device_kind="cuda",
     )  # fmt: skip
     assert f"estimated peak per rank: {est.total_bytes / 2**30:.2f} GiB" in out
     assert (

@@ -1,7 +1,9 @@
 """The package's layers hold: imports go down (or sideways within a layer), never up, and never in a circle.
 
 Every module under src/gaudi3_scale is parsed (not imported); its imports — absolute and relative, at module level
-or inside functions, but not those under `if TYPE_CHECKING:` (they never run) — are the edges of the graph.
+or inside functions — are the edges of the graph. Those under `if TYPE_CHECKING:` never run, so the layer checks
+leave them out; the module-circle check counts them too: a type-only import still makes two modules depend on each
+other (neither can be read, moved or split without the other).
 """
 
 from __future__ import annotations
@@ -47,28 +49,31 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under `node`, skipping the bodies of `if TYPE_CHECKING:`."""
+def _imports(node: ast.AST, *, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node`; the bodies of `if TYPE_CHECKING:` only with `type_checking`."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
-                yield from _imports_in(other)
+                yield from _imports_in(other, type_checking=type_checking)
             continue
-        yield from _imports_in(child)
+        yield from _imports_in(child, type_checking=type_checking)
 
 
-def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_in(node: ast.AST, *, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, ast.Import | ast.ImportFrom):
         yield node
-    yield from _imports(node)
+    yield from _imports(node, type_checking=type_checking)
 
 
-def import_edges(modules: Mapping[str, Path]) -> list[Edge]:
+def import_edges(modules: Mapping[str, Path], *, type_checking: bool = False) -> list[Edge]:
+    """(importer, imported, where) for every import of one module of `modules` by another; with `type_checking`,
+    the imports under `if TYPE_CHECKING:` too."""
     edges = []
     for name, path in sorted(modules.items()):
         is_package = path.name == "__init__.py"
         here = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _imports(tree, type_checking=type_checking):
             where = f"{here}:{node.lineno}"
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -152,9 +157,9 @@ def package_graph(edges: Iterable[Edge]) -> dict[str, set[str]]:
     return module_graph((unit(a), unit(b), where) for a, b, where in edges)
 
 
-def _package_edges() -> list[Edge]:
+def _package_edges(*, type_checking: bool = False) -> list[Edge]:
     modules = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
-    return import_edges(modules)
+    return import_edges(modules, type_checking=type_checking)
 
 
 def test_every_package_is_in_the_layer_table() -> None:
@@ -174,6 +179,11 @@ def test_no_circle_among_packages() -> None:
 
 def test_no_circle_among_modules() -> None:
     found = circles(module_graph(_package_edges()))
+    assert found == [], "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_no_circle_among_modules_counting_type_imports() -> None:
+    found = circles(module_graph(_package_edges(type_checking=True)))
     assert found == [], "\n".join(" <-> ".join(c) for c in found)
 
 
@@ -198,7 +208,8 @@ def test_the_checker_reports_what_it_should(tmp_path: Path) -> None:
         ["gaudi3_scale.cli.main", "gaudi3_scale.train.trainer"],
         ["gaudi3_scale.cost.a", "gaudi3_scale.cost.b"],
     ]
-    # And the parser: a function-local relative import counts, one under TYPE_CHECKING does not.
+    # And the parser: a function-local relative import counts, one under TYPE_CHECKING only when asked for (c and
+    # d import each other, d only for its annotations: a circle for the module check, none for the layer checks).
     pkg = tmp_path / "gaudi3_scale" / "cost"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -206,9 +217,18 @@ def test_the_checker_reports_what_it_should(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\ndef f():\n    from .b import g\n"
     )
     (pkg / "b.py").write_text("import gaudi3_scale.cost.a\n")
-    modules = {"gaudi3_scale.cost": pkg / "__init__.py", "gaudi3_scale.cost.a": pkg / "a.py"}
-    modules["gaudi3_scale.cost.b"] = pkg / "b.py"
+    (pkg / "c.py").write_text("from gaudi3_scale.cost.d import D\n")
+    (pkg / "d.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from .c import C\nclass D: ...\n")
+    modules = {"gaudi3_scale.cost": pkg / "__init__.py"}
+    modules.update({f"gaudi3_scale.cost.{m}": pkg / f"{m}.py" for m in "abcd"})
     assert [(a, b) for a, b, _ in import_edges(modules)] == [
         ("gaudi3_scale.cost.a", "gaudi3_scale.cost.b"),
         ("gaudi3_scale.cost.b", "gaudi3_scale.cost.a"),
+        ("gaudi3_scale.cost.c", "gaudi3_scale.cost.d"),
+    ]
+    with_types = import_edges(modules, type_checking=True)
+    assert ("gaudi3_scale.cost.d", "gaudi3_scale.cost.c") in [(a, b) for a, b, _ in with_types]
+    assert circles(module_graph(with_types)) == [
+        ["gaudi3_scale.cost.a", "gaudi3_scale.cost.b"],
+        ["gaudi3_scale.cost.c", "gaudi3_scale.cost.d"],
     ]

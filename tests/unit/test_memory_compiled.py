@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from gaudi3_scale.device.float8 import Float8Plan
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import get_model_config
-from gaudi3_scale.tune.memory import estimate_memory
+from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "benchmarks" / "results" / "gpu_shapes_cuda_h200.json"
 LLAMA_1B = get_model_config("llama3.2-1b")
-CUDA = {"micro_batch_size": 8, "context_length": 2048, "device_kind": "cuda"}
+BATCH = BatchPlan.from_micro_batch(8, context_length=2048)
+EAGER, COMPILED = ParallelPlan(), ParallelPlan(compile=True)
 
 
 def _measured() -> dict[str, dict]:
@@ -47,8 +49,8 @@ def test_the_stored_h200_run_has_the_shapes_the_claims_rest_on() -> None:
 
 
 def test_compile_shrinks_activations_and_the_loss() -> None:
-    eager = estimate_memory(LLAMA_1B, precision="bf16-mixed", **CUDA)
-    compiled = estimate_memory(LLAMA_1B, precision="bf16-mixed", compiled=True, **CUDA)
+    eager = estimate_memory(LLAMA_1B, EAGER, BATCH, precision="bf16-mixed", device_kind="cuda")
+    compiled = estimate_memory(LLAMA_1B, COMPILED, BATCH, precision="bf16-mixed", device_kind="cuda")
     assert compiled.compiled and not eager.compiled
     assert compiled.params_bytes == eager.params_bytes and compiled.optimizer_bytes == eager.optimizer_bytes
     assert compiled.activations_bytes < 0.7 * eager.activations_bytes
@@ -59,10 +61,11 @@ def test_compile_shrinks_activations_and_the_loss() -> None:
 
 
 def test_fp8_plan_terms() -> None:
-    def est(**kw: object) -> int:
-        return estimate_memory(LLAMA_1B, precision="fp8", compiled=True, **CUDA, **kw)  # type: ignore[arg-type]
+    def est(float8: Float8Plan) -> MemoryEstimate:
+        plan = ParallelPlan(compile=True, float8=float8)
+        return estimate_memory(LLAMA_1B, plan, BATCH, precision="fp8", device_kind="cuda")
 
-    bf16 = estimate_memory(LLAMA_1B, precision="bf16-mixed", compiled=True, **CUDA)
+    bf16 = estimate_memory(LLAMA_1B, COMPILED, BATCH, precision="bf16-mixed", device_kind="cuda")
     tensorwise = est(float8=Float8Plan(recipe="tensorwise", head=False, skip_small_linears=False))
     head = est(float8=Float8Plan(recipe="tensorwise", head=True, skip_small_linears=False))
     gw_hp = est(float8=Float8Plan(recipe="rowwise_with_gw_hp", head=True, skip_small_linears=False))
@@ -79,16 +82,18 @@ def test_fp8_plan_terms() -> None:
     # rowwise_with_gw_hp computes the weight gradient in high precision: bf16 inputs, as bf16-mixed
     assert gw_hp.activations_bytes == bf16.activations_bytes
     # Eager fp8 keeps torchao's high-precision inputs: only the weight copies go.
-    eager = estimate_memory(LLAMA_1B, precision="fp8", **CUDA)
-    eager_bf16 = estimate_memory(LLAMA_1B, precision="bf16-mixed", **CUDA)
+    eager = estimate_memory(LLAMA_1B, EAGER, BATCH, precision="fp8", device_kind="cuda")
+    eager_bf16 = estimate_memory(LLAMA_1B, EAGER, BATCH, precision="bf16-mixed", device_kind="cuda")
     assert eager.activations_bytes == eager_bf16.activations_bytes
     assert eager.params_bytes < eager_bf16.params_bytes
 
 
 def test_compiled_checkpointing_keeps_block_inputs_and_one_block() -> None:
     deep, shallow = replace(LLAMA_1B, num_layers=16), replace(LLAMA_1B, num_layers=8)
-    kw = {"precision": "bf16-mixed", "compiled": True, "activation_checkpointing": True, **CUDA}
+    plan = ParallelPlan(compile=True, activation_checkpointing=True)
+    kw = {"precision": "bf16-mixed", "device_kind": "cuda"}
     per_layer = (
-        estimate_memory(deep, **kw).activations_bytes - estimate_memory(shallow, **kw).activations_bytes
+        estimate_memory(deep, plan, BATCH, **kw).activations_bytes
+        - estimate_memory(shallow, plan, BATCH, **kw).activations_bytes
     )
     assert per_layer == 8 * (8 * 2048 * LLAMA_1B.dim * 4)  # each block's fp32 input

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import ModelConfig, build_model, count_parameters, get_model_config, list_models
 from gaudi3_scale.tune.estimate_table import format_estimate_table
 from gaudi3_scale.tune.memory import (
@@ -31,6 +32,8 @@ H, F, V, L, A = 64, 256, 128, 2, 4
 BLOCK = 12 * H * H + 2 * H  # q, k, v, o: 4h²; MLP 8h²; two LayerNorm weights
 ROOT = V * H + 32 * H + H  # tied token table/head, positions, final norm
 PSI = L * BLOCK + ROOT
+SINGLE = ParallelPlan.build()  # auto on one rank: one plain process
+MICRO_1 = BatchPlan.from_micro_batch(1)  # one sequence of the model's context per forward pass
 
 
 def _layer_fp32(b: int, s: int) -> int:
@@ -51,7 +54,11 @@ def test_tiny_parameter_count_by_hand() -> None:
 def test_ddp_fp32_by_hand() -> None:
     b, s = 2, 32
     est = estimate_memory(
-        TINY, strategy="ddp", world_size=1, micro_batch_size=b, precision="32-true", device_kind="cuda"
+        TINY,
+        ParallelPlan.build(strategy="ddp"),
+        BatchPlan.from_micro_batch(b),
+        precision="32-true",
+        device_kind="cuda",
     )
     activations = L * _layer_fp32(b, s) + 2 * s * b * H * 4  # + final norm input and head input
     assert _layer_fp32(b, s) == 64 * s * b * H + 2048  # 16 fp32 tensors of s·b·h, plus the small statistics
@@ -68,26 +75,32 @@ def test_ddp_fp32_by_hand() -> None:
 
 def test_single_process_gradients_do_not_overlap_activations() -> None:
     # auto on one rank is a plain process: gradients are set to None after each step, unlike DDP's buckets.
-    est = estimate_memory(TINY, strategy="auto", micro_batch_size=2, precision="32-true", device_kind="cuda")
+    batch = BatchPlan.from_micro_batch(2)
+    est = estimate_memory(
+        TINY, ParallelPlan.build(strategy="auto"), batch, precision="32-true", device_kind="cuda"
+    )
     assert est.strategy == "single"
     assert est.grads_bytes == 0
-    ddp = estimate_memory(TINY, strategy="ddp", micro_batch_size=2, precision="32-true", device_kind="cuda")
+    ddp = estimate_memory(
+        TINY, ParallelPlan.build(strategy="ddp"), batch, precision="32-true", device_kind="cuda"
+    )
     assert ddp.total_bytes - est.total_bytes == 4 * PSI
 
 
 def test_runtime_baseline_is_added_on_cpu_only() -> None:
-    cuda = estimate_memory(TINY, strategy="ddp", precision="32-true", device_kind="cuda")
-    cpu = estimate_memory(TINY, strategy="ddp", precision="32-true", device_kind="cpu")
+    ddp = ParallelPlan.build(strategy="ddp")
+    cuda = estimate_memory(TINY, ddp, MICRO_1, precision="32-true", device_kind="cuda")
+    cpu = estimate_memory(TINY, ddp, MICRO_1, precision="32-true", device_kind="cpu")
     assert cpu.total_bytes - cuda.total_bytes == CPU_RUNTIME_BYTES
-    zero = estimate_memory(TINY, strategy="deepspeed_zero2", precision="32-true", device_kind="cpu")
+    zero2 = ParallelPlan.build(strategy="deepspeed_zero2")
+    zero = estimate_memory(TINY, zero2, MICRO_1, precision="32-true", device_kind="cpu")
     assert zero.runtime_bytes == CPU_RUNTIME_BYTES + CPU_DEEPSPEED_IMPORT_BYTES
 
 
 def test_fsdp_at_four_ranks_by_hand() -> None:
     b, s, n = 8, 32, 4
-    est = estimate_memory(
-        TINY, strategy="fsdp", world_size=n, micro_batch_size=b, precision="32-true", device_kind="cuda"
-    )
+    batch, same = BatchPlan.from_micro_batch(b), {"precision": "32-true", "device_kind": "cuda"}
+    est = estimate_memory(TINY, ParallelPlan.build(strategy="fsdp", world_size=n), batch, **same)
     # Backward start: shards of weights and AdamW state, the root and two blocks gathered (current + prefetch).
     assert est.peak_phase == "backward start"
     assert est.params_bytes == 4 * PSI / n + 4 * (2 * BLOCK + ROOT)
@@ -95,19 +108,12 @@ def test_fsdp_at_four_ranks_by_hand() -> None:
     assert est.optimizer_bytes == 8 * PSI / n
     assert est.activations_bytes == L * _layer_fp32(b, s) + 2 * s * b * H * 4
     # fsdp_grad_op keeps every block gathered from forward to backward: here both blocks, so the same.
-    grad_op = estimate_memory(
-        TINY,
-        strategy="fsdp_grad_op",
-        world_size=n,
-        micro_batch_size=b,
-        precision="32-true",
-        device_kind="cuda",
-    )
+    grad_op_plan = ParallelPlan.build(strategy="fsdp_grad_op", world_size=n)
+    grad_op = estimate_memory(TINY, grad_op_plan, batch, **same)
     assert grad_op.total_bytes == est.total_bytes
     deep = replace(TINY, num_layers=6)
-    same = {"world_size": n, "micro_batch_size": b, "precision": "32-true", "device_kind": "cuda"}
-    all_blocks = estimate_memory(deep, strategy="fsdp_grad_op", **same)
-    two_blocks = estimate_memory(deep, strategy="fsdp", **same)
+    all_blocks = estimate_memory(deep, grad_op_plan, batch, **same)
+    two_blocks = estimate_memory(deep, ParallelPlan.build(strategy="fsdp", world_size=n), batch, **same)
     assert all_blocks.params_bytes - two_blocks.params_bytes == 4 * (6 - 2) * BLOCK
 
 
@@ -116,7 +122,7 @@ def test_zero2_model_states_follow_the_zero_paper() -> None:
     # the gradient partition into fp32 (4Ψ/N), which is this strategy's peak.
     n = 4
     est = estimate_memory(
-        TINY, strategy="deepspeed_zero2", world_size=n, micro_batch_size=1, context_length=8,
+        TINY, ParallelPlan.build(strategy="deepspeed_zero2", world_size=n), BatchPlan.from_micro_batch(1, context_length=8),
         precision="bf16-mixed", device_kind="cuda",
     )  # fmt: skip
     assert est.peak_phase == "optimizer step"
@@ -130,7 +136,7 @@ def test_zero3_model_states_follow_the_zero_paper() -> None:
     # the whole model, so all of it) and 0.9·h² of prefetch off gloo.
     n = 4
     est = estimate_memory(
-        TINY, strategy="deepspeed_zero3", world_size=n, micro_batch_size=1, context_length=8,
+        TINY, ParallelPlan.build(strategy="deepspeed_zero3", world_size=n), BatchPlan.from_micro_batch(1, context_length=8),
         precision="bf16-mixed", device_kind="cuda",
     )  # fmt: skip
     live = min(PSI, 24 * H * H + int(0.9 * H * H)) * 2
@@ -145,10 +151,10 @@ def test_activations_per_layer_match_korthikanti_for_16_bit() -> None:
     sbh = s * b * H
 
     def layer(cfg: ModelConfig) -> int:
-        deeper = replace(cfg, num_layers=3)
-        return estimate_activation_bytes(
-            deeper, micro_batch_size=b, precision="bf16-true", device_kind="cuda"
-        ) - (estimate_activation_bytes(cfg, micro_batch_size=b, precision="bf16-true", device_kind="cuda"))
+        deeper, batch = replace(cfg, num_layers=3), BatchPlan.from_micro_batch(b)
+        return estimate_activation_bytes(deeper, SINGLE, batch, precision="bf16-true", device_kind="cuda") - (
+            estimate_activation_bytes(cfg, SINGLE, batch, precision="bf16-true", device_kind="cuda")
+        )
 
     statistics = 2 * 2 * s * b * 2 + b * A * s * 4  # LayerNorm mean/rstd (bf16), the log-sum-exp (fp32)
     assert layer(TINY) == 32 * sbh + statistics
@@ -157,10 +163,10 @@ def test_activations_per_layer_match_korthikanti_for_16_bit() -> None:
 
 def test_activation_checkpointing_keeps_layer_inputs_and_one_layer() -> None:
     b, s = 64, 32
-    kwargs = {"strategy": "auto", "micro_batch_size": b, "precision": "32-true", "device_kind": "cuda"}
+    batch, kwargs = BatchPlan.from_micro_batch(b), {"precision": "32-true", "device_kind": "cuda"}
     deep = replace(TINY, num_layers=8)
-    full = estimate_memory(deep, activation_checkpointing=False, **kwargs)
-    ckpt = estimate_memory(deep, activation_checkpointing=True, **kwargs)
+    full = estimate_memory(deep, ParallelPlan.build(activation_checkpointing=False), batch, **kwargs)
+    ckpt = estimate_memory(deep, ParallelPlan.build(activation_checkpointing=True), batch, **kwargs)
     head = 2 * s * b * H * 4
     assert full.activations_bytes == 8 * _layer_fp32(b, s) + head
     # Korthikanti §4: 2·s·b·h·L in 16 bit, here 4 bytes per element; plus the block recomputed in backward.
@@ -197,10 +203,10 @@ def test_layer_formula_matches_the_tensors_autograd_saves(arch: str, precision: 
     )
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model.layers[0](x, rope)
-    kwargs = {"micro_batch_size": b, "context_length": s, "precision": precision}
-    formula = estimate_activation_bytes(replace(cfg, num_layers=3), **kwargs) - estimate_activation_bytes(
-        cfg, **kwargs
-    )
+    batch = BatchPlan.from_micro_batch(b, context_length=s)
+    formula = estimate_activation_bytes(
+        replace(cfg, num_layers=3), SINGLE, batch, precision=precision
+    ) - estimate_activation_bytes(cfg, SINGLE, batch, precision=precision)
     # Under autocast the bf16 copies of the block's matmul weights are saved too (the estimate counts them as params).
     kv_dim, ffn = 2 * 16, 192
     matmul_weights = H * (2 * H + 2 * kv_dim) + 3 * H * ffn if llama else 12 * H * H
@@ -215,7 +221,11 @@ def test_more_ranks_never_need_more_memory_per_rank(name: str, strategy: str) ->
     cfg = get_model_config(name)
     totals = [
         estimate_memory(
-            cfg, strategy=strategy, world_size=n, precision="bf16-mixed", device_kind="cuda"
+            cfg,
+            ParallelPlan.build(strategy=strategy, world_size=n),
+            MICRO_1,
+            precision="bf16-mixed",
+            device_kind="cuda",
         ).total_bytes
         for n in (1, 2, 4, 8, 64)
     ]
@@ -227,15 +237,24 @@ def test_more_ranks_never_need_more_memory_per_rank(name: str, strategy: str) ->
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "deepspeed_zero3"])
 def test_monotone_in_micro_batch_and_checkpointing_and_precision(name: str, strategy: str) -> None:
     cfg = get_model_config(name)
-    kwargs = {"strategy": strategy, "world_size": 1 if strategy == "auto" else 8, "device_kind": "cuda"}
-    by_micro = [estimate_memory(cfg, micro_batch_size=m, **kwargs).total_bytes for m in (1, 2, 4, 8)]
+    layout = {"strategy": strategy, "world_size": 1 if strategy == "auto" else 8}
+    plan = ParallelPlan.build(**layout)
+    by_micro = [
+        estimate_memory(cfg, plan, BatchPlan.from_micro_batch(m), device_kind="cuda").total_bytes
+        for m in (1, 2, 4, 8)
+    ]
     assert by_micro == sorted(by_micro) and by_micro[-1] > by_micro[0]
     for m in (1, 8):
-        off = estimate_memory(cfg, micro_batch_size=m, activation_checkpointing=False, **kwargs)
-        on = estimate_memory(cfg, micro_batch_size=m, activation_checkpointing=True, **kwargs)
+        batch = BatchPlan.from_micro_batch(m)
+        off = estimate_memory(
+            cfg, ParallelPlan.build(**layout, activation_checkpointing=False), batch, device_kind="cuda"
+        )
+        on = estimate_memory(
+            cfg, ParallelPlan.build(**layout, activation_checkpointing=True), batch, device_kind="cuda"
+        )
         assert on.total_bytes <= off.total_bytes
-    true16 = estimate_memory(cfg, precision="bf16-true", **kwargs)
-    fp32 = estimate_memory(cfg, precision="32-true", **kwargs)
+    true16 = estimate_memory(cfg, plan, MICRO_1, precision="bf16-true", device_kind="cuda")
+    fp32 = estimate_memory(cfg, plan, MICRO_1, precision="32-true", device_kind="cuda")
     assert true16.total_bytes < fp32.total_bytes
 
 
@@ -243,25 +262,21 @@ def test_llama3_70b_on_gaudi3_sanity() -> None:
     cfg = get_model_config("llama3-70b")
     psi = 70_553_706_496
     gaudi3 = 128 * 10**9  # device/specs.py: 128 GB HBM2e
-    est = estimate_memory(cfg, strategy="fsdp", world_size=8, precision="bf16-mixed", device_kind="hpu")
+    hpu = {"precision": "bf16-mixed", "device_kind": "hpu"}
+    est = estimate_memory(cfg, ParallelPlan.build(strategy="fsdp", world_size=8), MICRO_1, **hpu)
     assert est.optimizer_bytes == 8 * psi / 8  # fp32 AdamW moments, sharded
     # 16 bytes per parameter of sharded fp32 state alone exceed a Gaudi 3 on 8 ranks, whatever the strategy …
     assert 16 * psi / 8 > gaudi3
     for strategy in ("ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"):
-        assert max_micro_batch_that_fits(
-            cfg, budget_bytes=gaudi3, strategy=strategy, world_size=8, precision="bf16-mixed",
-            activation_checkpointing=True, device_kind="hpu",
-        ) == 0  # fmt: skip
+        plan = ParallelPlan.build(strategy=strategy, world_size=8, activation_checkpointing=True)
+        assert max_micro_batch_that_fits(cfg, plan, budget_bytes=gaudi3, **hpu) == 0
     # … while 16 ranks of FSDP with activation checkpointing fit one 8192-token sequence, and ddp never does.
-    fits = dict(
-        budget_bytes=gaudi3,
-        world_size=16,
-        precision="bf16-mixed",
-        activation_checkpointing=True,
-        device_kind="hpu",
+    fsdp16, ddp16 = (
+        ParallelPlan.build(strategy=strategy, world_size=16, activation_checkpointing=True)
+        for strategy in ("fsdp", "ddp")
     )
-    assert max_micro_batch_that_fits(cfg, strategy="fsdp", **fits) >= 1
-    assert max_micro_batch_that_fits(cfg, strategy="ddp", **fits) == 0
+    assert max_micro_batch_that_fits(cfg, fsdp16, budget_bytes=gaudi3, **hpu) >= 1
+    assert max_micro_batch_that_fits(cfg, ddp16, budget_bytes=gaudi3, **hpu) == 0
     table = format_estimate_table(
         cfg, world_size=8, precision="bf16-mixed", device_kind="hpu", device_memory_bytes=gaudi3
     )
@@ -273,54 +288,73 @@ def test_llama3_70b_on_gaudi3_sanity() -> None:
 
 
 def test_max_micro_batch_is_the_largest_that_fits() -> None:
-    kwargs = {"strategy": "ddp", "precision": "32-true", "device_kind": "cuda"}
-    budget = estimate_memory(TINY, micro_batch_size=37, **kwargs).total_bytes
-    assert estimate_memory(TINY, micro_batch_size=38, **kwargs).total_bytes > budget
-    assert max_micro_batch_that_fits(TINY, budget_bytes=budget, **kwargs) == 37
-    assert max_micro_batch_that_fits(TINY, budget_bytes=budget - 1, **kwargs) == 36
-    assert max_micro_batch_that_fits(TINY, budget_bytes=10**15, limit=100, **kwargs) == 100
-    assert max_micro_batch_that_fits(TINY, budget_bytes=1000, **kwargs) == 0
+    ddp, kwargs = ParallelPlan.build(strategy="ddp"), {"precision": "32-true", "device_kind": "cuda"}
+    budget = estimate_memory(TINY, ddp, BatchPlan.from_micro_batch(37), **kwargs).total_bytes
+    assert estimate_memory(TINY, ddp, BatchPlan.from_micro_batch(38), **kwargs).total_bytes > budget
+    assert max_micro_batch_that_fits(TINY, ddp, budget_bytes=budget, **kwargs) == 37
+    assert max_micro_batch_that_fits(TINY, ddp, budget_bytes=budget - 1, **kwargs) == 36
+    assert max_micro_batch_that_fits(TINY, ddp, budget_bytes=10**15, limit=100, **kwargs) == 100
+    assert max_micro_batch_that_fits(TINY, ddp, budget_bytes=1000, **kwargs) == 0
 
 
 def test_auto_choices_resolve_like_the_trainer() -> None:
-    assert estimate_memory(TINY, strategy="auto", world_size=2).strategy == "ddp"
-    assert estimate_memory(TINY, device_kind="cpu").precision == "32-true"
-    assert estimate_memory(TINY, device_kind="cuda").precision == "bf16-mixed"
+    assert estimate_memory(TINY, ParallelPlan.build(strategy="auto", world_size=2), MICRO_1).strategy == "ddp"
+    # one HPU still runs through the HCCL DDP strategy (ParallelPlan.runs_as)
+    assert estimate_memory(TINY, SINGLE, MICRO_1, device_kind="hpu").strategy == "ddp"
+    assert estimate_memory(TINY, SINGLE, MICRO_1, device_kind="cpu").precision == "32-true"
+    assert estimate_memory(TINY, SINGLE, MICRO_1, device_kind="cuda").precision == "bf16-mixed"
 
 
 def test_every_registry_model_is_estimated() -> None:
     for name in list_models():
         cfg = get_model_config(name)
         cfg = cfg if cfg.vocab_size is not None else cfg.resolve_vocab(65)
-        assert estimate_memory(cfg, strategy="fsdp", world_size=8, device_kind="cuda").total_bytes > 0
+        fsdp8 = ParallelPlan.build(strategy="fsdp", world_size=8)
+        assert estimate_memory(cfg, fsdp8, MICRO_1, device_kind="cuda").total_bytes > 0
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
+    ("plan", "batch", "kwargs", "error", "message"),
     [
-        ({"world_size": 0}, UserInputError, "world_size must be a positive number of ranks, got 0"),
-        ({"strategy": "zero9"}, ConfigError, "parallel.strategy: must be one of auto, ddp"),
-        ({"precision": "int8"}, ConfigError, "train.precision: must be one of"),
-        ({"precision": "fp8", "device_kind": "cpu"}, ConfigError, "train.precision: fp8 needs cuda"),
+        # the ranks and the strategy are the plan's: refused as it is built, as a run config refuses them
+        ({"world_size": 0}, {}, {}, UserInputError, "world_size must be a positive number of ranks, got 0"),
+        ({"strategy": "zero9"}, {}, {}, ConfigError, "parallel.strategy: must be one of auto, ddp"),
+        ({}, {}, {"precision": "int8"}, ConfigError, "train.precision: must be one of"),
+        ({}, {}, {"precision": "fp8", "device_kind": "cpu"}, ConfigError, "train.precision: fp8 needs cuda"),
         (
+            {},
+            {},
             {"precision": "16-mixed", "device_kind": "cpu"},
             ConfigError,
             "train.precision: 16-mixed needs cuda",
         ),
-        ({"device_kind": "tpu"}, ConfigError, "train.device: must be one of cpu, cuda, hpu"),
-        ({"micro_batch_size": 0}, ConfigError, "train.micro_batch_size: must be a positive integer"),
-        ({"context_length": 33}, ConfigError, "model.context_length: must be between 1 and the model's 32"),
-        ({"optimizer": "sgd"}, UserInputError, "unknown optimizer 'sgd'; valid: adamw"),
+        ({}, {}, {"device_kind": "tpu"}, ConfigError, "train.device: must be one of cpu, cuda, hpu"),
+        ({}, {"micro_batch_size": 0}, {}, ConfigError, "train.micro_batch_size: must be a positive integer"),
+        (
+            {},
+            {"context_length": 33},
+            {},
+            ConfigError,
+            "model.context_length: must be between 1 and the model's 32",
+        ),
+        ({}, {}, {"optimizer": "sgd"}, UserInputError, "unknown optimizer 'sgd'; valid: adamw"),
     ],
 )
-def test_bad_input_is_one_line(kwargs: dict, error: type[Exception], message: str) -> None:
+def test_bad_input_is_one_line(
+    plan: dict, batch: dict, kwargs: dict, error: type[Exception], message: str
+) -> None:
     with pytest.raises(error, match="^" + re.escape(message)):
-        estimate_memory(TINY, **kwargs)
+        estimate_memory(
+            TINY,
+            ParallelPlan.build(**plan),
+            BatchPlan.from_micro_batch(**{"micro_batch_size": 1, **batch}),
+            **kwargs,
+        )
 
 
 def test_unresolved_vocabulary_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"^model\.vocab_size: is null"):
-        estimate_memory(get_model_config("shakespeare-char"))
+        estimate_memory(get_model_config("shakespeare-char"), SINGLE, MICRO_1)
 
 
 def test_table_rows_and_auto_strategy() -> None:
@@ -333,6 +367,6 @@ def test_table_rows_and_auto_strategy() -> None:
         ("fsdp", "off"),
         ("fsdp", "on"),
     ]
-    single = estimate_memory(gpt2, strategy="auto", device_kind="cuda")
+    single = estimate_memory(gpt2, ParallelPlan.build(strategy="auto"), MICRO_1, device_kind="cuda")
     assert single.total_bytes > 2**30  # so that the two-decimal GiB below says something
     assert rows[0][8] == f"{single.total_bytes / 2**30:.2f}"

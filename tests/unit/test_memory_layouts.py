@@ -12,6 +12,7 @@ import re
 import pytest
 
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import ModelConfig, count_parameters, get_model_config
 from gaudi3_scale.tune.layouts import check_layouts, tensor_parallel_sizes, tp_bytes_per_token
 from gaudi3_scale.tune.memory import estimate_memory
@@ -26,6 +27,7 @@ MATMULS = H * (2 * H + 2 * KV) + 3 * H * F  # wq, wo (h²), wk, wv (h·kv), w1, 
 NORMS = 2 * H * L + H  # two RMSNorm weights per block, the final one
 PSI = L * MATMULS + 2 * V * H + NORMS  # + embedding table and head
 CUDA = {"precision": "32-true", "device_kind": "cuda"}
+MICRO_1 = BatchPlan.from_micro_batch(1)
 
 
 def _psi_per_tp_rank(tp: int) -> float:
@@ -39,13 +41,17 @@ def test_tiny_llama_count_by_hand() -> None:
 
 
 def test_tensor_parallel_halves_the_matrices_and_keeps_the_norms() -> None:
-    one = estimate_memory(LLAMA, strategy="fsdp", world_size=1, **CUDA)
-    two = estimate_memory(LLAMA, strategy="fsdp", world_size=2, tp_size=2, **CUDA)
+    one = estimate_memory(LLAMA, ParallelPlan.build(strategy="fsdp", world_size=1), MICRO_1, **CUDA)
+    two = estimate_memory(
+        LLAMA, ParallelPlan.build(strategy="fsdp", world_size=2, tp_size=2), MICRO_1, **CUDA
+    )
     assert two.dp_shard == 1 and two.parameters == PSI
     assert one.optimizer_bytes == 8 * PSI  # fp32 AdamW moments
     assert two.optimizer_bytes == 8 * _psi_per_tp_rank(2) == 8 * ((PSI - 320) / 2 + 320)
     # with tp 2 and 2 shards on 4 ranks, FSDP divides what tensor parallel left
-    four = estimate_memory(LLAMA, strategy="fsdp", world_size=4, tp_size=2, **CUDA)
+    four = estimate_memory(
+        LLAMA, ParallelPlan.build(strategy="fsdp", world_size=4, tp_size=2), MICRO_1, **CUDA
+    )
     assert four.optimizer_bytes == round(8 * _psi_per_tp_rank(2) / 2)
 
 
@@ -65,7 +71,8 @@ def test_tensor_parallel_splits_activations_but_not_the_gathered_linear_inputs()
         return L * layer + head_side
 
     for tp in (1, 2):
-        est = estimate_memory(LLAMA, strategy="fsdp", world_size=tp, tp_size=tp, micro_batch_size=b, **CUDA)
+        plan = ParallelPlan.build(strategy="fsdp", world_size=tp, tp_size=tp)
+        est = estimate_memory(LLAMA, plan, BatchPlan.from_micro_batch(b), **CUDA)
         assert est.activations_bytes == round(activations(tp))
         # loss parallel: the b·s·V logits' work is split over the vocabulary too
         assert est.workspace_bytes == round(max(3 * b * s * V * 4 / tp, b * s * V * 4 / tp + V * H * 4 / tp))
@@ -73,24 +80,30 @@ def test_tensor_parallel_splits_activations_but_not_the_gathered_linear_inputs()
 
 
 def test_hsdp_shards_over_one_replica_only() -> None:
-    fsdp4 = estimate_memory(LLAMA, strategy="fsdp", world_size=4, **CUDA)
-    hsdp = estimate_memory(LLAMA, strategy="fsdp", world_size=8, dp_replicate=2, **CUDA)
+    fsdp4 = estimate_memory(LLAMA, ParallelPlan.build(strategy="fsdp", world_size=4), MICRO_1, **CUDA)
+    hsdp = estimate_memory(
+        LLAMA, ParallelPlan.build(strategy="fsdp", world_size=8, dp_replicate=2), MICRO_1, **CUDA
+    )
     assert hsdp.dp_shard == 4
     assert hsdp.optimizer_bytes == fsdp4.optimizer_bytes == 8 * PSI / 4
     assert hsdp.total_bytes == fsdp4.total_bytes
-    every_rank = estimate_memory(LLAMA, strategy="fsdp", world_size=8, **CUDA)
+    every_rank = estimate_memory(LLAMA, ParallelPlan.build(strategy="fsdp", world_size=8), MICRO_1, **CUDA)
     assert every_rank.optimizer_bytes == 8 * PSI / 8 < hsdp.optimizer_bytes
     # one replica per rank: nothing sharded, as one process
     assert (
-        estimate_memory(LLAMA, strategy="auto", world_size=8, dp_replicate=8, **CUDA).optimizer_bytes
+        estimate_memory(
+            LLAMA, ParallelPlan.build(strategy="auto", world_size=8, dp_replicate=8), MICRO_1, **CUDA
+        ).optimizer_bytes
         == 8 * PSI
     )
 
 
 def test_fsdp_offload_all_moves_shards_gradients_and_optimizer_to_the_host() -> None:
     n = 4
-    kept = estimate_memory(LLAMA, strategy="fsdp", world_size=n, **CUDA)
-    moved = estimate_memory(LLAMA, strategy="fsdp", world_size=n, offload="all", **CUDA)
+    kept = estimate_memory(LLAMA, ParallelPlan.build(strategy="fsdp", world_size=n), MICRO_1, **CUDA)
+    moved = estimate_memory(
+        LLAMA, ParallelPlan.build(strategy="fsdp", world_size=n, offload="all"), MICRO_1, **CUDA
+    )
     assert (moved.optimizer_bytes, moved.grads_bytes) == (0, 0)
     assert moved.params_bytes == kept.params_bytes - 4 * PSI / n  # only the gathered blocks and root stay
     assert moved.host_bytes == (4 + 4 + 8) * PSI / n  # fp32 shards, their gradients, AdamW m and v
@@ -99,20 +112,27 @@ def test_fsdp_offload_all_moves_shards_gradients_and_optimizer_to_the_host() -> 
 
 def test_zero_offload_moves_the_optimizer_state_and_fp32_gradients() -> None:
     n = 4
-    kw = {"world_size": n, "precision": "bf16-mixed", "device_kind": "cuda"}
-    kept = estimate_memory(LLAMA, strategy="deepspeed_zero2", **kw)
-    moved = estimate_memory(LLAMA, strategy="deepspeed_zero2", offload="optimizer", **kw)
+    kw = {"precision": "bf16-mixed", "device_kind": "cuda"}
+    kept = estimate_memory(LLAMA, ParallelPlan.build(strategy="deepspeed_zero2", world_size=n), MICRO_1, **kw)
+    zero2_offload = ParallelPlan.build(strategy="deepspeed_zero2", world_size=n, offload="optimizer")
+    moved = estimate_memory(LLAMA, zero2_offload, MICRO_1, **kw)
     assert kept.optimizer_bytes == 12 * PSI / n and moved.optimizer_bytes == 0  # master, m, v: ZeRO's K = 12
     assert moved.host_bytes == (12 + 4) * PSI / n  # + the fp32 gradient partition the CPU step reads
     assert moved.params_bytes == 2 * PSI  # bf16 weights stay whole on the device under stage 2
-    zero3 = estimate_memory(LLAMA, strategy="deepspeed_zero3", offload="all", **kw)
+    zero3 = estimate_memory(
+        LLAMA, ParallelPlan.build(strategy="deepspeed_zero3", world_size=n, offload="all"), MICRO_1, **kw
+    )
     assert zero3.host_bytes == (12 + 4 + 2) * PSI / n  # and the bf16 parameter partition (offload_param)
 
 
 def test_offload_on_a_cpu_moves_nothing() -> None:
-    kw = {"strategy": "fsdp", "world_size": 2, "precision": "32-true", "device_kind": "cpu"}
-    assert estimate_memory(LLAMA, offload="all", **kw).total_bytes == estimate_memory(LLAMA, **kw).total_bytes
-    assert estimate_memory(LLAMA, offload="all", **kw).host_bytes == 0
+    kept, moved = (ParallelPlan.build(strategy="fsdp", world_size=2, offload=o) for o in ("none", "all"))
+    kw = {"precision": "32-true", "device_kind": "cpu"}
+    assert (
+        estimate_memory(LLAMA, moved, MICRO_1, **kw).total_bytes
+        == estimate_memory(LLAMA, kept, MICRO_1, **kw).total_bytes
+    )
+    assert estimate_memory(LLAMA, moved, MICRO_1, **kw).host_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -127,11 +147,15 @@ def test_offload_on_a_cpu_moves_nothing() -> None:
 )  # fmt: skip
 def test_layouts_the_run_config_refuses_are_refused_here(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        estimate_memory(LLAMA, device_kind="cuda", **kwargs)
+        estimate_memory(LLAMA, ParallelPlan.build(**kwargs), MICRO_1, device_kind="cuda")
     with pytest.raises(
         ConfigError, match=r"^parallel\.tp_size: tensor parallel is implemented for arch llama"
     ):
-        estimate_memory(get_model_config("gpt2-124m"), strategy="fsdp", world_size=2, tp_size=2)
+        estimate_memory(
+            get_model_config("gpt2-124m"),
+            ParallelPlan.build(strategy="fsdp", world_size=2, tp_size=2),
+            MICRO_1,
+        )
 
 
 def test_tensor_parallel_sizes_and_traffic() -> None:
@@ -146,7 +170,8 @@ def test_tensor_parallel_sizes_and_traffic() -> None:
 
 def test_offload_is_tried_only_where_the_layout_does_not_fit_without_it() -> None:
     gpt2 = get_model_config("gpt2-124m")
-    kept = estimate_memory(gpt2, strategy="fsdp", world_size=2, precision="bf16-mixed", device_kind="cuda")
+    fsdp2 = ParallelPlan.build(strategy="fsdp", world_size=2)
+    kept = estimate_memory(gpt2, fsdp2, MICRO_1, precision="bf16-mixed", device_kind="cuda")
     budget = kept.total_bytes + 1  # fsdp without checkpointing just fits
     checks = check_layouts(gpt2, world_size=2, per_node=8, device_kind="cuda", device_bytes=budget)
     by_layout = {(c.layout.strategy, c.layout.activation_checkpointing, c.layout.offload): c for c in checks}

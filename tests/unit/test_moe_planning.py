@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.shard_plan import (
     fsdp_shard_dim,
     largest_rank_elements,
@@ -40,7 +40,9 @@ def test_the_estimate_sizes_fsdp_shards_by_the_largest_rank() -> None:
         with torch.device("meta"):
             model = build_model(cfg)
         largest = largest_rank_elements(model, ParallelPlan(strategy="fsdp", world_size=ranks))
-        est = estimate_memory(cfg, strategy="fsdp", world_size=ranks, precision="32-true", device_kind="cuda")
+        fsdp = ParallelPlan.build(strategy="fsdp", world_size=ranks)
+        batch = BatchPlan.from_micro_batch(1, data_parallel_size=ranks)
+        est = estimate_memory(cfg, fsdp, batch, precision="32-true", device_kind="cuda")
         assert est.optimizer_bytes == 2 * 4 * largest  # AdamW's two fp32 moments of the largest rank's shards
         assert largest > sum(p.numel() for p in model.parameters()) / ranks
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gaudi3_scale.config import ConfigError
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.config import build_run_config as _build
 
@@ -84,3 +85,48 @@ def test_data_parallel_rank_is_the_tensor_parallel_group() -> None:
 
     assert [data_parallel_rank(rank, 2) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [data_parallel_rank(rank, 1) for rank in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("layout", "strategy"),
+    [
+        ({}, "single"),
+        ({"world_size": 2}, "ddp"),
+        ({"world_size": 2, "tp_size": 2}, "fsdp"),
+        ({"world_size": 4, "dp_replicate": 2}, "fsdp"),
+        ({"strategy": "deepspeed_zero3", "world_size": 2, "offload": "all"}, "deepspeed_zero3"),
+    ],
+)
+def test_a_what_if_plan_resolves_as_a_run_does(layout: dict, strategy: str) -> None:
+    # The tuner, the layout table and the cost planner build their plans with ParallelPlan.build; a run builds its
+    # own from the config (RunConfig.parallel_plan): one resolution, the same answer.
+    plan = ParallelPlan.build(**layout)
+    world = layout.get("world_size", 1)
+    fields = {k: v for k, v in layout.items() if k != "world_size"}
+    cfg = build_run_config(
+        [*LLAMA, f"parallel.nproc_per_node={world}", *(f"parallel.{k}={v}" for k, v in fields.items())]
+    )
+    assert plan.strategy == cfg.parallel_plan().strategy == strategy
+    assert plan.partitions_parameters == (strategy == "deepspeed_zero3")
+
+
+def test_a_what_if_plan_refuses_what_a_run_config_refuses() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.strategy: must be one of auto, ddp, "):
+        ParallelPlan.build(strategy="zero9")
+    with pytest.raises(ConfigError, match=r"^parallel\.tp_size: runs on an FSDP2 device mesh"):
+        ParallelPlan.build(strategy="ddp", world_size=2, tp_size=2)
+    with pytest.raises(
+        ConfigError, match=r"^parallel\.offload: all needs parallel\.strategy fsdp, .* not auto$"
+    ):
+        ParallelPlan.build(world_size=2, offload="all")
+
+
+def test_one_hpu_runs_as_ddp_and_a_micro_batch_plan_makes_its_global_batch() -> None:
+    assert ParallelPlan().runs_as("hpu") == "ddp"  # the HCCL strategy, as lightning-habana did
+    assert ParallelPlan().runs_as("cuda") == "single"
+    assert ParallelPlan.build(world_size=2).runs_as("hpu") == "ddp"
+    batch = BatchPlan.from_micro_batch(4, accumulation=2, data_parallel_size=3, context_length=8)
+    assert (batch.global_batch_size, batch.per_rank_batch_size, batch.tokens_per_step) == (24, 8, 24 * 8)
+    assert batch == BatchPlan.build(
+        global_batch_size=24, micro_batch_size=4, data_parallel_size=3, context_length=8
+    )

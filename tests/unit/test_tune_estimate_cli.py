@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models import get_model_config
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune.memory import estimate_memory
@@ -61,10 +62,13 @@ def test_llama3_70b_layouts_on_64_devices(
     assert offloaded and all(by_layout[(*key[:3], "none")] == "does not fit" for key in offloaded)
     # the first line that fits is checked against the estimator itself
     best = fits[0]
-    est = estimate_memory(
-        get_model_config("llama3-70b"), strategy=best.group("strategy"), world_size=64, precision="bf16-mixed",
-        activation_checkpointing=best.group("ckpt") == "on", device_kind="hpu" if device == "gaudi3" else "cuda",
+    plan = ParallelPlan.build(
+        strategy=best.group("strategy"), world_size=64, activation_checkpointing=best.group("ckpt") == "on",
         tp_size=int(best.group("tp") or 1), dp_replicate=int(best.group("rep") or 1), offload=best.group("offload"),
+    )  # fmt: skip
+    est = estimate_memory(
+        get_model_config("llama3-70b"), plan, BatchPlan.from_micro_batch(1, data_parallel_size=plan.data_parallel_size),
+        precision="bf16-mixed", device_kind="hpu" if device == "gaudi3" else "cuda",
     )  # fmt: skip
     assert best.group("detail").startswith(f"{est.total_bytes / 2**30:.1f} GiB per device")
     # … and its overrides make a run config the trainer accepts on 8 nodes of 8

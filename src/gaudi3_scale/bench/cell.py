@@ -32,17 +32,15 @@ def cell_warmup_steps(cfg: RunConfig) -> int:
 
 
 def cell_of_config(cfg: RunConfig, *, precision: str) -> dict[str, Any]:
-    batch = cfg.batch_plan()
+    plan = cfg.parallel_plan()
     return cell_section(
         cell_id=cfg.benchmark.cell_id or cfg.name,
         matrix=cfg.benchmark.matrix,
         model=cfg.model.name,
-        strategy=cfg.parallel_plan().strategy,
-        world_size=batch.data_parallel_size,
+        strategy=plan.strategy,
+        world_size=plan.world_size,
         nnodes=cfg.parallel.nnodes,
-        micro_batch_size=batch.micro_batch_size,
-        global_batch_size=batch.global_batch_size,
-        context_length=cfg.model.context_length,
+        batch=cfg.batch_plan(),
         precision=precision,
         data=cfg.data.source,
     )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from gaudi3_scale.config.core import check_positive, from_dict, load_yaml, merge_mappings
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import check_seconds
+from gaudi3_scale.distributed.plan import BatchPlan
 
 if TYPE_CHECKING:
     from gaudi3_scale.train.config import RunConfig
@@ -138,7 +139,9 @@ def _cell_overrides(m: MatrixConfig, cell_id: str, model: str, strategy: str, wo
     train = {
         "precision": precision,
         "micro_batch_size": micro,
-        "global_batch_size": micro * world * m.accumulation,
+        "global_batch_size": BatchPlan.from_micro_batch(
+            micro, accumulation=m.accumulation, data_parallel_size=world
+        ).global_batch_size,  # a matrix has no tensor parallel: every rank reads its own micro-batches
         "max_steps": m.warmup_steps + m.measure_steps,
         "log_every_steps": 1,
         "val_every_steps": 0,

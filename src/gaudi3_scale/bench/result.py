@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, RESULT_SCHEMA_VERSION, mfu_problem, validate_result
+from gaudi3_scale.distributed.plan import BatchPlan
 
 __all__ = [
     "BEGIN",
@@ -56,12 +57,12 @@ def cell_section(
     strategy: str,
     world_size: int,
     nnodes: int,
-    micro_batch_size: int,
-    global_batch_size: int,
-    context_length: int,
+    batch: BatchPlan,
     precision: str,
     data: str,
 ) -> dict[str, Any]:
+    """The result's `cell`: what ran on `world_size` ranks (every rank; under tensor parallel, more than the
+    data-parallel ranks `batch` splits each step over) and that split."""
     return {
         "id": cell_id,
         "matrix": matrix,
@@ -69,10 +70,10 @@ def cell_section(
         "strategy": strategy,
         "world_size": world_size,
         "nnodes": nnodes,
-        "micro_batch_size": micro_batch_size,
-        "global_batch_size": global_batch_size,
-        "accumulation": global_batch_size // (micro_batch_size * world_size),
-        "context_length": context_length,
+        "micro_batch_size": batch.micro_batch_size,
+        "global_batch_size": batch.global_batch_size,
+        "accumulation": batch.accumulation,
+        "context_length": batch.context_length,
         "precision": precision,
         "data": data,
     }

@@ -118,22 +118,9 @@ def print_dry_run(cfg: RunConfig) -> None:
     with torch.device("meta"):
         model = build_model(model_cfg)
     built_s = time.perf_counter() - started
-    batch, plan = cfg.batch_plan(), cfg.parallel_plan()
+    batch, plan = cfg.batch_plan(), cfg.parallel_plan(float8=cfg.train.precision == "fp8")
     device = device_kind(cfg)
-    estimate = estimate_memory(
-        model_cfg,
-        strategy=cfg.parallel.strategy,  # estimate_memory resolves auto as the trainer does
-        world_size=plan.world_size,
-        micro_batch_size=batch.micro_batch_size,
-        precision=cfg.train.precision,
-        activation_checkpointing=plan.activation_checkpointing,
-        device_kind=device,
-        tp_size=plan.tp_size,
-        dp_replicate=plan.dp_replicate,
-        offload=plan.offload,
-        compiled=cfg.train.compile,
-        float8=cfg.float8_plan() if cfg.train.precision == "fp8" else None,
-    )
+    estimate = estimate_memory(model_cfg, plan, batch, precision=cfg.train.precision, device_kind=device)
     weight_bytes = 2 if estimate.precision == "bf16-true" else 4
     shards = parameter_bytes_per_rank(model, plan, element_bytes=weight_bytes)
     gib = 2**30

@@ -21,13 +21,20 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.numbers import INT64_MAX
+from gaudi3_scale.cost.comparison import (
+    DEFAULT_PUE,
+    PUE_SOURCE,
+    Assumptions,
+    ComparisonData,
+    PlatformEstimate,
+)
+from gaudi3_scale.cost.report import plot_tco_breakdown, write_report
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
@@ -45,12 +52,6 @@ __all__ = [
     "resolve_model",
 ]
 
-# Industry-average power usage effectiveness (total site power ÷ IT power): Uptime Institute, "Large data centers
-# are mostly more efficient, analysis confirms" (UII Update 221, 23 Nov 2023): "In 2023, industry average PUE stood
-# at 1.58". Hyperscale sites run lower; pass your own with --pue.
-DEFAULT_PUE = 1.58
-PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-11-23)"
-DEFAULT_MEMORY_FRACTION = 0.95  # the tuner's default target: what the runtime and fragmentation leave free
 MAX_ACCELERATORS = 65536
 
 _SUFFIX_EXPONENT = {"": 0, "K": 3, "M": 6, "B": 9, "G": 9, "T": 12, "P": 15}
@@ -120,114 +121,17 @@ def resolve_model(model: str | ModelConfig, context_length: int | None = None) -
     return cfg
 
 
-@dataclass(frozen=True, kw_only=True)
-class Assumptions:
-    precision: str = "bf16-mixed"
-    # FSDP2 with ZeRO-3 sharding: what lets the fewest devices hold the model, and the trainer builds it on cuda and
-    # on Gaudi (distributed.strategies.STRATEGIES_BY_DEVICE) where DeepSpeed ZeRO-3 is refused.
-    strategy: str = "fsdp"
-    activation_checkpointing: bool = True
-    micro_batch_size: int = 1
-    memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    pue: float = DEFAULT_PUE
-    pue_source: str = PUE_SOURCE
-    power_fraction_of_tdp: float = 1.0  # average draw ÷ TDP; 1.0 is the upper bound
-    usd_per_kwh: float | None = None
-
-    def lines(self) -> list[str]:
-        energy_price = (
-            f"${self.usd_per_kwh:g}/kWh"
-            if self.usd_per_kwh is not None
-            else "no electricity price given (energy $ unknown; cloud prices already include power)"
-        )
-        return [
-            "training FLOPs = FLOPs per token × tokens; FLOPs per token = 6·N (N: parameters in matmuls) + "
-            "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); recomputation is not counted",
-            "time = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU)",
-            f"fit: {self.strategy} (FSDP2: parameters, gradients and optimizer state sharded as in ZeRO-3; a "
-            "strategy the trainer runs on every platform, on Gaudi over HCCL, not yet validated on Gaudi hardware; "
-            f"DeepSpeed is not proposed for Gaudi), {self.precision}, activation checkpointing "
-            f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch_size}, within "
-            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); whole nodes are rented",
-            "cost = node-hours × instance $/h (cheapest catalog instance with the accelerator); spot as the "
-            "catalog's range; unknown prices stay unknown",
-            f"energy = accelerators × TDP × {self.power_fraction_of_tdp:g} × hours × PUE {self.pue:g}"
-            + (f" ({self.pue_source})" if self.pue == DEFAULT_PUE else "")
-            + f"; accelerators only; {energy_price}",
-        ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlatformEstimate:
-    platform: str  # as the user named it
-    accelerator: str  # catalog name ("h100-sxm") or "cpu"
-    peak_tflops: float
-    peak_source: str
-    memory_gb: float
-    tdp_w: float | None
-    fits: bool
-    note: str  # why it does not fit, or what is unknown
-    min_accelerators: int | None  # fewest devices that hold one training step
-    per_node: int
-    nodes: int | None
-    accelerators: int | None  # what the run uses: nodes × per_node
-    memory_per_device_gib: float | None  # estimate at `accelerators`
-    mfu: float | None
-    mfu_source: str
-    train_hours: float | None
-    accelerator_hours: float | None
-    instance: str | None  # "aws p5.48xlarge us-east-1"
-    price_source: str | None
-    on_demand_usd_per_node_hour: float | None
-    on_demand_usd: float | None
-    spot_usd_low: float | None
-    spot_usd_high: float | None
-    capacity_block_usd: float | None
-    energy_kwh: float | None
-    energy_usd: float | None
-    usd_per_million_tokens: float | None  # on-demand
-    tokens_per_usd: float | None  # on-demand
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostComparison:
-    model: str
-    parameters: int
-    flops_per_token: float
-    context_length: int
-    tokens: float
-    training_flops: float
-    assumptions: Assumptions
-    rows: list[PlatformEstimate] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "parameters": self.parameters,
-            "flops_per_token": self.flops_per_token,
-            "context_length": self.context_length,
-            "tokens": self.tokens,
-            "training_flops": self.training_flops,
-            "assumptions": dataclasses.asdict(self.assumptions),
-            "assumption_lines": self.assumptions.lines(),
-            "rows": [row.to_dict() for row in self.rows],
-        }
+class CostComparison(ComparisonData):
+    """A comparison that can draw and write itself (`cost.report`)."""
 
     def plot_tco_breakdown(self, path: str | Path | None = None) -> Any:
         """A bar chart of each platform's cost (on-demand, spot range, energy); saved to `path` when given.
 
         Returns the matplotlib Figure."""
-        from gaudi3_scale.cost.report import plot_tco_breakdown
-
         return plot_tco_breakdown(self, path)
 
     def generate_report(self, path: str | Path) -> Path:
         """Write the comparison as .md, .html (self-contained) or .pdf, chosen by the suffix."""
-        from gaudi3_scale.cost.report import write_report
-
         return write_report(self, Path(path))
 
 
@@ -261,6 +165,7 @@ def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], I
 
 
 def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions) -> int:
+    from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
     from gaudi3_scale.distributed.strategies import supported_strategies
     from gaudi3_scale.tune.memory import estimate_memory
 
@@ -269,15 +174,14 @@ def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: 
             f"strategy {a.strategy} is not one the trainer runs on {spec.name}; allowed: "
             f"{', '.join(supported_strategies(_device_kind(spec)))}"
         )
-
-    return estimate_memory(
-        model,
+    plan = ParallelPlan.build(
         strategy=a.strategy if count > 1 else "auto",
         world_size=count,
-        micro_batch_size=a.micro_batch_size,
-        precision=a.precision,
         activation_checkpointing=a.activation_checkpointing,
-        device_kind=_device_kind(spec),
+    )
+    batch = BatchPlan.from_micro_batch(a.micro_batch_size, data_parallel_size=plan.data_parallel_size)
+    return estimate_memory(
+        model, plan, batch, precision=a.precision, device_kind=_device_kind(spec)
     ).total_bytes
 
 

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.cost.comparison import ComparisonData, PlatformEstimate
 from gaudi3_scale.document import Image, Section, Table, to_html, to_markdown
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from gaudi3_scale.cost.estimate import CostComparison, PlatformEstimate
 
 __all__ = [
     "REPORT_SUFFIXES",
@@ -81,15 +80,15 @@ def _row(r: PlatformEstimate) -> list[str]:
     ]
 
 
-def table_rows(comparison: CostComparison) -> list[list[str]]:
+def table_rows(comparison: ComparisonData) -> list[list[str]]:
     return [_row(r) for r in comparison.rows]
 
 
-def _title(c: CostComparison) -> str:
+def _title(c: ComparisonData) -> str:
     return f"Training cost: {c.model} on {count(c.tokens)} tokens"
 
 
-def _summary_lines(c: CostComparison) -> list[str]:
+def _summary_lines(c: ComparisonData) -> list[str]:
     return [
         f"model {c.model}: {c.parameters:,} parameters, context {c.context_length:,}, "
         f"{c.flops_per_token:.4g} training FLOPs per token",
@@ -97,7 +96,7 @@ def _summary_lines(c: CostComparison) -> list[str]:
     ]
 
 
-def print_table(comparison: CostComparison, console: Console) -> None:
+def print_table(comparison: ComparisonData, console: Console) -> None:
     from rich.table import Table as RichTable
 
     rows = table_rows(comparison)
@@ -117,7 +116,7 @@ def print_table(comparison: CostComparison, console: Console) -> None:
         console.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
-def _sources(c: CostComparison) -> list[str]:
+def _sources(c: ComparisonData) -> list[str]:
     lines = []
     for r in c.rows:
         lines.append(f"{r.accelerator}: peak {r.peak_tflops:,.1f} TFLOP/s BF16 dense — {r.peak_source}")
@@ -130,7 +129,7 @@ def _sources(c: CostComparison) -> list[str]:
     return lines
 
 
-def _sections(c: CostComparison, chart: Path | None) -> list[Section]:
+def _sections(c: ComparisonData, chart: Path | None) -> list[Section]:
     sections: list[Section] = [
         ("Summary", [_summary_lines(c)]),
         ("Per platform", [Table(_HEADERS, table_rows(c))]),
@@ -142,7 +141,7 @@ def _sections(c: CostComparison, chart: Path | None) -> list[Section]:
     return sections
 
 
-def plot_tco_breakdown(comparison: CostComparison, path: str | Path | None = None) -> Any:
+def plot_tco_breakdown(comparison: ComparisonData, path: str | Path | None = None) -> Any:
     """Two panels: $ per platform (on-demand, spot low–high, capacity block, energy) and training days."""
     from matplotlib.figure import Figure
 
@@ -193,7 +192,7 @@ def plot_tco_breakdown(comparison: CostComparison, path: str | Path | None = Non
     return figure
 
 
-def _write_pdf(c: CostComparison, path: Path) -> None:
+def _write_pdf(c: ComparisonData, path: Path) -> None:
     """Page 1: the chart; page 2: the table and the assumptions, as text."""
     from matplotlib.backends.backend_pdf import FigureCanvasPdf, PdfPages
     from matplotlib.figure import Figure
@@ -217,7 +216,7 @@ def _write_pdf(c: CostComparison, path: Path) -> None:
         pdf.savefig(page)
 
 
-def write_report(comparison: CostComparison, path: Path) -> Path:
+def write_report(comparison: ComparisonData, path: Path) -> Path:
     """The report in the format its suffix names (.md, .html or .pdf); a chart PNG goes beside .md files."""
     suffix = path.suffix.lower()
     if suffix not in REPORT_SUFFIXES:
@@ -239,7 +238,7 @@ def write_report(comparison: CostComparison, path: Path) -> Path:
     return path
 
 
-def write_outputs(comparison: CostComparison, out_dir: Path) -> list[Path]:
+def write_outputs(comparison: ComparisonData, out_dir: Path) -> list[Path]:
     """cost.json, cost.md + cost.png, cost.html and cost.pdf in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = out_dir / "cost.json"

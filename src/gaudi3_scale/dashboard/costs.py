@@ -17,7 +17,7 @@ from gaudi3_scale.dashboard.formatting import MISSING, UNKNOWN, hours, usd, when
 from gaudi3_scale.dashboard.runs import config_section
 
 if TYPE_CHECKING:
-    from gaudi3_scale.cost.estimate import PlatformEstimate
+    from gaudi3_scale.cost.comparison import PlatformEstimate
 
 __all__ = ["ASSUMED_MFU", "PLATFORMS", "CostStore", "live_cost", "planned_tokens"]
 

@@ -1,6 +1,7 @@
 """Parallelism applied to a single-device model from the outside, in one place and in torchtitan's order:
-tensor parallel → float8 linears → activation checkpointing → compile → (HPU graphs) → FSDP (or HSDP), driven by a
-resolved `ParallelPlan`, on the device mesh the strategy builds (`distributed.mesh`).
+tensor parallel → float8 linears → activation checkpointing → (HPU graphs) → compile → FSDP (or HSDP), driven by a
+resolved `ParallelPlan`, on the device mesh the strategy builds (`distributed.mesh`). What changes the model on one
+device (float8, checkpointing, HPU graphs) is `apply_single_device`, which `memory.MemoryOptimizer` calls too.
 
 DDP and DeepSpeed need nothing here: their Lightning strategies wrap the module, and what they do at gradient
 boundaries is `distributed.grad_sync`.
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gaudi3_scale.device.hpu import apply_hpu_graphs, require_hpu
 from gaudi3_scale.distributed.mesh import TP_DIM, data_parallel_mesh
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
@@ -28,6 +30,7 @@ __all__ = [
     "Parallelized",
     "apply_activation_checkpointing",
     "apply_fsdp",
+    "apply_single_device",
     "build_parallelized",
     "find_blocks",
     "parallelize",
@@ -70,17 +73,7 @@ def parallelize(
         if mesh is None:
             raise ValueError("tensor parallel splits the model over a device mesh; the strategy provides it")
         apply_tensor_parallel(model, mesh[TP_DIM])
-    if plan.float8 is not None:
-        from gaudi3_scale.device.float8 import apply_float8
-
-        apply_float8(
-            model,
-            recipe=plan.float8.recipe,
-            head=plan.float8.head,
-            skip_small_linears=plan.float8.skip_small_linears,
-        )
-    if plan.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_single_device(model, plan)
 
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return local_loss(loss(model, tokens, targets))
@@ -89,13 +82,10 @@ def parallelize(
         # The loss goes inside the compiled region: Inductor then fuses the head's log-softmax with the logits'
         # fp32 upcast instead of materialising fp32 logits for the whole batch. On an H100 (GPT-2 124M,
         # micro-batch 32, 2026-11-25) compiling the model alone gave 80.5 ms/step and a 29.4 GB peak; with the
-        # loss inside, 68.1 ms and 15.1 GB, as fast as nanoGPT's train.py.
+        # loss inside, 68.1 ms and 15.1 GB, as fast as nanoGPT's train.py. torch.compile traces at the first call,
+        # so it sees the model as laid out here, HPU graphs and FSDP included.
         mode = None if plan.compile_mode == "default" else plan.compile_mode
         loss_fn = torch.compile(loss_fn, mode=mode)
-    if plan.hpu_graphs:
-        from gaudi3_scale.device.hpu import apply_hpu_graphs
-
-        apply_hpu_graphs(model)
     if plan.shards_parameters:
         if mesh is None:
             raise ValueError(f"{plan.strategy} shards over a device mesh; the strategy provides it")
@@ -130,6 +120,29 @@ def _materialize(
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, buffer.to(device))  # stays a buffer, persistent or not as registered
+
+
+def apply_single_device(model: nn.Module, plan: ParallelPlan, *, max_hpu_graphs: int = 10) -> int:
+    """What `plan` changes on the model itself, in place and in order: float8 linears, activation checkpointing,
+    HPU graphs (Habana's ModuleCacher keeping up to `max_hpu_graphs`); returns how many blocks are checkpointed.
+
+    HPU graphs need Gaudi: off Gaudi the refusal comes before anything changes.
+    """
+    if plan.hpu_graphs:
+        require_hpu()
+    if plan.float8 is not None:
+        from gaudi3_scale.device.float8 import apply_float8
+
+        apply_float8(
+            model,
+            recipe=plan.float8.recipe,
+            head=plan.float8.head,
+            skip_small_linears=plan.float8.skip_small_linears,
+        )
+    blocks = apply_activation_checkpointing(model) if plan.activation_checkpointing else 0
+    if plan.hpu_graphs:
+        apply_hpu_graphs(model, max_graphs=max_hpu_graphs)
+    return blocks
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -242,7 +255,7 @@ def build_parallelized(
     init is wasted. Under ZeRO-3 it gets `gathered`, the context that makes one module's partitioned parameters
     whole while it writes them.
     """
-    if plan.strategy == "deepspeed_zero3":
+    if plan.partitions_parameters:
         from gaudi3_scale.distributed.deepspeed import gathered_for_update
 
         # Under the strategy's `zero.Init` (Lightning opens it around configure_model) every module is partitioned

@@ -9,9 +9,11 @@ worked out in one place (torchtitan's `ParallelDims` plays this role there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
+from gaudi3_scale.distributed.config import STRATEGIES, ParallelConfig
 
 __all__ = ["CUDA_GRAPH_COMPILE_MODES", "SHARDED_STRATEGIES", "ZERO_STAGES", "BatchPlan", "ParallelPlan"]
 
@@ -55,6 +57,26 @@ class BatchPlan:
             global_batch_size=global_batch_size,
             micro_batch_size=micro,
             accumulation=global_batch_size // (micro * data_parallel_size),
+            data_parallel_size=data_parallel_size,
+            context_length=context_length,
+        )
+
+    @classmethod
+    def from_micro_batch(
+        cls,
+        micro_batch_size: int,
+        *,
+        accumulation: int = 1,
+        data_parallel_size: int = 1,
+        context_length: int = 0,
+    ) -> BatchPlan:
+        """The plan of `accumulation` micro-batches of `micro_batch_size` sequences on each data-parallel rank: the
+        global batch follows (what a memory what-if or a hand-written loop knows). Not checked: the estimator
+        refuses a micro-batch below 1 with the field's name."""
+        return cls(
+            global_batch_size=micro_batch_size * accumulation * data_parallel_size,
+            micro_batch_size=micro_batch_size,
+            accumulation=accumulation,
             data_parallel_size=data_parallel_size,
             context_length=context_length,
         )
@@ -120,12 +142,53 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         if self.strategy == "auto":
-            raise ValueError("ParallelPlan.strategy is resolved: single, ddp, fsdp, … (see resolve_strategy)")
+            raise ValueError(
+                "ParallelPlan.strategy is resolved: single, ddp, fsdp, … (see ParallelPlan.build)"
+            )
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise UserInputError(f"world_size must be a positive number of ranks, got {self.world_size!r}")
         if self.world_size % (self.tp_size * self.dp_replicate):
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of tp_size {self.tp_size} × dp_replicate "
                 f"{self.dp_replicate}"
             )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        strategy: str = "auto",
+        world_size: int = 1,
+        tp_size: int = 1,
+        dp_replicate: int = 1,
+        **fields: Any,
+    ) -> ParallelPlan:
+        """The plan for `strategy` as a run config names it (`parallel.strategy`), resolved as a run resolves it:
+        auto is fsdp with a tensor-parallel or HSDP mesh, ddp with several ranks, else single. A layout the run
+        config refuses (tensor parallel or HSDP off a mesh strategy, offload the strategy cannot do, a mesh that
+        does not divide the ranks) is a `ConfigError` naming the `parallel.*` field. `fields`: the other fields.
+
+        The trainer builds its plan here from the config; the tuner, the layout table and the cost planner build
+        their what-if plans the same way.
+        """
+        if strategy not in STRATEGIES:
+            raise ConfigError(
+                "parallel.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+            )
+        offload = fields.get("offload", "none")
+        if tp_size > 1 or dp_replicate > 1 or offload != "none":
+            _check_layout(strategy, world_size, tp_size, dp_replicate, offload)
+        if strategy == "auto":
+            mesh = tp_size > 1 or dp_replicate > 1
+            strategy = "fsdp" if mesh else "ddp" if world_size > 1 else "single"
+        return cls(
+            strategy=strategy, world_size=world_size, tp_size=tp_size, dp_replicate=dp_replicate, **fields
+        )
+
+    def runs_as(self, device_kind: str) -> str:
+        """The strategy that runs this plan on `device_kind`: one HPU still goes through the HCCL DDP strategy (as
+        lightning-habana did); everywhere else the plan's own."""
+        return "ddp" if self.strategy == "single" and device_kind == "hpu" else self.strategy
 
     @property
     def data_parallel_size(self) -> int:
@@ -152,6 +215,27 @@ class ParallelPlan:
         return self.strategy in ZERO_STAGES
 
     @property
+    def partitions_parameters(self) -> bool:
+        """DeepSpeed ZeRO-3: every parameter is partitioned over all ranks as its module is built (`zero.Init`) and
+        gathered module by module to run (hooks TorchDynamo cannot trace) or to be written."""
+        return self.strategy == "deepspeed_zero3"
+
+    @property
     def cuda_graphs(self) -> bool:
         """The compiled step captures CUDA graphs (on a CUDA device)."""
         return self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES
+
+
+def _check_layout(strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str) -> None:
+    """The run config's own checks of `parallel.*` against one another, one line naming the field."""
+    # nproc_per_node = world_size: a plan is per rank, so only the division of the ranks matters here.
+    try:
+        ParallelConfig(
+            strategy=strategy,  # type: ignore[arg-type]
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            offload=offload,  # type: ignore[arg-type]
+            nproc_per_node=world_size,
+        )
+    except ConfigError as exc:  # named as in a run config
+        raise ConfigError(f"parallel.{exc.field}", exc.problem) from None

@@ -69,7 +69,7 @@ def parameter_bytes_per_rank(model: nn.Module, plan: ParallelPlan, *, element_by
                 per_rank[rank] += _chunk_rows(rows, shards, shard) * row * element_bytes
         return per_rank
     total = sum(p.numel() for _, p in params)
-    if plan.strategy == "deepspeed_zero3":
+    if plan.partitions_parameters:
         return [math.ceil(total / ranks) * element_bytes] * ranks
     return [total * element_bytes] * ranks
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 
 __all__ = [
     "STRATEGIES_BY_DEVICE",
     "build_strategy",
-    "resolve_strategy",
     "saves_sharded",
     "supported_strategies",
 ]
@@ -37,16 +35,6 @@ def supported_strategies(device_kind: str) -> tuple[str, ...]:
     return STRATEGIES_BY_DEVICE[device_kind]
 
 
-def resolve_strategy(cfg: ParallelConfig, world_size: int) -> str:
-    """The strategy a run uses: `auto` is fsdp with a tensor-parallel or HSDP mesh, ddp with several ranks, else
-    single."""
-    if cfg.strategy == "auto":
-        if cfg.tp_size > 1 or cfg.dp_replicate > 1:
-            return "fsdp"
-        return "ddp" if world_size > 1 else "single"
-    return cfg.strategy
-
-
 def build_strategy(
     plan: ParallelPlan,
     batch: BatchPlan,
@@ -59,12 +47,10 @@ def build_strategy(
 
     DeepSpeed also needs the batch split and clipping, and sizes its communication buckets from the hidden size.
     """
-    name = plan.strategy
     backend = "nccl" if accelerator == "cuda" else "gloo"
-    if name == "single" and accelerator != "hpu":
-        return "auto"
+    name = plan.runs_as(accelerator)
     if name == "single":
-        name = "ddp"  # one HPU still goes through the HCCL strategy, as lightning-habana did
+        return "auto"
     if accelerator == "hpu":
         if name not in STRATEGIES_BY_DEVICE["hpu"]:
             raise ConfigError(

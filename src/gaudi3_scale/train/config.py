@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +31,7 @@ from gaudi3_scale.config.urls import check_http_url, check_no_credentials
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
-from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES, BatchPlan, ParallelPlan
-from gaudi3_scale.distributed.strategies import resolve_strategy
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
@@ -358,7 +357,7 @@ class RunConfig:
                 f"reduce-overhead (CUDA graphs) runs with parallel.strategy auto, single or ddp, not "
                 f"{self.parallel.strategy}: sharded parameters are gathered outside any graph",
             )
-        if self.train.compile and self.parallel.strategy == "deepspeed_zero3":
+        if self.train.compile and self.parallel_plan().partitions_parameters:
             raise ConfigError(
                 "train.compile",
                 "TorchDynamo cannot trace DeepSpeed ZeRO-3's parameter hooks; with deepspeed_zero3 use "
@@ -392,21 +391,19 @@ class RunConfig:
     ) -> ParallelPlan:
         """What is applied to the model and which strategy runs it, resolved for `world_size` ranks; `float8` and
         `bf16_mixed` come from the device plan (`device.plan_device`), the float8 recipe and head from `train`."""
-        world = world_size or self.parallel.world_size
-        strategy = resolve_strategy(self.parallel, world)
-        return ParallelPlan(
-            strategy=strategy,
-            world_size=world,
+        plan = ParallelPlan.build(
+            strategy=self.parallel.strategy,
+            world_size=world_size or self.parallel.world_size,
             activation_checkpointing=self.parallel.activation_checkpointing,
             compile=self.train.compile,
             compile_mode=self.train.compile_mode,
             float8=self.float8_plan() if float8 else None,
             hpu_graphs=self.train.hpu_graphs,
-            bf16_params=bf16_mixed and strategy in SHARDED_STRATEGIES,
             tp_size=self.parallel.tp_size,
             dp_replicate=self.parallel.dp_replicate,
             offload=self.parallel.offload,
         )
+        return replace(plan, bf16_params=bf16_mixed and plan.shards_parameters)
 
 
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:

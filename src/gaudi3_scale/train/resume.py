@@ -25,6 +25,7 @@ from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.launch import inside_launched_worker
+from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
@@ -107,7 +108,7 @@ def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> Non
                 f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
                 f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
             )
-    elif ckpt.get(OPTIMIZER_STATES_KEY) and strategy in ("deepspeed_zero2", "deepspeed_zero3"):
+    elif ckpt.get(OPTIMIZER_STATES_KEY) and strategy in ZERO_STAGES:
         raise UserInputError(
             f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
             "one with the strategy that wrote it, or start a new --out directory"

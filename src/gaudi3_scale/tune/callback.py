@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.utilities.parsing import lightning_setattr
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan
 from gaudi3_scale.tune.space import divisors
 
 __all__ = ["GlobalBatchFinder"]
@@ -50,26 +51,30 @@ class GlobalBatchFinder(BatchSizeFinder):
         self.largest_that_fits: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
-        super().setup(trainer, pl_module, stage)
-        world = trainer.world_size
-        if self.global_batch_size % world:
-            raise UserInputError(
-                f"global_batch_size {self.global_batch_size} cannot be split over {world} ranks; "
-                "use a multiple of the world size"
-            )
-        per_rank = self.global_batch_size // world
+        super().setup(trainer, pl_module, stage)  # Lightning's checks: a single-device strategy, a batch_size
+        per_rank = self._batch(trainer).per_rank_batch_size
         self._max_val = min(per_rank, self.max_micro_batch_size or per_rank)
 
     def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().scale_batch_size(trainer, pl_module)  # Lightning's search; leaves the size it found set
         found = self.optimal_batch_size or 1
-        per_rank = self.global_batch_size // trainer.world_size
+        per_rank = self._batch(trainer).per_rank_batch_size
         self.largest_that_fits = found
-        micro = max(d for d in divisors(per_rank) if d <= max(1, min(found, self._max_val)))
-        self.micro_batch_size, self.accumulation = micro, per_rank // micro
-        lightning_setattr(pl_module, self._batch_arg_name, micro)
-        trainer.accumulate_grad_batches = self.accumulation
+        fits = max(1, min(found, self._max_val))
+        batch = self._batch(trainer, max(d for d in divisors(per_rank) if d <= fits))
+        self.micro_batch_size, self.accumulation = batch.micro_batch_size, batch.accumulation
+        lightning_setattr(pl_module, self._batch_arg_name, batch.micro_batch_size)
+        trainer.accumulate_grad_batches = batch.accumulation
         _reset_train_dataloader(trainer)
+
+    def _batch(self, trainer: pl.Trainer, micro_batch_size: int | None = None) -> BatchPlan:
+        """The global batch over the trainer's ranks, all of them data-parallel: tensor parallel (Lightning's
+        ModelParallelStrategy) never gets here, since Lightning's finder refuses every distributed strategy."""
+        return BatchPlan.build(
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=micro_batch_size,
+            data_parallel_size=trainer.world_size,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.micro_batch_size, "accumulation": self.accumulation}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.metering.catalog import accelerators_per_node
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.layouts import LayoutCheck, check_layouts, tp_bytes_per_token
@@ -56,21 +57,29 @@ def format_estimate_table(
     With `device_memory_bytes` (per device, e.g. `int(ACCELERATORS["gaudi3"].memory_gb * 1e9)`) a last column says
     whether the row fits and the largest micro-batch that would.
     """
-    rows = [
-        estimate_memory(
-            model,
+    plans = [
+        ParallelPlan.build(
             strategy=strategy,
             world_size=world_size,
-            micro_batch_size=micro_batch_size,
-            context_length=context_length,
-            precision=precision,
             activation_checkpointing=ckpt,
-            device_kind=device_kind,
-            compiled=compiled,
+            compile=compiled,
             float8=float8,
         )
         for strategy in strategies
         for ckpt in (False, True)
+    ]
+    tokens = context_length or 0  # 0: the model's
+    rows = [
+        estimate_memory(
+            model,
+            plan,
+            BatchPlan.from_micro_batch(
+                micro_batch_size, data_parallel_size=plan.data_parallel_size, context_length=tokens
+            ),
+            precision=precision,
+            device_kind=device_kind,
+        )
+        for plan in plans
     ]
     first = rows[0]
     size = f"{first.parameters / 1e9:.3g} B" if first.parameters >= 1e9 else f"{first.parameters / 1e6:.3g} M"
@@ -84,21 +93,17 @@ def format_estimate_table(
     if device_memory_bytes:
         header.append("fits (max micro-batch)")
     table = [header]
-    for est in rows:
+    for plan, est in zip(plans, rows, strict=True):
         row = [est.strategy, "on" if est.activation_checkpointing else "off"]
         row += [f"{b / _GIB:.2f}" for _, b in est.rows()] + [f"{est.total_bytes / _GIB:.2f}", est.peak_phase]
         if device_memory_bytes:
             best = max_micro_batch_that_fits(
                 model,
+                plan,
                 budget_bytes=device_memory_bytes,
-                strategy=est.strategy if est.strategy != "single" else "auto",
-                world_size=world_size,
-                context_length=context_length,
+                context_length=tokens,
                 precision=precision,
-                activation_checkpointing=est.activation_checkpointing,
                 device_kind=device_kind,
-                compiled=compiled,
-                float8=float8,
             )
             row.append(("yes" if est.total_bytes <= device_memory_bytes else "no") + f" ({best})")
         table.append(row)

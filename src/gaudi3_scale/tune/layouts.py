@@ -24,10 +24,10 @@ Measured throughput (`gaudi3 tune` trials) decides between layouts this model ca
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_batch_that_fits
@@ -179,24 +179,21 @@ class _Target:
 
 
 def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
-    shape: dict[str, Any] = dict(
+    plan = ParallelPlan.build(
         strategy=layout.strategy,
         world_size=t.world_size,
-        precision=t.precision,
-        activation_checkpointing=layout.activation_checkpointing,
-        device_kind=t.device_kind,
         tp_size=layout.tp_size,
         dp_replicate=layout.dp_replicate,
         offload=layout.offload,
-        compiled=t.compiled,
+        activation_checkpointing=layout.activation_checkpointing,
+        compile=t.compiled,
         float8=t.float8,
     )
-
-    def estimate(micro_batch_size: int) -> MemoryEstimate:
-        return estimate_memory(model, micro_batch_size=micro_batch_size, **shape)
-
-    best = max_micro_batch_that_fits(model, budget_bytes=t.device_bytes, limit=256, **shape)
-    est = estimate(t.micro_batch_size)
+    batch = BatchPlan.from_micro_batch(t.micro_batch_size, data_parallel_size=plan.data_parallel_size)
+    best = max_micro_batch_that_fits(
+        model, plan, budget_bytes=t.device_bytes, limit=256, precision=t.precision, device_kind=t.device_kind
+    )
+    est = estimate_memory(model, plan, batch, precision=t.precision, device_kind=t.device_kind)
     return LayoutCheck(
         layout=layout,
         estimate=est,

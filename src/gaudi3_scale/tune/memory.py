@@ -62,8 +62,7 @@ from dataclasses import dataclass, replace
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
-from gaudi3_scale.distributed.config import STRATEGIES
-from gaudi3_scale.distributed.plan import SHARDED_STRATEGIES
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.activations import (
     ElementBytes,
@@ -345,18 +344,12 @@ _PHASES: dict[str, Callable[[_Run], list[_Phase]]] = {
 }
 
 
-def _resolve(strategy: str, world_size: int, precision: str, device_kind: str) -> tuple[str, str]:
-    """Validated (strategy, precision), resolved as the trainer does (`resolve_strategy`, `plan_device`)."""
+def _precision(precision: str, device_kind: str, plan: ParallelPlan) -> str:
+    """The precision the run trains in, validated and resolved as the trainer does (`device.plan_device`)."""
     if device_kind not in DEVICE_KINDS:
         raise ConfigError("train.device", f"must be one of {', '.join(DEVICE_KINDS)}, got {device_kind!r}")
-    if strategy not in STRATEGIES:
-        raise ConfigError("parallel.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if precision not in PRECISIONS:
         raise ConfigError("train.precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UserInputError(f"world_size must be a positive number of ranks, got {world_size!r}")
-    if strategy == "auto":
-        strategy = "ddp" if world_size > 1 or device_kind == "hpu" else "single"
     if precision == "auto":
         precision = "32-true" if device_kind == "cpu" else "bf16-mixed"
     if precision == "fp8":
@@ -365,43 +358,39 @@ def _resolve(strategy: str, world_size: int, precision: str, device_kind: str) -
         # torchao's Float8Linear keeps bf16-mixed's weights, gradients and optimizer state and casts to FP8 inside
         # each matmul, so its memory is bf16-mixed's (its temporary FP8 copies are smaller than the bf16 ones).
         precision = "bf16-mixed"
-    if precision == "16-mixed" and (device_kind != "cuda" or strategy in ("fsdp", "fsdp_grad_op")):
+    if precision == "16-mixed" and (device_kind != "cuda" or plan.shards_parameters):
         raise ConfigError(
             "train.precision",
             "16-mixed needs cuda and a strategy other than fsdp/fsdp_grad_op; use bf16-mixed",
         )
-    return strategy, precision
+    return precision
 
 
 def _build_run(
     model: ModelConfig,
+    plan: ParallelPlan,
+    batch: BatchPlan,
     *,
-    strategy: str,
-    world_size: int,
-    micro_batch_size: int,
-    context_length: int | None,
     precision: str,
-    activation_checkpointing: bool,
-    optimizer: str,
     device_kind: str,
-    tp_size: int = 1,
-    dp_replicate: int = 1,
-    offload: str = "none",
-    compiled: bool = False,
-    float8: Float8Plan | None = None,
+    optimizer: str,
 ) -> tuple[_Run, str, str]:
+    """The step to size, with the strategy that runs `plan` on `device_kind` (`ParallelPlan.runs_as`) and the
+    resolved precision; what the plans leave to the model (its heads under tensor parallel, its context) checked."""
     if precision == "fp8":  # torchao's defaults (train.fp8_*) unless the run's plan is given
-        float8 = float8 or Float8Plan(recipe="tensorwise", head=False, skip_small_linears=False)
+        float8 = plan.float8 or Float8Plan(recipe="tensorwise", head=False, skip_small_linears=False)
     else:
         float8 = None
-    if tp_size > 1 or dp_replicate > 1 or offload != "none":
-        _check_layout(model, strategy, world_size, tp_size, dp_replicate, offload)
-        if strategy == "auto" and (tp_size > 1 or dp_replicate > 1):
-            strategy = "fsdp"  # as distributed.strategies.resolve_strategy
-    strategy, precision = _resolve(strategy, world_size, precision, device_kind)
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ConfigError("train.micro_batch_size", f"must be a positive integer, got {micro_batch_size!r}")
-    seq = model.context_length if context_length is None else context_length
+    precision = _precision(precision, device_kind, plan)
+    strategy = plan.runs_as(device_kind)
+    if plan.tp_size > 1:
+        from gaudi3_scale.train.config import check_tensor_parallel
+
+        check_tensor_parallel(model, plan.tp_size)
+    micro = batch.micro_batch_size
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ConfigError("train.micro_batch_size", f"must be a positive integer, got {micro!r}")
+    seq = batch.context_length or model.context_length
     if not 0 < seq <= model.context_length:
         raise ConfigError(
             "model.context_length", f"must be between 1 and the model's {model.context_length}, got {seq}"
@@ -410,26 +399,21 @@ def _build_run(
         raise UserInputError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
     whole = model_shape(model)
     run = _Run(
-        sh=tp_shape(whole, tp_size),
+        sh=tp_shape(whole, plan.tp_size),
         whole=whole,
         e=element_bytes(precision, strategy),
-        # FSDP shards within one HSDP replica of one tensor-parallel slice; ZeRO over every rank
-        n=world_size // (tp_size * dp_replicate),
-        b=micro_batch_size,
+        n=plan.dp_shard,  # FSDP shards within one HSDP replica of one tensor-parallel slice; ZeRO over every rank
+        b=micro,
         s=seq,
-        ckpt=activation_checkpointing,
+        ckpt=plan.activation_checkpointing,
         device_kind=device_kind,
         states=OPTIMIZER_STATES[optimizer],
-        tp=tp_size,
+        tp=plan.tp_size,
         # On a CPU the host is the device: offloading moves nothing (the CPU run still takes the offload path).
-        offload="none" if device_kind == "cpu" else offload,
-        compiled=compiled,
+        offload="none" if device_kind == "cpu" else plan.offload,
+        compiled=plan.compile,
         float8=float8,
-        shard=(
-            _largest_shard(model, strategy, world_size, tp_size, dp_replicate)
-            if strategy in SHARDED_STRATEGIES
-            else 0.0
-        ),
+        shard=_largest_shard(model, plan) if plan.shards_parameters else 0.0,
     )
     return run, strategy, precision
 
@@ -437,95 +421,49 @@ def _build_run(
 _SHARDS: dict[tuple[str, str, int, int, int], int] = {}  # the tuner estimates one model many times
 
 
-def _largest_shard(
-    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int
-) -> int:
+def _largest_shard(model: ModelConfig, plan: ParallelPlan) -> int:
     """Parameter elements on the rank FSDP gives the most, from the trainer's own shard plan: the plan of a one-
     and a two-block copy built on meta (blocks shard alike, so the whole model is the root plus L blocks)."""
-    key = (repr(model), strategy, world_size, tp_size, dp_replicate)
+    key = (repr(model), plan.strategy, plan.world_size, plan.tp_size, plan.dp_replicate)
     if key not in _SHARDS:
-        _SHARDS[key] = _plan_largest_shard(model, strategy, world_size, tp_size, dp_replicate)
+        _SHARDS[key] = _plan_largest_shard(model, plan)
     return _SHARDS[key]
 
 
-def _plan_largest_shard(
-    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int
-) -> int:
+def _plan_largest_shard(model: ModelConfig, plan: ParallelPlan) -> int:
     import torch
 
-    from gaudi3_scale.distributed.plan import ParallelPlan
     from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
     from gaudi3_scale.models import build_model
 
-    plan = ParallelPlan(strategy=strategy, world_size=world_size, tp_size=tp_size, dp_replicate=dp_replicate)
     with torch.device("meta"):
         one, two = (build_model(replace(model, num_layers=n)) for n in (1, 2))
     first, second = (parameter_bytes_per_rank(m, plan, element_bytes=1) for m in (one, two))
     return max(a + (model.num_layers - 1) * (b - a) for a, b in zip(first, second, strict=True))
 
 
-def _check_layout(
-    model: ModelConfig, strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str
-) -> None:
-    """The run config's own checks (`parallel.*` against one another and the model's heads), one line each."""
-    from gaudi3_scale.distributed.config import ParallelConfig
-    from gaudi3_scale.train.config import check_tensor_parallel
-
-    # nproc_per_node = world_size: the estimate is per rank, so only the division of the ranks matters here.
-    try:
-        ParallelConfig(
-            strategy=strategy,  # type: ignore[arg-type]
-            tp_size=tp_size,
-            dp_replicate=dp_replicate,
-            offload=offload,  # type: ignore[arg-type]
-            nproc_per_node=world_size,
-        )
-    except ConfigError as exc:  # named as in a run config
-        raise ConfigError(f"parallel.{exc.field}", exc.problem) from None
-    check_tensor_parallel(model, tp_size)
-
-
 def estimate_memory(
     model: ModelConfig,
+    plan: ParallelPlan,
+    batch: BatchPlan,
     *,
-    strategy: str = "auto",
-    world_size: int = 1,
-    micro_batch_size: int = 1,
-    context_length: int | None = None,
     precision: str = "auto",
-    activation_checkpointing: bool = False,
-    optimizer: str = "adamw",
     device_kind: str = "cpu",
-    tp_size: int = 1,
-    dp_replicate: int = 1,
-    offload: str = "none",
-    compiled: bool = False,
-    float8: Float8Plan | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
-    """Peak memory per rank of training `model` (vocab_size resolved) with these settings; see the module docstring.
+    """Peak memory per rank of training `model` (vocab_size resolved) as `plan` and `batch` say; see the module
+    docstring.
 
-    strategy: a `parallel.strategy` name ("auto" = ddp on several ranks, one plain process on one, fsdp with
-    tensor parallel or HSDP); world_size: all ranks; micro_batch_size: sequences per forward pass per rank;
-    context_length: tokens per sequence (default and maximum: the model's); precision: a `train.precision` value
-    ("auto" = 32-true on cpu, bf16-mixed elsewhere); optimizer: adamw; device_kind: cpu, cuda or hpu; tp_size,
-    dp_replicate, offload: as `parallel.*` (validated as the run config does); compiled: `train.compile`;
-    float8: with precision fp8, the run's `Float8Plan` (default: tensorwise, head in bf16).
+    plan: resolved as a run resolves `parallel.*` (`ParallelPlan.build`, or `RunConfig.parallel_plan`): strategy,
+    world_size (all ranks), tp_size, dp_replicate, offload, activation_checkpointing, compile (activations as
+    torch.compile saves them) and, with precision fp8, float8 (default: tensorwise, head in bf16). batch: its
+    micro_batch_size (sequences per forward pass per rank) and context_length (tokens per sequence; 0 = the
+    model's, also the maximum); how many micro-batches make a step does not change what a rank holds at its peak.
+    precision: a `train.precision` value ("auto" = 32-true on cpu, bf16-mixed elsewhere); device_kind: cpu, cuda
+    or hpu (one HPU runs as ddp, `ParallelPlan.runs_as`); optimizer: adamw.
     """
     run, strategy, precision = _build_run(
-        model,
-        strategy=strategy,
-        world_size=world_size,
-        micro_batch_size=micro_batch_size,
-        context_length=context_length,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        optimizer=optimizer,
-        device_kind=device_kind,
-        tp_size=tp_size,
-        dp_replicate=dp_replicate,
-        offload=offload,
-        compiled=compiled,
-        float8=float8,
+        model, plan, batch, precision=precision, device_kind=device_kind, optimizer=optimizer
     )
     phases = _PHASES[strategy](run)
     peak = max(phases, key=lambda phase: phase.total)
@@ -534,11 +472,11 @@ def estimate_memory(
         runtime = CPU_RUNTIME_BYTES + (CPU_DEEPSPEED_IMPORT_BYTES if strategy.startswith("deepspeed") else 0)
     return MemoryEstimate(
         strategy=strategy,
-        world_size=world_size,
-        micro_batch_size=micro_batch_size,
+        world_size=plan.world_size,
+        micro_batch_size=run.b,
         context_length=run.s,
         precision=precision,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=plan.activation_checkpointing,
         device_kind=device_kind,
         parameters=int(run.whole.params),
         peak_phase=peak.name,
@@ -548,88 +486,59 @@ def estimate_memory(
         activations_bytes=round(peak.activations),
         workspace_bytes=round(peak.workspace),
         runtime_bytes=runtime,
-        tp_size=tp_size,
-        dp_replicate=dp_replicate,
-        offload=offload,
+        tp_size=plan.tp_size,
+        dp_replicate=plan.dp_replicate,
+        offload=plan.offload,
         host_bytes=round(max(phase.host for phase in phases)),
-        compiled=compiled,
+        compiled=plan.compile,
     )
 
 
 def estimate_activation_bytes(
     model: ModelConfig,
+    plan: ParallelPlan,
+    batch: BatchPlan,
     *,
-    micro_batch_size: int = 1,
-    context_length: int | None = None,
     precision: str = "auto",
-    activation_checkpointing: bool = False,
-    strategy: str = "auto",
     device_kind: str = "cpu",
-    compiled: bool = False,
-    float8: Float8Plan | None = None,
 ) -> int:
     """Activations saved for backward per rank at the start of backward (loss workspace not included).
 
     Without checkpointing: every block's saved tensors plus the final norm and head inputs; with it: each block's
     input, one recomputed block, and the same head-side tensors. The strategy matters only through precision
-    (FSDP's bf16 parameters make the residual stream bf16). Arguments as in `estimate_memory`.
+    (FSDP's bf16 parameters make the residual stream bf16), the ranks only through tensor parallel. Arguments as
+    in `estimate_memory`.
     """
     run, _, _ = _build_run(
-        model,
-        strategy=strategy,
-        world_size=1,
-        micro_batch_size=micro_batch_size,
-        context_length=context_length,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        optimizer="adamw",
-        device_kind=device_kind,
-        compiled=compiled,
-        float8=float8,
+        model, plan, batch, precision=precision, device_kind=device_kind, optimizer="adamw"
     )
     return round(run.activations)
 
 
 def max_micro_batch_that_fits(
     model: ModelConfig,
+    plan: ParallelPlan,
     *,
     budget_bytes: int,
-    strategy: str = "auto",
-    world_size: int = 1,
-    context_length: int | None = None,
+    context_length: int = 0,
     precision: str = "auto",
-    activation_checkpointing: bool = False,
-    optimizer: str = "adamw",
     device_kind: str = "cpu",
-    tp_size: int = 1,
-    dp_replicate: int = 1,
-    offload: str = "none",
-    compiled: bool = False,
-    float8: Float8Plan | None = None,
+    optimizer: str = "adamw",
     limit: int = 65536,
 ) -> int:
     """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
 
-    Other arguments as in `estimate_memory`. The estimate never shrinks as the micro-batch grows, so this doubles,
-    then bisects: O(log limit) estimates, each a few milliseconds.
+    context_length: tokens per sequence (0 = the model's); other arguments as in `estimate_memory`. The estimate
+    never shrinks as the micro-batch grows, so this doubles, then bisects: O(log limit) estimates, each a few
+    milliseconds.
     """
 
     def fits(micro: int) -> bool:
+        batch = BatchPlan.from_micro_batch(
+            micro, data_parallel_size=plan.data_parallel_size, context_length=context_length
+        )
         est = estimate_memory(
-            model,
-            strategy=strategy,
-            world_size=world_size,
-            micro_batch_size=micro,
-            context_length=context_length,
-            precision=precision,
-            activation_checkpointing=activation_checkpointing,
-            optimizer=optimizer,
-            device_kind=device_kind,
-            tp_size=tp_size,
-            dp_replicate=dp_replicate,
-            offload=offload,
-            compiled=compiled,
-            float8=float8,
+            model, plan, batch, precision=precision, device_kind=device_kind, optimizer=optimizer
         )
         return est.total_bytes <= budget_bytes
 

@@ -53,12 +53,17 @@ class Candidate:
     dp_replicate: int = 1  # HSDP replicas
     offload: str = "none"  # tried only where the configuration does not fit without it
 
-    def accumulation(self, world_size: int) -> int:
+    def batch_plan(self, world_size: int, context_length: int = 0) -> BatchPlan:
+        """This candidate's batch on `world_size` ranks (tensor-parallel groups of `tp_size` read one batch)."""
         return BatchPlan.build(
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
             data_parallel_size=world_size // self.tp_size,
-        ).accumulation
+            context_length=context_length,
+        )
+
+    def accumulation(self, world_size: int) -> int:
+        return self.batch_plan(world_size).accumulation
 
     @property
     def key(self) -> str:

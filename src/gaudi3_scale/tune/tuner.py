@@ -17,6 +17,7 @@ from rich.table import Table
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
@@ -69,21 +70,18 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
     model = resolved_model(base)
 
     def estimate(c: Candidate) -> int | None:
-        est = estimate_memory(
-            model,
+        plan = ParallelPlan.build(
             strategy=c.strategy,
             world_size=space.world_size,
-            micro_batch_size=c.micro_batch_size,
-            context_length=base.model.context_length,
-            precision=c.precision,
-            activation_checkpointing=c.activation_checkpointing,
-            device_kind=space.device,
             tp_size=c.tp_size,
             dp_replicate=c.dp_replicate,
             offload=c.offload,
-            compiled=c.compile,
+            activation_checkpointing=c.activation_checkpointing,
+            compile=c.compile,
             float8=base.float8_plan() if c.precision == "fp8" else None,
         )
+        batch = c.batch_plan(space.world_size, base.model.context_length)
+        est = estimate_memory(model, plan, batch, precision=c.precision, device_kind=space.device)
         return int(est.total_bytes)
 
     return estimate
@@ -196,7 +194,7 @@ def run_tuner(
             c,
             settings,
             trials_dir / c.key,
-            tokens_per_step=c.global_batch_size * context,
+            tokens_per_step=c.batch_plan(space.world_size, context).tokens_per_step,
             estimate_bytes=est,
         )
 
