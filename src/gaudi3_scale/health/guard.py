@@ -106,10 +106,10 @@ class StepGuard:
     @staticmethod
     def _agree(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float, float | None, int]:
         """(loss summed over ranks, ranks whose loss or norm is not finite, the norm, ranks): one all-reduce."""
-        local = loss.detach().float().reshape(())
+        local = _plain(loss).float().reshape(())
         values = [local]
         if grad_norm is not None:
-            values.append(grad_norm.detach().float().reshape(()).to(local.device))
+            values.append(_plain(grad_norm).float().reshape(()).to(local.device))
         stacked = torch.stack(values)
         bad = (~torch.isfinite(stacked)).any().float().reshape(1)
         # [loss, norm?, bad]: non-finite values are zeroed so the sum stays finite; `bad` counts those ranks
@@ -140,3 +140,9 @@ class StepGuard:
         self.loss_spikes.load_state_dict(state.get("loss_history", {}))
         self.norm_spikes.load_state_dict(state.get("grad_norm_history", {}))
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    """A plain local tensor of a value that may be a DTensor (FSDP's gradient norm is one, already reduced)."""
+    full = getattr(value, "full_tensor", None)
+    return (full() if full is not None else value).detach()
