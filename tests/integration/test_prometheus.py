@@ -49,7 +49,7 @@ def _promtool(*args: str) -> str:
 
 def test_shipped_config_rules_and_rule_tests_pass_promtool() -> None:
     assert "SUCCESS" in _promtool("check", "config", "prometheus.yml")
-    assert "SUCCESS: 8 rules found" in _promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS: 10 rules found" in _promtool("check", "rules", "alerts.yml")
     assert "SUCCESS" in _promtool("test", "rules", "alerts_test.yml")
     # Every alert has a firing case in the rule tests.
     alerts = {
@@ -197,7 +197,7 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
         rules = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())["data"][
             "groups"
         ]
-        assert sum(len(g["rules"]) for g in rules) == 8 and all(
+        assert sum(len(g["rules"]) for g in rules) == 10 and all(
             r["health"] != "err" for g in rules for r in g["rules"]
         )
     finally:

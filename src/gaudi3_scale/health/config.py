@@ -112,3 +112,5 @@ class HealthConfig:
         bad = [b for b in self.skip_batches if isinstance(b, bool) or not isinstance(b, int) or b < 0]
         if bad:
             raise ConfigError("skip_batches", f"must be batch indices >= 0, got {bad[0]!r}")
+        for index in self.skip_batches:
+            check_number("skip_batches", index, low=0)  # within 64 bits

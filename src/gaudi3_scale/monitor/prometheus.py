@@ -199,6 +199,8 @@ class MetricsExporter:
             cls = client.Gauge if metric.kind == "gauge" else client.Counter  # Counter adds `_total` itself
             labelnames = (*LABELS, "device") if metric.per_device else LABELS
             self._families[metric.name] = cls(metric.name, metric.help, labelnames, registry=registry)
+        for name in (*_HEALTH_COUNTERS.values(), "gaudi3_health_dropped_updates_total"):
+            self._series(name)  # at 0 from the start: "no event yet" is a value (and rate() needs the zero)
 
     def _series(self, name: str, **extra: str) -> Any:
         return self._families[name].labels(**self.labels, **extra)
