@@ -96,3 +96,26 @@ def test_no_other_module_of_the_trainer_hooks_the_step() -> None:
             if cls.__module__ == module.__name__ and "on_train_batch_end" in vars(cls):
                 hooks.append(f"{module.__name__}.{cls.__name__}")
     assert hooks == [f"{after_step.__name__}.AfterStep"], hooks
+
+
+def test_the_watchdog_hears_each_step_and_section(tmp_path: Any) -> None:
+    """health.watchdog: steps from the train start, a beat before the step's parts, validation in between. The
+    watchdog is a real one, not started (its sections and beats are attributes; no thread, no file)."""
+    from gaudi3_scale.health.config import HealthConfig
+    from gaudi3_scale.health.watchdog import Watchdog
+
+    log: list[str] = []
+    after = _after(log)
+    watchdog = after.watchdog = Watchdog(HealthConfig(), tmp_path, rank=0, local_rank=0, local_world_size=1,
+                                         warmup_steps=0)  # fmt: skip
+    trainer = type("T", (), {"global_step": 7})()
+    assert watchdog.section == "setup"
+    after.on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert watchdog.section == "step" and log[-1] == "progress.start"
+    beat_before = watchdog.last_beat_s
+    after.on_train_batch_end(trainer, object(), None, None, 0)  # type: ignore[arg-type]
+    assert watchdog.step == 7 and watchdog.last_beat_s > beat_before
+    after.on_validation_start(trainer, None)  # type: ignore[arg-type]
+    assert watchdog.section == "validation"
+    after.on_validation_end(trainer, None)  # type: ignore[arg-type]
+    assert watchdog.section == "step"

@@ -19,6 +19,7 @@ EXPECTED = {
     "dashboard": ["--host", "--port", "--runs", "--token"],
     "deploy": [],
     "doctor": ["--check", "--config", "--json", "--out", "--rdzv-endpoint", "--skip"],
+    "health": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
     "prepare": ["--force", "--out", "--seed", "--shard-mb", "--text-field", "--tokenizer", "--val-fraction", "--vocab-size",

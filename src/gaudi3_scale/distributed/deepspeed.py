@@ -21,9 +21,11 @@ import enum
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from gaudi3_scale.config.errors import UserInputError
@@ -101,6 +103,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         hidden_size: int,
         process_group_backend: str,
         offload: str = "none",
+        timeout: timedelta = default_pg_timeout,
     ) -> None:
         prefetch = 0 if process_group_backend == "gloo" else int(0.9 * hidden_size**2)
         config = {
@@ -139,7 +142,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             "steps_per_print": 2**62,  # DeepSpeed's own step log would interleave with ours
             "wall_clock_breakdown": False,
         }
-        super().__init__(config=config, process_group_backend=process_group_backend)
+        super().__init__(config=config, process_group_backend=process_group_backend, timeout=timeout)
         self.stage = stage
         self.accumulation = accumulation
 
@@ -302,6 +305,7 @@ def build_zero_strategy(
     grad_clip_norm: float,
     hidden_size: int,
     offload: str = "none",
+    timeout: timedelta = default_pg_timeout,
 ) -> ZeroStrategy:
     # DeepSpeed picks its accelerator once, at import; tell it ours instead of letting it probe.
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
@@ -319,4 +323,5 @@ def build_zero_strategy(
         hidden_size=hidden_size,
         process_group_backend=backend,
         offload=offload,
+        timeout=timeout,
     )

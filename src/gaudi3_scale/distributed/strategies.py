@@ -7,6 +7,7 @@ validated on Gaudi hardware), so both FSDP flavours use it.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from gaudi3_scale.config.errors import ConfigError
@@ -42,11 +43,14 @@ def build_strategy(
     accelerator: str,
     grad_clip_norm: float = 0.0,
     hidden_size: int = 768,
+    collective_timeout_s: float = 1800.0,
 ) -> Any:
     """The Lightning strategy that runs `plan` (or "auto" for one process).
 
     DeepSpeed also needs the batch split and clipping, and sizes its communication buckets from the hidden size.
+    `collective_timeout_s` is the process group's timeout for one collective (`health.collective_timeout_s`).
     """
+    timeout = timedelta(seconds=collective_timeout_s)
     backend = "nccl" if accelerator == "cuda" else "gloo"
     name = plan.runs_as(accelerator)
     if name == "single":
@@ -62,7 +66,7 @@ def build_strategy(
 
         register_hpu_strategies()
         if name == "ddp":
-            return HPUDDPStrategy()
+            return HPUDDPStrategy(timeout=timeout)
     if plan.uses_deepspeed:  # built lazily: deepspeed is an optional extra
         from gaudi3_scale.distributed.deepspeed import build_zero_strategy
 
@@ -75,13 +79,14 @@ def build_strategy(
             grad_clip_norm=grad_clip_norm,
             hidden_size=hidden_size,
             offload=plan.offload,
+            timeout=timeout,
         )
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         # Gradients live in DDP's all-reduce buckets instead of being copied into them: one gradient-sized
         # buffer less per rank, and one copy less per step.
-        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True)
+        return DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True, timeout=timeout)
     from gaudi3_scale.distributed.fsdp import FSDPStrategy
 
     fsdp_class: type[FSDPStrategy] = FSDPStrategy
@@ -95,6 +100,7 @@ def build_strategy(
         dp_replicate=plan.dp_replicate,
         save_distributed_checkpoint=True,
         process_group_backend=backend,
+        timeout=timeout,
     )
     strategy.cpu_offload = plan.offload == "all"
     return strategy

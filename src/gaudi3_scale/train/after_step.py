@@ -15,12 +15,13 @@ report run. Validation runs where Lightning's loop puts it, right after this ste
 step is saved after the validation, so it records that loss. What the run reports (metrics.jsonl, the trackers,
 Prometheus, the dashboard) is what `RunMetrics` writes and passes to its listeners; none of them hooks the step.
 The other hooks (start, validation, end) go to the same parts, in the order written here; what a checkpoint holds
-beyond Lightning's own entries is the run's `CheckpointContents` (`checkpoint.contents`).
+beyond Lightning's own entries is the run's `CheckpointContents` (`checkpoint.contents`). The hang watchdog
+(`health.watchdog`) gets a beat before those lines, and the section the loop is in from the other hooks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import lightning.pytorch as pl
 
@@ -29,6 +30,9 @@ from gaudi3_scale.train.cost_callback import LiveCost
 from gaudi3_scale.train.profile_callback import StepProfiler
 from gaudi3_scale.train.step import StepState, at_step_boundary
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
+
+if TYPE_CHECKING:
+    from gaudi3_scale.health.watchdog import Watchdog
 
 __all__ = ["AfterStep", "StepCheck"]
 
@@ -53,10 +57,14 @@ class AfterStep(pl.Callback):
         profiler: StepProfiler | None = None,
         progress: RichStepProgress | None = None,
         state: StepState | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.cost, self.metrics, self.stop, self.health = cost, metrics, stop, health
         self.state = state  # the module's step contract: a step whose update was dropped is only reported
         self.checkpoint, self.profiler, self.progress = checkpoint, profiler, progress
+        # The hang watchdog (health.watchdog): a beat per step, and the section the loop is in. StepCheckpoint
+        # enters `checkpoint` itself, around each save.
+        self.watchdog = watchdog
 
     def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """An optimizer step ended (the last micro-batch of its accumulation): these lines are the order."""
@@ -87,6 +95,8 @@ class AfterStep(pl.Callback):
             self.profiler.start(trainer)
         if self.progress is not None:
             self.progress.start(trainer)
+        if self.watchdog is not None:
+            self.watchdog.enter("step")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -98,10 +108,14 @@ class AfterStep(pl.Callback):
     ) -> None:
         self.metrics.batch_end(batch)
         if at_step_boundary(pl_module):
+            if self.watchdog is not None:
+                self.watchdog.beat(trainer.global_step)
             self.after_step(trainer, pl_module)
         self.metrics.batch_done()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.watchdog is not None:
+            self.watchdog.enter("validation")
         self.metrics.validation_start()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -109,6 +123,8 @@ class AfterStep(pl.Callback):
             trainer
         )  # the validation's record first: the checkpoint after it records it
         self.checkpoint.validation_end(trainer)
+        if self.watchdog is not None:
+            self.watchdog.enter("step")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.metrics.end()

@@ -11,9 +11,10 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +31,9 @@ from gaudi3_scale.checkpoint.manager import (
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.train.step_metrics import RunMetrics
+
+if TYPE_CHECKING:
+    from gaudi3_scale.health.watchdog import Watchdog
 
 __all__ = [
     "PREEMPTION_SIGNALS",
@@ -89,6 +93,7 @@ class StepCheckpoint:
         self.blocking_s: list[float] = []
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
         self._light_in_flight = False  # and it is a light one: its failure never stops the run
+        self.watchdog: Watchdog | None = None  # health.watchdog: a save is its `checkpoint` section
 
     @property
     def manager(self) -> CheckpointManager:
@@ -163,9 +168,13 @@ class StepCheckpoint:
 
     def save(self, trainer: pl.Trainer, *, wait: bool = False, light: bool = False) -> None:
         """A full checkpoint of this step (unless it has one), or with `light` a light one; `wait`: until committed."""
-        step = trainer.global_step
         if not self.enabled:
             return
+        with self.watchdog.watching("checkpoint") if self.watchdog is not None else nullcontext():
+            self._save(trainer, wait=wait, light=light)
+
+    def _save(self, trainer: pl.Trainer, *, wait: bool, light: bool) -> None:
+        step = trainer.global_step
         if light or step != self._last_step:
             if self.metrics is not None:
                 self.metrics.pause()

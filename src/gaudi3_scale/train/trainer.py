@@ -36,6 +36,7 @@ from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.health.guard import StepGuard
+from gaudi3_scale.health.heartbeat import HEALTH_DIR
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
@@ -60,6 +61,7 @@ from gaudi3_scale.train.step_health import StepHealth
 from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
 
 if TYPE_CHECKING:
+    from gaudi3_scale.health.watchdog import Watchdog
     from gaudi3_scale.monitor.prometheus import MetricsEndpoint
 
 __all__ = ["GaudiTrainer"]
@@ -137,6 +139,7 @@ class GaudiTrainer:
         self._data_sha256: str | None = None
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
         self._step_state = StepState()  # the fitted module's (train.step), from fit()
+        self._watchdog: Watchdog | None = None  # health.watchdog: built with the trainer, started by fit()
 
     @property
     def out_dir(self) -> Path:
@@ -304,7 +307,8 @@ class GaudiTrainer:
         cfg, plan = self.config.train, self._plan_device()
         batch, parallel = self._plans()
         strategy = build_strategy(parallel, batch, accelerator=plan.accelerator,
-                                  grad_clip_norm=self.config.optim.grad_clip_norm, hidden_size=self.config.model.dim)  # fmt: skip
+                                  grad_clip_norm=self.config.optim.grad_clip_norm, hidden_size=self.config.model.dim,
+                                  collective_timeout_s=self.config.health.collective_timeout_s)  # fmt: skip
         after = self._after_step(state, strategy, parallel.strategy, plan.peak_flops, plan.accelerator)
         trackers = build_trackers(self.config.monitor, run_name=self.config.name, hyperparameters=to_dict(self.config),
                                   out_dir=self.out_dir, metrics=after.metrics)  # monitor.loggers; None when unnamed  # fmt: skip
@@ -380,8 +384,9 @@ class GaudiTrainer:
         if self._guard is not None:
             contents.register(HEALTH_KEY, self._guard)
             health = self._health = StepHealth(self._guard, metrics, warn=self._warn)
+        watchdog = checkpoint.watchdog = self._watchdog = self._build_watchdog()
         return AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, health=health,
-                         profiler=profiler, progress=progress, state=state)  # fmt: skip
+                         profiler=profiler, progress=progress, state=state, watchdog=watchdog)  # fmt: skip
 
     def fit(
         self, model: pl.LightningModule | None = None, datamodule: pl.LightningDataModule | None = None
@@ -431,9 +436,12 @@ class GaudiTrainer:
                 self.console.print(f"resuming from {ckpt_path}")
         endpoint = self._start_metrics_endpoint(trainer)
         watcher = self._start_spot_watcher()
+        watchdog = self._start_watchdog()
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             if endpoint is not None:
                 endpoint.stop()
             if watcher is not None:
@@ -516,6 +524,31 @@ class GaudiTrainer:
             lambda text: interrupt.request(f"spot interruption notice ({text})"),
             poll_s=cfg.spot_poll_s,
         ).start()
+
+    def _build_watchdog(self) -> Watchdog | None:
+        """This rank's hang watchdog (`health.watchdog`); AfterStep and the checkpoint enter its sections."""
+        if not self.config.health.watchdog:
+            return None
+        from gaudi3_scale.health.watchdog import Watchdog
+
+        return Watchdog(
+            self.config.health, self.out_dir / HEALTH_DIR, rank=_global_rank(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            warmup_steps=self.config.train.resolved_throughput_warmup_steps(),
+        )  # fmt: skip
+
+    def _start_watchdog(self) -> Watchdog | None:
+        """Start watching (setup first); on CUDA the NCCL flight recorder is enabled before the process group
+        exists, dumping into the same directory (a user's own TORCH_NCCL_* settings win)."""
+        if self._watchdog is None:
+            return None
+        if self._plan_device().accelerator == "cuda":
+            from gaudi3_scale.health.dumps import flight_recorder_env
+
+            for name, value in flight_recorder_env(self._watchdog.health_dir).items():
+                os.environ.setdefault(name, value)
+        return self._watchdog.start()
 
     def _warn(self, message: str) -> None:
         if _global_rank() == 0:

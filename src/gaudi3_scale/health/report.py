@@ -1,0 +1,189 @@
+"""What a run's `health/` directory says happened, per rank: `gaudi3 health RUN` prints `format_health(read_health(RUN))`.
+
+It reads the files the watchdog writes (`health.heartbeat`): the hang reports, each rank's last heartbeat, and the
+top frames of the training loop's thread in the newest stack dump of each rank (faulthandler's and py-spy's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.health.heartbeat import (
+    DONE,
+    HEALTH_DIR,
+    Heartbeat,
+    py_spy_path,
+    read_heartbeats,
+    stacks_path,
+)
+
+__all__ = ["HealthReport", "RankHealth", "StackDump", "format_health", "read_health", "top_frames"]
+
+TOP_FRAMES = 4
+_FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_HANG_FILE = re.compile(r"^hang-rank(\d+)\.json$")
+_RANK_FILE = re.compile(r"^(?:heartbeat|stacks|py-spy)-rank(\d+)\.(?:json|txt)$")
+
+
+@dataclass(frozen=True)
+class StackDump:
+    path: Path
+    header: str | None  # the `---` line of the newest dump (faulthandler files), None for py-spy's
+    frames: list[str]  # the training loop's innermost frames first, as `function (file:line)`
+    note: str | None = None  # why there are no frames
+
+
+@dataclass
+class RankHealth:
+    rank: int
+    heartbeat: Heartbeat | None
+    dumps: list[StackDump] = field(default_factory=list)
+
+
+@dataclass
+class HealthReport:
+    health_dir: Path
+    hangs: list[dict[str, Any]]  # hang-rank<N>.json records, oldest first
+    ranks: list[RankHealth]
+
+
+def read_health(run_dir: Path) -> HealthReport:
+    health_dir = run_dir / HEALTH_DIR
+    if not health_dir.is_dir():
+        raise UserInputError(
+            f"{run_dir}: no {HEALTH_DIR}/ directory here; expected the output directory of a run trained with "
+            "health.watchdog true (the default)"
+        )
+    hangs = []
+    for path in sorted(health_dir.iterdir()):
+        if _HANG_FILE.match(path.name):
+            try:
+                hangs.append(json.loads(path.read_text()))
+            except ValueError:
+                raise UserInputError(f"{path}: not a hang report (invalid JSON)") from None
+    hangs.sort(key=lambda r: r.get("detected_unix_s", 0.0))
+    beats = read_heartbeats(health_dir)
+    ranks = sorted({*beats, *(int(m[1]) for p in health_dir.iterdir() if (m := _RANK_FILE.match(p.name)))})
+    return HealthReport(health_dir, hangs, [_rank_health(health_dir, r, beats.get(r)) for r in ranks])
+
+
+def _rank_health(health_dir: Path, rank: int, beat: Heartbeat | None) -> RankHealth:
+    health = RankHealth(rank, beat)
+    stacks, spy = stacks_path(health_dir, rank), py_spy_path(health_dir, rank)
+    if stacks.is_file() and stacks.stat().st_size:
+        health.dumps.append(_faulthandler_dump(stacks, beat))
+    if spy.is_file():
+        health.dumps.append(_py_spy_dump(spy, beat))
+    return health
+
+
+def _faulthandler_dump(path: Path, beat: Heartbeat | None) -> StackDump:
+    """The newest dump in a stacks file: the lines after its last `---` header."""
+    lines = path.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("--- ")]
+    header = lines[starts[-1]][4:] if starts else None
+    body = lines[starts[-1] + 1 :] if starts else lines
+    thread = f"0x{beat.main_thread_id:016x}" if beat is not None else None
+    frames = top_frames(body, thread_marker=thread)
+    note = (
+        None if frames else "no stacks after the request: the process did not run again (stopped or killed)"
+    )
+    return StackDump(path, header, frames, note)
+
+
+def _py_spy_dump(path: Path, beat: Heartbeat | None) -> StackDump:
+    lines = path.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("Error:")]
+    if errors:
+        return StackDump(path, None, [], f"py-spy failed: {errors[0][len('Error:') :].strip()}")
+    # py-spy names threads by their Linux thread id; the main thread's is the process id.
+    marker = f"Thread {beat.pid} " if beat is not None else None
+    frames = top_frames(lines, thread_marker=marker, py_spy=True)
+    return StackDump(path, None, frames, None if frames else "no Python frames found")
+
+
+def top_frames(lines: list[str], *, thread_marker: str | None, py_spy: bool = False) -> list[str]:
+    """The first TOP_FRAMES frames of the thread whose header line contains `thread_marker` (faulthandler's
+    `Thread 0x…` / `Current thread 0x…`, py-spy's `Thread <tid>`), or of the first thread when none matches."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith(("Thread ", "Current thread ")):
+            blocks.append((line, []))
+        elif blocks and line.strip():
+            frame = _py_spy_frame(line) if py_spy else _faulthandler_frame(line)
+            if frame is not None:
+                blocks[-1][1].append(frame)
+    chosen = next(
+        (b for b in blocks if thread_marker and thread_marker in b[0]), blocks[0] if blocks else None
+    )
+    return chosen[1][:TOP_FRAMES] if chosen else []
+
+
+def _faulthandler_frame(line: str) -> str | None:
+    match = _FAULTHANDLER_FRAME.match(line)
+    if match is None:
+        return None
+    return f"{match['func']} ({_short(match['file'])}:{match['line']})"
+
+
+def _py_spy_frame(line: str) -> str | None:
+    if not line.startswith("    "):
+        return None
+    func, _, where = line.strip().partition(" (")
+    return f"{func} ({_short(where.rstrip(')'))})" if where else func
+
+
+def _short(file: str) -> str:
+    """The last two parts of a path: enough to find the module, short enough for one line."""
+    return "/".join(Path(file).parts[-2:])
+
+
+def _when(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_s))
+
+
+def format_health(report: HealthReport) -> list[str]:
+    lines = [f"{report.health_dir}:"]
+    for hang in report.hangs:
+        silent = "; ".join(
+            f"rank {s['rank']} silent for {s['silent_s']:.1f} s in {s['section']} at step {s['step']} "
+            f"(timeout {s['timeout_s']:g} s; {s['reason']})"
+            for s in hang.get("silent", [])
+        )
+        lines.append(
+            f"hang found by rank {hang['detected_by_rank']} at its step {hang['detected_by_step']}, "
+            f"{_when(hang['detected_unix_s'])} (attempt "
+            f"{hang.get('attempt', 0)}): {silent}; exit {hang['exit_code']} (restartable)"
+        )
+    if not report.hangs:
+        lines.append("no hang recorded")
+    for rank in report.ranks:
+        lines += _format_rank(rank)
+    return lines
+
+
+def _format_rank(rank: RankHealth) -> list[str]:
+    beat = rank.heartbeat
+    if beat is None:
+        head = f"rank {rank.rank}: no heartbeat file"
+    else:
+        where = (
+            f"finished (watchdog stopped) after step {beat.step}"
+            if beat.section == DONE
+            else f"in {beat.section} at step {beat.step} (timeout {beat.timeout_s:g} s)"
+        )
+        head = (
+            f"rank {rank.rank}: pid {beat.pid} on {beat.host}, attempt {beat.attempt}: {where}; last beat "
+            f"{_when(beat.last_beat_unix_s)}, heartbeat written {_when(beat.written_unix_s)}"
+        )
+    lines = [head]
+    for dump in rank.dumps:
+        lines.append(f"  {dump.path}" + (f" ({dump.header})" if dump.header else ""))
+        lines += [f"    {frame}" for frame in dump.frames] or [f"    {dump.note}"]
+    return lines

@@ -1,0 +1,108 @@
+"""`gaudi3 health RUN` reads what the watchdog wrote (health.report): hang reports, each rank's last heartbeat, and
+the training loop's top frames in the newest dump of each stacks file (faulthandler's, py-spy's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.health.dumps import dump_header
+from gaudi3_scale.health.heartbeat import Heartbeat, write_json_atomic
+from gaudi3_scale.health.report import format_health, read_health
+
+GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
+BEAT = Heartbeat(
+    rank=0, local_rank=0, pid=4242, host="node-a", parent_pid=1, attempt=0,
+    main_thread_id=threading.main_thread().ident or 0, section="step", step=14, timeout_s=10.0,
+    step_timeout_s=10.0, last_beat_unix_s=1_800_000_000.0, last_beat_monotonic_s=500.0,
+    written_unix_s=1_800_000_001.0, written_monotonic_s=501.0,
+)  # fmt: skip
+# py-spy 0.4's `dump --nonblocking` layout (threads by Linux thread id; the main thread's is the pid)
+PY_SPY = """Process 4343: python -m gaudi3_scale.train
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4350 (idle)
+    _run (gaudi3_scale/health/watchdog.py:150)
+Thread 4343 (idle)
+    allreduce (torch/distributed/distributed_c10d.py:2950)
+    training_step (gaudi3_scale/train/module.py:210)
+"""
+
+
+def waiting_in_allreduce(path: Path, header: str) -> None:
+    with path.open("a") as file:
+        file.write(header)
+        file.flush()
+        faulthandler.dump_traceback(file=file, all_threads=True)
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    health = tmp_path / "run" / "health"
+    health.mkdir(parents=True)
+    write_json_atomic(health / "heartbeat-rank0.json", BEAT.to_dict())
+    peer = dataclasses.replace(BEAT, rank=1, local_rank=1, pid=4343, last_beat_unix_s=1_799_999_999.0)
+    write_json_atomic(health / "heartbeat-rank1.json", peer.to_dict())
+    silent = {"rank": 1, "pid": 4343, "section": "step", "step": 14, "silent_s": 10.6, "timeout_s": 10.0,
+              "reason": "its heartbeat stopped: the process is not running"}  # fmt: skip
+    hang = {"detected_by_rank": 0, "detected_by_step": 15, "detected_unix_s": 1_800_000_010.0, "attempt": 0,
+            "silent": [silent], "files": [], "exit_code": 143}  # fmt: skip
+    write_json_atomic(health / "hang-rank0.json", hang)
+    older = '--- rank 0, earlier: an older dump\nThread 0x1 (most recent call first):\n  File "old.py", line 1 in older\n'
+    (health / "stacks-rank0.txt").write_text(older)
+    waiting_in_allreduce(health / "stacks-rank0.txt", dump_header(0, "found by rank 0's watchdog"))
+    (health / "stacks-rank1.txt").write_text(dump_header(1, "asked by rank 0 (SIGUSR2)"))  # stopped: no body
+    (health / "py-spy-rank1.txt").write_text(PY_SPY)
+    (health / "py-spy-rank0.txt").write_text("Error: Failed to find python version from target process\n")
+    return tmp_path / "run"
+
+
+def test_the_report_names_the_hang_and_each_ranks_newest_frames(tmp_path: Path) -> None:
+    report = read_health(_run_dir(tmp_path))
+    assert [r.rank for r in report.ranks] == [0, 1]
+    own, stopped = report.ranks
+    stacks, spy = own.dumps
+    assert stacks.header is not None and "found by rank 0's watchdog" in stacks.header  # the newest dump only
+    assert stacks.frames[0].startswith("waiting_in_allreduce (unit/test_health_report.py:")
+    assert spy.frames == [] and spy.note == "py-spy failed: Failed to find python version from target process"
+    asked, spied = stopped.dumps
+    assert asked.frames == [] and asked.note is not None and "did not run again" in asked.note
+    assert spied.frames == [
+        "allreduce (distributed/distributed_c10d.py:2950)",
+        "training_step (train/module.py:210)",
+    ]
+
+    lines = format_health(report)
+    assert lines[1] == (
+        "hang found by rank 0 at its step 15, 2027-01-15 08:00:10 UTC (attempt 0): rank 1 silent for 10.6 s in step "
+        "at step 14 (timeout 10 s; its heartbeat stopped: the process is not running); exit 143 (restartable)"
+    )
+    assert lines[2].startswith("rank 0: pid 4242 on node-a, attempt 0: in step at step 14 (timeout 10 s); last beat "
+                               "2027-01-15 08:00:00 UTC")  # fmt: skip
+    assert "    allreduce (distributed/distributed_c10d.py:2950)" in lines
+
+
+def test_a_finished_rank_and_a_run_without_hangs(tmp_path: Path) -> None:
+    health = tmp_path / "health"
+    health.mkdir()
+    write_json_atomic(health / "heartbeat-rank0.json", dataclasses.replace(BEAT, section="done").to_dict())
+    assert format_health(read_health(tmp_path))[1:] == [
+        "no hang recorded",
+        "rank 0: pid 4242 on node-a, attempt 0: finished (watchdog stopped) after step 14; last beat "
+        "2027-01-15 08:00:00 UTC, heartbeat written 2027-01-15 08:00:01 UTC",
+    ]
+
+
+def test_a_directory_without_health_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="no health/ directory here"):
+        read_health(tmp_path)
+    done = subprocess.run([*GAUDI3, "health", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"gaudi3: error: {tmp_path / 'nowhere'}: no health/ directory here")
+    assert done.stderr.count("\n") == 1
