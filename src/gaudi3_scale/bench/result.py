@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, RESULT_SCHEMA_VERSION, mfu_problem, validate_result
+from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.distributed.plan import BatchPlan
 
 __all__ = [
@@ -189,9 +190,7 @@ def write_result(result: dict[str, Any], path: Path) -> None:
     """Validate, then write atomically (temp file + rename): a reader never sees half a result."""
     validate_result(result, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
 
 
 def print_result(result: dict[str, Any], stream: TextIO | None = None) -> None:

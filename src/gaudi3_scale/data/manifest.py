@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.data.sources import MANIFEST_FILE, MIN_VOCAB_SIZE, sha256_file
@@ -150,9 +150,7 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
 def save_manifest(directory: Path, manifest: Manifest) -> Path:
     """Atomic: readers see the old manifest or the new one, never half of one."""
     path = Path(directory) / MANIFEST_FILE
-    tmp = path.with_name(f".{MANIFEST_FILE}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(manifest.to_json(), indent=2) + "\n")
     return path
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "inside_launched_worker",
     "launch",
     "launched_parallel",
+    "process_alive",
     "signal_exit_code",
     "stop_with_launcher",
 ]
@@ -55,6 +56,17 @@ _AGENT_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
 _AGENT_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 LAUNCHER_PID_ENV = "GAUDI3_LAUNCHER_PID"  # set for our workers: they check that their launcher still runs
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's process counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def signal_exit_code(signum: int) -> int:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gaudi3_scale.config.atomic import write_text_atomic
 
 __all__ = [
     "DONE",
@@ -82,9 +83,7 @@ class Heartbeat:
 
 def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
     """Readers on other processes see the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def read_heartbeat(path: Path) -> Heartbeat | None:

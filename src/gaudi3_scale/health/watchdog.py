@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, NoReturn
 
-from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES, signal_exit_code
+from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES, process_alive, signal_exit_code
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.health.deadlines import (
     SECTIONS,
@@ -195,7 +195,7 @@ class Watchdog:
         me = self._me
         return [
             beat for rank, beat in read_heartbeats(self.health_dir).items()
-            if rank != self.rank and beat.section != DONE and _alive(beat.pid)
+            if rank != self.rank and beat.section != DONE and process_alive(beat.pid)
             and (beat.host, beat.parent_pid, beat.attempt) == (me.host, me.parent_pid, me.attempt)
         ]  # fmt: skip
 
@@ -253,16 +253,6 @@ class Watchdog:
         if dump_flight_recorder(trace):
             files.append(trace)
         return [str(f) for f in files]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
 
 
 def _say(line: str) -> None:

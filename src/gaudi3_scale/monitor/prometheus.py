@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.monitor.system import DeviceSample, SystemSample, SystemSampler
@@ -290,9 +291,7 @@ def _display_host(host: str) -> str:
 def _write_json(path: Path, payload: Any) -> None:
     """Atomically: a reader (Prometheus, the dashboard) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 def _serve(client: Any, registry: Any, host: str, port: int, local_rank: int) -> tuple[Any, threading.Thread]:

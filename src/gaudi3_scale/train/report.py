@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gaudi3_scale.config import strict_json
+from gaudi3_scale.config.atomic import write_text_atomic
 
 __all__ = ["plot_loss", "print_summary", "read_metrics", "write_summary"]
 
@@ -24,9 +25,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(strict_json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, strict_json.dumps(summary, indent=2) + "\n")
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.distributed.launch import inside_launched_worker
+from gaudi3_scale.distributed.launch import inside_launched_worker, process_alive
 
 __all__ = ["RunDirectoryBusyError", "lock_path", "run_directory_lock"]
 
@@ -120,18 +120,8 @@ def _is_current(fd: int, path: Path) -> bool:
 def _busy_message(directory: Path, holder: int | None) -> str:
     if holder is None:
         who = "another training run"
-    elif _alive(holder):
+    elif process_alive(holder):
         who = f"another training run (pid {holder})"
     else:  # its ranks outlive it for as long as their emergency checkpoint takes
         who = f"the ranks of a training run whose launcher (pid {holder}) has exited; they are saving and stopping"
     return f"run directory {str(directory)!r} is in use by {who}; wait for it to end, stop it, or pass another --out"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
