@@ -58,9 +58,7 @@ class StepGuard:
 
     def __init__(self, cfg: HealthConfig, skips: BatchSkips) -> None:
         self.cfg, self.skips = cfg, skips
-        spikes = dict(window=cfg.spike_window_steps, warmup=cfg.spike_warmup_steps,
-                      threshold_mads=cfg.spike_threshold_mads)  # fmt: skip
-        self.loss_spikes, self.norm_spikes = SpikeDetector(**spikes), SpikeDetector(**spikes)  # type: ignore[arg-type]
+        self.loss_spikes, self.norm_spikes = _spike_detector(cfg), _spike_detector(cfg)
         self.pending: list[HealthEvent] = []  # this step's events, taken by the AfterStep part
         self.counts: dict[str, int] = {"nonfinite": 0, "loss_spike": 0, "grad_norm_spike": 0, "dropped": 0}
 
@@ -140,6 +138,12 @@ class StepGuard:
         self.loss_spikes.load_state_dict(state.get("loss_history", {}))
         self.norm_spikes.load_state_dict(state.get("grad_norm_history", {}))
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
+
+
+def _spike_detector(cfg: HealthConfig) -> SpikeDetector:
+    return SpikeDetector(
+        window=cfg.spike_window_steps, warmup=cfg.spike_warmup_steps, threshold_mads=cfg.spike_threshold_mads
+    )
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,9 @@ class GaudiTrainer:
             if resume_from is not None
             else model_cfg.init_from,  # resuming: the checkpoint wins
         )
+        skips = BatchSkips(
+            cfg.health.skip_batches
+        )  # batches that make no update: the stream's and the guard's
         datamodule = TokenDataModule(
             prepared,
             context_length=model_cfg.context_length,
@@ -200,7 +203,7 @@ class GaudiTrainer:
             tp_size=parallel.tp_size,
             prefetch_shards=cfg.data.prefetch_shards,
             masking=masking,
-            skips=(skips := BatchSkips(cfg.health.skip_batches)),
+            skips=skips,
         )
         guard = StepGuard(cfg.health, skips)
         if guard.active:
