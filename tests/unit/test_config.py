@@ -285,3 +285,13 @@ def test_numbers_with_an_exponent_are_numbers_in_yaml_files_and_nested_values(
     )
     code, _, err = gaudi3_cli("train", "--print-config", "--data.mixture", member % ("heavy", "1"))
     assert code == 2 and err == "gaudi3: error: data.mixture[0].weight: expected a number, got 'heavy'\n"
+
+
+def test_a_choice_spelled_like_a_yaml_boolean_stays_the_word() -> None:
+    """YAML 1.1 reads `off` as false: a choice field that allows "off" takes it back as the word, in a file and on
+    the command line; where no allowed word matches, the boolean is refused as before."""
+    from gaudi3_scale.train.config import resolve_config
+
+    assert resolve_config(None, ["--health.spike_policy", "off"]).health.spike_policy == "off"
+    with pytest.raises(ConfigError, match=r"^health.spike_policy: got True; allowed: off, warn, skip$"):
+        resolve_config(None, ["--health.spike_policy", "on"])

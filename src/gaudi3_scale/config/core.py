@@ -51,6 +51,9 @@ __all__ = [
 T = TypeVar("T")
 
 
+_YAML_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -118,6 +121,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(path, f"expected {_describe(tp)}, got {brief(value)}")
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads the words off/no/false and on/yes/true as booleans
+            words = [a for a in _YAML_BOOL_WORDS[value] if a in allowed]
+            value = words[0] if len(words) == 1 else value
         if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(path, f"got {brief(value)}; allowed: {', '.join(str(a) for a in allowed)}")
         return value
