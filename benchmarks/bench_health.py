@@ -1,0 +1,114 @@
+"""What the training-health checks cost per step: `gaudi3 train` with the `health` defaults (the step guard's
+all-reduce and host sync, the spike detectors, the watchdog's beat) against the same run with all of them off.
+
+Every run is a fresh `gaudi3 train` process on the default model (shakespeare-char), checkpoints off; the two
+settings run in alternated pairs (on first, then off first, …), so a shared machine's drift slows both alike. A
+run's step time is the steady-state one summary.json reports (after the throughput warm-up steps). The result is
+the median over pairs of (health on / health off); `--ranks 2` runs the same on 2 ranks (DDP, gloo).
+
+    PYTHONPATH=src python benchmarks/bench_health.py                 # 1 and 2 ranks → benchmarks/results/health_cpu.json
+    PYTHONPATH=src python benchmarks/bench_health.py --steps 60 --pairs 1 --out /tmp/h.json   # a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from gaudi3_scale.monitor.environment import environment_info
+
+OFF = ["--health.nonfinite_guard=false", "--health.spike_policy=off", "--health.watchdog=false"]
+
+
+def _run(steps: int, ranks: int, health: bool) -> float:
+    """One run's steady-state step time, seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        command = [sys.executable, "-m", "gaudi3_scale.cli", "train", f"--out={out}", "--no-progress",
+                   "--sample-tokens=0", f"--train.max_steps={steps}", "--train.val_every_steps=0",
+                   "--checkpoint.enabled=false", f"--parallel.nproc_per_node={ranks}", *([] if health else OFF)]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"bench_health: a run failed:\n{proc.stderr[-2000:]}")
+        step_time_s = json.loads((out / "summary.json").read_text())["step_time_s"]
+        return float(step_time_s)
+
+
+def _measure(steps: int, ranks: int, pairs: int, progress: Progress, task: Any) -> dict[str, Any]:
+    rows = []
+    for pair in range(pairs):
+        times: dict[bool, float] = {}
+        for health in (True, False) if pair % 2 == 0 else (False, True):
+            times[health] = _run(steps, ranks, health)
+            progress.advance(task)
+        rows.append({"on_step_time_s": times[True], "off_step_time_s": times[False],
+                     "ratio": times[True] / times[False]})  # fmt: skip
+    return {
+        "ranks": ranks,
+        "steps": steps,
+        "pairs": rows,
+        "median_ratio": statistics.median(r["ratio"] for r in rows),
+        "overhead_percent": (statistics.median(r["ratio"] for r in rows) - 1) * 100,
+    }
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    for offset, cell in enumerate(result["cells"]):
+        ratios = [r["ratio"] for r in cell["pairs"]]
+        ax.scatter(
+            [offset] * len(ratios),
+            ratios,
+            label=f"{cell['ranks']} rank(s): median {cell['median_ratio']:.4f}",
+        )
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.axhline(1.01, color="red", linewidth=0.8, linestyle="--", label="the 1 % goal")
+    ax.set_xticks(range(len(result["cells"])), [f"{c['ranks']} rank(s)" for c in result["cells"]])
+    ax.set_ylabel("step time, health on / off")
+    ax.set_title("Training-health overhead, alternated pairs of gaudi3 train runs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    parser.add_argument("--pairs", type=int, default=4, help="alternated (on, off) pairs per rank count")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to measure")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/health_cpu.json"))
+    args = parser.parse_args()
+    with Progress(*Progress.get_default_columns()) as progress:
+        task = progress.add_task("health on/off runs", total=2 * args.pairs * len(args.ranks))
+        cells = [_measure(args.steps, ranks, args.pairs, progress, task) for ranks in args.ranks]
+    command = "PYTHONPATH=src python benchmarks/bench_health.py " + " ".join(sys.argv[1:])
+    result = {"benchmark": "health_overhead", "command": command.strip(), "machine": environment_info(),
+              "health_off_flags": OFF, "cells": cells}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, args.out.with_suffix(".png"))
+    for cell in cells:
+        print(
+            f"{cell['ranks']} rank(s): health on / off = {cell['median_ratio']:.4f} (median of {len(cell['pairs'])} pairs)"
+        )
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
