@@ -26,6 +26,7 @@ torch.compile fuses them, which is where the speed comes from.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -44,6 +45,7 @@ __all__ = [
     "Float8Recipe",
     "apply_float8",
     "check_float8_supported",
+    "convertible_linears",
     "float8_unsupported_reason",
 ]
 
@@ -118,20 +120,13 @@ def apply_float8(
     float8 = _import_float8()
     if float8 is None:
         raise ConfigError("train.precision", _NO_TORCHAO)
-    from torch import nn
-
-    skipped = () if head else (HEAD_NAME,)
     # torchao's filter for the recipe, with no names of its own to skip: it says False for a linear it expects to
     # be slower in fp8 (and for one that is not an nn.Linear or whose sizes are not multiples of 16).
     fast_in_fp8 = float8._auto_filter_for_recipe(recipe, filter_fqns=[]) if skip_small_linears else None
     eligible = {
         name
-        for name, module in model.named_modules()
-        # Exactly nn.Linear: a Float8Linear (a subclass) is already converted; other subclasses are not ours.
-        if type(module) is nn.Linear
-        and name not in skipped
-        and _fits_scaled_mm(module)
-        and (fast_in_fp8 is None or fast_in_fp8(module, name))
+        for name, module in convertible_linears(model, head=head)
+        if fast_in_fp8 is None or fast_in_fp8(module, name)
     }
     if eligible:
         float8.convert_to_float8_training(
@@ -140,6 +135,17 @@ def apply_float8(
             module_filter_fn=lambda module, name: name in eligible,
         )
     return len(eligible)
+
+
+def convertible_linears(model: nn.Module, *, head: bool) -> Iterator[tuple[str, nn.Linear]]:
+    """(name, linear) of every layer `apply_float8` may convert, before torchao's size thresholds: exactly
+    `nn.Linear` (a Float8Linear, a subclass, is already converted; other subclasses are not ours), the head only with
+    `head`, in and out features multiples of 16 (what `torch._scaled_mm` requires)."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and (head or name != HEAD_NAME) and _fits_scaled_mm(module):
+            yield name, module
 
 
 def _fits_scaled_mm(linear: nn.Linear) -> bool:

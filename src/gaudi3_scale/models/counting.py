@@ -1,8 +1,9 @@
 """Parameter names, shapes and counts and training FLOPs per token, from the config alone.
 
 Every block of a model has the same parameters, so a one-block model built on meta gives the names and shapes of all
-(`parameter_shapes`), and models of one and two blocks give the count (`count_parameters`): the time taken does not
-grow with `num_layers`. `check_parameter_count` bounds a shape by `models.config.MAX_PARAMETERS`.
+(`parameter_shapes`), and models of one and two blocks give the count (`from_one_and_two_blocks`, which
+`count_parameters` and `tune.memory`'s shard sizes use): the time taken does not grow with `num_layers`.
+`check_parameter_count` bounds a shape by `models.config.MAX_PARAMETERS`.
 
 FLOPs convention — PaLM (Chowdhery et al. 2022, arXiv:2204.02311) Appendix B, as implemented by nanoGPT
 `GPT.estimate_mfu` and torchtitan `get_num_flop_per_token`:
@@ -25,6 +26,7 @@ FLOPs convention — PaLM (Chowdhery et al. 2022, arXiv:2204.02311) Appendix B, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -42,6 +44,7 @@ __all__ = [
     "count_parameters",
     "flops_per_token",
     "forward_flops_per_token",
+    "from_one_and_two_blocks",
     "parameter_shapes",
 ]
 
@@ -83,10 +86,17 @@ def count_parameters(
     exclude_embeddings drops the lookup-only tables (see the module docstring), leaving the matmul parameters.
     active counts what one token uses: experts_per_token of num_experts experts (Mixtral 8x7B: 12.9 B of 46.7 B).
     """
-    one, two = (
-        _count_built(replace(cfg, num_layers=n), trainable_only, exclude_embeddings, active) for n in (1, 2)
+    (count,) = from_one_and_two_blocks(
+        cfg, lambda model: [_count_model(model, trainable_only, exclude_embeddings, active)]
     )
-    return one + (cfg.num_layers - 1) * (two - one)  # every block has the same parameters
+    return count
+
+
+def from_one_and_two_blocks(cfg: ModelConfig, measure: Callable[[Transformer], Sequence[int]]) -> list[int]:
+    """The numbers `measure` gives for the model `cfg` describes, from models of one and two blocks built on meta:
+    every block has the same parameters, so each number grows by the same amount per block."""
+    one, two = (measure(_build_on_meta(replace(cfg, num_layers=n))) for n in (1, 2))
+    return [a + (cfg.num_layers - 1) * (b - a) for a, b in zip(one, two, strict=True)]
 
 
 def check_parameter_count(cfg: ModelConfig, where: str) -> None:
@@ -103,8 +113,8 @@ def check_parameter_count(cfg: ModelConfig, where: str) -> None:
         )
 
 
-def _count_built(cfg: ModelConfig, trainable_only: bool, exclude_embeddings: bool, active: bool) -> int:
-    model = _build_on_meta(cfg)
+def _count_model(model: Transformer, trainable_only: bool, exclude_embeddings: bool, active: bool) -> int:
+    cfg = model.config
     params = [
         p for p in model.parameters() if p.requires_grad or not trainable_only
     ]  # parameters() dedups ties

@@ -119,9 +119,8 @@ class AfterStep(pl.Callback):
         self.metrics.validation_start()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.metrics.validation_end(
-            trainer
-        )  # the validation's record first: the checkpoint after it records it
+        # The validation's record first: the checkpoint after it records it.
+        self.metrics.validation_end(trainer)
         self.checkpoint.validation_end(trainer)
         if self.watchdog is not None:
             self.watchdog.enter("step")

@@ -307,9 +307,8 @@ class GracefulInterrupt:
             self.exit_code = exit_code or None
             if self._received_at is None:  # the signal reached another rank
                 self._received_at = time.perf_counter()
-            self.checkpoint.save_requested = (
-                True  # StepCheckpoint (next in AfterStep) saves now and stops the run
-            )
+            # StepCheckpoint (next in AfterStep) saves now and stops the run.
+            self.checkpoint.save_requested = True
 
     def _agree(self, device: torch.device) -> tuple[int, int]:
         """(signal, exit code), the max over ranks of what each had at the previous step boundary; issues this

@@ -3,7 +3,7 @@ it can pay (`MIN_FP8_GAIN`).
 
 Amdahl over a step: gain = 1 / (1 − share · k).
 * share: the fraction of a token's training FLOPs (`models.counting`: 6·N + attention) done by the linears fp8
-  converts (`device.float8.apply_float8`'s rules: sizes multiples of 16, the head only with `Float8Plan.head`) that
+  converts (`device.float8.convertible_linears`: sizes multiples of 16, the head only with `Float8Plan.head`) that
   torchao's H100 GEMM tables expect to be faster in fp8 than in bf16 (the size thresholds behind its
   `_auto_filter_for_recipe`, torchao 0.18 README "Performance"; `device.float8.SKIP_SMALL_RECIPES`). A linear
   expected to be slower counts for nothing, converted or not.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gaudi3_scale.device.float8 import HEAD_NAME, Float8Plan
+from gaudi3_scale.device.float8 import Float8Plan, convertible_linears
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["FP8_TIME_SAVED", "MIN_FP8_GAIN", "Fp8Gain", "fast_in_fp8", "fp8_gain"]
@@ -60,7 +60,6 @@ def fast_in_fp8(recipe: str, out_features: int, in_features: int) -> bool:
 def fp8_gain(cfg: ModelConfig, plan: Float8Plan, context_length: int | None = None) -> Fp8Gain:
     """The modelled gain of `plan` on `cfg` (vocab_size resolved) at `context_length` (default the model's)."""
     import torch
-    from torch import nn
 
     from gaudi3_scale.models import build_model, flops_per_token
 
@@ -68,12 +67,8 @@ def fp8_gain(cfg: ModelConfig, plan: Float8Plan, context_length: int | None = No
         model = build_model(cfg)
     converted = fast = 0
     fast_flops = 0.0
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear or (name == HEAD_NAME and not plan.head):
-            continue
+    for _, module in convertible_linears(model, head=plan.head):
         out_features, in_features = module.weight.shape
-        if out_features % 16 or in_features % 16:
-            continue  # torch._scaled_mm's requirement: apply_float8 leaves it in bf16
         if plan.skip_small_linears and not fast_in_fp8(plan.recipe, out_features, in_features):
             continue
         converted += 1

@@ -58,12 +58,13 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.models.config import ModelConfig
+from gaudi3_scale.models.counting import from_one_and_two_blocks
 from gaudi3_scale.tune.activations import (
     ElementBytes,
     ModelShape,
@@ -422,8 +423,8 @@ _SHARDS: dict[tuple[str, str, int, int, int], int] = {}  # the tuner estimates o
 
 
 def _largest_shard(model: ModelConfig, plan: ParallelPlan) -> int:
-    """Parameter elements on the rank FSDP gives the most, from the trainer's own shard plan: the plan of a one-
-    and a two-block copy built on meta (blocks shard alike, so the whole model is the root plus L blocks)."""
+    """Parameter elements on the rank FSDP gives the most, from the trainer's own shard plan of a one- and a
+    two-block copy built on meta (`models.counting.from_one_and_two_blocks`: blocks shard alike)."""
     key = (repr(model), plan.strategy, plan.world_size, plan.tp_size, plan.dp_replicate)
     if key not in _SHARDS:
         _SHARDS[key] = _plan_largest_shard(model, plan)
@@ -431,15 +432,9 @@ def _largest_shard(model: ModelConfig, plan: ParallelPlan) -> int:
 
 
 def _plan_largest_shard(model: ModelConfig, plan: ParallelPlan) -> int:
-    import torch
-
     from gaudi3_scale.distributed.shard_plan import parameter_bytes_per_rank
-    from gaudi3_scale.models import build_model
 
-    with torch.device("meta"):
-        one, two = (build_model(replace(model, num_layers=n)) for n in (1, 2))
-    first, second = (parameter_bytes_per_rank(m, plan, element_bytes=1) for m in (one, two))
-    return max(a + (model.num_layers - 1) * (b - a) for a, b in zip(first, second, strict=True))
+    return max(from_one_and_two_blocks(model, lambda m: parameter_bytes_per_rank(m, plan, element_bytes=1)))
 
 
 def estimate_memory(

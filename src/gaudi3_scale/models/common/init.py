@@ -54,20 +54,19 @@ def fill_normal(tensor: torch.Tensor, std: float, *, seed: int, name: str) -> No
     local, shape, offset = _local_block(tensor)
     if local.numel() == 0:
         return
+    key = _key(seed, name)
     if local.ndim <= 2:
-        _fill_block(local, shape, offset, std, key=_key(seed, name))
+        _fill_block(local, shape, offset, std, key=key)
     elif tuple(local.shape[1:]) == shape[1:]:
         # Batched weights (the MoE experts' [E, dim, hidden]) whole or split on dim 0 (FSDP's Shard(0), a future
         # expert parallel): rows of the flattened trailing dims.
-        _fill_block(
-            local.flatten(1), (shape[0], math.prod(shape[1:])), (offset[0], 0), std, key=_key(seed, name)
-        )
+        _fill_block(local.flatten(1), (shape[0], math.prod(shape[1:])), (offset[0], 0), std, key=key)
     elif local.ndim == 3 and (local.shape[0], local.shape[2]) == (shape[0], shape[2]):
         # Split on dim 1 (FSDP when the experts do not divide over the ranks, distributed.shard_plan): expert e's
         # block is rows e·dim + offset .. of the [E·dim, hidden] view of the full tensor.
+        rows = (shape[0] * shape[1], shape[2])
         for e in range(shape[0]):
-            rows = (shape[0] * shape[1], shape[2])
-            _fill_block(local[e], rows, (e * shape[1] + offset[1], 0), std, key=_key(seed, name))
+            _fill_block(local[e], rows, (e * shape[1] + offset[1], 0), std, key=key)
     else:
         raise ValueError(f"{name}: a {len(shape)}-D parameter may be sharded on dim 0 or 1 only, got {shape}")
 
