@@ -70,6 +70,9 @@ def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
             "health.spike_window_steps: must be at least spike_warmup_steps (20)",
         ),
         ("--health.skip_batches", "[-1]", "health.skip_batches: must be batch indices >= 0, got -1"),
+        ("--health.straggler_threshold", "0", "health.straggler_threshold: must be > 0, got 0"),
+        ("--health.straggler_threshold", "nan", "health.straggler_threshold"),
+        ("--health.straggler_windows", "0", "health.straggler_windows: must be > 0, got 0"),
     ],
 )
 def test_bad_health_settings_get_one_line_and_exit_2(

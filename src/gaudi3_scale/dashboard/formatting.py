@@ -13,7 +13,7 @@ from typing import Any
 from gaudi3_scale.config.strict_json import non_finite_name
 from gaudi3_scale.cost.report import UNKNOWN, usd
 
-__all__ = ["UNKNOWN", "gib", "hours", "loss", "overview_text", "percent", "rate", "usd", "when"]
+__all__ = ["UNKNOWN", "gib", "hours", "loss", "overview_text", "percent", "ranks", "rate", "usd", "when"]
 
 MISSING = "—"
 
@@ -61,6 +61,15 @@ def when(unix_s: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
 
 
+def ranks(value: list[int] | None) -> str:
+    """Ranks named in a record: "rank 1", "ranks 1, 3", "none" (an empty list) or MISSING (unknown)."""
+    if value is None:
+        return MISSING
+    if not value:
+        return "none"
+    return ("rank " if len(value) == 1 else "ranks ") + ", ".join(str(r) for r in value)
+
+
 def overview_text(run: dict[str, Any]) -> dict[str, str]:
     """The formatted fields of `RunStore.overview`."""
     step = MISSING if run["step"] is None else f"{run['step']:,}"
@@ -73,6 +82,7 @@ def overview_text(run: dict[str, Any]) -> dict[str, str]:
         "tokens_per_s": rate(run["tokens_per_s"]),
         "mfu": percent(run["mfu"]),
         "peak_memory": gib(run["peak_memory_bytes"]),
+        "stragglers": ranks(run["stragglers"]),
         "cost": MISSING if run["cost_usd"] is None else usd(run["cost_usd"]),
         "updated": when(run["updated_unix"]),
     }

@@ -275,6 +275,8 @@ class RunStore:
             "tokens_per_s": train.get("tokens_per_s"),
             "mfu": train.get("mfu"),
             "peak_memory_bytes": view.peak_memory_bytes,
+            # Named in the latest window (health.stragglers); None: no rank's compute measured.
+            "stragglers": train.get("stragglers", [] if "compute_s_per_rank" in train else None),
             "cost_usd": cost.get("cost_usd"),
             "lines": view.count,
             "unreadable_lines": unreadable,

@@ -1,5 +1,5 @@
-"""The `health` section of a run config: what watches a run for non-finite steps, loss spikes and hung ranks, and
-what it does about them (docs/health.md)."""
+"""The `health` section of a run config: what watches a run for non-finite steps, loss spikes, hung ranks and
+stragglers, and what it does about them (docs/health.md)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,20 @@ class HealthConfig:
             "help": "the process group's timeout for one collective, seconds (torch's default is 1800)"
         },
     )
+    stragglers: bool = field(
+        default=True,
+        metadata={
+            "help": "name a rank whose own compute per step is over the median of all ranks by "
+            "straggler_threshold for straggler_windows logging windows in a row (metrics, Prometheus, one line)"
+        },
+    )
+    straggler_threshold: float = field(
+        default=0.2,
+        metadata={"help": "how far over the median a straggler's own compute per step is, as a fraction"},
+    )
+    straggler_windows: int = field(
+        default=3, metadata={"help": "logging windows in a row a rank must be slow before it is named"}
+    )
 
     def __post_init__(self) -> None:
         if self.spike_policy not in SPIKE_POLICIES:
@@ -93,6 +107,10 @@ class HealthConfig:
             )
         check_positive("spike_threshold_mads", self.spike_threshold_mads)
         check_number("spike_threshold_mads", self.spike_threshold_mads, high=1e6)
+        check_positive("straggler_threshold", self.straggler_threshold)
+        check_number("straggler_threshold", self.straggler_threshold, high=1e6)
+        check_positive("straggler_windows", self.straggler_windows)
+        check_number("straggler_windows", self.straggler_windows, high=1_000_000)
         for name in ("spike_window_steps", "spike_warmup_steps"):
             check_positive(name, getattr(self, name))
         if self.spike_warmup_steps > self.spike_window_steps:

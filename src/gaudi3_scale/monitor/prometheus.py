@@ -107,6 +107,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("gaudi3_health_loss_spikes_total", "counter", "loss spikes over the running median + k × MAD"),
     Metric("gaudi3_health_grad_norm_spikes_total", "counter", "gradient-norm spikes over the running median + k × MAD"),
     Metric("gaudi3_health_dropped_updates_total", "counter", "optimizer updates dropped by the health guard"),
+    # Straggler detection (health.stragglers): this rank's entries of the window's per-rank lists.
+    Metric("gaudi3_rank_compute_seconds", "gauge", "this rank's own compute (forward) per step in the window"),
+    Metric("gaudi3_straggler", "gauge", "1 while this rank is named a straggler, else 0"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
@@ -187,6 +190,7 @@ class MetricsExporter:
     def __init__(self, registry: Any, *, rank: int, run: str, tokens_per_step: int) -> None:
         client = _import_client()
         self.registry = registry
+        self.rank = rank
         self.labels = {"rank": str(rank), "run": run}
         self.tokens_per_step = tokens_per_step
         self._by_record_key = {m.record_key: m.name for m in METRICS if m.record_key is not None}
@@ -220,6 +224,10 @@ class MetricsExporter:
             self._series(_HEALTH_COUNTERS[event]).inc()
             if record.get("health_action") == "skip":
                 self._series("gaudi3_health_dropped_updates_total").inc()
+        compute = record.get("compute_s_per_rank")
+        if isinstance(compute, list) and self.rank < len(compute):
+            self.set("gaudi3_rank_compute_seconds", float(compute[self.rank]))
+            self.set("gaudi3_straggler", float(self.rank in record.get("stragglers", ())))
         window_steps = record.get("window_steps")
         if window_steps:
             self._series("gaudi3_steps_total").inc(window_steps)

@@ -65,6 +65,7 @@ METRIC_NAMES: dict[str, str] = {
     "mfu": "perf/mfu",
     "peak_memory_bytes": "perf/peak_memory_bytes",
     "peak_memory_bytes_per_rank": "perf/peak_memory_bytes_per_rank",  # a list: one series per rank, …/0, …/1
+    "compute_s_per_rank": "perf/compute_s_per_rank",
     "cost_usd": "cost/usd",
     "cost_usd_per_hour": "cost/usd_per_hour",
     "cost_projected_usd": "cost/projected_usd",
@@ -79,6 +80,8 @@ METRIC_NAMES: dict[str, str] = {
 # Logged by the LightningModule itself (`self.log("val/loss")`), which Lightning passes on to the loggers: not
 # forwarded a second time.
 _LOGGED_BY_MODULE = frozenset({"val_loss", "val_mlm_accuracy"})
+# Not a measurement: `stragglers` lists rank numbers (Prometheus has gaudi3_straggler per rank).
+_NOT_METRICS = frozenset({"stragglers"})
 
 
 class _Listeners(Protocol):
@@ -91,7 +94,7 @@ def tracker_metrics(record: Mapping[str, Any]) -> dict[str, float]:
     """A metrics.jsonl record → {tracker name: value}: numbers and booleans only; `step` is the x axis, not a metric."""
     metrics: dict[str, float] = {}
     for key, value in record.items():
-        if key == "step" or key in _LOGGED_BY_MODULE:
+        if key == "step" or key in _LOGGED_BY_MODULE or key in _NOT_METRICS:
             continue
         name = METRIC_NAMES.get(key, key)
         if isinstance(value, list | tuple):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -115,6 +116,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self.step_state = (
             StepState.for_plan(batch, flops_per_token=fpt) if batch else StepState(flops_per_token=fpt)
         )
+        self.step_state.compute_s = 0.0  # measured in training_step (health.stragglers)
         self._sync = GradientSync()  # the strategy's, from on_train_start
         self._pending_loss = torch.zeros(())
         self._clip_params: list[nn.Parameter] | None = None  # built at the first step of a fit
@@ -197,6 +199,10 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._sync.begin_micro_step(state.micro_step + 1 == state.accumulation)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # This rank's own compute (health.stragglers): from here to its loss, the injected delay included. The
+        # forward has no collective under DDP (Lightning calls this inside DDP's forward, after its buffer sync),
+        # while the backward's all-reduce waits for the slowest rank, so only the forward tells the ranks apart.
+        started = time.perf_counter()
         opt = self.optimizers()
         assert not isinstance(opt, list)
         state, sync = self.step_state, self._sync
@@ -216,6 +222,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             inject_delay(faults, step=data_step, rank=self.global_rank)
         with self._step_context():
             loss = self._loss(batch)
+            state.compute_s = (state.compute_s or 0.0) + time.perf_counter() - started
             if faults and state.micro_step + 1 == accumulation:
                 loss = inject_into_loss(faults, loss, step=data_step, rank=self.global_rank)
             objective = self._with_router_losses(loss) if self._moe_layers else loss

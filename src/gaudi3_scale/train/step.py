@@ -5,7 +5,7 @@ profiler) are handed the same object when the trainer builds them and only read 
 lookups on the LightningModule.
 
     needs     batch plan (tokens per step, accumulation), FLOPs per token
-    produces  micro_step (0 = an optimizer step just ended), loss, grad_norm, lr, extra metrics
+    produces  micro_step (0 = an optimizer step just ended), loss, grad_norm, lr, extra metrics, compute time
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class StepState:
     grad_norm: torch.Tensor | None = None
     lr: float | None = None
     update_dropped: bool = False  # the health guard dropped this step's update (global_step did not advance)
+    # Host seconds of this rank's own compute in the current optimizer step (train.module: its forwards, before it
+    # can wait for other ranks); None: the module does not measure it. RunMetrics reads and resets it every step.
+    compute_s: float | None = None
     # More scalars of the last micro-step, by metrics-record field (e.g. `train/moe_aux_loss`); detached tensors.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 

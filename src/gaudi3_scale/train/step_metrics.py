@@ -7,6 +7,7 @@ accumulation group (`StepState.at_boundary`), and the step's loss, gradient norm
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gaudi3_scale.config import strict_json
+from gaudi3_scale.health.stragglers import StragglerDetector
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 from gaudi3_scale.train.step import StepState
@@ -58,7 +60,7 @@ class _Window:
     lr: float | None
     world_size: int
     values: dict[str, Any]
-    peak_memory_per_rank: list[Any]
+    per_rank: list[Any]  # by rank: [peak memory bytes, own compute seconds per step (< 0: not measured)]
 
 
 def _to_host(value: Any) -> Any:
@@ -93,6 +95,11 @@ class RunMetrics:
     work included) and the start of the next: the data loader's `next()` and Lightning's own bookkeeping;
     validation and checkpoint saves (paused time) are not counted.
 
+    compute_s_per_rank is each rank's own compute per step in the window (`StepState.compute_s`: host time of its
+    forwards), the median over the window's steps — a step the OS preempted, or a garbage-collector pause, does not
+    make a rank slow; a rank slow on most steps is — gathered with the peak memory; `stragglers` names the ranks
+    `health.stragglers` finds slow.
+
     `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter.
     """
 
@@ -104,6 +111,7 @@ class RunMetrics:
         state: StepState,
         peak_flops_per_device: float | None,
         warmup_steps: int = 0,
+        stragglers: StragglerDetector | None = None,
     ) -> None:
         self.path = path
         self.log_every_steps = log_every_steps
@@ -112,6 +120,7 @@ class RunMetrics:
         self.flops_per_token = state.flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
         self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
+        self.stragglers = stragglers  # names slow ranks from each window's compute_s_per_rank
         self.latest: dict[str, Any] = {}
         self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
@@ -132,6 +141,7 @@ class RunMetrics:
         self._paused_at_batch_end = 0.0
         self._window_wait_s = 0.0
         self._window_samples: int | None = 0
+        self._window_compute_s: list[float] = []  # this rank's own compute of each step in the window
         self.warmup_s = 0.0  # active time of the warm-up steps (compilation included)
         self.warmup_steps_done = 0
         self.train_s = 0.0  # active time of the measured steps after warm-up
@@ -237,6 +247,9 @@ class RunMetrics:
         self._window_steps += 1
         self._segment_steps += 1
         self._session_steps += 1
+        if self.state.compute_s is not None:
+            self._window_compute_s.append(self.state.compute_s)
+            self.state.compute_s = 0.0
         loss = self.state.loss
         if loss is not None:  # summed on device: no host sync until the record is written
             self._loss_sum = loss if self._window_steps == 1 else self._loss_sum + loss
@@ -250,6 +263,7 @@ class RunMetrics:
         self._end_segment(always=True)  # marked after the capture's copies: resolving it covers them
         self._pending.append(window)
         self._window_steps, self._window_wait_s, self._window_samples = 0, 0.0, 0
+        self._window_compute_s = []
         if last:  # no step follows to resolve it behind
             self._resolve()
 
@@ -265,14 +279,20 @@ class RunMetrics:
             values["train_loss"] = trainer.strategy.reduce(mean, reduce_op="mean")
         values["grad_norm"] = state.grad_norm
         values.update(state.extra)
-        peak = torch.tensor(
-            [float(peak_memory_bytes(pl_module.device))], dtype=torch.float64, device=pl_module.device
+        compute = self._window_compute_s
+        compute_s = (
+            statistics.median(compute) if compute else -1.0
+        )  # < 0: not measured (a module of the user's)
+        own = torch.tensor(
+            [float(peak_memory_bytes(pl_module.device)), compute_s],
+            dtype=torch.float64,
+            device=pl_module.device,
         )
-        gathered = [peak]
+        gathered = [own]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # The list form of all_gather: gloo and NCCL both have it (Lightning's wrapper warns on torch 2.13).
-            gathered = [torch.empty_like(peak) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(gathered, peak)
+            gathered = [torch.empty_like(own) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(gathered, own)
         return _Window(
             step=step,
             steps=self._window_steps,
@@ -281,7 +301,7 @@ class RunMetrics:
             lr=state.lr,
             world_size=trainer.world_size,
             values={name: _to_host(value) for name, value in values.items()},
-            peak_memory_per_rank=[_to_host(t) for t in gathered],
+            per_rank=[_to_host(t) for t in gathered],
         )
 
     def _write_window(self, window: _Window) -> None:
@@ -304,8 +324,13 @@ class RunMetrics:
             "mfu": None,
         }
         record.update(values)
-        per_rank = [int(float(t)) for t in window.peak_memory_per_rank]
+        peak, compute = zip(*(t.tolist() for t in window.per_rank), strict=True)
+        per_rank = [int(p) for p in peak]
         record.update({"peak_memory_bytes": max(per_rank), "peak_memory_bytes_per_rank": per_rank})
+        if min(compute) >= 0:  # every rank measured it
+            record["compute_s_per_rank"] = list(compute)
+            if self.stragglers is not None and (named := self.stragglers.observe(window.step, compute)):
+                record["stragglers"] = named
         for source in self.sources:
             record.update(source())
         if self.flops_per_token is not None:

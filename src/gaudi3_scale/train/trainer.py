@@ -37,6 +37,7 @@ from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.heartbeat import HEALTH_DIR
+from gaudi3_scale.health.stragglers import StragglerDetector
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
 from gaudi3_scale.monitor.perf import mfu, mfu_above_peak
@@ -135,6 +136,7 @@ class GaudiTrainer:
         self._live_cost: LiveCost | None = None
         self._guard: StepGuard | None = None  # the step guard of our own model (health.guard)
         self._health: StepHealth | None = None
+        self._stragglers: StragglerDetector | None = None  # health.stragglers, fed by RunMetrics
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
         self._data_sha256: str | None = None
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
@@ -349,9 +351,18 @@ class GaudiTrainer:
                 f"light checkpoints are one file written by rank 0, but parallel.strategy {strategy_name} "
                 "saves sharded checkpoints (not supported yet); set it to 0 and export a full checkpoint instead",
             )
+        health_cfg, stragglers = self.config.health, None
+        if health_cfg.stragglers:
+            stragglers = StragglerDetector(
+                threshold=health_cfg.straggler_threshold,
+                windows=health_cfg.straggler_windows,
+                warn=self._warn,
+            )
+        self._stragglers = stragglers
         metrics = self._metrics = RunMetrics(out / "metrics.jsonl", log_every_steps=cfg.log_every_steps,
                                              state=state, peak_flops_per_device=peak_flops,
-                                             warmup_steps=cfg.resolved_throughput_warmup_steps())  # fmt: skip
+                                             warmup_steps=cfg.resolved_throughput_warmup_steps(),
+                                             stragglers=stragglers)  # fmt: skip
         # Rank 0 uploads committed checkpoints to checkpoint.remote_url; local copies stay until verified.
         checkpointer = self._checkpointer = Checkpointer(
             ckpt_cfg, out / "checkpoints", rank=_global_rank(), warn=self._warn
@@ -561,6 +572,13 @@ class GaudiTrainer:
         if _global_rank() == 0:
             self.console.print(message, highlight=False, soft_wrap=True)
 
+    def _health_summary(self) -> dict[str, Any] | None:
+        """summary.json's `health`: the guard's counts and events, and the stragglers named (None: all off)."""
+        health = self._health.summary() if self._health is not None else None
+        if self._stragglers is not None:
+            health = {**(health or {}), "stragglers": [s.record() for s in self._stragglers.episodes]}
+        return health
+
     def _plot_title(self) -> str:
         name, model = self.config.name, self.config.model.name
         return name if name == model else f"{name} ({model})"
@@ -620,5 +638,5 @@ class GaudiTrainer:
             "precision": plan.precision_name if plan else None,
             "cost_usd": live.meter.cost_usd if live is not None else None,
             "cost_budget_usd": live.meter.budget_usd if live is not None else None,
-            "health": self._health.summary() if self._health is not None else None,
+            "health": self._health_summary(),
         }
