@@ -161,6 +161,20 @@ def test_metrics_are_polled_incrementally_by_line_offset(runs: Path, client: Any
         assert response.status_code == 400 and "since" in response.get_json()["error"]
 
 
+def test_the_resources_view_marks_the_stragglers_of_the_latest_window(runs: Path, client: Any) -> None:
+    measured = {"compute_s_per_rank": [0.01, 0.05]}
+    _make_run(runs, "slow", [_train_record(1, **measured), _train_record(2, **measured, stragglers=[1])])
+    _make_run(runs, "even", [_train_record(1, **measured, stragglers=[1]), _train_record(2, **measured)])
+    by_name = {run["name"]: run for run in client.get("/api/system").get_json()["runs"]}
+    names = ("slow", "even", "alpha")  # alpha's records measured no compute: unknown
+    assert [by_name[n]["stragglers"] for n in names] == [[1], [], None]
+    page = client.get("/system").text
+    rows = {name: page.split(f'<tr data-run="{name}">')[1].split("</tr>")[0] for name in names}
+    assert '<span class="badge straggler">rank 1</span>' in rows["slow"]
+    assert 'data-field="stragglers">none</td>' in rows["even"]
+    assert 'data-field="stragglers">—</td>' in rows["alpha"]
+
+
 def test_corrupt_metrics_lines_are_a_warning_not_a_crash(runs: Path, client: Any) -> None:
     path = runs / "alpha" / "metrics.jsonl"
     lines = [json.dumps(_train_record(1)), "{not json", "", json.dumps(_train_record(2)), "[1, 2]",

@@ -136,6 +136,9 @@ def test_record_fed_series_equal_the_metrics_records(scraped: Any) -> None:
     assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in train)
     assert _value(s, "gaudi3_steps_total") == 6 and _value(s, "gaudi3_tokens_total") == 6 * 12 * 64
     assert started <= _value(s, "gaudi3_last_step_timestamp_seconds") <= time.time()
+    (compute_s,) = last["compute_s_per_rank"]  # one rank: its own forward time, never a straggler
+    assert _value(s, "gaudi3_rank_compute_seconds") == compute_s and 0 < compute_s < step_s
+    assert _value(s, "gaudi3_straggler") == 0 and "stragglers" not in last
 
 
 def test_checkpoint_cost_and_upload_series(scraped: Any) -> None:
@@ -329,3 +332,19 @@ def test_docs_list_exactly_the_exported_metrics() -> None:
         re.findall(r"^\| `(gaudi3_[a-z0-9_]+)`", (ROOT / "docs" / "metrics.md").read_text(), re.M)
     )
     assert documented == {m.name for m in METRICS}
+
+
+def test_each_rank_exports_its_own_compute_and_straggler_mark() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from gaudi3_scale.monitor.prometheus import MetricsExporter
+
+    record = {"step": 30, "compute_s_per_rank": [0.01, 0.05, 0.011], "stragglers": [1]}
+    values = {}
+    for rank in range(3):
+        registry = CollectorRegistry()
+        MetricsExporter(registry, rank=rank, run="r", tokens_per_step=1).observe(record)
+        labels = {"rank": str(rank), "run": "r"}
+        values[rank] = (registry.get_sample_value("gaudi3_rank_compute_seconds", labels),
+                        registry.get_sample_value("gaudi3_straggler", labels))  # fmt: skip
+    assert values == {0: (0.01, 0.0), 1: (0.05, 1.0), 2: (0.011, 0.0)}
