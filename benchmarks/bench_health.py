@@ -1,5 +1,6 @@
 """What the training-health checks cost per step: `gaudi3 train` with the `health` defaults (the step guard's
-all-reduce and host sync, the spike detectors, the watchdog's beat) against the same run with all of them off.
+all-reduce and host sync, the spike detectors, the watchdog's beat, the straggler decision) against the same run
+with all of them off (each rank's compute time is measured either way: two clock reads per micro-batch).
 
 Every run is a fresh `gaudi3 train` process on the default model (shakespeare-char), checkpoints off; the two
 settings run in alternated pairs (on first, then off first, …), so a shared machine's drift slows both alike. A
@@ -25,7 +26,8 @@ from rich.progress import Progress
 
 from gaudi3_scale.monitor.environment import environment_info
 
-OFF = ["--health.nonfinite_guard=false", "--health.spike_policy=off", "--health.watchdog=false"]
+OFF = ["--health.nonfinite_guard=false", "--health.spike_policy=off", "--health.watchdog=false",
+       "--health.stragglers=false"]  # fmt: skip
 
 
 def _run(steps: int, ranks: int, health: bool) -> float:

@@ -255,6 +255,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             if state.update_dropped:  # no update, no scheduler tick (the lr follows global_step, unchanged)
                 opt.zero_grad(set_to_none=True)
                 state.loss = loss.detach()
+                state.compute_s = 0.0  # a dropped step is not booked (RunMetrics does not see it)
                 return
         lr = lr_at_step(self.trainer.global_step, self.optim_cfg, self.max_steps)
         for group in opt.optimizer.param_groups:
