@@ -192,6 +192,12 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
         rss = _by_rank(_query(base, "gaudi3_process_resident_memory_bytes"))
         assert set(rss) == {"0", "1"} and len({s["metric"]["instance"] for s in rss.values()}) == 2
         assert all(float(s["value"][1]) > 50 * 2**20 for s in rss.values())
+        # Straggler detection: each rank exports its own compute per step and its own 0/1 mark (whether a rank is
+        # named on this shared machine is test_stragglers' question, not this one's).
+        compute = _by_rank(_query(base, "gaudi3_rank_compute_seconds"))
+        assert set(compute) == {"0", "1"} and all(0 < float(s["value"][1]) < 1 for s in compute.values())
+        marks = _by_rank(_query(base, "gaudi3_straggler"))
+        assert set(marks) == {"0", "1"} and all(s["value"][1] in ("0", "1") for s in marks.values())
         up = _query(base, 'up{job="gaudi3"}')
         assert len(up) == 2 and all(s["value"][1] == "1" for s in up)
         rules = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())["data"][
