@@ -18,6 +18,7 @@ def test_records_become_namespaced_numeric_metrics() -> None:
         "step": 40, "train_loss": 2.5, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 900, "mfu": float("nan"),
         "peak_memory_bytes": 7, "peak_memory_bytes_per_rank": [7, 5], "cost_usd": 0.25, "cost_budget_warning": True,
         "spot_decision": None, "checkpoint/remote_backlog": 2.0, "val_loss": 2.4, "device": "cpu", "my_field": 3,
+        "compute_s_per_rank": [0.01, 0.03], "stragglers": [1],  # rank numbers, not values: left out
     }  # fmt: skip
     assert tracker_metrics(record) == {
         "train/loss": 2.5,
@@ -26,6 +27,8 @@ def test_records_become_namespaced_numeric_metrics() -> None:
         "perf/peak_memory_bytes": 7.0,
         "perf/peak_memory_bytes_per_rank/0": 7.0,
         "perf/peak_memory_bytes_per_rank/1": 5.0,
+        "perf/compute_s_per_rank/0": 0.01,
+        "perf/compute_s_per_rank/1": 0.03,
         "cost/usd": 0.25,
         "cost/budget_warning": 1.0,
         "checkpoint/remote_backlog": 2.0,
