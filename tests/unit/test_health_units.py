@@ -55,29 +55,34 @@ def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "message"),
+    ("args", "message"),
     [
-        ("--health.spike_threshold_mads", "0", "health.spike_threshold_mads: must be > 0, got 0"),
-        ("--health.spike_threshold_mads", "nan", "health.spike_threshold_mads"),
+        (["--health.spike_threshold_mads", "0"], "health.spike_threshold_mads: must be > 0, got 0"),
+        (["--health.spike_threshold_mads", "nan"], "health.spike_threshold_mads"),
         (
-            "--health.spike_policy",
-            "rollback-now",
-            "health.spike_policy: got 'rollback-now'; allowed: off, warn, skip",
+            ["--health.spike_policy", "rollback-now"],
+            "health.spike_policy: got 'rollback-now'; allowed: off, warn, skip, rollback",
         ),
         (
-            "--health.spike_window_steps",
-            "5",
+            ["--health.spike_window_steps", "5"],
             "health.spike_window_steps: must be at least spike_warmup_steps (20)",
         ),
-        ("--health.skip_batches", "[-1]", "health.skip_batches: must be batch indices >= 0, got -1"),
+        (["--health.skip_batches", "[-1]"], "health.skip_batches: must be batch indices >= 0, got -1"),
+        (
+            ["--health.spike_policy", "rollback", "--checkpoint.enabled", "false"],
+            "health.spike_policy: rollback restores a checkpoint, but checkpoint.enabled is false",
+        ),
+        (["--health.rollback_skip_batches", "0"], "health.rollback_skip_batches: must be > 0, got 0"),
+        (["--health.rollback_lr_scale", "0"], "health.rollback_lr_scale: must be > 0, got 0"),
+        (["--health.rollback_lr_scale", "1.5"], "health.rollback_lr_scale: must be <= 1, got 1.5"),
+        (["--health.rollback_lr_scale", "nan"], "health.rollback_lr_scale"),
+        (["--health.max_rollbacks", "-1"], "health.max_rollbacks: must be >= 0, got -1"),
     ],
 )
-def test_bad_health_settings_get_one_line_and_exit_2(
-    tmp_path: Path, flag: str, value: str, message: str
-) -> None:
+def test_bad_health_settings_get_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", flag, value],
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", *args],
         capture_output=True,
         text=True,
     )

@@ -107,6 +107,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("gaudi3_health_loss_spikes_total", "counter", "loss spikes over the running median + k × MAD"),
     Metric("gaudi3_health_grad_norm_spikes_total", "counter", "gradient-norm spikes over the running median + k × MAD"),
     Metric("gaudi3_health_dropped_updates_total", "counter", "optimizer updates dropped by the health guard"),
+    Metric("gaudi3_health_rollbacks_total", "counter", "rollbacks to a checkpoint before a loss spike"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
@@ -133,6 +134,7 @@ _HEALTH_COUNTERS = {
     "nonfinite": "gaudi3_health_nonfinite_steps_total",
     "loss_spike": "gaudi3_health_loss_spikes_total",
     "grad_norm_spike": "gaudi3_health_grad_norm_spikes_total",
+    "rollback": "gaudi3_health_rollbacks_total",
 }
 
 _DEVICE_FIELDS = (
