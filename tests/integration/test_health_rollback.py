@@ -63,7 +63,10 @@ def test_a_rollback_restores_the_checkpoint_before_the_spike_and_ends_where_skip
 ) -> None:
     out, proc = rolled_back
     assert "health: step 7: loss" in proc.stderr and "rolling back" in proc.stderr
-    assert "health: step 7: rolled back from step 7 to checkpoint step 6; data batches 6–8 skipped" in proc.stderr
+    assert (
+        "health: step 7: rolled back from step 7 to checkpoint step 6; data batches 6–8 skipped"
+        in proc.stderr
+    )
     skipped = tmp_path / "skipped"
     _train(skipped, "--train.max_steps", "10", "--health.skip_batches", "[6, 7, 8]", faults=SPIKE)
     a, b = _final(out), _final(skipped)
@@ -106,7 +109,9 @@ def test_a_spike_after_max_rollbacks_stops_with_a_restartable_exit_code_and_the_
                   "--health.rollback_lr_scale", "0.5", faults=f"{SPIKE},spike:step=12:scale=20",
                   exit_code=143)  # fmt: skip
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("stopped by a loss spike at step 9 after health.max_rollbacks (1) rollbacks"), last
+    assert last.startswith(
+        "stopped by a loss spike at step 9, with health.max_rollbacks (1) rollbacks made, after step 9;"
+    ), last
     assert "exit 143 (restartable)" in last
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["stop_exit_code"], summary["steps"], summary["health"]["rollback"]) == (143, 9, 1)

@@ -57,7 +57,9 @@ class HealthConfig:
     )
     rollback_lr_scale: float = field(
         default=1.0,
-        metadata={"help": "the learning rate is multiplied by this at each rollback, in (0, 1]; 1 = unchanged"},
+        metadata={
+            "help": "the learning rate is multiplied by this at each rollback, in (0, 1]; 1 = unchanged"
+        },
     )
     max_rollbacks: int = field(
         default=3,

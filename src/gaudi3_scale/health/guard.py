@@ -29,7 +29,9 @@ class HealthEvent:
 
     kind: str  # nonfinite | loss_spike | grad_norm_spike
     step: int
-    action: str  # skip (the update was dropped) | warn (applied) | rollback | stop (dropped, then the fit ends)
+    action: (
+        str  # skip (the update was dropped) | warn (applied) | rollback | stop (dropped, then the fit ends)
+    )
     loss: float
     grad_norm: float | None
     data_step: int | None  # the dropped batch (skip)

@@ -133,7 +133,9 @@ class AfterStep(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.metrics.end()
         self.stop.end()
-        if not (self.health is not None and self.health.ends_fit):  # a rollback or the stop saves nothing more
+        if not (
+            self.health is not None and self.health.ends_fit
+        ):  # a rollback or the stop saves nothing more
             self.checkpoint.end(trainer)  # the final checkpoint, committed
         if self.progress is not None:
             self.progress.stop()

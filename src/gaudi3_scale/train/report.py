@@ -29,10 +29,10 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 # How loss.png marks the health events of metrics.jsonl (docs/health.md): a vertical line at the event's step.
-_EVENT_MARKS = {
-    "dropped": ("update dropped", {"color": "tab:red", "linestyle": ":"}),
-    "spike": ("spike", {"color": "tab:orange", "linestyle": "--"}),
-    "rollback": ("rollback", {"color": "tab:purple", "linestyle": "-"}),
+_EVENT_MARKS = {  # kind: (legend label, colour, line style)
+    "dropped": ("update dropped", "tab:red", ":"),
+    "spike": ("spike", "tab:orange", "--"),
+    "rollback": ("rollback", "tab:purple", "-"),
 }
 
 
@@ -64,10 +64,17 @@ def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
     marked = False
-    for kind, (label, style) in _EVENT_MARKS.items():
+    for kind, (label, color, linestyle) in _EVENT_MARKS.items():
         steps = sorted({r["step"] for r in records if _event_mark(r) == kind})
         for i, step in enumerate(steps):
-            ax.axvline(step, linewidth=1.0, alpha=0.8, label=label if i == 0 else None, **style)
+            ax.axvline(
+                step,
+                color=color,
+                linestyle=linestyle,
+                linewidth=1.0,
+                alpha=0.8,
+                label=label if i == 0 else None,
+            )
             marked = True
         for r in records:  # the steps a rollback went back over
             if kind == "rollback" and _event_mark(r) == kind and r.get("to_step") is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -31,7 +32,7 @@ from gaudi3_scale.data.inputs import TrainingData, open_training_data
 from gaudi3_scale.data.mlm import MlmMasking, mlm_vocabulary
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.device import DevicePlan, plan_device
-from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
+from gaudi3_scale.distributed.launch import launched_parallel, signal_exit_code, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
 from gaudi3_scale.distributed.teardown import leave_process_group
@@ -141,7 +142,9 @@ class GaudiTrainer:
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
         self._step_state = StepState()  # the fitted module's (train.step), from fit()
         self._watchdog: Watchdog | None = None  # health.watchdog: built with the trainer, started by fit()
-        self._rollback_skips: list[int] = []  # data steps the run's rollbacks skip (health.spike_policy rollback)
+        self._rollback_skips: list[
+            int
+        ] = []  # data steps the run's rollbacks skip (health.spike_policy rollback)
 
     @property
     def out_dir(self) -> Path:
@@ -525,15 +528,13 @@ class GaudiTrainer:
     def _spike_stop(self, spike_step: int) -> dict[str, Any]:
         """A spike after health.max_rollbacks rollbacks: the run stops with a restartable exit code (the summary's
         stop fields; `gaudi3 train` ends with their one line)."""
-        import signal
-
-        from gaudi3_scale.distributed.launch import signal_exit_code
-
-        reason = (
-            f"a loss spike at step {spike_step} after health.max_rollbacks ({self.config.health.max_rollbacks}) "
-            "rollbacks"
-        )
-        return {"interrupted": True, "stop_reason": reason, "stop_exit_code": signal_exit_code(signal.SIGTERM)}
+        rollbacks = self.config.health.max_rollbacks
+        reason = f"a loss spike at step {spike_step}, with health.max_rollbacks ({rollbacks}) rollbacks made,"
+        return {
+            "interrupted": True,
+            "stop_reason": reason,
+            "stop_exit_code": signal_exit_code(signal.SIGTERM),
+        }
 
     def _leave_process_group(self, datamodule: pl.LightningDataModule | None) -> None:
         """Release the fitted trainer and module, then the group, so that its gloo threads are joined before the
