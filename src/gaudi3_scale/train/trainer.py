@@ -35,7 +35,12 @@ from gaudi3_scale.device import DevicePlan, plan_device
 from gaudi3_scale.distributed.launch import launched_parallel, signal_exit_code, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
-from gaudi3_scale.distributed.teardown import leave_process_group
+from gaudi3_scale.distributed.teardown import (
+    KeptStore,
+    keep_store,
+    leave_process_group,
+    rejoin_process_group,
+)
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.heartbeat import HEALTH_DIR
 from gaudi3_scale.models import ModelConfig
@@ -142,9 +147,11 @@ class GaudiTrainer:
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
         self._step_state = StepState()  # the fitted module's (train.step), from fit()
         self._watchdog: Watchdog | None = None  # health.watchdog: built with the trainer, started by fit()
-        self._rollback_skips: list[
-            int
-        ] = []  # data steps the run's rollbacks skip (health.spike_policy rollback)
+        # health.spike_policy rollback: the data steps the run's rollbacks skip, a multi-rank fit's store kept for
+        # the re-fit after one, and the re-fits made
+        self._rollback_skips: list[int] = []
+        self._kept_store: KeptStore | None = None
+        self._refits = 0
 
     @property
     def out_dir(self) -> Path:
@@ -470,6 +477,12 @@ class GaudiTrainer:
             self._health.queued.append((rollback.record(), rollback.line()))
         watcher = self._start_spot_watcher()
         watchdog = self._start_watchdog()
+        if self._kept_store is not None:  # a re-fit after a rollback: the ranks form their group again
+            self._refits += 1
+            rejoin_process_group(
+                self._kept_store, attempt=self._refits, timeout_s=self.config.health.collective_timeout_s
+            )
+            self._kept_store = None
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
         finally:
@@ -485,6 +498,8 @@ class GaudiTrainer:
         guard = self._guard
         if guard is not None and guard.rollback_at is not None:
             planned = self._plan_rollback(guard, guard.rollback_at)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                self._kept_store = keep_store()
             self._release_fit(trainer, model, datamodule)
             return planned
         records = read_metrics(out / "metrics.jsonl")
