@@ -5,6 +5,8 @@ so it is taken from values every rank holds: the gradient norm (computed from th
 everywhere) and the loss summed over ranks together with a count of ranks whose own loss or norm is not finite —
 one all-reduce of three numbers (a sum, so the norm's mean is the norm), the only collective the guard adds. A dropped update is recorded in the data
 stream's `BatchSkips` (so a resume passes the same batch) and as an event the `AfterStep` health part reports.
+Under `health.spike_policy rollback` a spike's update is dropped too, and `rollback_at` asks `GaudiTrainer` to end
+the fit and restore a checkpoint (`train.rollback`); past `health.max_rollbacks`, `stop_at` asks it to stop.
 """
 
 from __future__ import annotations

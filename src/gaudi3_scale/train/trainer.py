@@ -500,7 +500,8 @@ class GaudiTrainer:
             planned = self._plan_rollback(guard, guard.rollback_at)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 self._kept_store = keep_store()
-            self._release_fit(trainer, model, datamodule)
+            del trainer, model  # what holds the group goes with it (`_release_fit`)
+            self._release_fit(datamodule)
             return planned
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
@@ -515,15 +516,14 @@ class GaudiTrainer:
             plot_loss(records, out / "loss.png", title=self._plot_title())
             if self.progress:
                 print_summary(summary, self.console)
-        self._release_fit(trainer, model, datamodule)
+        del trainer, model  # what holds the group goes with it (`_release_fit`)
+        self._release_fit(datamodule)
         return summary
 
-    def _release_fit(
-        self, trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None
-    ) -> None:
+    def _release_fit(self, datamodule: pl.LightningDataModule | None) -> None:
+        """Lightning leaves the group up. Ours goes now, with what holds it (the caller dropped its trainer and
+        module). A later fit() makes a new group."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Lightning leaves the group up. Ours goes now, with what holds it. A later fit() makes a new group.
-            del trainer, model
             self._leave_process_group(datamodule)
 
     def _plan_rollback(self, guard: StepGuard, spike_step: int) -> Rollback:
