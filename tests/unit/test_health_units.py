@@ -1,5 +1,6 @@
-"""The health section's parts on their own: the spike statistic, the data stream's skip bookkeeping, and the
-section's bad input refused by `gaudi3 train` with one line and exit 2 before anything is written."""
+"""The health section's parts on their own: the spike statistic, the data stream's skip bookkeeping, what a
+rollback carries over its checkpoint, the rollback counter, loss.png's event marks, and the section's bad input
+refused by `gaudi3 train` with one line and exit 2 before anything is written."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.health.config import HealthConfig
+from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.spike import SpikeDetector
 
 
@@ -55,32 +58,37 @@ def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "message"),
+    ("args", "message"),
     [
-        ("--health.spike_threshold_mads", "0", "health.spike_threshold_mads: must be > 0, got 0"),
-        ("--health.spike_threshold_mads", "nan", "health.spike_threshold_mads"),
+        (["--health.spike_threshold_mads", "0"], "health.spike_threshold_mads: must be > 0, got 0"),
+        (["--health.spike_threshold_mads", "nan"], "health.spike_threshold_mads"),
         (
-            "--health.spike_policy",
-            "rollback-now",
-            "health.spike_policy: got 'rollback-now'; allowed: off, warn, skip",
+            ["--health.spike_policy", "rollback-now"],
+            "health.spike_policy: got 'rollback-now'; allowed: off, warn, skip, rollback",
         ),
         (
-            "--health.spike_window_steps",
-            "5",
+            ["--health.spike_window_steps", "5"],
             "health.spike_window_steps: must be at least spike_warmup_steps (20)",
         ),
-        ("--health.skip_batches", "[-1]", "health.skip_batches: must be batch indices >= 0, got -1"),
-        ("--health.straggler_threshold", "0", "health.straggler_threshold: must be > 0, got 0"),
-        ("--health.straggler_threshold", "nan", "health.straggler_threshold"),
-        ("--health.straggler_windows", "0", "health.straggler_windows: must be > 0, got 0"),
+        (["--health.skip_batches", "[-1]"], "health.skip_batches: must be batch indices >= 0, got -1"),
+        (
+            ["--health.spike_policy", "rollback", "--checkpoint.enabled", "false"],
+            "health.spike_policy: rollback restores a checkpoint, but checkpoint.enabled is false",
+        ),
+        (["--health.rollback_skip_batches", "0"], "health.rollback_skip_batches: must be > 0, got 0"),
+        (["--health.rollback_lr_scale", "0"], "health.rollback_lr_scale: must be > 0, got 0"),
+        (["--health.rollback_lr_scale", "1.5"], "health.rollback_lr_scale: must be <= 1, got 1.5"),
+        (["--health.rollback_lr_scale", "nan"], "health.rollback_lr_scale"),
+        (["--health.max_rollbacks", "-1"], "health.max_rollbacks: must be >= 0, got -1"),
+        (["--health.straggler_threshold", "0"], "health.straggler_threshold: must be > 0, got 0"),
+        (["--health.straggler_threshold", "nan"], "health.straggler_threshold"),
+        (["--health.straggler_windows", "0"], "health.straggler_windows: must be > 0, got 0"),
     ],
 )
-def test_bad_health_settings_get_one_line_and_exit_2(
-    tmp_path: Path, flag: str, value: str, message: str
-) -> None:
+def test_bad_health_settings_get_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", flag, value],
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", *args],
         capture_output=True,
         text=True,
     )
@@ -88,3 +96,52 @@ def test_bad_health_settings_get_one_line_and_exit_2(
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not out.exists()
+
+
+def test_the_rollback_counter_starts_at_0_and_counts_rollback_records_only() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from gaudi3_scale.monitor.prometheus import MetricsExporter
+
+    registry = CollectorRegistry()
+    exporter = MetricsExporter(registry, rank=0, run="r", tokens_per_step=1)
+    labels = {"rank": "0", "run": "r"}
+    assert registry.get_sample_value("gaudi3_health_rollbacks_total", labels) == 0.0
+    exporter.observe({"step": 7, "health_event": "loss_spike", "health_action": "rollback"})
+    exporter.observe({"step": 7, "health_event": "rollback", "health_action": "rollback", "to_step": 6})
+    assert registry.get_sample_value("gaudi3_health_rollbacks_total", labels) == 1.0
+    assert registry.get_sample_value("gaudi3_health_loss_spikes_total", labels) == 1.0
+    assert registry.get_sample_value("gaudi3_health_dropped_updates_total", labels) == 0.0
+
+
+def test_a_rollback_carries_the_run_counts_and_lr_factor_over_the_older_checkpoint() -> None:
+    cfg = HealthConfig(spike_policy="rollback", rollback_lr_scale=0.5)
+    spiked = StepGuard(cfg, BatchSkips())
+    spiked.counts["loss_spike"] = 1
+    older = StepGuard(
+        cfg, BatchSkips()
+    ).state_dict()  # the checkpoint predates the spike: no counts, factor 1
+    guard = StepGuard(cfg, BatchSkips([6, 7, 8]))
+    guard.carry_from(spiked, lr_scale=0.5)
+    guard.load_state_dict(older)
+    assert (guard.counts["loss_spike"], guard.counts["rollback"], guard.lr_scale) == (1, 1, 0.5)
+    assert guard.skips.skipped == [6, 7, 8] and guard.state_dict()["lr_scale"] == 0.5
+
+
+def test_loss_png_marks_the_health_events(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    from gaudi3_scale.train.report import _event_mark, plot_loss
+
+    records = [{"step": s, "train_loss": 4.0 - 0.1 * s} for s in range(1, 8)]
+    events = [
+        {"step": 3, "health_event": "nonfinite", "health_action": "skip"},
+        {"step": 5, "health_event": "loss_spike", "health_action": "warn"},
+        {"step": 7, "health_event": "loss_spike", "health_action": "rollback"},
+        {"step": 7, "health_event": "rollback", "health_action": "rollback", "to_step": 6},
+    ]
+    assert [_event_mark(e) for e in events] == ["dropped", "spike", None, "rollback"]
+    plain, marked = tmp_path / "plain.png", tmp_path / "marked.png"
+    plot_loss(records, plain, title="t")
+    plot_loss(records + events, marked, title="t")
+    assert (matplotlib.image.imread(plain) != matplotlib.image.imread(marked)).any()

@@ -13,13 +13,16 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gaudi3_scale.distributed.mesh import release_mesh_groups
 
-__all__ = ["gloo_threads", "leave_process_group"]
+__all__ = ["KeptStore", "gloo_threads", "keep_store", "leave_process_group", "rejoin_process_group"]
 
 
 def leave_process_group() -> int | None:
@@ -34,6 +37,43 @@ def leave_process_group() -> int | None:
     release_mesh_groups()
     gc.collect()  # the holders are in reference cycles (modules ↔ hooks); collected, the groups go
     return gloo_threads()
+
+
+@dataclass(frozen=True)
+class KeptStore:
+    """The store and backend of a group about to be left, for a later group of the same ranks in this process."""
+
+    store: Any
+    backend: str
+    rank: int
+    world_size: int
+
+
+def keep_store() -> KeptStore:
+    """Call before `leave_process_group` when the same ranks will form a group again (a rollback's re-fit).
+
+    A new default group under the same store reuses the old one's keys (its name is a hash of the ranks), and a
+    rank can read a peer's stale address from them: "Gloo connectFullMesh failed … Connection refused". Holding the
+    store also keeps rank 0's store server up when rank 0 hosts it (a launcher without an agent store)."""
+    c10d = torch.distributed.distributed_c10d
+    return KeptStore(
+        store=c10d._get_default_store(),
+        backend=str(torch.distributed.get_backend()),
+        rank=torch.distributed.get_rank(),
+        world_size=torch.distributed.get_world_size(),
+    )
+
+
+def rejoin_process_group(kept: KeptStore, *, attempt: int, timeout_s: float) -> None:
+    """The default group again, its keys under a prefix of their own (`attempt`, the same on every rank); a strategy
+    that finds the group initialized uses it."""
+    torch.distributed.init_process_group(
+        kept.backend,
+        store=torch.distributed.PrefixStore(f"gaudi3-refit-{attempt}", kept.store),
+        rank=kept.rank,
+        world_size=kept.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def gloo_threads() -> int | None:

@@ -11,8 +11,8 @@ from gaudi3_scale.config.numbers import check_number, check_positive, check_seco
 
 __all__ = ["SPIKE_POLICIES", "HealthConfig"]
 
-SPIKE_POLICIES = ("off", "warn", "skip")
-SpikePolicy = Literal["off", "warn", "skip"]
+SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
+SpikePolicy = Literal["off", "warn", "skip", "rollback"]
 
 
 @dataclass(kw_only=True)
@@ -29,7 +29,8 @@ class HealthConfig:
         metadata={
             "help": "a loss (or gradient norm) over median + spike_threshold_mads × MAD of the last "
             "spike_window_steps steps: off | warn (one line and a record) | skip (drop this step's update, as "
-            "metaseq does)"
+            "metaseq does) | rollback (restore the newest checkpoint before the spike, skip rollback_skip_batches "
+            "batches from there, as PaLM does)"
         },
     )
     spike_threshold_mads: float = field(
@@ -47,6 +48,24 @@ class HealthConfig:
     )
     spike_on_grad_norm: bool = field(
         default=True, metadata={"help": "also look for spikes of the gradient norm (when it is computed)"}
+    )
+    rollback_skip_batches: int = field(
+        default=200,
+        metadata={
+            "help": "batches a rollback skips, from the data step its checkpoint resumes at (PaLM skipped 200-500)"
+        },
+    )
+    rollback_lr_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "the learning rate is multiplied by this at each rollback, in (0, 1]; 1 = unchanged"
+        },
+    )
+    max_rollbacks: int = field(
+        default=3,
+        metadata={
+            "help": "rollbacks a run may make; one more spike stops it with a restartable exit code (143)"
+        },
     )
     skip_batches: list[int] = field(
         default_factory=list,
@@ -118,6 +137,13 @@ class HealthConfig:
                 "spike_window_steps",
                 f"must be at least spike_warmup_steps ({self.spike_warmup_steps}), got {self.spike_window_steps}",
             )
+        check_positive("rollback_skip_batches", self.rollback_skip_batches)
+        check_number("rollback_skip_batches", self.rollback_skip_batches, high=2**31 - 1)
+        check_number("rollback_lr_scale", self.rollback_lr_scale, above=0.0, high=1.0)
+        check_number("max_rollbacks", self.max_rollbacks, low=0, high=2**31 - 1)
+        for name in ("rollback_skip_batches", "max_rollbacks"):
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(name, f"must be an integer, got {getattr(self, name)!r}")
         for name in (
             "setup_timeout_s",
             "checkpoint_timeout_s",

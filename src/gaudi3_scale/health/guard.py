@@ -5,6 +5,8 @@ so it is taken from values every rank holds: the gradient norm (computed from th
 everywhere) and the loss summed over ranks together with a count of ranks whose own loss or norm is not finite —
 one all-reduce of three numbers (a sum, so the norm's mean is the norm), the only collective the guard adds. A dropped update is recorded in the data
 stream's `BatchSkips` (so a resume passes the same batch) and as an event the `AfterStep` health part reports.
+Under `health.spike_policy rollback` a spike's update is dropped too, and `rollback_at` asks `GaudiTrainer` to end
+the fit and restore a checkpoint (`train.rollback`); past `health.max_rollbacks`, `stop_at` asks it to stop.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class HealthEvent:
 
     kind: str  # nonfinite | loss_spike | grad_norm_spike
     step: int
-    action: str  # skip (the update was dropped) | warn (applied)
+    action: (
+        str  # skip (the update was dropped) | warn (applied) | rollback | stop (dropped, then the fit ends)
+    )
     loss: float
     grad_norm: float | None
     data_step: int | None  # the dropped batch (skip)
@@ -48,7 +52,11 @@ class HealthEvent:
         }
 
     def line(self) -> str:
-        what = "update dropped" if self.action == "skip" else "update applied"
+        what = {
+            "warn": "update applied",
+            "rollback": "update dropped; rolling back to the newest checkpoint before it",
+            "stop": "update dropped; health.max_rollbacks reached: the run stops",
+        }.get(self.action, "update dropped")
         batch = f", data batch {self.data_step} skipped on resume" if self.data_step is not None else ""
         return f"health: step {self.step}: {self.detail}; {what}{batch}"
 
@@ -60,7 +68,16 @@ class StepGuard:
         self.cfg, self.skips = cfg, skips
         self.loss_spikes, self.norm_spikes = _spike_detector(cfg), _spike_detector(cfg)
         self.pending: list[HealthEvent] = []  # this step's events, taken by the AfterStep part
-        self.counts: dict[str, int] = {"nonfinite": 0, "loss_spike": 0, "grad_norm_spike": 0, "dropped": 0}
+        self.counts: dict[str, int] = {
+            "nonfinite": 0, "loss_spike": 0, "grad_norm_spike": 0, "dropped": 0, "rollback": 0
+        }  # fmt: skip
+        # Rollback (health.spike_policy rollback): the learning rate's factor (checkpointed; exactly 1.0 until a
+        # rollback with health.rollback_lr_scale < 1), and the spike step that asked for one or for the stop.
+        self.lr_scale = 1.0
+        self.rollback_at: int | None = None
+        self.stop_at: int | None = None
+        # What a rollback carries past the checkpoint it restores (`carry_from`): the counts and the lr factor.
+        self._carried: dict[str, Any] | None = None
 
     @property
     def active(self) -> bool:
@@ -88,10 +105,33 @@ class StepGuard:
         if spike is None:
             return True
         what, found = spike
-        action = "skip" if self.cfg.spike_policy == "skip" else "warn"
+        action = self._spike_action(step)
         return self._event(
             f"{what}_spike", step, action, mean_loss, norm, found.describe(what.replace("_", " "))
         )
+
+    def _spike_action(self, step: int) -> str:
+        policy = self.cfg.spike_policy
+        if policy != "rollback":
+            return policy  # skip | warn
+        if self.counts["rollback"] >= self.cfg.max_rollbacks:
+            self.stop_at = step
+            return "stop"
+        self.rollback_at = step
+        return "rollback"
+
+    def carry_from(self, previous: StepGuard, *, lr_scale: float) -> None:
+        """This guard continues `previous`'s run after a rollback: the checkpoint it restores predates the spike,
+        so the run's counts (one more rollback) and the learning-rate factor (× `lr_scale`) come from `previous`,
+        applied over the checkpoint's when it loads; the spike histories and dropped batches are the checkpoint's."""
+        counts = {**previous.counts, "rollback": previous.counts["rollback"] + 1}
+        self._carried = {"counts": counts, "lr_scale": previous.lr_scale * lr_scale}
+        self._apply_carried()
+
+    def _apply_carried(self) -> None:
+        if self._carried is not None:
+            self.counts.update(self._carried["counts"])
+            self.lr_scale = float(self._carried["lr_scale"])
 
     def _event(self, kind: str, step: int, action: str, loss: float, norm: float | None, detail: str) -> bool:
         data_step = self.skips.drop(step) if action == "skip" else None
@@ -99,7 +139,7 @@ class StepGuard:
         if action == "skip":
             self.counts["dropped"] += 1
         self.pending.append(HealthEvent(kind, step, action, loss, norm, data_step, detail))
-        return action != "skip"
+        return action not in ("skip", "rollback", "stop")
 
     @staticmethod
     def _agree(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float, float | None, int]:
@@ -131,6 +171,7 @@ class StepGuard:
             "loss_history": self.loss_spikes.state_dict(),
             "grad_norm_history": self.norm_spikes.state_dict(),
             "counts": dict(self.counts),
+            "lr_scale": self.lr_scale,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -138,6 +179,8 @@ class StepGuard:
         self.loss_spikes.load_state_dict(state.get("loss_history", {}))
         self.norm_spikes.load_state_dict(state.get("grad_norm_history", {}))
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self._apply_carried()
 
 
 def _spike_detector(cfg: HealthConfig) -> SpikeDetector:

@@ -110,6 +110,7 @@ METRICS: tuple[Metric, ...] = (
     # Straggler detection (health.stragglers): this rank's entries of the window's per-rank lists.
     Metric("gaudi3_rank_compute_seconds", "gauge", "this rank's own compute (forward) per step in the window"),
     Metric("gaudi3_straggler", "gauge", "1 while this rank is named a straggler, else 0"),
+    Metric("gaudi3_health_rollbacks_total", "counter", "rollbacks to a checkpoint before a loss spike"),
     # SystemSampler.
     Metric("gaudi3_device_memory_allocated_bytes", "gauge", "accelerator memory allocated (CPU: process RSS)"),
     Metric("gaudi3_device_memory_peak_bytes", "gauge", "peak accelerator memory allocated (CPU: peak RSS)"),
@@ -136,6 +137,7 @@ _HEALTH_COUNTERS = {
     "nonfinite": "gaudi3_health_nonfinite_steps_total",
     "loss_spike": "gaudi3_health_loss_spikes_total",
     "grad_norm_spike": "gaudi3_health_grad_norm_spikes_total",
+    "rollback": "gaudi3_health_rollbacks_total",
 }
 
 _DEVICE_FIELDS = (

@@ -42,6 +42,11 @@ class StepCheck(Protocol):
 
     def after_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
+    @property
+    def ends_fit(self) -> bool:
+        """The check ended the fit (a rollback): no final checkpoint."""
+        ...
+
 
 class AfterStep(pl.Callback):
     """The parts of the run that act after each optimizer step (module docstring), called in one order."""
@@ -128,7 +133,10 @@ class AfterStep(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.metrics.end()
         self.stop.end()
-        self.checkpoint.end(trainer)  # the final checkpoint, committed
+        if not (
+            self.health is not None and self.health.ends_fit
+        ):  # a rollback or the stop saves nothing more
+            self.checkpoint.end(trainer)  # the final checkpoint, committed
         if self.progress is not None:
             self.progress.stop()
         if self.profiler is not None:

@@ -343,6 +343,12 @@ class RunConfig:
         # Fail before launching anything when the batch does not split over the ranks.
         self.batch_plan()
         check_tensor_parallel(self.model, self.parallel.tp_size)
+        if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
+            raise ConfigError(
+                "health.spike_policy",
+                "rollback restores a checkpoint, but checkpoint.enabled is false; allowed without checkpoints: "
+                "off, warn, skip",
+            )
         _check_expert_parallel(self.model, self.parallel.ep_size)
         if self.parallel.tp_size > 1 and self.train.precision == "fp8":
             raise ConfigError(

@@ -258,6 +258,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
                 state.compute_s = 0.0  # a dropped step is not booked (RunMetrics does not see it)
                 return
         lr = lr_at_step(self.trainer.global_step, self.optim_cfg, self.max_steps)
+        if guard is not None and guard.lr_scale != 1.0:  # after a rollback with health.rollback_lr_scale < 1
+            lr *= guard.lr_scale
         for group in opt.optimizer.param_groups:
             group["lr"] = lr
         opt.step()

@@ -28,25 +28,62 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(path, strict_json.dumps(summary, indent=2) + "\n")
 
 
+# How loss.png marks the health events of metrics.jsonl (docs/health.md): a vertical line at the event's step.
+_EVENT_MARKS = {  # kind: (legend label, colour, line style)
+    "dropped": ("update dropped", "tab:red", ":"),
+    "spike": ("spike", "tab:orange", "--"),
+    "rollback": ("rollback", "tab:purple", "-"),
+}
+
+
+def _event_mark(record: dict[str, Any]) -> str | None:
+    """Which mark a health record gets: a rollback, a dropped update (non-finite or skipped spike), a spike."""
+    event, action = record.get("health_event"), record.get("health_action")
+    if event is None:
+        return None
+    if event == "rollback":
+        return "rollback"
+    if action == "skip":
+        return "dropped"
+    return "spike" if action in ("warn", "stop") else None  # a spike that rolled back: its rollback's mark
+
+
 def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
-    """Train and validation loss against optimizer step."""
+    """Train and validation loss against optimizer step, with the run's health events marked. After a rollback
+    the steps it replayed are the ones the run kept (a step's newest record)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    train = sorted({r["step"]: r["train_loss"] for r in records if r.get("train_loss") is not None}.items())
+    val = sorted({r["step"]: r["val_loss"] for r in records if r.get("val_loss") is not None}.items())
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
+    marked = False
+    for kind, (label, color, linestyle) in _EVENT_MARKS.items():
+        steps = sorted({r["step"] for r in records if _event_mark(r) == kind})
+        for i, step in enumerate(steps):
+            ax.axvline(
+                step,
+                color=color,
+                linestyle=linestyle,
+                linewidth=1.0,
+                alpha=0.8,
+                label=label if i == 0 else None,
+            )
+            marked = True
+        for r in records:  # the steps a rollback went back over
+            if kind == "rollback" and _event_mark(r) == kind and r.get("to_step") is not None:
+                ax.axvspan(r["to_step"], r["step"], color="tab:purple", alpha=0.12)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if train or val:
+    if train or val or marked:
         ax.legend()
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")

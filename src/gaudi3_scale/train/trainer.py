@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -31,10 +32,15 @@ from gaudi3_scale.data.inputs import TrainingData, open_training_data
 from gaudi3_scale.data.mlm import MlmMasking, mlm_vocabulary
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.device import DevicePlan, plan_device
-from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
+from gaudi3_scale.distributed.launch import launched_parallel, signal_exit_code, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy, saves_sharded
-from gaudi3_scale.distributed.teardown import leave_process_group
+from gaudi3_scale.distributed.teardown import (
+    KeptStore,
+    keep_store,
+    leave_process_group,
+    rejoin_process_group,
+)
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.heartbeat import HEALTH_DIR
 from gaudi3_scale.health.stragglers import StragglerDetector
@@ -55,6 +61,7 @@ from gaudi3_scale.train.resume import (
     saved_run_config,
 )
 from gaudi3_scale.train.rng import RngStates
+from gaudi3_scale.train.rollback import Rollback, plan_rollback
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
 from gaudi3_scale.train.step import StepState, step_state_of
@@ -142,6 +149,11 @@ class GaudiTrainer:
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
         self._step_state = StepState()  # the fitted module's (train.step), from fit()
         self._watchdog: Watchdog | None = None  # health.watchdog: built with the trainer, started by fit()
+        # health.spike_policy rollback: the data steps the run's rollbacks skip, a multi-rank fit's store kept for
+        # the re-fit after one, and the re-fits made
+        self._rollback_skips: list[int] = []
+        self._kept_store: KeptStore | None = None
+        self._refits = 0
 
     @property
     def out_dir(self) -> Path:
@@ -191,9 +203,8 @@ class GaudiTrainer:
             if resume_from is not None
             else model_cfg.init_from,  # resuming: the checkpoint wins
         )
-        skips = BatchSkips(
-            cfg.health.skip_batches
-        )  # batches that make no update: the stream's and the guard's
+        # Batches that make no update: the stream's and the guard's (a checkpoint's own join them on resume).
+        skips = BatchSkips([*cfg.health.skip_batches, *self._rollback_skips])
         datamodule = TokenDataModule(
             prepared,
             context_length=model_cfg.context_length,
@@ -416,7 +427,27 @@ class GaudiTrainer:
     def _fit(
         self, model: pl.LightningModule | None, datamodule: pl.LightningDataModule | None, started: float
     ) -> dict[str, Any]:
+        """Fit; after a spike that asks for a rollback (`train.rollback`), fit again in this process from the
+        checkpoint it restores, with its batches skipped, until a fit ends without one."""
         ckpt_path = resume_point(self.config, warn=self._warn)  # refused before any data work or file written
+        rollback: Rollback | None = None
+        while True:
+            outcome = self._fit_once(model, datamodule, ckpt_path, started, rollback)
+            if not isinstance(outcome, Rollback):
+                return outcome
+            rollback = outcome
+            ckpt_path, model, datamodule = rollback.checkpoint, None, None
+
+    def _fit_once(
+        self,
+        model: pl.LightningModule | None,
+        datamodule: pl.LightningDataModule | None,
+        ckpt_path: Path | None,
+        started: float,
+        rollback: Rollback | None,
+    ) -> dict[str, Any] | Rollback:
+        """One Lightning fit: the run's summary, or the rollback planned when a spike ended it."""
+        previous_guard, previous_health = self._guard, self._health
         # Python, numpy and torch global generators: nothing in our training draws from them (weights, data order
         # and dropout have their own seeded streams), but user code may, and checkpoints record them, so two runs
         # with the same seed must hold the same state. One stream per rank.
@@ -425,6 +456,8 @@ class GaudiTrainer:
             if datamodule is not None:
                 raise ValueError("pass a datamodule together with your own model, or neither")
             model, datamodule = self._build_default(ckpt_path)
+            if rollback is not None and previous_guard is not None and self._guard is not None:
+                self._guard.carry_from(previous_guard, lr_scale=self.config.health.rollback_lr_scale)
         elif self.config.train.max_epochs is not None:
             raise ConfigError(
                 "train.max_epochs",
@@ -449,8 +482,18 @@ class GaudiTrainer:
             if self.progress:
                 self.console.print(f"resuming from {ckpt_path}")
         endpoint = self._start_metrics_endpoint(trainer)
+        if rollback is not None and self._health is not None:
+            if previous_health is not None:
+                self._health.events[:0] = previous_health.events
+            self._health.queued.append((rollback.record(), rollback.line()))
         watcher = self._start_spot_watcher()
         watchdog = self._start_watchdog()
+        if self._kept_store is not None:  # a re-fit after a rollback: the ranks form their group again
+            self._refits += 1
+            rejoin_process_group(
+                self._kept_store, attempt=self._refits, timeout_s=self.config.health.collective_timeout_s
+            )
+            self._kept_store = None
         try:
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
         finally:
@@ -463,8 +506,18 @@ class GaudiTrainer:
             if self._live_cost is not None and self._live_cost.spot is not None:
                 self._live_cost.spot.prices.close()
             self._checkpointer.close()  # drains uploads, applies the retention that waited on them
+        guard = self._guard
+        if guard is not None and guard.rollback_at is not None:
+            planned = self._plan_rollback(guard, guard.rollback_at)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                self._kept_store = keep_store()
+            del trainer, model  # what holds the group goes with it (`_release_fit`)
+            self._release_fit(datamodule)
+            return planned
         records = read_metrics(out / "metrics.jsonl")
         summary = self._summary(records, time.perf_counter() - started)
+        if guard is not None and guard.stop_at is not None:
+            summary.update(self._spike_stop(guard.stop_at))
         if isinstance(datamodule, TokenDataModule) and datamodule.has_data:
             cache = datamodule.data.stats()  # a URL dataset's shard cache, this process's handle
             if cache:
@@ -474,11 +527,40 @@ class GaudiTrainer:
             plot_loss(records, out / "loss.png", title=self._plot_title())
             if self.progress:
                 print_summary(summary, self.console)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Lightning leaves the group up. Ours goes now, with what holds it. A later fit() makes a new group.
-            del trainer, model
-            self._leave_process_group(datamodule)
+        del trainer, model  # what holds the group goes with it (`_release_fit`)
+        self._release_fit(datamodule)
         return summary
+
+    def _release_fit(self, datamodule: pl.LightningDataModule | None) -> None:
+        """Lightning leaves the group up. Ours goes now, with what holds it (the caller dropped its trainer and
+        module). A later fit() makes a new group."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._leave_process_group(datamodule)
+
+    def _plan_rollback(self, guard: StepGuard, spike_step: int) -> Rollback:
+        """The rollback from the spike at `spike_step`, its batches added to the run's skips (`train.rollback`)."""
+        health = self.config.health
+        rollback = plan_rollback(
+            self._checkpoint.manager,
+            spike_step=spike_step,
+            skips=guard.skips,
+            global_batch_size=self._plans()[0].global_batch_size,
+            skip_batches=health.rollback_skip_batches,
+            lr_scale=guard.lr_scale * health.rollback_lr_scale,
+        )
+        self._rollback_skips.extend(rollback.skipped)
+        return rollback
+
+    def _spike_stop(self, spike_step: int) -> dict[str, Any]:
+        """A spike after health.max_rollbacks rollbacks: the run stops with a restartable exit code (the summary's
+        stop fields; `gaudi3 train` ends with their one line)."""
+        rollbacks = self.config.health.max_rollbacks
+        reason = f"a loss spike at step {spike_step}, with health.max_rollbacks ({rollbacks}) rollbacks made,"
+        return {
+            "interrupted": True,
+            "stop_reason": reason,
+            "stop_exit_code": signal_exit_code(signal.SIGTERM),
+        }
 
     def _leave_process_group(self, datamodule: pl.LightningDataModule | None) -> None:
         """Release the fitted trainer and module, then the group, so that its gloo threads are joined before the

@@ -1,0 +1,84 @@
+"""A rollback (`health.spike_policy rollback`, PaLM's remedy for a loss spike): which checkpoint to restore and
+which batches of the data stream to skip from there, decided after the fit that spiked has ended.
+
+The step guard (`health.guard.StepGuard`) finds the spike at optimizer step K on every rank alike, drops that
+update and ends the fit (`train.step_health.StepHealth`); `GaudiTrainer` then plans the rollback here, once every
+save of that fit has committed, and fits again from the plan's checkpoint with the plan's batches skipped.
+
+The checkpoint is the newest committed one whose step is at most K: a checkpoint of step S holds the state after
+S updates, before step S's own, so one saved at K itself precedes the spiking update. Its data step (the sampler's
+`samples_consumed` / the global batch) is the first batch a resume from it would load; the plan skips
+`health.rollback_skip_batches` data steps from there, so the spiking batch (K's, at or after it) is never loaded
+again. Without a checkpoint that old the run starts over from its initial weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.checkpoint.contents import DATAMODULE_KEY
+from gaudi3_scale.checkpoint.manager import CheckpointManager, state_path
+from gaudi3_scale.checkpoint.reader import read_checkpoint
+from gaudi3_scale.data.skips import BatchSkips
+
+__all__ = ["Rollback", "plan_rollback"]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    spike_step: int  # the optimizer step whose update was dropped
+    to_step: int  # the restored checkpoint's step (0 and no checkpoint: the initial weights)
+    checkpoint: Path | None  # what Lightning's ckpt_path names (`checkpoint.manager.state_path`)
+    skipped: range  # data steps never loaded again
+    lr_scale: float  # the run's learning-rate factor from here on
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl record of this rollback (a health event)."""
+        return {
+            "step": self.spike_step,
+            "health_event": "rollback",
+            "health_action": "rollback",
+            "from_step": self.spike_step,
+            "to_step": self.to_step,
+            "checkpoint": self.checkpoint.parent.name if self.checkpoint is not None else None,
+            "skipped_batches": [self.skipped.start, self.skipped.stop - 1],
+            "lr_scale": self.lr_scale,
+            "detail": self.describe(),
+        }
+
+    def describe(self) -> str:
+        where = f"checkpoint step {self.to_step}" if self.checkpoint is not None else "the initial weights"
+        lr = f"; learning rate × {self.lr_scale:g}" if self.lr_scale != 1.0 else ""
+        return (
+            f"rolled back from step {self.spike_step} to {where}; data batches {self.skipped.start}–"
+            f"{self.skipped.stop - 1} skipped{lr}"
+        )
+
+    def line(self) -> str:
+        return f"health: step {self.spike_step}: {self.describe()}"
+
+
+def plan_rollback(
+    manager: CheckpointManager,
+    *,
+    spike_step: int,
+    skips: BatchSkips,
+    global_batch_size: int,
+    skip_batches: int,
+    lr_scale: float,
+) -> Rollback:
+    """The rollback from a spike at `spike_step`: the newest committed checkpoint at or before it, and the
+    `skip_batches` data steps from the one it resumes at. `skips` is the spiking fit's (for the no-checkpoint case:
+    the first batch of the stream not already skipped); `lr_scale` the factor after this rollback."""
+    older = [(step, path) for step, path in manager.committed() if step <= spike_step]
+    if older:
+        to_step, directory = older[-1]
+        ckpt: Path | None = state_path(directory)
+        state = read_checkpoint(directory, tensors=False, verify=False)
+        first = int(state[DATAMODULE_KEY]["samples_consumed"]) // global_batch_size
+    else:
+        to_step, ckpt = 0, None
+        first = BatchSkips(skips.skipped).data_step_of_load(0)
+    return Rollback(spike_step, to_step, ckpt, range(first, first + skip_batches), lr_scale)
