@@ -7,6 +7,12 @@ settings run in alternated pairs (on first, then off first, …), so a shared ma
 run's step time is the steady-state one summary.json reports (after the throughput warm-up steps). The result is
 the median over pairs of (health on / health off); `--ranks 2` runs the same on 2 ranks (DDP, gloo).
 
+Runs minutes apart on a shared machine differ by several per cent, more than the 1 % this is about, so the
+`interleaved` cell also measures the step guard (its check and spike detectors, the part that runs on every step)
+inside one single-process run: the guard is switched on and off every optimizer step, and the ratio is the median
+step time of guarded steps over unguarded ones, steps milliseconds apart. The watchdog's beat and the straggler
+clock stay on for both halves there (a clock read or two per step).
+
     PYTHONPATH=src python benchmarks/bench_health.py                 # 1 and 2 ranks → benchmarks/results/health_cpu.json
     PYTHONPATH=src python benchmarks/bench_health.py --steps 60 --pairs 1 --out /tmp/h.json   # a smoke check
 """
@@ -19,12 +25,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 from rich.progress import Progress
 
+from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.monitor.environment import environment_info
+from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train.step import at_step_boundary
 
 OFF = ["--health.nonfinite_guard=false", "--health.spike_policy=off", "--health.watchdog=false",
        "--health.stragglers=false"]  # fmt: skip
@@ -62,6 +73,47 @@ def _measure(steps: int, ranks: int, pairs: int, progress: Progress, task: Any) 
     }
 
 
+class _Alternate(pl.Callback):
+    """Switches the module's step guard on for even optimizer steps and off for odd ones; times every step from the
+    previous one's end (data, hooks and all)."""
+
+    def __init__(self, skip_steps: int, progress: Progress, task: Any) -> None:
+        self.skip_steps, self.progress, self.task = skip_steps, progress, task
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self._guard: Any = None
+        self._last = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._guard = pl_module.guard  # type: ignore[union-attr]
+        assert self._guard is not None, "the health defaults attach a step guard"
+        self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not at_step_boundary(pl_module):
+            return
+        now = time.perf_counter()
+        guarded = pl_module.guard is not None  # type: ignore[union-attr]
+        if trainer.global_step > self.skip_steps:
+            self.times[guarded].append(now - self._last)
+        pl_module.guard = None if guarded else self._guard  # type: ignore[union-attr]
+        self.progress.advance(self.task)
+        self._last = time.perf_counter()
+
+
+def _interleaved(steps: int, progress: Progress, task: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"--out_dir={tmp}/run", f"--train.max_steps={steps}", "--train.val_every_steps=0",
+                     "--checkpoint.enabled=false"]  # fmt: skip
+        clock = _Alternate(skip_steps=30, progress=progress, task=task)
+        GaudiTrainer(
+            build_run_config(None, parse_overrides(overrides)), progress=False, callbacks=[clock]
+        ).fit()
+    on, off = statistics.median(clock.times[True]), statistics.median(clock.times[False])
+    return {"steps": steps, "guarded_steps": len(clock.times[True]), "unguarded_steps": len(clock.times[False]),
+            "median_guarded_step_s": on, "median_unguarded_step_s": off, "median_ratio": on / off,
+            "overhead_percent": (on / off - 1) * 100}  # fmt: skip
+
+
 def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -94,14 +146,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--pairs", type=int, default=4, help="alternated (on, off) pairs per rank count")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to measure")
+    parser.add_argument(
+        "--interleaved-steps", type=int, default=1000, help="steps of the interleaved run (0: none)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/health_cpu.json"))
     args = parser.parse_args()
     with Progress(*Progress.get_default_columns()) as progress:
         task = progress.add_task("health on/off runs", total=2 * args.pairs * len(args.ranks))
         cells = [_measure(args.steps, ranks, args.pairs, progress, task) for ranks in args.ranks]
+        interleaved = None
+        if args.interleaved_steps:
+            steps_task = progress.add_task("guard on/off, step by step", total=args.interleaved_steps)
+            interleaved = _interleaved(args.interleaved_steps, progress, steps_task)
     command = "PYTHONPATH=src python benchmarks/bench_health.py " + " ".join(sys.argv[1:])
     result = {"benchmark": "health_overhead", "command": command.strip(), "machine": environment_info(),
-              "health_off_flags": OFF, "cells": cells}  # fmt: skip
+              "health_off_flags": OFF, "cells": cells, "interleaved": interleaved}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, args.out.with_suffix(".png"))
@@ -109,6 +168,8 @@ def main() -> None:
         print(
             f"{cell['ranks']} rank(s): health on / off = {cell['median_ratio']:.4f} (median of {len(cell['pairs'])} pairs)"
         )
+    if interleaved is not None:
+        print(f"interleaved, 1 rank: guarded / unguarded step = {interleaved['median_ratio']:.4f}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
