@@ -293,5 +293,7 @@ def test_a_choice_spelled_like_a_yaml_boolean_stays_the_word() -> None:
     from gaudi3_scale.train.config import resolve_config
 
     assert resolve_config(None, ["--health.spike_policy", "off"]).health.spike_policy == "off"
-    with pytest.raises(ConfigError, match=r"^health.spike_policy: got True; allowed: off, warn, skip, rollback$"):
+    with pytest.raises(
+        ConfigError, match=r"^health.spike_policy: got True; allowed: off, warn, skip, rollback$"
+    ):
         resolve_config(None, ["--health.spike_policy", "on"])
