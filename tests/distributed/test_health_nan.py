@@ -45,3 +45,23 @@ def test_a_nan_on_rank_1_drops_the_step_on_both_ranks(tmp_path: Path, strategy: 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     events = [r for r in read_metrics(nan / "metrics.jsonl") if "health_event" in r]
     assert {(e["step"], e["health_event"], e["data_step"]) for e in events} == {(2, "nonfinite", 2)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])  # FSDP's drop is covered above; its re-run is the same code
+def test_the_rerun_check_names_the_rank_of_a_transient_fault_and_the_batch_of_a_data_one(
+    tmp_path: Path, strategy: str
+) -> None:
+    checked, unchecked = tmp_path / "checked", tmp_path / "unchecked"
+    faults = "nan:rank=1:step=1:transient=1,nan:rank=0:step=3"
+    proc = _train(checked, strategy, "--health.rerun_check", "true", faults=faults)
+    assert "re-run differs: hardware fault suspected, rank(s) 1 computed other losses" in proc.stderr
+    _train(unchecked, strategy, faults=faults)
+    events = {e["step"]: e for e in read_metrics(checked / "metrics.jsonl") if "health_event" in e}
+    assert (events[1]["rerun"]["suspect"], events[1]["rerun"]["ranks"]) == ("hardware", [1])
+    data = events[2]  # data step 3 is update 2's: the dropped batch 1 made none
+    assert (data["data_step"], data["rerun"]["suspect"], data["rerun"]["ranks"]) == (3, "data", [])
+    samples = data["rerun"]["batch"]["samples"]  # the whole global batch: 4 samples from each rank
+    assert sorted(s["rank"] for s in samples) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert len({(s["shard"], s["offset"]) for s in samples}) == 8
+    a, b = _weights(checked), _weights(unchecked)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -67,6 +67,14 @@ class HealthConfig:
             "help": "rollbacks a run may make; one more spike stops it with a restartable exit code (143)"
         },
     )
+    rerun_check: bool = field(
+        default=False,
+        metadata={
+            "help": "after a non-finite step or a spike, run the same step again from the same state and compare: "
+            "a different result reports a suspected hardware fault (naming the rank), the same one a data or "
+            "optimisation problem (naming the batch: shard and offsets); costs one more step per event"
+        },
+    )
     skip_batches: list[int] = field(
         default_factory=list,
         metadata={

@@ -11,6 +11,7 @@ the fit and restore a checkpoint (`train.rollback`); past `health.max_rollbacks`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class HealthEvent:
     grad_norm: float | None
     data_step: int | None  # the dropped batch (skip)
     detail: str
+    rerun: dict[str, Any] | None = None  # what the re-run check showed (health.rerun), when it ran
 
     def record(self) -> dict[str, Any]:
         """The metrics.jsonl record of this event."""
@@ -49,6 +51,7 @@ class HealthEvent:
             "event_grad_norm": self.grad_norm,
             "data_step": self.data_step,
             "detail": self.detail,
+            **({"rerun": self.rerun} if self.rerun is not None else {}),
         }
 
     def line(self) -> str:
@@ -58,7 +61,8 @@ class HealthEvent:
             "stop": "update dropped; health.max_rollbacks reached: the run stops",
         }.get(self.action, "update dropped")
         batch = f", data batch {self.data_step} skipped on resume" if self.data_step is not None else ""
-        return f"health: step {self.step}: {self.detail}; {what}{batch}"
+        rerun = f"; {self.rerun['verdict']}" if self.rerun is not None else ""
+        return f"health: step {self.step}: {self.detail}; {what}{batch}{rerun}"
 
 
 class StepGuard:
@@ -160,6 +164,10 @@ class StepGuard:
         summed = packed.tolist()  # the one host sync of the step
         norm = summed[1] / world if grad_norm is not None else None  # the same on every rank: its mean is it
         return summed[0], summed[-1], norm, world
+
+    def add_rerun(self, record: dict[str, Any]) -> None:
+        """The re-run check's verdict on this step's events (`health.rerun`)."""
+        self.pending = [dataclasses.replace(event, rerun=record) for event in self.pending]
 
     def take_events(self) -> list[HealthEvent]:
         events, self.pending = self.pending, []

@@ -5,7 +5,8 @@
 
 `nan` makes the loss of optimizer step `step` NaN on `rank` (every rank when omitted) before its backward pass, so
 the gradients that the all-reduce spreads are NaN too; `spike` multiplies that loss by `scale`; `sleep` sleeps
-`seconds` before each forward of `rank` from `step` on (a straggler).
+`seconds` before each forward of `rank` from `step` on (a straggler). `transient=1` makes a `nan` or `spike` happen
+only the first time its step runs, not when `health.rerun_check` runs it again (a hardware fault, not the data's).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Fault:
     rank: int | None = None
     scale: float = 100.0
     seconds: float = 0.0
+    transient: bool = False  # not injected into a re-run of its step (health.rerun)
 
 
 def faults_from_env() -> tuple[Fault, ...]:
@@ -43,14 +45,17 @@ def faults_from_env() -> tuple[Fault, ...]:
                 rank=int(values["rank"]) if "rank" in values else None,
                 scale=float(values.get("scale", 100.0)),
                 seconds=float(values.get("seconds", 0.0)),
+                transient=values.get("transient", "0") == "1",
             )
         )
     return tuple(faults)
 
 
-def inject_into_loss(faults: tuple[Fault, ...], loss: torch.Tensor, *, step: int, rank: int) -> torch.Tensor:
+def inject_into_loss(
+    faults: tuple[Fault, ...], loss: torch.Tensor, *, step: int, rank: int, rerun: bool = False
+) -> torch.Tensor:
     for fault in faults:
-        if fault.step == step and fault.rank in (None, rank):
+        if fault.step == step and fault.rank in (None, rank) and not (rerun and fault.transient):
             if fault.kind == "nan":
                 loss = loss * float("nan")
             elif fault.kind == "spike":

@@ -1,7 +1,8 @@
 """What a run's `health/` directory says happened, per rank: `gaudi3 health RUN` prints `format_health(read_health(RUN))`.
 
 It reads the files the watchdog writes (`health.heartbeat`): the hang reports, each rank's last heartbeat, and the
-top frames of the training loop's thread in the newest stack dump of each rank (faulthandler's and py-spy's).
+top frames of the training loop's thread in the newest stack dump of each rank (faulthandler's and py-spy's); and
+the step guard's events of the run's metrics.jsonl (non-finite steps, spikes, rollbacks, re-run verdicts).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.health.heartbeat import (
     DONE,
@@ -23,7 +25,15 @@ from gaudi3_scale.health.heartbeat import (
     stacks_path,
 )
 
-__all__ = ["HealthReport", "RankHealth", "StackDump", "format_health", "read_health", "top_frames"]
+__all__ = [
+    "HealthReport",
+    "RankHealth",
+    "StackDump",
+    "format_health",
+    "read_events",
+    "read_health",
+    "top_frames",
+]
 
 TOP_FRAMES = 4
 _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -51,11 +61,15 @@ class HealthReport:
     health_dir: Path
     hangs: list[dict[str, Any]]  # hang-rank<N>.json records, oldest first
     ranks: list[RankHealth]
+    events: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's health events, in order
 
 
 def read_health(run_dir: Path) -> HealthReport:
     health_dir = run_dir / HEALTH_DIR
+    events = read_events(run_dir / "metrics.jsonl")
     if not health_dir.is_dir():
+        if events:
+            return HealthReport(health_dir, [], [], events)
         raise UserInputError(
             f"{run_dir}: no {HEALTH_DIR}/ directory here; expected the output directory of a run trained with "
             "health.watchdog true (the default)"
@@ -70,7 +84,22 @@ def read_health(run_dir: Path) -> HealthReport:
     hangs.sort(key=lambda r: r.get("detected_unix_s", 0.0))
     beats = read_heartbeats(health_dir)
     ranks = sorted({*beats, *(int(m[1]) for p in health_dir.iterdir() if (m := _RANK_FILE.match(p.name)))})
-    return HealthReport(health_dir, hangs, [_rank_health(health_dir, r, beats.get(r)) for r in ranks])
+    return HealthReport(health_dir, hangs, [_rank_health(health_dir, r, beats.get(r)) for r in ranks], events)
+
+
+def read_events(metrics: Path) -> list[dict[str, Any]]:
+    """The health events of a metrics.jsonl (records with `health_event`); a torn last line is ignored."""
+    if not metrics.is_file():
+        return []
+    events = []
+    for line in metrics.read_text().splitlines():
+        if '"health_event"' not in line:
+            continue
+        try:
+            events.append(strict_json.restore_non_finite(json.loads(line)))
+        except ValueError:
+            continue  # a line being written when the run was killed
+    return events
 
 
 def _rank_health(health_dir: Path, rank: int, beat: Heartbeat | None) -> RankHealth:
@@ -165,6 +194,9 @@ def format_health(report: HealthReport) -> list[str]:
         lines.append("no hang recorded")
     for rank in report.ranks:
         lines += _format_rank(rank)
+    lines += [f"step {e.get('step')}: {e.get('health_event')} ({e.get('health_action')}): {e.get('detail', '')}"
+              + (f"; {e['rerun']['verdict']}" if isinstance(e.get("rerun"), dict) else "")
+              for e in report.events]  # fmt: skip
     return lines
 
 

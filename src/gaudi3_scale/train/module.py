@@ -26,6 +26,7 @@ from gaudi3_scale.distributed.parallelize import build_parallelized
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.inject import faults_from_env, inject_delay, inject_into_loss
+from gaudi3_scale.health.rerun import batch_locations, compare_reruns
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.models.common.moe import MoEFeedForward, moe_layers, router_losses
 from gaudi3_scale.train.config import OptimConfig
@@ -124,6 +125,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # Whether a step's update is applied (health.guard), set by the trainer; None: always.
         self.guard: StepGuard | None = None
         self._faults = faults_from_env()  # test-only fault injection (health.inject); () in a real run
+        # health.rerun_check: this step's (micro-batch, loss) pairs, kept for a re-run; None when it is off.
+        self._window: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -179,6 +182,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         return self._loss_fn(x, y)
 
     def on_train_start(self) -> None:
+        self._window = [] if self.guard is not None and self.guard.cfg.rerun_check else None
         self._clip_params = None  # the parameters may have been replaced since the last fit: list them again
         self._sync = gradient_sync(self.trainer.strategy.model)
 
@@ -207,29 +211,12 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         assert not isinstance(opt, list)
         state, sync = self.step_state, self._sync
         accumulation = state.accumulation
-        if self.model_cfg.dropout > 0:
-            # Dropout masks are a function of (seed, step, micro-step, rank) only, so a resumed run draws the
-            # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
-            step = self.trainer.global_step * accumulation + state.micro_step
-            torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
-        faults = self._faults
-        if faults:
-            data_step = (
-                self.guard.skips.next_data_step(self.trainer.global_step)
-                if self.guard
-                else self.trainer.global_step
-            )
-            inject_delay(faults, step=data_step, rank=self.global_rank)
-        with self._step_context():
-            loss = self._loss(batch)
-            state.compute_s = (state.compute_s or 0.0) + time.perf_counter() - started
-            if faults and state.micro_step + 1 == accumulation:
-                loss = inject_into_loss(faults, loss, step=data_step, rank=self.global_rank)
-            objective = self._with_router_losses(loss) if self._moe_layers else loss
-            scaled = objective / accumulation if accumulation > 1 and not sync.divides_loss else objective
-            self.manual_backward(scaled)
-        if self.device.type == "hpu":
-            mark_step()
+        loss = self._forward_backward(batch, state.micro_step, started=started)
+        window = self._window
+        if window is not None:  # health.rerun_check: the step's micro-batches and losses, for a re-run
+            if state.micro_step == 0:
+                window.clear()
+            window.append((batch, loss.detach()))
         state.micro_step += 1
         if state.micro_step < accumulation:
             self._pending_loss = (
@@ -252,6 +239,8 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         guard = self.guard
         if guard is not None and not sync.clips:  # DeepSpeed clips and steps inside its engine
             state.update_dropped = not guard.check(self.trainer.global_step, loss, state.grad_norm)
+            if guard.pending and window is not None:
+                self._rerun_step(guard, window)
             if state.update_dropped:  # no update, no scheduler tick (the lr follows global_step, unchanged)
                 opt.zero_grad(set_to_none=True)
                 state.loss = loss.detach()
@@ -270,6 +259,81 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             state.grad_norm = sync.grad_norm()
         state.lr = lr
         state.loss = loss.detach()
+
+    def _forward_backward(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        micro_step: int,
+        *,
+        started: float | None = None,
+        data_step: int | None = None,
+    ) -> torch.Tensor:
+        """One micro-batch's forward and backward pass; its loss. `started` = None: a re-run (health.rerun) of a
+        micro-step already run, which draws the same dropout masks and is not booked as compute."""
+        state = self.step_state
+        accumulation = state.accumulation
+        if self.model_cfg.dropout > 0:
+            # Dropout masks are a function of (seed, step, micro-step, rank) only, so a resumed run draws the
+            # same masks as an uninterrupted one no matter what else consumed the global RNG in between.
+            step = self.trainer.global_step * accumulation + micro_step
+            torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
+        faults = self._faults
+        if faults:
+            if data_step is None:
+                data_step = (
+                    self.guard.skips.next_data_step(self.trainer.global_step)
+                    if self.guard
+                    else self.trainer.global_step
+                )
+            if started is not None:
+                inject_delay(faults, step=data_step, rank=self.global_rank)
+        with self._step_context():
+            loss = self._loss(batch)
+            if started is not None:
+                state.compute_s = (state.compute_s or 0.0) + time.perf_counter() - started
+            if faults and micro_step + 1 == accumulation and data_step is not None:
+                loss = inject_into_loss(
+                    faults, loss, step=data_step, rank=self.global_rank, rerun=started is None
+                )
+            objective = self._with_router_losses(loss) if self._moe_layers else loss
+            scaled = (
+                objective / accumulation if accumulation > 1 and not self._sync.divides_loss else objective
+            )
+            self.manual_backward(scaled)
+        if self.device.type == "hpu":
+            mark_step()
+        return loss
+
+    def _rerun_step(
+        self, guard: StepGuard, window: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]
+    ) -> None:
+        """health.rerun_check: the step the guard just flagged, once more from the same state (the parameters
+        are not updated yet; the gradients are recomputed), compared bit for bit (`health.rerun`). The gradients
+        left are the re-run's: the same as the first run's when it reproduces."""
+        state, sync = self.step_state, self._sync
+        first_losses = [loss.float().item() for _, loss in window]
+        first_norm = None if state.grad_norm is None else _plain_float(state.grad_norm)
+        dropped = guard.pending[
+            -1
+        ].data_step  # the batch a skip dropped (already counted by the stream's skips)
+        data_step = dropped if dropped is not None else guard.skips.next_data_step(self.trainer.global_step)
+        opt = self.optimizers()
+        assert not isinstance(opt, list)
+        opt.zero_grad(set_to_none=True)
+        rerun_losses = []
+        for micro_step, (batch, _) in enumerate(window):
+            sync.begin_micro_step(micro_step + 1 == len(window))
+            loss = self._forward_backward(batch, micro_step, data_step=data_step)
+            rerun_losses.append(loss.detach().float().item())
+        rerun_norm = None
+        if first_norm is not None and self._clip_params is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._clip_params, self.optim_cfg.grad_clip_norm)
+            rerun_norm = _plain_float(norm)
+        sampler = getattr(getattr(self.trainer, "datamodule", None), "sampler", None)
+        verdict = compare_reruns(
+            first_losses, rerun_losses, first_norm, rerun_norm, batch=batch_locations(sampler, data_step)
+        )
+        guard.add_rerun(verdict.record())
 
     def _with_router_losses(self, loss: torch.Tensor) -> torch.Tensor:
         """The cross-entropy plus the MoE router losses of the forward that produced it (Switch load balancing,
@@ -301,6 +365,12 @@ class LanguageModel(SteppedModule, pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()  # the model exists before Lightning loads its weights into it
+
+
+def _plain_float(value: torch.Tensor) -> float:
+    """A tensor's value as a float, when it may be a DTensor (FSDP's gradient norm is one, already reduced)."""
+    full = getattr(value, "full_tensor", None)
+    return float((full() if full is not None else value).detach().float().item())
 
 
 # Lightning reads training_step's signature on every step (`_TrainingEpochLoop._build_kwargs`, via
