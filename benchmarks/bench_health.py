@@ -9,9 +9,10 @@ the median over pairs of (health on / health off); `--ranks 2` runs the same on 
 
 Runs minutes apart on a shared machine differ by several per cent, more than the 1 % this is about, so the
 `interleaved` cell also measures the step guard (its check and spike detectors, the part that runs on every step)
-inside one single-process run: the guard is switched on and off every optimizer step, and the ratio is the median
-step time of guarded steps over unguarded ones, steps milliseconds apart. The watchdog's beat and the straggler
-clock stay on for both halves there (a clock read or two per step).
+inside one run: the guard is switched on and off every optimizer step, and the ratio is the median step time of
+guarded steps over unguarded ones, steps milliseconds apart — on one process, and on 2 ranks (DDP, gloo; this
+script started by torchrun, both ranks switching at the same steps, rank 0's clock). The watchdog's beat and the
+straggler clock stay on for both halves there (a clock read or two per step).
 
     PYTHONPATH=src python benchmarks/bench_health.py                 # 1 and 2 ranks → benchmarks/results/health_cpu.json
     PYTHONPATH=src python benchmarks/bench_health.py --steps 60 --pairs 1 --out /tmp/h.json   # a smoke check
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -77,8 +79,8 @@ class _Alternate(pl.Callback):
     """Switches the module's step guard on for even optimizer steps and off for odd ones; times every step from the
     previous one's end (data, hooks and all)."""
 
-    def __init__(self, skip_steps: int, progress: Progress, task: Any) -> None:
-        self.skip_steps, self.progress, self.task = skip_steps, progress, task
+    def __init__(self, skip_steps: int, advance: Any) -> None:
+        self.skip_steps, self.advance = skip_steps, advance
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self._guard: Any = None
         self._last = 0.0
@@ -96,22 +98,57 @@ class _Alternate(pl.Callback):
         if trainer.global_step > self.skip_steps:
             self.times[guarded].append(now - self._last)
         pl_module.guard = None if guarded else self._guard  # type: ignore[union-attr]
-        self.progress.advance(self.task)
+        self.advance(trainer.global_step)
         self._last = time.perf_counter()
 
 
-def _interleaved(steps: int, progress: Progress, task: Any) -> dict[str, Any]:
+def _interleaved_run(steps: int, ranks: int, advance: Any) -> dict[str, Any]:
+    """The interleaved cell in this process (one rank of `ranks`, under torchrun when 2)."""
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"--out_dir={tmp}/run", f"--train.max_steps={steps}", "--train.val_every_steps=0",
-                     "--checkpoint.enabled=false"]  # fmt: skip
-        clock = _Alternate(skip_steps=30, progress=progress, task=task)
+                     "--checkpoint.enabled=false", f"--parallel.nproc_per_node={ranks}"]  # fmt: skip
+        clock = _Alternate(skip_steps=30, advance=advance)
         GaudiTrainer(
             build_run_config(None, parse_overrides(overrides)), progress=False, callbacks=[clock]
         ).fit()
     on, off = statistics.median(clock.times[True]), statistics.median(clock.times[False])
-    return {"steps": steps, "guarded_steps": len(clock.times[True]), "unguarded_steps": len(clock.times[False]),
-            "median_guarded_step_s": on, "median_unguarded_step_s": off, "median_ratio": on / off,
+    return {"ranks": ranks, "steps": steps, "guarded_steps": len(clock.times[True]),
+            "unguarded_steps": len(clock.times[False]), "median_guarded_step_s": on,
+            "median_unguarded_step_s": off, "median_ratio": on / off,
             "overhead_percent": (on / off - 1) * 100}  # fmt: skip
+
+
+def _interleaved(steps: int, ranks: int, progress: Progress, task: Any) -> dict[str, Any]:
+    if ranks == 1:
+        return _interleaved_run(steps, 1, lambda step: progress.update(task, completed=step))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "cell.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   __file__, "--worker", str(result), "--interleaved-steps", str(steps)]  # fmt: skip
+        worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        progress_file = result.with_suffix(".step")
+        while worker.poll() is None:
+            time.sleep(0.5)
+            if progress_file.is_file():
+                progress.update(task, completed=int(progress_file.read_text() or 0))
+        output = worker.stdout.read() if worker.stdout else ""
+        if worker.returncode or not result.is_file():
+            raise SystemExit(f"bench_health: the {ranks}-rank interleaved run failed:\n{output[-2000:]}")
+        return dict(json.loads(result.read_text()))
+
+
+def _worker(result: Path, steps: int) -> None:
+    """One torchrun rank of the multi-rank interleaved cell; rank 0 writes the cell (and its step count)."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    step_file = result.with_suffix(".step")
+
+    def advance(step: int) -> None:
+        if rank0 and step % 10 == 0:
+            step_file.write_text(str(step))
+
+    cell = _interleaved_run(steps, int(os.environ["WORLD_SIZE"]), advance)
+    if rank0:
+        result.write_text(json.dumps(cell))
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -128,11 +165,17 @@ def _plot(result: dict[str, Any], path: Path) -> None:
             ratios,
             label=f"{cell['ranks']} rank(s): median {cell['median_ratio']:.4f}",
         )
+    first = len(result["cells"])
+    for offset, cell in enumerate(result["interleaved"], start=first):
+        ax.scatter([offset], [cell["median_ratio"]], marker="D",
+                   label=f"{cell['ranks']} rank(s), step by step: {cell['median_ratio']:.4f}")  # fmt: skip
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.axhline(1.01, color="red", linewidth=0.8, linestyle="--", label="the 1 % goal")
-    ax.set_xticks(range(len(result["cells"])), [f"{c['ranks']} rank(s)" for c in result["cells"]])
+    ticks = [f"{c['ranks']} rank(s), run pairs" for c in result["cells"]]
+    ticks += [f"{c['ranks']} rank(s), step by step" for c in result["interleaved"]]
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
     ax.set_ylabel("step time, health on / off")
-    ax.set_title("Training-health overhead, alternated pairs of gaudi3 train runs")
+    ax.set_title("Training-health overhead: run pairs, and the guard switched every step")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -149,15 +192,26 @@ def main() -> None:
     parser.add_argument(
         "--interleaved-steps", type=int, default=1000, help="steps of the interleaved run (0: none)"
     )
+    parser.add_argument(
+        "--interleaved-ranks", type=int, nargs="*", default=[1, 2], help="rank counts of interleaved runs"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/health_cpu.json"))
+    parser.add_argument(
+        "--worker", type=Path, help=argparse.SUPPRESS
+    )  # a torchrun rank of an interleaved cell
     args = parser.parse_args()
+    if args.worker is not None:
+        _worker(args.worker, args.interleaved_steps)
+        return
     with Progress(*Progress.get_default_columns()) as progress:
         task = progress.add_task("health on/off runs", total=2 * args.pairs * len(args.ranks))
         cells = [_measure(args.steps, ranks, args.pairs, progress, task) for ranks in args.ranks]
-        interleaved = None
-        if args.interleaved_steps:
-            steps_task = progress.add_task("guard on/off, step by step", total=args.interleaved_steps)
-            interleaved = _interleaved(args.interleaved_steps, progress, steps_task)
+        interleaved = []
+        for ranks in args.interleaved_ranks if args.interleaved_steps else []:
+            steps_task = progress.add_task(
+                f"guard on/off, step by step, {ranks} rank(s)", total=args.interleaved_steps
+            )
+            interleaved.append(_interleaved(args.interleaved_steps, ranks, progress, steps_task))
     command = "PYTHONPATH=src python benchmarks/bench_health.py " + " ".join(sys.argv[1:])
     result = {"benchmark": "health_overhead", "command": command.strip(), "machine": environment_info(),
               "health_off_flags": OFF, "cells": cells, "interleaved": interleaved}  # fmt: skip
@@ -168,8 +222,8 @@ def main() -> None:
         print(
             f"{cell['ranks']} rank(s): health on / off = {cell['median_ratio']:.4f} (median of {len(cell['pairs'])} pairs)"
         )
-    if interleaved is not None:
-        print(f"interleaved, 1 rank: guarded / unguarded step = {interleaved['median_ratio']:.4f}")
+    for cell in interleaved:
+        print(f"interleaved, {cell['ranks']} rank(s): guarded / unguarded step = {cell['median_ratio']:.4f}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

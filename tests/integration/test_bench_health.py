@@ -18,8 +18,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_health.py"
 def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
     out = tmp_path / "health.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "40", "--pairs", "1", "--ranks", "1", "--interleaved-steps", "80",
-         "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--steps", "40", "--pairs", "1", "--ranks", "1", "--interleaved-steps", "60",
+         "--interleaved-ranks", "1", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -31,9 +31,11 @@ def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
     assert cell["median_ratio"] == pair["ratio"] and result["machine"]["cpu_count"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "1 rank(s): health on / off = " in done.stdout
-    interleaved = result["interleaved"]
-    assert interleaved["guarded_steps"] + interleaved["unguarded_steps"] == 80 - 30
-    assert abs(interleaved["guarded_steps"] - interleaved["unguarded_steps"]) <= 1
-    assert interleaved["median_ratio"] == pytest.approx(
-        interleaved["median_guarded_step_s"] / interleaved["median_unguarded_step_s"]
-    )
+    assert [cell["ranks"] for cell in result["interleaved"]] == [1, 2]  # the 2-rank one under torchrun
+    for interleaved in result["interleaved"]:
+        assert interleaved["guarded_steps"] + interleaved["unguarded_steps"] == 60 - 30
+        assert abs(interleaved["guarded_steps"] - interleaved["unguarded_steps"]) <= 1
+        assert interleaved["median_ratio"] == pytest.approx(
+            interleaved["median_guarded_step_s"] / interleaved["median_unguarded_step_s"]
+        )
+    assert "interleaved, 2 rank(s): guarded / unguarded step = " in done.stdout
