@@ -22,6 +22,7 @@ EXPECTED = {
     "health": [],
     "generate": ["--max-new-tokens", "--prompt", "--seed", "--temperature", "--tokenizer", "--top-k"],
     "models": [],
+    "plan": ["--compare", "--config", "--machine", "--nodes", "--out", "--probe", "--refresh-peak"],
     "prepare": ["--force", "--out", "--seed", "--shard-mb", "--text-field", "--tokenizer", "--val-fraction", "--vocab-size",
                 "--workers"],
     "serve": ["--client-timeout-s", "--host", "--kv-cache", "--max-batch-size", "--max-prompt-tokens", "--max-queue",

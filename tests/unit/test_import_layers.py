@@ -24,7 +24,9 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering", "health"], 2),
     **dict.fromkeys(["lightning_hook"], 2),  # registers distributed.lightning_ns when Lightning is imported
     **dict.fromkeys(["train"], 3),
-    **dict.fromkeys(["tune", "bench", "cost", "serve", "deploy", "dashboard", "artifacts", "verify"], 4),
+    **dict.fromkeys(
+        ["tune", "bench", "cost", "serve", "deploy", "dashboard", "artifacts", "verify", "forecast"], 4
+    ),
     **dict.fromkeys(["cli"], 5),
     # Public re-export shims, placed by what they re-export. They are for users: nothing in the package imports
     # them (code imports the real home, e.g. `device.precision`, not `gaudi3_scale.precision`).

@@ -21,6 +21,7 @@ from gaudi3_scale.cli.deploy_cmd import deploy
 from gaudi3_scale.cli.doctor_cmd import doctor, doctor_before_training
 from gaudi3_scale.cli.health_cmd import health
 from gaudi3_scale.cli.options import Count, Number, Seed, launch_options, launch_overrides
+from gaudi3_scale.cli.plan_cmd import plan
 from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
@@ -204,6 +205,7 @@ cli.add_command(dashboard)
 cli.add_command(deploy)
 cli.add_command(doctor)
 cli.add_command(health)
+cli.add_command(plan)
 
 VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.items()}  # pinned by a test
 

@@ -1,0 +1,95 @@
+"""`gaudi3 plan`: the forecast of a run config (forecast/), or its error against a finished run (`--compare RUN`).
+
+Exit 0 with the forecast (printed, and written as JSON to `--out`, default <run dir>/plan.json); 2 on bad input
+(an unknown machine, a layout the trainer cannot build, `--compare` on a run without a summary), nothing written.
+A probe that fails is one warning line and the forecast comes from the catalog.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gaudi3_scale.cli.options import Count
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["plan"]
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    epilog="Any config field can be set as --section.field VALUE, as for `gaudi3 train`.",
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML to forecast")
+@click.option(
+    "--machine",
+    help="forecast for a catalog accelerator (h100, h200, a100, gaudi3, …; see `gaudi3 cost compare`) instead of "
+    "this machine",
+)
+@click.option("--nodes", type=Count(), help="nodes of --machine (default: parallel.nnodes)")
+@click.option(
+    "--probe", is_flag=True, help="run the config briefly on this machine first and forecast from it"
+)
+@click.option("--refresh-peak", is_flag=True, help="measure this CPU's peak FLOP/s again (kept otherwise)")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the forecast JSON here (default: <run dir>/plan.json)")  # fmt: skip
+@click.option("--compare", "compare_run", type=click.Path(file_okay=False, path_type=Path),
+              help="a finished run's directory: print each predicted quantity against its measurement")  # fmt: skip
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def plan(
+    config_path: str | None,
+    machine: str | None,
+    nodes: int | None,
+    probe: bool,
+    refresh_peak: bool,
+    out_path: Path | None,
+    compare_run: Path | None,
+    overrides: tuple[str, ...],
+) -> None:
+    """Predict a run's per-rank memory, step time, tokens/s, wall time, energy and cost, each with its source."""
+    if compare_run is not None:
+        _compare(compare_run, config_path, overrides)
+        return
+    from gaudi3_scale.forecast.report import format_forecast
+    from gaudi3_scale.forecast.run import forecast_config
+
+    if machine is not None and probe:
+        raise UserInputError("--probe: runs on this machine; drop --machine to probe here, or --probe to "
+                             "forecast for the catalog's accelerator")  # fmt: skip
+    if nodes is not None and machine is None:
+        raise UserInputError("--nodes: only with --machine (this machine's geometry is parallel.nnodes × "
+                             "parallel.nproc_per_node)")  # fmt: skip
+    cfg, forecast = forecast_config(
+        config_path, overrides, machine=machine, nodes=nodes, probe=probe, refresh_peak=refresh_peak,
+        warn=lambda line: click.echo(f"gaudi3: warning: {line}", err=True),
+    )  # fmt: skip
+    for line in format_forecast(forecast):
+        click.echo(line)
+    path = out_path or cfg.output_dir / "plan.json"
+    from gaudi3_scale.config import strict_json
+    from gaudi3_scale.config.atomic import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, strict_json.dumps(forecast.as_dict(), indent=2) + "\n")
+    click.echo(f"wrote {path}")
+
+
+def _compare(run_dir: Path, config_path: str | None, overrides: tuple[str, ...]) -> None:
+    from gaudi3_scale.forecast.report import compare_with_run, format_comparison, read_run_summary
+
+    if config_path or overrides:
+        raise UserInputError(
+            "--compare: takes the run's own config (RUN/config.yaml); drop --config and overrides"
+        )
+    summary = read_run_summary(run_dir)
+    predicted = {k: v for k, v in summary.items() if k.startswith("predicted_")}
+    if not predicted:
+        raise UserInputError(f"--compare: {run_dir}/summary.json has no predicted_* fields (a run trained before "
+                             "gaudi3 train recorded its forecast); forecast its config with gaudi3 plan --config "
+                             f"{run_dir}/config.yaml")  # fmt: skip
+    for line in format_comparison(compare_with_run(predicted, summary)):
+        click.echo(line)
+    source = summary.get("predicted_step_time_source")
+    if source:
+        click.echo(f"the step time was predicted from: {source}")

@@ -1,0 +1,122 @@
+"""One calibration store per machine (`$GAUDI3_CACHE/calibration/<machine>.json`): the machine's peak matmul FLOP/s,
+measured once and kept (refreshed on demand: `gaudi3 plan --refresh-peak`), and the probes run on it — short real
+runs of a model and layout (`forecast.probe`), keyed by what decides their step time — so a later forecast of the
+same run, or of a larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU.
+
+The machine's key is its device name and core count (`machine_key`): a store found under another machine's key is
+never read. Writes are atomic (a killed process leaves the previous store)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.config.atomic import write_text_atomic
+from gaudi3_scale.config.errors import UserInputError
+
+__all__ = ["CalibrationStore", "Probe", "machine_key", "probe_key"]
+
+FORMAT = "gaudi3-scale/calibration/1"
+
+
+def machine_key(device_name: str, cores: int) -> str:
+    """A file-name-safe key of this machine: its device name and its cores (CPU) or devices."""
+    readable = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")[:48]
+    digest = hashlib.sha256(f"{device_name}|{cores}".encode()).hexdigest()[:8]
+    return f"{readable}-{cores}c-{digest}"
+
+
+def probe_key(layout: dict[str, Any]) -> str:
+    """The key of a probe: a digest of what decides a step's time and memory (model, batch, layout, precision)."""
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe:
+    """A short real run's measurements (per rank)."""
+
+    key: str
+    layout: dict[str, Any]  # what the key digests, for reading the store by eye
+    step_time_s: float  # steady state (after the warm-up steps)
+    warmup_s: float  # the warm-up steps' wall time
+    warmup_steps: int
+    startup_s: float  # process start to the first step (launch, data, build), and the end of the run
+    validation_s: float | None  # one validation pass (val_batches micro-batches), None: not measured
+    checkpoint_s: float | None  # one save's blocking time
+    peak_memory_bytes: int
+    flops_per_step_per_rank: float
+    created_unix_s: float = field(default_factory=time.time)
+
+    @property
+    def achieved_flops_per_rank(self) -> float:
+        return self.flops_per_step_per_rank / self.step_time_s
+
+    def when(self) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(self.created_unix_s))
+
+
+class CalibrationStore:
+    def __init__(self, path: Path, *, machine: str) -> None:
+        self.path, self.machine = path, machine
+        self.peaks: dict[str, dict[str, Any]] = {}  # "<threads or device>" -> {"flops", "measured_unix_s"}
+        self.probes: dict[str, Probe] = {}
+        if path.is_file():
+            self._read()
+
+    @classmethod
+    def for_machine(cls, machine: str, cache_dir: Path | None = None) -> CalibrationStore:
+        from gaudi3_scale.data.sources import default_cache_dir
+
+        root = (cache_dir or default_cache_dir()) / "calibration"
+        return cls(root / f"{machine}.json", machine=machine)
+
+    def _read(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text())
+            if raw.get("format") != FORMAT or raw.get("machine") != self.machine:
+                raise ValueError("another format or machine")
+            self.peaks = {str(k): dict(v) for k, v in raw.get("peaks", {}).items()}
+            self.probes = {k: Probe(**v) for k, v in raw.get("probes", {}).items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UserInputError(
+                f"{self.path}: not a calibration store of this machine ({exc}); delete it to start a new one"
+            ) from None
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = {
+            "format": FORMAT,
+            "machine": self.machine,
+            "peaks": self.peaks,
+            "probes": {k: vars(p) for k, p in self.probes.items()},
+        }
+        write_text_atomic(self.path, json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+    def peak(self, slot: str) -> tuple[float, float] | None:
+        """(FLOP/s, when measured) of the peak stored under `slot`, or None."""
+        entry = self.peaks.get(slot)
+        return None if entry is None else (float(entry["flops"]), float(entry["measured_unix_s"]))
+
+    def set_peak(self, slot: str, flops: float) -> None:
+        self.peaks[slot] = {"flops": flops, "measured_unix_s": time.time()}
+        self.save()
+
+    def add_probe(self, probe: Probe) -> None:
+        self.probes[probe.key] = probe
+        self.save()
+
+    def others(self, key: str) -> list[Probe]:
+        """The stored probes of other layouts, newest first."""
+        return sorted((p for k, p in self.probes.items() if k != key), key=lambda p: -p.created_unix_s)
+
+
+def env_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)

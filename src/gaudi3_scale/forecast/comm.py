@@ -1,0 +1,68 @@
+"""Bytes a rank moves per optimizer step in its collectives, by layout — the communication term of the step-time
+model. Ring collectives over n ranks: an all-reduce of B bytes moves 2(n−1)/n·B per rank, an all-gather or a
+reduce-scatter (n−1)/n·B (the `busbw` convention of nccl-tests), so time = bytes ÷ the link's bus bandwidth.
+
+- DDP: one all-reduce of the fp32 gradients per optimizer step (micro-steps before it skip the sync).
+- FSDP (ZeRO-3): per micro-step, an all-gather of the parameters for forward and again for backward, and a
+  reduce-scatter of the gradients; SHARD_GRAD_OP (ZeRO-2-like) gathers once per micro-step; HSDP adds an
+  all-reduce of each shard's gradients across the replicas, once per step.
+- DeepSpeed ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters per step; ZeRO-3
+  as FSDP.
+- Tensor parallel: per layer and micro-step, two all-reduces of the activations in forward and two in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.models import ModelConfig
+
+__all__ = ["CollectiveBytes", "step_collective_bytes"]
+
+GRAD_BYTES = 4  # gradients are reduced in fp32 (FSDP's bf16-mixed policy reduces in fp32 too)
+
+
+@dataclass(frozen=True)
+class CollectiveBytes:
+    data_parallel: float  # bytes per rank per optimizer step over the data-parallel group
+    data_parallel_ranks: int
+    tensor_parallel: float  # over the tensor-parallel group (within a node)
+    replicas: float = 0.0  # HSDP: across the replicas (spans nodes first)
+
+    @property
+    def total(self) -> float:
+        return self.data_parallel + self.tensor_parallel + self.replicas
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def step_collective_bytes(
+    model: ModelConfig, plan: ParallelPlan, batch: BatchPlan, *, parameters: int, param_bytes: int
+) -> CollectiveBytes:
+    """Bytes per rank per optimizer step; `parameters` = the whole model's, `param_bytes` = a gathered element."""
+    tp, accumulation = plan.tp_size, batch.accumulation
+    local = (
+        parameters / tp
+    )  # a tensor-parallel rank holds 1/tp of every split weight (close enough for the rest)
+    strategy = plan.strategy
+    shard = plan.dp_shard if plan.shards_parameters else plan.data_parallel_size
+    dp = 0.0
+    replicas = 0.0
+    if strategy == "ddp":
+        dp = 2 * _ring(plan.data_parallel_size) * local * GRAD_BYTES
+    elif strategy in ("fsdp", "deepspeed_zero3"):
+        dp = accumulation * _ring(shard) * local * (2 * param_bytes + GRAD_BYTES)
+    elif strategy == "fsdp_grad_op":
+        dp = accumulation * _ring(shard) * local * (param_bytes + GRAD_BYTES)
+    elif strategy == "deepspeed_zero2":
+        dp = _ring(plan.data_parallel_size) * local * (GRAD_BYTES + param_bytes)
+    if plan.shards_parameters and plan.dp_replicate > 1:
+        replicas = 2 * _ring(plan.dp_replicate) * local / max(shard, 1) * GRAD_BYTES
+    tensor = 0.0
+    if tp > 1:
+        activation = batch.micro_batch_size * batch.context_length * model.dim * param_bytes
+        tensor = accumulation * model.num_layers * 4 * 2 * _ring(tp) * activation
+    return CollectiveBytes(dp, shard, tensor, replicas)

@@ -1,0 +1,150 @@
+"""The machine a forecast is for: this one (its CPU, measured once into the calibration store) or a catalog
+accelerator (`--machine h100|h200|gaudi3|…`), with the rates the step-time model needs — peak FLOP/s per rank, the
+fraction of it a run achieves when no probe has measured it, link bandwidths, memory and power — each a `Figure`
+that says where it came from."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import parse_yaml
+from gaudi3_scale.forecast.calibration import CalibrationStore, env_cores, machine_key
+from gaudi3_scale.forecast.figures import Figure, assumed, from_catalog, measured
+
+__all__ = ["Machine", "catalog_machine", "this_cpu"]
+
+# What a GPU run achieves of its peak when no probe says: our own measurement (no other source is used).
+CUDA_MEASURED_MFU = (
+    0.5588,
+    "Llama 3.2 1B, bf16-mixed, compiled, micro-batch 8 × 2048 tokens on one H200 "
+    "(benchmarks/results/gpu_shapes_cuda_h200.json, 2026-11)",
+)
+# Without a measurement of this kind of machine, an assumption, said to be one.
+ASSUMED_MFU = 0.40
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    kind: str  # "cpu" or a catalog name (h100-sxm, gaudi3, …)
+    device_kind: str  # cpu | cuda | hpu: the trainer's device
+    device_name: str
+    ranks_per_node: int | None  # None: the config's nproc_per_node (a CPU)
+    peak_flops_per_rank: Figure
+    mfu: Figure  # achieved ÷ peak when no probe of this machine measured it
+    memory_bytes_per_rank: Figure
+    intra_node_bytes_per_s: Figure
+    inter_node_bytes_per_s: Figure
+    power_w_per_rank: Figure  # TDP; unknown on a CPU
+    store: CalibrationStore | None = None  # this machine's calibration (a CPU); None for a catalog machine
+
+
+@functools.cache
+def _links() -> tuple[dict[str, Figure], dict[str, Figure]]:
+    raw = parse_yaml(
+        (resources.files("gaudi3_scale.forecast") / "links.yaml").read_text(), where="links.yaml"
+    )
+    sources: dict[str, str] = raw["sources"]
+
+    def figures(section: str) -> dict[str, Figure]:
+        return {
+            name: from_catalog(
+                float(entry["value"]) * 1e9,
+                f"{entry['note']}; " + "; ".join(sources[key] for key in entry["sources"]),
+            )
+            for name, entry in raw[section].items()
+        }
+
+    return figures("intra_node_gbs"), figures("inter_node_gbs")
+
+
+def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
+    """A catalog accelerator by name or alias (`accelerators.yaml`); an unknown one is one line listing them."""
+    from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
+    from gaudi3_scale.metering.catalog import accelerators_per_node
+
+    try:
+        spec = accelerator_named(name, flag="--machine")
+    except UserInputError:
+        known = ", ".join(["cpu", *sorted(ACCELERATORS)])
+        raise UserInputError(f"--machine: unknown machine kind {name!r}; allowed: {known}") from None
+    intra, inter = _links()
+    fp8 = precision == "fp8" and spec.fp8_dense_tflops is not None
+    tflops = spec.fp8_dense_tflops if fp8 and spec.fp8_dense_tflops else spec.bf16_dense_tflops
+    kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
+    mfu = (
+        measured(CUDA_MEASURED_MFU[0], CUDA_MEASURED_MFU[1])
+        if kind == "cuda"
+        else assumed(ASSUMED_MFU, "no run of ours on this accelerator has measured it (not yet validated on Gaudi "
+                     "hardware); pass --probe on one to measure")
+    )  # fmt: skip
+    unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
+    return Machine(
+        kind=spec.name,
+        device_kind=kind,
+        device_name=spec.name,
+        ranks_per_node=accelerators_per_node(spec.name),
+        peak_flops_per_rank=from_catalog(
+            tflops * 1e12, f"{'FP8' if fp8 else 'BF16'} dense peak; {spec.source}"
+        ),
+        mfu=mfu,
+        memory_bytes_per_rank=from_catalog(spec.memory_gb * 1e9, spec.source),
+        intra_node_bytes_per_s=intra.get(spec.name, unknown_link),
+        inter_node_bytes_per_s=inter.get(spec.name, unknown_link),
+        power_w_per_rank=(
+            from_catalog(spec.tdp_w, f"TDP; {spec.source}") if spec.tdp_w else assumed(None, "no sourced TDP")
+        ),
+    )
+
+
+def this_cpu(
+    ranks_per_node: int, *, refresh_peak: bool = False, store: CalibrationStore | None = None
+) -> Machine:
+    """This machine's CPU: the peak matmul FLOP/s of one rank's threads, measured once and kept in the machine's
+    calibration store (`refresh_peak` measures it again); the MFU from this machine's probes when there are some."""
+    import psutil
+
+    from gaudi3_scale.device.select import cpu_model_name, measure_cpu_matmul_flops
+
+    cores = env_cores()
+    name = cpu_model_name()
+    store = store or CalibrationStore.for_machine(machine_key(name, cores))
+    threads = max(1, cores // ranks_per_node)
+    slot = f"cpu-{threads}-threads"
+    stored = None if refresh_peak else store.peak(slot)
+    if stored is None:
+        store.set_peak(slot, measure_cpu_matmul_flops(threads, seconds=1.0))
+        stored = store.peak(slot)
+    assert stored is not None
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(stored[1]))
+    peak = measured(stored[0], f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} "
+                    f"(calibration store {store.path}; --refresh-peak measures again)")  # fmt: skip
+    probes = list(store.probes.values())
+    if probes:
+        ratios = sorted(p.achieved_flops_per_rank / stored[0] for p in probes)
+        mfu = measured(
+            ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
+        )
+    else:
+        mfu = assumed(ASSUMED_MFU, "no probe on this machine yet (gaudi3 plan --probe measures one)")
+    return Machine(
+        kind="cpu",
+        device_kind="cpu",
+        device_name=name,
+        ranks_per_node=None,
+        peak_flops_per_rank=peak,
+        mfu=mfu,
+        memory_bytes_per_rank=measured(
+            float(psutil.virtual_memory().total), "this machine's RAM (all ranks)"
+        ),
+        intra_node_bytes_per_s=assumed(
+            None, "gloo over loopback is not modelled: a probe of the same layout measures it"
+        ),
+        inter_node_bytes_per_s=assumed(None, "CPU nodes' network is not modelled"),
+        power_w_per_rank=assumed(None, "a CPU has no catalogued power"),
+        store=store,
+    )

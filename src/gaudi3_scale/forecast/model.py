@@ -1,0 +1,348 @@
+"""The forecast of one run: `forecast_run(cfg, machine)` predicts per-rank peak memory (by part), the step time
+(compute + exposed communication), tokens/s, the wall time of `train.max_steps` (startup, warm-up, steady steps,
+validation and checkpoint pauses), energy and cost — every number a `Figure` with its source.
+
+Compute time is the step's FLOPs per rank (PaLM's 6·N + 12·L·H·Q·T per token, × 4/3 under activation checkpointing:
+each block's forward runs again in backward) over the rank's achieved FLOP/s: a probe's measurement of this very
+layout when the calibration store has one (then the step time is the probe's), else the machine's peak × its MFU
+(measured on this kind of machine where we have it, an assumption said to be one where not). Communication is the
+bytes of the layout's collectives (`forecast.comm`) over the link's bus bandwidth (`links.yaml`); on an accelerator
+the data-parallel part overlaps the backward pass (up to 2/3 of compute), tensor parallel does not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.forecast.calibration import Probe, probe_key
+from gaudi3_scale.forecast.comm import step_collective_bytes
+from gaudi3_scale.forecast.figures import Figure, assumed, measured, modelled
+from gaudi3_scale.forecast.machine import Machine
+from gaudi3_scale.models import ModelConfig, flops_per_token
+from gaudi3_scale.train.config import RunConfig
+
+__all__ = ["Forecast", "RunShape", "forecast_run", "run_shape"]
+
+RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
+BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
+STARTUP_S = {"cpu": 8.0, "cuda": 30.0, "hpu": 60.0}  # assumptions, said so wherever used
+COMPILE_S = {"cpu": 20.0, "cuda": 41.0, "hpu": 60.0}
+CHECKPOINT_BYTES_PER_S = (0.52e9, "a synchronous save of gpt2-124m at 0.52 GB/s on a 2-core CI machine "
+                          "(benchmarks/results/async_checkpoint_cpu.json, 2026-11-22)")  # fmt: skip
+ASYNC_BLOCKING_SHARE = (0.25, "async saves block 0.25× a synchronous one (same file)")
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the forecast is of: the resolved model, the plans and the machine's device."""
+
+    model: ModelConfig
+    plan: ParallelPlan
+    batch: BatchPlan
+    precision: str
+    device_kind: str
+    nodes: int
+    ranks_per_node: int
+
+    def layout(self) -> dict[str, Any]:
+        """What decides a step's time and memory: a probe of the same layout measured this very step."""
+        plan, batch = self.plan, self.batch
+        return {
+            "model": to_dict(self.model),
+            "strategy": plan.strategy,
+            "world_size": plan.world_size,
+            "tp_size": plan.tp_size,
+            "dp_replicate": plan.dp_replicate,
+            "activation_checkpointing": plan.activation_checkpointing,
+            "compile": plan.compile,
+            "offload": plan.offload,
+            "micro_batch_size": batch.micro_batch_size,
+            "accumulation": batch.accumulation,
+            "precision": self.precision,
+            "device_kind": self.device_kind,
+        }
+
+    @property
+    def key(self) -> str:
+        return probe_key(self.layout())
+
+    def flops_per_step_per_rank(self) -> float:
+        fpt = flops_per_token(self.model, self.model.context_length)
+        factor = RECOMPUTE_FACTOR if self.plan.activation_checkpointing else 1.0
+        return fpt * self.batch.tokens_per_step * factor / self.plan.world_size
+
+    def validation_flops_per_rank(self, val_batches: int) -> float:
+        """One validation pass: `val_batches` micro-batches per rank, forward only (a third of training's FLOPs)."""
+        tokens = val_batches * self.batch.micro_batch_size * self.model.context_length
+        return flops_per_token(self.model, self.model.context_length) / 3 * tokens / self.plan.tp_size
+
+
+def _precision(cfg: RunConfig, device_kind: str) -> str:
+    precision = cfg.train.precision
+    if precision == "auto":
+        return "32-true" if device_kind == "cpu" else "bf16-mixed"
+    return precision
+
+
+def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: int | None = None) -> RunShape:
+    """The run's plans on `machine`: a catalog machine's nodes × its devices per node, else the config's geometry."""
+    nodes = nodes or cfg.parallel.nnodes
+    per_node = machine.ranks_per_node or cfg.parallel.nproc_per_node
+    world = nodes * per_node
+    precision = _precision(cfg, machine.device_kind)
+    plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
+    batch = cfg.batch_plan(world)
+    return RunShape(model, plan, batch, precision, machine.device_kind, nodes, per_node)
+
+
+@dataclass
+class Forecast:
+    run: dict[str, Any]
+    memory: dict[str, Figure]
+    step: dict[str, Figure]
+    tokens_per_s: Figure
+    wall: dict[str, Figure]
+    energy_kwh: Figure
+    cost_usd: Figure
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.step["step_time_s"].value
+
+    @property
+    def wall_s(self) -> float | None:
+        return self.wall["wall_s"].value
+
+    @property
+    def peak_memory_bytes(self) -> float | None:
+        return self.memory["total_bytes"].value
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The `predicted_*` fields a run's summary.json carries beside its measured values."""
+        return {
+            "predicted_step_time_s": self.step_time_s,
+            "predicted_wall_s": self.wall_s,
+            "predicted_peak_memory_bytes": self.peak_memory_bytes,
+            "predicted_tokens_per_s": self.tokens_per_s.value,
+            "predicted_cost_usd": self.cost_usd.value,
+            "predicted_step_time_source": self.step["step_time_s"].source,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        def figures(group: dict[str, Figure]) -> dict[str, Any]:
+            return {name: figure.as_dict() for name, figure in group.items()}
+
+        return {
+            "format": "gaudi3-scale/forecast/1",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "run": self.run,
+            "memory": figures(self.memory),
+            "step": figures(self.step),
+            "tokens_per_s": self.tokens_per_s.as_dict(),
+            "wall": figures(self.wall),
+            "energy_kwh": self.energy_kwh.as_dict(),
+            "cost_usd": self.cost_usd.as_dict(),
+            "notes": self.notes,
+            **self.summary_fields(),
+        }
+
+
+def forecast_run(
+    cfg: RunConfig,
+    model: ModelConfig,
+    machine: Machine,
+    *,
+    nodes: int | None = None,
+    probe: Probe | None = None,
+    price_usd_per_node_hour: Figure | None = None,
+) -> Forecast:
+    """The forecast of `cfg` (its model resolved: `model`) on `machine`; `probe`: a measurement of this layout
+    (by default the calibration store's, when it has one)."""
+    shape = run_shape(cfg, model, machine, nodes=nodes)
+    if probe is None and machine.store is not None:
+        probe = machine.store.probes.get(shape.key)
+    memory = _memory(shape, probe)
+    step = _step(shape, machine, probe)
+    step_time = step["step_time_s"].value
+    assert step_time is not None
+    tokens = modelled(shape.batch.tokens_per_step / step_time, "tokens per step ÷ step time")
+    wall = _wall(cfg, shape, machine, probe, step_time)
+    ranks = shape.plan.world_size
+    wall_h = (wall["wall_s"].value or 0.0) / 3600
+    energy = _energy(machine, ranks, wall_h)
+    cost = (
+        modelled(
+            price_usd_per_node_hour.value * shape.nodes * wall_h,
+            f"nodes × wall time × {price_usd_per_node_hour.source}",
+        )
+        if price_usd_per_node_hour is not None and price_usd_per_node_hour.value is not None
+        else assumed(None, "no price: set cost.instance (catalog) or cost.price_usd_per_hour")
+    )
+    run = {
+        "name": cfg.name,
+        "model": model.name,
+        "max_steps": cfg.train.max_steps,
+        "machine": machine.kind,
+        "device": machine.device_name,
+        "nodes": shape.nodes,
+        "world_size": ranks,
+        "probe_key": shape.key,
+        "probed": probe is not None and probe.key == shape.key,
+        "layout": {k: v for k, v in shape.layout().items() if k != "model"},
+        "tokens_per_step": shape.batch.tokens_per_step,
+        "flops_per_step_per_rank": shape.flops_per_step_per_rank(),
+    }
+    return Forecast(run, memory, step, tokens, wall, energy, cost)
+
+
+def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
+    from gaudi3_scale.tune.memory import estimate_memory
+
+    estimate = estimate_memory(
+        shape.model, shape.plan, shape.batch, precision=shape.precision, device_kind=shape.device_kind
+    )
+    how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase})"
+    parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
+    total = modelled(float(estimate.total_bytes), how)
+    if probe is not None and probe.key == shape.key:
+        total = measured(float(probe.peak_memory_bytes), f"probe of this layout, {probe.when()}")
+    return {**parts, "total_bytes": total}
+
+
+def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, Figure]:
+    flops = shape.flops_per_step_per_rank()
+    peak, mfu = machine.peak_flops_per_rank, machine.mfu
+    assert peak.value is not None and mfu.value is not None
+    rate = peak.value * mfu.value
+    compute = modelled(flops / rate, f"FLOPs per rank ÷ (peak × MFU {mfu.value:.3f}: {mfu.source})")
+    comm = _communication(shape, machine, compute.value or 0.0)
+    if probe is not None and probe.key == shape.key:
+        step = measured(
+            probe.step_time_s, f"probe of this layout, {probe.when()} ({probe.step_time_s:.4g} s)"
+        )
+        compute = modelled(step.value, "the probe's step (compute and communication together)")
+        return {
+            "compute_s": compute,
+            "communication_s": modelled(0.0, "inside the probe's step"),
+            "step_time_s": step,
+        }
+    total = (compute.value or 0.0) + (comm.value or 0.0)
+    return {"compute_s": compute, "communication_s": comm,
+            "step_time_s": modelled(total, "compute + exposed communication")}  # fmt: skip
+
+
+def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figure:
+    plan = shape.plan
+    if plan.world_size == 1:
+        return modelled(0.0, "one rank: no collectives")
+    param_bytes = 2 if shape.precision.startswith("bf16") or plan.bf16_params else 4
+    from gaudi3_scale.models.counting import count_parameters
+
+    moved = step_collective_bytes(
+        shape.model, plan, shape.batch,
+        parameters=count_parameters(shape.model, trainable_only=False), param_bytes=param_bytes,
+    )  # fmt: skip
+    spans_nodes = shape.nodes > 1
+    link = machine.inter_node_bytes_per_s if spans_nodes else machine.intra_node_bytes_per_s
+    if link.value is None:
+        return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {link.source}")
+    # Between nodes, a node's network cards are shared by its ranks: each rank's ring traffic gets its share.
+    per_rank = link.value / shape.ranks_per_node if spans_nodes else link.value
+    dp_s = (moved.data_parallel + moved.replicas) / per_rank
+    intra = machine.intra_node_bytes_per_s.value
+    tp_s = moved.tensor_parallel / intra if moved.tensor_parallel and intra else 0.0
+    if shape.device_kind == "cpu":
+        exposed = dp_s + tp_s
+    else:
+        exposed = max(0.0, dp_s - BACKWARD_SHARE * compute_s) + tp_s
+    shared = f", {shape.ranks_per_node} ranks sharing a node's" if spans_nodes else ","
+    return modelled(
+        exposed,
+        f"{moved.total / 1e9:.3g} GB per rank per step at {per_rank / 1e9:.3g} GB/s per rank{shared} "
+        f"{link.source}; the data-parallel part overlaps the backward pass",
+    )
+
+
+def _wall(
+    cfg: RunConfig, shape: RunShape, machine: Machine, probe: Probe | None, step_s: float
+) -> dict[str, Figure]:
+    train = cfg.train
+    warmup_steps = min(train.resolved_throughput_warmup_steps(), train.max_steps)
+    same = probe is not None and probe.key == shape.key
+    kind = shape.device_kind
+    if same and probe is not None:
+        startup = measured(probe.startup_s, f"probe of this layout, {probe.when()}")
+        per_warmup = probe.warmup_s / max(probe.warmup_steps, 1)
+        warmup = measured(per_warmup * warmup_steps, "the probe's warm-up steps")
+    else:
+        startup = assumed(STARTUP_S[kind], f"startup on {kind} (launch, imports, data, build), not measured")
+        extra = COMPILE_S[kind] if shape.plan.compile else 0.0
+        warmup = assumed(warmup_steps * step_s * 2 + extra,
+                         "warm-up steps at 2× a steady step" + (f" + {extra:g} s compile" if extra else ""))  # fmt: skip
+    steady = modelled((train.max_steps - warmup_steps) * step_s, "steps after the warm-up × step time")
+    validation = _validations(cfg, shape, machine, probe if same else None)
+    checkpoints = _checkpoints(cfg, shape, probe if same else None)
+    parts = [startup, warmup, steady, validation, checkpoints]
+    total = sum(p.value or 0.0 for p in parts)
+    return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
+            "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
+
+
+def _count(max_steps: int, every: int) -> int:
+    """Pauses in a run of `max_steps` at every `every` steps, and always one after the last step."""
+    if every <= 0:
+        return 1
+    return max_steps // every + (1 if max_steps % every else 0)
+
+
+def _validations(cfg: RunConfig, shape: RunShape, machine: Machine, probe: Probe | None) -> Figure:
+    count = _count(cfg.train.max_steps, cfg.train.val_every_steps)
+    if probe is not None and probe.validation_s is not None:
+        return modelled(count * probe.validation_s, f"{count} pass(es) at the probe's measured rate")
+    flops = shape.validation_flops_per_rank(cfg.train.val_batches)
+    rate = (machine.peak_flops_per_rank.value or 1.0) * (machine.mfu.value or 1.0)
+    return modelled(
+        count * flops / rate, f"{count} pass(es) of {cfg.train.val_batches} micro-batches, forward only"
+    )
+
+
+def _checkpoints(cfg: RunConfig, shape: RunShape, probe: Probe | None) -> Figure:
+    ckpt = cfg.checkpoint
+    if not ckpt.enabled:
+        return modelled(0.0, "checkpoints off")
+    count = _count(cfg.train.max_steps, ckpt.every_steps)
+    if probe is not None and probe.checkpoint_s is not None:
+        return measured(count * probe.checkpoint_s, f"{count} × the probe's save")
+    from gaudi3_scale.models.counting import count_parameters
+
+    shard = shape.plan.dp_shard if shape.plan.shards_parameters else 1
+    size = (
+        count_parameters(shape.model, trainable_only=False)
+        * CHECKPOINT_BYTES_PER_PARAMETER
+        / shard
+        / shape.plan.tp_size
+    )
+    seconds = size / CHECKPOINT_BYTES_PER_S[0] * (ASYNC_BLOCKING_SHARE[0] if ckpt.async_save else 1.0)
+    how = CHECKPOINT_BYTES_PER_S[1] + ("; " + ASYNC_BLOCKING_SHARE[1] if ckpt.async_save else "")
+    return assumed(count * seconds, f"{count} save(s) of {size / 1e9:.3g} GB per rank: {how}")
+
+
+def _energy(machine: Machine, ranks: int, wall_h: float) -> Figure:
+    from gaudi3_scale.cost.comparison import DEFAULT_PUE, PUE_SOURCE
+
+    power = machine.power_w_per_rank
+    if power.value is None:
+        return assumed(None, f"energy unknown: {power.source.split(': ', 1)[-1]}")
+    kwh = power.value * ranks * wall_h * DEFAULT_PUE / 1000
+    return modelled(kwh, f"ranks × TDP (an upper bound) × wall time × PUE {DEFAULT_PUE:g} ({PUE_SOURCE})")
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

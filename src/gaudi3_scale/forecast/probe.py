@@ -1,0 +1,92 @@
+"""The calibration probe (`gaudi3 plan --probe`): a short real `gaudi3 train` of the same config and layout on this
+machine — warm-up steps, measured steps, the final validation and one checkpoint save — whose measurements go into
+the machine's calibration store (`forecast.calibration`) and from there into every later forecast of that layout.
+
+A probe that fails (out of memory, a crash, a timeout) is said in one line and the forecast falls back to the
+catalog; nothing is stored."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.forecast.calibration import Probe
+from gaudi3_scale.forecast.model import RunShape
+
+__all__ = ["PROBE_MEASURED_STEPS", "run_probe"]
+
+PROBE_MEASURED_STEPS = 10
+
+
+def probe_command(
+    config_path: str | None, overrides: tuple[str, ...], out: Path, *, warmup_steps: int, measured_steps: int
+) -> list[str]:
+    """`gaudi3 train` of the config with the probe's own length and outputs (what the run would do, shorter)."""
+    return [
+        sys.executable, "-m", "gaudi3_scale.cli", "train", *(["--config", config_path] if config_path else []),
+        *overrides, "--out", str(out), "--resume", "never", "--sample-tokens", "0", "--no-progress",
+        "--train.max_steps", str(warmup_steps + measured_steps),
+        "--train.throughput_warmup_steps", str(warmup_steps), "--train.log_every_steps", "1",
+        "--train.val_every_steps", "0", "--checkpoint.every_steps", "0",
+        "--cost.budget_usd", "null",
+    ]  # fmt: skip
+
+
+def run_probe(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    shape: RunShape,
+    *,
+    val_batches: int,
+    warmup_steps: int,
+    measured_steps: int = PROBE_MEASURED_STEPS,
+    timeout_s: float = 1800.0,
+) -> tuple[Probe | None, str]:
+    """(the probe, "") or (None, why it failed: one line)."""
+    from gaudi3_scale.distributed.jobs import run_job
+
+    with tempfile.TemporaryDirectory(prefix="gaudi3-probe-") as tmp:
+        out = Path(tmp) / "run"
+        command = probe_command(
+            config_path, overrides, out, warmup_steps=warmup_steps, measured_steps=measured_steps
+        )
+        outcome = run_job(command, Path(tmp) / "probe.log", timeout_s=timeout_s)
+        summary_path = out / "summary.json"
+        if not summary_path.is_file():
+            log = (Path(tmp) / "probe.log").read_text(errors="replace").strip().splitlines()
+            last = next((line for line in reversed(log) if line.strip()), "no output")
+            oom = any("out of memory" in line.lower() or "memoryerror" in line.lower() for line in log)
+            why = "out of memory" if oom else f"{outcome.status}: {last[-300:]}"
+            return None, f"the probe run failed ({why})"
+        summary = json.loads(summary_path.read_text())
+    return probe_from_summary(summary, shape, val_batches=val_batches), ""
+
+
+def probe_from_summary(summary: dict[str, Any], shape: RunShape, *, val_batches: int) -> Probe:
+    """A probe's measurements from its run's summary.json: the steady step, the warm-up, one save's blocking
+    time, the peak memory; its validation pass from its measured rate (forward FLOPs ÷ the step's achieved rate);
+    startup is the rest of its wall time."""
+    step = float(summary["step_time_s"])
+    measured_steps = int(summary.get("measured_steps") or 0)
+    warmup_s = float(summary.get("warmup_s") or 0.0)
+    saves = [float(s) for s in summary.get("checkpoint_blocking_s") or []]
+    checkpoint_s = max(saves) if saves else None
+    flops = shape.flops_per_step_per_rank()
+    validation_s = shape.validation_flops_per_rank(val_batches) / (flops / step)
+    wall = float(summary["wall_s"])
+    startup = max(0.0, wall - warmup_s - measured_steps * step - validation_s - (checkpoint_s or 0.0))
+    return Probe(
+        key=shape.key,
+        layout=shape.layout(),
+        step_time_s=step,
+        warmup_s=warmup_s,
+        warmup_steps=int(summary.get("warmup_steps") or 0),
+        startup_s=startup,
+        validation_s=validation_s,
+        checkpoint_s=checkpoint_s,
+        peak_memory_bytes=int(summary["peak_memory_bytes"]),
+        flops_per_step_per_rank=flops,
+    )

@@ -1,0 +1,98 @@
+"""A forecast for people (`format_forecast`) and held against a finished run (`compare_with_run`: the error of
+each predicted quantity against the run's summary.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.forecast.figures import Figure
+from gaudi3_scale.forecast.model import Forecast
+
+__all__ = ["COMPARED", "compare_with_run", "format_comparison", "format_forecast", "read_run_summary"]
+
+# predicted field of summary.json / a forecast → the measured field of summary.json, and its unit
+COMPARED = {
+    "predicted_step_time_s": ("step_time_s", "s"),
+    "predicted_wall_s": ("wall_s", "s"),
+    "predicted_peak_memory_bytes": ("peak_memory_bytes", "B"),
+    "predicted_tokens_per_s": ("tokens_per_s", "tokens/s"),
+    "predicted_cost_usd": ("cost_usd", "$"),
+}
+
+
+def _value(figure: Figure, unit: str) -> str:
+    if figure.value is None:
+        return "unknown"
+    v = figure.value
+    if unit == "B":
+        return f"{v / 2**30:.3f} GiB"
+    if unit == "s":
+        return f"{v:.4g} s" if v < 600 else f"{v / 3600:.3g} h"
+    if unit == "$":
+        return f"${v:,.2f}"
+    return f"{v:,.4g} {unit}"
+
+
+def format_forecast(forecast: Forecast) -> list[str]:
+    run = forecast.run
+    lines = [
+        f"forecast of {run['name']} ({run['model']}, {run['max_steps']} steps) on {run['nodes']} node(s) of "
+        f"{run['machine']} ({run['device']}), {run['world_size']} rank(s), {run['layout']['strategy']}"
+        + (" — from a probe of this layout" if run["probed"] else ""),
+        "per-rank peak memory:",
+    ]
+    for name, figure in forecast.memory.items():
+        lines.append(f"  {name.removesuffix('_bytes'):<12} {_value(figure, 'B'):>14}  {figure.source}")
+    lines.append("step:")
+    for name, figure in forecast.step.items():
+        lines.append(f"  {name.removesuffix('_s'):<12} {_value(figure, 's'):>14}  {figure.source}")
+    lines.append(
+        f"  {'tokens/s':<12} {_value(forecast.tokens_per_s, ''):>14}  {forecast.tokens_per_s.source}"
+    )
+    lines.append("wall time (as summary.json's wall_s: from the trainer's start):")
+    for name, figure in forecast.wall.items():
+        lines.append(f"  {name.removesuffix('_s'):<12} {_value(figure, 's'):>14}  {figure.source}")
+    lines.append(f"energy       {_value(forecast.energy_kwh, 'kWh'):>14}  {forecast.energy_kwh.source}")
+    lines.append(f"cost         {_value(forecast.cost_usd, '$'):>14}  {forecast.cost_usd.source}")
+    return lines + forecast.notes
+
+
+def read_run_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise UserInputError(f"--compare: {run_dir} has no summary.json; expected the output directory of a "
+                             "finished gaudi3 train run")  # fmt: skip
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:
+        raise UserInputError(
+            f"--compare: {path} is not JSON (a run that was killed while writing it?)"
+        ) from None
+    if not isinstance(summary, dict):
+        raise UserInputError(f"--compare: {path} is not a run summary")
+    return summary
+
+
+def compare_with_run(predicted: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per quantity: predicted, measured and the error (predicted ÷ measured − 1), where both are known."""
+    rows = []
+    for key, (measured_key, unit) in COMPARED.items():
+        p, m = predicted.get(key), summary.get(measured_key)
+        error = (p / m - 1) if isinstance(p, int | float) and isinstance(m, int | float) and m else None
+        rows.append({"quantity": measured_key, "unit": unit, "predicted": p, "measured": m, "error": error})
+    return rows
+
+
+def format_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'quantity':<20} {'predicted':>16} {'measured':>16} {'error':>9}"]
+    for row in rows:
+        unit = row["unit"]
+        shown = [
+            _value(Figure(row[k], ""), unit) if row[k] is not None else "—" for k in ("predicted", "measured")
+        ]
+        error = f"{row['error']:+.1%}" if row["error"] is not None else "—"
+        lines.append(f"{row['quantity']:<20} {shown[0]:>16} {shown[1]:>16} {error:>9}")
+    return lines

@@ -1,0 +1,78 @@
+"""A forecast from what a user has: a config file and overrides (`gaudi3 plan`), or a resolved run config at the
+start of `gaudi3 train` (`forecast_for_training`: no probe, the calibration store's probe of the layout when it has
+one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gaudi3_scale.forecast.figures import Figure, from_catalog
+from gaudi3_scale.forecast.machine import Machine, catalog_machine, this_cpu
+from gaudi3_scale.forecast.model import Forecast, forecast_run, run_shape
+from gaudi3_scale.models import ModelConfig
+from gaudi3_scale.train.config import RunConfig, resolve_config
+
+__all__ = ["forecast_config", "forecast_for_training", "machine_for"]
+
+
+def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
+    """`--machine KIND` (a catalog accelerator, or cpu), or this machine: its visible GPU, else its CPU."""
+    if kind in (None, "cpu") and cfg.train.device in ("auto", "cpu"):
+        import torch
+
+        if kind == "cpu" or cfg.train.device == "cpu" or not torch.cuda.is_available():
+            return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
+        kind = torch.cuda.get_device_name()
+    if kind is None:
+        kind = "gaudi3" if cfg.train.device == "hpu" else "h100"
+    return catalog_machine(kind, cfg.train.precision)
+
+
+def _price(cfg: RunConfig) -> Figure | None:
+    from gaudi3_scale.metering.live import resolve_price
+
+    price = resolve_price(cfg.cost)
+    return None if price is None else from_catalog(price.usd_per_hour, f"$/node-hour: {price.source}")
+
+
+def forecast_config(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    machine: str | None = None,
+    nodes: int | None = None,
+    probe: bool = False,
+    refresh_peak: bool = False,
+    warn: Callable[[str], None] = print,
+) -> tuple[RunConfig, Forecast]:
+    from gaudi3_scale.tune.estimate_table import resolved_model
+
+    cfg = resolve_config(config_path, overrides)
+    target = machine_for(cfg, machine, refresh_peak=refresh_peak)
+    model = resolved_model(cfg)
+    measured = None
+    if probe:
+        from gaudi3_scale.forecast.probe import run_probe
+
+        shape = run_shape(cfg, model, target, nodes=nodes)
+        warmup = cfg.train.resolved_throughput_warmup_steps()
+        measured, why = run_probe(
+            config_path,
+            tuple(overrides),
+            shape,
+            val_batches=cfg.train.val_batches,
+            warmup_steps=max(warmup, 2),
+        )
+        if measured is None:
+            warn(f"--probe: {why}; the forecast comes from the catalog")
+        elif target.store is not None:
+            target.store.add_probe(measured)
+            target = machine_for(cfg, machine)  # its MFU now counts the new probe
+    return cfg, forecast_run(
+        cfg, model, target, nodes=nodes, probe=measured, price_usd_per_node_hour=_price(cfg)
+    )
+
+
+def forecast_for_training(cfg: RunConfig, model: ModelConfig) -> Forecast:
+    """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout)."""
+    return forecast_run(cfg, model, machine_for(cfg, None), price_usd_per_node_hour=_price(cfg))

@@ -1,0 +1,106 @@
+"""`gaudi3 plan` as users run it (a subprocess, the default config): a forecast with a source for every number,
+written as JSON; the CPU peak measured once and kept; a probe stored and used by later forecasts of the same layout;
+a catalog machine's scale-out; bad input is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KINDS = ("measured", "catalog", "model", "assumption")
+
+
+def _plan(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "plan", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)  # fmt: skip
+
+
+def _figures(forecast: dict[str, Any]) -> list[dict[str, Any]]:
+    groups = [forecast[g] for g in ("memory", "step", "wall")]
+    return [f for g in groups for f in g.values()] + [
+        forecast[k] for k in ("tokens_per_s", "energy_kwh", "cost_usd")
+    ]
+
+
+def _store(tmp_path: Path) -> dict[str, Any]:
+    (path,) = (tmp_path / "cache" / "calibration").glob("*.json")
+    return dict(json.loads(path.read_text()))
+
+
+def test_a_forecast_says_where_every_number_comes_from_and_keeps_the_peak(tmp_path: Path) -> None:
+    done = _plan(tmp_path, "--out", "p.json")
+    assert done.returncode == 0, done.stderr
+    forecast = json.loads((tmp_path / "p.json").read_text())
+    assert all(f["source"].split(":")[0] in KINDS for f in _figures(forecast))
+    assert forecast["run"]["probed"] is False and forecast["run"]["world_size"] == 1
+    parts = [v["value"] for k, v in forecast["memory"].items() if k != "total_bytes"]
+    assert forecast["memory"]["total_bytes"]["value"] == pytest.approx(sum(parts))
+    wall = forecast["wall"]
+    assert wall["wall_s"]["value"] == pytest.approx(sum(v["value"] for k, v in wall.items() if k != "wall_s"))
+    assert forecast["predicted_step_time_s"] == forecast["step"]["step_time_s"]["value"] > 0
+    assert "MFU 0.400: assumption" in forecast["step"]["compute_s"]["source"]  # no probe yet: said so
+    assert "wrote p.json" in done.stdout and "per-rank peak memory:" in done.stdout
+    (peak,) = _store(tmp_path)["peaks"].values()
+    assert _plan(tmp_path, "--out", "p2.json").returncode == 0
+    assert list(_store(tmp_path)["peaks"].values()) == [peak]  # measured once, then read
+    assert _plan(tmp_path, "--out", "p3.json", "--refresh-peak").returncode == 0
+    assert next(iter(_store(tmp_path)["peaks"].values()))["measured_unix_s"] > peak["measured_unix_s"]
+
+
+def test_a_probe_is_stored_and_later_forecasts_of_its_layout_use_it(tmp_path: Path) -> None:
+    args = ("--train.max_steps", "300", "--train.val_batches", "2")
+    done = _plan(tmp_path, "--probe", "--out", "probed.json", *args)
+    assert done.returncode == 0, done.stderr
+    probed = json.loads((tmp_path / "probed.json").read_text())
+    (probe,) = _store(tmp_path)["probes"].values()
+    assert probed["run"]["probed"] is True and probe["key"] == probed["run"]["probe_key"]
+    assert probed["predicted_step_time_s"] == probe["step_time_s"] > 0
+    assert probed["memory"]["total_bytes"]["value"] == probe["peak_memory_bytes"]
+    assert probed["step"]["step_time_s"]["source"].startswith("measured: probe of this layout")
+    later = _plan(tmp_path, "--out", "later.json", *args)  # no --probe: the store's probe of this layout
+    assert json.loads((tmp_path / "later.json").read_text())["predicted_step_time_s"] == probe["step_time_s"]
+    other = _plan(tmp_path, "--out", "other.json", "--train.micro_batch_size", "6", *args)  # another layout
+    other_forecast = json.loads((tmp_path / "other.json").read_text())
+    assert other_forecast["run"]["probed"] is False
+    assert (
+        "median achieved ÷ peak of 1 probe(s) on this machine"
+        in other_forecast["step"]["compute_s"]["source"]
+    )
+    assert later.returncode == other.returncode == 0
+
+
+def test_a_catalog_machine_splits_the_step_into_compute_and_communication(tmp_path: Path) -> None:
+    done = _plan(tmp_path, "--machine", "h100", "--nodes", "2", "--model.name", "llama3-8b", "--data.tokenizer",
+                 "gpt2", "--parallel.strategy", "fsdp", "--train.global_batch_size", "64", "--out", "h.json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    forecast = json.loads((tmp_path / "h.json").read_text())
+    assert forecast["run"]["world_size"] == 16 and forecast["run"]["machine"] == "h100-sxm"
+    assert "8 ranks sharing a node's" in forecast["step"]["communication_s"]["source"]
+    assert "3,200 Gbps" in forecast["step"]["communication_s"]["source"]
+    assert forecast["energy_kwh"]["value"] > 0 and "TDP" in forecast["energy_kwh"]["source"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--machine", "tpu9"], "--machine: unknown machine kind 'tpu9'; allowed: cpu,"),
+        (["--nodes", "2"], "--nodes: only with --machine"),
+        (["--machine", "h100", "--probe"], "--probe: runs on this machine"),
+        (["--compare", "."], "--compare: . has no summary.json"),
+        (["--parallel.tp_size", "3"], "tp_size"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    done = _plan(tmp_path, *args, "--out", "never.json")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "never.json").exists()

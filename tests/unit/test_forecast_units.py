@@ -1,0 +1,70 @@
+"""The forecast's pieces: the collectives' bytes per layout (against the ring formulas by hand), the calibration
+store (peak kept, probes keyed by layout, a foreign store refused), and the comparison with a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.forecast.calibration import CalibrationStore, Probe
+from gaudi3_scale.forecast.comm import step_collective_bytes
+from gaudi3_scale.forecast.report import compare_with_run
+from gaudi3_scale.models import ModelConfig
+
+P = 1_000_000
+MODEL = ModelConfig(name="m", dim=64, num_layers=2, num_heads=4, context_length=32, vocab_size=100)
+
+
+def _bytes(strategy: str, world: int, *, accumulation: int = 1, tp: int = 1, param_bytes: int = 4) -> float:
+    plan = ParallelPlan.build(strategy=strategy, world_size=world, tp_size=tp)
+    batch = BatchPlan.build(global_batch_size=2 * accumulation * (world // tp), micro_batch_size=2,
+                            data_parallel_size=world // tp, context_length=32)  # fmt: skip
+    return step_collective_bytes(MODEL, plan, batch, parameters=P, param_bytes=param_bytes).total
+
+
+def test_collective_bytes_follow_the_ring_formulas() -> None:
+    assert _bytes("ddp", 2) == pytest.approx(2 * 0.5 * P * 4)  # one fp32 all-reduce a step
+    assert _bytes("ddp", 4, accumulation=3) == pytest.approx(2 * 0.75 * P * 4)  # micro-steps skip the sync
+    # FSDP: per micro-step, two all-gathers of the parameters and a reduce-scatter of fp32 gradients
+    assert _bytes("fsdp", 2) == pytest.approx(0.5 * P * (2 * 4 + 4))
+    assert _bytes("fsdp", 2, accumulation=3, param_bytes=2) == pytest.approx(3 * 0.5 * P * (2 * 2 + 4))
+    assert _bytes("fsdp", 1) == 0.0
+    # tensor parallel 2 on 2 ranks: 4 activation all-reduces per layer per micro-step, no data parallel
+    activation = 2 * 32 * 64 * 4
+    assert _bytes("fsdp", 2, tp=2) == pytest.approx(MODEL.num_layers * 4 * 2 * 0.5 * activation)
+
+
+def _probe(key: str, step: float) -> Probe:
+    return Probe(key=key, layout={"k": key}, step_time_s=step, warmup_s=1.0, warmup_steps=2, startup_s=3.0,
+                 validation_s=0.5, checkpoint_s=0.1, peak_memory_bytes=10, flops_per_step_per_rank=1e9)  # fmt: skip
+
+
+def test_the_store_keeps_the_peak_and_the_probes_across_processes(tmp_path: Path) -> None:
+    store = CalibrationStore(tmp_path / "m.json", machine="m")
+    assert store.peak("cpu-2-threads") is None
+    store.set_peak("cpu-2-threads", 5e10)
+    store.add_probe(_probe("a", 0.5))
+    again = CalibrationStore(tmp_path / "m.json", machine="m")
+    assert again.peak("cpu-2-threads")[0] == 5e10  # type: ignore[index]
+    assert again.probes["a"].achieved_flops_per_rank == pytest.approx(2e9)
+    assert [p.key for p in again.others("b")] == ["a"] and again.others("a") == []
+    with pytest.raises(UserInputError, match="not a calibration store of this machine"):
+        CalibrationStore(tmp_path / "m.json", machine="another")
+    (tmp_path / "m.json").write_text("{not json")
+    with pytest.raises(UserInputError, match="delete it to start a new one"):
+        CalibrationStore(tmp_path / "m.json", machine="m")
+
+
+def test_a_comparison_gives_the_error_of_each_known_quantity() -> None:
+    predicted = {"predicted_step_time_s": 1.1, "predicted_wall_s": 90.0, "predicted_peak_memory_bytes": 100,
+                 "predicted_tokens_per_s": 1000.0, "predicted_cost_usd": None}  # fmt: skip
+    summary = json.loads(json.dumps({"step_time_s": 1.0, "wall_s": 100.0, "peak_memory_bytes": 125,
+                                     "tokens_per_s": 1000.0, "cost_usd": 2.0}))  # fmt: skip
+    rows = {row["quantity"]: row["error"] for row in compare_with_run(predicted, summary)}
+    assert rows["step_time_s"] == pytest.approx(0.1) and rows["wall_s"] == pytest.approx(-0.1)
+    assert rows["peak_memory_bytes"] == pytest.approx(-0.2) and rows["tokens_per_s"] == 0.0
+    assert rows["cost_usd"] is None  # predicted unknown: no error, never a guess
