@@ -64,7 +64,8 @@ def build_after_step(
     """The parts for a module whose steps write `state`, and the health report of the step guard of our own model
     (`guard`; None: off). `our_model`: the registry model (its checkpoints record the strategy by name)."""
     train, out = cfg.train, cfg.output_dir
-    metrics = _run_metrics(train, cfg.health, state, out, peak_flops=device.peak_flops, warn=warn)
+    metrics = _run_metrics(train, cfg.health, state, out, data_parallel_size=parallel.data_parallel_size,
+                           peak_flops=device.peak_flops, warn=warn)  # fmt: skip
     checkpoint = _step_checkpoint(cfg, state, strategy, parallel.strategy, metrics, data_sha256=data_sha256,
                                   our_model=our_model, rank=rank, warn=warn)  # fmt: skip
     stop = GracefulInterrupt(checkpoint, console)
@@ -87,6 +88,7 @@ def _run_metrics(
     state: StepState,
     out_dir: Path,
     *,
+    data_parallel_size: int,
     peak_flops: float | None,
     warn: Callable[[str], None],
 ) -> RunMetrics:
@@ -96,7 +98,7 @@ def _run_metrics(
         stragglers = StragglerDetector(threshold=health.straggler_threshold, windows=health.straggler_windows,
                                        warn=warn)  # fmt: skip
     return RunMetrics(out_dir / "metrics.jsonl", log_every_steps=train.log_every_steps, state=state,
-                      peak_flops_per_device=peak_flops,
+                      peak_flops_per_device=peak_flops, data_parallel_size=data_parallel_size,
                       warmup_steps=train.resolved_throughput_warmup_steps(), stragglers=stragglers)  # fmt: skip
 
 

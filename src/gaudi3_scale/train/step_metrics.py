@@ -87,7 +87,9 @@ class RunMetrics:
     is written one step after its window ends. tokens/s in a record is its window's (raw: the first window includes
     warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process.
 
-    samples/s counts the sequences of this rank's micro-batches times the world size (ranks get equal batches).
+    samples/s counts the sequences of this rank's micro-batches times `data_parallel_size`, the ranks that read
+    different batches (`distributed.plan.ParallelPlan.data_parallel_size`: the ranks of a tensor-parallel group read
+    the same one), which get equal batches. MFU divides by every rank's device (the world size).
 
     data_wait_s is the mean host time per step this rank spent between the end of one micro-batch (its after-step
     work included) and the start of the next: the data loader's `next()` and Lightning's own bookkeeping;
@@ -108,6 +110,7 @@ class RunMetrics:
         log_every_steps: int,
         state: StepState,
         peak_flops_per_device: float | None,
+        data_parallel_size: int,
         warmup_steps: int = 0,
         stragglers: StragglerDetector | None = None,
     ) -> None:
@@ -117,6 +120,7 @@ class RunMetrics:
         self.tokens_per_step = state.tokens_per_step
         self.flops_per_token = state.flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
+        self.data_parallel_size = data_parallel_size  # ranks that read different batches (samples/s)
         self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
         self.stragglers = stragglers  # names slow ranks from each window's compute_s_per_rank
         self.latest: dict[str, Any] = {}
@@ -308,7 +312,7 @@ class RunMetrics:
         values = {name: None if value is None else float(value) for name, value in window.values.items()}
         samples_per_s = None
         if window.samples is not None:
-            samples_per_s = window.samples * window.world_size / elapsed if elapsed > 0 else 0.0
+            samples_per_s = window.samples * self.data_parallel_size / elapsed if elapsed > 0 else 0.0
         record: dict[str, Any] = {
             "step": window.step,
             "train_loss": values.pop("train_loss", None),
