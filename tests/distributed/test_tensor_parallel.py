@@ -113,6 +113,10 @@ def test_layout_trains_like_one_process(
     assert all(sum(c.values()) == 8 for c in samples.values())
     for key in ("train_loss", "grad_norm", "val_loss"):  # clipped at 1.0: the norm is the whole model's
         _assert_close(_metrics(run, key), _metrics(single, key), f"{layout} {key}")
+    # samples/s counts the data-parallel ranks (a tensor-parallel pair reads one batch): × 64 tokens it is tokens/s
+    tokens_per_s = _metrics(run, "tokens_per_s")
+    for step, samples_per_s in _metrics(run, "samples_per_s").items():
+        assert samples_per_s * 64 == pytest.approx(tokens_per_s[step], rel=1e-9), (layout, step)
     manifest = read_manifest(run / STEP12)
     assert manifest is not None and manifest["layout"] == "sharded"
     assert manifest["world_size"] == LAYOUTS[layout][0]

@@ -16,13 +16,15 @@ from config_walk import Package, walk
 ROOT = Path(gaudi3_scale.__file__).parent
 
 # Who may hold the whole run config on the way from `gaudi3 train` to the fit: the CLI, the config's own helpers,
-# the trainer's assembly (worker → GaudiTrainer), preflight and the resume decision (its part of preflight), and the
-# benchmark record the CLI writes after a run.
+# the trainer's assembly (worker → GaudiTrainer → the parts after each step, whose checkpoints hold the whole config
+# and its hash), preflight and the resume decision (its part of preflight), and the benchmark record the CLI writes
+# after a run.
 MAY_SEE_THE_RUN_CONFIG = {
     "gaudi3_scale.cli.train_cmd",
     "gaudi3_scale.config.core",
     "gaudi3_scale.train.worker",
     "gaudi3_scale.train.trainer",
+    "gaudi3_scale.train.parts",
     "gaudi3_scale.train.preflight",
     "gaudi3_scale.train.resume",
     "gaudi3_scale.bench.cell",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gaudi3_scale.config.core import parse_overrides
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.jobs import classify_failure
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune.config import TuneConfig, parse_bytes
@@ -255,6 +255,28 @@ def test_tensor_parallel_joins_the_space_for_mesh_strategies_on_a_llama() -> Non
     plain = next(c for c in space.candidates() if c.tp_size == 1)
     old = {k: v for k, v in asdict(plain).items() if k not in ("tp_size", "dp_replicate", "offload")}
     assert plain.key == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_micro_batches_are_the_batch_plans_under_tensor_parallel() -> None:
+    """A candidate's micro-batch divides its rank's share of the global batch over the data-parallel ranks
+    (world / tp_size: a tensor-parallel pair reads one batch), as the run's `BatchPlan` splits it; the space's
+    description lists every micro-batch its grid holds, and a batch that does not split is refused, not floored."""
+    base = build_run_config(
+        None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8"])
+    )
+    space = build_space(base, world_size=4, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,),
+                        precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
+    for c in space.candidates():
+        plan = c.batch_plan(4)
+        assert plan.data_parallel_size == 4 // c.tp_size
+        assert plan.micro_batch_size * plan.accumulation * plan.data_parallel_size == 8
+    grid = sorted({c.micro_batch_size for c in space.candidates()})
+    assert grid == [1, 2, 4]  # 4: the whole share of a tensor-parallel pair (8 sequences over 2 pairs)
+    assert "micro-batch 1/2/4 ×" in space.describe()
+    with pytest.raises(
+        ConfigError, match=r"^train.global_batch_size: 6 is not divisible by the 4 data-parallel"
+    ):
+        space.micro_batches(6)
 
 
 def test_offload_is_searched_only_where_nothing_fits_without_it(tmp_path: Path) -> None:

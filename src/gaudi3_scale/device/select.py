@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -14,7 +15,14 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import check_float8_supported
 from gaudi3_scale.device.specs import AcceleratorSpec, find_accelerator
 
-__all__ = ["DevicePlan", "cpu_model_name", "measure_cpu_matmul_flops", "measured_cpu_spec", "plan_device"]
+__all__ = [
+    "DevicePlan",
+    "cpu_model_name",
+    "measure_cpu_matmul_flops",
+    "measured_cpu_spec",
+    "plan_device",
+    "usable_cpu_cores",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +40,14 @@ class DevicePlan:
     def precision_name(self) -> str:
         """The precision as the run config names it (fp8 runs hold bf16-mixed for Lightning)."""
         return "fp8" if self.float8 else self.precision
+
+
+def usable_cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's share, not the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
 
 
 def cpu_model_name() -> str:

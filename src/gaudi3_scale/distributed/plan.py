@@ -15,12 +15,27 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import STRATEGIES, ParallelConfig
 
-__all__ = ["CUDA_GRAPH_COMPILE_MODES", "SHARDED_STRATEGIES", "ZERO_STAGES", "BatchPlan", "ParallelPlan"]
+__all__ = [
+    "CUDA_GRAPH_COMPILE_MODES",
+    "SHARDED_STRATEGIES",
+    "ZERO_STAGES",
+    "BatchPlan",
+    "ParallelPlan",
+    "data_parallel_size",
+]
 
 # torch.compile modes that capture CUDA graphs (the step then marks each new iteration for the graph trees).
 CUDA_GRAPH_COMPILE_MODES = frozenset({"reduce-overhead", "max-autotune"})
 SHARDED_STRATEGIES = ("fsdp", "fsdp_grad_op")  # FSDP2 fully_shard, applied by `parallelize`
 ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # DeepSpeed's engine wraps the module
+
+
+def data_parallel_size(world_size: int, tp_size: int = 1) -> int:
+    """Ranks that read different data: `world_size` ranks in tensor-parallel groups of `tp_size`, each group
+    reading one batch (HSDP's replicas and shards are both data-parallel)."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp_size}")
+    return world_size // tp_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,7 +208,7 @@ class ParallelPlan:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read different data (each a tensor-parallel group of `tp_size` ranks)."""
-        return self.world_size // self.tp_size
+        return data_parallel_size(self.world_size, self.tp_size)
 
     @property
     def dp_shard(self) -> int:

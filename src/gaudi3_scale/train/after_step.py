@@ -8,7 +8,7 @@ the run's own work, and the lines of `AfterStep.after_step` are the order.
                                                   the step, whether the update was applied), before any save
     checkpoint  train.callbacks.StepCheckpoint    the checkpoint this step is due (now, or after its validation)
     profiler    train.profile_callback.StepProfiler  the profiler's window
-    progress    train.step_metrics.RichStepProgress  the terminal bar
+    progress    train.progress.RichStepProgress      the terminal bar
 
 A step whose update the guard dropped made no step (global_step did not move): only its cost and its health
 report run. Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
@@ -28,8 +28,9 @@ import lightning.pytorch as pl
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.cost_callback import LiveCost
 from gaudi3_scale.train.profile_callback import StepProfiler
+from gaudi3_scale.train.progress import RichStepProgress
 from gaudi3_scale.train.step import StepState, at_step_boundary
-from gaudi3_scale.train.step_metrics import RichStepProgress, RunMetrics
+from gaudi3_scale.train.step_metrics import RunMetrics
 
 if TYPE_CHECKING:
     from gaudi3_scale.health.watchdog import Watchdog

@@ -31,7 +31,7 @@ from gaudi3_scale.config.urls import check_http_url, check_no_credentials
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
-from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan, data_parallel_size
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
@@ -377,10 +377,11 @@ class RunConfig:
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """How each optimizer step's global batch splits over `world_size` ranks (default: the configured
         launch geometry) and micro-steps; a batch that does not split is a `ConfigError`."""
+        world = world_size or self.parallel.world_size
         return BatchPlan.build(
             global_batch_size=self.train.global_batch_size,
             micro_batch_size=self.train.micro_batch_size,
-            data_parallel_size=(world_size or self.parallel.world_size) // self.parallel.tp_size,
+            data_parallel_size=data_parallel_size(world, self.parallel.tp_size),
             context_length=self.model.context_length,
         )
 

@@ -13,7 +13,7 @@ from rich.table import Table
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.atomic import write_text_atomic
 
-__all__ = ["plot_loss", "print_summary", "read_metrics", "write_summary"]
+__all__ = ["plot_loss", "print_summary", "read_metrics", "write_run_report", "write_summary"]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -26,6 +26,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(path, strict_json.dumps(summary, indent=2) + "\n")
+
+
+def write_run_report(
+    out_dir: Path,
+    summary: dict[str, Any],
+    records: list[dict[str, Any]],
+    *,
+    title: str,
+    console: Console | None,
+) -> None:
+    """What a fit leaves in its run directory (rank 0): summary.json and loss.png; and the table on `console`
+    (None: not printed)."""
+    write_summary(out_dir / "summary.json", summary)
+    plot_loss(records, out_dir / "loss.png", title=title)
+    if console is not None:
+        print_summary(summary, console)
 
 
 # How loss.png marks the health events of metrics.jsonl (docs/health.md): a vertical line at the event's step.

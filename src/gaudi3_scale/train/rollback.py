@@ -10,10 +10,13 @@ S updates, before step S's own, so one saved at K itself precedes the spiking up
 `samples_consumed` / the global batch) is the first batch a resume from it would load; the plan skips
 `health.rollback_skip_batches` data steps from there, so the spiking batch (K's, at or after it) is never loaded
 again. Without a checkpoint that old the run starts over from its initial weights.
+
+A spike after `health.max_rollbacks` rollbacks is not rolled back: the run stops (`spike_stop`).
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,9 @@ from gaudi3_scale.checkpoint.contents import DATAMODULE_KEY
 from gaudi3_scale.checkpoint.manager import CheckpointManager, state_path
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.distributed.launch import signal_exit_code
 
-__all__ = ["Rollback", "plan_rollback"]
+__all__ = ["Rollback", "plan_rollback", "spike_stop"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +86,10 @@ def plan_rollback(
         to_step, ckpt = 0, None
         first = BatchSkips(skips.skipped).data_step_of_load(0)
     return Rollback(spike_step, to_step, ckpt, range(first, first + skip_batches), lr_scale)
+
+
+def spike_stop(spike_step: int, *, max_rollbacks: int) -> dict[str, Any]:
+    """A spike after health.max_rollbacks rollbacks: the run stops with a restartable exit code (the summary's
+    stop fields; `gaudi3 train` ends with their one line)."""
+    reason = f"a loss spike at step {spike_step}, with health.max_rollbacks ({max_rollbacks}) rollbacks made,"
+    return {"interrupted": True, "stop_reason": reason, "stop_exit_code": signal_exit_code(signal.SIGTERM)}

@@ -1,7 +1,7 @@
-"""What a run measures at every optimizer step: `RunMetrics` (records → metrics.jsonl and listeners) and the
-terminal progress bar. Both only read training state; `train.after_step.AfterStep` calls them.
+"""What a run measures at every optimizer step: `RunMetrics` (records → metrics.jsonl and listeners; the terminal
+progress bar, `train.progress`, shows its latest). It only reads training state; `train.after_step.AfterStep` calls it.
 
-Both read the step contract (`train.step.StepState`): an optimizer step ends with the last micro-batch of its
+It reads the step contract (`train.step.StepState`): an optimizer step ends with the last micro-batch of its
 accumulation group (`StepState.at_boundary`), and the step's loss, gradient norm and learning rate are there.
 """
 
@@ -16,8 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.health.stragglers import StragglerDetector
@@ -25,7 +23,7 @@ from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
 from gaudi3_scale.train.step import StepState
 
-__all__ = ["RichStepProgress", "RunMetrics"]
+__all__ = ["RunMetrics"]
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -89,7 +87,9 @@ class RunMetrics:
     is written one step after its window ends. tokens/s in a record is its window's (raw: the first window includes
     warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process.
 
-    samples/s counts the sequences of this rank's micro-batches times the world size (ranks get equal batches).
+    samples/s counts the sequences of this rank's micro-batches times `data_parallel_size`, the ranks that read
+    different batches (`distributed.plan.ParallelPlan.data_parallel_size`: the ranks of a tensor-parallel group read
+    the same one), which get equal batches. MFU divides by every rank's device (the world size).
 
     data_wait_s is the mean host time per step this rank spent between the end of one micro-batch (its after-step
     work included) and the start of the next: the data loader's `next()` and Lightning's own bookkeeping;
@@ -110,6 +110,7 @@ class RunMetrics:
         log_every_steps: int,
         state: StepState,
         peak_flops_per_device: float | None,
+        data_parallel_size: int,
         warmup_steps: int = 0,
         stragglers: StragglerDetector | None = None,
     ) -> None:
@@ -119,6 +120,7 @@ class RunMetrics:
         self.tokens_per_step = state.tokens_per_step
         self.flops_per_token = state.flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
+        self.data_parallel_size = data_parallel_size  # ranks that read different batches (samples/s)
         self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
         self.stragglers = stragglers  # names slow ranks from each window's compute_s_per_rank
         self.latest: dict[str, Any] = {}
@@ -310,7 +312,7 @@ class RunMetrics:
         values = {name: None if value is None else float(value) for name, value in window.values.items()}
         samples_per_s = None
         if window.samples is not None:
-            samples_per_s = window.samples * window.world_size / elapsed if elapsed > 0 else 0.0
+            samples_per_s = window.samples * self.data_parallel_size / elapsed if elapsed > 0 else 0.0
         record: dict[str, Any] = {
             "step": window.step,
             "train_loss": values.pop("train_loss", None),
@@ -376,51 +378,3 @@ class RunMetrics:
             # Opened per record (every log_every_steps): survives a crash, and the final validation after fit.
             with self.path.open("a") as f:
                 f.write(strict_json.dumps(record) + "\n")
-
-
-class RichStepProgress:
-    """One progress bar over optimizer steps with loss, tokens/s and ETA (rank 0 only)."""
-
-    def __init__(self, metrics: RunMetrics, *, console: Console | None = None) -> None:
-        self.metrics = metrics
-        self.console = console or Console(stderr=True)
-        self._progress: Progress | None = None
-        self._task: Any = None
-
-    def start(self, trainer: pl.Trainer) -> None:
-        if not trainer.is_global_zero:
-            return
-        self._progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} steps"),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=False,
-            # Each redraw renders the whole bar (~0.7 ms of CPU, holding the GIL) on rich's refresh thread; at its
-            # default 10 Hz that is ~0.7 % of a core taken from training. The numbers change every log_every_steps.
-            refresh_per_second=2,
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(
-            "train", total=trainer.max_steps, completed=trainer.global_step, loss="-", tps="-"
-        )
-
-    def after_step(self, trainer: pl.Trainer) -> None:
-        if self._progress is None:
-            return
-        latest = self.metrics.latest
-        fields: dict[str, Any] = {}
-        if "train_loss" in latest and latest["train_loss"] is not None:
-            fields = {"loss": f"{latest['train_loss']:.4f}", "tps": f"{latest['tokens_per_s']:,.0f}"}
-        self._progress.update(self._task, completed=trainer.global_step, **fields)
-
-    def stop(self) -> None:
-        """End the bar (the end of training, or an exception)."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None

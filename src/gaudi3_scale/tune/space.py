@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,8 +17,9 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import float8_unsupported_reason
+from gaudi3_scale.device.select import usable_cpu_cores
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
-from gaudi3_scale.distributed.plan import BatchPlan
+from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
 from gaudi3_scale.tune.layouts import tensor_parallel_sizes
@@ -58,7 +58,7 @@ class Candidate:
         return BatchPlan.build(
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
-            data_parallel_size=world_size // self.tp_size,
+            data_parallel_size=data_parallel_size(world_size, self.tp_size),
             context_length=context_length,
         )
 
@@ -141,7 +141,12 @@ class SearchSpace:
     notes: tuple[str, ...] = ()  # what the space leaves out and why (printed with `describe`)
 
     def micro_batches(self, global_batch: int, tp_size: int = 1) -> list[int]:
-        return divisors(global_batch // (self.world_size // tp_size))
+        """The micro-batches that divide a rank's share of `global_batch` on this space's ranks in tensor-parallel
+        groups of `tp_size` (the whole share: `BatchPlan` without a micro-batch); a global batch that does not
+        split over the data-parallel ranks is the plan's `ConfigError`."""
+        dp = data_parallel_size(self.world_size, tp_size)
+        whole = BatchPlan.build(global_batch_size=global_batch, micro_batch_size=None, data_parallel_size=dp)
+        return divisors(whole.per_rank_batch_size)
 
     def tp_sizes_for(self, strategy: str) -> tuple[int, ...]:
         return self.tp_sizes if strategy in MESH_STRATEGIES else (1,)
@@ -173,7 +178,8 @@ class SearchSpace:
         return out
 
     def describe(self) -> str:
-        mbs = sorted({mb for gb in self.global_batches for mb in self.micro_batches(gb)})
+        tps = {tp for s in self.strategies for tp in self.tp_sizes_for(s)}
+        mbs = sorted({mb for gb in self.global_batches for tp in tps for mb in self.micro_batches(gb, tp)})
         return (
             f"{len(self.candidates())} configurations: strategy {'/'.join(self.strategies)} × precision "
             f"{'/'.join(self.precisions)} × global batch {'/'.join(map(str, self.global_batches))} × micro-batch "
@@ -240,11 +246,7 @@ def available_strategies(world_size: int, device: str = "cpu") -> tuple[str, ...
 
 def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
     """The run's default (usable cores ÷ ranks) and half of it: fewer threads per rank can win on busy hosts."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    per_rank = max(1, cores // world_size)
+    per_rank = max(1, usable_cpu_cores() // world_size)
     return tuple(sorted({per_rank, max(1, per_rank // 2)}, reverse=True))
 
 
