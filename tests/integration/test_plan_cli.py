@@ -104,3 +104,49 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "never.json").exists()
+
+
+def _train(
+    tmp_path: Path, out: str, *args: str, cache: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GAUDI3_CACHE": str(cache or tmp_path / "cache")}
+    command = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", out, "--sample-tokens", "0",
+               "--no-progress", "--train.max_steps", "20", "--train.val_every_steps", "0", *args]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+def test_a_run_reports_its_forecast_beside_its_measurements_and_plan_compares_them(tmp_path: Path) -> None:
+    done = _train(tmp_path, "run")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    for key in ("step_time_s", "wall_s", "peak_memory_bytes", "tokens_per_s"):
+        assert summary[f"predicted_{key}"] == plan[f"predicted_{key}"] and summary[key] > 0
+    assert plan["run"]["max_steps"] == 20  # the run's own config, overrides included
+    compared = _plan(tmp_path, "--compare", "run")
+    assert compared.returncode == 0, compared.stderr
+    lines = {line.split()[0]: line for line in compared.stdout.splitlines() if line.strip()}
+    error = summary["predicted_step_time_s"] / summary["step_time_s"] - 1
+    assert (
+        f"{error:+.1%}" in lines["step_time_s"]
+        and "the step time was predicted from: model:" in compared.stdout
+    )
+    # a summary without predictions (an older run) is one line and exit 2
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text(json.dumps({k: v for k, v in summary.items()
+                                                                if not k.startswith("predicted_")}))  # fmt: skip
+    old = _plan(tmp_path, "--compare", "old")
+    assert old.returncode == 2 and "has no predicted_* fields" in old.stderr
+
+
+def test_a_forecast_that_fails_never_stops_the_run(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "calibration").write_text(
+        "a file where the calibration store's directory goes: it cannot be written"
+    )
+    done = _train(tmp_path, "run", cache=cache)
+    assert done.returncode == 0, done.stderr
+    assert "gaudi3: note: no forecast for this run" in done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "predicted_step_time_s" not in summary and not (tmp_path / "run" / "plan.json").exists()

@@ -17,8 +17,9 @@ ROOT = Path(gaudi3_scale.__file__).parent
 
 # Who may hold the whole run config on the way from `gaudi3 train` to the fit: the CLI, the config's own helpers,
 # the trainer's assembly (worker → GaudiTrainer → the parts after each step, whose checkpoints hold the whole config
-# and its hash), preflight and the resume decision (its part of preflight), and the benchmark record the CLI writes
-# after a run.
+# and its hash), preflight and the resume decision (its part of preflight), the benchmark record the CLI writes
+# after a run, and the forecast's assembly (forecast.run resolves the run's plans for `gaudi3 plan` and the forecast
+# `gaudi3 train` records; the forecast model below it takes the plans and the train and checkpoint sections).
 MAY_SEE_THE_RUN_CONFIG = {
     "gaudi3_scale.cli.train_cmd",
     "gaudi3_scale.config.core",
@@ -28,6 +29,7 @@ MAY_SEE_THE_RUN_CONFIG = {
     "gaudi3_scale.train.preflight",
     "gaudi3_scale.train.resume",
     "gaudi3_scale.bench.cell",
+    "gaudi3_scale.forecast.run",
 }
 
 

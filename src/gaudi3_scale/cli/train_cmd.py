@@ -8,14 +8,18 @@ launcher passes SIGTERM, SIGUSR1 and Ctrl-C on to them and exits as they do.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import click
 
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.worker import exit_if_stopped, fit_run, print_outputs, stop_when_budget_exhausted
 
@@ -25,12 +29,50 @@ __all__ = ["print_dry_run", "run_training"]
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
     from gaudi3_scale.distributed.launch import inside_launched_worker
 
-    with stop_when_budget_exhausted():
+    with stop_when_budget_exhausted(), _forecast_for_the_run(cfg, here=not inside_launched_worker()):
         if cfg.parallel.world_size > 1 and not inside_launched_worker():
             started = _launch_ranks(cfg, worker_args)
             _after_launched_run(cfg, started=started, sample_tokens=sample_tokens)
             return
         _train_here(cfg, sample_tokens=sample_tokens, progress=progress)
+
+
+@contextlib.contextmanager
+def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
+    """The run's forecast (`gaudi3 plan` without a probe; the calibration store's probe of this layout when it has
+    one), handed to the trainer of rank 0 through a file named by GAUDI3_FORECAST (inherited by our launcher's
+    ranks): it writes <run>/plan.json under the run's lock and puts the predicted_* fields beside the measured
+    ones in summary.json. A forecast that fails is one note; the run goes on without one."""
+    if not here:
+        yield
+        return
+    try:
+        from gaudi3_scale.forecast.run import forecast_for_training
+        from gaudi3_scale.tune.estimate_table import resolved_model
+
+        forecast = forecast_for_training(cfg, resolved_model(cfg.model, cfg.data)).as_dict()
+    except UserInputError:  # bad input the run itself reports, in its one line, when it checks its inputs
+        yield
+        return
+    except Exception as exc:  # a forecast never stops a run
+        click.echo(f"gaudi3: note: no forecast for this run ({type(exc).__name__}: {exc})", err=True)
+        yield
+        return
+    from gaudi3_scale.config import strict_json
+    from gaudi3_scale.train.forecast_file import FORECAST_ENV
+
+    with tempfile.TemporaryDirectory(prefix="gaudi3-forecast-") as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(strict_json.dumps(forecast, indent=2) + "\n")
+        previous = os.environ.get(FORECAST_ENV)
+        os.environ[FORECAST_ENV] = str(path)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(FORECAST_ENV, None)
+            else:
+                os.environ[FORECAST_ENV] = previous
 
 
 def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> float:
@@ -113,7 +155,7 @@ def print_dry_run(cfg: RunConfig) -> None:
     from gaudi3_scale.tune.space import device_kind
 
     started = time.perf_counter()
-    model_cfg = resolved_model(cfg)
+    model_cfg = resolved_model(cfg.model, cfg.data)
     check_parameter_count(model_cfg, "model")
     with torch.device("meta"):
         model = build_model(model_cfg)

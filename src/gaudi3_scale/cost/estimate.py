@@ -114,10 +114,10 @@ def resolve_model(model: str | ModelConfig, context_length: int | None = None) -
             raise UserInputError(f"--context-length: must be a positive integer, got {context_length!r}")
         cfg = dataclasses.replace(cfg, context_length=context_length)
     if cfg.vocab_size is None:
-        from gaudi3_scale.train.config import RunConfig
+        from gaudi3_scale.data.config import DataConfig
         from gaudi3_scale.tune.estimate_table import resolved_model
 
-        cfg = resolved_model(RunConfig(model=cfg))
+        cfg = resolved_model(cfg, DataConfig())
     return cfg
 
 

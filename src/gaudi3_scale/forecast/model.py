@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.forecast.calibration import Probe, probe_key
@@ -24,9 +25,9 @@ from gaudi3_scale.forecast.comm import step_collective_bytes
 from gaudi3_scale.forecast.figures import Figure, assumed, measured, modelled
 from gaudi3_scale.forecast.machine import Machine
 from gaudi3_scale.models import ModelConfig, flops_per_token
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import TrainConfig
 
-__all__ = ["Forecast", "RunShape", "forecast_run", "run_shape"]
+__all__ = ["Forecast", "RunShape", "forecast_run"]
 
 RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
 BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
@@ -83,24 +84,6 @@ class RunShape:
         return flops_per_token(self.model, self.model.context_length) / 3 * tokens / self.plan.tp_size
 
 
-def _precision(cfg: RunConfig, device_kind: str) -> str:
-    precision = cfg.train.precision
-    if precision == "auto":
-        return "32-true" if device_kind == "cpu" else "bf16-mixed"
-    return precision
-
-
-def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: int | None = None) -> RunShape:
-    """The run's plans on `machine`: a catalog machine's nodes × its devices per node, else the config's geometry."""
-    nodes = nodes or cfg.parallel.nnodes
-    per_node = machine.ranks_per_node or cfg.parallel.nproc_per_node
-    world = nodes * per_node
-    precision = _precision(cfg, machine.device_kind)
-    plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
-    batch = cfg.batch_plan(world)
-    return RunShape(model, plan, batch, precision, machine.device_kind, nodes, per_node)
-
-
 @dataclass
 class Forecast:
     run: dict[str, Any]
@@ -129,7 +112,9 @@ class Forecast:
         return {
             "predicted_step_time_s": self.step_time_s,
             "predicted_wall_s": self.wall_s,
-            "predicted_peak_memory_bytes": self.peak_memory_bytes,
+            "predicted_peak_memory_bytes": None
+            if self.peak_memory_bytes is None
+            else int(self.peak_memory_bytes),
             "predicted_tokens_per_s": self.tokens_per_s.value,
             "predicted_cost_usd": self.cost_usd.value,
             "predicted_step_time_source": self.step["step_time_s"].source,
@@ -155,17 +140,18 @@ class Forecast:
 
 
 def forecast_run(
-    cfg: RunConfig,
-    model: ModelConfig,
+    shape: RunShape,
     machine: Machine,
     *,
-    nodes: int | None = None,
+    run_name: str,
+    train: TrainConfig,
+    checkpoint: CheckpointConfig,
     probe: Probe | None = None,
     price_usd_per_node_hour: Figure | None = None,
 ) -> Forecast:
-    """The forecast of `cfg` (its model resolved: `model`) on `machine`; `probe`: a measurement of this layout
-    (by default the calibration store's, when it has one)."""
-    shape = run_shape(cfg, model, machine, nodes=nodes)
+    """The forecast of a run of `shape` on `machine` with its `train` and `checkpoint` sections; `probe`: a
+    measurement of this layout (by default the calibration store's, when it has one)."""
+    model = shape.model
     if probe is None and machine.store is not None:
         probe = machine.store.probes.get(shape.key)
     memory = _memory(shape, probe)
@@ -173,7 +159,7 @@ def forecast_run(
     step_time = step["step_time_s"].value
     assert step_time is not None
     tokens = modelled(shape.batch.tokens_per_step / step_time, "tokens per step ÷ step time")
-    wall = _wall(cfg, shape, machine, probe, step_time)
+    wall = _wall(train, checkpoint, shape, machine, probe, step_time)
     ranks = shape.plan.world_size
     wall_h = (wall["wall_s"].value or 0.0) / 3600
     energy = _energy(machine, ranks, wall_h)
@@ -186,9 +172,9 @@ def forecast_run(
         else assumed(None, "no price: set cost.instance (catalog) or cost.price_usd_per_hour")
     )
     run = {
-        "name": cfg.name,
+        "name": run_name,
         "model": model.name,
-        "max_steps": cfg.train.max_steps,
+        "max_steps": train.max_steps,
         "machine": machine.kind,
         "device": machine.device_name,
         "nodes": shape.nodes,
@@ -271,9 +257,13 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
 
 
 def _wall(
-    cfg: RunConfig, shape: RunShape, machine: Machine, probe: Probe | None, step_s: float
+    train: TrainConfig,
+    checkpoint: CheckpointConfig,
+    shape: RunShape,
+    machine: Machine,
+    probe: Probe | None,
+    step_s: float,
 ) -> dict[str, Figure]:
-    train = cfg.train
     warmup_steps = min(train.resolved_throughput_warmup_steps(), train.max_steps)
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
@@ -287,8 +277,8 @@ def _wall(
         warmup = assumed(warmup_steps * step_s * 2 + extra,
                          "warm-up steps at 2× a steady step" + (f" + {extra:g} s compile" if extra else ""))  # fmt: skip
     steady = modelled((train.max_steps - warmup_steps) * step_s, "steps after the warm-up × step time")
-    validation = _validations(cfg, shape, machine, probe if same else None)
-    checkpoints = _checkpoints(cfg, shape, probe if same else None)
+    validation = _validations(train, shape, machine, probe if same else None)
+    checkpoints = _checkpoints(checkpoint, train.max_steps, shape, probe if same else None)
     parts = [startup, warmup, steady, validation, checkpoints]
     total = sum(p.value or 0.0 for p in parts)
     return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
@@ -302,22 +292,21 @@ def _count(max_steps: int, every: int) -> int:
     return max_steps // every + (1 if max_steps % every else 0)
 
 
-def _validations(cfg: RunConfig, shape: RunShape, machine: Machine, probe: Probe | None) -> Figure:
-    count = _count(cfg.train.max_steps, cfg.train.val_every_steps)
+def _validations(train: TrainConfig, shape: RunShape, machine: Machine, probe: Probe | None) -> Figure:
+    count = _count(train.max_steps, train.val_every_steps)
     if probe is not None and probe.validation_s is not None:
         return modelled(count * probe.validation_s, f"{count} pass(es) at the probe's measured rate")
-    flops = shape.validation_flops_per_rank(cfg.train.val_batches)
+    flops = shape.validation_flops_per_rank(train.val_batches)
     rate = (machine.peak_flops_per_rank.value or 1.0) * (machine.mfu.value or 1.0)
     return modelled(
-        count * flops / rate, f"{count} pass(es) of {cfg.train.val_batches} micro-batches, forward only"
+        count * flops / rate, f"{count} pass(es) of {train.val_batches} micro-batches, forward only"
     )
 
 
-def _checkpoints(cfg: RunConfig, shape: RunShape, probe: Probe | None) -> Figure:
-    ckpt = cfg.checkpoint
+def _checkpoints(ckpt: CheckpointConfig, max_steps: int, shape: RunShape, probe: Probe | None) -> Figure:
     if not ckpt.enabled:
         return modelled(0.0, "checkpoints off")
-    count = _count(cfg.train.max_steps, ckpt.every_steps)
+    count = _count(max_steps, ckpt.every_steps)
     if probe is not None and probe.checkpoint_s is not None:
         return measured(count * probe.checkpoint_s, f"{count} × the probe's save")
     from gaudi3_scale.models.counting import count_parameters

@@ -6,13 +6,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from gaudi3_scale.forecast.calibration import Probe
 from gaudi3_scale.forecast.figures import Figure, from_catalog
 from gaudi3_scale.forecast.machine import Machine, catalog_machine, this_cpu
-from gaudi3_scale.forecast.model import Forecast, forecast_run, run_shape
+from gaudi3_scale.forecast.model import Forecast, RunShape, forecast_run
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.train.config import RunConfig, resolve_config
 
-__all__ = ["forecast_config", "forecast_for_training", "machine_for"]
+__all__ = ["forecast_config", "forecast_for_training", "machine_for", "run_shape"]
+
+
+def _precision(cfg: RunConfig, device_kind: str) -> str:
+    precision = cfg.train.precision
+    if precision == "auto":
+        return "32-true" if device_kind == "cpu" else "bf16-mixed"
+    return precision
+
+
+def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: int | None = None) -> RunShape:
+    """The run's plans on `machine`: a catalog machine's nodes × its devices per node, else the config's geometry."""
+    nodes = nodes or cfg.parallel.nnodes
+    per_node = machine.ranks_per_node or cfg.parallel.nproc_per_node
+    world = nodes * per_node
+    precision = _precision(cfg, machine.device_kind)
+    plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
+    batch = cfg.batch_plan(world)
+    return RunShape(model, plan, batch, precision, machine.device_kind, nodes, per_node)
 
 
 def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
@@ -49,7 +68,7 @@ def forecast_config(
 
     cfg = resolve_config(config_path, overrides)
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
-    model = resolved_model(cfg)
+    model = resolved_model(cfg.model, cfg.data)
     measured = None
     if probe:
         from gaudi3_scale.forecast.probe import run_probe
@@ -68,11 +87,15 @@ def forecast_config(
         elif target.store is not None:
             target.store.add_probe(measured)
             target = machine_for(cfg, machine)  # its MFU now counts the new probe
-    return cfg, forecast_run(
-        cfg, model, target, nodes=nodes, probe=measured, price_usd_per_node_hour=_price(cfg)
-    )
+    return cfg, _forecast(cfg, run_shape(cfg, model, target, nodes=nodes), target, probe=measured)
+
+
+def _forecast(cfg: RunConfig, shape: RunShape, machine: Machine, *, probe: Probe | None = None) -> Forecast:
+    return forecast_run(shape, machine, run_name=cfg.name, train=cfg.train, checkpoint=cfg.checkpoint,
+                        probe=probe, price_usd_per_node_hour=_price(cfg))  # fmt: skip
 
 
 def forecast_for_training(cfg: RunConfig, model: ModelConfig) -> Forecast:
     """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout)."""
-    return forecast_run(cfg, model, machine_for(cfg, None), price_usd_per_node_hour=_price(cfg))
+    machine = machine_for(cfg, None)
+    return _forecast(cfg, run_shape(cfg, model, machine), machine)

@@ -142,10 +142,18 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             value = summary[key]
             ratio = key in _RATIOS and isinstance(value, float) and math.isfinite(value)
             text = f"{value:.2%}" if ratio else _fmt(value)
-            table.add_row(label, text)
+            table.add_row(label, text + _predicted(summary, key))
         if key == "step_time_s" and summary.get("measured_steps"):
             table.add_row("measured over", _measured_over(summary))
     (console or Console()).print(table)
+
+
+def _predicted(summary: dict[str, Any], key: str) -> str:
+    """`gaudi3 plan`'s prediction of a measured value, and its error, when the run has one."""
+    predicted, measured = summary.get(f"predicted_{key}"), summary.get(key)
+    if not isinstance(predicted, int | float) or not isinstance(measured, int | float) or not measured:
+        return ""
+    return f" (predicted {_fmt(predicted)}, {predicted / measured - 1:+.0%})"
 
 
 def _measured_over(summary: dict[str, Any]) -> str:

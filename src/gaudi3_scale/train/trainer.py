@@ -47,6 +47,7 @@ from gaudi3_scale.train.assembly import (
     steps_of_epochs,
 )
 from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.forecast_file import predicted_fields, read_forecast, write_plan
 from gaudi3_scale.train.module import LanguageModel
 from gaudi3_scale.train.parts import build_after_step
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
@@ -109,6 +110,9 @@ class GaudiTrainer:
         self.device_plan: DevicePlan | None = None
         # The run's parts after each step (metrics, checkpoint, stop, cost, health, watchdog): built with the trainer.
         self._after: AfterStep | None = None
+        self._forecast: dict[str, Any] | None = (
+            None  # `gaudi3 plan`'s forecast of this run (train.forecast_file)
+        )
         self._guard: StepGuard | None = None  # the step guard of our own model (health.guard)
         self._health: StepHealth | None = None
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
@@ -231,6 +235,11 @@ class GaudiTrainer:
         check_run_inputs(self.config)  # one line before any data work (train.preflight)
         stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
         with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
+            self._forecast = (
+                read_forecast()
+            )  # what `gaudi3 train` predicted (train.forecast_file), if anything
+            if self._forecast is not None and launched_rank() == 0:
+                write_plan(self.out_dir, self._forecast)
             return self._fit(model, datamodule, started)
 
     def _fit(
@@ -332,6 +341,7 @@ class GaudiTrainer:
         summary = run_summary(self._after, trainer, records=records, wall_s=time.perf_counter() - started,
                               run_name=cfg.name, model=cfg.model, device_plan=self.device_plan, health=self._health,
                               warn=self._warn)  # fmt: skip
+        summary.update(predicted_fields(self._forecast))
         if (guard := self._guard) is not None and guard.stop_at is not None:
             summary.update(spike_stop(guard.stop_at, max_rollbacks=cfg.health.max_rollbacks))
         if isinstance(datamodule, TokenDataModule) and datamodule.has_data:

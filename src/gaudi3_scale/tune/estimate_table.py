@@ -22,6 +22,7 @@ from gaudi3_scale.tune.memory import estimate_memory, max_micro_batch_that_fits
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from gaudi3_scale.data.config import DataConfig
     from gaudi3_scale.train.config import RunConfig
 
 __all__ = ["TABLE_STRATEGIES", "format_estimate_table", "format_layouts", "print_estimate_table"]
@@ -30,13 +31,13 @@ TABLE_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed
 _GIB = 2**30
 
 
-def resolved_model(base: RunConfig) -> ModelConfig:
-    """`base.model` with its vocabulary resolved: from the config, else from the (prepared, cached) dataset."""
-    if base.model.vocab_size is not None:
-        return base.model
+def resolved_model(model: ModelConfig, data: DataConfig) -> ModelConfig:
+    """`model` with its vocabulary resolved: from the config, else from the (prepared, cached) dataset `data`."""
+    if model.vocab_size is not None:
+        return model
     from gaudi3_scale.data.inputs import open_training_data
 
-    return base.model.resolve_vocab(open_training_data(base.data, progress=False).vocab_size)
+    return model.resolve_vocab(open_training_data(data, progress=False).vocab_size)
 
 
 def format_estimate_table(
@@ -232,7 +233,7 @@ def print_estimate_table(
         )
     if spec is not None and memory is None:
         text = format_layouts(
-            resolved_model(base),
+            resolved_model(base.model, base.data),
             spec,
             world_size=world_size,
             per_node=per_node,
@@ -248,7 +249,7 @@ def print_estimate_table(
         if memory is None:
             memory = int(spec.memory_gb * 1e9)
     table = format_estimate_table(
-        resolved_model(base),
+        resolved_model(base.model, base.data),
         world_size=world_size,
         micro_batch_size=micro,
         precision=base.train.precision,

@@ -317,7 +317,7 @@ def fp8_if_it_pays(config: RunConfig, precisions: tuple[str, ...]) -> tuple[tupl
     from gaudi3_scale.tune.fp8_gain import MIN_FP8_GAIN, fp8_gain
 
     plan = config.float8_plan()
-    gain = fp8_gain(resolved_model(config).resolve_padding("cuda"), plan)
+    gain = fp8_gain(resolved_model(config.model, config.data).resolve_padding("cuda"), plan)
     if gain.pays:
         return precisions, (f"fp8 ({plan.recipe}) modelled at ×{gain.gain:.2f} bf16 (tune.fp8_gain)",)
     note = (

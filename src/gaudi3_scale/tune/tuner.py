@@ -67,7 +67,7 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
     from gaudi3_scale.tune.estimate_table import resolved_model
     from gaudi3_scale.tune.memory import estimate_memory
 
-    model = resolved_model(base)
+    model = resolved_model(base.model, base.data)
 
     def estimate(c: Candidate) -> int | None:
         plan = ParallelPlan.build(
