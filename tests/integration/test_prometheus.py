@@ -232,10 +232,11 @@ def test_the_rollbacks_of_real_runs_fire_gaudi3_run_rolled_back(tmp_path: Path) 
     ports = {"fixed": str(_free_port()), "free": "0"}
     runs = {name: tmp_path / name for name in ports}
     server, base = _start_prometheus(tmp_path, list(runs.values()))
-    procs = {}
-    for name, out in runs.items():
-        procs[name] = subprocess.Popen(
-            [*GAUDI3, "train", "--out", str(out), "--name", name, "--sample-tokens", "0", "--no-progress",
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def train(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [*GAUDI3, "train", "--out", str(runs[name]), "--name", name, "--sample-tokens", "0", "--no-progress",
              "--train.threads", "1", "--model.num_layers", "1", "--train.max_steps", "100000",
              "--train.log_every_steps", "5", "--train.val_every_steps", "0", "--checkpoint.every_steps", "10",
              "--health.spike_policy", "rollback", "--health.rollback_skip_batches", "15",
@@ -264,6 +265,9 @@ def test_the_rollbacks_of_real_runs_fire_gaudi3_run_rolled_back(tmp_path: Path) 
         return by_run
 
     try:
+        # Prometheus up first (slow to start on a loaded machine), so that it sees the first fits too.
+        _wait_for("Prometheus to answer", lambda: _ready(base), timeout_s=120, alive=alive)
+        procs.update((name, train(name)) for name in runs)
         _wait_for("both runs' second rollback", lambda: all(_rollbacks(out) == 2 for out in runs.values()),
                   timeout_s=240, alive=alive)  # fmt: skip
         _wait_for(
@@ -278,24 +282,34 @@ def test_the_rollbacks_of_real_runs_fire_gaudi3_run_rolled_back(tmp_path: Path) 
             timeout_s=60, alive=alive,
         )  # fmt: skip
         assert {(s["metric"]["rank"], s["metric"]["severity"]) for s in firing["fixed"]} == {("0", "warning")}
-        # The fixed port: one series, counting 0, 1, 2 over the two re-fits; it increased by 2.
+        # The fixed port: one series, whose count carries on over the two re-fits (1, then 2; a fresh exporter per
+        # fit would show 1 after each). On a loaded machine the first fit may end before its first scrape.
         (fixed,) = query("gaudi3_health_rollbacks_total[10m]")["fixed"]
         values = [float(v) for _, v in fixed["values"]]
-        assert values == sorted(values) and {0.0, 1.0, 2.0} <= set(values), values
+        assert values == sorted(values) and values[-1] == 2.0 and 1.0 in values, values
         (increase,) = query("increase(gaudi3_health_rollbacks_total[10m])")["fixed"]
-        assert float(increase["value"][1]) >= 1.5
+        assert float(increase["value"][1]) >= 0.9
     finally:
         server.terminate()
         server.wait(timeout=30)
         for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        codes = {}
         for name, proc in procs.items():
             try:
-                assert proc.wait(timeout=90) == 143, (tmp_path / f"{name}.log").read_text()[-3000:]
+                codes[name] = proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                codes[name] = proc.wait()
+    assert codes == {name: 143 for name in runs}, codes  # SIGTERM: each run saved and stopped
+
+
+def _ready(base: str) -> bool:
+    try:
+        return bool(urllib.request.urlopen(f"{base}/-/ready", timeout=5).status == 200)
+    except OSError:  # not listening yet, or 503 while it starts
+        return False
 
 
 def _rollbacks(out: Path) -> int:
