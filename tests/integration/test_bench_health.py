@@ -1,5 +1,6 @@
 """benchmarks/bench_health.py runs `gaudi3 train` with the health checks on and off in alternated pairs and records
-each pair's step times and ratio, with the machine, as JSON and a PNG (one short pair on one rank here)."""
+each pair's step times and ratio, with the machine, as JSON and a PNG (one short pair on one rank here);
+benchmarks/bench_health_rollback_plot.py plots a run with an injected spike and its rollback against its twin."""
 
 from __future__ import annotations
 
@@ -39,3 +40,34 @@ def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
             interleaved["median_guarded_step_s"] / interleaved["median_unguarded_step_s"]
         )
     assert "interleaved, 2 rank(s): guarded / unguarded step = " in done.stdout
+
+
+ROLLBACK_PLOT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_health_rollback_plot.py"
+
+
+def test_the_rollback_plot_shows_a_real_spike_and_its_rollback(tmp_path: Path) -> None:
+    """A short pair: the spike of data step 27 rolls back to the checkpoint of step 25 and skips batches 25-29."""
+    import matplotlib.image
+
+    out, png = tmp_path / "rollback.json", tmp_path / "img" / "rollback.png"
+    done = subprocess.run(
+        [sys.executable, str(ROLLBACK_PLOT), "--steps", "40", "--spike-step", "27", "--checkpoint-every", "5",
+         "--skip-batches", "5", "--out", str(out), "--png", str(png)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["rollback"] == {"from_step": 27, "to_step": 25, "checkpoint": "step-00000025",
+                                  "skipped_batches": [25, 29]}  # fmt: skip
+    spike = result["spike"]
+    assert spike["step"] == 27 and spike["event_loss"] > 10 * result["final_train_loss"]["twin"]
+    # The same batches up to the restored step, bit for bit; then other batches.
+    assert result["identical_until_step"] == 25
+    spiking, twin = result["runs"]["rolled_back"], result["runs"]["twin"]
+    assert [s for s, _ in spiking["train_loss"]] == [s for s, _ in twin["train_loss"]] == list(range(1, 41))
+    assert twin["health_records"] == [] and twin["health"]["rollback"] == 0
+    assert spiking["health"]["rollback"] == 1 and spiking["health"]["skipped_batches"] == [25, 26, 27, 28, 29]
+    assert result["machine"]["cpu_count"] and result["png"] == str(png)
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert (width, height) == (1320, 594)  # 12 × 5.4 in at 110 dpi
+    assert "rolled back 27 → 25, batches 25–29 skipped; runs bitwise equal up to step 25" in done.stdout

@@ -1,5 +1,6 @@
 """The dashboard in headless Chromium (Selenium, Debian's chromium + chromedriver) against a real `gaudi3 train`:
-the run list, a chart that gains points while the run writes metrics, and the cost view's numbers.
+the run list, a chart that gains points while the run writes metrics, the cost view's numbers, and the health
+events of real runs with injected faults marked on the loss curve.
 
 Screenshots go to test-artifacts/dashboard/ at the repository root. Without chromium or chromedriver these tests
 skip, unless GAUDI3_REQUIRE_SYSTEM_TOOLS=1 (CI), where they fail saying what is missing.
@@ -8,6 +9,7 @@ skip, unless GAUDI3_REQUIRE_SYSTEM_TOOLS=1 (CI), where they fail saying what is 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,8 +27,10 @@ from gaudi3_scale.cost.estimate import compare_training_cost
 from gaudi3_scale.cost.report import usd
 from gaudi3_scale.dashboard import build_server
 from gaudi3_scale.dashboard.costs import ASSUMED_MFU, PLATFORMS
+from gaudi3_scale.health.marks import MARKS, event_mark
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import get_model_config
+from gaudi3_scale.train.report import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -233,3 +237,84 @@ def test_a_nan_in_the_middle_of_a_run_is_a_gap_with_a_marker(
     x = float(marker.get_attribute("data-x"))
     assert segments[0][-1][0] < x < segments[1][0][0]  # the gap is where step 3 is, with points after it
     _screenshot(browser, "diverged")
+
+
+# Real runs with faults injected (GAUDI3_INJECT_FAULTS, keyed by data step): spikes looked for after 4 steps, a
+# checkpoint every 2 steps. name: (health.spike_policy, faults, the marks expected as (mark, event, step)).
+#   rollback: the NaN of data step 3 drops the update of step 3, so data step 10 is step 9; its spike rolls back
+#             to the checkpoint of step 8 and the run trains steps 9-12 again on later batches;
+#   warn / skip: the spike of data step 8 (step 8) is warned of (update applied) / dropped.
+HEALTH_STEPS = 12
+HEALTH_RUNS = {
+    "health-rollback": ("rollback", "nan:step=3,spike:step=10:scale=20",
+                        [("dropped", "nonfinite", 3), ("rollback", "rollback", 9)]),
+    "health-warn": ("warn", "spike:step=8:scale=20", [("spike", "loss_spike", 8)]),
+    "health-skip": ("skip", "spike:step=8:scale=20", [("dropped", "loss_spike", 8)]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def health_runs(runs_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The three runs of HEALTH_RUNS, side by side (a few seconds each): name → the health events they wrote."""
+    procs = {}
+    for name, (policy, faults, _) in HEALTH_RUNS.items():
+        args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(runs_dir / name), "--name", name,
+                "--no-progress", "--sample-tokens", "0", "--model.num_layers", "1", "--train.threads", "1",
+                "--train.max_steps", str(HEALTH_STEPS), "--train.log_every_steps", "1", "--train.val_every_steps", "0",
+                "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "10", "--health.spike_window_steps", "5",
+                "--health.spike_warmup_steps", "4", "--health.spike_policy", policy,
+                "--health.rollback_skip_batches", "3"]  # fmt: skip
+        env = {**os.environ, "GAUDI3_INJECT_FAULTS": faults}
+        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=env)  # fmt: skip
+    events = {}
+    for name, proc in procs.items():
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+        records = read_metrics(runs_dir / name / "metrics.jsonl")
+        events[name] = [r for r in records if "health_event" in r]
+    return events
+
+
+def _polyline(element: Any) -> list[tuple[float, float]]:
+    pairs = (point.split(",") for point in element.get_attribute("points").split())
+    return [(float(x), float(y)) for x, y in pairs]
+
+
+@pytest.mark.parametrize("name", list(HEALTH_RUNS))
+def test_health_events_of_a_real_run_are_marked_on_the_loss_curve(
+    browser: Any, dashboard: str, health_runs: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    expected = HEALTH_RUNS[name][2]
+    events = health_runs[name]
+    # The run saw the faults where they were injected (a spike that rolled back is marked by its rollback).
+    assert [(event_mark(e), e["health_event"], e["step"]) for e in events if event_mark(e)] == expected
+    browser.get(f"{dashboard}/runs/{name}")
+    # The train curve and the final validation point; every step once: after the rollback the run's newer records
+    # of step 9 on replace the older ones.
+    _wait_for(lambda: _points(browser, "chart-loss") == HEALTH_STEPS + 1, 30, "the loss curve and val loss")
+    chart = browser.find_element("id", "chart-loss")
+    assert chart.get_attribute("data-marks") == str(len(expected))
+    (line,) = chart.find_elements("css selector", "svg polyline.line.s0")
+    x_of_step = dict(zip(range(1, HEALTH_STEPS + 1), (x for x, _ in _polyline(line)), strict=True))
+    assert list(x_of_step.values()) == sorted(x_of_step.values())
+    marks = chart.find_elements("css selector", "svg g.health-mark")
+    shown = [(m.get_attribute("data-mark"), m.get_attribute("data-event"), int(m.get_attribute("data-step")))
+             for m in marks]  # fmt: skip
+    assert shown == expected
+    for mark, (kind, _, step) in zip(marks, expected, strict=True):
+        assert mark.is_displayed() and "health-mark " + kind == mark.get_attribute("class")
+        assert float(mark.get_attribute("data-x")) == pytest.approx(x_of_step[step], abs=0.06)  # at its step
+        title = mark.find_element("css selector", "title").get_attribute("textContent")
+        (event,) = [e for e in events if e["step"] == step and event_mark(e) == kind]
+        assert title == f"{MARKS[kind][0]} at step {step}: {event['detail']} ({MARKS[kind][1]})"
+        if kind == "rollback":
+            assert (mark.get_attribute("data-from-step"), mark.get_attribute("data-to-step")) == ("9", "8")
+            band = mark.find_element("css selector", "rect.span")
+            left, width = float(band.get_attribute("x")), float(band.get_attribute("width"))
+            assert (left, left + width) == pytest.approx((x_of_step[8], x_of_step[9]), abs=0.06)
+            assert "rolled back from step 9 to checkpoint step 8; data batches 9–11 skipped" in title
+    legend = chart.find_elements("css selector", "figcaption .mark-entry")
+    kinds = [k for k in MARKS if k in {kind for kind, _, _ in expected}]
+    assert [(e.text, e.get_attribute("title")) for e in legend] == [MARKS[k] for k in kinds]
+    _screenshot(browser, name)

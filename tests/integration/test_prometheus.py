@@ -49,7 +49,7 @@ def _promtool(*args: str) -> str:
 
 def test_shipped_config_rules_and_rule_tests_pass_promtool() -> None:
     assert "SUCCESS" in _promtool("check", "config", "prometheus.yml")
-    assert "SUCCESS: 10 rules found" in _promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS: 11 rules found" in _promtool("check", "rules", "alerts.yml")
     assert "SUCCESS" in _promtool("test", "rules", "alerts_test.yml")
     # Every alert has a firing case in the rule tests.
     alerts = {
@@ -121,10 +121,30 @@ def _by_rank(result: list[dict[str, Any]]) -> dict[str, Any]:
     return {series["metric"]["rank"]: series for series in result if series["metric"].get("run") == "prom"}
 
 
+def _start_prometheus(tmp_path: Path, runs: list[Path]) -> tuple[subprocess.Popen[bytes], str]:
+    """Prometheus with the shipped config pointed at these run directories, scraping and evaluating every second;
+    the alerting rules load with it. (the server, its base URL)"""
+    config = yaml.safe_load((ASSETS_DIR / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gaudi3"]
+    files = [str(out / "metrics_endpoints" / "file_sd" / "*.json") for out in runs]
+    job["file_sd_configs"][0].update(files=files, refresh_interval="1s")
+    config["scrape_configs"] = [job]
+    shutil.copy(ASSETS_DIR / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    server = subprocess.Popen(
+        [_tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )  # fmt: skip
+    return server, f"http://127.0.0.1:{port}"
+
+
 def test_prometheus_scrapes_both_ranks_of_a_real_run(
     tmp_path: Path, training: tuple[Path, subprocess.Popen[str]]
 ) -> None:
-    prometheus = _tool("prometheus")
+    _tool("prometheus")  # skips (fails under CI) before waiting for the run
     out, proc = training
 
     def alive() -> str | None:
@@ -136,23 +156,7 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
         )
 
     _wait_for("both ranks' endpoint files", lambda: len(read_endpoints(out)) == 2, timeout_s=120, alive=alive)
-    # The shipped config, pointed at this run, scraping every second; the alerting rules load with it.
-    config = yaml.safe_load((ASSETS_DIR / "prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gaudi3"]
-    job["file_sd_configs"][0].update(
-        files=[str(out / "metrics_endpoints" / "file_sd" / "*.json")], refresh_interval="1s"
-    )
-    config["scrape_configs"] = [job]
-    shutil.copy(ASSETS_DIR / "alerts.yml", tmp_path / "alerts.yml")
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )  # fmt: skip
+    server, base = _start_prometheus(tmp_path, [out])
     try:
 
         def both_alive() -> str | None:
@@ -203,7 +207,7 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
         rules = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())["data"][
             "groups"
         ]
-        assert sum(len(g["rules"]) for g in rules) == 10 and all(
+        assert sum(len(g["rules"]) for g in rules) == 11 and all(
             r["health"] != "err" for g in rules for r in g["rules"]
         )
     finally:
@@ -212,3 +216,104 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
     proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on: the ranks save and exit 143
     assert proc.wait(timeout=90) == 143, (tmp_path / "train.log").read_text()[-3000:]
     assert read_endpoints(out) == []  # a clean stop removes the endpoint files
+
+
+# Every forward sleeps 50 ms, so a step takes ~60 ms and Prometheus (scraping every second) sees each fit. With a
+# checkpoint every 10 steps and 15 batches skipped per rollback, the spikes of data steps 60 and 130 roll back twice
+# (to step 60, skipping batches 60-74; from step 115 to 110, skipping 125-139). Only the loss is watched, at 20 MADs:
+# this tiny model's gradient norm has spikes of its own a few hundred steps in.
+ROLLBACK_FAULTS = "sleep:step=0:seconds=0.05,spike:step=60:scale=20,spike:step=130:scale=20"
+
+
+def test_the_rollbacks_of_real_runs_fire_gaudi3_run_rolled_back(tmp_path: Path) -> None:
+    """Two runs that roll back twice: `fixed` on a fixed metrics port (each re-fit's endpoint on the same one, so
+    one series whose counter carries on), `free` on port 0 (a new port, a new series per re-fit)."""
+    _tool("prometheus")  # skips (fails under CI) before starting the runs
+    ports = {"fixed": str(_free_port()), "free": "0"}
+    runs = {name: tmp_path / name for name in ports}
+    server, base = _start_prometheus(tmp_path, list(runs.values()))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def train(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [*GAUDI3, "train", "--out", str(runs[name]), "--name", name, "--sample-tokens", "0", "--no-progress",
+             "--train.threads", "1", "--model.num_layers", "1", "--train.max_steps", "100000",
+             "--train.log_every_steps", "5", "--train.val_every_steps", "0", "--checkpoint.every_steps", "10",
+             "--health.spike_policy", "rollback", "--health.rollback_skip_batches", "15",
+             "--health.spike_on_grad_norm", "false", "--health.spike_threshold_mads", "20",
+             "--monitor.metrics_port", ports[name]],
+            stdout=(tmp_path / f"{name}.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "GAUDI3_INJECT_FAULTS": ROLLBACK_FAULTS},
+        )  # fmt: skip
+
+    def alive() -> str | None:
+        if server.poll() is not None:
+            return f"prometheus exited {server.returncode}: {(tmp_path / 'prometheus.log').read_text()[-2000:]}"  # fmt: skip
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                return f"{name} exited {proc.returncode}: {(tmp_path / f'{name}.log').read_text()[-3000:]}"
+        return None
+
+    def query(promql: str) -> dict[str, list[dict[str, Any]]]:
+        try:
+            result = _query(base, promql)
+        except OSError:  # not listening yet
+            return {}
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for series in result:
+            by_run.setdefault(series["metric"].get("run", ""), []).append(series)
+        return by_run
+
+    try:
+        # Prometheus up first (slow to start on a loaded machine), so that it sees the first fits too.
+        _wait_for("Prometheus to answer", lambda: _ready(base), timeout_s=120, alive=alive)
+        procs.update((name, train(name)) for name in runs)
+        _wait_for("both runs' second rollback", lambda: all(_rollbacks(out) == 2 for out in runs.values()),
+                  timeout_s=240, alive=alive)  # fmt: skip
+        _wait_for(
+            "the fixed run's rollback counter at 2 in PromQL",
+            lambda: [s for s in query("gaudi3_health_rollbacks_total").get("fixed", []) if s["value"][1] == "2"],
+            timeout_s=60, alive=alive,
+        )  # fmt: skip
+        firing = _wait_for(
+            "Gaudi3RunRolledBack firing for both runs",
+            lambda: (found := query('ALERTS{alertname="Gaudi3RunRolledBack", alertstate="firing"}'))
+            and set(found) >= set(runs) and found,
+            timeout_s=60, alive=alive,
+        )  # fmt: skip
+        assert {(s["metric"]["rank"], s["metric"]["severity"]) for s in firing["fixed"]} == {("0", "warning")}
+        # The fixed port: one series, whose count carries on over the two re-fits (1, then 2; a fresh exporter per
+        # fit would show 1 after each). On a loaded machine the first fit may end before its first scrape.
+        (fixed,) = query("gaudi3_health_rollbacks_total[10m]")["fixed"]
+        values = [float(v) for _, v in fixed["values"]]
+        assert values == sorted(values) and values[-1] == 2.0 and 1.0 in values, values
+        (increase,) = query("increase(gaudi3_health_rollbacks_total[10m])")["fixed"]
+        assert float(increase["value"][1]) >= 0.9
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        codes = {}
+        for name, proc in procs.items():
+            try:
+                codes[name] = proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes[name] = proc.wait()
+    assert codes == {name: 143 for name in runs}, codes  # SIGTERM: each run saved and stopped
+
+
+def _ready(base: str) -> bool:
+    try:
+        return bool(urllib.request.urlopen(f"{base}/-/ready", timeout=5).status == 200)
+    except OSError:  # not listening yet, or 503 while it starts
+        return False
+
+
+def _rollbacks(out: Path) -> int:
+    """Rollback records the run has written so far."""
+    path = out / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return sum('"health_event": "rollback"' in line for line in text.splitlines())

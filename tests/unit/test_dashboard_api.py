@@ -21,6 +21,7 @@ import yaml
 
 from conftest import strict_json_loads
 from gaudi3_scale.cli import dashboard_cmd
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.cost import report as cost_report
@@ -32,6 +33,7 @@ from gaudi3_scale.dashboard.costs import ASSUMED_MFU, PLATFORMS
 from gaudi3_scale.dashboard.formatting import hours
 from gaudi3_scale.dashboard.security import COOKIE_NAME, TOKEN_ENV
 from gaudi3_scale.dashboard.server import resolve_token
+from gaudi3_scale.health.marks import MARKS
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import get_model_config
 
@@ -159,6 +161,31 @@ def test_metrics_are_polled_incrementally_by_line_offset(runs: Path, client: Any
     for bad in ("-1", "abc", "1e3"):
         response = client.get(f"/api/runs/alpha/metrics?since={bad}")
         assert response.status_code == 400 and "since" in response.get_json()["error"]
+
+
+def test_health_events_are_served_as_marks_for_the_loss_curve(runs: Path, client: Any) -> None:
+    """Each record as the guard and a rollback write it (health.guard.HealthEvent.record, train.rollback); the
+    polled slice's marks only."""
+
+    def event(step: int, kind: str, action: str) -> dict[str, Any]:
+        return {"step": step, "health_event": kind, "health_action": action, "event_loss": float("nan"),
+                "event_grad_norm": None, "data_step": None, "detail": f"{kind} at {step}"}  # fmt: skip
+
+    rollback = {"step": 9, "health_event": "rollback", "health_action": "rollback", "from_step": 9, "to_step": 6,
+                "checkpoint": "step-00000006", "skipped_batches": [6, 8], "lr_scale": 1.0, "detail": "back to 6"}  # fmt: skip
+    records = [event(4, "nonfinite", "skip"), event(5, "grad_norm_spike", "warn"), event(6, "loss_spike", "skip"),
+               event(9, "loss_spike", "rollback"), rollback, event(11, "loss_spike", "stop")]  # fmt: skip
+    with (runs / "alpha" / "metrics.jsonl").open("a") as f:
+        f.write("".join(strict_json.dumps(r) + "\n" for r in records))
+    marks = client.get("/api/runs/alpha/metrics?since=3").get_json()["health_marks"]
+    assert [(m["step"], m["mark"], m["event"]) for m in marks] == [
+        (4, "dropped", "nonfinite"), (5, "spike", "grad_norm_spike"), (6, "dropped", "loss_spike"),
+        (9, "rollback", "rollback"), (11, "spike", "loss_spike"),
+    ]  # fmt: skip
+    assert [(m["label"], m["help"]) for m in marks] == [MARKS[m["mark"]] for m in marks]
+    assert (marks[3]["from_step"], marks[3]["to_step"], marks[3]["detail"]) == (9, 6, "back to 6")
+    assert client.get("/api/runs/alpha/metrics?since=8").get_json()["health_marks"] == [marks[-1]]
+    assert client.get("/api/runs/alpha/metrics?since=0").get_json()["health_marks"] == marks
 
 
 def test_the_resources_view_marks_the_stragglers_of_the_latest_window(runs: Path, client: Any) -> None:

@@ -228,7 +228,7 @@ def test_k8s_rules_pass_promtool_and_the_shipped_rule_tests(tiny_config: Path, t
     rule = _kind(render_k8s(_spec(tiny_config, "k8s", *METRICS)), "PrometheusRule")
     (tmp_path / "alerts.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     (tmp_path / "alerts_test.yml").write_text(asset_text("alerts_test.yml"))  # rule_files: [alerts.yml]
-    assert "SUCCESS: 10 rules found" in _promtool("check", "rules", "alerts.yml", cwd=tmp_path)
+    assert "SUCCESS: 11 rules found" in _promtool("check", "rules", "alerts.yml", cwd=tmp_path)
     assert "SUCCESS" in _promtool("test", "rules", "alerts_test.yml", cwd=tmp_path)
 
 
@@ -344,7 +344,7 @@ def test_onprem_scrape_config_passes_promtool(
     for name in ("prometheus.yml", "alerts.yml"):
         (tmp_path / name).write_text(onprem_files[f"ansible/files/monitoring/{name}"])
     report = _promtool("check", "config", "prometheus.yml", cwd=tmp_path)
-    assert "SUCCESS: 10 rules found" in report and "valid prometheus config file syntax" in report
+    assert "SUCCESS: 11 rules found" in report and "valid prometheus config file syntax" in report
     config = yaml.safe_load(onprem_files["ansible/files/monitoring/prometheus.yml"])
     jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
     hosts = ["gpu-a.lab", "10.1.2.3", "[fd00::3]"]

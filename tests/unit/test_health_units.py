@@ -131,7 +131,8 @@ def test_a_rollback_carries_the_run_counts_and_lr_factor_over_the_older_checkpoi
 def test_loss_png_marks_the_health_events(tmp_path: Path) -> None:
     import matplotlib.image
 
-    from gaudi3_scale.train.report import _event_mark, plot_loss
+    from gaudi3_scale.health.marks import event_mark
+    from gaudi3_scale.train.report import plot_loss
 
     records = [{"step": s, "train_loss": 4.0 - 0.1 * s} for s in range(1, 8)]
     events = [
@@ -140,7 +141,7 @@ def test_loss_png_marks_the_health_events(tmp_path: Path) -> None:
         {"step": 7, "health_event": "loss_spike", "health_action": "rollback"},
         {"step": 7, "health_event": "rollback", "health_action": "rollback", "to_step": 6},
     ]
-    assert [_event_mark(e) for e in events] == ["dropped", "spike", None, "rollback"]
+    assert [event_mark(e) for e in events] == ["dropped", "spike", None, "rollback"]
     plain, marked = tmp_path / "plain.png", tmp_path / "marked.png"
     plot_loss(records, plain, title="t")
     plot_loss(records + events, marked, title="t")

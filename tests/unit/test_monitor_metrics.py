@@ -299,6 +299,34 @@ def test_device_series_from_stand_in_hl_smi_and_nvml(tmp_path: Path, monkeypatch
     }
 
 
+def test_the_endpoint_of_a_refit_carries_the_processs_counters(tmp_path: Path) -> None:
+    """After a rollback the trainer starts a new endpoint in the same process (train.rollback): it serves the same
+    exporter, so the rollback counter goes 0, 1, 2 over the re-fits; another run directory starts at 0."""
+
+    def start(out: Path) -> Any:
+        return start_exporter(MonitorConfig(metrics_port=0), run="r", out_dir=out, device=torch.device("cpu"),
+                              tokens_per_step=8, warn=pytest.fail)  # fmt: skip
+
+    rollback = {"step": 7, "health_event": "rollback", "health_action": "rollback", "to_step": 6}
+    seen = []
+    for fit in range(3):
+        endpoint = start(tmp_path / "run")
+        try:
+            if fit > 0:  # the re-fit's first record: its rollback
+                endpoint.observe(rollback)
+            endpoint.observe({"step": 7 + fit, "train_loss": 3.0, "window_steps": 1})
+            s = _scrape(endpoint.url)
+            seen.append((_value(s, "gaudi3_health_rollbacks_total"), _value(s, "gaudi3_steps_total")))
+        finally:
+            endpoint.stop()
+    assert seen == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    other = start(tmp_path / "other")
+    try:
+        assert _value(_scrape(other.url), "gaudi3_health_rollbacks_total") == 0.0
+    finally:
+        other.stop()
+
+
 def test_bad_host_is_one_line() -> None:
     # 192.0.2.1 is TEST-NET-1 (RFC 5737): an address, but never one of this machine's.
     with pytest.raises(ConfigError, match=r"^monitor\.metrics_host: cannot bind to '192\.0\.2\.1'"):

@@ -2,7 +2,7 @@
 
 Pages                                   API (JSON)
   /                     run list          /api/runs
-  /runs/NAME            live training     /api/runs/NAME, /api/runs/NAME/metrics?since=LINE
+  /runs/NAME            live training     /api/runs/NAME, /api/runs/NAME/metrics?since=LINE (+ health marks)
   /runs/NAME/checkpoints                  /api/runs/NAME/checkpoints
   /runs/NAME/cost       cost and TCO      /api/runs/NAME/cost
   /system               resources         /api/system
@@ -25,6 +25,7 @@ from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 from gaudi3_scale.dashboard.runs import RunStore, config_section
 from gaudi3_scale.dashboard.security import install_guards, is_loopback, token_problem
 from gaudi3_scale.dashboard.system import host_snapshot, metrics_endpoints
+from gaudi3_scale.health.marks import health_marks
 
 if TYPE_CHECKING:
     from flask import Flask, Response
@@ -213,14 +214,16 @@ def _add_api(app: Flask, ctx: _Context) -> None:
     @app.get("/api/runs/<name>/metrics")
     def api_metrics(name: str) -> Response:
         """Records on lines `since` … `next` - 1; poll again with since=next. `reset`: the file was replaced
-        (since > its lines), so these are all of its records and the caller starts over."""
+        (since > its lines), so these are all of its records and the caller starts over. `health_marks`: how the
+        loss chart marks the health events among them (`health.marks`)."""
         run_dir = ctx.run_dir(name)
         since = _since()
         view = ctx.store.metrics_view(run_dir)
         reset = since > view.count
         records = view.records(0 if reset else since)
         run = ctx.overview(name, run_dir)
-        return jsonify(since=since, next=view.count, reset=reset, records=records, run=run)
+        return jsonify(since=since, next=view.count, reset=reset, records=records,
+                       health_marks=health_marks(records), run=run)  # fmt: skip
 
     @app.get("/api/runs/<name>/checkpoints")
     def api_checkpoints(name: str) -> Response:

@@ -10,6 +10,10 @@ each rank writes while its endpoint is up:
 and removes both when it stops (a file whose pid is gone is left by a crash). Per-rank files need no coordination
 between ranks; the shipped `assets/prometheus.yml` globs `file_sd/*.json`.
 
+A counter counts from its process's start, as Prometheus expects (it takes a drop for a process restart). A fit
+after a rollback (`train.rollback`) starts a new endpoint in the same process; it serves the rank's exporter of the
+fit before, so its counters carry on (`gaudi3_health_rollbacks_total` 0, 1, 2 … across the re-fits).
+
 Values come from three places: `RunMetrics` records (`observe`, every `train.log_every_steps` steps on every
 rank), `StepCheckpoint.blocking_s` (`track_checkpoint_saves`, read again on every scrape), and the
 `SystemSampler` thread. Names follow the Prometheus conventions (base units, `_total` for counters); `METRICS`
@@ -54,6 +58,8 @@ __all__ = [
 ENDPOINTS_DIR = "metrics_endpoints"
 ASSETS_DIR = Path(__file__).parent / "assets"  # prometheus.yml, alerts.yml, alerts_test.yml, grafana/*.json
 LABELS = ("rank", "run")
+# This process's exporters by (run directory, run, rank): a re-fit's endpoint serves the one of the fit before.
+_EXPORTERS: dict[tuple[Path, str, int], MetricsExporter] = {}
 
 
 @dataclass(frozen=True)
@@ -335,14 +341,17 @@ def start_exporter(
     assert cfg.metrics_port is not None, "start_exporter needs monitor.metrics_port"
     client = _import_client()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    registry = client.CollectorRegistry()
-    exporter = MetricsExporter(registry, rank=rank, run=run, tokens_per_step=tokens_per_step)
+    key = (out_dir.resolve(), run, rank)
+    if key not in _EXPORTERS:
+        _EXPORTERS[key] = MetricsExporter(client.CollectorRegistry(), rank=rank, run=run,
+                                          tokens_per_step=tokens_per_step)  # fmt: skip
+    exporter = _EXPORTERS[key]
     port = cfg.metrics_port + local_rank if cfg.metrics_port else 0
     if port > 65535:
         raise ConfigError(
             "monitor.metrics_port", f"{cfg.metrics_port} + local rank {local_rank} is over 65535"
         )
-    server, thread = _serve(client, registry, cfg.metrics_host, port, local_rank)
+    server, thread = _serve(client, exporter.registry, cfg.metrics_host, port, local_rank)
     target = f"{_display_host(cfg.metrics_host)}:{server.server_port}"
     endpoint = MetricsEndpoint(exporter, server, thread, f"http://{target}/metrics")
     directory = out_dir / ENDPOINTS_DIR

@@ -12,8 +12,16 @@ from rich.table import Table
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.atomic import write_text_atomic
+from gaudi3_scale.health.marks import MARKS, event_mark
 
-__all__ = ["plot_loss", "print_summary", "read_metrics", "write_run_report", "write_summary"]
+__all__ = [
+    "draw_health_marks",
+    "plot_loss",
+    "print_summary",
+    "read_metrics",
+    "write_run_report",
+    "write_summary",
+]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -44,24 +52,29 @@ def write_run_report(
         print_summary(summary, console)
 
 
-# How loss.png marks the health events of metrics.jsonl (docs/health.md): a vertical line at the event's step.
-_EVENT_MARKS = {  # kind: (legend label, colour, line style)
-    "dropped": ("update dropped", "tab:red", ":"),
-    "spike": ("spike", "tab:orange", "--"),
-    "rollback": ("rollback", "tab:purple", "-"),
+# How a loss plot draws the marks of `health.marks` (docs/health.md): a vertical line at the event's step.
+_MARK_STYLES = {  # mark: (colour, line style)
+    "dropped": ("tab:red", ":"),
+    "spike": ("tab:orange", "--"),
+    "rollback": ("tab:purple", "-"),
 }
 
 
-def _event_mark(record: dict[str, Any]) -> str | None:
-    """Which mark a health record gets: a rollback, a dropped update (non-finite or skipped spike), a spike."""
-    event, action = record.get("health_event"), record.get("health_action")
-    if event is None:
-        return None
-    if event == "rollback":
-        return "rollback"
-    if action == "skip":
-        return "dropped"
-    return "spike" if action in ("warn", "stop") else None  # a spike that rolled back: its rollback's mark
+def draw_health_marks(ax: Any, records: list[dict[str, Any]]) -> bool:
+    """Mark the health events of these metrics.jsonl records on a matplotlib axis whose x is the optimizer step: a
+    line per event, labelled once per kind, and for a rollback the steps it went back over shaded. Whether any
+    was drawn."""
+    marked = False
+    for mark, (color, linestyle) in _MARK_STYLES.items():
+        events = [r for r in records if event_mark(r) == mark]
+        for i, step in enumerate(sorted({r["step"] for r in events})):
+            label = MARKS[mark][0] if i == 0 else None
+            ax.axvline(step, color=color, linestyle=linestyle, linewidth=1.0, alpha=0.8, label=label)
+            marked = True
+        for r in events:
+            if mark == "rollback" and r.get("to_step") is not None:
+                ax.axvspan(r["to_step"], r["step"], color=color, alpha=0.12)
+    return marked
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
@@ -79,22 +92,7 @@ def plot_loss(records: list[dict[str, Any]], path: Path, *, title: str) -> None:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
-    marked = False
-    for kind, (label, color, linestyle) in _EVENT_MARKS.items():
-        steps = sorted({r["step"] for r in records if _event_mark(r) == kind})
-        for i, step in enumerate(steps):
-            ax.axvline(
-                step,
-                color=color,
-                linestyle=linestyle,
-                linewidth=1.0,
-                alpha=0.8,
-                label=label if i == 0 else None,
-            )
-            marked = True
-        for r in records:  # the steps a rollback went back over
-            if kind == "rollback" and _event_mark(r) == kind and r.get("to_step") is not None:
-                ax.axvspan(r["to_step"], r["step"], color="tab:purple", alpha=0.12)
+    marked = draw_health_marks(ax, records)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(title)

@@ -8,6 +8,16 @@
 // (the server's JSON is strict: config/strict_json.py). It is kept in its place: the series' line stops before it
 // and starts again after it, and a dashed vertical line labelled with the value marks its x (a <g class="gap">
 // with data-step, data-value and data-x); the figure's data-gaps counts them.
+//
+// A chart may also carry marks of training-health events (`addMark`, from the metrics API's health_marks, classified
+// on the server by health/marks.py as loss.png's are): a vertical line at the event's step, drawn under the curves,
+// dotted red for a dropped update, dashed orange for a spike, solid purple for a rollback with the steps it went
+// back over shaded (a <g class="health-mark MARK"> with data-step, data-mark, data-event, data-x, and for a rollback
+// data-from-step and data-to-step). Each mark's <title> says what it is; the legend names the kinds present; the
+// figure's data-marks counts them.
+//
+// A point at or before a series' last x means the run went back (a rollback, a resume from an earlier checkpoint)
+// and trains those steps again: as on loss.png, the series keeps each step's newest value.
 "use strict";
 
 (function () {
@@ -20,6 +30,7 @@
   const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
   const isGap = (point) => typeof point[1] === "string";
+  const MARK_GLYPHS = { dropped: "×", spike: "!", rollback: "↶" };
 
   function svgElement(name, attributes, parent) {
     const element = document.createElementNS(SVG_NS, name);
@@ -91,6 +102,7 @@
       this.series = series;
       this.options = options || {};
       this.points = new Map(series.map((s) => [s.key, []]));
+      this.marks = [];
       const caption = document.createElement("figcaption");
       caption.textContent = figure.dataset.title || "";
       const legend = document.createElement("span");
@@ -101,6 +113,9 @@
         legend.appendChild(swatch);
         legend.appendChild(document.createTextNode(s.label));
       });
+      this.markLegend = document.createElement("span");
+      this.markLegend.className = "mark-legend";
+      legend.appendChild(this.markLegend);
       if (this.options.xLabel) legend.appendChild(document.createTextNode("  · x: " + this.options.xLabel));
       caption.appendChild(legend);
       figure.replaceChildren(caption);
@@ -112,12 +127,22 @@
     add(key, x, y) {
       const value = typeof y === "number" && isFinite(y);
       if (typeof x !== "number" || !isFinite(x) || !(value || NON_FINITE.has(y))) return false;
-      this.points.get(key).push([x, y]);
+      const points = this.points.get(key);
+      while (points.length > 0 && points[points.length - 1][0] >= x) points.pop(); // went back: newest wins
+      points.push([x, y]);
+      return true;
+    }
+
+    // mark: {step, mark: "dropped" | "spike" | "rollback", event, label, help, detail, from_step?, to_step?}
+    addMark(mark) {
+      if (typeof mark.step !== "number" || !isFinite(mark.step) || !(mark.mark in MARK_GLYPHS)) return false;
+      this.marks.push(mark);
       return true;
     }
 
     clear() {
       for (const points of this.points.values()) points.length = 0;
+      this.marks.length = 0;
     }
 
     count(gaps = false) {
@@ -131,6 +156,8 @@
       svg.replaceChildren();
       this.figure.dataset.points = String(this.count());
       this.figure.dataset.gaps = String(this.count(true));
+      this.figure.dataset.marks = String(this.marks.length);
+      this.renderMarkLegend();
       const all = [...this.points.values()].flat();
       const left = MARGIN.left;
       const right = WIDTH - MARGIN.right;
@@ -143,7 +170,8 @@
         return;
       }
       const o = this.options;
-      const [x0, x1] = bounds(all.map((p) => p[0]));
+      const markSteps = this.marks.flatMap((m) => [m.step, m.to_step]).filter((x) => typeof x === "number");
+      const [x0, x1] = bounds([...all.map((p) => p[0]), ...markSteps]);
       const values = all.filter((p) => !isGap(p)).map((p) => p[1]);
       let [y0, y1] = bounds(values.length ? values : [0], o.yMin, o.yMax); // only gaps so far: any y scale
       if (o.yMin === undefined) y0 -= (y1 - y0) * 0.05;
@@ -161,6 +189,7 @@
         svgElement("text", { x: sx(x), y: bottom + 18, "text-anchor": "middle", class: "tick" }, svg)
           .textContent = formatNumber(x, "number", xTicks.step);
       }
+      for (const mark of this.marks) this.drawMark(mark, sx, top, bottom);
       this.series.forEach((s, i) => {
         const points = drawn(this.points.get(s.key));
         for (const run of segments(points)) {
@@ -185,6 +214,46 @@
       svgElement("text", { x: at + 3, y }, group).textContent = value;
       const where = this.options.xLabel ? this.options.xLabel + " " + x : "x = " + x;
       svgElement("title", {}, group).textContent = `${s.label}: ${value} at ${where}`;
+    }
+
+    // A health event: a line at its step (a rollback: a band back to the step it restored, and a line there too),
+    // a glyph at the top, and a title saying what it is.
+    drawMark(mark, sx, top, bottom) {
+      const at = sx(mark.step);
+      const group = svgElement("g", { class: "health-mark " + mark.mark, "data-step": mark.step, "data-mark": mark.mark,
+        "data-event": mark.event, "data-x": at.toFixed(1) }, this.svg);
+      let glyph = MARK_GLYPHS[mark.mark];
+      if (mark.mark === "rollback" && typeof mark.to_step === "number") {
+        const back = sx(mark.to_step);
+        group.setAttribute("data-from-step", mark.from_step);
+        group.setAttribute("data-to-step", mark.to_step);
+        svgElement("rect", { x: Math.min(back, at), y: top, width: Math.abs(at - back), height: bottom - top,
+          class: "span" }, group);
+        svgElement("line", { x1: back, y1: top, x2: back, y2: bottom, class: "to" }, group);
+        glyph += " " + mark.to_step;
+      }
+      svgElement("line", { x1: at, y1: top, x2: at, y2: bottom }, group);
+      svgElement("text", { x: at + 3, y: top + 10 }, group).textContent = glyph;
+      const where = this.options.xLabel ? this.options.xLabel + " " + mark.step : "x = " + mark.step;
+      svgElement("title", {}, group).textContent = `${mark.label} at ${where}: ${mark.detail} (${mark.help})`;
+    }
+
+    // The legend's entries for the kinds of marks present, in a fixed order, each with its meaning on hover.
+    renderMarkLegend() {
+      const entries = [];
+      for (const kind of Object.keys(MARK_GLYPHS)) {
+        const mark = this.marks.find((m) => m.mark === kind);
+        if (!mark) continue;
+        const entry = document.createElement("span");
+        entry.className = "mark-entry " + kind;
+        entry.dataset.mark = kind;
+        entry.title = mark.help;
+        const swatch = document.createElement("span");
+        swatch.className = "swatch mark " + kind;
+        entry.append(swatch, document.createTextNode(mark.label));
+        entries.push(entry);
+      }
+      this.markLegend.replaceChildren(...entries);
     }
   }
 

@@ -45,11 +45,12 @@
     const interval = Number(body.dataset.pollMs) || 1000;
     const figure = (id) => document.getElementById(id);
     const costFigure = figure("chart-cost");
+    const loss = new LineChart(figure("chart-loss"), [
+      { key: "train_loss", label: "train" },
+      { key: "val_loss", label: "validation", markers: true },
+    ], { xLabel: "step" });
     const charts = [
-      [new LineChart(figure("chart-loss"), [
-        { key: "train_loss", label: "train" },
-        { key: "val_loss", label: "validation", markers: true },
-      ], { xLabel: "step" }), ["train_loss", "val_loss"]],
+      [loss, ["train_loss", "val_loss"]],
       [new LineChart(figure("chart-throughput"), [{ key: "tokens_per_s", label: "tokens/s" }], { xLabel: "step", yMin: 0 }),
         ["tokens_per_s"]],
       [new LineChart(figure("chart-mfu"), [{ key: "mfu", label: "MFU" }], { yFormat: "percent", xLabel: "step", yMin: 0 }),
@@ -66,6 +67,7 @@
         for (const record of data.records) {
           for (const [chart, keys] of charts) for (const key of keys) chart.add(key, record.step, record[key]);
         }
+        for (const mark of data.health_marks || []) loss.addMark(mark); // health events, on the loss curve
         next = data.next;
         charts.forEach(([chart]) => chart.render());
         if (Number(costFigure.dataset.points) > 0) costFigure.hidden = false;
