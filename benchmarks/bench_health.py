@@ -75,12 +75,18 @@ def _measure(steps: int, ranks: int, pairs: int, progress: Progress, task: Any) 
     }
 
 
-class _Alternate(pl.Callback):
-    """Switches the module's step guard on for even optimizer steps and off for odd ones; times every step from the
-    previous one's end (data, hooks and all)."""
+def _guarded(step: int) -> bool:
+    """Steps 4k and 4k + 3 guarded, 4k + 1 and 4k + 2 not (ABBA): each side has as many even steps as odd ones.
+    Plain alternation is biased: with the guard on at every step, even steps measured 1.011× odd ones."""
+    return step % 4 in (0, 3)
 
-    def __init__(self, skip_steps: int, advance: Any) -> None:
-        self.skip_steps, self.advance = skip_steps, advance
+
+class _Alternate(pl.Callback):
+    """Switches the module's step guard on and off by `_guarded(step)`; times every step from the previous one's
+    end (data, hooks and all). The steps around a metrics record (every `log_every`) are left out of both sides."""
+
+    def __init__(self, skip_steps: int, advance: Any, log_every: int) -> None:
+        self.skip_steps, self.advance, self.log_every = skip_steps, advance, log_every
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self._guard: Any = None
         self._last = 0.0
@@ -88,6 +94,7 @@ class _Alternate(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._guard = pl_module.guard  # type: ignore[union-attr]
         assert self._guard is not None, "the health defaults attach a step guard"
+        pl_module.guard = self._guard if _guarded(trainer.global_step + 1) else None  # type: ignore[union-attr]
         self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -95,9 +102,10 @@ class _Alternate(pl.Callback):
             return
         now = time.perf_counter()
         guarded = pl_module.guard is not None  # type: ignore[union-attr]
-        if trainer.global_step > self.skip_steps:
+        step = trainer.global_step
+        if step > self.skip_steps and step % self.log_every not in (0, 1):
             self.times[guarded].append(now - self._last)
-        pl_module.guard = None if guarded else self._guard  # type: ignore[union-attr]
+        pl_module.guard = self._guard if _guarded(step + 1) else None  # type: ignore[union-attr]
         self.advance(trainer.global_step)
         self._last = time.perf_counter()
 
@@ -107,10 +115,9 @@ def _interleaved_run(steps: int, ranks: int, advance: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"--out_dir={tmp}/run", f"--train.max_steps={steps}", "--train.val_every_steps=0",
                      "--checkpoint.enabled=false", f"--parallel.nproc_per_node={ranks}"]  # fmt: skip
-        clock = _Alternate(skip_steps=30, advance=advance)
-        GaudiTrainer(
-            build_run_config(None, parse_overrides(overrides)), progress=False, callbacks=[clock]
-        ).fit()
+        cfg = build_run_config(None, parse_overrides(overrides))
+        clock = _Alternate(skip_steps=30, advance=advance, log_every=cfg.train.log_every_steps)
+        GaudiTrainer(cfg, progress=False, callbacks=[clock]).fit()
     on, off = statistics.median(clock.times[True]), statistics.median(clock.times[False])
     return {"ranks": ranks, "steps": steps, "guarded_steps": len(clock.times[True]),
             "unguarded_steps": len(clock.times[False]), "median_guarded_step_s": on,
@@ -188,7 +195,10 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--pairs", type=int, default=4, help="alternated (on, off) pairs per rank count")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to measure")
+    parser.add_argument(
+        "--ranks", type=int, nargs="*", default=[1, 2],
+        help="rank counts of run pairs (none: keep the pairs of --out, with their machine)",
+    )  # fmt: skip
     parser.add_argument(
         "--interleaved-steps", type=int, default=1000, help="steps of the interleaved run (0: none)"
     )
@@ -215,6 +225,13 @@ def main() -> None:
     command = "PYTHONPATH=src python benchmarks/bench_health.py " + " ".join(sys.argv[1:])
     result = {"benchmark": "health_overhead", "command": command.strip(), "machine": environment_info(),
               "health_off_flags": OFF, "cells": cells, "interleaved": interleaved}  # fmt: skip
+    if not args.ranks and args.out.is_file():  # the run pairs of an earlier run, kept with their machine
+        kept = json.loads(args.out.read_text())
+        result["cells"], result["cells_machine"] = (
+            kept.get("cells", []),
+            kept.get("cells_machine", kept["machine"]),
+        )
+        cells = result["cells"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, args.out.with_suffix(".png"))

@@ -189,6 +189,13 @@ def main() -> None:
             report[kind] = summary
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        if (
+            args.only and args.out.is_file()
+        ):  # one comparison again: the other keeps its cells and its machine
+            kept = json.loads(args.out.read_text())
+            for kind in set(kept) & {"overhead", "default"} - {args.only}:
+                report[kind] = kept[kind]
+                report[f"{kind}_machine"] = kept.get(f"{kind}_machine", kept.get("machine"))
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
 

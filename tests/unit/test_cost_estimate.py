@@ -193,8 +193,8 @@ def test_parse_count() -> None:
             parse_count(bad, "x")
 
 
-def test_measured_mfu_from_benchmark_results_replaces_the_assumed_one() -> None:
-    comparison = compare_training_cost("gpt2-124m", "1B", ["cpu", "h100"], from_benchmarks=RESULTS)
+def test_measured_mfu_from_benchmark_results_replaces_the_assumed_one(tmp_path: Path) -> None:
+    comparison = compare_training_cost("shakespeare-char", "1B", ["cpu", "h100"], from_benchmarks=RESULTS)
     cpu, h100 = comparison.rows
     # the 2-rank cells are the largest world size measured; the better of ddp (0.504) and fsdp (0.337)
     assert cpu.mfu == pytest.approx(0.5043525586161877) and "ddp ×2" in cpu.mfu_source
@@ -203,6 +203,16 @@ def test_measured_mfu_from_benchmark_results_replaces_the_assumed_one() -> None:
     )  # no CPU price in the catalog
     assert h100.mfu is None and h100.train_hours is None and "no benchmark result" in h100.note
     assert cpu.peak_source.startswith("measured on this machine")
+    # another model's cells are not this one's MFU, and an MFU over 1 is a bug, not a measurement
+    with pytest.raises(UserInputError, match=r"holds no result of gpt2-124m \(it has shakespeare-char\)"):
+        compare_training_cost("gpt2-124m", "1B", ["cpu"], from_benchmarks=RESULTS)
+    bad = tmp_path / "bad" / "cell"
+    bad.mkdir(parents=True)
+    cell = json.loads(next(RESULTS.glob("cells/*/result.json")).read_text())
+    cell["metrics"]["mfu"] = 1.77
+    (bad / "result.json").write_text(json.dumps(cell))
+    with pytest.raises(UserInputError, match=r"reports an MFU of 1.77, outside \(0, 1\]"):
+        compare_training_cost("shakespeare-char", "1B", ["cpu"], from_benchmarks=tmp_path / "bad")
 
 
 def test_cost_analyzer_api_reports_and_plot(tmp_path: Path) -> None:

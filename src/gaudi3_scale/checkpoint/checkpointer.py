@@ -14,7 +14,7 @@ waiting for its upload to be verified is never deleted locally.
 
 Reading back: a resume is Lightning's `fit(ckpt_path=…)`, which reads through `io` (a single file is verified
 against its manifest before it is loaded; a sharded one is read by DCP into the sharded model) and restores the
-weights, optimizer, scheduler, counters and sampler; `contents.load_from` then hands our entries to their owners.
+weights, optimizer, scheduler, counters and sampler; `load` then hands our entries to their owners.
 The tools read checkpoints with `checkpoint.reader.read_checkpoint`.
 
 Light checkpoints (`config.light_every_steps`) go through the same IO and commit: `commit` sees a directory of
@@ -24,7 +24,7 @@ Light checkpoints (`config.light_every_steps`) go through the same IO and commit
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -146,6 +146,12 @@ class Checkpointer:
         except CheckpointSaveError as exc:
             failure = exc
         return path, bool(trainer.strategy.broadcast(failure is None, src=0)), failure
+
+    def load(self, checkpoint: Mapping[str, Any]) -> None:
+        """Hand our entries of a checkpoint back to their owners (a resume). Lightning's `fit(ckpt_path=…)` reads
+        the checkpoint through `io` (verified against its manifest; DCP for a sharded one) and restores the weights,
+        optimizer, scheduler, counters and sampler; this restores the rest, from the one place both meet."""
+        self.contents.load_from(checkpoint)
 
     def _light_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What a light checkpoint holds: the weights, the counters and our entries of the light tier (the run

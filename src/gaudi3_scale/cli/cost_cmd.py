@@ -30,7 +30,8 @@ def cost() -> None:
 @click.option(
     "--mfu",
     type=Number(integer=False),
-    help="model FLOPs utilization assumed on every platform [default: 0.40]",
+    help="model FLOPs utilization assumed on every platform [default: our measurement of the kind of device where "
+    "we have one (an H200's, for CUDA), else 0.40, labelled an assumption]",
 )
 @click.option(
     "--from-benchmarks", type=click.Path(file_okay=False),
@@ -84,7 +85,7 @@ def compare_cmd(
         model,
         tokens,
         names,
-        mfu=None if from_benchmarks else (0.40 if mfu is None else mfu),
+        mfu=None if from_benchmarks else mfu,
         from_benchmarks=Path(from_benchmarks) if from_benchmarks else None,
         nodes=nodes,
         context_length=context_length,

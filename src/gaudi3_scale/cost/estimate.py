@@ -218,7 +218,12 @@ def _mfu_for(
         return measured[spec.name]
     if mfu is not None:
         return mfu, "given"
-    return None, "no benchmark result for this accelerator"
+    if measured:
+        return None, "no benchmark result for this accelerator"
+    from gaudi3_scale.device.efficiency import fallback_mfu
+
+    kind = "cpu" if spec.name == "cpu" else "hpu" if spec.name.startswith("gaudi") else "cuda"
+    return fallback_mfu(kind)
 
 
 def _row(
@@ -321,31 +326,43 @@ def _row(
     )
 
 
-def measured_mfu(directory: Path) -> dict[str, tuple[float, str]]:
-    """Per accelerator, the MFU of its ok benchmark results at the largest world size measured (the closest to a
-    multi-node run; the best of those cells), with where it came from."""
+def measured_mfu(directory: Path, model: str) -> dict[str, tuple[float, str]]:
+    """Per accelerator, the MFU of its ok benchmark results of `model` at the largest world size measured (the
+    closest to a multi-node run; the best of those cells), with where it came from. A result whose MFU is not in
+    (0, 1] is refused (a clock or peak bug, not a measurement), and so is a directory without a result of `model`:
+    another model's MFU says little about this one's."""
     from gaudi3_scale.bench.report import load_results
     from gaudi3_scale.device.specs import find_accelerator
 
     best: dict[str, tuple[tuple[int, float], float, str]] = {}
+    models: set[str] = set()
     for item in load_results([directory]):
         result = item.result
         metrics = result.get("metrics") or {}
         value = metrics.get("mfu")
         if result["status"] != "ok" or value is None:
             continue
+        if not (isinstance(value, int | float) and 0 < value <= 1):
+            raise UserInputError(f"--from-benchmarks: {item.path} reports an MFU of {value!r}, outside (0, 1]: "
+                                 "a result with a wrong clock or peak; remove it or measure again")  # fmt: skip
+        cell = result["cell"]
+        models.add(str(cell["model"]))
+        if cell["model"] != model:
+            continue
         cuda = result["environment"].get("cuda")
         spec = find_accelerator(cuda["device"]) if cuda else None
         name = spec.name if spec else ("cpu" if not cuda else None)
         if name is None:
             continue
-        cell = result["cell"]
         where = f"measured: {cell['model']} {cell['strategy']} ×{cell['world_size']} {cell['precision']} ({item.path})"
         rank = (cell["world_size"], float(value))
         if name not in best or rank > best[name][0]:
             best[name] = (rank, float(value), where)
-    if not best:
+    if not models:
         raise UserInputError(f"--from-benchmarks: {directory} holds no ok benchmark result with an MFU")
+    if not best:
+        raise UserInputError(f"--from-benchmarks: {directory} holds no result of {model} (it has "
+                             f"{', '.join(sorted(models))}); benchmark {model}, or drop --from-benchmarks")  # fmt: skip
     return {name: (value, where) for name, (_, value, where) in best.items()}
 
 
@@ -354,7 +371,7 @@ def compare_training_cost(
     tokens: str | float,
     platforms: Sequence[str],
     *,
-    mfu: float | None = 0.40,
+    mfu: float | None = None,
     from_benchmarks: Path | None = None,
     nodes: int | None = None,
     context_length: int | None = None,
@@ -378,7 +395,7 @@ def compare_training_cost(
 
     cfg = resolve_model(model, context_length)
     count = parse_count(tokens, "--tokens")
-    measured = measured_mfu(from_benchmarks) if from_benchmarks is not None else {}
+    measured = measured_mfu(from_benchmarks, cfg.name) if from_benchmarks is not None else {}
     instances = load_instances(catalog_file)
     per_token = flops_per_token(cfg)
     training_flops = per_token * count

@@ -11,19 +11,11 @@ from importlib import resources
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_yaml
+from gaudi3_scale.device.efficiency import fallback_mfu
 from gaudi3_scale.forecast.calibration import CalibrationStore, env_cores, machine_key
 from gaudi3_scale.forecast.figures import Figure, assumed, from_catalog, measured
 
 __all__ = ["Machine", "catalog_machine", "this_cpu"]
-
-# What a GPU run achieves of its peak when no probe says: our own measurement (no other source is used).
-CUDA_MEASURED_MFU = (
-    0.5588,
-    "Llama 3.2 1B, bf16-mixed, compiled, micro-batch 8 × 2048 tokens on one H200 "
-    "(benchmarks/results/gpu_shapes_cuda_h200.json, 2026-11)",
-)
-# Without a measurement of this kind of machine, an assumption, said to be one.
-ASSUMED_MFU = 0.40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,12 +66,7 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     fp8 = precision == "fp8" and spec.fp8_dense_tflops is not None
     tflops = spec.fp8_dense_tflops if fp8 and spec.fp8_dense_tflops else spec.bf16_dense_tflops
     kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
-    mfu = (
-        measured(CUDA_MEASURED_MFU[0], CUDA_MEASURED_MFU[1])
-        if kind == "cuda"
-        else assumed(ASSUMED_MFU, "no run of ours on this accelerator has measured it (not yet validated on Gaudi "
-                     "hardware); pass --probe on one to measure")
-    )  # fmt: skip
+    mfu = Figure(*fallback_mfu(kind))
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
     return Machine(
         kind=spec.name,
@@ -130,7 +117,8 @@ def this_cpu(
             ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
         )
     else:
-        mfu = assumed(ASSUMED_MFU, "no probe on this machine yet (gaudi3 plan --probe measures one)")
+        mfu = Figure(fallback_mfu("cpu")[0], "assumption: no probe on this machine yet (gaudi3 plan --probe "
+                     "measures one)")  # fmt: skip
     return Machine(
         kind="cpu",
         device_kind="cpu",

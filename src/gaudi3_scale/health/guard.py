@@ -1,12 +1,17 @@
 """The step guard: before an optimizer update, whether to apply it (`health.nonfinite_guard`, `health.spike_policy`).
 
-Every rank calls `StepGuard.check` at the same point of the same step. The verdict must be the same on every rank,
-so it is taken from values every rank holds: the gradient norm (computed from the synchronised gradients, the same
-everywhere) and the loss summed over ranks together with a count of ranks whose own loss or norm is not finite —
-one all-reduce of three numbers (a sum, so the norm's mean is the norm), the only collective the guard adds. A dropped update is recorded in the data
-stream's `BatchSkips` (so a resume passes the same batch) and as an event the `AfterStep` health part reports.
-Under `health.spike_policy rollback` a spike's update is dropped too, and `rollback_at` asks `GaudiTrainer` to end
-the fit and restore a checkpoint (`train.rollback`); past `health.max_rollbacks`, `stop_at` asks it to stop.
+Every rank calls `StepGuard.check` at the same point of the same step, and the verdict must be the same on every
+rank. When only the gradient norm decides the update — it is computed (`optim.grad_clip_norm` > 0) and a spike is
+at most warned of (`health.spike_policy warn` or `off`, the default) — the guard adds no collective: the norm is of
+the gradients the step already synchronised, so it is the same on every rank, and a NaN/Inf loss on any rank makes
+it non-finite everywhere (that rank's gradients are in the sum) — the logical OR rides on the gradient all-reduce.
+Each rank then watches its own loss for spikes (rank 0 reports them). Otherwise (spikes that drop or roll back an
+update, no gradient norm, or `health.rerun_check`, which re-runs a flagged step on every rank) the verdict is taken
+from one all-reduce of three numbers: the loss summed over ranks, the norm, and a count of ranks whose own loss or
+norm is not finite. A dropped update is recorded in the data stream's `BatchSkips` (so a resume passes the same
+batch) and as an event the `AfterStep` health part reports. Under `health.spike_policy rollback` a spike's update is
+dropped too, and `rollback_at` asks `GaudiTrainer` to end the fit and restore a checkpoint (`train.rollback`); past
+`health.max_rollbacks`, `stop_at` asks it to stop.
 """
 
 from __future__ import annotations
@@ -89,6 +94,13 @@ class StepGuard:
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Whether the update of optimizer step `step` is applied (the same answer on every rank)."""
+        if (
+            grad_norm is not None
+            and self.cfg.spike_policy in ("off", "warn")
+            and not self.cfg.rerun_check
+            and (_world() > 1)
+        ):
+            return self._check_without_collective(step, loss, grad_norm)
         loss_sum, bad_ranks, norm, world = self._agree(loss, grad_norm)
         mean_loss = loss_sum / world
         if bad_ranks > 0:
@@ -96,6 +108,29 @@ class StepGuard:
                 return True
             detail = f"non-finite loss or gradient norm on {int(bad_ranks)} of {world} rank(s)"
             return self._event("nonfinite", step, "skip", math.nan, None, detail)
+        return self._spikes(step, mean_loss, norm)
+
+    def _check_without_collective(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """`check` with no collective of its own, when nothing but the gradient norm decides the update: the norm is
+        of the gradients the step already synchronised, so it is the same on every rank, and a non-finite loss on any
+        rank makes it non-finite everywhere (its gradients are in the sum). A spike is only warned of here, so each
+        rank may watch its own loss (rank 0 reports)."""
+        values = torch.stack(
+            [_plain(loss).float().reshape(()), _plain(grad_norm).float().reshape(()).to(loss.device)]
+        )
+        local_loss, norm = values.tolist()  # the one host sync of the step
+        if not math.isfinite(norm):
+            if not self.cfg.nonfinite_guard:
+                return True
+            detail = (
+                "non-finite loss or gradient norm on some rank (the synchronised gradient norm is not finite)"
+            )
+            return self._event("nonfinite", step, "skip", math.nan, None, detail)
+        if not math.isfinite(local_loss):  # its gradients are finite: every rank applies the update alike
+            return True
+        return self._spikes(step, local_loss, norm)
+
+    def _spikes(self, step: int, mean_loss: float, norm: float | None) -> bool:
         if self.cfg.spike_policy == "off":
             return True
         spike: tuple[str, Spike] | None = None
@@ -189,6 +224,12 @@ class StepGuard:
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self._apply_carried()
+
+
+def _world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_world_size())
+    return 1
 
 
 def _spike_detector(cfg: HealthConfig) -> SpikeDetector:

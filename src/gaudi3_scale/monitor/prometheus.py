@@ -90,6 +90,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("gaudi3_steps_total", "counter", "optimizer steps this process ran"),
     Metric("gaudi3_tokens_total", "counter", "tokens the run trained on while this process ran"),
     Metric("gaudi3_last_step_timestamp_seconds", "gauge", "Unix time of the latest step record"),
+    # The run's forecast (gaudi3 plan, recorded by gaudi3 train at its start): beside the measured gauges above.
+    Metric("gaudi3_predicted_step_duration_seconds", "gauge", "forecast optimizer step time", "predicted_step_time_s"),
+    Metric("gaudi3_predicted_wall_seconds", "gauge", "forecast wall time of train.max_steps", "predicted_wall_s"),
+    Metric("gaudi3_predicted_peak_memory_bytes", "gauge", "forecast per-rank peak memory",
+           "predicted_peak_memory_bytes"),
     # Live cost (cost.*): gauges, not counters, because the accrued cost is restored from checkpoints.
     Metric("gaudi3_cost_usd", "gauge", "cost accrued by the run, USD", "cost_usd"),
     Metric("gaudi3_cost_projected_usd", "gauge", "projected cost at train.max_steps, USD", "cost_projected_usd"),

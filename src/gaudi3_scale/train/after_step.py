@@ -162,4 +162,4 @@ class AfterStep(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self.checkpoint.checkpointer.contents.load_from(checkpoint)
+        self.checkpoint.checkpointer.load(checkpoint)  # our entries back to their owners

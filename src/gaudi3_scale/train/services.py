@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.after_step import AfterStep
@@ -40,6 +40,7 @@ def start_services(
     device: torch.device,
     accelerator: str,
     warn: Callable[[str], None],
+    predicted: dict[str, Any] | None = None,
 ) -> ExitStack:
     """Start what runs beside the fit (`with start_services(…):` around it). Leaving the stack stops them in the
     reverse order: the watchdog first, the price poller of the spot policy next to last, then the checkpointer, which
@@ -53,6 +54,8 @@ def start_services(
                                            warn=warn)  # fmt: skip
         if endpoint is not None:
             running.callback(endpoint.stop)
+            if predicted:  # the run's forecast (train.forecast_file): gauges beside the measured ones
+                endpoint.observe(predicted)
         watcher = _start_spot_watcher(train, after.stop)
         if watcher is not None:
             running.callback(watcher.stop)

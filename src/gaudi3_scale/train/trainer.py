@@ -330,7 +330,8 @@ class GaudiTrainer:
         cfg = self.config
         return start_services(self._after, monitor=cfg.monitor, train=cfg.train, run_name=cfg.name,
                               out_dir=self.out_dir, device=trainer.strategy.root_device,
-                              accelerator=self._plan_device().accelerator, warn=self._warn)  # fmt: skip
+                              accelerator=self._plan_device().accelerator, warn=self._warn,
+                              predicted=predicted_fields(self._forecast))  # fmt: skip
 
     def _summary(
         self, trainer: pl.Trainer, datamodule: pl.LightningDataModule | None, started: float

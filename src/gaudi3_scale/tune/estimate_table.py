@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -205,7 +205,9 @@ def print_estimate_table(
     accelerator: str | None,
     console: Console,
 ) -> None:
-    """Print the table for `base`'s model at its micro-batch (1 when unset), context and precision.
+    """Print the table for `base`'s model at the micro-batch its run would use on `world_size` ranks (the batch
+    plan's: global batch ÷ data-parallel ranks when `train.micro_batch_size` is unset, as `gaudi3 train` does; 1
+    when the global batch does not split over them), context and precision.
 
     `accelerator` (a name in `device/specs.py`) without a budget: every layout the trainer supports on
     `world_size` of them (all devices, whole nodes of the catalog's accelerators per node) and whether it fits
@@ -216,7 +218,10 @@ def print_estimate_table(
     device_kind: str = base.train.device if base.train.device != "auto" else "cpu"
     float8 = base.float8_plan() if base.train.precision == "fp8" else None
     memory = memory_budget_bytes
-    micro = base.train.micro_batch_size or 1
+    try:
+        micro = base.batch_plan(world_size).micro_batch_size
+    except ConfigError:  # a world size the global batch does not split over: what one sequence per rank needs
+        micro = base.train.micro_batch_size or 1
     spec = accelerator_named(accelerator) if accelerator else None
     if spec is not None and memory is None:
         per_node = accelerators_per_node(spec.name)
