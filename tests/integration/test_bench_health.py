@@ -34,8 +34,8 @@ def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
     assert "1 rank(s): health on / off = " in done.stdout
     assert [cell["ranks"] for cell in result["interleaved"]] == [1, 2]  # the 2-rank one under torchrun
     for interleaved in result["interleaved"]:
-        # steps 31-60, less the two around each metrics record (steps 40, 41, 50, 51, 60): one as many as the other
-        assert interleaved["guarded_steps"] + interleaved["unguarded_steps"] == 60 - 30 - 5
+        # steps 31-60, less the two around each metrics record (31, 40, 41, 50, 51, 60): as many on each side
+        assert interleaved["guarded_steps"] + interleaved["unguarded_steps"] == 60 - 30 - 6
         assert abs(interleaved["guarded_steps"] - interleaved["unguarded_steps"]) <= 1
         assert interleaved["median_ratio"] == pytest.approx(
             interleaved["median_guarded_step_s"] / interleaved["median_unguarded_step_s"]

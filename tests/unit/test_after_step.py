@@ -56,6 +56,7 @@ def test_the_other_hooks_keep_one_order_too() -> None:
 
 def test_checkpoint_hooks_write_and_restore_the_registered_entries() -> None:
     """Lightning's save/load hooks go to the run's `CheckpointContents`: each owner's entry, meta merged."""
+    from gaudi3_scale.checkpoint.checkpointer import Checkpointer
     from gaudi3_scale.checkpoint.contents import META_KEY, CheckpointContents, FixedState
 
     class Meter:
@@ -73,7 +74,7 @@ def test_checkpoint_hooks_write_and_restore_the_registered_entries() -> None:
     meter = Meter(2.5)
     contents.register("cost", meter, meta=True)
     after = _after([])
-    after.checkpoint.checkpointer = type("C", (), {"contents": contents})()  # type: ignore[union-attr]
+    after.checkpoint.checkpointer = type("C", (), {"contents": contents, "load": Checkpointer.load})()  # type: ignore[union-attr]
     saved: dict[str, Any] = {"state_dict": {}}
     after.on_save_checkpoint(None, None, saved)  # type: ignore[arg-type]
     assert saved == {"state_dict": {}, "config": {"lr": 1.0}, META_KEY: {"cost_usd": 2.5}}

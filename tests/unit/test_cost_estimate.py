@@ -82,7 +82,7 @@ def test_unknown_prices_stay_unknown(gaudi3_cli: Callable[..., tuple[int, str, s
         None,
     )
     code, out, _ = gaudi3_cli("cost", "compare", "--model", "llama3-70b", "--tokens", "1T", "--platforms",
-                              "gaudi3,h100")  # fmt: skip
+                              "gaudi3,h100", "--mfu", "0.40")  # fmt: skip
     assert code == 0
     money = next(line for line in out.splitlines() if line.startswith("│ gaudi3") and "unknown" in line)
     assert "$" not in money and money.count("unknown") >= 5
@@ -282,3 +282,11 @@ def test_gaudi_fit_uses_a_strategy_the_trainer_runs_there() -> None:
         compare_training_cost("llama3-8b", "1B", ["gaudi3"], assumptions=zero3)
     row = compare_training_cost("llama3-8b", "1B", ["h100"], assumptions=zero3).rows[0]
     assert row.accelerators is not None  # DeepSpeed remains a what-if on CUDA, where the trainer runs it
+
+
+def test_without_mfu_each_device_kind_gets_ours_measured_or_a_labelled_assumption() -> None:
+    gaudi3, h100 = compare_training_cost("llama3-70b", "1T", ["gaudi3", "h100"]).rows
+    assert h100.mfu == pytest.approx(0.5588) and h100.mfu_source.startswith("measured: Llama 3.2 1B")
+    assert "gpu_shapes_cuda_h200.json" in h100.mfu_source
+    assert gaudi3.mfu == 0.40 and gaudi3.mfu_source.startswith("assumption: an unsourced fallback")
+    assert "not yet validated on Gaudi hardware" in gaudi3.mfu_source

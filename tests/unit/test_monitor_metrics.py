@@ -33,6 +33,7 @@ from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.monitor.prometheus import ASSETS_DIR, METRICS, read_endpoints, start_exporter
 from gaudi3_scale.monitor.system import HL_SMI_QUERY, DeviceSample, parse_hl_smi_csv
 from gaudi3_scale.train import GaudiTrainer, build_run_config
+from gaudi3_scale.train.forecast_file import FORECAST_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--train.threads", "1", "--model.num_layers", "1", "--train.log_every_steps", "1",
@@ -92,8 +93,22 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     ]))  # fmt: skip
     probe = _ScrapeAtEnd(out)
     started = time.time()
-    summary = GaudiTrainer(cfg, progress=False, callbacks=[probe]).fit()
+    # The forecast `gaudi3 train` hands its trainer (train.forecast_file): its predicted gauges are exported too.
+    forecast = tmp_path_factory.mktemp("forecast") / "plan.json"
+    forecast.write_text(json.dumps(FORECAST))
+    os.environ[FORECAST_ENV] = str(forecast)
+    try:
+        summary = GaudiTrainer(cfg, progress=False, callbacks=[probe]).fit()
+    finally:
+        del os.environ[FORECAST_ENV]
     return out, summary, probe, started
+
+
+def _summary_of(out: Path) -> dict[str, Any]:
+    return dict(json.loads((out / "summary.json").read_text()))
+
+
+FORECAST = {"predicted_step_time_s": 0.5, "predicted_wall_s": 12.5, "predicted_peak_memory_bytes": 123456789}
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -131,6 +146,11 @@ def test_record_fed_series_equal_the_metrics_records(scraped: Any) -> None:
     # 12 sequences of 64 tokens per step (the default preset): samples/s × context = tokens/s exactly.
     assert _value(s, "gaudi3_samples_per_second") * 64 == pytest.approx(tokens_per_s, rel=1e-9)
     assert 0 < _value(s, "gaudi3_mfu_ratio") < 1
+    assert _value(s, "gaudi3_predicted_step_duration_seconds") == 0.5
+    assert _value(s, "gaudi3_predicted_wall_seconds") == 12.5
+    assert _value(s, "gaudi3_predicted_peak_memory_bytes") == 123456789
+    assert json.loads((out / "plan.json").read_text()) == FORECAST  # the trainer keeps the run's forecast
+    assert _summary_of(out)["predicted_step_time_s"] == 0.5
     step_s, wait_s = _value(s, "gaudi3_step_duration_seconds"), _value(s, "gaudi3_data_wait_seconds")
     assert 0 <= wait_s < step_s and step_s == pytest.approx(last["step_time_s"], rel=1e-12)
     assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in train)

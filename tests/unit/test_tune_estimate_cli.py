@@ -140,9 +140,10 @@ def test_a_budget_overrides_device_memory_and_cpu_is_the_default(
 ) -> None:
     code, out, err = gaudi3_cli("tune", "--estimate-only", "--memory-budget", "4GiB")
     assert code == 0, out + err
-    # shakespeare-char's vocabulary comes from the bundled, prepared corpus.
+    # shakespeare-char's vocabulary comes from the bundled, prepared corpus; the micro-batch is the one the run
+    # would use (global batch 12 on one rank, micro-batch unset), not 1.
     assert out.startswith(
-        "shakespeare-char: 0.804 M parameters, 1 rank(s), micro-batch 1 × 64 tokens, 32-true"
+        "shakespeare-char: 0.804 M parameters, 1 rank(s), micro-batch 12 × 64 tokens, 32-true"
     )
     assert out.splitlines()[0].endswith(", cpu, 4.00 GiB per device")
     assert all(ln.rstrip().endswith(")") for ln in out.splitlines()[2:12])
