@@ -202,13 +202,10 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
         assert set(compute) == {"0", "1"} and all(0 < float(s["value"][1]) < 1 for s in compute.values())
         marks = _by_rank(_query(base, "gaudi3_straggler"))
         assert set(marks) == {"0", "1"} and all(s["value"][1] in ("0", "1") for s in marks.values())
-        # The run's forecast (gaudi3 train records it at its start: plan.json), beside the measured gauges.
+        # The run's forecast (gaudi3 train computes it at its start), beside the measured gauges.
         predicted = _by_rank(_query(base, "gaudi3_predicted_step_duration_seconds"))
-        plan = json.loads((out / "plan.json").read_text())
-        assert set(predicted) == {"0", "1"}
-        assert all(
-            float(s["value"][1]) == pytest.approx(plan["predicted_step_time_s"]) for s in predicted.values()
-        )
+        assert set(predicted) == {"0", "1"} and float(predicted["0"]["value"][1]) > 0
+        assert predicted["0"]["value"][1] == predicted["1"]["value"][1]  # one forecast, handed to both ranks
         up = _query(base, 'up{job="gaudi3"}')
         assert len(up) == 2 and all(s["value"][1] == "1" for s in up)
         rules = json.loads(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=10).read())["data"][

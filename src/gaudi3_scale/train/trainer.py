@@ -235,11 +235,8 @@ class GaudiTrainer:
         check_run_inputs(self.config)  # one line before any data work (train.preflight)
         stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
         with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
-            self._forecast = (
-                read_forecast()
-            )  # what `gaudi3 train` predicted (train.forecast_file), if anything
-            if self._forecast is not None and launched_rank() == 0:
-                write_plan(self.out_dir, self._forecast)
+            # what `gaudi3 train` predicted (train.forecast_file), if anything; plan.json is written with the summary
+            self._forecast = read_forecast()
             return self._fit(model, datamodule, started)
 
     def _fit(
@@ -350,6 +347,10 @@ class GaudiTrainer:
             if cache:
                 summary["data_cache"] = cache
         if trainer.is_global_zero:
+            if (
+                self._forecast is not None
+            ):  # written with the summary: a run refused at its start changes nothing
+                write_plan(self.out_dir, self._forecast)
             write_run_report(self.out_dir, summary, records, title=plot_title(cfg.name, cfg.model.name),
                              console=self.console if self.progress else None)  # fmt: skip
         return summary
@@ -360,6 +361,10 @@ class GaudiTrainer:
         multi-rank fit keeps its store for the ranks to form their group again in the next fit."""
         assert self._after is not None, "build_trainer builds the run's parts"
         health = self.config.health
+        if _distributed():
+            # Rank 0 commits the checkpoints (an async save's commit ends with its services): every rank reads the
+            # committed list only after that, so all of them restore the same one.
+            torch.distributed.barrier()
         rollback = plan_rollback(
             self._after.checkpoint.manager,
             spike_step=spike_step,
