@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,10 +112,3 @@ class CalibrationStore:
     def others(self, key: str) -> list[Probe]:
         """The stored probes of other layouts, newest first."""
         return sorted((p for k, p in self.probes.items() if k != key), key=lambda p: -p.created_unix_s)
-
-
-def env_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS
-        return max(1, os.cpu_count() or 1)

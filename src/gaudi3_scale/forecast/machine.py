@@ -12,7 +12,7 @@ from importlib import resources
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_yaml
 from gaudi3_scale.device.efficiency import fallback_mfu
-from gaudi3_scale.forecast.calibration import CalibrationStore, env_cores, machine_key
+from gaudi3_scale.forecast.calibration import CalibrationStore, machine_key
 from gaudi3_scale.forecast.figures import Figure, assumed, from_catalog, measured
 
 __all__ = ["Machine", "catalog_machine", "this_cpu"]
@@ -93,9 +93,9 @@ def this_cpu(
     calibration store (`refresh_peak` measures it again); the MFU from this machine's probes when there are some."""
     import psutil
 
-    from gaudi3_scale.device.select import cpu_model_name, measure_cpu_matmul_flops
+    from gaudi3_scale.device.select import cpu_model_name, measure_cpu_matmul_flops, usable_cpu_cores
 
-    cores = env_cores()
+    cores = usable_cpu_cores()
     name = cpu_model_name()
     store = store or CalibrationStore.for_machine(machine_key(name, cores))
     threads = max(1, cores // ranks_per_node)

@@ -12,7 +12,6 @@ the data-parallel part overlaps the backward pass (up to 2/3 of compute), tensor
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,7 +330,3 @@ def _energy(machine: Machine, ranks: int, wall_h: float) -> Figure:
         return assumed(None, f"energy unknown: {power.source.split(': ', 1)[-1]}")
     kwh = power.value * ranks * wall_h * DEFAULT_PUE / 1000
     return modelled(kwh, f"ranks × TDP (an upper bound) × wall time × PUE {DEFAULT_PUE:g} ({PUE_SOURCE})")
-
-
-def finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
