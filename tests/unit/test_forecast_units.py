@@ -68,3 +68,21 @@ def test_a_comparison_gives_the_error_of_each_known_quantity() -> None:
     assert rows["step_time_s"] == pytest.approx(0.1) and rows["wall_s"] == pytest.approx(-0.1)
     assert rows["peak_memory_bytes"] == pytest.approx(-0.2) and rows["tokens_per_s"] == 0.0
     assert rows["cost_usd"] is None  # predicted unknown: no error, never a guess
+
+
+def test_the_probe_measures_about_ten_seconds_of_steps() -> None:
+    from gaudi3_scale.forecast.probe import PROBE_MEASURED_S, probe_measured_steps
+
+    assert probe_measured_steps(0.04) == round(PROBE_MEASURED_S / 0.04)  # a fast step: many of them
+    assert probe_measured_steps(5.0) == 10  # a slow one: at least 10
+    assert probe_measured_steps(1e-4) == 300  # at most 300
+    assert probe_measured_steps(None) == 10  # no first guess
+
+
+def test_gaudi3_links_are_sourced_spec_ceilings() -> None:
+    from gaudi3_scale.forecast.machine import catalog_machine
+
+    machine = catalog_machine("gaudi3", "bf16-mixed")
+    assert machine.intra_node_bytes_per_s.value == 525e9
+    assert machine.inter_node_bytes_per_s.value == 600e9
+    assert "Intel Gaudi Network Configuration" in machine.inter_node_bytes_per_s.source

@@ -71,16 +71,18 @@ def forecast_config(
     model = resolved_model(cfg.model, cfg.data)
     measured = None
     if probe:
-        from gaudi3_scale.forecast.probe import run_probe
+        from gaudi3_scale.forecast.probe import probe_measured_steps, run_probe
 
         shape = run_shape(cfg, model, target, nodes=nodes)
         warmup = cfg.train.resolved_throughput_warmup_steps()
+        first_guess = _forecast(cfg, shape, target).step_time_s  # sizes the probe: ~10 s of measured steps
         measured, why = run_probe(
             config_path,
             tuple(overrides),
             shape,
             val_batches=cfg.train.val_batches,
             warmup_steps=max(warmup, 2),
+            measured_steps=probe_measured_steps(first_guess),
         )
         if measured is None:
             warn(f"--probe: {why}; the forecast comes from the catalog")
