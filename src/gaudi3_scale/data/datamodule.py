@@ -46,6 +46,7 @@ class TokenDataModule(pl.LightningDataModule):
         loader_workers: int = 0,
         stride: int = 1,
         tp_size: int = 1,
+        pp_size: int = 1,
         prefetch_shards: int = 0,
         masking: MlmMasking | None = None,
         skips: BatchSkips | None = None,
@@ -63,6 +64,7 @@ class TokenDataModule(pl.LightningDataModule):
         self.loader_workers = loader_workers
         self.stride = stride
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.prefetch_shards = prefetch_shards
         self.masking = masking  # arch bert: batches are (masked inputs, labels), data.mlm
         self.skips = skips or BatchSkips()  # batches that make no update (health)
@@ -86,7 +88,8 @@ class TokenDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 1, 0
-        return trainer.world_size // self.tp_size, data_parallel_rank(trainer.global_rank, self.tp_size)
+        replicas = trainer.world_size // (self.tp_size * self.pp_size)
+        return replicas, data_parallel_rank(trainer.global_rank, self.tp_size, replicas)
 
     def _member_sampler(self, member: DatasetMember, world_size: int, rank: int) -> WindowSampler:
         return WindowSampler(

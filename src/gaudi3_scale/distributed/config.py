@@ -11,7 +11,15 @@ from gaudi3_scale.config.hosts import parse_endpoint
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds
 from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
-__all__ = ["MESH_STRATEGIES", "OFFLOAD", "OFFLOAD_STRATEGIES", "STRATEGIES", "ParallelConfig"]
+__all__ = [
+    "MESH_STRATEGIES",
+    "OFFLOAD",
+    "OFFLOAD_STRATEGIES",
+    "PP_SCHEDULES",
+    "STAGES_PER_RANK",
+    "STRATEGIES",
+    "ParallelConfig",
+]
 
 # strategy → what it shards, in ZeRO terms (Rajbhandari et al. 2020, "ZeRO", arXiv:1910.02054):
 STRATEGIES = {
@@ -23,8 +31,20 @@ STRATEGIES = {
     "deepspeed_zero3": "DeepSpeed ZeRO stage 3: shard parameters too (needs the deepspeed extra)",
 }
 
+# `parallel.pp_schedule` → what it does (torch.distributed.pipelining's schedule classes) and its stages per rank.
+PP_SCHEDULES = {
+    "gpipe": "all forwards, then all backwards (Huang et al. 2019, arXiv:1811.06965); one stage per rank",
+    "1f1b": "one forward, one backward in the steady state (Narayanan et al. 2019, PipeDream-Flush); one stage "
+    "per rank; needs train accumulation >= pp_size",
+    "interleaved_1f1b": "1F1B over two stages per rank placed in a loop (Narayanan et al. 2021, arXiv:2104.04473)",
+    "zbv": "zero-bubble V schedule (Qi et al. 2024, arXiv:2401.10241 §6): two stages per rank placed in a V, "
+    "weight gradients fill the bubble",
+}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
+
 Strategy = Literal["auto", "ddp", "fsdp", "fsdp_grad_op", "deepspeed_zero2", "deepspeed_zero3"]
 Offload = Literal["none", "optimizer", "all"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 
 # What `parallel.offload` moves to host memory, and which strategies can do it:
 OFFLOAD = {
@@ -72,6 +92,26 @@ class ParallelConfig:
             "1 = shard over all data-parallel ranks"
         },
     )
+    pp_size: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline-parallel ranks: the model's layers are split into consecutive stages, one per rank "
+            "(two with interleaved_1f1b or zbv); the first stage also holds the embeddings, the last the final norm "
+            "and output head; the train accumulation is the pipeline's micro-batch count; runs on the FSDP2 mesh "
+            "(strategy auto, fsdp or fsdp_grad_op), pipeline outermost; 1 = no pipeline (docs/pipeline.md)"
+        },
+    )
+    pp_schedule: PipelineSchedule = field(
+        default="1f1b", metadata={"help": "; ".join(f"{k}: {v}" for k, v in PP_SCHEDULES.items())}
+    )
+    pp_split: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "layer indices where pipeline stages 1, 2, … start (stages - 1 increasing indices between 1 "
+            "and num_layers - 1; stages = pp_size, or 2 × pp_size with interleaved_1f1b or zbv); empty = the "
+            "layers split evenly (num_layers must then divide by the stages)"
+        },
+    )
     offload: Offload = field(
         default="none", metadata={"help": "; ".join(f"{k}: {v}" for k, v in OFFLOAD.items())}
     )
@@ -111,6 +151,10 @@ class ParallelConfig:
         check_number("tp_size", self.tp_size, low=1, high=INT32_MAX)
         check_number("dp_replicate", self.dp_replicate, low=1, high=INT32_MAX)
         check_number("ep_size", self.ep_size, low=1, high=INT32_MAX)
+        check_number("pp_size", self.pp_size, low=1, high=INT32_MAX)
+        check_choice("pp_schedule", self.pp_schedule, list(PP_SCHEDULES))
+        for index in self.pp_split:
+            check_number("pp_split", index, low=1, high=INT32_MAX)
         check_choice("offload", self.offload, list(OFFLOAD))
         if self.network_preset is not None:
             check_choice("network_preset", self.network_preset, sorted(NETWORK_PRESETS))
@@ -127,9 +171,10 @@ class ParallelConfig:
         self._check_mesh()
 
     def _check_mesh(self) -> None:
-        """Tensor parallel, HSDP and offload against the launch geometry and the strategy."""
-        if (self.tp_size > 1 or self.dp_replicate > 1) and self.strategy not in MESH_STRATEGIES:
-            field_name = "tp_size" if self.tp_size > 1 else "dp_replicate"
+        """Pipeline and tensor parallel, HSDP and offload against the launch geometry and the strategy."""
+        meshed = {"pp_size": self.pp_size, "tp_size": self.tp_size, "dp_replicate": self.dp_replicate}
+        field_name = next((name for name, size in meshed.items() if size > 1), None)
+        if field_name is not None and self.strategy not in MESH_STRATEGIES:
             raise ConfigError(
                 field_name,
                 f"runs on an FSDP2 device mesh; allowed with parallel.strategy {', '.join(MESH_STRATEGIES)}, "
@@ -141,12 +186,22 @@ class ParallelConfig:
                 f"must divide nproc_per_node ({self.nproc_per_node}): tensor-parallel ranks talk every layer, so "
                 f"they share a node; got {self.tp_size}",
             )
-        data_parallel = self.world_size // self.tp_size
+        if (self.world_size // self.tp_size) % self.pp_size:
+            raise ConfigError(
+                "pp_size",
+                f"must divide world_size / tp_size ({self.world_size} / {self.tp_size} = "
+                f"{self.world_size // self.tp_size}): every pipeline stage has the same data- and tensor-parallel "
+                f"ranks; got {self.pp_size}",
+            )
+        if self.pp_size == 1 and self.pp_split:
+            raise ConfigError("pp_split", "splits the model into pipeline stages: needs pp_size > 1; use []")
+        data_parallel = self.data_parallel_size
         if data_parallel % self.dp_replicate:
             raise ConfigError(
                 "dp_replicate",
-                f"must divide the data-parallel ranks (world_size {self.world_size} / tp_size {self.tp_size} = "
-                f"{data_parallel}) so that replicate × shard = {data_parallel}; got {self.dp_replicate}",
+                f"must divide the data-parallel ranks (world_size {self.world_size} / tp_size {self.tp_size}"
+                + (f" / pp_size {self.pp_size}" if self.pp_size > 1 else "")
+                + f" = {data_parallel}) so that replicate × shard = {data_parallel}; got {self.dp_replicate}",
             )
         if self.offload != "none" and self.strategy not in OFFLOAD_STRATEGIES[self.offload]:
             raise ConfigError(
@@ -161,5 +216,10 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that read different data: the world divided into tensor-parallel groups."""
-        return self.world_size // self.tp_size
+        """Ranks that read different data: the world divided into tensor- and pipeline-parallel groups."""
+        return self.world_size // (self.tp_size * self.pp_size)
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: pp_size, twice that for the schedules with two stages per rank."""
+        return self.pp_size * STAGES_PER_RANK[self.pp_schedule]

@@ -6,8 +6,8 @@ order, which differs as soon as there is more than one group (weight decay on / 
 through the optimizer's own groups, so a DDP checkpoint resumes under FSDP exactly. Sharded checkpoints load as
 in Lightning (DCP, any world size and layout).
 
-The device mesh is ours (`distributed.mesh`): (dp_replicate, dp_shard, tensor_parallel), so the same strategy runs
-FSDP, HSDP and tensor parallel, alone or combined.
+The device mesh is ours (`distributed.mesh`): (pipeline, dp_replicate, dp_shard, tensor_parallel), so the same
+strategy runs FSDP, HSDP, tensor and pipeline parallel, alone or combined.
 """
 
 from __future__ import annotations
@@ -42,32 +42,35 @@ class FSDP2Body(_Base):
         if not self.cpu_offload:
             super().model_to_device()
 
-    def __init__(self, *, tp_size: int = 1, dp_replicate: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *, tp_size: int = 1, dp_replicate: int = 1, pp_size: int = 1, **kwargs: Any) -> None:
         super().__init__(tensor_parallel_size=tp_size, **kwargs)
         self.tp_size = tp_size
         self.dp_replicate = dp_replicate
+        self.pp_size = pp_size
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy.setup_environment with our 3-D mesh in place of its (data_parallel, tensor_parallel):
         # ParallelStrategy's (the next class after ModelParallelStrategy), then the mesh
         super(self._model_parallel, self).setup_environment()  # type: ignore[arg-type]
         self._setup_distributed()
-        self._data_parallel_size = self.world_size // self.tp_size
+        self._data_parallel_size = self.world_size // (self.tp_size * self.pp_size)
         self._device_mesh = build_device_mesh(
             self.root_device.type,
             world_size=self.world_size,
             tp_size=self.tp_size,
             dp_replicate=self.dp_replicate,
+            pp_size=self.pp_size,
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of a tensor-parallel group read the same data (distributed.mesh).
+        # The ranks of a tensor-parallel group, and the stages of a pipeline, read the same data (distributed.mesh).
+        replicas = self.world_size // (self.tp_size * self.pp_size)
         return {
-            "num_replicas": self.world_size // self.tp_size,
-            "rank": data_parallel_rank(self.global_rank, self.tp_size),
+            "num_replicas": replicas,
+            "rank": data_parallel_rank(self.global_rank, self.tp_size, replicas),
         }
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,11 +1,13 @@
-"""The device mesh of a sharded run: (dp_replicate, dp_shard, tensor_parallel), tensor parallel innermost.
+"""The device mesh of a sharded run: (pipeline, dp_replicate, dp_shard, tensor_parallel), tensor parallel
+innermost, pipeline outermost (torchtitan's order).
 
-    rank = (replica × dp_shard + shard) × tp_size + tp_rank
+    rank = ((pp_rank × dp_replicate + replica) × dp_shard + shard) × tp_size + tp_rank
 
 Tensor-parallel ranks are neighbours (they talk every layer, so they share a node: `parallel.tp_size` divides
-nproc_per_node); FSDP shards over `dp_shard`, HSDP replicates over `dp_replicate`. The ranks that read different
-data are the two data-parallel dimensions together, and a rank's coordinate on them is `rank // tp_size`, which the
-data module uses without a mesh (`data_parallel_rank`).
+nproc_per_node); FSDP shards over `dp_shard`, HSDP replicates over `dp_replicate`; pipeline stages, which only
+pass activations to their neighbour stage, are the farthest apart. The ranks that read different data are the two
+data-parallel dimensions together, and a rank's coordinate on them is `(rank // tp_size) mod data-parallel size`,
+which the data module uses without a mesh (`data_parallel_rank`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 __all__ = [
     "DP_REPLICATE",
     "DP_SHARD",
+    "PP_DIM",
     "TP_DIM",
     "build_device_mesh",
     "data_parallel_mesh",
@@ -23,24 +26,26 @@ __all__ = [
     "release_mesh_groups",
 ]
 
-DP_REPLICATE, DP_SHARD, TP_DIM = "dp_replicate", "dp_shard", "tensor_parallel"
+PP_DIM, DP_REPLICATE, DP_SHARD, TP_DIM = "pipeline", "dp_replicate", "dp_shard", "tensor_parallel"
 
 # The meshes build_device_mesh made, for release_mesh_groups; by id: meshes of one shape compare (and hash) equal.
 _BUILT: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def build_device_mesh(device_type: str, *, world_size: int, tp_size: int, dp_replicate: int) -> Any:
-    """The run's 3-D mesh (sizes of 1 allowed); the process group must be initialised."""
+def build_device_mesh(
+    device_type: str, *, world_size: int, tp_size: int, dp_replicate: int, pp_size: int = 1
+) -> Any:
+    """The run's 4-D mesh (sizes of 1 allowed); the process group must be initialised."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    data_parallel = world_size // tp_size
-    assert data_parallel * tp_size == world_size and data_parallel % dp_replicate == 0, (
+    data_parallel = world_size // (tp_size * pp_size)
+    assert data_parallel * tp_size * pp_size == world_size and data_parallel % dp_replicate == 0, (
         "validated by the config"
     )
     mesh = init_device_mesh(
         device_type,
-        (dp_replicate, data_parallel // dp_replicate, tp_size),
-        mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP_DIM),
+        (pp_size, dp_replicate, data_parallel // dp_replicate, tp_size),
+        mesh_dim_names=(PP_DIM, DP_REPLICATE, DP_SHARD, TP_DIM),
     )
     if tp_size > 1:
         # A norm over FSDP×TP shards (gradient clipping) is partial on both dimensions; with them flattened,
@@ -69,7 +74,9 @@ def data_parallel_mesh(mesh: Any) -> Any:
     return mesh[(DP_REPLICATE, DP_SHARD)] if mesh[DP_REPLICATE].size() > 1 else mesh[DP_SHARD]
 
 
-def data_parallel_rank(global_rank: int, tp_size: int) -> int:
-    """This rank's coordinate on the flattened data-parallel dimensions: the ranks of one tensor-parallel group
-    share it, and read the same batches."""
-    return global_rank // tp_size
+def data_parallel_rank(global_rank: int, tp_size: int, data_parallel_size: int | None = None) -> int:
+    """This rank's coordinate on the flattened data-parallel dimensions: the ranks of one tensor-parallel group, and
+    the stages of one pipeline, share it and read the same batches. `data_parallel_size` is needed under pipeline
+    parallel only (the pipeline dimension is outside the data-parallel ones)."""
+    group = global_rank // tp_size
+    return group if data_parallel_size is None else group % data_parallel_size

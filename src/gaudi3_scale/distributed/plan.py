@@ -30,12 +30,15 @@ SHARDED_STRATEGIES = ("fsdp", "fsdp_grad_op")  # FSDP2 fully_shard, applied by `
 ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # DeepSpeed's engine wraps the module
 
 
-def data_parallel_size(world_size: int, tp_size: int = 1) -> int:
-    """Ranks that read different data: `world_size` ranks in tensor-parallel groups of `tp_size`, each group
-    reading one batch (HSDP's replicas and shards are both data-parallel)."""
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp_size}")
-    return world_size // tp_size
+def data_parallel_size(world_size: int, tp_size: int = 1, pp_size: int = 1) -> int:
+    """Ranks that read different data: `world_size` ranks in tensor-parallel groups of `tp_size` and pipelines of
+    `pp_size` stages, each group × pipeline reading one batch (HSDP's replicas and shards are both data-parallel)."""
+    model_parallel = tp_size * pp_size
+    if tp_size < 1 or pp_size < 1 or world_size % model_parallel:
+        raise ValueError(
+            f"world_size {world_size} is not a multiple of tp_size {tp_size} × pp_size {pp_size}"
+        )
+    return world_size // model_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +46,9 @@ class BatchPlan:
     """One optimizer step's batch: ``global_batch_size = micro_batch_size × accumulation × data_parallel_size``.
 
     Every data-parallel rank runs `accumulation` micro-steps of `micro_batch_size` sequences each; the step trains
-    on `tokens_per_step` tokens. A data-parallel rank is a tensor-parallel group: its `tp_size` ranks read the same
-    batch, so `data_parallel_size = world_size / tp_size`.
+    on `tokens_per_step` tokens. A data-parallel rank is a tensor-parallel group × a pipeline: its `tp_size ×
+    pp_size` ranks read the same batch, so `data_parallel_size = world_size / (tp_size × pp_size)`. Under pipeline
+    parallel the `accumulation` micro-batches are the pipeline's micro-batches (`distributed.pipeline`).
     """
 
     global_batch_size: int
@@ -154,6 +158,9 @@ class ParallelPlan:
     )
     dp_replicate: int = 1  # HSDP replicas; the data-parallel ranks are dp_replicate × dp_shard
     offload: str = "none"  # none, optimizer or all (distributed.config.OFFLOAD)
+    pp_size: int = 1  # pipeline stages' ranks (outermost mesh dimension)
+    pp_schedule: str = "1f1b"  # distributed.config.PP_SCHEDULES
+    pp_split: tuple[int, ...] = ()  # layer indices where stages 1, 2, … start; () = an even split
 
     def __post_init__(self) -> None:
         if self.strategy == "auto":
@@ -162,10 +169,10 @@ class ParallelPlan:
             )
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise UserInputError(f"world_size must be a positive number of ranks, got {self.world_size!r}")
-        if self.world_size % (self.tp_size * self.dp_replicate):
+        if self.world_size % (self.tp_size * self.pp_size * self.dp_replicate):
             raise ValueError(
-                f"world_size {self.world_size} is not a multiple of tp_size {self.tp_size} × dp_replicate "
-                f"{self.dp_replicate}"
+                f"world_size {self.world_size} is not a multiple of tp_size {self.tp_size} × pp_size "
+                f"{self.pp_size} × dp_replicate {self.dp_replicate}"
             )
 
     @classmethod
@@ -176,11 +183,12 @@ class ParallelPlan:
         world_size: int = 1,
         tp_size: int = 1,
         dp_replicate: int = 1,
+        pp_size: int = 1,
         **fields: Any,
     ) -> ParallelPlan:
         """The plan for `strategy` as a run config names it (`parallel.strategy`), resolved as a run resolves it:
-        auto is fsdp with a tensor-parallel or HSDP mesh, ddp with several ranks, else single. A layout the run
-        config refuses (tensor parallel or HSDP off a mesh strategy, offload the strategy cannot do, a mesh that
+        auto is fsdp with a pipeline, tensor-parallel or HSDP mesh, ddp with several ranks, else single. A layout the
+        run config refuses (pipeline or tensor parallel or HSDP off a mesh strategy, offload the strategy cannot do, a mesh that
         does not divide the ranks) is a `ConfigError` naming the `parallel.*` field. `fields`: the other fields.
 
         The trainer builds its plan here from the config; the tuner, the layout table and the cost planner build
@@ -191,13 +199,18 @@ class ParallelPlan:
                 "parallel.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
             )
         offload = fields.get("offload", "none")
-        if tp_size > 1 or dp_replicate > 1 or offload != "none":
-            _check_layout(strategy, world_size, tp_size, dp_replicate, offload)
+        mesh = tp_size > 1 or dp_replicate > 1 or pp_size > 1
+        if mesh or offload != "none":
+            _check_layout(strategy, world_size, tp_size, dp_replicate, offload, pp_size)
         if strategy == "auto":
-            mesh = tp_size > 1 or dp_replicate > 1
             strategy = "fsdp" if mesh else "ddp" if world_size > 1 else "single"
         return cls(
-            strategy=strategy, world_size=world_size, tp_size=tp_size, dp_replicate=dp_replicate, **fields
+            strategy=strategy,
+            world_size=world_size,
+            tp_size=tp_size,
+            dp_replicate=dp_replicate,
+            pp_size=pp_size,
+            **fields,
         )
 
     def runs_as(self, device_kind: str) -> str:
@@ -207,8 +220,13 @@ class ParallelPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that read different data (each a tensor-parallel group of `tp_size` ranks)."""
-        return data_parallel_size(self.world_size, self.tp_size)
+        """Ranks that read different data (each a tensor-parallel group of `tp_size` ranks × a pipeline)."""
+        return data_parallel_size(self.world_size, self.tp_size, self.pp_size)
+
+    @property
+    def pipelined(self) -> bool:
+        """The model is split into pipeline stages (`distributed.pipeline`)."""
+        return self.pp_size > 1
 
     @property
     def dp_shard(self) -> int:
@@ -241,7 +259,9 @@ class ParallelPlan:
         return self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES
 
 
-def _check_layout(strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str) -> None:
+def _check_layout(
+    strategy: str, world_size: int, tp_size: int, dp_replicate: int, offload: str, pp_size: int = 1
+) -> None:
     """The run config's own checks of `parallel.*` against one another, one line naming the field."""
     # nproc_per_node = world_size: a plan is per rank, so only the division of the ranks matters here.
     try:
@@ -249,6 +269,7 @@ def _check_layout(strategy: str, world_size: int, tp_size: int, dp_replicate: in
             strategy=strategy,  # type: ignore[arg-type]
             tp_size=tp_size,
             dp_replicate=dp_replicate,
+            pp_size=pp_size,
             offload=offload,  # type: ignore[arg-type]
             nproc_per_node=world_size,
         )

@@ -98,6 +98,7 @@ def build_strategy(
     strategy = fsdp_class(
         tp_size=plan.tp_size,
         dp_replicate=plan.dp_replicate,
+        pp_size=plan.pp_size,
         save_distributed_checkpoint=True,
         process_group_backend=backend,
         timeout=timeout,

@@ -32,6 +32,7 @@ from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.device.float8 import SKIP_SMALL_RECIPES, Float8Plan, Float8Recipe
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan, data_parallel_size
+from gaudi3_scale.distributed.stages import check_pipeline
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.models.config import ModelConfig
@@ -341,8 +342,15 @@ class RunConfig:
                     f"but train.global_batch_size is {self.train.global_batch_size}; set only one of them",
                 )
         # Fail before launching anything when the batch does not split over the ranks.
-        self.batch_plan()
+        batch = self.batch_plan()
         check_tensor_parallel(self.model, self.parallel.tp_size)
+        check_pipeline(
+            self.model,
+            self.parallel,
+            accumulation=batch.accumulation,
+            compile=self.train.compile,
+            rerun_check=self.health.rerun_check,
+        )
         if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
             raise ConfigError(
                 "health.spike_policy",
@@ -381,7 +389,7 @@ class RunConfig:
         return BatchPlan.build(
             global_batch_size=self.train.global_batch_size,
             micro_batch_size=self.train.micro_batch_size,
-            data_parallel_size=data_parallel_size(world, self.parallel.tp_size),
+            data_parallel_size=data_parallel_size(world, self.parallel.tp_size, self.parallel.pp_size),
             context_length=self.model.context_length,
         )
 
@@ -409,6 +417,9 @@ class RunConfig:
             tp_size=self.parallel.tp_size,
             dp_replicate=self.parallel.dp_replicate,
             offload=self.parallel.offload,
+            pp_size=self.parallel.pp_size,
+            pp_schedule=self.parallel.pp_schedule,
+            pp_split=tuple(self.parallel.pp_split),
         )
         return replace(plan, bf16_params=bf16_mixed and plan.shards_parameters)
 

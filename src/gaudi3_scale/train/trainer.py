@@ -173,7 +173,7 @@ class GaudiTrainer:
         datamodule = TokenDataModule(
             prepared, context_length=model_cfg.context_length, global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.micro_batch_size, seed=cfg.seed, val_batches=train.val_batches,
-            loader_workers=cfg.data.loader_workers, tp_size=parallel.tp_size,
+            loader_workers=cfg.data.loader_workers, tp_size=parallel.tp_size, pp_size=parallel.pp_size,
             prefetch_shards=cfg.data.prefetch_shards, masking=masking, skips=skips,
         )  # fmt: skip
         guard = StepGuard(cfg.health, skips)
