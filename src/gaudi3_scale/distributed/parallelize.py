@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gaudi3_scale.device.hpu import apply_hpu_graphs, require_hpu
-from gaudi3_scale.distributed.mesh import TP_DIM, data_parallel_mesh
+from gaudi3_scale.distributed.mesh import PP_DIM, TP_DIM, data_parallel_mesh
+from gaudi3_scale.distributed.pipeline import Pipeline, build_stage_modules
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
 from gaudi3_scale.models import ModelConfig, build_model
@@ -48,6 +49,9 @@ class Parallelized:
     model: nn.Module
     loss_fn: LossFn
     step_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    # Under pipeline parallel: this rank's stages and their schedule, which runs a step's micro-batches
+    # (`model` then holds the stages' modules, and `loss_fn` is the pipeline's forward-only loss).
+    pipeline: Pipeline | None = None
 
 
 def parallelize(
@@ -90,10 +94,11 @@ def parallelize(
         if mesh is None:
             raise ValueError(f"{plan.strategy} shards over a device mesh; the strategy provides it")
         dp_mesh = data_parallel_mesh(mesh)
-        # Tensor parallel alone (one data-parallel rank) has nothing to shard: FSDP would only copy each
-        # parameter into its all-gather buffer and back. Its mixed-precision policy and CPU offload still need it.
+        # Tensor or pipeline parallel alone (one data-parallel rank) has nothing to shard: FSDP would only copy
+        # each parameter into its all-gather buffer and back. Its mixed-precision policy and CPU offload need it.
         offload = plan.offload == "all"
-        if plan.tp_size == 1 or dp_mesh.size() > 1 or plan.bf16_params or offload:
+        model_parallel = plan.tp_size > 1 or plan.pipelined
+        if not model_parallel or dp_mesh.size() > 1 or plan.bf16_params or offload:
             apply_fsdp(
                 model,
                 dp_mesh,
@@ -245,6 +250,7 @@ def build_parallelized(
     mesh: Any = None,
     device: torch.device | str | None = None,
     init_weights: Callable[..., None] | None = None,
+    micro_batches: int = 1,
 ) -> Parallelized:
     """A registry model laid out by `plan`, initialised from `seed`: built whole when nothing is sharded; under FSDP
     built on meta, sharded, and materialised shard by shard on `device`; under ZeRO-3 partitioned module by module
@@ -266,9 +272,51 @@ def build_parallelized(
         else:
             init_weights(model, gathered=gathered_for_update)
         return parallelize(model, plan, loss=loss)
+    if plan.pipelined:
+        return _build_pipelined(model_cfg, plan, seed=seed, loss=loss, mesh=mesh, device=device,
+                                init_weights=init_weights, micro_batches=micro_batches)  # fmt: skip
     if init_weights is None and not plan.shards_parameters:
         return parallelize(build_model(model_cfg, seed=seed), plan, loss=loss)
     with torch.device("meta"):
         model = build_model(model_cfg)
     fill = init_weights or (lambda built: model.init_weights(seed))
     return parallelize(model, plan, loss=loss, mesh=mesh, device=device or "cpu", init_weights=fill)
+
+
+def _build_pipelined(
+    model_cfg: ModelConfig,
+    plan: ParallelPlan,
+    *,
+    seed: int,
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    mesh: Any,
+    device: torch.device | str | None,
+    init_weights: Callable[..., None] | None,
+    micro_batches: int,
+) -> Parallelized:
+    """This rank's pipeline stages (`distributed.pipeline`), each laid out by `plan` as a whole model would be and
+    materialised on `device` with only its own weights: seeded (names make the init layout-independent) or read
+    by `init_weights`."""
+    if mesh is None:
+        raise ValueError("pipeline parallel runs on a device mesh; the strategy provides it")
+    with torch.device("meta"):
+        whole = build_model(model_cfg)
+    holder, stages, indices = build_stage_modules(
+        whole, schedule=plan.pp_schedule, pp_size=plan.pp_size, pp_rank=mesh[PP_DIM].get_local_rank(),
+        split=plan.pp_split,
+    )  # fmt: skip
+    target = torch.device(device or "cpu")
+    for stage in stages:
+        fill = init_weights or (lambda built: built.init_weights(seed))
+        parallelize(stage, plan, loss=loss, mesh=mesh, device=target, init_weights=fill)
+    pipeline = Pipeline(
+        modules=stages,
+        indices=indices,
+        num_stages=plan.pp_size * len(indices),
+        schedule_name=plan.pp_schedule,
+        n_microbatches=micro_batches,
+        mesh=mesh,
+        device=target,
+        loss=loss,
+    )
+    return Parallelized(holder, pipeline.eval_loss, step_context(plan.tp_size > 1), pipeline)

@@ -45,18 +45,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
 
     if getattr(model, "pos_embeddings", None) is not None or not isinstance(model.layers, nn.ModuleList):
         raise ValueError("tensor parallel is laid out for the Llama transformer (RoPE, no learned positions)")
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # Logits left as a vocabulary-sharded DTensor for the loss (see the module docstring).
-            "output": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Logits left as a vocabulary-sharded DTensor for the loss (see the module docstring).
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    # A pipeline stage holds some of them (distributed.pipeline); between stages the residual stream stays a
+    # sequence shard, as between blocks.
+    present = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
+    if present:
+        parallelize_module(model, tp_mesh, present)
     for block in model.layers:
         parallelize_module(
             block,

@@ -94,16 +94,22 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence of {seq_len} tokens exceeds context_length {self.config.context_length}"
             )
-        h = self.tok_embeddings(tokens)
         where = (
             slice(seq_len) if cache is None else cache.positions
         )  # a slice, not an arange + gather per step
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings.weight[where]
-        h = self.dropout(h)
-        rope = self.rope_cache[where] if self.rope_cache is not None else None
-        for index, layer in enumerate(self.layers):
+        h = tokens  # a later pipeline stage (no embeddings: distributed.pipeline) gets hidden states
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings.weight[where]
+            h = self.dropout(h)
+        # Training passes the whole table and attention takes its first rows: a stage's input may be a sequence
+        # shard (sequence parallel), whose length is not the sequence's.
+        rope = None if self.rope_cache is None else self.rope_cache if cache is None else self.rope_cache[where]
+        for index, layer in enumerate(self.layers):  # decoding (a cache) runs on a whole model only
             h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(index))
+        if self.output is None:  # a pipeline stage before the last
+            return h
         return self._mask_padding(self.output(self.norm(h)))
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
@@ -142,7 +148,7 @@ class Transformer(nn.Module):
         way `fill_normal` cannot see (DeepSpeed ZeRO-3's `zero.Init`): under it they are whole, and what is written
         is kept when it exits. One module is gathered at a time.
         """
-        device = self.tok_embeddings.weight.device
+        device = self._device()
         if device.type == "meta":
             raise ValueError("init_weights needs real storage; call model.to_empty(device=...) first")
         if not isinstance(seed, int):
@@ -173,12 +179,16 @@ class Transformer(nn.Module):
                     module.reset_parameters()
         self.init_buffers()
 
+    def _device(self) -> torch.device:
+        """Where the parameters are (a pipeline stage may have no embeddings, but always has a layer)."""
+        return next(self.parameters()).device
+
     def init_buffers(self) -> None:
         """Rebuild the non-persistent buffers (the RoPE cache) on the parameters' device: after `to_empty()` they
         hold garbage, and no checkpoint carries them."""
         if self.rope_cache is not None:
             cfg = self.config
-            device = self.tok_embeddings.weight.device
+            device = self._device()
             self.rope_cache = build_rope_cache(
                 cfg.head_dim, cfg.context_length, cfg.rope_theta, device=device
             )

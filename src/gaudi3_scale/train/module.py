@@ -23,6 +23,7 @@ from gaudi3_scale.data.mlm import IGNORE_INDEX
 from gaudi3_scale.device.hpu import mark_step
 from gaudi3_scale.distributed.grad_sync import GradientSync, gradient_sync
 from gaudi3_scale.distributed.parallelize import build_parallelized
+from gaudi3_scale.distributed.pipeline import Pipeline
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.inject import faults_from_env, inject_delay, inject_into_loss
@@ -127,6 +128,9 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self._faults = faults_from_env()  # test-only fault injection (health.inject); () in a real run
         # health.rerun_check: this step's (micro-batch, loss) pairs, kept for a re-run; None when it is off.
         self._window: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
+        # Pipeline parallel: the schedule over this rank's stages, and the micro-batches of the step so far.
+        self._pipeline: Pipeline | None = None
+        self._stashed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -156,7 +160,9 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             mesh=self.device_mesh if plan.shards_parameters else None,  # also the tensor-parallel one
             device=self.trainer.strategy.root_device if plan.shards_parameters else None,
             init_weights=init_weights,
+            micro_batches=self.step_state.accumulation,
         )
+        self._pipeline = applied.pipeline
         self.model = applied.model
         self._moe_layers = moe_layers(applied.model)
         # Not registered as a submodule: a compiled wrapper would duplicate every key in the state dict.
@@ -210,32 +216,27 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         opt = self.optimizers()
         assert not isinstance(opt, list)
         state, sync = self.step_state, self._sync
-        accumulation = state.accumulation
-        loss = self._forward_backward(batch, state.micro_step, started=started)
-        window = self._window
-        if window is not None:  # health.rerun_check: the step's micro-batches and losses, for a re-run
-            if state.micro_step == 0:
-                window.clear()
-            window.append((batch, loss.detach()))
-        state.micro_step += 1
-        if state.micro_step < accumulation:
-            self._pending_loss = (
-                (self._pending_loss + loss.detach()) if state.micro_step > 1 else loss.detach()
-            )
+        pipeline = self._pipeline
+        step_loss = self._accumulate(batch, started) if pipeline is None else self._pipelined(batch, started)
+        if step_loss is None:  # not the step's last micro-batch
             return
-        if accumulation > 1:
-            loss = (self._pending_loss + loss.detach()) / accumulation
+        loss = step_loss
         state.micro_step = 0
+        window = self._window
         clip = self.optim_cfg.grad_clip_norm
         if clip > 0 and not sync.clips:
-            if self.trainer.precision == "16-mixed":
+            if self.trainer.precision == "16-mixed" and pipeline is None:
                 self.clip_gradients(opt.optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
             else:
                 if self._clip_params is None:
                     # `self.parameters()` walks the module tree on every call: ~660k instructions a step (~70 µs)
                     # on the default CPU model (callgrind), for a list that does not change during a fit.
                     self._clip_params = list(self.parameters())
-                state.grad_norm = torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
+                state.grad_norm = (
+                    torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
+                    if pipeline is None
+                    else pipeline.clip_grad_norm(self._clip_params, clip)  # the norm of all stages
+                )
         guard = self.guard
         if guard is not None and not sync.clips:  # DeepSpeed clips and steps inside its engine
             state.update_dropped = not guard.check(self.trainer.global_step, loss, state.grad_norm)
@@ -259,6 +260,41 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             state.grad_norm = sync.grad_norm()
         state.lr = lr
         state.loss = loss.detach()
+
+    def _accumulate(self, batch: tuple[torch.Tensor, torch.Tensor], started: float) -> torch.Tensor | None:
+        """One micro-batch's forward and backward; at the step's last micro-batch, the step's mean loss."""
+        state = self.step_state
+        accumulation = state.accumulation
+        loss = self._forward_backward(batch, state.micro_step, started=started)
+        window = self._window
+        if window is not None:  # health.rerun_check: the step's micro-batches and losses, for a re-run
+            if state.micro_step == 0:
+                window.clear()
+            window.append((batch, loss.detach()))
+        state.micro_step += 1
+        if state.micro_step < accumulation:
+            self._pending_loss = (
+                (self._pending_loss + loss.detach()) if state.micro_step > 1 else loss.detach()
+            )
+            return None
+        if accumulation > 1:
+            loss = (self._pending_loss + loss.detach()) / accumulation
+        return loss
+
+    def _pipelined(self, batch: tuple[torch.Tensor, torch.Tensor], started: float) -> torch.Tensor | None:
+        """Pipeline parallel: keep the micro-batch; at the step's last, run them all through the schedule (which
+        takes them concatenated and splits them again) and return their mean loss, the same on every stage."""
+        state, pipeline = self.step_state, self._pipeline
+        assert pipeline is not None
+        self._stashed.append(batch)
+        state.micro_step += 1
+        if state.micro_step < state.accumulation:
+            return None
+        batches, self._stashed = self._stashed, []
+        with self._step_context():
+            loss = pipeline.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        state.compute_s = (state.compute_s or 0.0) + time.perf_counter() - started  # the pipeline's waits too
+        return loss
 
     def _forward_backward(
         self,

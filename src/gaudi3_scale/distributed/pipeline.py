@@ -1,0 +1,189 @@
+"""Pipeline parallel through `torch.distributed.pipelining` (torchtitan's `pipeline_llm`, written for our model).
+
+The whole model is built on meta; each rank keeps the stages `distributed.stages` gives it, every stage a
+`Transformer` pruned to its layers (the first keeps the embeddings, the last the final norm and head; the model
+code runs a stage whose embeddings are None on hidden states and returns them when its head is None). Layers keep
+their whole-model index as their key, so parameter names, the seeded init (`models.common.init`), `init_from` and
+checkpoints are those of the whole model: each stage initialises or reads only its layers. Tensor parallel, float8,
+activation checkpointing and FSDP are applied to each stage as `parallelize` applies them to a whole model, then
+each is wrapped in a `PipelineStage` and the rank's stages in the schedule `parallel.pp_schedule` names.
+
+A step runs `accumulation` micro-batches through the schedule at once (`Pipeline.train_step`): the schedule's
+`scale_grads` divides the summed gradients by the micro-batch count, the same mean a one-process run gets by
+dividing each micro-batch loss by the accumulation. FSDP's reduce-scatter of a stage waits for its last micro-batch
+(the schedule's `perform_reduce_grad`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gaudi3_scale.distributed.config import STAGES_PER_RANK
+from gaudi3_scale.distributed.mesh import PP_DIM
+from gaudi3_scale.distributed.stages import local_stages, stage_layers
+from gaudi3_scale.distributed.tensor_parallel import local_loss
+
+__all__ = ["Pipeline", "build_stage_modules", "clip_grad_norm_over_stages"]
+
+# parallel.pp_schedule → torch's schedule class name (torch.distributed.pipelining.schedules, torch 2.13)
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+# A validation batch is one micro-batch: it runs alone, through a forward-only schedule of the same placement.
+_EVAL_SCHEDULES = {**_SCHEDULES, "1f1b": "ScheduleGPipe"}
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_stage_modules(
+    whole: nn.Module, *, schedule: str, pp_size: int, pp_rank: int, split: tuple[int, ...] = ()
+) -> tuple[nn.Module, list[nn.Module], list[int]]:
+    """(holder, this rank's stage modules, their stage indices) for a model `whole` built on meta.
+
+    The holder is what the LightningModule trains and checkpoints: one `Transformer` registering every module the
+    rank holds under its whole-model name (with two stages per rank, both stages' layers). With one stage per rank
+    it is the stage itself; with two it shares the stages' modules and is never run.
+    """
+    num_stages = pp_size * STAGES_PER_RANK[schedule]
+    layers = stage_layers(len(whole.layers), num_stages, split)
+    indices = local_stages(schedule, pp_size, pp_rank)
+    stages = [
+        _prune(whole, layers[s], first=s == 0, last=s == num_stages - 1, keep_rope=True) for s in indices
+    ]
+    if len(stages) == 1:
+        return stages[0], stages, indices
+    holder = _prune(whole, range(0), first=False, last=False, keep_rope=False)
+    for stage in stages:
+        for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+            if getattr(stage, name) is not None:
+                setattr(holder, name, getattr(stage, name))
+        for key, block in stage.layers.named_children():
+            holder.layers.add_module(key, block)
+    return holder, stages, indices
+
+
+def _prune(whole: nn.Module, layers: Iterable[int], *, first: bool, last: bool, keep_rope: bool) -> nn.Module:
+    """A copy of the meta model with only `layers` (under their whole-model keys: a ModuleList iterates its
+    modules in order whatever their keys), the embeddings if `first`, the final norm and head if `last`."""
+    stage = copy.deepcopy(whole)  # meta: shapes only, nothing is copied
+    kept = nn.ModuleList()
+    for index in layers:
+        kept.add_module(str(index), stage.layers[index])
+    stage.layers = kept
+    if not first:
+        stage.tok_embeddings = stage.pos_embeddings = None
+    if not last:
+        stage.norm = stage.output = None
+    if not keep_rope:
+        stage.rope_cache = None  # the holder never runs: no buffer for Lightning to move off meta
+    return stage
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages of the pipeline and the schedule that runs them (`parallel.pp_schedule`)."""
+
+    modules: list[nn.Module]  # the stage modules, parallelized
+    indices: list[int]  # their stage indices
+    num_stages: int
+    schedule_name: str
+    n_microbatches: int  # the train accumulation
+    mesh: Any  # the run's device mesh; the pipeline is its PP_DIM dimension
+    device: torch.device
+    loss: LossFn  # (model, tokens, targets) -> loss, applied to the last stage's logits
+    _schedules: dict[bool, Any] = field(default_factory=dict)  # training: n_microbatches; evaluation: 1
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.indices
+
+    def _schedule(self, training: bool) -> Any:
+        if training not in self._schedules:
+            from torch.distributed import pipelining
+            from torch.distributed.pipelining import PipelineStage
+
+            group = self.mesh[PP_DIM].get_group()
+            stages = [
+                PipelineStage(module, index, self.num_stages, self.device, group=group)
+                for module, index in zip(self.modules, self.indices, strict=True)
+            ]
+            name = (_SCHEDULES if training else _EVAL_SCHEDULES)[self.schedule_name]
+            schedule_class = getattr(pipelining, name)
+            # The head's loss: `loss` with an identity for the model is the cross-entropy of the logits it gets.
+            identity = nn.Identity()
+
+            def head_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                return local_loss(self.loss(identity, logits, targets))
+
+            self._schedules[training] = schedule_class(
+                stages if len(stages) > 1 else stages[0],
+                n_microbatches=self.n_microbatches if training else 1,
+                loss_fn=head_loss,
+                scale_grads=True,  # mean over micro-batches, as accumulation divides by it
+            )
+        return self._schedules[training]
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches (concatenated on the batch dimension); the mean of their
+        losses, the same on every stage."""
+        return self._run(self._schedule(True).step, tokens, targets)
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, forward only; the same on every stage."""
+        return self._run(self._schedule(False).eval, tokens, targets)
+
+    def _run(self, run: Callable[..., Any], tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        inputs = (tokens,) if self.has_first else ()
+        run(*inputs, target=targets if self.has_last else None, losses=losses if self.has_last else None)
+        return self._share(losses)
+
+    def _share(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean micro-batch loss on every rank of the pipeline: a sum in which only the rank
+        holding the last stage (the last rank in a loop, the first in a V) adds anything."""
+        import torch.distributed as dist
+
+        if losses:
+            loss = torch.stack([local_loss(value).detach().float() for value in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.mesh[PP_DIM].get_group())
+        return loss
+
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip to the whole model's gradient L2 norm (`clip_grad_norm_over_stages` over this pipeline)."""
+        return clip_grad_norm_over_stages(parameters, max_norm, self.mesh[PP_DIM].get_group())
+
+
+def clip_grad_norm_over_stages(
+    parameters: list[nn.Parameter], max_norm: float, pp_group: Any
+) -> torch.Tensor:
+    """Clip to the whole model's gradient L2 norm: each rank's norm of its stages' gradients (reduced over the
+    tensor- and data-parallel shards by DTensor), squared, summed over the pipeline, as torchtitan's
+    `clip_grad_norm_` does."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    squared = norm.float() ** 2
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
