@@ -73,6 +73,15 @@ class FSDP2Body(_Base):
             "rank": data_parallel_rank(self.global_rank, self.tp_size, replicas),
         }
 
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self.pp_size > 1:  # each rank's groups hold its stages' parameters: list every stage's
+            from gaudi3_scale.distributed.mesh import PP_DIM
+            from gaudi3_scale.distributed.pipeline import merge_param_groups
+
+            state = merge_param_groups(state, self.device_mesh[PP_DIM].get_group())
+        return state
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_file():

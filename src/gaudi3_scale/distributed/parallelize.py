@@ -94,11 +94,12 @@ def parallelize(
         if mesh is None:
             raise ValueError(f"{plan.strategy} shards over a device mesh; the strategy provides it")
         dp_mesh = data_parallel_mesh(mesh)
-        # Tensor or pipeline parallel alone (one data-parallel rank) has nothing to shard: FSDP would only copy
-        # each parameter into its all-gather buffer and back. Its mixed-precision policy and CPU offload need it.
+        # Tensor parallel alone (one data-parallel rank) has nothing to shard: FSDP would only copy each
+        # parameter into its all-gather buffer and back. Its mixed-precision policy and CPU offload still need it.
+        # (Pipeline stages alone are sharded over their one rank all the same: their parameters are then DTensors,
+        # which Lightning's sharded checkpoint loading looks for.)
         offload = plan.offload == "all"
-        model_parallel = plan.tp_size > 1 or plan.pipelined
-        if not model_parallel or dp_mesh.size() > 1 or plan.bf16_params or offload:
+        if plan.tp_size == 1 or dp_mesh.size() > 1 or plan.bf16_params or offload:
             apply_fsdp(
                 model,
                 dp_mesh,

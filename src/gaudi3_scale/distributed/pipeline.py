@@ -29,7 +29,7 @@ from gaudi3_scale.distributed.mesh import PP_DIM
 from gaudi3_scale.distributed.stages import local_stages, stage_layers
 from gaudi3_scale.distributed.tensor_parallel import local_loss
 
-__all__ = ["Pipeline", "build_stage_modules", "clip_grad_norm_over_stages"]
+__all__ = ["Pipeline", "build_stage_modules", "clip_grad_norm_over_stages", "merge_param_groups"]
 
 # parallel.pp_schedule → torch's schedule class name (torch.distributed.pipelining.schedules, torch 2.13)
 _SCHEDULES = {
@@ -187,3 +187,30 @@ def clip_grad_norm_over_stages(
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+def merge_param_groups(state: dict[str, Any], pp_group: Any) -> dict[str, Any]:
+    """A rank's optimizer state dict (DCP's, keyed by parameter name) with each parameter group listing the names
+    of every stage's parameters, in the whole model's order: what a one-process optimizer over the whole model
+    has. DCP keeps one copy of such a non-tensor entry, so without this a checkpoint would know only one stage's
+    groups; with it, a pipeline checkpoint is laid out like any other (each rank loads its own names from the
+    superset, `set_optimizer_state_dict`; a whole model numbers them as here, `checkpoint.sharded`)."""
+    import torch.distributed as dist
+
+    names = [list(group["params"]) for group in state["param_groups"]]
+    gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, names, group=pp_group)
+    groups = []
+    for index, group in enumerate(state["param_groups"]):
+        every = dict.fromkeys(name for rank_names in gathered for name in rank_names[index])
+        groups.append({**group, "params": sorted(every, key=_whole_model_position)})
+    return {**state, "param_groups": groups}
+
+
+def _whole_model_position(name: str) -> tuple[int, int]:
+    """Where a parameter comes in the whole model: embeddings, then the layers by index, then the final norm and
+    head (a stable sort keeps the order within each)."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return 1, int(parts[parts.index("layers") + 1])
+    return (0, 0) if any(part.endswith("embeddings") for part in parts) else (2, 0)
