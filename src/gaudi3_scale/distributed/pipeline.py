@@ -38,8 +38,6 @@ _SCHEDULES = {
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
 }
-# A validation batch is one micro-batch: it runs alone, through a forward-only schedule of the same placement.
-_EVAL_SCHEDULES = {**_SCHEDULES, "1f1b": "ScheduleGPipe"}
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -111,30 +109,32 @@ class Pipeline:
         return self.num_stages - 1 in self.indices
 
     def _schedule(self, training: bool) -> Any:
+        """The training schedule (`parallel.pp_schedule` over the accumulation's micro-batches), or the
+        evaluation one: a validation batch is a single micro-batch, run forward only through the same stages."""
         if training not in self._schedules:
             from torch.distributed import pipelining
             from torch.distributed.pipelining import PipelineStage
 
             group = self.mesh[PP_DIM].get_group()
+            # Stages of their own per schedule: a stage keeps per-schedule buffers (one per micro-batch).
             stages = [
                 PipelineStage(module, index, self.num_stages, self.device, group=group)
                 for module, index in zip(self.modules, self.indices, strict=True)
             ]
-            name = (_SCHEDULES if training else _EVAL_SCHEDULES)[self.schedule_name]
-            schedule_class = getattr(pipelining, name)
-            # The head's loss: `loss` with an identity for the model is the cross-entropy of the logits it gets.
-            identity = nn.Identity()
-
-            def head_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                return local_loss(self.loss(identity, logits, targets))
-
-            self._schedules[training] = schedule_class(
-                stages if len(stages) > 1 else stages[0],
-                n_microbatches=self.n_microbatches if training else 1,
-                loss_fn=head_loss,
-                scale_grads=True,  # mean over micro-batches, as accumulation divides by it
-            )
+            if training:
+                self._schedules[training] = getattr(pipelining, _SCHEDULES[self.schedule_name])(
+                    stages if len(stages) > 1 else stages[0],
+                    n_microbatches=self.n_microbatches,
+                    loss_fn=self._head_loss,
+                    scale_grads=True,  # mean over micro-batches, as accumulation divides by it
+                )
+            else:
+                self._schedules[training] = _forward_only(stages, self.schedule_name)
         return self._schedules[training]
+
+    def _head_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`loss` with an identity for the model: the cross-entropy of the logits the last stage returns."""
+        return local_loss(self.loss(nn.Identity(), logits, targets))
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of a step's micro-batches (concatenated on the batch dimension); the mean of their
@@ -143,7 +143,8 @@ class Pipeline:
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of one batch, forward only; the same on every stage."""
-        return self._run(self._schedule(False).eval, tokens, targets)
+        logits = self._schedule(False).step(*((tokens,) if self.has_first else ()))
+        return self._share([self._head_loss(logits, targets)] if self.has_last else [])
 
     def _run(self, run: Callable[..., Any], tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -167,6 +168,45 @@ class Pipeline:
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip to the whole model's gradient L2 norm (`clip_grad_norm_over_stages` over this pipeline)."""
         return clip_grad_norm_over_stages(parameters, max_norm, self.mesh[PP_DIM].get_group())
+
+
+def _forward_only(stages: list[Any], schedule_name: str) -> Any:
+    """A schedule that runs one micro-batch forward through the stages, placed as `schedule_name` places them, and
+    returns the last stage's output (no loss function: the caller computes it).
+
+    One stage per rank: GPipe. Two: torch's schedule runtime over forward actions alone, each rank running its
+    stages in stage order, lowered by torch's own passes (sends and receives added, none between two stages of one
+    rank). The ZBV class cannot run forward only (its split backwards are refused in `eval`), and torch 2.13's
+    public way to load actions checks for a backward of every micro-batch, hence the lowering called here.
+    """
+    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _ComputationType,
+        _PipelineScheduleRuntime,
+    )
+
+    if len(stages) == 1:
+        return ScheduleGPipe(stages[0], n_microbatches=1)
+    pp_size, num_stages = stages[0].group_size, stages[0].num_stages
+    placement = {s: rank for rank in range(pp_size) for s in local_stages(schedule_name, pp_size, rank)}
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=1)
+    schedule.stage_index_to_group_rank = placement
+    for stage in stages:
+        stage.stage_index_to_group_rank = placement
+    forward = _ComputationType.FORWARD
+    actions = {
+        rank: _add_unshard_reshard(
+            [_Action(s, forward, 0) for s in sorted(local_stages(schedule_name, pp_size, rank))]
+        )
+        for rank in range(pp_size)
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        actions, stage_to_rank=placement.__getitem__, num_stages=num_stages
+    )
+    return schedule
 
 
 def clip_grad_norm_over_stages(
