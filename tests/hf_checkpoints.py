@@ -76,3 +76,16 @@ def load_ours(directory: Path, **changes: Any) -> Transformer:
     model.to_empty(device="cpu")
     load_pretrained(model, checkpoint, seed=3)
     return model.eval()
+
+
+def save_tokenizer(directory: Path, text: str) -> None:
+    """A byte-level BPE tokenizer.json trained on `text` beside the checkpoint (fewer tokens than its 257-row
+    embedding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))

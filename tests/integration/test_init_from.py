@@ -25,7 +25,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.models.pretrained import open_pretrained
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.train.trainer import GaudiTrainer
-from hf_checkpoints import hf_model, load_ours, save_hf_checkpoints
+from hf_checkpoints import hf_model, load_ours, save_hf_checkpoints, save_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +36,8 @@ TEXT = "ROMEO:\nWhat light through yonder window breaks? It is the east, and Jul
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = save_hf_checkpoints(tmp_path_factory.mktemp("hf"))
-    _save_tokenizer(dirs["llama-sharded"])
+    save_tokenizer(dirs["llama-sharded"], TEXT)
     return dirs
-
-
-def _save_tokenizer(directory: Path) -> None:
-    """A byte-level BPE tokenizer.json beside the checkpoint (fewer tokens than its 257-row embedding)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([TEXT], trainer=trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
 
 
 def test_hf_checkpoints_load_with_transformers_logits(hf_dirs: dict[str, Path]) -> None:
