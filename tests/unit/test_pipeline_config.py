@@ -80,3 +80,47 @@ def test_stages_split_layers_evenly_or_where_told_and_sit_in_a_loop_or_a_v() -> 
     assert [local_stages("1f1b", 2, r) for r in range(2)] == [[0], [1]]
     assert [local_stages("interleaved_1f1b", 2, r) for r in range(2)] == [[0, 2], [1, 3]]
     assert [local_stages("zbv", 2, r) for r in range(2)] == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["parallel.nproc_per_node=4", "parallel.pp_size=3"], ("parallel.pp_size:", "must divide world_size")),
+        (["model.num_layers=3"], ("parallel.pp_size:", "multiple of the 2 pipeline stages")),
+        (["parallel.pp_schedule=interleaved_1f1b", "model.num_layers=3"], ("parallel.pp_schedule:", "4 stages")),
+        (["train.global_batch_size=2"], ("parallel.pp_schedule:", "1f1b needs at least pp_size (2) micro-batches")),
+        (["parallel.strategy=deepspeed_zero3"], ("parallel.pp_size:", "auto, fsdp, fsdp_grad_op")),
+        (["parallel.pp_split=[3,1]"], ("parallel.pp_split:", "needs 1 layer indices")),
+        (["parallel.pp_split=[9]"], ("parallel.pp_split:", "between 1 and 3")),
+    ],
+    ids=["world", "layers", "interleaved-layers", "micro-batches", "deepspeed", "split-count", "split-range"],
+)  # fmt: skip
+def test_gaudi3_train_refuses_with_one_line_exit_2_and_writes_nothing(
+    overrides: list[str], words: tuple[str, ...], tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gaudi3_scale.cli.main import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), *(f"--{item}" for item in [*PP2, *overrides])]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("gaudi3: error: ") and err.count("\n") == 1, err
+    assert all(word in err for word in words), err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_layout_is_refused_by_the_real_command(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out),
+           *(f"--{item}" for item in [*PP2, "parallel.strategy=ddp"])]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "gaudi3: error: parallel.pp_size: runs on an FSDP2 device mesh; allowed with parallel.strategy auto, fsdp, "
+        "fsdp_grad_op, not ddp"
+    ]
+    assert list(tmp_path.iterdir()) == []
