@@ -26,6 +26,7 @@ from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.tensor_parallel import apply_tensor_parallel, local_loss, step_context
 from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.build import model_class
+from gaudi3_scale.models.transformer import Transformer
 
 __all__ = [
     "Parallelized",
@@ -302,6 +303,7 @@ def _build_pipelined(
         raise ValueError("pipeline parallel runs on a device mesh; the strategy provides it")
     with torch.device("meta"):
         whole = build_model(model_cfg)
+    assert isinstance(whole, Transformer), "refused by the config: pipeline stages split a decoder's layers"
     holder, stages, indices = build_stage_modules(
         whole, schedule=plan.pp_schedule, pp_size=plan.pp_size, pp_rank=mesh[PP_DIM].get_local_rank(),
         split=plan.pp_split,

@@ -28,6 +28,7 @@ from gaudi3_scale.distributed.config import STAGES_PER_RANK
 from gaudi3_scale.distributed.mesh import PP_DIM
 from gaudi3_scale.distributed.stages import local_stages, stage_layers
 from gaudi3_scale.distributed.tensor_parallel import local_loss
+from gaudi3_scale.models.transformer import Transformer
 
 __all__ = ["Pipeline", "build_stage_modules", "clip_grad_norm_over_stages", "merge_param_groups"]
 
@@ -43,8 +44,8 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_stage_modules(
-    whole: nn.Module, *, schedule: str, pp_size: int, pp_rank: int, split: tuple[int, ...] = ()
-) -> tuple[nn.Module, list[nn.Module], list[int]]:
+    whole: Transformer, *, schedule: str, pp_size: int, pp_rank: int, split: tuple[int, ...] = ()
+) -> tuple[Transformer, list[Transformer], list[int]]:
     """(holder, this rank's stage modules, their stage indices) for a model `whole` built on meta.
 
     The holder is what the LightningModule trains and checkpoints: one `Transformer` registering every module the
@@ -69,7 +70,9 @@ def build_stage_modules(
     return holder, stages, indices
 
 
-def _prune(whole: nn.Module, layers: Iterable[int], *, first: bool, last: bool, keep_rope: bool) -> nn.Module:
+def _prune(
+    whole: Transformer, layers: Iterable[int], *, first: bool, last: bool, keep_rope: bool
+) -> Transformer:
     """A copy of the meta model with only `layers` (under their whole-model keys: a ModuleList iterates its
     modules in order whatever their keys), the embeddings if `first`, the final norm and head if `last`."""
     stage = copy.deepcopy(whole)  # meta: shapes only, nothing is copied
@@ -77,10 +80,9 @@ def _prune(whole: nn.Module, layers: Iterable[int], *, first: bool, last: bool, 
     for index in layers:
         kept.add_module(str(index), stage.layers[index])
     stage.layers = kept
-    if not first:
-        stage.tok_embeddings = stage.pos_embeddings = None
-    if not last:
-        stage.norm = stage.output = None
+    dropped = ([] if first else ["tok_embeddings", "pos_embeddings"]) + ([] if last else ["norm", "output"])
+    for name in dropped:
+        setattr(stage, name, None)  # the model runs without them (models.transformer.Transformer.forward)
     if not keep_rope:
         stage.rope_cache = None  # the holder never runs: no buffer for Lightning to move off meta
     return stage
@@ -90,7 +92,7 @@ def _prune(whole: nn.Module, layers: Iterable[int], *, first: bool, last: bool, 
 class Pipeline:
     """This rank's stages of the pipeline and the schedule that runs them (`parallel.pp_schedule`)."""
 
-    modules: list[nn.Module]  # the stage modules, parallelized
+    modules: list[Transformer]  # the stage modules, parallelized
     indices: list[int]  # their stage indices
     num_stages: int
     schedule_name: str
@@ -163,7 +165,6 @@ class Pipeline:
             loss = torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.mesh[PP_DIM].get_group())
         return loss
-
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip to the whole model's gradient L2 norm (`clip_grad_norm_over_stages` over this pipeline)."""

@@ -105,7 +105,9 @@ class Transformer(nn.Module):
             h = self.dropout(h)
         # Training passes the whole table and attention takes its first rows: a stage's input may be a sequence
         # shard (sequence parallel), whose length is not the sequence's.
-        rope = None if self.rope_cache is None else self.rope_cache if cache is None else self.rope_cache[where]
+        rope = self.rope_cache
+        if rope is not None and cache is not None:
+            rope = rope[where]
         for index, layer in enumerate(self.layers):  # decoding (a cache) runs on a whole model only
             h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(index))
         if self.output is None:  # a pipeline stage before the last

@@ -44,7 +44,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         if rope_cache is not None:
-            if rope_cache.dim() == 3:  # the model's whole [context, …] table in training: this sequence's rows
+            # In training the model passes its whole [context, …] table: this sequence's rows.
+            if rope_cache.dim() == 3:
                 rope_cache = rope_cache[:seq_len]
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         if (
