@@ -1,8 +1,8 @@
 """Pipeline parallel on real ranks (gloo, fp32), through `gaudi3 train` under torchrun: PP 2 with each schedule,
 PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks) train a 4-layer llama-tiny like one process over 12 steps — losses,
 gradient norms (the whole model's: clipped at 1.0 over all stages) and validation losses within 1e-5, final weights
-within 1e-5 — and a PP 2 checkpoint (DCP, each rank its stage's tensors) resumes bit-exactly under PP 2 and under
-one process with the same losses.
+within 1e-5 — and a PP 2 checkpoint (DCP, each rank its stage's tensors) resumes bit-exactly under PP 2, and in
+one process and under FSDP 2 with one process's losses; `init_from` fills two stages with a Hugging Face Llama.
 
 4-rank launches are slow on 2 cores: one run each for the two 3-D layouts, nothing else on 4 ranks."""
 
@@ -116,8 +116,15 @@ def test_a_pipeline_checkpoint_resumes_bit_exactly_under_the_same_layout(
         assert all(torch.equal(got_state[k], v) for k, v in want_state.items())
 
 
-def test_a_pipeline_checkpoint_resumes_in_one_process(runs: dict[str, Path], tmp_path: Path) -> None:
-    _resume(runs["pp2-1f1b"], tmp_path, *LAYOUTS["single"])
+@pytest.mark.parametrize(
+    ("ranks", "overrides"),
+    [(1, ["--train.threads=2"]), (2, ["--parallel.strategy=fsdp"])],
+    ids=["pp2-to-1-process", "pp2-to-fsdp2"],
+)
+def test_a_pipeline_checkpoint_resumes_under_another_layout(
+    runs: dict[str, Path], tmp_path: Path, ranks: int, overrides: list[str]
+) -> None:
+    _resume(runs["pp2-1f1b"], tmp_path, ranks, overrides)
     single = runs["single"]
     for key in ("train_loss", "grad_norm"):
         want = {step: value for step, value in _metrics(single, key).items() if step > 6}

@@ -189,6 +189,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
 
     def on_train_start(self) -> None:
         self._window = [] if self.guard is not None and self.guard.cfg.rerun_check else None
+        self._stashed = []  # micro-batches of a step an earlier fit did not finish
         self._clip_params = None  # the parameters may have been replaced since the last fit: list them again
         self._sync = gradient_sync(self.trainer.strategy.model)
 
