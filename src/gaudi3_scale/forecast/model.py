@@ -186,6 +186,7 @@ def forecast_run(
         "name": run_name,
         "model": model.name,
         "max_steps": train.max_steps,
+        "warmup_steps": _warmup_steps(train),  # the steps of wall.warmup_s (the dashboard's predicted line)
         "machine": machine.kind,
         "device": machine.device_name,
         "nodes": shape.nodes,
@@ -299,7 +300,7 @@ def _wall(
     probe: Probe | None,
     step_s: float,
 ) -> dict[str, Figure]:
-    warmup_steps = min(train.resolved_throughput_warmup_steps(), train.max_steps)
+    warmup_steps = _warmup_steps(train)
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
     if same and probe is not None:
@@ -318,6 +319,10 @@ def _wall(
     total = sum(p.value or 0.0 for p in parts)
     return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
             "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
+
+
+def _warmup_steps(train: TrainConfig) -> int:
+    return min(train.resolved_throughput_warmup_steps(), train.max_steps)
 
 
 def _count(max_steps: int, every: int) -> int:
