@@ -88,8 +88,6 @@ def _run(cmd: list[str]) -> None:
 
 def docs(python: Path, rest: list[str]) -> None:
     """The site into site/: `mkdocs build --strict` (a warning, e.g. a broken link, fails it)."""
-    if rest not in ([], ["--generate"]):
-        sys.exit("usage: python3 run.py docs [--generate]")
     os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # mkdocs-material's end-of-life banner, once per build
     if rest:
         _run([str(python), "-m", "gaudi3_scale.cli.reference", "--write"])
@@ -99,6 +97,8 @@ def docs(python: Path, rest: list[str]) -> None:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("train", "test", "docs"):
         sys.exit(__doc__)
+    if argv[0] == "docs" and argv[1:] not in ([], ["--generate"]):
+        sys.exit("usage: python3 run.py docs [--generate]")
     python = ensure_venv()
     verb, rest = argv[0], argv[1:]
     if verb == "train":
