@@ -1,7 +1,9 @@
 """One calibration store per machine (`$GAUDI3_CACHE/calibration/<machine>.json`): the machine's peak matmul FLOP/s,
 measured once and kept (refreshed on demand: `gaudi3 plan --refresh-peak`), and the probes run on it — short real
-runs of a model and layout (`forecast.probe`), keyed by what decides their step time — so a later forecast of the
-same run, or of a larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU.
+runs of a model and layout, keyed by what decides their step time — so a later forecast of the same run, or of a
+larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU. Probes come from
+`gaudi3 plan --probe` (`forecast.probe`) and from every successful `gaudi3 tune` trial and `gaudi3 benchmark run`
+cell on this machine (`forecast.feed`); the newest probe of a layout replaces the one before.
 
 The machine's key is its device name and core count (`machine_key`): a store found under another machine's key is
 never read. Writes are atomic (a killed process leaves the previous store)."""
@@ -49,6 +51,8 @@ class Probe:
     checkpoint_s: float | None  # one save's blocking time
     peak_memory_bytes: int
     flops_per_step_per_rank: float
+    # what measured it: "gaudi3 plan --probe", "tune trial OUT/trials/KEY", "benchmark cell OUT/cells/ID"
+    origin: str = "gaudi3 plan --probe"
     created_unix_s: float = field(default_factory=time.time)
 
     @property
@@ -57,6 +61,10 @@ class Probe:
 
     def when(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self.created_unix_s))
+
+    def source(self) -> str:
+        """How a forecast names this probe when it measured the very layout forecast."""
+        return f"probe of this layout, from {self.origin}, {self.when()}"
 
 
 class CalibrationStore:
