@@ -26,16 +26,26 @@ from gaudi3_scale.forecast.machine import Machine
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.train.config import TrainConfig
 
-__all__ = ["Forecast", "RunShape", "forecast_run"]
+__all__ = ["Forecast", "RunShape", "forecast_run", "forecast_step", "stored_probe"]
 
 RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
 BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
-STARTUP_S = {"cpu": 8.0, "cuda": 30.0, "hpu": 60.0}  # assumptions, said so wherever used
+# Assumptions, said so wherever used. The clock is summary.json's wall_s, from the trainer's start (after the
+# launch and the imports): probes on a 2-core EPYC measured 0.5–1.1 s on CPU before the first step (2026-11-29).
+STARTUP_S = {"cpu": 1.0, "cuda": 30.0, "hpu": 60.0}
 COMPILE_S = {"cpu": 20.0, "cuda": 41.0, "hpu": 60.0}
 CHECKPOINT_BYTES_PER_S = (0.52e9, "a synchronous save of gpt2-124m at 0.52 GB/s on a 2-core CI machine "
                           "(benchmarks/results/async_checkpoint_cpu.json, 2026-11-22)")  # fmt: skip
 ASYNC_BLOCKING_SHARE = (0.25, "async saves block 0.25× a synchronous one (same file)")
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments
+# tune.memory is calibrated with MALLOC_MMAP_THRESHOLD_=131072, where glibc hands freed tensors back at once. Setting
+# it for a run costs speed (every large tensor becomes an mmap and its pages are zeroed again: the default run's
+# step was several times slower with it), so runs keep glibc's default, which keeps part of what a step frees. Its
+# excess over the estimate, on bench_foresight's 7 CPU cases (2026-11-29): +6 … +28 % of the estimate. 16 % puts
+# all 7 within ±10 % (−9.4 … +9.6 %); it is fitted on those cases, so they are not an independent check of it.
+GLIBC_RETAINED_SHARE = (0.16, "glibc's default allocator keeps part of what a step frees: +16 % of the estimate "
+                        "(fitted on bench_foresight's 7 CPU cases, 2026-11-29)")  # fmt: skip
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,34 @@ class RunShape:
     device_kind: str
     nodes: int
     ranks_per_node: int
+    # CPU intra-op threads per rank when the config sets other than the run's default (usable cores ÷ ranks): a
+    # tune trial with half the threads is another layout. None (the default, and on accelerators) leaves the key
+    # as it was before threads were part of it, so stored probes keep matching.
+    threads: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelConfig,
+        plan: ParallelPlan,
+        batch: BatchPlan,
+        *,
+        precision: str,
+        device_kind: str,
+        nodes: int,
+        ranks_per_node: int,
+        threads: int | None = None,
+    ) -> RunShape:
+        """The shape of a run, its model's vocabulary padding resolved as the trainer resolves it
+        (`ModelConfig.resolve_padding` for the device and tensor parallel): a run's saved config.yaml (padding set)
+        and the config it came from (padding null) are one layout, with one key."""
+        model = model.resolve_padding(device_kind, tp_size=plan.tp_size)
+        return cls(model, plan, batch, precision, device_kind, nodes, ranks_per_node, threads)
 
     def layout(self) -> dict[str, Any]:
         """What decides a step's time and memory: a probe of the same layout measured this very step."""
         plan, batch = self.plan, self.batch
+        threads = {} if self.threads is None else {"threads": self.threads}
         return {
             "model": to_dict(self.model),
             "strategy": plan.strategy,
@@ -66,6 +100,7 @@ class RunShape:
             "accumulation": batch.accumulation,
             "precision": self.precision,
             "device_kind": self.device_kind,
+            **threads,
         }
 
     @property
@@ -92,6 +127,7 @@ class Forecast:
     wall: dict[str, Figure]
     energy_kwh: Figure
     cost_usd: Figure
+    sample_memory_bytes: Figure  # the end-of-run text sample (`gaudi3 train --sample-tokens`), host memory
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -133,6 +169,7 @@ class Forecast:
             "wall": figures(self.wall),
             "energy_kwh": self.energy_kwh.as_dict(),
             "cost_usd": self.cost_usd.as_dict(),
+            "sample_memory_bytes": self.sample_memory_bytes.as_dict(),
             "notes": self.notes,
             **self.summary_fields(),
         }
@@ -151,10 +188,9 @@ def forecast_run(
     """The forecast of a run of `shape` on `machine` with its `train` and `checkpoint` sections; `probe`: a
     measurement of this layout (by default the calibration store's, when it has one)."""
     model = shape.model
-    if probe is None and machine.store is not None:
-        probe = machine.store.probes.get(shape.key)
+    probe = probe or stored_probe(shape, machine)
     memory = _memory(shape, probe)
-    step = _step(shape, machine, probe)
+    step = forecast_step(shape, machine, probe)
     step_time = step["step_time_s"].value
     assert step_time is not None
     tokens = modelled(shape.batch.tokens_per_step / step_time, "tokens per step ÷ step time")
@@ -174,17 +210,21 @@ def forecast_run(
         "name": run_name,
         "model": model.name,
         "max_steps": train.max_steps,
+        "warmup_steps": _warmup_steps(train),  # the steps of wall.warmup_s (the dashboard's predicted line)
         "machine": machine.kind,
         "device": machine.device_name,
         "nodes": shape.nodes,
         "world_size": ranks,
         "probe_key": shape.key,
         "probed": probe is not None and probe.key == shape.key,
+        # the machine whose calibration store this forecast read (None: a catalog machine without one): a run's
+        # plan.json says where it ran, so its measurements can feed that store (forecast.feed)
+        "calibration_machine": machine.store.machine if machine.store is not None else None,
         "layout": {k: v for k, v in shape.layout().items() if k != "model"},
         "tokens_per_step": shape.batch.tokens_per_step,
         "flops_per_step_per_rank": shape.flops_per_step_per_rank(),
     }
-    return Forecast(run, memory, step, tokens, wall, energy, cost)
+    return Forecast(run, memory, step, tokens, wall, energy, cost, _sample_memory(shape))
 
 
 def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
@@ -195,13 +235,46 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     )
     how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase})"
     parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
-    total = modelled(float(estimate.total_bytes), how)
+    if shape.device_kind == "cpu":  # host memory: what the allocator keeps counts
+        import os
+
+        kept = 0.0 if os.environ.get(MMAP_THRESHOLD_ENV) else estimate.total_bytes * GLIBC_RETAINED_SHARE[0]
+        parts["allocator_bytes"] = modelled(
+            kept, f"{MMAP_THRESHOLD_ENV} is set: freed memory goes back at once" if not kept
+            else GLIBC_RETAINED_SHARE[1],
+        )  # fmt: skip
+    total = modelled(sum(p.value or 0.0 for p in parts.values()), how + " + what the allocator keeps"
+                     if "allocator_bytes" in parts else how)  # fmt: skip
     if probe is not None and probe.key == shape.key:
-        total = measured(float(probe.peak_memory_bytes), f"probe of this layout, {probe.when()}")
+        total = measured(float(probe.peak_memory_bytes), probe.source())
     return {**parts, "total_bytes": total}
 
 
-def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, Figure]:
+def _sample_memory(shape: RunShape) -> Figure:
+    """The end-of-run sample of `gaudi3 train` (`--sample-tokens`, on by default) runs in the launching process,
+    on the CPU, after training: the process baseline plus the model's fp32 weights twice (built, and the
+    checkpoint's memory-mapped weights while they are copied in; the optimizer's state is never read)."""
+    from gaudi3_scale.models.counting import count_parameters
+    from gaudi3_scale.tune.memory import CPU_RUNTIME_BYTES
+
+    weights = count_parameters(shape.model, trainable_only=False) * 4
+    return modelled(
+        float(CPU_RUNTIME_BYTES + 2 * weights),
+        "host memory of the end-of-run sample (after training, in the launching process): the CPU process "
+        "baseline + the fp32 weights twice (the model, and the checkpoint's mapped weights as they load)",
+    )
+
+
+def stored_probe(shape: RunShape, machine: Machine) -> Probe | None:
+    """The machine's stored probe of this very layout (a probe, a tune trial or a benchmark cell), or None."""
+    return None if machine.store is None else machine.store.probes.get(shape.key)
+
+
+def forecast_step(shape: RunShape, machine: Machine, probe: Probe | None = None) -> dict[str, Figure]:
+    """The step time of `shape` on `machine` (compute, exposed communication, their sum): the one step model
+    `gaudi3 plan`, the forecast `gaudi3 train` records and `gaudi3 cost compare` share. `probe`: a measurement of
+    this layout, by default the machine's stored one; it replaces the model."""
+    probe = probe or stored_probe(shape, machine)
     flops = shape.flops_per_step_per_rank()
     peak, mfu = machine.peak_flops_per_rank, machine.mfu
     assert peak.value is not None and mfu.value is not None
@@ -209,9 +282,7 @@ def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, F
     compute = modelled(flops / rate, f"FLOPs per rank ÷ (peak × MFU {mfu.value:.3f}: {mfu.source})")
     comm = _communication(shape, machine, compute.value or 0.0)
     if probe is not None and probe.key == shape.key:
-        step = measured(
-            probe.step_time_s, f"probe of this layout, {probe.when()} ({probe.step_time_s:.4g} s)"
-        )
+        step = measured(probe.step_time_s, f"{probe.source()} ({probe.step_time_s:.4g} s)")
         compute = modelled(step.value, "the probe's step (compute and communication together)")
         return {
             "compute_s": compute,
@@ -237,7 +308,8 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
     spans_nodes = shape.nodes > 1
     link = machine.inter_node_bytes_per_s if spans_nodes else machine.intra_node_bytes_per_s
     if link.value is None:
-        return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {link.source}")
+        why = link.source.split(": ", 1)[-1]  # the link's own "assumption: " is this figure's kind
+        return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {why}")
     # Between nodes, a node's network cards are shared by its ranks: each rank's ring traffic gets its share.
     per_rank = link.value / shape.ranks_per_node if spans_nodes else link.value
     dp_s = (moved.data_parallel + moved.replicas) / per_rank
@@ -263,11 +335,11 @@ def _wall(
     probe: Probe | None,
     step_s: float,
 ) -> dict[str, Figure]:
-    warmup_steps = min(train.resolved_throughput_warmup_steps(), train.max_steps)
+    warmup_steps = _warmup_steps(train)
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
     if same and probe is not None:
-        startup = measured(probe.startup_s, f"probe of this layout, {probe.when()}")
+        startup = measured(probe.startup_s, probe.source())
         per_warmup = probe.warmup_s / max(probe.warmup_steps, 1)
         warmup = measured(per_warmup * warmup_steps, "the probe's warm-up steps")
     else:
@@ -282,6 +354,10 @@ def _wall(
     total = sum(p.value or 0.0 for p in parts)
     return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
             "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
+
+
+def _warmup_steps(train: TrainConfig) -> int:
+    return min(train.resolved_throughput_warmup_steps(), train.max_steps)
 
 
 def _count(max_steps: int, every: int) -> int:
@@ -323,7 +399,7 @@ def _checkpoints(ckpt: CheckpointConfig, max_steps: int, shape: RunShape, probe:
 
 
 def _energy(machine: Machine, ranks: int, wall_h: float) -> Figure:
-    from gaudi3_scale.cost.comparison import DEFAULT_PUE, PUE_SOURCE
+    from gaudi3_scale.metering.catalog import DEFAULT_PUE, PUE_SOURCE
 
     power = machine.power_w_per_rank
     if power.value is None:

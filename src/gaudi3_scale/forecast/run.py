@@ -31,7 +31,17 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: in
     precision = _precision(cfg, machine.device_kind)
     plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
     batch = cfg.batch_plan(world)
-    return RunShape(model, plan, batch, precision, machine.device_kind, nodes, per_node)
+    threads = _threads(cfg, per_node) if machine.device_kind == "cpu" else None
+    return RunShape.build(model, plan, batch, precision=precision, device_kind=machine.device_kind, nodes=nodes,
+                          ranks_per_node=per_node, threads=threads)  # fmt: skip
+
+
+def _threads(cfg: RunConfig, ranks_per_node: int) -> int | None:
+    """`train.threads` when it is not the run's default (usable cores ÷ ranks, as `train.assembly` sets)."""
+    from gaudi3_scale.device.select import cpu_threads_per_rank
+
+    threads = cfg.train.threads
+    return threads if threads not in (None, cpu_threads_per_rank(ranks_per_node)) else None
 
 
 def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
@@ -45,6 +55,15 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
     if kind is None:
         kind = "gaudi3" if cfg.train.device == "hpu" else "h100"
     return catalog_machine(kind, cfg.train.precision)
+
+
+def _catalog_geometry(machine: str | None) -> list[str]:
+    """The override that gives the config a catalog machine's devices per node, so that the config's own checks
+    (tensor parallel inside a node) see the node being forecast, not this one's. Its nodes are `run_shape`'s."""
+    if machine in (None, "cpu"):
+        return []
+    per_node = catalog_machine(machine).ranks_per_node
+    return ["--parallel.nproc_per_node", str(per_node)] if per_node else []
 
 
 def _price(cfg: RunConfig) -> Figure | None:
@@ -66,7 +85,7 @@ def forecast_config(
 ) -> tuple[RunConfig, Forecast]:
     from gaudi3_scale.tune.estimate_table import resolved_model
 
-    cfg = resolve_config(config_path, overrides)
+    cfg = resolve_config(config_path, [*overrides, *_catalog_geometry(machine)])
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
     model = resolved_model(cfg.model, cfg.data)
     measured = None
