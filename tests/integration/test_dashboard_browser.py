@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,13 +110,18 @@ def _metric_lines(path: Path) -> int:
 
 
 @pytest.fixture
-def live_run(runs_dir: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A real `gaudi3 train` logging every step, long enough to be watched (stopped once the test has seen it)."""
-    out = runs_dir / "live"
+def live_run(
+    runs_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A real `gaudi3 train` logging every step, long enough to be watched (stopped once the test has seen it), in a
+    run directory of its own: "live", or the name a test gives with `@pytest.mark.parametrize("live_run", [NAME],
+    indirect=True)`."""
+    name = getattr(request, "param", "live")
+    out = runs_dir / name
     args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--model.num_layers", "1",
             "--train.threads", "1", "--train.log_every_steps", "1", "--train.max_steps", "400",
             "--train.val_every_steps", "100", "--sample-tokens", "0", "--no-progress"]  # fmt: skip
-    log = (runs_dir / "live.log").open("wb")
+    log = (runs_dir / f"{name}.log").open("wb")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     yield proc, out
     if proc.poll() is None:
@@ -162,6 +169,84 @@ def test_live_run_curves_grow_while_it_trains(
     # One rank: its compute is measured, and nobody is slower than the median.
     assert row.find_element("css selector", '[data-field="stragglers"]').text == "none"
     _screenshot(browser, "resources")
+
+
+def _api(dashboard: str, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{dashboard}{path}", timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+@pytest.mark.parametrize("live_run", ["eta"], indirect=True)  # a run of its own: no earlier run's files
+def test_the_progress_chart_draws_the_forecast_beside_the_live_run(
+    browser: Any, dashboard: str, live_run: tuple[subprocess.Popen[bytes], Path], runs_dir: Path
+) -> None:
+    proc, out = live_run
+    _wait_for(
+        lambda: _metric_lines(out / "metrics.jsonl") >= 3 or proc.poll() is not None, 120, "three records"
+    )
+    assert proc.poll() is None, (runs_dir / "eta.log").read_text()[-2000:]
+    assert (out / "plan.json").is_file()  # recorded at the run's start, not at its end
+    browser.get(f"{dashboard}/runs/eta")
+    predicted_css = "#chart-progress svg polyline.line.s1.dashed"
+    _wait_for(lambda: browser.find_elements("css selector", predicted_css), 30, "the predicted line")
+    measured = _wait_for(
+        lambda: [line for line in browser.find_elements("css selector", "#chart-progress svg polyline.line.s0")
+                 if len(_polyline(line)) >= 2], 30, "two measured points")  # fmt: skip
+    eta = _api(dashboard, "/api/runs/eta")["eta"]
+    forecast = eta["forecast"]
+    (predicted,) = browser.find_elements("css selector", predicted_css)
+    drawn = _polyline(predicted)
+    # The forecast's own points, (0, 0) … (predicted_wall_s, 400): left to right, and up to the top step.
+    assert len(drawn) == len(forecast["points"]) >= 3 and forecast["points"][-1][1] == 400
+    assert [x for x, _ in drawn] == sorted(x for x, _ in drawn)
+    assert drawn[-1][1] == min(y for _, y in drawn) < drawn[0][1]  # SVG y grows downwards
+    assert _polyline(measured[0])[0][0] > drawn[0][0]  # measured steps start after the run's start
+    legend = browser.find_element("css selector", "#chart-progress figcaption .legend").text
+    assert "measured" in legend and "predicted" in legend
+    shown = browser.find_element("css selector", '#eta [data-eta="predicted"]')
+    assert shown.is_displayed() and shown.text == eta["text"]["predicted"]
+    assert re.fullmatch(r"predicted finish \d\d:\d\d \(forecast: .+; source: catalog\)", shown.text)
+    live = _wait_for(
+        lambda: browser.find_element("css selector", '#eta [data-eta="live"]').text, 30, "the live ETA"
+    )
+    assert re.fullmatch(r"live ETA \d\d:\d\d \(.+ in all, [+-]\d+\.\d% vs the forecast\)", live)
+    assert proc.poll() is None  # all of it while the run trains
+    _screenshot(browser, "progress-eta")
+
+
+def _forecastless_runs(runs_dir: Path) -> None:
+    """Two runs of a few records: one without plan.json (a run from before forecasts), one whose plan.json is
+    cut short."""
+    for name in ("no-forecast", "corrupt-forecast"):
+        run = runs_dir / name
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump({"name": name, "train": {"max_steps": 6}}))
+        records = [{"step": s, "train_loss": 4.0 - s / 10, "wall_s": 1.0 + s, "time_unix": 1.7e9 + s,
+                    "step_time_s": 1.0} for s in (2, 4)]  # fmt: skip
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (runs_dir / "corrupt-forecast" / "plan.json").write_text('{"predicted_wall_s": 12.5, "run": {')
+
+
+@pytest.mark.parametrize("name", ["no-forecast", "corrupt-forecast"])
+def test_a_run_without_a_readable_forecast_says_so_and_draws_its_progress(
+    browser: Any, dashboard: str, runs_dir: Path, name: str
+) -> None:
+    if not (runs_dir / name).is_dir():
+        _forecastless_runs(runs_dir)
+    browser.get(f"{dashboard}/runs/{name}")
+    _wait_for(lambda: _points(browser, "chart-progress") == 2, 30, "the two measured points")
+    assert _points(browser, "chart-loss") == 2  # the rest of the page works
+    assert not browser.find_elements("css selector", "#chart-progress svg polyline.s1")
+    text = browser.find_element("css selector", '#eta [data-eta="predicted"]').text
+    if name == "no-forecast":
+        assert text == "no forecast for this run"
+    else:
+        assert text.startswith("no forecast for this run (plan.json unreadable: ")
+    live = browser.find_element("css selector", '#eta [data-eta="live"]').text
+    assert (
+        live.startswith("live ETA ") and "forecast" not in live
+    )  # measured progress: nothing to compare with
+    _screenshot(browser, name)
 
 
 def _priced_run(runs_dir: Path) -> tuple[str, dict[str, Any]]:

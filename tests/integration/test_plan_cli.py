@@ -87,6 +87,39 @@ def test_a_catalog_machine_splits_the_step_into_compute_and_communication(tmp_pa
     assert forecast["energy_kwh"]["value"] > 0 and "TDP" in forecast["energy_kwh"]["source"]
 
 
+def test_a_catalog_machine_lends_its_node_to_the_config_and_the_scale_out_table_adds_up(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel 2 fits a Gaudi 3 node of 8 (not this machine's one process); the docs' scale-out table
+    (benchmarks/plan_scale_out.py) is the forecast's own split, with sourced links for both machines."""
+    done = _plan(tmp_path, "--machine", "gaudi3", "--nodes", "2", "--model.name", "llama3-70b", "--data.tokenizer",
+                 "gpt2", "--parallel.strategy", "fsdp", "--parallel.tp_size", "2", "--train.global_batch_size",
+                 "64", "--out", "g.json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    forecast = json.loads((tmp_path / "g.json").read_text())
+    assert forecast["run"]["world_size"] == 16 and forecast["run"]["layout"]["tp_size"] == 2
+    assert "Intel Gaudi Network Configuration" in forecast["step"]["communication_s"]["source"]
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_scale_out.py"
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path / "cache")}
+    ran = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s.json"), "--docs-image",
+                          str(tmp_path / "s-docs.png")], capture_output=True, text=True, env=env)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert {(r["model"], r["machine"], r["nodes"]) for r in rows} == {
+        (m, k, n) for m in ("llama3-8b", "llama3-70b") for k in ("h100", "gaudi3") for n in (8, 16, 64)
+    }
+    for row in rows:
+        assert row["step_time_s"] == pytest.approx(
+            row["compute_s"] + row["communication_s"] + row["bubble_s"]
+        )
+        assert (
+            row["usd_per_1e12_tokens"] is None
+            if row["machine"] == "gaudi3"
+            else row["usd_per_1e12_tokens"] > 0
+        )
+    assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "s-docs.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

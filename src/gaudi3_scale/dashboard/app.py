@@ -2,7 +2,8 @@
 
 Pages                                   API (JSON)
   /                     run list          /api/runs
-  /runs/NAME            live training     /api/runs/NAME, /api/runs/NAME/metrics?since=LINE (+ health marks)
+  /runs/NAME            live training     /api/runs/NAME, /api/runs/NAME/metrics?since=LINE (+ health marks,
+                                          + eta: the forecast's predicted line and finish beside the live ETA)
   /runs/NAME/checkpoints                  /api/runs/NAME/checkpoints
   /runs/NAME/cost       cost and TCO      /api/runs/NAME/cost
   /system               resources         /api/system
@@ -21,6 +22,7 @@ import gaudi3_scale.dashboard.formatting as formatting
 from gaudi3_scale.dashboard.bench import benchmark_cells, report_html
 from gaudi3_scale.dashboard.checkpoints import CheckpointVerifier
 from gaudi3_scale.dashboard.costs import CostStore, live_cost
+from gaudi3_scale.dashboard.eta import run_eta
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 from gaudi3_scale.dashboard.runs import RunStore, config_section
 from gaudi3_scale.dashboard.security import install_guards, is_loopback, token_problem
@@ -88,6 +90,13 @@ class _Context:
         run = self.store.overview(name, run_dir)
         return {**run, "text": formatting.overview_text(run)}
 
+    def eta(self, run_dir: Path, run: dict[str, Any]) -> dict[str, Any]:
+        """The progress view (`eta`) of the run whose `overview` is `run`."""
+        plan, problem = self.store.plan(run_dir)
+        summary, _ = self.store.summary(run_dir)
+        return run_eta(plan, problem, self.store.metrics_view(run_dir), summary, max_steps=run["max_steps"],
+                       status=run["status"])  # fmt: skip
+
     def runs(self) -> list[dict[str, Any]]:
         return [self.overview(n, p) for n, p, kind in self.store.children() if kind == "run"]
 
@@ -143,8 +152,9 @@ def _add_pages(app: Flask, ctx: _Context) -> None:
         run_dir = ctx.run_dir(name)
         config, _ = ctx.store.config(run_dir)
         summary, _ = ctx.store.summary(run_dir)
-        return render_template("run.html", run=ctx.overview(name, run_dir), config=config, summary=summary,
-                               section=config_section, has_loss_png=ctx.has_file(run_dir / "loss.png"),
+        run = ctx.overview(name, run_dir)
+        return render_template("run.html", run=run, config=config, summary=summary, section=config_section,
+                               has_loss_png=ctx.has_file(run_dir / "loss.png"), eta=ctx.eta(run_dir, run),
                                poll_ms=POLL_INTERVAL_MS)  # fmt: skip
 
     @app.get("/runs/<name>/loss.png")
@@ -208,14 +218,16 @@ def _add_api(app: Flask, ctx: _Context) -> None:
         run_dir = ctx.run_dir(name)
         config, _ = ctx.store.config(run_dir)
         summary, _ = ctx.store.summary(run_dir)
-        return jsonify(**ctx.overview(name, run_dir), config=config, summary=summary,
-                       endpoints=ctx.endpoints(run_dir))  # fmt: skip
+        run = ctx.overview(name, run_dir)
+        return jsonify(**run, config=config, summary=summary, endpoints=ctx.endpoints(run_dir),
+                       eta=ctx.eta(run_dir, run))  # fmt: skip
 
     @app.get("/api/runs/<name>/metrics")
     def api_metrics(name: str) -> Response:
         """Records on lines `since` … `next` - 1; poll again with since=next. `reset`: the file was replaced
         (since > its lines), so these are all of its records and the caller starts over. `health_marks`: how the
-        loss chart marks the health events among them (`health.marks`)."""
+        loss chart marks the health events among them (`health.marks`). `eta`: the progress chart's predicted
+        line and the finish lines (`dashboard.eta`)."""
         run_dir = ctx.run_dir(name)
         since = _since()
         view = ctx.store.metrics_view(run_dir)
@@ -223,7 +235,7 @@ def _add_api(app: Flask, ctx: _Context) -> None:
         records = view.records(0 if reset else since)
         run = ctx.overview(name, run_dir)
         return jsonify(since=since, next=view.count, reset=reset, records=records,
-                       health_marks=health_marks(records), run=run)  # fmt: skip
+                       health_marks=health_marks(records), run=run, eta=ctx.eta(run_dir, run))  # fmt: skip
 
     @app.get("/api/runs/<name>/checkpoints")
     def api_checkpoints(name: str) -> Response:

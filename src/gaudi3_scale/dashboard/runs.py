@@ -25,6 +25,7 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.config.strict_json import restore_non_finite
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
+from gaudi3_scale.train.forecast_file import PLAN_FILE
 
 __all__ = ["MetricsReader", "MetricsView", "RunStore", "child_kind", "config_section"]
 
@@ -219,11 +220,18 @@ class RunStore:
         data, problem = self._load(run_dir, "config.yaml")
         return (data if isinstance(data, dict) else {}), problem
 
-    def summary(self, run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-        data, problem = self._load(run_dir, "summary.json")
+    def _load_object(self, run_dir: Path, name: str) -> tuple[dict[str, Any] | None, str | None]:
+        data, problem = self._load(run_dir, name)
         if data is not None and not isinstance(data, dict):
-            return None, "summary.json unreadable: not a JSON object"
+            return None, f"{name} unreadable: not a JSON object"
         return data, problem
+
+    def summary(self, run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+        return self._load_object(run_dir, "summary.json")
+
+    def plan(self, run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+        """The run's forecast as `gaudi3 train` recorded it (plan.json), or (None, why not) as `summary`."""
+        return self._load_object(run_dir, PLAN_FILE)
 
     def metrics_view(self, run_dir: Path) -> MetricsView:
         """The run's metrics.jsonl as read so far (empty when there is none, or it links out of the runs dir)."""

@@ -30,12 +30,22 @@ __all__ = ["Forecast", "RunShape", "forecast_run"]
 
 RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
 BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
-STARTUP_S = {"cpu": 8.0, "cuda": 30.0, "hpu": 60.0}  # assumptions, said so wherever used
+# Assumptions, said so wherever used. The clock is summary.json's wall_s, from the trainer's start (after the
+# launch and the imports): probes on a 2-core EPYC measured 0.5–1.1 s on CPU before the first step (2026-11-29).
+STARTUP_S = {"cpu": 1.0, "cuda": 30.0, "hpu": 60.0}
 COMPILE_S = {"cpu": 20.0, "cuda": 41.0, "hpu": 60.0}
 CHECKPOINT_BYTES_PER_S = (0.52e9, "a synchronous save of gpt2-124m at 0.52 GB/s on a 2-core CI machine "
                           "(benchmarks/results/async_checkpoint_cpu.json, 2026-11-22)")  # fmt: skip
 ASYNC_BLOCKING_SHARE = (0.25, "async saves block 0.25× a synchronous one (same file)")
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's two fp32 moments
+# tune.memory is calibrated with MALLOC_MMAP_THRESHOLD_=131072, where glibc hands freed tensors back at once. Setting
+# it for a run costs speed (every large tensor becomes an mmap and its pages are zeroed again: the default run's
+# step was several times slower with it), so runs keep glibc's default, which keeps part of what a step frees. Its
+# excess over the estimate, on bench_foresight's 7 CPU cases (2026-11-29): +6 … +28 % of the estimate. 16 % puts
+# all 7 within ±10 % (−9.4 … +9.6 %); it is fitted on those cases, so they are not an independent check of it.
+GLIBC_RETAINED_SHARE = (0.16, "glibc's default allocator keeps part of what a step frees: +16 % of the estimate "
+                        "(fitted on bench_foresight's 7 CPU cases, 2026-11-29)")  # fmt: skip
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class Forecast:
     wall: dict[str, Figure]
     energy_kwh: Figure
     cost_usd: Figure
+    sample_memory_bytes: Figure  # the end-of-run text sample (`gaudi3 train --sample-tokens`), host memory
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -133,6 +144,7 @@ class Forecast:
             "wall": figures(self.wall),
             "energy_kwh": self.energy_kwh.as_dict(),
             "cost_usd": self.cost_usd.as_dict(),
+            "sample_memory_bytes": self.sample_memory_bytes.as_dict(),
             "notes": self.notes,
             **self.summary_fields(),
         }
@@ -174,6 +186,7 @@ def forecast_run(
         "name": run_name,
         "model": model.name,
         "max_steps": train.max_steps,
+        "warmup_steps": _warmup_steps(train),  # the steps of wall.warmup_s (the dashboard's predicted line)
         "machine": machine.kind,
         "device": machine.device_name,
         "nodes": shape.nodes,
@@ -184,7 +197,7 @@ def forecast_run(
         "tokens_per_step": shape.batch.tokens_per_step,
         "flops_per_step_per_rank": shape.flops_per_step_per_rank(),
     }
-    return Forecast(run, memory, step, tokens, wall, energy, cost)
+    return Forecast(run, memory, step, tokens, wall, energy, cost, _sample_memory(shape))
 
 
 def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
@@ -195,10 +208,34 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     )
     how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase})"
     parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
-    total = modelled(float(estimate.total_bytes), how)
+    if shape.device_kind == "cpu":  # host memory: what the allocator keeps counts
+        import os
+
+        kept = 0.0 if os.environ.get(MMAP_THRESHOLD_ENV) else estimate.total_bytes * GLIBC_RETAINED_SHARE[0]
+        parts["allocator_bytes"] = modelled(
+            kept, f"{MMAP_THRESHOLD_ENV} is set: freed memory goes back at once" if not kept
+            else GLIBC_RETAINED_SHARE[1],
+        )  # fmt: skip
+    total = modelled(sum(p.value or 0.0 for p in parts.values()), how + " + what the allocator keeps"
+                     if "allocator_bytes" in parts else how)  # fmt: skip
     if probe is not None and probe.key == shape.key:
         total = measured(float(probe.peak_memory_bytes), f"probe of this layout, {probe.when()}")
     return {**parts, "total_bytes": total}
+
+
+def _sample_memory(shape: RunShape) -> Figure:
+    """The end-of-run sample of `gaudi3 train` (`--sample-tokens`, on by default) runs in the launching process,
+    on the CPU, after training: the process baseline plus the model's fp32 weights twice (built, and the
+    checkpoint's memory-mapped weights while they are copied in; the optimizer's state is never read)."""
+    from gaudi3_scale.models.counting import count_parameters
+    from gaudi3_scale.tune.memory import CPU_RUNTIME_BYTES
+
+    weights = count_parameters(shape.model, trainable_only=False) * 4
+    return modelled(
+        float(CPU_RUNTIME_BYTES + 2 * weights),
+        "host memory of the end-of-run sample (after training, in the launching process): the CPU process "
+        "baseline + the fp32 weights twice (the model, and the checkpoint's mapped weights as they load)",
+    )
 
 
 def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, Figure]:
@@ -263,7 +300,7 @@ def _wall(
     probe: Probe | None,
     step_s: float,
 ) -> dict[str, Figure]:
-    warmup_steps = min(train.resolved_throughput_warmup_steps(), train.max_steps)
+    warmup_steps = _warmup_steps(train)
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
     if same and probe is not None:
@@ -282,6 +319,10 @@ def _wall(
     total = sum(p.value or 0.0 for p in parts)
     return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
             "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
+
+
+def _warmup_steps(train: TrainConfig) -> int:
+    return min(train.resolved_throughput_warmup_steps(), train.max_steps)
 
 
 def _count(max_steps: int, every: int) -> int:

@@ -57,6 +57,8 @@ def format_forecast(forecast: Forecast) -> list[str]:
         lines.append(f"  {name.removesuffix('_s'):<12} {_value(figure, 's'):>14}  {figure.source}")
     lines.append(f"energy       {_value(forecast.energy_kwh, 'kWh'):>14}  {forecast.energy_kwh.source}")
     lines.append(f"cost         {_value(forecast.cost_usd, '$'):>14}  {forecast.cost_usd.source}")
+    sample = forecast.sample_memory_bytes
+    lines.append(f"sample       {_value(sample, 'B'):>14}  {sample.source}")
     return lines + forecast.notes
 
 

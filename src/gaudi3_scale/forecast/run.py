@@ -47,6 +47,15 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
     return catalog_machine(kind, cfg.train.precision)
 
 
+def _catalog_geometry(machine: str | None) -> list[str]:
+    """The override that gives the config a catalog machine's devices per node, so that the config's own checks
+    (tensor parallel inside a node) see the node being forecast, not this one's. Its nodes are `run_shape`'s."""
+    if machine in (None, "cpu"):
+        return []
+    per_node = catalog_machine(machine).ranks_per_node
+    return ["--parallel.nproc_per_node", str(per_node)] if per_node else []
+
+
 def _price(cfg: RunConfig) -> Figure | None:
     from gaudi3_scale.metering.live import resolve_price
 
@@ -66,7 +75,7 @@ def forecast_config(
 ) -> tuple[RunConfig, Forecast]:
     from gaudi3_scale.tune.estimate_table import resolved_model
 
-    cfg = resolve_config(config_path, overrides)
+    cfg = resolve_config(config_path, [*overrides, *_catalog_geometry(machine)])
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
     model = resolved_model(cfg.model, cfg.data)
     measured = None

@@ -66,6 +66,7 @@ METRIC_NAMES: dict[str, str] = {
     "peak_memory_bytes": "perf/peak_memory_bytes",
     "peak_memory_bytes_per_rank": "perf/peak_memory_bytes_per_rank",  # a list: one series per rank, …/0, …/1
     "compute_s_per_rank": "perf/compute_s_per_rank",
+    "wall_s": "perf/wall_s",  # since the trainer's start, at the window's end
     "cost_usd": "cost/usd",
     "cost_usd_per_hour": "cost/usd_per_hour",
     "cost_projected_usd": "cost/projected_usd",
@@ -80,8 +81,9 @@ METRIC_NAMES: dict[str, str] = {
 # Logged by the LightningModule itself (`self.log("val/loss")`), which Lightning passes on to the loggers: not
 # forwarded a second time.
 _LOGGED_BY_MODULE = frozenset({"val_loss", "val_mlm_accuracy"})
-# Not a measurement: `stragglers` lists rank numbers (Prometheus has gaudi3_straggler per rank).
-_NOT_METRICS = frozenset({"stragglers"})
+# Not a measurement: `stragglers` lists rank numbers (Prometheus has gaudi3_straggler per rank); `time_unix` dates
+# the record (trackers date their points themselves).
+_NOT_METRICS = frozenset({"stragglers", "time_unix"})
 
 
 class _Listeners(Protocol):

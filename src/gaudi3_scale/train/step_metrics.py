@@ -101,6 +101,10 @@ class RunMetrics:
     `health.stragglers` finds slow.
 
     `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter.
+
+    With `started_s` set (the trainer's start on the `perf_counter` clock, the origin of summary.json's `wall_s`),
+    a train record also says when its window ended: `wall_s` since that start and `time_unix`, the progress over
+    time that the dashboard draws beside the run's forecast (plan.json).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class RunMetrics:
         self.stragglers = stragglers  # names slow ranks from each window's compute_s_per_rank
         self.latest: dict[str, Any] = {}
         self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
+        self.started_s: float | None = None  # the trainer's start (perf_counter): records say when from it
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
         self.history: list[dict[str, Any]] = []
         self._is_writer = False
@@ -333,6 +338,10 @@ class RunMetrics:
             record["compute_s_per_rank"] = list(compute)
             if self.stragglers is not None and (named := self.stragglers.observe(window.step, compute)):
                 record["stragglers"] = named
+        if self.started_s is not None:
+            # `_mark` is the window's end: the mark resolved just before this window (`_resolve`).
+            record["wall_s"] = self._mark - self.started_s
+            record["time_unix"] = time.time() - (time.perf_counter() - self._mark)
         for source in self.sources:
             record.update(source())
         if self.flops_per_token is not None:

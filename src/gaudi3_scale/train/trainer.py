@@ -235,7 +235,8 @@ class GaudiTrainer:
         check_run_inputs(self.config)  # one line before any data work (train.preflight)
         stop_with_launcher()  # a rank of a launcher that dies stops (and saves) instead of training on alone
         with run_directory_lock(self.out_dir, node_rank=self.config.parallel.node_rank):
-            # what `gaudi3 train` predicted (train.forecast_file), if anything; plan.json is written with the summary
+            # what `gaudi3 train` predicted (train.forecast_file), if anything; plan.json is written once the run
+            # is past its refusals (`_fit_once`), so the dashboard can draw it while the run trains
             self._forecast = read_forecast()
             return self._fit(model, datamodule, started)
 
@@ -267,8 +268,13 @@ class GaudiTrainer:
         if rollback is not None and previous_guard is not None and self._guard is not None:
             self._guard.carry_from(previous_guard, lr_scale=self.config.health.rollback_lr_scale)
         trainer = self.trainer = self.build_trainer(step_state_of(model))
+        assert self._after is not None, "build_trainer builds the run's parts"
+        self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock
         if ckpt_path is not None:
             self._check_resume(model, ckpt_path)
+        # plan.json past every refusal: a run refused at its start changes nothing
+        if rollback is None and self._forecast is not None and launched_rank() == 0:
+            write_plan(self.out_dir, self._forecast)
         if rollback is not None and self._health is not None:  # reported at the first step of this fit
             if previous_health is not None:
                 self._health.events[:0] = previous_health.events
@@ -347,10 +353,6 @@ class GaudiTrainer:
             if cache:
                 summary["data_cache"] = cache
         if trainer.is_global_zero:
-            if (
-                self._forecast is not None
-            ):  # written with the summary: a run refused at its start changes nothing
-                write_plan(self.out_dir, self._forecast)
             write_run_report(self.out_dir, summary, records, title=plot_title(cfg.name, cfg.model.name),
                              console=self.console if self.progress else None)  # fmt: skip
         return summary

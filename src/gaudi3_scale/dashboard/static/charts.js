@@ -18,6 +18,9 @@
 //
 // A point at or before a series' last x means the run went back (a rollback, a resume from an earlier checkpoint)
 // and trains those steps again: as on loss.png, the series keeps each step's newest value.
+//
+// A series may be `dashed` (a forecast beside a measurement: the progress chart's predicted line) and may be set
+// whole (`replace`) rather than grown point by point.
 "use strict";
 
 (function () {
@@ -96,7 +99,7 @@
   }
 
   class LineChart {
-    // series: [{key, label, markers}]; options: {yFormat: "number" | "percent", yMin, yMax, xLabel}
+    // series: [{key, label, markers, dashed}]; options: {yFormat: "number" | "percent", yMin, yMax, xLabel}
     constructor(figure, series, options) {
       this.figure = figure;
       this.series = series;
@@ -109,7 +112,7 @@
       legend.className = "legend";
       series.forEach((s, i) => {
         const swatch = document.createElement("span");
-        swatch.className = "swatch s" + i;
+        swatch.className = "swatch s" + i + (s.dashed ? " dashed" : "");
         legend.appendChild(swatch);
         legend.appendChild(document.createTextNode(s.label));
       });
@@ -131,6 +134,12 @@
       while (points.length > 0 && points[points.length - 1][0] >= x) points.pop(); // went back: newest wins
       points.push([x, y]);
       return true;
+    }
+
+    // The whole series `key`: [[x, y], …] in increasing x (points that are not numbers are left out).
+    replace(key, points) {
+      this.points.get(key).length = 0;
+      for (const [x, y] of points) this.add(key, x, y);
     }
 
     // mark: {step, mark: "dropped" | "spike" | "rollback", event, label, help, detail, from_step?, to_step?}
@@ -195,7 +204,7 @@
         for (const run of segments(points)) {
           if (run.length > 1) {
             const path = run.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
-            svgElement("polyline", { points: path, class: "line s" + i }, svg);
+            svgElement("polyline", { points: path, class: "line s" + i + (s.dashed ? " dashed" : "") }, svg);
           }
           if (s.markers || run.length === 1) {
             for (const p of run) svgElement("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, class: "marker s" + i }, svg);

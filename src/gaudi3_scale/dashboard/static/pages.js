@@ -40,6 +40,18 @@
     );
   }
 
+  // The run's progress over wall time (minutes from the trainer's start): measured from the records' wall_s, and the
+  // forecast's predicted line (plan.json, served as eta.forecast.points in seconds), with the finish each points to.
+  function setEta(progress, eta) {
+    const points = eta.forecast ? eta.forecast.points.map(([s, step]) => [s / 60, step]) : [];
+    progress.replace("predicted", points);
+    const line = document.getElementById("eta");
+    if (!line) return;
+    line.title = eta.forecast && eta.forecast.step_time_source ? "step time: " + eta.forecast.step_time_source : "";
+    setFields("#eta [data-eta]", "data-eta", eta.text);
+    line.querySelector('[data-eta="live"]').hidden = !eta.text.live;
+  }
+
   function liveRun(body) {
     const name = body.dataset.run;
     const interval = Number(body.dataset.pollMs) || 1000;
@@ -49,6 +61,10 @@
       { key: "train_loss", label: "train" },
       { key: "val_loss", label: "validation", markers: true },
     ], { xLabel: "step" });
+    const progress = new LineChart(figure("chart-progress"), [
+      { key: "measured", label: "measured" },
+      { key: "predicted", label: "predicted", dashed: true },
+    ], { xLabel: "minutes", yMin: 0 });
     const charts = [
       [loss, ["train_loss", "val_loss"]],
       [new LineChart(figure("chart-throughput"), [{ key: "tokens_per_s", label: "tokens/s" }], { xLabel: "step", yMin: 0 }),
@@ -63,10 +79,13 @@
       let delay = interval;
       try {
         const data = await fetchJSON(`/api/runs/${encodeURIComponent(name)}/metrics?since=${next}`);
-        if (data.reset) charts.forEach(([chart]) => chart.clear());
+        if (data.reset) [progress, ...charts.map(([chart]) => chart)].forEach((chart) => chart.clear());
         for (const record of data.records) {
           for (const [chart, keys] of charts) for (const key of keys) chart.add(key, record.step, record[key]);
+          if (typeof record.wall_s === "number") progress.add("measured", record.wall_s / 60, record.step);
         }
+        setEta(progress, data.eta);
+        progress.render();
         for (const mark of data.health_marks || []) loss.addMark(mark); // health events, on the loss curve
         next = data.next;
         charts.forEach(([chart]) => chart.render());
