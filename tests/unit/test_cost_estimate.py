@@ -33,30 +33,33 @@ def test_llama3_70b_on_h100_matches_the_hand_computation() -> None:
     assert comparison.flops_per_token == FLOPS_PER_TOKEN
     assert comparison.training_flops == FLOPS_PER_TOKEN * 1e12
     row = comparison.rows[0]
-    # Fit: ZeRO-3 over 16 H100s is over 95 % of 80 GB per device, over 32 it is under → 4 nodes of 8.
+    # Fit: FSDP (ZeRO-3) over 16 H100s is over 95 % of 80 GB per device, but tensor parallel 4 inside a node brings
+    # the activations under it (the leanest layout, tune.layouts.mesh_candidates); 8 devices fit in no layout
+    # → 2 nodes of 8.
     budget = 0.95 * 80e9
-    per_device = {
-        n: estimate_memory(get_model_config("llama3-70b"),
-                           ParallelPlan.build(strategy="fsdp", world_size=n, activation_checkpointing=True),
-                           BatchPlan.from_micro_batch(1, data_parallel_size=n), precision="bf16-mixed",
-                           device_kind="cuda").total_bytes
-        for n in (16, 32)
-    }  # fmt: skip
-    assert per_device[16] > budget >= per_device[32]
-    assert (row.min_accelerators, row.nodes, row.per_node, row.accelerators) == (32, 4, 8, 32)
-    hours = FLOPS_PER_TOKEN * 1e12 / (32 * H100_PEAK * 0.40) / 3600
+    model = get_model_config("llama3-70b")
+
+    def fsdp(n: int, tp: int = 1) -> int:
+        plan = ParallelPlan.build(strategy="fsdp", world_size=n, activation_checkpointing=True, tp_size=tp)
+        batch = BatchPlan.from_micro_batch(1, data_parallel_size=plan.data_parallel_size)
+        return estimate_memory(model, plan, batch, precision="bf16-mixed", device_kind="cuda").total_bytes
+
+    assert fsdp(16) > budget >= fsdp(16, tp=4)
+    assert all(fsdp(8, tp) > budget for tp in (1, 2, 4, 8))
+    assert (row.min_accelerators, row.nodes, row.per_node, row.accelerators) == (16, 2, 8, 16)
+    hours = FLOPS_PER_TOKEN * 1e12 / (16 * H100_PEAK * 0.40) / 3600
     assert row.train_hours == pytest.approx(hours, rel=1e-12)
-    assert row.train_hours == pytest.approx(10_559.91, abs=0.01)  # ≈ 440 days on 32 GPUs
-    assert row.accelerator_hours == pytest.approx(hours * 32, rel=1e-12)
-    assert row.on_demand_usd == pytest.approx(hours * 4 * P5_USD_PER_HOUR, rel=1e-12)
-    assert row.on_demand_usd == pytest.approx(2_324_870, rel=1e-6)
-    assert row.spot_usd_low == pytest.approx(hours * 4 * 10.24, rel=1e-12)
-    assert row.spot_usd_high == pytest.approx(hours * 4 * 55.04, rel=1e-12)
-    assert row.capacity_block_usd == pytest.approx(hours * 4 * 39.33, rel=1e-12)
+    assert row.train_hours == pytest.approx(21_119.82, abs=0.01)  # ≈ 880 days on 16 GPUs
+    assert row.accelerator_hours == pytest.approx(hours * 16, rel=1e-12)
+    assert row.on_demand_usd == pytest.approx(hours * 2 * P5_USD_PER_HOUR, rel=1e-12)
+    assert row.on_demand_usd == pytest.approx(2_324_870, rel=1e-6)  # the same node-hours as on 32
+    assert row.spot_usd_low == pytest.approx(hours * 2 * 10.24, rel=1e-12)
+    assert row.spot_usd_high == pytest.approx(hours * 2 * 55.04, rel=1e-12)
+    assert row.capacity_block_usd == pytest.approx(hours * 2 * 39.33, rel=1e-12)
     assert row.usd_per_million_tokens == pytest.approx(row.on_demand_usd / 1e6, rel=1e-12)
     assert row.tokens_per_usd == pytest.approx(1e12 / row.on_demand_usd, rel=1e-12)
-    # Energy: 32 GPUs × 700 W × hours × PUE 1.58; no $ without an electricity price.
-    assert row.energy_kwh == pytest.approx(32 * 700 * hours * DEFAULT_PUE / 1000, rel=1e-12)
+    # Energy: 16 GPUs × 700 W × hours × PUE 1.58; no $ without an electricity price.
+    assert row.energy_kwh == pytest.approx(16 * 700 * hours * DEFAULT_PUE / 1000, rel=1e-12)
     assert row.energy_usd is None
 
 
@@ -67,7 +70,7 @@ def test_more_nodes_shorten_the_run_at_the_same_cost() -> None:
     assert eight.accelerators == 64 and eight.train_hours == pytest.approx(four.train_hours / 2)
     assert eight.on_demand_usd == pytest.approx(four.on_demand_usd)
     too_few = compare_training_cost("llama3-70b", "1T", ["h100", "mi300x"], mfu=0.4, nodes=1).rows
-    assert not too_few[0].fits and "needs at least 32 devices" in too_few[0].note
+    assert not too_few[0].fits and "needs at least 16 devices" in too_few[0].note
     assert too_few[1].fits  # 8 × 192 GB hold it
 
 

@@ -164,7 +164,11 @@ def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], I
     )
 
 
-def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions) -> int:
+def _per_device_bytes(
+    model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions, per_node: int = 1
+) -> int:
+    """The least memory per device over the layouts of `a.strategy` on `count` devices (`tune.layouts.
+    mesh_candidates`: plain, tensor parallel inside a node, pipeline parallel where the layers allow)."""
     from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
     from gaudi3_scale.distributed.strategies import supported_strategies
     from gaudi3_scale.tune.memory import estimate_memory
@@ -174,15 +178,26 @@ def _per_device_bytes(model: ModelConfig, count: int, spec: AcceleratorSpec, a: 
             f"strategy {a.strategy} is not one the trainer runs on {spec.name}; allowed: "
             f"{', '.join(supported_strategies(_device_kind(spec)))}"
         )
-    plan = ParallelPlan.build(
-        strategy=a.strategy if count > 1 else "auto",
-        world_size=count,
-        activation_checkpointing=a.activation_checkpointing,
-    )
-    batch = BatchPlan.from_micro_batch(a.micro_batch_size, data_parallel_size=plan.data_parallel_size)
-    return estimate_memory(
-        model, plan, batch, precision=a.precision, device_kind=_device_kind(spec)
-    ).total_bytes
+    from gaudi3_scale.tune.layouts import PP_SCHEDULE, mesh_candidates
+
+    fewest = None
+    for tp, pp, split in mesh_candidates(model, a.strategy, world_size=count, per_node=per_node):
+        plan = ParallelPlan.build(
+            strategy=a.strategy if count > 1 else "auto",
+            world_size=count,
+            activation_checkpointing=a.activation_checkpointing,
+            tp_size=tp,
+            pp_size=pp,
+            pp_schedule=PP_SCHEDULE,
+            pp_split=split,
+        )
+        batch = BatchPlan.from_micro_batch(
+            a.micro_batch_size, accumulation=pp, data_parallel_size=plan.data_parallel_size
+        )
+        need = estimate_memory(model, plan, batch, precision=a.precision, device_kind=_device_kind(spec))
+        fewest = need.total_bytes if fewest is None else min(fewest, need.total_bytes)
+    assert fewest is not None  # the plain layout is always a candidate
+    return fewest
 
 
 def _candidate_counts(per_node: int) -> list[int]:
@@ -199,12 +214,12 @@ def _fewest_that_fit(model: ModelConfig, spec: AcceleratorSpec, per_node: int, a
     """The fewest candidate devices whose per-device estimate is within budget; None when even the most fail."""
     budget = spec.memory_gb * 1e9 * a.memory_fraction
     counts = _candidate_counts(per_node)
-    if _per_device_bytes(model, counts[-1], spec, a) > budget:
+    if _per_device_bytes(model, counts[-1], spec, a, per_node) > budget:
         return None
     low, high = 0, len(counts) - 1  # bisect: memory per device only falls as devices are added
     while low < high:
         mid = (low + high) // 2
-        if _per_device_bytes(model, counts[mid], spec, a) <= budget:
+        if _per_device_bytes(model, counts[mid], spec, a, per_node) <= budget:
             high = mid
         else:
             low = mid + 1
