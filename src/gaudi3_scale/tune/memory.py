@@ -307,7 +307,7 @@ def _pipelined(r: _Run) -> list[_Phase]:
     gathered = (sh.layers * sh.block + sh.root) * e.gathered
     unsharded_grads = sh.params * e.gathered
     during = unsharded_grads if r.pipeline.grads_in_flight else 0.0
-    name = "steady 1F1B" if r.pipeline.grads_in_flight else "backward start"
+    name = "steady state" if r.pipeline.grads_in_flight else "backward start"
     return [
         _Phase(name, shards + gathered, during, r.shard_optimizer(), r.activations, r.loss(e.gathered)),
         _Phase("backward end", shards + gathered, unsharded_grads + r.shard * e.grad, r.shard_optimizer()),
