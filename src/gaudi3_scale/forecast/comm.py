@@ -9,7 +9,8 @@ reduce-scatter (n−1)/n·B (the `busbw` convention of nccl-tests), so time = by
 - DeepSpeed ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters per step; ZeRO-3
   as FSDP.
 - Tensor parallel: per layer and micro-step, two all-reduces of the activations in forward and two in backward.
-- Pipeline parallel: a rank's collectives are over its stages' parameters and layers (1/pp_size of the model);
+- Pipeline parallel: a rank's collectives are over its stages' parameters and layers (1/pp_size of the model),
+  FSDP's once per step (the stages keep parameters gathered and gradients unsharded over the micro-batches);
   the point-to-point traffic between stages is `forecast.pipeline`'s.
 """
 
@@ -53,7 +54,12 @@ def step_collective_bytes(
     shard = plan.dp_shard if plan.shards_parameters else plan.data_parallel_size
     dp = 0.0
     replicas = 0.0
-    if strategy == "ddp":
+    if plan.pipelined and plan.shards_parameters:
+        # torch's pipeline stages keep FSDP's gathered parameters and unsharded gradients from the first
+        # micro-batch to the last (stage.py: set_reshard_after_backward / set_requires_gradient_sync False until
+        # `perform_reduce_grad`): one all-gather and one reduce-scatter per step
+        dp = _ring(shard) * local * (param_bytes + GRAD_BYTES)
+    elif strategy == "ddp":
         dp = 2 * _ring(plan.data_parallel_size) * local * GRAD_BYTES
     elif strategy in ("fsdp", "deepspeed_zero3"):
         dp = accumulation * _ring(shard) * local * (2 * param_bytes + GRAD_BYTES)
