@@ -233,13 +233,7 @@ def main() -> None:
             continue
         model_bytes = row["estimate_bytes"] - row["estimate"]["runtime"]
         fitted[constant] = row["measured_bytes"] - model_bytes - sum(fitted.values())
-    print(f"{'case':28s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak at")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['case']:28s} failed: {row['error']}")
-            continue
-        print(f"{row['case']:28s} {row['estimate_bytes'] / 2**30:8.3f}G {row['measured_bytes'] / 2**30:8.3f}G "
-              f"{row['error_pct']:+6.1f}%  {row['estimate']['peak_phase']}")  # fmt: skip
+    _print_rows(rows, width=28)
     errors = [abs(r["error_pct"]) for r in validation if "error_pct" in r]
     within = sum(e <= 20 for e in errors)
     print(
@@ -268,19 +262,23 @@ def main() -> None:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
+def _print_rows(rows: list[dict[str, Any]], *, width: int) -> None:
+    print(f"{'case':{width}s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak at")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['case']:{width}s} failed: {row['error']}")
+            continue
+        print(f"{row['case']:{width}s} {row['estimate_bytes'] / 2**30:8.3f}G {row['measured_bytes'] / 2**30:8.3f}G "
+              f"{row['error_pct']:+6.1f}%  {row['estimate']['peak_phase']}")  # fmt: skip
+
+
 def _main_pipeline(out: Path, only: list[str] | None) -> None:
     cases = [c for c in PIPELINE_CASES if not only or any(s in c[0] for s in only)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, case in enumerate(track(cases, description="PP 2 memory cases")):
             rows += _train_pipeline(Path(tmp) / str(i), case)
-    print(f"{'case':40s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak at")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['case']:40s} failed: {row['error']}")
-            continue
-        print(f"{row['case']:40s} {row['estimate_bytes'] / 2**30:8.3f}G {row['measured_bytes'] / 2**30:8.3f}G "
-              f"{row['error_pct']:+6.1f}%  {row['estimate']['peak_phase']}")  # fmt: skip
+    _print_rows(rows, width=40)
     errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
     within = sum(e <= 20 for e in errors)
     print(f"pipeline stages: {within}/{len(rows)} within ±20 %, max |error| {max(errors, default=0):.1f} %")

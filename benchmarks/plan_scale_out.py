@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.device.specs import accelerator_named
+from gaudi3_scale.distributed.schedule_math import balanced_split
 from gaudi3_scale.forecast.run import forecast_config
 from gaudi3_scale.monitor.environment import environment_info
 
@@ -42,21 +43,10 @@ RECIPES: dict[str, list[str]] = {
         "2",
         *COMMON,
     ],
-    "llama3-405b": [
-        "--model.name",
-        "llama3-405b",
-        "--train.micro_batch_size",
-        "1",
-        "--parallel.tp_size",
-        "8",
-        "--parallel.pp_size",
-        "8",
-        "--parallel.pp_schedule",
-        "1f1b",
-        "--parallel.pp_split",
-        "[15,31,47,63,79,95,111]",
-        *COMMON,
-    ],  # fmt: skip
+    # TP 8 in a node × PP 8 across nodes (1F1B), the Llama 3 split of 126 layers: 15, 16 × 6, 15
+    "llama3-405b": "--model.name llama3-405b --train.micro_batch_size 1 --parallel.tp_size 8 --parallel.pp_size 8 "
+    f"--parallel.pp_schedule 1f1b --parallel.pp_split [{','.join(map(str, balanced_split(126, 8) or ()))}]".split()
+    + COMMON,
 }
 MACHINES = {
     "h100": "aws/p5.48xlarge/us-east-1",

@@ -100,14 +100,17 @@ def pipeline_activation_bytes(
     """What the rank holds for backward at its peak: each stage's saved tensors × its micro-batches in flight (under
     activation checkpointing the one block recomputed in backward counted once), the last stage's logits and
     log-softmax of the micro-batches in flight, and the stages' receive buffers (module docstring)."""
-    kwargs = dict(compiled=compiled, fp8_inputs=fp8_inputs)
     total = recompute = 0.0
     sbh = s * b * rank.shape.dim
     for stage, count in rank.stages:
-        saved = activation_bytes(stage, b, s, e, ckpt, device_kind, tp, **kwargs)  # type: ignore[arg-type]
+        saved = activation_bytes(
+            stage, b, s, e, ckpt, device_kind, tp, compiled=compiled, fp8_inputs=fp8_inputs
+        )
         if ckpt:
             block = replace(stage, layers=1, first=False, last=False)
-            layer = activation_bytes(block, b, s, e, False, device_kind, tp, **kwargs)  # type: ignore[arg-type]
+            layer = activation_bytes(
+                block, b, s, e, False, device_kind, tp, compiled=compiled, fp8_inputs=fp8_inputs
+            )
             saved, recompute = saved - layer, max(recompute, layer)
         total += count * saved
         if stage.last and count:
