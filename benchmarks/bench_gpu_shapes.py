@@ -8,9 +8,9 @@ RSS on CPU; step time, tokens/s, MFU, warm-up and wall time), the forecasts, and
 
 * memory: `estimate_memory` for the run's resolved config (strategy, precision, micro-batch, activation
   checkpointing, device kind), error = (estimate − measured) / measured;
-* step time: the cost planner's model (`cost.estimate`: training FLOPs ÷ (peak dense BF16 FLOP/s × MFU), its default
-  MFU 0.40): what `gaudi3 cost compare` assumes for a run it has no benchmark for. The planner of `gaudi3 plan` will
-  be held against the same measurements.
+* step time: the cost planner's former model (training FLOPs ÷ (peak dense BF16 FLOP/s × MFU 0.40)): what
+  `gaudi3 cost compare` assumed for a run it had no benchmark for, before it took `gaudi3 plan`'s step
+  (`forecast.model`, docs/foresight.md); kept as it was, so the stored runs' column means what it meant.
 
 fp8: every fp8 shape with a bf16 shape of the same model and batch gives `fp8_over_bf16_tokens_per_s`.
 
@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import RESULTS, ROOT, Cell, _model_config, _peak_flops, run_gaudi3
 
-# What `gaudi3 cost compare` assumes without a benchmark (cost.estimate.compare_training_cost's default MFU).
+# What `gaudi3 cost compare` assumed without a benchmark before it took gaudi3 plan's step (its default MFU then).
 COST_PLANNER_MFU = 0.40
 
 

@@ -130,7 +130,7 @@ def test_a_failing_cell_is_recorded_and_the_matrix_goes_on(tmp_path: Path) -> No
         "precisions: [32-true]\ndata: tinyshakespeare\nwarmup_steps: 1\nmeasure_steps: 2\n"
         "base: {model: {num_layers: 1}, train: {threads: 1}}\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(shim.parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out"
     proc = _gaudi3("benchmark", "run", "--matrix", str(matrix), "--out", str(out), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -140,12 +140,24 @@ def test_a_failing_cell_is_recorded_and_the_matrix_goes_on(tmp_path: Path) -> No
     assert failed["status"] == "failed" and failed["metrics"] is None
     assert "deepspeed_zero2 needs DeepSpeed" in failed["reason"]
     assert "1 ok, 1 failed" in proc.stdout
+    # The ok cell is a probe of its layout for this machine's store, and a later plan of it forecasts from it; the
+    # failed cell is a note, not a probe (forecast.feed).
+    assert proc.stdout.count("calibration store: probe of this layout stored") == 1
+    assert "calibration store: not fed (failed: a run that failed or ran out of memory" in proc.stdout
+    cell_dir = out / "cells" / ok["cell"]["id"]
+    plan = _gaudi3("plan", "--config", str(cell_dir / "cell.yaml"), "--out", str(tmp_path / "plan.json"))
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    forecast = json.loads((tmp_path / "plan.json").read_text())
+    assert forecast["step"]["step_time_s"]["source"].startswith(
+        f"measured: probe of this layout, from benchmark cell {cell_dir}, "
+    )
     # --retry-failed runs only the failed cell again; a 1 s limit turns it into a recorded timeout.
     again = _gaudi3("benchmark", "run", "--matrix", str(matrix), "--out", str(out), "--retry-failed",
                     "--cell-timeout-s", "1", env=env)  # fmt: skip
     assert again.returncode == 1 and "1 cells run, 1 already done" in again.stdout, (
         again.stdout + again.stderr
     )
+    assert "calibration store: not fed (timeout" in again.stdout
     results = _results(out)
     assert results[failed["cell"]["id"]]["status"] == "timeout"
     assert "no result within 1 s" in results[failed["cell"]["id"]]["reason"]

@@ -68,6 +68,23 @@ def test_out_of_memory_trials_are_recorded_and_the_search_continues_below_them(
     assert "limited by memory: micro-batch" in proc.stdout or "limited by throughput plateau" in proc.stdout
 
 
+def test_ok_trials_feed_the_calibration_store_and_failed_ones_do_not(
+    tuned: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """Each ok trial is a probe of its layout for this machine's store (forecast.feed); an out-of-memory one is a
+    note, never a probe."""
+    out, proc = tuned
+    trials = [t for t in _report(out)["trials"] if t["status"] in ("ok", "oom")]
+    fed = proc.stdout.count("calibration store: probe of this layout stored")
+    refused = proc.stdout.count("calibration store: not fed (oom: a run that failed or ran out of memory")
+    assert fed == sum(t["status"] == "ok" for t in trials) and refused == len(trials) - fed >= 1
+    (store,) = (Path(os.environ["GAUDI3_CACHE"]) / "calibration").glob("*.json")
+    origins = {p["origin"] for p in json.loads(store.read_text())["probes"].values()}
+    ok_keys = {t["key"] for t in trials if t["status"] == "ok"}
+    assert {f"tune trial {out}/trials/{key}" for key in ok_keys} <= origins
+    assert not any(f"tune trial {out}/trials/{t['key']}" in origins for t in trials if t["status"] == "oom")
+
+
 def test_reports_agree_with_each_other(tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, proc = tuned
     report = _report(out)

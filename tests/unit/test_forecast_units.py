@@ -59,6 +59,21 @@ def test_the_store_keeps_the_peak_and_the_probes_across_processes(tmp_path: Path
         CalibrationStore(tmp_path / "m.json", machine="m")
 
 
+def test_a_short_trial_does_not_replace_a_longer_probe_but_an_explicit_probe_does(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    store = CalibrationStore(tmp_path / "m.json", machine="m")
+    long = replace(_probe("a", 0.1), measured_steps=100)  # 10 s of steps (gaudi3 plan --probe)
+    assert store.add_probe(long)
+    trial = replace(_probe("a", 0.2), measured_steps=5, origin="tune trial t")  # 1 s
+    assert not store.add_probe(trial, keep_longer=True)
+    assert CalibrationStore(tmp_path / "m.json", machine="m").probes["a"].step_time_s == 0.1
+    longer = replace(trial, measured_steps=60)  # 12 s: more than the stored one
+    assert store.add_probe(longer, keep_longer=True) and store.probes["a"].origin == "tune trial t"
+    assert store.add_probe(replace(_probe("a", 0.3), measured_steps=1))  # --probe replaces whatever is there
+    assert store.probes["a"].step_time_s == 0.3
+
+
 def test_a_comparison_gives_the_error_of_each_known_quantity() -> None:
     predicted = {"predicted_step_time_s": 1.1, "predicted_wall_s": 90.0, "predicted_peak_memory_bytes": 100,
                  "predicted_tokens_per_s": 1000.0, "predicted_cost_usd": None}  # fmt: skip
@@ -86,3 +101,38 @@ def test_gaudi3_links_are_sourced_spec_ceilings() -> None:
     assert machine.intra_node_bytes_per_s.value == 525e9
     assert machine.inter_node_bytes_per_s.value == 600e9
     assert "Intel Gaudi Network Configuration" in machine.inter_node_bytes_per_s.source
+
+
+def test_a_run_feeds_the_store_only_when_ok_here_and_of_its_own_layout(tmp_path: Path) -> None:
+    """forecast.feed refuses, with one note each, a failed run, a run without its summary, one that ran on another
+    machine and one whose recorded layout key is not its config's here; the same run recorded here is stored."""
+    from gaudi3_scale.config.core import save_yaml
+    from gaudi3_scale.forecast.feed import feed_run
+    from gaudi3_scale.forecast.run import machine_for, run_shape
+    from gaudi3_scale.train.config import resolve_config
+
+    cfg = resolve_config(None, ["--model.vocab_size", "65", "--train.device", "cpu"])
+    machine = machine_for(cfg, None)
+    assert machine.store is not None
+    shape = run_shape(cfg, cfg.model, machine)
+    save_yaml(cfg, tmp_path / "config.yaml")
+    summary = {"step_time_s": 0.05, "measured_steps": 10, "warmup_steps": 2, "warmup_s": 0.2, "wall_s": 9.0,
+               "peak_memory_bytes": 400_000_000, "checkpoint_blocking_s": [], "interrupted": False}  # fmt: skip
+
+    def feed(run: dict[str, object], *, status: str = "ok") -> str:
+        (tmp_path / "plan.json").write_text(json.dumps({"run": run}))
+        return feed_run(tmp_path, status=status, origin=f"tune trial {tmp_path}")
+
+    here = {"calibration_machine": machine.store.machine, "probe_key": shape.key}
+    assert feed(here, status="oom").startswith("calibration store: not fed (oom: ")
+    assert "has no summary.json" in feed(here)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert "it ran on cpu-elsewhere-2c-0000, not on this one" in feed(
+        {**here, "calibration_machine": "cpu-elsewhere-2c-0000"}
+    )
+    assert "its layout key 0123 is not the" in feed({**here, "probe_key": "0123"})
+    assert shape.key not in CalibrationStore(machine.store.path, machine=machine.store.machine).probes
+    assert feed(here).startswith("calibration store: probe of this layout stored (0.05 s a step)")
+    probe = CalibrationStore(machine.store.path, machine=machine.store.machine).probes[shape.key]
+    assert probe.origin == f"tune trial {tmp_path}" and probe.step_time_s == 0.05
+    assert probe.source().startswith(f"probe of this layout, from tune trial {tmp_path}, ")

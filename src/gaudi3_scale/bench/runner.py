@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +115,11 @@ def run_matrix(
     timeout_s: float | None = None,
     retry_failed: bool = False,
     console: Console | None = None,
+    on_cell: Callable[[dict[str, Any], Path], str | None] | None = None,
 ) -> MatrixOutcome:
+    """Run the cells without a result (all of them with `retry_failed`, failed ones too); `on_cell(result,
+    run_dir)` sees each cell run now with its run directory, and the line it returns is printed under the cell's
+    (`gaudi3 benchmark run` feeds the calibration store with it: forecast.feed)."""
     from gaudi3_scale.monitor.environment import environment_info
 
     console = console or Console(stderr=True)
@@ -149,6 +153,9 @@ def run_matrix(
             )
             note = "" if result["status"] == "ok" else f" — {result['reason']}"
             progress.console.print(f"  {cell.label}: {shown}{note}", highlight=False)
+            fed = on_cell(result, path.parent / "run") if on_cell is not None else None
+            if fed:
+                progress.console.print(f"    {fed}", highlight=False)
             progress.advance(task)
     _fill_scaling(cells, results)
     for cell in cells:

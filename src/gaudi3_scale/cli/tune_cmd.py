@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from gaudi3_scale.cli.options import Count, Number, Seconds
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, check_number, parse_number
+
+if TYPE_CHECKING:
+    from gaudi3_scale.tune.trial import TrialResult
 
 __all__ = ["tune"]
 
@@ -31,6 +35,13 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
         raise UserInputError(f"{flag}: expected comma-separated whole numbers >= 1, got {brief(text)} "
                              f"({exc.problem})") from None  # fmt: skip
     return values
+
+
+def _feed_calibration(result: TrialResult, run_dir: Path) -> str:
+    """Each trial run now is a probe of its layout for this machine's calibration store (forecast.feed)."""
+    from gaudi3_scale.forecast.feed import feed_run
+
+    return feed_run(run_dir, status=result.status, origin=f"tune trial {run_dir.parent}")
 
 
 def _check_mode(
@@ -212,7 +223,7 @@ def tune(
     console.print(f"tuning {space.describe()}", highlight=False)
     assert config.memory_budget_bytes is not None
     console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)
-    result = run_tuner(base, space, config, out, console=console)
+    result = run_tuner(base, space, config, out, console=console, on_trial=_feed_calibration)
     print_report(result, console)
     if result.best is None:
         raise SystemExit(1)

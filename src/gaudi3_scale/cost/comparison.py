@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from gaudi3_scale.metering.catalog import DEFAULT_PUE, PUE_SOURCE
+
 __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "DEFAULT_PUE",
@@ -18,11 +20,6 @@ __all__ = [
     "PlatformEstimate",
 ]
 
-# Industry-average power usage effectiveness (total site power ÷ IT power): Uptime Institute, "Large data centers
-# are mostly more efficient, analysis confirms" (UII Update 221, 23 Nov 2023): "In 2023, industry average PUE stood
-# at 1.58". Hyperscale sites run lower; pass your own with --pue.
-DEFAULT_PUE = 1.58
-PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-11-23)"
 DEFAULT_MEMORY_FRACTION = 0.95  # the tuner's default target: what the runtime and fragmentation leave free
 
 
@@ -48,15 +45,18 @@ class Assumptions:
         )
         return [
             "training FLOPs = FLOPs per token × tokens; FLOPs per token = 6·N (N: parameters in matmuls) + "
-            "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); recomputation is not counted",
-            "time = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU)",
+            "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); the step time counts recomputation",
+            "time = tokens ÷ tokens per step × step time, the step as `gaudi3 plan` forecasts it (forecast/model.py): "
+            "FLOPs per rank (× 4/3 under activation checkpointing) ÷ (peak dense FLOP/s × MFU) + the communication "
+            "the backward pass does not hide (forecast/comm.py over forecast/links.yaml); a stored probe of the "
+            "layout on this machine replaces both",
             f"fit: {self.strategy} (FSDP2: parameters, gradients and optimizer state sharded as in ZeRO-3; a "
             "strategy the trainer runs on every platform, on Gaudi over HCCL, not yet validated on Gaudi hardware; "
             f"DeepSpeed is not proposed for Gaudi), {self.precision}, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch_size}, within "
-            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator), the leanest of its layouts: "
-            "tensor parallel inside a node, pipeline parallel 2–16 (1F1B) where the layers allow "
-            "(tune.layouts.mesh_candidates); whole nodes are rented",
+            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); a model that fits on no count so "
+            "gets the leanest of its layouts with tensor parallel inside a node × pipeline parallel 2–16 (1F1B, pp "
+            "micro-batches a step) where the layers allow (tune.layouts.mesh_candidates); whole nodes are rented",
             "cost = node-hours × instance $/h (cheapest catalog instance with the accelerator); spot as the "
             "catalog's range; unknown prices stay unknown",
             f"energy = accelerators × TDP × {self.power_fraction_of_tdp:g} × hours × PUE {self.pue:g}"
@@ -80,8 +80,13 @@ class PlatformEstimate:
     nodes: int | None
     accelerators: int | None  # what the run uses: nodes × per_node
     memory_per_device_gib: float | None  # estimate at `accelerators`
-    mfu: float | None
+    mfu: (
+        float | None
+    )  # behind the step time: the machine's, given, benchmarked, or a stored probe's achieved ÷ peak
     mfu_source: str
+    tokens_per_step: int | None  # one micro-batch of the context per data-parallel rank
+    step_time_s: float | None  # gaudi3 plan's step time of this layout (forecast.model)
+    step_time_source: str | None  # where it comes from (model: compute + communication, or a probe)
     train_hours: float | None
     accelerator_hours: float | None
     instance: str | None  # "aws p5.48xlarge us-east-1"

@@ -6,8 +6,11 @@ For each platform (an accelerator in `device/accelerators.yaml`, or `cpu` measur
   ZeRO-3 sharding, which the trainer runs on every platform, Gaudi included; never DeepSpeed, refused on Gaudi;
   bf16-mixed, activation checkpointing, micro-batch 1, the model's context) within `memory_fraction` of the
   device's memory; whole nodes are rented, so the run uses every accelerator of those nodes (or of `nodes`).
-* **training time** = training FLOPs ÷ (accelerators × peak dense BF16 FLOP/s × MFU), with training FLOPs =
-  FLOPs per token (6·N + attention, `models/counting.py`) × tokens. MFU is given, or measured by benchmarks.
+* **training time** = tokens ÷ tokens per step × the step time of `gaudi3 plan`'s model (`cost.step_time`, over
+  `forecast.model`): the step's FLOPs per rank (6·N + attention per token, `models/counting.py`, × 4/3 under
+  activation checkpointing) over peak × MFU, plus the communication the backward pass does not hide, or this
+  machine's stored probe of the very layout. The MFU is the forecast machine's (ours measured where we have it, an
+  assumption said so, this machine's probes), or given, or measured by benchmarks.
 * **$**: node-hours × the instance's price (on-demand; spot as the catalog's range; capacity block) for the
   cheapest instance in the catalog that carries the accelerator. No price in the catalog → "unknown", never a
   guess.
@@ -39,6 +42,7 @@ from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
 if TYPE_CHECKING:
+    from gaudi3_scale.forecast.model import RunShape
     from gaudi3_scale.models.config import ModelConfig
 
 __all__ = [
@@ -165,12 +169,33 @@ def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], I
 
 
 def _per_device_bytes(
-    model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions, per_node: int = 1
+    model: ModelConfig,
+    count: int,
+    spec: AcceleratorSpec,
+    a: Assumptions,
+    *,
+    per_node: int,
+    mesh: bool = False,
 ) -> int:
-    """The least memory per device over the layouts of `a.strategy` on `count` devices (`tune.layouts.
-    mesh_candidates`: plain, tensor parallel inside a node, pipeline parallel where the layers allow)."""
-    from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+    return _leanest_shape(model, count, spec, a, per_node=per_node, mesh=mesh)[1]
+
+
+def _leanest_shape(
+    model: ModelConfig,
+    count: int,
+    spec: AcceleratorSpec,
+    a: Assumptions,
+    *,
+    per_node: int,
+    mesh: bool = False,
+) -> tuple[RunShape, int]:
+    """The comparison's run on `count` devices and its memory per device, estimated as gaudi3 plan's memory
+    (forecast.model) for the same shape: `a.strategy` as it is, or with `mesh` the layout of it that needs the
+    least (`tune.layouts.mesh_candidates`: tensor parallel inside a node × pipeline parallel where the layers
+    allow), for a model the plain layout fits on no device count."""
+    from gaudi3_scale.cost.step_time import comparison_shape
     from gaudi3_scale.distributed.strategies import supported_strategies
+    from gaudi3_scale.tune.layouts import mesh_candidates
     from gaudi3_scale.tune.memory import estimate_memory
 
     if a.strategy not in supported_strategies(_device_kind(spec)):
@@ -178,26 +203,21 @@ def _per_device_bytes(
             f"strategy {a.strategy} is not one the trainer runs on {spec.name}; allowed: "
             f"{', '.join(supported_strategies(_device_kind(spec)))}"
         )
-    from gaudi3_scale.tune.layouts import PP_SCHEDULE, mesh_candidates
-
-    fewest = None
-    for tp, pp, split in mesh_candidates(model, a.strategy, world_size=count, per_node=per_node):
-        plan = ParallelPlan.build(
-            strategy=a.strategy if count > 1 else "auto",
-            world_size=count,
-            activation_checkpointing=a.activation_checkpointing,
-            tp_size=tp,
-            pp_size=pp,
-            pp_schedule=PP_SCHEDULE,
-            pp_split=split,
+    best: tuple[RunShape, int] | None = None
+    layouts = (
+        mesh_candidates(model, a.strategy, world_size=count, per_node=per_node) if mesh else [(1, 1, ())]
+    )
+    for layout in layouts:
+        shape = comparison_shape(
+            model, count, per_node=per_node, device_kind=_device_kind(spec), a=a, layout=layout
         )
-        batch = BatchPlan.from_micro_batch(
-            a.micro_batch_size, accumulation=pp, data_parallel_size=plan.data_parallel_size
-        )
-        need = estimate_memory(model, plan, batch, precision=a.precision, device_kind=_device_kind(spec))
-        fewest = need.total_bytes if fewest is None else min(fewest, need.total_bytes)
-    assert fewest is not None  # the plain layout is always a candidate
-    return fewest
+        need = estimate_memory(
+            shape.model, shape.plan, shape.batch, precision=a.precision, device_kind=shape.device_kind
+        ).total_bytes
+        if best is None or need < best[1]:
+            best = (shape, need)
+    assert best is not None  # the plain layout is always a candidate
+    return best
 
 
 def _candidate_counts(per_node: int) -> list[int]:
@@ -210,41 +230,29 @@ def _candidate_counts(per_node: int) -> list[int]:
     return counts
 
 
-def _fewest_that_fit(model: ModelConfig, spec: AcceleratorSpec, per_node: int, a: Assumptions) -> int | None:
-    """The fewest candidate devices whose per-device estimate is within budget; None when even the most fail."""
+def _fewest_that_fit(
+    model: ModelConfig, spec: AcceleratorSpec, per_node: int, a: Assumptions
+) -> tuple[int | None, bool]:
+    """The fewest candidate devices whose per-device estimate is within budget (None when even the most fail), and
+    whether that takes tensor and pipeline parallel layouts: only when the plain layout fits on no count."""
     budget = spec.memory_gb * 1e9 * a.memory_fraction
     counts = _candidate_counts(per_node)
-    if _per_device_bytes(model, counts[-1], spec, a, per_node) > budget:
-        return None
+    mesh = _per_device_bytes(model, counts[-1], spec, a, per_node=per_node) > budget
+    if mesh and _per_device_bytes(model, counts[-1], spec, a, per_node=per_node, mesh=True) > budget:
+        return None, mesh
     low, high = 0, len(counts) - 1  # bisect: memory per device only falls as devices are added
     while low < high:
         mid = (low + high) // 2
-        if _per_device_bytes(model, counts[mid], spec, a, per_node) <= budget:
+        if _per_device_bytes(model, counts[mid], spec, a, per_node=per_node, mesh=mesh) <= budget:
             high = mid
         else:
             low = mid + 1
-    return counts[low]
-
-
-def _mfu_for(
-    spec: AcceleratorSpec, mfu: float | None, measured: dict[str, tuple[float, str]]
-) -> tuple[float | None, str]:
-    if spec.name in measured:
-        return measured[spec.name]
-    if mfu is not None:
-        return mfu, "given"
-    if measured:
-        return None, "no benchmark result for this accelerator"
-    from gaudi3_scale.device.efficiency import fallback_mfu
-
-    kind = "cpu" if spec.name == "cpu" else "hpu" if spec.name.startswith("gaudi") else "cuda"
-    return fallback_mfu(kind)
+    return counts[low], mesh
 
 
 def _row(
     platform: str,
     model: ModelConfig,
-    training_flops: float,
     tokens: float,
     *,
     nodes: int | None,
@@ -253,34 +261,38 @@ def _row(
     instances: dict[tuple[str, str, str], Instance],
     a: Assumptions,
 ) -> PlatformEstimate:
+    from gaudi3_scale.cost.step_time import platform_machine, platform_step
+
     spec = _platform_spec(platform)
     instance = _instance_for(spec, instances)
     per_node = accelerators_per_node(spec.name, instances)  # the instance's, when there is one
-    need = _fewest_that_fit(model, spec, per_node, a)
-    rate, mfu_source = _mfu_for(spec, mfu, measured)
+    need, mesh = _fewest_that_fit(model, spec, per_node, a)
+    machine, why_unknown = platform_machine(spec, a, mfu=mfu, benchmarked=measured)
+    peak = machine.peak_flops_per_rank if machine is not None else None
     base: dict[str, Any] = dict(
         platform=platform,
         accelerator=spec.name,
-        peak_tflops=spec.bf16_dense_tflops,
-        peak_source=spec.source,
+        peak_tflops=(peak.value or 0.0) / 1e12 if peak is not None else spec.bf16_dense_tflops,
+        peak_source=peak.source if peak is not None else spec.source,
         memory_gb=spec.memory_gb,
         tdp_w=spec.tdp_w,
         min_accelerators=need,
         per_node=per_node,
-        mfu=rate,
-        mfu_source=mfu_source,
+        mfu=machine.mfu.value if machine is not None else None,
+        mfu_source=machine.mfu.source if machine is not None else why_unknown,
         instance=f"{instance.provider} {instance.type} {instance.region}" if instance else None,
         price_source=f"{instance.source} ({instance.prices_date})" if instance else None,
         on_demand_usd_per_node_hour=instance.on_demand_usd_per_hour if instance else None,
     )
     empty: dict[str, Any] = dict(
-        nodes=None, accelerators=None, memory_per_device_gib=None, train_hours=None, accelerator_hours=None,
-        on_demand_usd=None, spot_usd_low=None, spot_usd_high=None, capacity_block_usd=None, energy_kwh=None,
-        energy_usd=None, usd_per_million_tokens=None, tokens_per_usd=None,
+        nodes=None, accelerators=None, memory_per_device_gib=None, tokens_per_step=None, step_time_s=None,
+        step_time_source=None, train_hours=None, accelerator_hours=None, on_demand_usd=None, spot_usd_low=None,
+        spot_usd_high=None, capacity_block_usd=None, energy_kwh=None, energy_usd=None, usd_per_million_tokens=None,
+        tokens_per_usd=None,
     )  # fmt: skip
     if need is None:
         largest = _candidate_counts(per_node)[-1]
-        gib = _per_device_bytes(model, largest, spec, a) / 2**30
+        gib = _per_device_bytes(model, largest, spec, a, per_node=per_node, mesh=True) / 2**30
         note = (
             f"does not fit: even on {largest:,} devices one step needs {gib:,.1f} GiB per device (activations "
             f"of micro-batch 1 do not shrink with sharding), over {a.memory_fraction:.0%} of {spec.memory_gb:,.1f} GB"
@@ -293,14 +305,26 @@ def _row(
         return PlatformEstimate(
             **base, **{**empty, "nodes": run_nodes, "accelerators": count}, fits=False, note=note
         )
-    gib = _per_device_bytes(model, count, spec, a) / 2**30
-    fitted = {**empty, "nodes": run_nodes, "accelerators": count, "memory_per_device_gib": gib}
-    if rate is None:
-        return PlatformEstimate(**base, **fitted, fits=True, note=f"time unknown: {mfu_source}")
-    seconds = training_flops / (count * spec.bf16_dense_tflops * 1e12 * rate)
-    hours = seconds / 3600
+    shape, need_bytes = _leanest_shape(model, count, spec, a, per_node=per_node, mesh=mesh)
+    gib = need_bytes / 2**30
+    fitted = {**empty, "nodes": run_nodes, "accelerators": count, "memory_per_device_gib": gib,
+              "tokens_per_step": shape.batch.tokens_per_step}  # fmt: skip
+    if machine is None:
+        return PlatformEstimate(**base, **fitted, fits=True, note=f"time unknown: {why_unknown}")
+    step, mfu_used = platform_step(shape, machine)
+    step_s = step["step_time_s"].value
+    assert step_s is not None  # compute is always modelled; an untimed link adds nothing and says so
+    hours = tokens / shape.batch.tokens_per_step * step_s / 3600
     node_hours = hours * run_nodes
     notes = []
+    if mesh:
+        plan = shape.plan
+        pipeline = f" × pipeline parallel {plan.pp_size}" if plan.pipelined else ""
+        notes.append(
+            f"layout tensor parallel {plan.tp_size}{pipeline} (plain {a.strategy} fits on no device count)"
+        )
+    if step["communication_s"].value is None:
+        notes.append("communication not timed: no sourced link bandwidth")
     on_demand = spot_low = spot_high = block = None
     if instance is None:
         notes.append("price unknown: no catalog instance carries this accelerator")
@@ -322,9 +346,12 @@ def _row(
     else:
         notes.append("energy unknown: no TDP")
     return PlatformEstimate(
-        **base,
+        **{**base, "mfu": mfu_used.value, "mfu_source": mfu_used.source},
         **{
             **fitted,
+            "step_time_s": step_s,
+            "step_time_source": step["step_time_s"].source
+            + ("" if step["step_time_s"].kind == "measured" else f" = {_step_parts(step)}"),
             "train_hours": hours,
             "accelerator_hours": hours * count,
             "on_demand_usd": on_demand,
@@ -339,6 +366,15 @@ def _row(
         fits=True,
         note="; ".join(notes),
     )
+
+
+def _step_parts(step: dict[str, Any]) -> str:
+    """ "compute 1.2 s (its source) + communication 0.3 s (its source)": where the step time comes from."""
+    compute, comm = step["compute_s"], step["communication_s"]
+    shown = "not timed" if comm.value is None else f"{comm.value:.4g} s"
+    bubble = step.get("bubble_s")
+    idle = f" + bubble {bubble.value:.4g} s ({bubble.source})" if bubble is not None and bubble.value else ""
+    return f"compute {compute.value:.4g} s ({compute.source}) + communication {shown} ({comm.source}){idle}"
 
 
 def measured_mfu(directory: Path, model: str) -> dict[str, tuple[float, str]]:
@@ -416,17 +452,7 @@ def compare_training_cost(
     training_flops = per_token * count
     given = None if measured else mfu
     rows = [
-        _row(
-            p.strip(),
-            cfg,
-            training_flops,
-            count,
-            nodes=nodes,
-            mfu=given,
-            measured=measured,
-            instances=instances,
-            a=a,
-        )
+        _row(p.strip(), cfg, count, nodes=nodes, mfu=given, measured=measured, instances=instances, a=a)
         for p in dict.fromkeys(platforms)
     ]
     if not any(r.fits for r in rows):

@@ -28,8 +28,8 @@ __all__ = [
 
 REPORT_SUFFIXES = (".md", ".html", ".pdf")
 UNKNOWN = "unknown"
-_HEADERS = ["platform", "fits on", "nodes × acc", "GiB/acc", "MFU", "days", "acc-hours", "on-demand", "spot",
-            "cap. block", "MWh", "energy $", "$/1M tok", "tok/$", "note"]  # fmt: skip
+_HEADERS = ["platform", "fits on", "nodes × acc", "GiB/acc", "MFU", "step s", "days", "acc-hours", "on-demand",
+            "spot", "cap. block", "MWh", "energy $", "$/1M tok", "tok/$", "note"]  # fmt: skip
 
 
 def usd(value: float | None) -> str:
@@ -67,6 +67,7 @@ def _row(r: PlatformEstimate) -> list[str]:
         uses,
         _num(r.memory_per_device_gib, ",.1f"),
         _num(r.mfu, ".0%"),
+        _num(r.step_time_s, ".4g"),
         _num(r.train_hours / 24 if r.train_hours is not None else None, ",.1f"),
         _num(r.accelerator_hours, ",.0f"),
         usd(r.on_demand_usd),
@@ -101,8 +102,8 @@ def print_table(comparison: ComparisonData, console: Console) -> None:
 
     rows = table_rows(comparison)
     # Two tables, so each fits a terminal: fit and time, then money. Notes go below: they are sentences.
-    for title, columns in ((_title(comparison) + ": fit and time", (0, 1, 2, 3, 4, 5, 6, 10)),
-                           ("cost (USD)", (0, 7, 8, 9, 11, 12, 13))):  # fmt: skip
+    for title, columns in ((_title(comparison) + ": fit and time", (0, 1, 2, 3, 4, 5, 6, 7, 11)),
+                           ("cost (USD)", (0, 8, 9, 10, 12, 13, 14))):  # fmt: skip
         table = RichTable(title=title, title_justify="left")
         for i in columns:
             table.add_column(_HEADERS[i], no_wrap=True, justify="left" if i == 0 else "right")
@@ -112,6 +113,8 @@ def print_table(comparison: ComparisonData, console: Console) -> None:
     for r in comparison.rows:
         what = f"{r.platform} = {r.accelerator}" if r.platform != r.accelerator else r.platform
         console.print(f"  {what}: {r.note or 'ok'}", highlight=False, soft_wrap=True)
+        if r.step_time_source:
+            console.print(f"    step time: {r.step_time_source}", highlight=False, soft_wrap=True)
     for line in _summary_lines(comparison) + comparison.assumptions.lines():
         console.print(f"  {line}", highlight=False, soft_wrap=True)
 
@@ -119,13 +122,15 @@ def print_table(comparison: ComparisonData, console: Console) -> None:
 def _sources(c: ComparisonData) -> list[str]:
     lines = []
     for r in c.rows:
-        lines.append(f"{r.accelerator}: peak {r.peak_tflops:,.1f} TFLOP/s BF16 dense — {r.peak_source}")
+        lines.append(f"{r.accelerator}: peak {r.peak_tflops:,.1f} TFLOP/s — {r.peak_source}")
         lines.append(
             f"{r.accelerator}: price — {r.instance}: {r.price_source}"
             if r.instance
             else f"{r.accelerator}: price — none in the catalog"
         )
         lines.append(f"{r.accelerator}: MFU {_num(r.mfu, '.0%')} — {r.mfu_source}")
+        if r.step_time_source:
+            lines.append(f"{r.accelerator}: step time {_num(r.step_time_s, '.4g')} s — {r.step_time_source}")
     return lines
 
 

@@ -18,6 +18,7 @@ from gaudi3_scale.device.specs import AcceleratorSpec, find_accelerator
 __all__ = [
     "DevicePlan",
     "cpu_model_name",
+    "cpu_threads_per_rank",
     "measure_cpu_matmul_flops",
     "measured_cpu_spec",
     "plan_device",
@@ -48,6 +49,11 @@ def usable_cpu_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
         return max(1, os.cpu_count() or 1)
+
+
+def cpu_threads_per_rank(ranks_per_node: int) -> int:
+    """A CPU run's intra-op threads per rank when `train.threads` is unset: the usable cores shared by its ranks."""
+    return max(1, usable_cpu_cores() // ranks_per_node)
 
 
 def cpu_model_name() -> str:

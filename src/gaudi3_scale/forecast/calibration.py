@@ -1,7 +1,10 @@
 """One calibration store per machine (`$GAUDI3_CACHE/calibration/<machine>.json`): the machine's peak matmul FLOP/s,
 measured once and kept (refreshed on demand: `gaudi3 plan --refresh-peak`), and the probes run on it — short real
-runs of a model and layout (`forecast.probe`), keyed by what decides their step time — so a later forecast of the
-same run, or of a larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU.
+runs of a model and layout, keyed by what decides their step time — so a later forecast of the same run, or of a
+larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU. Probes come from
+`gaudi3 plan --probe` (`forecast.probe`) and from every successful `gaudi3 tune` trial and `gaudi3 benchmark run`
+cell on this machine (`forecast.feed`). `--probe` replaces the layout's stored probe; a trial or a cell replaces
+it only when it measured at least as long (seconds of steady steps).
 
 The machine's key is its device name and core count (`machine_key`): a store found under another machine's key is
 never read. Writes are atomic (a killed process leaves the previous store)."""
@@ -49,7 +52,17 @@ class Probe:
     checkpoint_s: float | None  # one save's blocking time
     peak_memory_bytes: int
     flops_per_step_per_rank: float
+    # what measured it: "gaudi3 plan --probe", "tune trial OUT/trials/KEY", "benchmark cell OUT/cells/ID"
+    origin: str = "gaudi3 plan --probe"
+    measured_steps: int = (
+        0  # steady steps behind step_time_s (0: not recorded, a store written before it was)
+    )
     created_unix_s: float = field(default_factory=time.time)
+
+    @property
+    def measured_s(self) -> float:
+        """Seconds of steady steps behind `step_time_s`: the longer, the less noise in it."""
+        return self.measured_steps * self.step_time_s
 
     @property
     def achieved_flops_per_rank(self) -> float:
@@ -57,6 +70,10 @@ class Probe:
 
     def when(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self.created_unix_s))
+
+    def source(self) -> str:
+        """How a forecast names this probe when it measured the very layout forecast."""
+        return f"probe of this layout, from {self.origin}, {self.when()}"
 
 
 class CalibrationStore:
@@ -105,9 +122,15 @@ class CalibrationStore:
         self.peaks[slot] = {"flops": flops, "measured_unix_s": time.time()}
         self.save()
 
-    def add_probe(self, probe: Probe) -> None:
+    def add_probe(self, probe: Probe, *, keep_longer: bool = False) -> bool:
+        """Store `probe` as its layout's; `keep_longer`: not over a stored probe that measured longer (a tune
+        trial's few steps do not replace a `--probe`'s ~10 s). Whether it was stored."""
+        stored = self.probes.get(probe.key)
+        if keep_longer and stored is not None and stored.measured_s > probe.measured_s:
+            return False
         self.probes[probe.key] = probe
         self.save()
+        return True
 
     def others(self, key: str) -> list[Probe]:
         """The stored probes of other layouts, newest first."""

@@ -1,7 +1,8 @@
 """The machine a forecast is for: this one (its CPU, measured once into the calibration store) or a catalog
 accelerator (`--machine h100|h200|gaudi3|…`), with the rates the step-time model needs — peak FLOP/s per rank, the
 fraction of it a run achieves when no probe has measured it, link bandwidths, memory and power — each a `Figure`
-that says where it came from."""
+that says where it came from. A catalog accelerator that is also this machine's visible CUDA device reads this
+machine's calibration store (its probes: `gaudi3 plan --probe`, tune trials, benchmark cells), as a CPU does."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Machine:
     intra_node_bytes_per_s: Figure
     inter_node_bytes_per_s: Figure
     power_w_per_rank: Figure  # TDP; unknown on a CPU
-    store: CalibrationStore | None = None  # this machine's calibration (a CPU); None for a catalog machine
+    store: CalibrationStore | None = None  # this machine's calibration; None: a catalog machine not here
 
 
 @functools.cache
@@ -52,8 +53,36 @@ def _links() -> tuple[dict[str, Figure], dict[str, Figure]]:
     return figures("intra_node_gbs"), figures("inter_node_gbs")
 
 
+def _local_gpu_store(accelerator: str) -> CalibrationStore | None:
+    """This machine's calibration store when its visible CUDA device is the catalog's `accelerator`, else None.
+    (Gaudi is not detected here: only `device/` imports habana modules, and only for a run that asks for hpu.)"""
+    import torch
+
+    from gaudi3_scale.device.specs import find_accelerator
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    spec = find_accelerator(name)
+    if spec is None or spec.name != accelerator:
+        return None
+    return CalibrationStore.for_machine(machine_key(name, torch.cuda.device_count()))
+
+
+def _probes_mfu(store: CalibrationStore, peak_flops: float, fallback: Figure) -> Figure:
+    """The median achieved ÷ peak of the store's probes (what runs reach on this machine), else `fallback`."""
+    probes = list(store.probes.values())
+    if not probes:
+        return fallback
+    ratios = sorted(p.achieved_flops_per_rank / peak_flops for p in probes)
+    return measured(
+        ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
+    )
+
+
 def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
-    """A catalog accelerator by name or alias (`accelerators.yaml`); an unknown one is one line listing them."""
+    """A catalog accelerator by name or alias (`accelerators.yaml`); an unknown one is one line listing them.
+    When this machine's visible device is that accelerator, its calibration store comes with it."""
     from gaudi3_scale.device.specs import ACCELERATORS, accelerator_named
     from gaudi3_scale.metering.catalog import accelerators_per_node
 
@@ -66,16 +95,18 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     fp8 = precision == "fp8" and spec.fp8_dense_tflops is not None
     tflops = spec.fp8_dense_tflops if fp8 and spec.fp8_dense_tflops else spec.bf16_dense_tflops
     kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
+    store = _local_gpu_store(spec.name) if kind == "cuda" else None
+    peak = tflops * 1e12
     mfu = Figure(*fallback_mfu(kind))
+    if store is not None:
+        mfu = _probes_mfu(store, peak, mfu)
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
     return Machine(
         kind=spec.name,
         device_kind=kind,
         device_name=spec.name,
         ranks_per_node=accelerators_per_node(spec.name),
-        peak_flops_per_rank=from_catalog(
-            tflops * 1e12, f"{'FP8' if fp8 else 'BF16'} dense peak; {spec.source}"
-        ),
+        peak_flops_per_rank=from_catalog(peak, f"{'FP8' if fp8 else 'BF16'} dense peak; {spec.source}"),
         mfu=mfu,
         memory_bytes_per_rank=from_catalog(spec.memory_gb * 1e9, spec.source),
         intra_node_bytes_per_s=intra.get(spec.name, unknown_link),
@@ -83,6 +114,7 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
         power_w_per_rank=(
             from_catalog(spec.tdp_w, f"TDP; {spec.source}") if spec.tdp_w else assumed(None, "no sourced TDP")
         ),
+        store=store,
     )
 
 
@@ -93,12 +125,17 @@ def this_cpu(
     calibration store (`refresh_peak` measures it again); the MFU from this machine's probes when there are some."""
     import psutil
 
-    from gaudi3_scale.device.select import cpu_model_name, measure_cpu_matmul_flops, usable_cpu_cores
+    from gaudi3_scale.device.select import (
+        cpu_model_name,
+        cpu_threads_per_rank,
+        measure_cpu_matmul_flops,
+        usable_cpu_cores,
+    )
 
     cores = usable_cpu_cores()
     name = cpu_model_name()
     store = store or CalibrationStore.for_machine(machine_key(name, cores))
-    threads = max(1, cores // ranks_per_node)
+    threads = cpu_threads_per_rank(ranks_per_node)
     slot = f"cpu-{threads}-threads"
     stored = None if refresh_peak else store.peak(slot)
     if stored is None:
@@ -110,15 +147,8 @@ def this_cpu(
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(stored[1]))
     peak = measured(stored[0], f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} "
                     f"(calibration store {store.path}; --refresh-peak measures again)")  # fmt: skip
-    probes = list(store.probes.values())
-    if probes:
-        ratios = sorted(p.achieved_flops_per_rank / stored[0] for p in probes)
-        mfu = measured(
-            ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
-        )
-    else:
-        mfu = Figure(fallback_mfu("cpu")[0], "assumption: no probe on this machine yet (gaudi3 plan --probe "
-                     "measures one)")  # fmt: skip
+    mfu = _probes_mfu(store, stored[0], Figure(fallback_mfu("cpu")[0], "assumption: no probe on this machine "
+                     "yet (gaudi3 plan --probe, a gaudi3 tune trial or a benchmark cell measures one)"))  # fmt: skip
     return Machine(
         kind="cpu",
         device_kind="cpu",

@@ -29,7 +29,7 @@ from gaudi3_scale.forecast.pipeline import busiest_rank_share, pipeline_bubble, 
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.train.config import TrainConfig
 
-__all__ = ["Forecast", "RunShape", "forecast_run"]
+__all__ = ["Forecast", "RunShape", "forecast_run", "forecast_step", "stored_probe"]
 
 RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
 BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
@@ -62,10 +62,34 @@ class RunShape:
     device_kind: str
     nodes: int
     ranks_per_node: int
+    # CPU intra-op threads per rank when the config sets other than the run's default (usable cores ÷ ranks): a
+    # tune trial with half the threads is another layout. None (the default, and on accelerators) leaves the key
+    # as it was before threads were part of it, so stored probes keep matching.
+    threads: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelConfig,
+        plan: ParallelPlan,
+        batch: BatchPlan,
+        *,
+        precision: str,
+        device_kind: str,
+        nodes: int,
+        ranks_per_node: int,
+        threads: int | None = None,
+    ) -> RunShape:
+        """The shape of a run, its model's vocabulary padding resolved as the trainer resolves it
+        (`ModelConfig.resolve_padding` for the device and tensor parallel): a run's saved config.yaml (padding set)
+        and the config it came from (padding null) are one layout, with one key."""
+        model = model.resolve_padding(device_kind, tp_size=plan.tp_size)
+        return cls(model, plan, batch, precision, device_kind, nodes, ranks_per_node, threads)
 
     def layout(self) -> dict[str, Any]:
         """What decides a step's time and memory: a probe of the same layout measured this very step."""
         plan, batch = self.plan, self.batch
+        threads = {} if self.threads is None else {"threads": self.threads}
         return {
             "model": to_dict(self.model),
             "strategy": plan.strategy,
@@ -79,6 +103,7 @@ class RunShape:
             "accumulation": batch.accumulation,
             "precision": self.precision,
             "device_kind": self.device_kind,
+            **threads,
             # only under a pipeline, so that the keys of probes stored before pipelines existed still match
             **(
                 {"pp_size": plan.pp_size, "pp_schedule": plan.pp_schedule, "pp_split": list(plan.pp_split)}
@@ -175,10 +200,9 @@ def forecast_run(
     """The forecast of a run of `shape` on `machine` with its `train` and `checkpoint` sections; `probe`: a
     measurement of this layout (by default the calibration store's, when it has one)."""
     model = shape.model
-    if probe is None and machine.store is not None:
-        probe = machine.store.probes.get(shape.key)
+    probe = probe or stored_probe(shape, machine)
     memory = _memory(shape, probe)
-    step = _step(shape, machine, probe)
+    step = forecast_step(shape, machine, probe)
     step_time = step["step_time_s"].value
     assert step_time is not None
     tokens = modelled(shape.batch.tokens_per_step / step_time, "tokens per step ÷ step time")
@@ -205,6 +229,9 @@ def forecast_run(
         "world_size": ranks,
         "probe_key": shape.key,
         "probed": probe is not None and probe.key == shape.key,
+        # the machine whose calibration store this forecast read (None: a catalog machine without one): a run's
+        # plan.json says where it ran, so its measurements can feed that store (forecast.feed)
+        "calibration_machine": machine.store.machine if machine.store is not None else None,
         "layout": {k: v for k, v in shape.layout().items() if k != "model"},
         "tokens_per_step": shape.batch.tokens_per_step,
         "flops_per_step_per_rank": shape.flops_per_step_per_rank(),
@@ -231,7 +258,7 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     total = modelled(sum(p.value or 0.0 for p in parts.values()), how + " + what the allocator keeps"
                      if "allocator_bytes" in parts else how)  # fmt: skip
     if probe is not None and probe.key == shape.key:
-        total = measured(float(probe.peak_memory_bytes), f"probe of this layout, {probe.when()}")
+        total = measured(float(probe.peak_memory_bytes), probe.source())
     return {**parts, "total_bytes": total}
 
 
@@ -250,7 +277,16 @@ def _sample_memory(shape: RunShape) -> Figure:
     )
 
 
-def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, Figure]:
+def stored_probe(shape: RunShape, machine: Machine) -> Probe | None:
+    """The machine's stored probe of this very layout (a probe, a tune trial or a benchmark cell), or None."""
+    return None if machine.store is None else machine.store.probes.get(shape.key)
+
+
+def forecast_step(shape: RunShape, machine: Machine, probe: Probe | None = None) -> dict[str, Figure]:
+    """The step time of `shape` on `machine` (compute, exposed communication, their sum): the one step model
+    `gaudi3 plan`, the forecast `gaudi3 train` records and `gaudi3 cost compare` share. `probe`: a measurement of
+    this layout, by default the machine's stored one; it replaces the model."""
+    probe = probe or stored_probe(shape, machine)
     flops = shape.flops_per_step_per_rank()
     peak, mfu = machine.peak_flops_per_rank, machine.mfu
     assert peak.value is not None and mfu.value is not None
@@ -258,9 +294,7 @@ def _step(shape: RunShape, machine: Machine, probe: Probe | None) -> dict[str, F
     compute = modelled(flops / rate, f"FLOPs per rank ÷ (peak × MFU {mfu.value:.3f}: {mfu.source})")
     comm = _communication(shape, machine, compute.value or 0.0)
     if probe is not None and probe.key == shape.key:
-        step = measured(
-            probe.step_time_s, f"probe of this layout, {probe.when()} ({probe.step_time_s:.4g} s)"
-        )
+        step = measured(probe.step_time_s, f"{probe.source()} ({probe.step_time_s:.4g} s)")
         compute = modelled(step.value, "the probe's step (compute and communication together)")
         return {
             "compute_s": compute,
@@ -293,7 +327,8 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
         link_bytes_per_s=link, ranks_sharing_link=shape.ranks_per_node if spans_nodes else 1,
     )  # fmt: skip
     if link.value is None:
-        return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {link.source}")
+        why = link.source.split(": ", 1)[-1]  # the link's own "assumption: " is this figure's kind
+        return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {why}")
     # Between nodes, a node's network cards are shared by its ranks: each rank's ring traffic gets its share.
     per_rank = link.value / shape.ranks_per_node if spans_nodes else link.value
     dp_s = (moved.data_parallel + moved.replicas) / per_rank
@@ -324,7 +359,7 @@ def _wall(
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
     if same and probe is not None:
-        startup = measured(probe.startup_s, f"probe of this layout, {probe.when()}")
+        startup = measured(probe.startup_s, probe.source())
         per_warmup = probe.warmup_s / max(probe.warmup_steps, 1)
         warmup = measured(per_warmup * warmup_steps, "the probe's warm-up steps")
     else:
@@ -385,7 +420,7 @@ def _checkpoints(ckpt: CheckpointConfig, max_steps: int, shape: RunShape, probe:
 
 
 def _energy(machine: Machine, ranks: int, wall_h: float) -> Figure:
-    from gaudi3_scale.cost.comparison import DEFAULT_PUE, PUE_SOURCE
+    from gaudi3_scale.metering.catalog import DEFAULT_PUE, PUE_SOURCE
 
     power = machine.power_w_per_rank
     if power.value is None:

@@ -103,4 +103,5 @@ def probe_from_summary(summary: dict[str, Any], shape: RunShape, *, val_batches:
         checkpoint_s=checkpoint_s,
         peak_memory_bytes=int(summary["peak_memory_bytes"]),
         flops_per_step_per_rank=flops,
+        measured_steps=measured_steps,
     )

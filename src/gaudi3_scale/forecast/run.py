@@ -31,7 +31,17 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: in
     precision = _precision(cfg, machine.device_kind)
     plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
     batch = cfg.batch_plan(world)
-    return RunShape(model, plan, batch, precision, machine.device_kind, nodes, per_node)
+    threads = _threads(cfg, per_node) if machine.device_kind == "cpu" else None
+    return RunShape.build(model, plan, batch, precision=precision, device_kind=machine.device_kind, nodes=nodes,
+                          ranks_per_node=per_node, threads=threads)  # fmt: skip
+
+
+def _threads(cfg: RunConfig, ranks_per_node: int) -> int | None:
+    """`train.threads` when it is not the run's default (usable cores ÷ ranks, as `train.assembly` sets)."""
+    from gaudi3_scale.device.select import cpu_threads_per_rank
+
+    threads = cfg.train.threads
+    return threads if threads not in (None, cpu_threads_per_rank(ranks_per_node)) else None
 
 
 def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:

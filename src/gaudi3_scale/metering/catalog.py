@@ -17,8 +17,21 @@ from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.files import parse_yaml, read_text_file
 from gaudi3_scale.device.specs import ACCELERATORS
 
-__all__ = ["DEFAULT_NODE_SIZE", "Instance", "accelerators_per_node", "load_instances"]
+__all__ = [
+    "DEFAULT_NODE_SIZE",
+    "DEFAULT_PUE",
+    "PUE_SOURCE",
+    "Instance",
+    "accelerators_per_node",
+    "load_instances",
+]
 
+# Industry-average power usage effectiveness (total site power ÷ IT power): Uptime Institute, "Large data centers
+# are mostly more efficient, analysis confirms" (UII Update 221, 23 Nov 2023): "In 2023, industry average PUE stood
+# at 1.58". Hyperscale sites run lower; pass your own with `gaudi3 cost compare --pue`. `gaudi3 plan`'s energy uses it
+# too (forecast.model), so it lives here, below both.
+DEFAULT_PUE = 1.58
+PUE_SOURCE = "Uptime Institute industry average for 2023 (UII Update 221, 2023-11-23)"
 DEFAULT_NODE_SIZE = 8  # accelerators per node when the catalog has no instance (8-OAM Gaudi / HGX baseboards)
 _PRICES = ("on_demand_usd_per_hour", "capacity_block_usd_per_hour")
 _MAX_PER_NODE = 1024  # accelerators on one node; the largest today carry 8 (16 on a few NVL/UBB boards)

@@ -21,7 +21,7 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.inputs import TrainingData
 from gaudi3_scale.data.mlm import MlmMasking, mlm_vocabulary
-from gaudi3_scale.device.select import DevicePlan, plan_device, usable_cpu_cores
+from gaudi3_scale.device.select import DevicePlan, cpu_threads_per_rank, plan_device
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
@@ -53,7 +53,7 @@ def quiet_lightning() -> None:
 
 def plan_run_device(train: TrainConfig, *, nproc_per_node: int) -> DevicePlan:
     """Threads, device and precision; run first, so a missing accelerator fails before any data work."""
-    threads = train.threads or max(1, usable_cpu_cores() // nproc_per_node)
+    threads = train.threads or cpu_threads_per_rank(nproc_per_node)
     torch.set_num_threads(threads)
     # Lightning's process launchers reset the thread count unless OMP_NUM_THREADS is set; ours wins.
     os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -238,7 +238,7 @@ def print_estimate_table(
         )
     if spec is not None and memory is None:
         text = format_layouts(
-            resolved_model(base.model, base.data),
+            resolved_model(base.model, base.data).resolve_padding(device_kind_of(spec)),
             spec,
             world_size=world_size,
             per_node=per_node,
@@ -254,7 +254,8 @@ def print_estimate_table(
         if memory is None:
             memory = int(spec.memory_gb * 1e9)
     table = format_estimate_table(
-        resolved_model(base.model, base.data),
+        # the vocabulary padded as the trainer pads it on this device, as gaudi3 plan's memory (forecast.model)
+        resolved_model(base.model, base.data).resolve_padding(device_kind),
         world_size=world_size,
         micro_batch_size=micro,
         precision=base.train.precision,

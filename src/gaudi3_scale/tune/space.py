@@ -17,7 +17,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.device.float8 import float8_unsupported_reason
-from gaudi3_scale.device.select import usable_cpu_cores
+from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
@@ -246,7 +246,7 @@ def available_strategies(world_size: int, device: str = "cpu") -> tuple[str, ...
 
 def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
     """The run's default (usable cores ÷ ranks) and half of it: fewer threads per rank can win on busy hosts."""
-    per_rank = max(1, usable_cpu_cores() // world_size)
+    per_rank = cpu_threads_per_rank(world_size)
     return tuple(sorted({per_rank, max(1, per_rank // 2)}, reverse=True))
 
 

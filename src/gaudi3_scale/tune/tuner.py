@@ -167,7 +167,11 @@ def run_tuner(
     console: Console | None = None,
     estimate: Callable[[Candidate], int | None] | None = None,
     extra_overrides: tuple[str, ...] = (),
+    on_trial: Callable[[TrialResult, Path], str | None] | None = None,
 ) -> TuneResult:
+    """Search `space` with real trials under `out_dir`; `on_trial(result, run_dir)` sees each trial run now (not
+    one from the cache) with its run directory, and the line it returns is printed under the trial's
+    (`gaudi3 tune` feeds the calibration store with it: forecast.feed)."""
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
@@ -207,6 +211,10 @@ def run_tuner(
                 + ("" if r.status == "ok" else f" — {r.reason}"),
                 highlight=False,
             )
+        if r.ran and not cached and on_trial is not None:
+            note = on_trial(r, trials_dir / r.candidate.key / "run")
+            if note:
+                progress.console.print(f"    {note}", highlight=False)
 
     cache = TrialCache(out_dir / "trials.jsonl", _fingerprint(base, space, config))
     groups = len(space.strategies) * len(space.precisions) * len(space.global_batches)
