@@ -3,6 +3,8 @@
 
     python3 run.py train [gaudi3 train options]   # train shakespeare-char on the bundled corpus, print a sample
     python3 run.py test  [pytest options]         # ruff, mypy, then the whole pytest suite (2 workers)
+    python3 run.py docs  [--generate]             # build the documentation site into site/ (mkdocs --strict);
+                                                  # --generate first rewrites the generated reference pages
 
 Needs only Python >= 3.11 with pip and venv. The install is skipped when pyproject.toml and the pinned
 constraints are unchanged since the last one (a stamp file in .venv records their hash). `test` also sets up
@@ -25,10 +27,11 @@ STAMP = VENV / ".gaudi3-install"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 TOOLS = ROOT / ".venv-tools"  # the tests find checkov at .venv-tools/bin/checkov (tests/conftest.py)
 TOOLS_PINS = ROOT / "requirements/tools.txt"
+EXTRAS = "test,deepspeed,docs"  # part of the install fingerprint: another set of extras installs again
 
 
-def _install_fingerprint(*files: str) -> str:
-    h = hashlib.sha256(sys.version.encode())
+def _install_fingerprint(*files: str, extras: str = "") -> str:
+    h = hashlib.sha256(sys.version.encode() + extras.encode())
     for rel in files:
         h.update((ROOT / rel).read_bytes())
     return h.hexdigest()
@@ -36,7 +39,7 @@ def _install_fingerprint(*files: str) -> str:
 
 def ensure_venv() -> Path:
     python = BIN / "python"
-    fingerprint = _install_fingerprint("pyproject.toml", "requirements/constraints.txt")
+    fingerprint = _install_fingerprint("pyproject.toml", "requirements/constraints.txt", extras=EXTRAS)
     if python.exists() and STAMP.is_file() and STAMP.read_text().strip() == fingerprint:
         return python
     if not python.exists():
@@ -53,7 +56,7 @@ def ensure_venv() -> Path:
             "-c",
             str(ROOT / "requirements/constraints.txt"),
             "-e",
-            f"{ROOT}[test,deepspeed]",
+            f"{ROOT}[{EXTRAS}]",
         ],
         check=True,
     )
@@ -83,13 +86,26 @@ def _run(cmd: list[str]) -> None:
         sys.exit(code)
 
 
+def docs(python: Path, rest: list[str]) -> None:
+    """The site into site/: `mkdocs build --strict` (a warning, e.g. a broken link, fails it)."""
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # mkdocs-material's end-of-life banner, once per build
+    if rest:
+        _run([str(python), "-m", "gaudi3_scale.cli.reference", "--write"])
+    _run([str(python), "-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site")])
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in ("train", "test"):
+    if not argv or argv[0] not in ("train", "test", "docs"):
         sys.exit(__doc__)
+    if argv[0] == "docs" and argv[1:] not in ([], ["--generate"]):
+        sys.exit("usage: python3 run.py docs [--generate]")
     python = ensure_venv()
     verb, rest = argv[0], argv[1:]
     if verb == "train":
         os.execv(str(BIN / "gaudi3"), [str(BIN / "gaudi3"), "train", *rest])
+    if verb == "docs":
+        docs(python, rest)
+        return
     ensure_tools()
     _run([str(BIN / "ruff"), "check", "src", "tests", "benchmarks", "run.py"])
     _run([str(BIN / "ruff"), "format", "--check", "src", "tests", "benchmarks", "run.py"])

@@ -1,4 +1,5 @@
-"""Every ```python block of the README runs as written on this CPU, and does what the text around it says."""
+"""Every ```python block of the README and the docs site (docs/**/*.md) runs as written on this CPU, and does what the
+text around it says (the blocks moved from the README into the docs: reference/python.md, hardware.md, how-to/plan-cost.md)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from gaudi3_scale.device.hpu import hpu_available
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(
-    r"^```python\n(.*?)^```$", README.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE
-)
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCKS = [
+    block
+    for page in PAGES
+    for block in re.findall(
+        r"^```python\n(.*?)^```$", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE
+    )
+]
 
 # Each block is recognised by one line it contains; every block must be claimed by exactly one test.
 MARKERS = {
@@ -41,7 +47,7 @@ def _block(key: str) -> str:
 def _run(key: str, where: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.chdir(where)
     namespace: dict[str, Any] = {"__name__": f"readme_{key}"}
-    exec(compile(_block(key), f"README.md[{key}]", "exec"), namespace)
+    exec(compile(_block(key), f"docs[{key}]", "exec"), namespace)
     return namespace
 
 
@@ -81,7 +87,7 @@ def test_optimizer_falls_back_and_either_trainer_takes_the_precision_plugin(
     code = block.replace("import lightning.pytorch as pl", f"import {namespace} as pl")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exec(compile(code, "README.md[optimizer_precision]", "exec"), ns)
+        exec(compile(code, "docs[optimizer_precision]", "exec"), ns)
     messages = [str(w.message) for w in caught if "gaudi3" in w.filename or "Gaudi" in str(w.message)]
     assert [m for m in messages if "GaudiOptimizer" in m] == [
         "GaudiOptimizer.FusedAdamW(use_habana=True): no Gaudi (HPU) is usable here; using torch.optim.AdamW"

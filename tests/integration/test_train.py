@@ -54,7 +54,7 @@ def test_readme_train_command_reaches_the_published_val_loss(readme_run: tuple[P
     _out, summary, stdout = readme_run
     assert summary["steps"] == 2000
     # nanoGPT README: this model shape on a CPU reaches val loss 1.88 after 2,000 iterations — a figure given to two
-    # decimals, so anything that rounds to 1.88 reaches it (seed-to-seed spread is ±0.01; README "Performance").
+    # decimals, so anything that rounds to 1.88 reaches it (seed-to-seed spread is ±0.01; docs/performance/cpu.md).
     assert summary["val_loss"] < 1.885, summary
     sample = stdout.split("---- sample ----", 1)[1]
     assert len(sample.strip()) > 100

@@ -3,7 +3,7 @@
 
 The paths are found, not listed: each public module of the package (its `__all__`; a name exported lazily gets its
 own statement per home module, since only its first access imports that home) and every `gaudi3_scale` import
-written in README.md and docs/*.md. Package first is one interpreter per statement: the statement is the first thing
+written in README.md and the docs site's pages (docs/**/*.md). Package first is one interpreter per statement: the statement is the first thing
 the interpreter imports, so no earlier import can have loaded Lightning for it. Lightning first is one interpreter
 per namespace running every statement (Lightning is loaded before any of them, so nothing is hidden). After each,
 every Lightning namespace loaded must already hold our plugins, and the seed's `GaudiMixedPrecision` object must be
@@ -28,7 +28,7 @@ import pytest
 import gaudi3_scale
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 IMPORT = re.compile(r"\b(from gaudi3_scale(?:\.\w+)* import \w+(?:, \w+)*|import gaudi3_scale(?:\.\w+)*)")
 CHAINS = 3  # interpreters side by side for the package-first order

@@ -5,8 +5,8 @@
 `gaudi3 train`, `prepare`, `tune`, `benchmark` and `deploy render` refuse a URL with credentials alike, before
 anything is written. The resolved config goes into the run directory (`config.yaml`), into every tracker's
 hyperparameters, into checkpoints and into the rendered deployment files (Terraform user data, `docker/run.yaml`,
-`ansible/files/run.yaml`, the Kubernetes ConfigMap), which the README promises never hold a secret. Credentials
-come from the backend's own environment instead (s3fs: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; MLflow:
+`ansible/files/run.yaml`, the Kubernetes ConfigMap), which docs/how-to/deploy.md promises never hold a secret.
+Credentials come from the backend's own environment instead (s3fs: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; MLflow:
 MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN), which a deployment fills from a
 secret it references by name (k8s.credentials_secret, the Terraform `secrets` variable).
 """
