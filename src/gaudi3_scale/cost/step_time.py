@@ -48,7 +48,8 @@ def comparison_shape(
         activation_checkpointing=a.activation_checkpointing,
         tp_size=tp,
         pp_size=pp,
-        **({"pp_schedule": "1f1b", "pp_split": split} if pp > 1 else {}),
+        pp_schedule="1f1b",
+        pp_split=split,
     )
     # As the trainer builds it (RunConfig.parallel_plan): sharded bf16-mixed parameters are gathered in bf16.
     plan = dataclasses.replace(plan, bf16_params=a.precision == "bf16-mixed" and plan.shards_parameters)
