@@ -142,7 +142,8 @@ def test_llama3_405b_under_a_pipeline_reports_its_bubble(tmp_path: Path) -> None
     )
     assert "(p − 1)/(m + p − 1)" in forecast["step"]["bubble_s"]["source"]
     assert "pipeline point-to-point" in forecast["step"]["communication_s"]["source"]
-    assert "steady state" in forecast["memory"]["total_bytes"]["source"]
+    memory = forecast["memory"]["total_bytes"]["source"]
+    assert "steady state" in memory and "pipeline rank " in memory and "of 8, the largest" in memory
 
 
 @pytest.mark.parametrize(

@@ -245,7 +245,13 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     estimate = estimate_memory(
         shape.model, shape.plan, shape.batch, precision=shape.precision, device_kind=shape.device_kind
     )
-    how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase})"
+    stage = (
+        f"; pipeline rank {estimate.pp_rank} of {estimate.pp_size}, the largest: stages "
+        f"{', '.join(map(str, estimate.pp_stages))}, {estimate.in_flight_micro_batches} micro-batch(es) in flight"
+        if estimate.pp_size > 1
+        else ""
+    )
+    how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase}{stage})"
     parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
     if shape.device_kind == "cpu":  # host memory: what the allocator keeps counts
         import os
