@@ -15,7 +15,13 @@ bench_strategies.py). Three shapes, each stressing other terms:
 The first two cases calibrate the empirical runtime baselines (a negligible model, without and with DeepSpeed); the
 others are the validation, target |error| ≤ 20 %.
 
+Pipeline cases (`--pipeline`, or `--only pp2`): PP 2 on 2 ranks (FSDP over 1 rank per stage), each schedule, an
+8 × 384 Llama, micro-batch 8 × 4 micro-batches; every rank's measured peak against the estimate for its pipeline
+rank (`estimate_memory(..., pp_rank=r)`; rank r is pipeline rank r: the pipeline is the outermost mesh dimension),
+target ±20 % per stage.
+
     python benchmarks/bench_memory_estimate.py     # writes benchmarks/results/memory_estimate_cpu.json and .png
+    python benchmarks/bench_memory_estimate.py --pipeline   # only the PP 2 cases: memory_estimate_pipeline_cpu.json
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ MODELS: dict[str, list[str]] = {
     "llama": ["--model.name", "llama-tiny", "--model.dim", "384", "--model.num_layers", "6",
               "--model.num_heads", "6", "--model.num_kv_heads", "2", "--model.ffn_dim", "1024",
               "--model.context_length", "256"],
+    "llama8": ["--model.name", "llama-tiny", "--model.dim", "384", "--model.num_layers", "8",
+               "--model.num_heads", "6", "--model.num_kv_heads", "2", "--model.ffn_dim", "1024",
+               "--model.context_length", "256"],
 }  # fmt: skip
 
 # (name, model, strategy, ranks, micro-batch, activation checkpointing, precision, steps)
@@ -73,15 +82,59 @@ CASES = [
 ]
 
 
-def _train(out: Path, case: tuple) -> dict[str, Any]:
+# (name, model, schedule, micro-batch, micro-batches per step, activation checkpointing, steps): PP 2 on 2 ranks
+PIPELINE_CASES = [
+    ("llama8-pp2-gpipe-b8x4", "llama8", "gpipe", 8, 4, False, 3),
+    ("llama8-pp2-1f1b-b8x4", "llama8", "1f1b", 8, 4, False, 3),
+    ("llama8-pp2-interleaved_1f1b-b8x4", "llama8", "interleaved_1f1b", 8, 4, False, 3),
+    ("llama8-pp2-zbv-b8x4", "llama8", "zbv", 8, 4, False, 3),
+    ("llama8-pp2-1f1b-b16x2-ckpt", "llama8", "1f1b", 16, 2, True, 3),
+]
+
+
+def _train_pipeline(out: Path, case: tuple) -> list[dict[str, Any]]:
+    """One PP 2 run; a row per pipeline rank."""
+    name, model, schedule, micro, accumulation, ckpt, steps = case
+    extra = ["--parallel.pp_size", "2", "--parallel.pp_schedule", schedule]
+    plain = (name, model, "fsdp", 2, micro, ckpt, "32-true", steps)
+    cell = _train(out, plain, extra=extra, global_batch_size=micro * accumulation)
+    if "error" in cell:
+        return [{"case": name, "schedule": schedule, **cell}]
+    cfg = build_run_config(out / "config.yaml")
+    rows = []
+    for rank in range(2):
+        estimate = estimate_memory(
+            cfg.model,
+            cfg.parallel_plan(),
+            cfg.batch_plan(),
+            precision="32-true",
+            device_kind="cpu",
+            pp_rank=rank,
+        )
+        measured = max(step[rank] for step in cell["measured_bytes_per_rank_per_step"])
+        rows.append({
+            "case": f"{name}-stage{rank}", "schedule": schedule, "pp_rank": rank, "micro_batch_size": micro,
+            "micro_batches": accumulation, "activation_checkpointing": ckpt, "measured_bytes": measured,
+            "estimate_bytes": estimate.total_bytes,
+            "estimate": {**dict(estimate.rows()), "peak_phase": estimate.peak_phase,
+                         "in_flight_micro_batches": estimate.in_flight_micro_batches},
+            "error_pct": 100.0 * (estimate.total_bytes - measured) / measured, "wall_s": cell["wall_s"],
+        })  # fmt: skip
+    return rows
+
+
+def _train(
+    out: Path, case: tuple, *, extra: list[str] | None = None, global_batch_size: int | None = None
+) -> dict[str, Any]:
     _, model, strategy, ranks, micro, ckpt, precision, steps = case
     args = [
         sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), *MODELS[model],
         "--parallel.strategy", strategy, "--parallel.activation_checkpointing", str(ckpt).lower(),
-        "--train.precision", precision, "--train.global_batch_size", str(micro * ranks),
+        "--train.precision", precision,
+        "--train.global_batch_size", str(global_batch_size or micro * ranks),
         "--train.micro_batch_size", str(micro), "--train.max_steps", str(steps), "--train.val_every_steps", "0",
         "--checkpoint.every_steps", "0", "--train.log_every_steps", "1", "--train.threads", "1",
-        "--sample-tokens", "0", "--no-progress", "--train.resume", "never",
+        "--sample-tokens", "0", "--no-progress", "--train.resume", "never", *(extra or []),
     ]  # fmt: skip
     if ranks > 1:
         args += ["--nproc-per-node", str(ranks)]
@@ -92,7 +145,15 @@ def _train(out: Path, case: tuple) -> dict[str, Any]:
         lines = proc.stderr.strip().splitlines()
         return {"error": lines[-1] if lines else f"exit {proc.returncode}"}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    per_step = [max(r["peak_memory_bytes_per_rank"]) for r in records if "peak_memory_bytes_per_rank" in r]
+    per_rank_per_step = [
+        r["peak_memory_bytes_per_rank"] for r in records if "peak_memory_bytes_per_rank" in r
+    ]
+    per_step = [max(ranks) for ranks in per_rank_per_step]
+    if extra:  # a pipeline run: the caller estimates each pipeline rank
+        return {
+            "measured_bytes_per_rank_per_step": per_rank_per_step,
+            "wall_s": time.perf_counter() - started,
+        }
     cfg = build_run_config(out / "config.yaml")  # the resolved config: vocabulary from the dataset
     # as the run resolved it: its strategy on `ranks` ranks, its micro-batch and activation checkpointing
     estimate = estimate_memory(
@@ -152,7 +213,13 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "memory_estimate_cpu.json"
     )
+    parser.add_argument(
+        "--pipeline", action="store_true", help="only the PP 2 cases (their own results file)"
+    )
     args = parser.parse_args()
+    if args.pipeline:
+        _main_pipeline(args.out.with_name("memory_estimate_pipeline_cpu.json"), args.only)
+        return
     cases = [c for c in CASES if not args.only or any(s in c[0] for s in args.only)]
     plan = CALIBRATION + cases
     rows = []
@@ -166,13 +233,7 @@ def main() -> None:
             continue
         model_bytes = row["estimate_bytes"] - row["estimate"]["runtime"]
         fitted[constant] = row["measured_bytes"] - model_bytes - sum(fitted.values())
-    print(f"{'case':28s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak at")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['case']:28s} failed: {row['error']}")
-            continue
-        print(f"{row['case']:28s} {row['estimate_bytes'] / 2**30:8.3f}G {row['measured_bytes'] / 2**30:8.3f}G "
-              f"{row['error_pct']:+6.1f}%  {row['estimate']['peak_phase']}")  # fmt: skip
+    _print_rows(rows, width=28)
     errors = [abs(r["error_pct"]) for r in validation if "error_pct" in r]
     within = sum(e <= 20 for e in errors)
     print(
@@ -199,6 +260,42 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     _plot(validation, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def _print_rows(rows: list[dict[str, Any]], *, width: int) -> None:
+    print(f"{'case':{width}s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak at")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['case']:{width}s} failed: {row['error']}")
+            continue
+        print(f"{row['case']:{width}s} {row['estimate_bytes'] / 2**30:8.3f}G {row['measured_bytes'] / 2**30:8.3f}G "
+              f"{row['error_pct']:+6.1f}%  {row['estimate']['peak_phase']}")  # fmt: skip
+
+
+def _main_pipeline(out: Path, only: list[str] | None) -> None:
+    cases = [c for c in PIPELINE_CASES if not only or any(s in c[0] for s in only)]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, case in enumerate(track(cases, description="PP 2 memory cases")):
+            rows += _train_pipeline(Path(tmp) / str(i), case)
+    _print_rows(rows, width=40)
+    errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
+    within = sum(e <= 20 for e in errors)
+    print(f"pipeline stages: {within}/{len(rows)} within ±20 %, max |error| {max(errors, default=0):.1f} %")
+    report = {
+        "benchmark": "memory_estimate_pipeline_cpu",
+        "machine": environment_info(),
+        "threads_per_rank": 1,
+        "malloc_mmap_threshold": 131072,
+        "stages_within_20_pct": within,
+        "stages": len(rows),
+        "max_abs_error_pct": max(errors, default=None),
+        "validation": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""Scale-out on paper (issue #39, item 5): `gaudi3 plan --machine h100|gaudi3 --nodes 8|16|64` for the Llama 3 8B
-and 70B recipes, and how each predicted step splits into compute, exposed communication and the pipeline bubble.
+"""Scale-out on paper (issue #39, item 5; #40, item 4): `gaudi3 plan --machine h100|gaudi3 --nodes N` for the Llama 3
+8B and 70B recipes (8, 16, 64 nodes) and 405B (16, 32, 64 nodes), and how each predicted step splits into compute,
+exposed communication (pipeline point-to-point included) and the pipeline bubble.
 
 Nothing here runs on those machines: it is the forecast model (`gaudi3_scale.forecast`) with catalog figures, each
 with its source (peak FLOP/s, link bandwidths in `forecast/links.yaml`, prices), and the fallback MFU of each device
 kind (measured on an H200 for CUDA; an assumption for Gaudi, not yet validated on Gaudi hardware). The recipes are
 docs/llama3_recipe.md's: context 8,192, 1,024 sequences (8.4 M tokens) per step, bf16, FSDP with activation
-checkpointing; 70B adds tensor parallel 2 inside a node. Days and dollars are for 10¹² tokens.
+checkpointing; 70B adds tensor parallel 2 inside a node; 405B runs tensor parallel 8 inside a node × pipeline
+parallel 8 across nodes (1F1B, the Llama 3 split: one layer fewer on the first and last stage, as Meta split 126
+layers over 16 stages, Dubey et al. 2024 §3.3.2) × FSDP over the rest (docs/llama3_405b.md). Days and dollars
+are for 10¹² tokens.
 
     PYTHONPATH=src python benchmarks/plan_scale_out.py   # → benchmarks/results/plan_scale_out.json, .md, .png
                                                           #   and docs/img/plan_scale_out.png
@@ -20,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.device.specs import accelerator_named
+from gaudi3_scale.distributed.schedule_math import balanced_split
 from gaudi3_scale.forecast.run import forecast_config
 from gaudi3_scale.monitor.environment import environment_info
 
@@ -37,12 +43,16 @@ RECIPES: dict[str, list[str]] = {
         "2",
         *COMMON,
     ],
+    # TP 8 in a node × PP 8 across nodes (1F1B), the Llama 3 split of 126 layers: 15, 16 × 6, 15
+    "llama3-405b": "--model.name llama3-405b --train.micro_batch_size 1 --parallel.tp_size 8 --parallel.pp_size 8 "
+    f"--parallel.pp_schedule 1f1b --parallel.pp_split [{','.join(map(str, balanced_split(126, 8) or ()))}]".split()
+    + COMMON,
 }
 MACHINES = {
     "h100": "aws/p5.48xlarge/us-east-1",
     "gaudi3": None,
 }  # the catalog instance priced per node (Gaudi 3: none sourced)
-NODES = (8, 16, 64)
+NODES = {"llama3-8b": (8, 16, 64), "llama3-70b": (8, 16, 64), "llama3-405b": (16, 32, 64)}
 
 
 def _row(recipe: str, machine: str, nodes: int) -> dict[str, Any]:
@@ -64,15 +74,17 @@ def _row(recipe: str, machine: str, nodes: int) -> dict[str, Any]:
         "layout": plan["run"]["layout"],
         "compute_s": step["compute_s"],
         "communication_s": step["communication_s"],
-        "bubble_s": 0.0,  # no pipeline parallelism in these layouts
+        "bubble_s": step["bubble_s"],
         "step_time_s": step["step_time_s"],
         "tokens_per_s": tokens_per_s,
         "days_per_1e12_tokens": days,
         "usd_per_1e12_tokens": usd_per_tokens,
         "peak_memory_bytes": plan["memory"]["total_bytes"]["value"],
+        "fits": plan["memory"]["total_bytes"]["value"] <= accelerator_named(machine).memory_gb * 1e9,
         "sources": {
             "compute": plan["step"]["compute_s"]["source"],
             "communication": plan["step"]["communication_s"]["source"],
+            "bubble": plan["step"]["bubble_s"]["source"],
             "cost": plan["cost_usd"]["source"],
         },
     }
@@ -88,10 +100,12 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
         comm = r["communication_s"]
         share = f" ({comm / r['step_time_s']:.0%})" if comm is not None else ""
         usd = f"{r['usd_per_1e12_tokens'] / 1e6:,.1f} M" if r["usd_per_1e12_tokens"] else "no sourced price"
+        bubble = f"{r['bubble_s']:.1f} s" if r["bubble_s"] else "—"
         lines.append(
             f"| {r['model']} | {r['machine']} | {r['nodes']} | {r['layout']['accumulation']} | "
-            f"{r['compute_s']:.1f} s | {comm:.1f} s{share} | — | {r['step_time_s']:.1f} s | "
-            f"{r['peak_memory_bytes'] / 2**30:.1f} GiB | {r['days_per_1e12_tokens']:.1f} | {usd} |"
+            f"{r['compute_s']:.1f} s | {comm:.1f} s{share} | {bubble} | {r['step_time_s']:.1f} s | "
+            f"{r['peak_memory_bytes'] / 2**30:.1f} GiB{'' if r['fits'] else ' (does not fit)'} | "
+            f"{r['days_per_1e12_tokens']:.1f} | {usd} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -102,7 +116,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(RECIPES), figsize=(12, 4), dpi=110)
+    fig, axes = plt.subplots(1, len(RECIPES), figsize=(16, 4), dpi=110)
     for ax, recipe in zip(axes, RECIPES, strict=True):
         mine = [r for r in rows if r["model"] == recipe]
         labels = [f"{r['machine']}\n{r['nodes']} nodes" for r in mine]
@@ -111,6 +125,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         comm = [100 * (r["communication_s"] or 0.0) / step for r, step in zip(mine, steps, strict=True)]
         ax.bar(labels, compute, label="compute")
         ax.bar(labels, comm, bottom=compute, label="exposed communication")
+        bubble = [100 * (r["bubble_s"] or 0.0) / step for r, step in zip(mine, steps, strict=True)]
+        below = [c + m for c, m in zip(compute, comm, strict=True)]
+        ax.bar(labels, bubble, bottom=below, label="pipeline bubble")
         for x, step in enumerate(steps):
             ax.text(x, 101, f"{step:.3g} s", ha="center", va="bottom", fontsize=7)
         ax.set_ylim(0, 112)
@@ -134,7 +151,9 @@ def main() -> None:
     parser.add_argument("--docs-image", type=Path, default=Path("docs/img/plan_scale_out.png"),
                         help="also copy the plot here (empty: do not)")  # fmt: skip
     args = parser.parse_args()
-    rows = [_row(recipe, machine, nodes) for recipe in RECIPES for machine in MACHINES for nodes in NODES]
+    rows = [
+        _row(recipe, machine, nodes) for recipe in RECIPES for machine in MACHINES for nodes in NODES[recipe]
+    ]
     result = {
         "benchmark": "plan_scale_out",
         "command": "PYTHONPATH=src python benchmarks/plan_scale_out.py " + " ".join(sys.argv[1:]),

@@ -107,7 +107,9 @@ def test_a_catalog_machine_lends_its_node_to_the_config_and_the_scale_out_table_
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert {(r["model"], r["machine"], r["nodes"]) for r in rows} == {
         (m, k, n) for m in ("llama3-8b", "llama3-70b") for k in ("h100", "gaudi3") for n in (8, 16, 64)
-    }
+    } | {("llama3-405b", k, n) for k in ("h100", "gaudi3") for n in (16, 32, 64)}
+    # the pipelined 405B rows carry the forecast's bubble, the others none
+    assert all((r["bubble_s"] > 0) == (r["model"] == "llama3-405b") for r in rows)
     for row in rows:
         assert row["step_time_s"] == pytest.approx(
             row["compute_s"] + row["communication_s"] + row["bubble_s"]
@@ -118,6 +120,30 @@ def test_a_catalog_machine_lends_its_node_to_the_config_and_the_scale_out_table_
             else row["usd_per_1e12_tokens"] > 0
         )
     assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "s-docs.png").stat().st_size > 0
+
+
+def test_llama3_405b_under_a_pipeline_reports_its_bubble(tmp_path: Path) -> None:
+    """16 nodes of 8 H100: tensor parallel 8 × pipeline parallel 8 (the Llama 3 split of 126 layers) × FSDP 2; the
+    step's bubble is the 1F1B formula's share of it, the memory that of the busiest pipeline rank."""
+    done = _plan(tmp_path, "--machine", "h100", "--nodes", "16", "--model.name", "llama3-405b", "--data.tokenizer",
+                 "gpt2", "--parallel.pp_size", "8", "--parallel.pp_split", "[15,31,47,63,79,95,111]",
+                 "--parallel.tp_size", "8", "--parallel.activation_checkpointing", "true",
+                 "--train.global_batch_size", "256", "--train.micro_batch_size", "1", "--out", "p.json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "bubble" in done.stdout
+    forecast = json.loads((tmp_path / "p.json").read_text())
+    step = {k: v["value"] for k, v in forecast["step"].items()}
+    m, p = 128, 8  # 256 sequences over 2 data-parallel pipelines of micro-batch 1
+    assert forecast["run"]["layout"]["accumulation"] == m and forecast["run"]["layout"]["pp_size"] == p
+    bubble = (p - 1) / (m + p - 1)  # of the step; the busiest rank computes the rest
+    assert step["bubble_s"] == pytest.approx(step["compute_s"] * bubble / (1 - bubble))
+    assert step["step_time_s"] == pytest.approx(
+        step["compute_s"] + step["communication_s"] + step["bubble_s"]
+    )
+    assert "(p − 1)/(m + p − 1)" in forecast["step"]["bubble_s"]["source"]
+    assert "pipeline point-to-point" in forecast["step"]["communication_s"]["source"]
+    memory = forecast["memory"]["total_bytes"]["source"]
+    assert "steady state" in memory and "pipeline rank " in memory and "of 8, the largest" in memory
 
 
 @pytest.mark.parametrize(

@@ -319,3 +319,12 @@ def test_without_mfu_each_device_kind_gets_ours_measured_or_a_labelled_assumptio
     assert "gpu_shapes_cuda_h200.json" in h100.mfu_source
     assert gaudi3.mfu == 0.40 and gaudi3.mfu_source.startswith("assumption: an unsourced fallback")
     assert "not yet validated on Gaudi hardware" in gaudi3.mfu_source
+
+
+def test_llama3_405b_fits_h100_only_with_a_tensor_or_pipeline_layout() -> None:
+    """Plain FSDP fits 405B on no H100 count (micro-batch 1's checkpointed activations alone fill the device); the
+    comparison then takes the leanest layout with tensor parallel inside a node × pipeline parallel, and says so."""
+    row = compare_training_cost("llama3-405b", "1T", ["h100"], mfu=0.4).rows[0]
+    assert row.fits and row.min_accelerators is not None and row.min_accelerators % 8 == 0
+    assert "layout tensor parallel 8" in row.note and "plain fsdp fits on no device count" in row.note
+    assert row.memory_per_device_gib is not None and row.memory_per_device_gib * 2**30 <= 0.95 * 80e9

@@ -113,3 +113,26 @@ def test_dry_run_of_the_default_single_process_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "single on 1 rank(s)" in proc.stdout and "estimated peak per rank:" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_of_a_pipeline_names_the_rank_it_estimates(tmp_path: Path) -> None:
+    """llama3-405b with TP 8 × PP 8 (the Llama 3 split) × FSDP 2 on 16 nodes: the peak is the pipeline rank's with
+    the most, and says which one and how many micro-batches it holds."""
+    args = ["train", "--dry-run", "--model.name", "llama3-405b", "--nproc-per-node", "8", "--nnodes", "16",
+            "--rdzv-endpoint", "node0:29500", "--train.device", "cuda", "--train.precision", "bf16-mixed",
+            "--train.global_batch_size", "64", "--train.micro_batch_size", "1", "--parallel.tp_size", "8",
+            "--parallel.pp_size", "8", "--parallel.pp_split", "[15,31,47,63,79,95,111]",
+            "--parallel.activation_checkpointing", "true", "--data.tokenizer", "gpt2",
+            "--out", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    plan = ParallelPlan.build(strategy="fsdp", world_size=128, tp_size=8, pp_size=8, activation_checkpointing=True,
+                              pp_split=(15, 31, 47, 63, 79, 95, 111))  # fmt: skip
+    batch = BatchPlan.from_micro_batch(1, accumulation=32, data_parallel_size=2, context_length=8192)
+    est = estimate_memory(
+        get_model_config("llama3-405b"), plan, batch, precision="bf16-mixed", device_kind="cuda"
+    )
+    assert (
+        f"estimated peak per rank on pipeline rank {est.pp_rank} (the largest; stages {est.pp_rank}, "
+        f"{8 - est.pp_rank} micro-batch(es) in flight under 1f1b): {est.total_bytes / 2**30:.2f} GiB"
+    ) in proc.stdout

@@ -26,6 +26,7 @@ from gaudi3_scale.models.counting import parameter_shapes
         ("gpt2-350m", 354_823_168),  # HF gpt2-medium
         ("llama3-8b", 8_030_261_248),  # HF meta-llama/Meta-Llama-3-8B safetensors metadata
         ("llama3-70b", 70_553_706_496),  # HF meta-llama/Meta-Llama-3-70B safetensors metadata
+        ("llama3-405b", 405_853_388_800),  # HF meta-llama/Llama-3.1-405B safetensors metadata (405.85B)
         (
             "llama3.2-1b",
             1_235_814_400,

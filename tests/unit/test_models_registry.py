@@ -17,6 +17,7 @@ PRESET_NAMES = [
     "gpt2-350m",
     "gpt2-774m",
     "llama-tiny",
+    "llama3-405b",
     "llama3-70b",
     "llama3-8b",
     "llama3.2-1b",

@@ -15,7 +15,8 @@ from gaudi3_scale.tune.memory import estimate_memory
 
 LAYOUT = re.compile(
     r"^(?P<fits>fits|does not fit)\s+(?P<strategy>\S+) "
-    r"(?P<mesh>tp (?P<tp>\d+) × replicate (?P<rep>\d+) × shard \d+|over \d+ rank\(s\)(?: \(replicated\))?), "
+    r"(?P<mesh>(?:pp (?P<pp>\d+) \(1f1b\) × )?tp (?P<tp>\d+) × replicate (?P<rep>\d+) × shard \d+"
+    r"|over \d+ rank\(s\)(?: \(replicated\))?), "
     r"act\.ckpt (?P<ckpt>on|off), offload (?P<offload>none|optimizer|all): (?P<detail>.*)$"
 )
 
@@ -65,10 +66,14 @@ def test_llama3_70b_layouts_on_64_devices(
     plan = ParallelPlan.build(
         strategy=best.group("strategy"), world_size=64, activation_checkpointing=best.group("ckpt") == "on",
         tp_size=int(best.group("tp") or 1), dp_replicate=int(best.group("rep") or 1), offload=best.group("offload"),
+        pp_size=int(best.group("pp") or 1),
     )  # fmt: skip
+    batch = BatchPlan.from_micro_batch(
+        1, accumulation=plan.pp_size, data_parallel_size=plan.data_parallel_size
+    )
     est = estimate_memory(
-        get_model_config("llama3-70b"), plan, BatchPlan.from_micro_batch(1, data_parallel_size=plan.data_parallel_size),
-        precision="bf16-mixed", device_kind="hpu" if device == "gaudi3" else "cuda",
+        get_model_config("llama3-70b"), plan, batch, precision="bf16-mixed",
+        device_kind="hpu" if device == "gaudi3" else "cuda",
     )  # fmt: skip
     assert best.group("detail").startswith(f"{est.total_bytes / 2**30:.1f} GiB per device")
     # … and its overrides make a run config the trainer accepts on 8 nodes of 8
@@ -95,6 +100,37 @@ def test_llama3_70b_layouts_on_64_devices(
         "8",
     }  # tp: divisors of 8 and of 8 kv heads
     assert {m.group("rep") for m in layouts if m.group("rep")} == {"1", "8"}  # HSDP: one replica per node
+
+
+def test_llama3_405b_on_16_h100_nodes_proposes_pipeline_layouts(
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Pipeline candidates where the ranks and the 126 layers allow (pp 8 and 16 with the Llama 3 split); each says
+    what its first stage holds, and its overrides make a run config the trainer accepts."""
+    code, out, err = gaudi3_cli(
+        "tune", "--estimate-only", "--model.name", "llama3-405b", "--accelerator", "h100", "--world-size", "128",
+    )  # fmt: skip
+    assert code == 0, out + err
+    layouts = _layouts(out)
+    pipelines = [m for m in layouts if m.group("pp")]
+    assert {m.group("pp") for m in pipelines} == {"2", "4", "8", "16"}
+    fitting = [m for m in pipelines if m.group("fits") == "fits"]
+    assert fitting and all(
+        m.group("ckpt") == "on" for m in fitting
+    )  # 8192 tokens per micro-batch: checkpointing
+    first = fitting[0]
+    pp, tp = int(first.group("pp")), int(first.group("tp"))
+    plan = ParallelPlan.build(strategy=first.group("strategy"), world_size=128, tp_size=tp, pp_size=pp,
+                              pp_split=(15, 31, 47, 63, 79, 95, 111) if pp == 8 else
+                              tuple(range(7, 120, 8)) if pp == 16 else (), activation_checkpointing=True)  # fmt: skip
+    batch = BatchPlan.from_micro_batch(1, accumulation=pp, data_parallel_size=plan.data_parallel_size)
+    est = estimate_memory(
+        get_model_config("llama3-405b"), plan, batch, precision="bf16-mixed", device_kind="cuda"
+    )
+    assert first.group("detail").startswith(f"{est.total_bytes / 2**30:.1f} GiB per device")
+    # 1F1B: pipeline rank r holds pp − r micro-batches (the Llama 3 split's first stage has one layer fewer, so
+    # the largest peak may be the second's)
+    assert est.in_flight_micro_batches == pp - est.pp_rank
 
 
 def test_llama3_70b_on_eight_gaudi3_needs_tensor_parallel_or_offload(

@@ -184,10 +184,15 @@ def print_dry_run(cfg: RunConfig) -> None:
         + (", held in host memory (offload all)" if plan.offload == "all" else "")
     )
     parts = ", ".join(f"{name} {size / gib:.2f}" for name, size in estimate.rows())
+    pipeline = (
+        f" on pipeline rank {estimate.pp_rank} (the largest; stages {', '.join(map(str, estimate.pp_stages))}, "
+        f"{estimate.in_flight_micro_batches} micro-batch(es) in flight under {estimate.pp_schedule})"
+        if estimate.pp_size > 1
+        else ""
+    )
     click.echo(
-        f"estimated peak per rank: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} GiB; "
-        + ("activations as torch.compile saves them; " if estimate.compiled else "")
-        + "tune.memory)"
+        f"estimated peak per rank{pipeline}: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} "
+        "GiB; " + ("activations as torch.compile saves them; " if estimate.compiled else "") + "tune.memory)"
     )
     if plan.offload != "none":
         per_node = estimate.host_bytes * cfg.parallel.nproc_per_node

@@ -54,7 +54,9 @@ class Assumptions:
             "strategy the trainer runs on every platform, on Gaudi over HCCL, not yet validated on Gaudi hardware; "
             f"DeepSpeed is not proposed for Gaudi), {self.precision}, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch_size}, within "
-            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); whole nodes are rented",
+            f"{self.memory_fraction:.0%} of device memory (tune.memory estimator); a model that fits on no count so "
+            "gets the leanest of its layouts with tensor parallel inside a node × pipeline parallel 2–16 (1F1B, pp "
+            "micro-batches a step) where the layers allow (tune.layouts.mesh_candidates); whole nodes are rented",
             "cost = node-hours × instance $/h (cheapest catalog instance with the accelerator); spot as the "
             "catalog's range; unknown prices stay unknown",
             f"energy = accelerators × TDP × {self.power_fraction_of_tdp:g} × hours × PUE {self.pue:g}"

@@ -42,6 +42,7 @@ from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
 if TYPE_CHECKING:
+    from gaudi3_scale.forecast.model import RunShape
     from gaudi3_scale.models.config import ModelConfig
 
 __all__ = [
@@ -168,10 +169,33 @@ def _instance_for(spec: AcceleratorSpec, instances: dict[tuple[str, str, str], I
 
 
 def _per_device_bytes(
-    model: ModelConfig, count: int, spec: AcceleratorSpec, a: Assumptions, *, per_node: int
+    model: ModelConfig,
+    count: int,
+    spec: AcceleratorSpec,
+    a: Assumptions,
+    *,
+    per_node: int,
+    mesh: bool = False,
 ) -> int:
+    return _leanest_shape(model, count, spec, a, per_node=per_node, mesh=mesh)[1]
+
+
+def _leanest_shape(
+    model: ModelConfig,
+    count: int,
+    spec: AcceleratorSpec,
+    a: Assumptions,
+    *,
+    per_node: int,
+    mesh: bool = False,
+) -> tuple[RunShape, int]:
+    """The comparison's run on `count` devices and its memory per device, estimated as gaudi3 plan's memory
+    (forecast.model) for the same shape: `a.strategy` as it is, or with `mesh` the layout of it that needs the
+    least (`tune.layouts.mesh_candidates`: tensor parallel inside a node × pipeline parallel where the layers
+    allow), for a model the plain layout fits on no device count."""
     from gaudi3_scale.cost.step_time import comparison_shape
     from gaudi3_scale.distributed.strategies import supported_strategies
+    from gaudi3_scale.tune.layouts import mesh_candidates
     from gaudi3_scale.tune.memory import estimate_memory
 
     if a.strategy not in supported_strategies(_device_kind(spec)):
@@ -179,10 +203,21 @@ def _per_device_bytes(
             f"strategy {a.strategy} is not one the trainer runs on {spec.name}; allowed: "
             f"{', '.join(supported_strategies(_device_kind(spec)))}"
         )
-    shape = comparison_shape(model, count, per_node=per_node, device_kind=_device_kind(spec), a=a)
-    return estimate_memory(  # as gaudi3 plan's memory (forecast.model), for the same shape
-        shape.model, shape.plan, shape.batch, precision=a.precision, device_kind=shape.device_kind
-    ).total_bytes
+    best: tuple[RunShape, int] | None = None
+    layouts = (
+        mesh_candidates(model, a.strategy, world_size=count, per_node=per_node) if mesh else [(1, 1, ())]
+    )
+    for layout in layouts:
+        shape = comparison_shape(
+            model, count, per_node=per_node, device_kind=_device_kind(spec), a=a, layout=layout
+        )
+        need = estimate_memory(
+            shape.model, shape.plan, shape.batch, precision=a.precision, device_kind=shape.device_kind
+        ).total_bytes
+        if best is None or need < best[1]:
+            best = (shape, need)
+    assert best is not None  # the plain layout is always a candidate
+    return best
 
 
 def _candidate_counts(per_node: int) -> list[int]:
@@ -195,20 +230,24 @@ def _candidate_counts(per_node: int) -> list[int]:
     return counts
 
 
-def _fewest_that_fit(model: ModelConfig, spec: AcceleratorSpec, per_node: int, a: Assumptions) -> int | None:
-    """The fewest candidate devices whose per-device estimate is within budget; None when even the most fail."""
+def _fewest_that_fit(
+    model: ModelConfig, spec: AcceleratorSpec, per_node: int, a: Assumptions
+) -> tuple[int | None, bool]:
+    """The fewest candidate devices whose per-device estimate is within budget (None when even the most fail), and
+    whether that takes tensor and pipeline parallel layouts: only when the plain layout fits on no count."""
     budget = spec.memory_gb * 1e9 * a.memory_fraction
     counts = _candidate_counts(per_node)
-    if _per_device_bytes(model, counts[-1], spec, a, per_node=per_node) > budget:
-        return None
+    mesh = _per_device_bytes(model, counts[-1], spec, a, per_node=per_node) > budget
+    if mesh and _per_device_bytes(model, counts[-1], spec, a, per_node=per_node, mesh=True) > budget:
+        return None, mesh
     low, high = 0, len(counts) - 1  # bisect: memory per device only falls as devices are added
     while low < high:
         mid = (low + high) // 2
-        if _per_device_bytes(model, counts[mid], spec, a, per_node=per_node) <= budget:
+        if _per_device_bytes(model, counts[mid], spec, a, per_node=per_node, mesh=mesh) <= budget:
             high = mid
         else:
             low = mid + 1
-    return counts[low]
+    return counts[low], mesh
 
 
 def _row(
@@ -222,12 +261,12 @@ def _row(
     instances: dict[tuple[str, str, str], Instance],
     a: Assumptions,
 ) -> PlatformEstimate:
-    from gaudi3_scale.cost.step_time import comparison_shape, platform_machine, platform_step
+    from gaudi3_scale.cost.step_time import platform_machine, platform_step
 
     spec = _platform_spec(platform)
     instance = _instance_for(spec, instances)
     per_node = accelerators_per_node(spec.name, instances)  # the instance's, when there is one
-    need = _fewest_that_fit(model, spec, per_node, a)
+    need, mesh = _fewest_that_fit(model, spec, per_node, a)
     machine, why_unknown = platform_machine(spec, a, mfu=mfu, benchmarked=measured)
     peak = machine.peak_flops_per_rank if machine is not None else None
     base: dict[str, Any] = dict(
@@ -253,7 +292,7 @@ def _row(
     )  # fmt: skip
     if need is None:
         largest = _candidate_counts(per_node)[-1]
-        gib = _per_device_bytes(model, largest, spec, a, per_node=per_node) / 2**30
+        gib = _per_device_bytes(model, largest, spec, a, per_node=per_node, mesh=True) / 2**30
         note = (
             f"does not fit: even on {largest:,} devices one step needs {gib:,.1f} GiB per device (activations "
             f"of micro-batch 1 do not shrink with sharding), over {a.memory_fraction:.0%} of {spec.memory_gb:,.1f} GB"
@@ -266,8 +305,8 @@ def _row(
         return PlatformEstimate(
             **base, **{**empty, "nodes": run_nodes, "accelerators": count}, fits=False, note=note
         )
-    shape = comparison_shape(model, count, per_node=per_node, device_kind=_device_kind(spec), a=a)
-    gib = _per_device_bytes(model, count, spec, a, per_node=per_node) / 2**30
+    shape, need_bytes = _leanest_shape(model, count, spec, a, per_node=per_node, mesh=mesh)
+    gib = need_bytes / 2**30
     fitted = {**empty, "nodes": run_nodes, "accelerators": count, "memory_per_device_gib": gib,
               "tokens_per_step": shape.batch.tokens_per_step}  # fmt: skip
     if machine is None:
@@ -278,6 +317,12 @@ def _row(
     hours = tokens / shape.batch.tokens_per_step * step_s / 3600
     node_hours = hours * run_nodes
     notes = []
+    if mesh:
+        plan = shape.plan
+        pipeline = f" × pipeline parallel {plan.pp_size}" if plan.pipelined else ""
+        notes.append(
+            f"layout tensor parallel {plan.tp_size}{pipeline} (plain {a.strategy} fits on no device count)"
+        )
     if step["communication_s"].value is None:
         notes.append("communication not timed: no sourced link bandwidth")
     on_demand = spot_low = spot_high = block = None
@@ -327,7 +372,9 @@ def _step_parts(step: dict[str, Any]) -> str:
     """ "compute 1.2 s (its source) + communication 0.3 s (its source)": where the step time comes from."""
     compute, comm = step["compute_s"], step["communication_s"]
     shown = "not timed" if comm.value is None else f"{comm.value:.4g} s"
-    return f"compute {compute.value:.4g} s ({compute.source}) + communication {shown} ({comm.source})"
+    bubble = step.get("bubble_s")
+    idle = f" + bubble {bubble.value:.4g} s ({bubble.source})" if bubble is not None and bubble.value else ""
+    return f"compute {compute.value:.4g} s ({compute.source}) + communication {shown} ({comm.source}){idle}"
 
 
 def measured_mfu(directory: Path, model: str) -> dict[str, tuple[float, str]]:

@@ -30,18 +30,34 @@ __all__ = ["comparison_shape", "platform_machine", "platform_step"]
 
 
 def comparison_shape(
-    model: ModelConfig, devices: int, *, per_node: int, device_kind: str, a: Assumptions
+    model: ModelConfig,
+    devices: int,
+    *,
+    per_node: int,
+    device_kind: str,
+    a: Assumptions,
+    layout: tuple[int, int, tuple[int, ...]] = (1, 1, ()),
 ) -> RunShape:
-    """The comparison's run on `devices` accelerators (whole nodes of `per_node` once there are more than one)."""
+    """The comparison's run on `devices` accelerators (whole nodes of `per_node` once there are more than one);
+    `layout`: (tp_size, pp_size, pp_split) of `tune.layouts.mesh_candidates`. A pipeline runs pp_size micro-batches
+    per step, the fewest its 1F1B schedule takes."""
+    tp, pp, split = layout
     plan = ParallelPlan.build(
         strategy=a.strategy if devices > 1 else "auto",
         world_size=devices,
         activation_checkpointing=a.activation_checkpointing,
+        tp_size=tp,
+        pp_size=pp,
+        pp_schedule="1f1b",
+        pp_split=split,
     )
     # As the trainer builds it (RunConfig.parallel_plan): sharded bf16-mixed parameters are gathered in bf16.
     plan = dataclasses.replace(plan, bf16_params=a.precision == "bf16-mixed" and plan.shards_parameters)
     batch = BatchPlan.from_micro_batch(
-        a.micro_batch_size, data_parallel_size=plan.data_parallel_size, context_length=model.context_length
+        a.micro_batch_size,
+        accumulation=pp,
+        data_parallel_size=plan.data_parallel_size,
+        context_length=model.context_length,
     )
     nodes = math.ceil(devices / per_node)
     return RunShape.build(model, plan, batch, precision=a.precision, device_kind=device_kind, nodes=nodes,

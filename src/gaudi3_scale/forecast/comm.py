@@ -9,6 +9,9 @@ reduce-scatter (n−1)/n·B (the `busbw` convention of nccl-tests), so time = by
 - DeepSpeed ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters per step; ZeRO-3
   as FSDP.
 - Tensor parallel: per layer and micro-step, two all-reduces of the activations in forward and two in backward.
+- Pipeline parallel: a rank's collectives are over its stages' parameters and layers (1/pp_size of the model),
+  FSDP's once per step (the stages keep parameters gathered and gradients unsharded over the micro-batches);
+  the point-to-point traffic between stages is `forecast.pipeline`'s.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ def step_collective_bytes(
 ) -> CollectiveBytes:
     """Bytes per rank per optimizer step; `parameters` = the whole model's, `param_bytes` = a gathered element."""
     tp, accumulation = plan.tp_size, batch.accumulation
-    local = (
-        parameters / tp
-    )  # a tensor-parallel rank holds 1/tp of every split weight (close enough for the rest)
+    # a tensor-parallel rank holds 1/tp of every split weight (close enough for the rest), a pipeline rank 1/pp of
+    # the layers
+    local = parameters / (tp * plan.pp_size)
     strategy = plan.strategy
     shard = plan.dp_shard if plan.shards_parameters else plan.data_parallel_size
     dp = 0.0
     replicas = 0.0
-    if strategy == "ddp":
+    if plan.pipelined and plan.shards_parameters:
+        # torch's pipeline stages keep FSDP's gathered parameters and unsharded gradients from the first
+        # micro-batch to the last (stage.py: set_reshard_after_backward / set_requires_gradient_sync False until
+        # `perform_reduce_grad`): one all-gather and one reduce-scatter per step
+        dp = _ring(shard) * local * (param_bytes + GRAD_BYTES)
+    elif strategy == "ddp":
         dp = 2 * _ring(plan.data_parallel_size) * local * GRAD_BYTES
     elif strategy in ("fsdp", "deepspeed_zero3"):
         dp = accumulation * _ring(shard) * local * (2 * param_bytes + GRAD_BYTES)
@@ -64,5 +72,5 @@ def step_collective_bytes(
     tensor = 0.0
     if tp > 1:
         activation = batch.micro_batch_size * batch.context_length * model.dim * param_bytes
-        tensor = accumulation * model.num_layers * 4 * 2 * _ring(tp) * activation
+        tensor = accumulation * model.num_layers / plan.pp_size * 4 * 2 * _ring(tp) * activation
     return CollectiveBytes(dp, shard, tensor, replicas)

@@ -7,7 +7,9 @@ each block's forward runs again in backward) over the rank's achieved FLOP/s: a 
 layout when the calibration store has one (then the step time is the probe's), else the machine's peak × its MFU
 (measured on this kind of machine where we have it, an assumption said to be one where not). Communication is the
 bytes of the layout's collectives (`forecast.comm`) over the link's bus bandwidth (`links.yaml`); on an accelerator
-the data-parallel part overlaps the backward pass (up to 2/3 of compute), tensor parallel does not.
+the data-parallel part overlaps the backward pass (up to 2/3 of compute), tensor parallel does not. Under pipeline
+parallel (`forecast.pipeline`) compute is the busiest pipeline rank's stages, the step adds the schedule's bubble
+(`bubble_s`), and communication adds the point-to-point traffic between stages.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gaudi3_scale.forecast.calibration import Probe, probe_key
 from gaudi3_scale.forecast.comm import step_collective_bytes
 from gaudi3_scale.forecast.figures import Figure, assumed, measured, modelled
 from gaudi3_scale.forecast.machine import Machine
+from gaudi3_scale.forecast.pipeline import busiest_rank_share, pipeline_bubble, pipeline_p2p
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.train.config import TrainConfig
 
@@ -101,6 +104,12 @@ class RunShape:
             "precision": self.precision,
             "device_kind": self.device_kind,
             **threads,
+            # only under a pipeline, so that the keys of probes stored before pipelines existed still match
+            **(
+                {"pp_size": plan.pp_size, "pp_schedule": plan.pp_schedule, "pp_split": list(plan.pp_split)}
+                if plan.pipelined
+                else {}
+            ),
         }
 
     @property
@@ -108,9 +117,12 @@ class RunShape:
         return probe_key(self.layout())
 
     def flops_per_step_per_rank(self) -> float:
+        """FLOPs of the busiest rank: the step's over the ranks of one pipeline stage, × the share of the model the
+        busiest pipeline rank runs (1 without a pipeline)."""
         fpt = flops_per_token(self.model, self.model.context_length)
         factor = RECOMPUTE_FACTOR if self.plan.activation_checkpointing else 1.0
-        return fpt * self.batch.tokens_per_step * factor / self.plan.world_size
+        share = busiest_rank_share(self.model, self.plan, fpt)
+        return fpt * self.batch.tokens_per_step * factor * share * self.plan.pp_size / self.plan.world_size
 
     def validation_flops_per_rank(self, val_batches: int) -> float:
         """One validation pass: `val_batches` micro-batches per rank, forward only (a third of training's FLOPs)."""
@@ -233,7 +245,13 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     estimate = estimate_memory(
         shape.model, shape.plan, shape.batch, precision=shape.precision, device_kind=shape.device_kind
     )
-    how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase})"
+    stage = (
+        f"; pipeline rank {estimate.pp_rank} of {estimate.pp_size}, the largest: stages "
+        f"{', '.join(map(str, estimate.pp_stages))}, {estimate.in_flight_micro_batches} micro-batch(es) in flight"
+        if estimate.pp_size > 1
+        else ""
+    )
+    how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase}{stage})"
     parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
     if shape.device_kind == "cpu":  # host memory: what the allocator keeps counts
         import os
@@ -287,11 +305,13 @@ def forecast_step(shape: RunShape, machine: Machine, probe: Probe | None = None)
         return {
             "compute_s": compute,
             "communication_s": modelled(0.0, "inside the probe's step"),
+            "bubble_s": modelled(0.0, "inside the probe's step"),
             "step_time_s": step,
         }
-    total = (compute.value or 0.0) + (comm.value or 0.0)
-    return {"compute_s": compute, "communication_s": comm,
-            "step_time_s": modelled(total, "compute + exposed communication")}  # fmt: skip
+    bubble = pipeline_bubble(shape.plan, shape.batch.accumulation, compute.value or 0.0)
+    total = (compute.value or 0.0) + (comm.value or 0.0) + (bubble.value or 0.0)
+    return {"compute_s": compute, "communication_s": comm, "bubble_s": bubble,
+            "step_time_s": modelled(total, "compute + exposed communication + pipeline bubble")}  # fmt: skip
 
 
 def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figure:
@@ -307,6 +327,11 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
     )  # fmt: skip
     spans_nodes = shape.nodes > 1
     link = machine.inter_node_bytes_per_s if spans_nodes else machine.intra_node_bytes_per_s
+    p2p = pipeline_p2p(
+        shape.model, plan, micro_batch_size=shape.batch.micro_batch_size, micro_batches=shape.batch.accumulation,
+        context_length=shape.batch.context_length or shape.model.context_length, element_bytes=param_bytes,
+        link_bytes_per_s=link, ranks_sharing_link=shape.ranks_per_node if spans_nodes else 1,
+    )  # fmt: skip
     if link.value is None:
         why = link.source.split(": ", 1)[-1]  # the link's own "assumption: " is this figure's kind
         return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {why}")
@@ -320,10 +345,11 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
     else:
         exposed = max(0.0, dp_s - BACKWARD_SHARE * compute_s) + tp_s
     shared = f", {shape.ranks_per_node} ranks sharing a node's" if spans_nodes else ","
+    pipeline = f"; pipeline point-to-point: {p2p.source.split(': ', 1)[1]}" if plan.pipelined else ""
     return modelled(
-        exposed,
+        exposed + (p2p.value or 0.0),
         f"{moved.total / 1e9:.3g} GB per rank per step at {per_rank / 1e9:.3g} GB/s per rank{shared} "
-        f"{link.source}; the data-parallel part overlaps the backward pass",
+        f"{link.source}; the data-parallel part overlaps the backward pass{pipeline}",
     )
 
 
@@ -392,6 +418,7 @@ def _checkpoints(ckpt: CheckpointConfig, max_steps: int, shape: RunShape, probe:
         * CHECKPOINT_BYTES_PER_PARAMETER
         / shard
         / shape.plan.tp_size
+        / shape.plan.pp_size  # a pipeline rank saves its stages
     )
     seconds = size / CHECKPOINT_BYTES_PER_S[0] * (ASYNC_BLOCKING_SHARE[0] if ckpt.async_save else 1.0)
     how = CHECKPOINT_BYTES_PER_S[1] + ("; " + ASYNC_BLOCKING_SHARE[1] if ckpt.async_save else "")

@@ -57,13 +57,19 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
     return catalog_machine(kind, cfg.train.precision)
 
 
-def _catalog_geometry(machine: str | None) -> list[str]:
-    """The override that gives the config a catalog machine's devices per node, so that the config's own checks
-    (tensor parallel inside a node) see the node being forecast, not this one's. Its nodes are `run_shape`'s."""
+def _catalog_geometry(machine: str | None, nodes: int | None) -> list[str]:
+    """The overrides that give the config a catalog machine's devices per node and the nodes forecast, so that the
+    config's own checks (tensor parallel inside a node, pipeline stages dividing the ranks) see the cluster being
+    forecast, not this one. Its nodes are `run_shape`'s. Several nodes need a rendezvous endpoint to pass the
+    config's checks: a placeholder that nothing contacts, before the user's overrides (theirs wins)."""
     if machine in (None, "cpu"):
         return []
     per_node = catalog_machine(machine).ranks_per_node
-    return ["--parallel.nproc_per_node", str(per_node)] if per_node else []
+    geometry = ["--parallel.nproc_per_node", str(per_node)] if per_node else []
+    return geometry + (["--parallel.nnodes", str(nodes)] if nodes else [])
+
+
+RENDEZVOUS_PLACEHOLDER = ["--parallel.rdzv_endpoint", "forecast-node-0:29400"]
 
 
 def _price(cfg: RunConfig) -> Figure | None:
@@ -85,7 +91,14 @@ def forecast_config(
 ) -> tuple[RunConfig, Forecast]:
     from gaudi3_scale.tune.estimate_table import resolved_model
 
-    cfg = resolve_config(config_path, [*overrides, *_catalog_geometry(machine)])
+    cfg = resolve_config(
+        config_path,
+        [
+            *(RENDEZVOUS_PLACEHOLDER if machine not in (None, "cpu") and (nodes or 1) > 1 else []),
+            *overrides,
+            *_catalog_geometry(machine, nodes),
+        ],
+    )
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
     model = resolved_model(cfg.model, cfg.data)
     measured = None

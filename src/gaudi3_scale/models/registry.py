@@ -51,6 +51,12 @@ PRESETS: list[dict[str, Any]] = [
     # from ffn_dim_multiplier=1.3 and multiple_of=1024 / 4096; context 8192 from the model card.
     dict(name="llama3-8b", num_layers=32, num_heads=32, dim=4096, ffn_dim=14336, **_LLAMA3),
     dict(name="llama3-70b", num_layers=80, num_heads=64, dim=8192, ffn_dim=28672, **_LLAMA3),
+    # Llama 3 405B: Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783) Table 3: 126 layers, model
+    # dimension 16,384, FFN dimension 53,248, 128 attention heads, 8 key/value heads, vocabulary 128K, RoPE θ 500,000;
+    # exact vocab (128,256) from HF meta-llama/Llama-3.1-405B config.json (2024-07-23). Context 8192, the paper's
+    # pre-training context (§3.4.1) and the config's original_max_position_embeddings: its llama3 rope_scaling (for
+    # the 128K context of continued pre-training) is not modelled, as for the 3.2 presets.
+    dict(name="llama3-405b", num_layers=126, num_heads=128, dim=16384, ffn_dim=53248, **_LLAMA3),
     # meta-llama/Llama-3.2-1B config.json (2024-09-25): hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate
     # 8192, tied embeddings. Its rope_scaling (llama3 type, factor 32, for 128k contexts) is not modelled: the
     # context here is its original_max_position_embeddings, 8192, where that scaling does not apply.

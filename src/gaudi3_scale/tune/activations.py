@@ -80,6 +80,11 @@ class ModelShape:
     dropout: bool
     encoder: bool = False  # arch bert: post-norm blocks, an MLM transform before the head
     experts: bool = False  # a mixture of experts (`ffn` is then the active experts' width)
+    embedding: float = 0.0  # the lookup-only tables (token, position embeddings), part of `root`
+    # A pipeline stage (`tune.pipeline_shape`) holds the embeddings only if it is the first, the final norm and
+    # head only if it is the last; the whole model is both.
+    first: bool = True
+    last: bool = True
 
 
 _SHAPES: dict[
@@ -100,7 +105,8 @@ def _count_shape(cfg: ModelConfig) -> ModelShape:
             "model.vocab_size",
             "is null; resolve it from the dataset (ModelConfig.resolve_vocab) before estimating",
         )
-    one = count_parameters(replace(cfg, num_layers=1))
+    one_block = replace(cfg, num_layers=1)
+    one = count_parameters(one_block)
     block = count_parameters(replace(cfg, num_layers=2)) - one
     return ModelShape(
         params=(one - block) + cfg.num_layers * block,
@@ -121,6 +127,7 @@ def _count_shape(cfg: ModelConfig) -> ModelShape:
         dropout=cfg.dropout > 0,
         encoder=cfg.arch == "bert",
         experts=bool(cfg.num_experts),
+        embedding=one - count_parameters(one_block, exclude_embeddings=True),
     )
 
 
@@ -133,7 +140,14 @@ def tp_shape(sh: ModelShape, tp: int) -> ModelShape:
     block_norms, final_norm = 2 * sh.dim, sh.dim
     block = (sh.block - block_norms) / tp + block_norms
     root = (sh.root - final_norm) / tp + final_norm
-    return replace(sh, params=root + sh.layers * block, block=block, root=root, head=sh.head / tp)
+    return replace(
+        sh,
+        params=root + sh.layers * block,
+        block=block,
+        root=root,
+        head=sh.head / tp,
+        embedding=sh.embedding / tp,
+    )
 
 
 @dataclass(frozen=True)
@@ -251,7 +265,7 @@ def activation_bytes(
         head_side = (2 * sbh * 4 if sh.llama else sbh * e.residual) / tp + sbh * e.compute
         embedding_mask = sbh * _mask_bytes(e, device_kind) if sh.dropout else 0
     blocks = sh.layers * sbh * e.residual / tp + layer if ckpt else sh.layers * layer
-    return blocks + head_side + embedding_mask
+    return blocks + (head_side if sh.last else 0) + (embedding_mask if sh.first else 0)
 
 
 def loss_workspace_bytes(
@@ -266,7 +280,10 @@ def loss_workspace_bytes(
 ) -> float:
     """The loss's 3·b·s·V, or the logits' gradient with the head weight's fresh gradient, whichever is larger;
     compiled, the logits kept in the compute dtype (their gradient is written over them) and the head weight's fresh
-    gradient. Under tensor parallel the logits and the head are split over the vocabulary (loss parallel)."""
+    gradient. Under tensor parallel the logits and the head are split over the vocabulary (loss parallel). A
+    pipeline stage without the head has no loss."""
+    if not sh.last:
+        return 0.0
     logits = b * s * sh.vocab / tp
     if compiled:
         return logits * e.compute + sh.head * head_grad_bytes

@@ -1,8 +1,11 @@
 """Which parallel layouts a model could train with on N accelerators, whether each fits, and why not.
 
 A layout is a strategy the trainer builds on that device (`distributed.strategies.STRATEGIES_BY_DEVICE`: no
-DeepSpeed on Gaudi) × tensor parallel × HSDP replication × activation checkpointing, and CPU offload only where
-the same layout does not fit without it. Each is checked with `tune.memory` against the accelerator's memory
+DeepSpeed on Gaudi) × tensor parallel × HSDP replication × pipeline parallel (FSDP strategies: 1F1B over pp 2, 4, 8
+or 16 stages where the ranks and the layers allow, `distributed.schedule_math.balanced_split`) × activation
+checkpointing, and CPU offload only where the same layout does not fit without it. A pipeline layout is estimated
+with pp_size micro-batches per step, the fewest 1F1B runs: its first stage then holds pp_size micro-batches, as
+many as with any larger count (`distributed.schedule_math.in_flight_micro_batches`). Each is checked with `tune.memory` against the accelerator's memory
 (`device/accelerators.yaml`); what offload moves to the host is summed per node.
 
 Ranking (fastest first) — every layout of one model on the same N devices does the same useful FLOPs, so what
@@ -12,12 +15,16 @@ separates them is what each choice adds to a step. The model, ordinal and stated
    the device in forward and backward — host-link traffic of the model's size per pass.
 2. activation checkpointing: off < on. Recomputing each block's forward is +1/3 of the 6·N FLOPs per token
    (8·N, Korthikanti et al. 2022, §5).
-3. tensor parallel: smaller tp first. Megatron TP with sequence parallel all-gathers and reduce-scatters the
+3. pipeline parallel: none < smaller pp. A pipeline idles (p − 1)/(m + p − 1) of a step (1F1B; a few % with many
+   micro-batches, less than checkpointing's third) and sends b·s·h activations between stages; with the ranks of a
+   node used for tensor parallel first (Narayanan et al. 2021, arXiv:2104.04473 §3.3, takeaway #1: tensor parallel
+   up to the node's size, pipeline parallel across nodes), so a smaller pp comes before a smaller tp.
+4. tensor parallel: smaller tp first. Megatron TP with sequence parallel all-gathers and reduce-scatters the
    s·b·h activations twice per block in forward and twice in backward (`TP_BYTES_PER_TOKEN`), on the critical
    path (FSDP's collectives overlap compute; these do not).
-4. strategy: the tuner's order, cheapest communication first (ddp, fsdp_grad_op, fsdp, deepspeed_zero2, zero3).
-5. HSDP before FSDP over every rank: parameters are gathered within a node instead of across nodes.
-6. a larger micro-batch that fits (higher arithmetic intensity per kernel).
+5. strategy: the tuner's order, cheapest communication first (ddp, fsdp_grad_op, fsdp, deepspeed_zero2, zero3).
+6. HSDP before FSDP over every rank: parameters are gathered within a node instead of across nodes.
+7. a larger micro-batch that fits (higher arithmetic intensity per kernel).
 Measured throughput (`gaudi3 tune` trials) decides between layouts this model cannot separate.
 """
 
@@ -28,15 +35,27 @@ from dataclasses import dataclass, replace
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
+from gaudi3_scale.distributed.schedule_math import balanced_split
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_batch_that_fits
 
-__all__ = ["Layout", "LayoutCheck", "check_layouts", "tensor_parallel_sizes", "tp_bytes_per_token"]
+__all__ = [
+    "Layout",
+    "LayoutCheck",
+    "check_layouts",
+    "mesh_candidates",
+    "tensor_parallel_sizes",
+    "tp_bytes_per_token",
+]
 
 # The tuner's order (cheapest communication first); auto is plain training on one device.
 STRATEGY_ORDER = ("auto", "ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 OFFLOAD_ORDER = ("none", "optimizer", "all")
+PP_SIZES = (2, 4, 8, 16)  # pipeline candidates (Llama 3 405B trained with PP 16, Dubey et al. 2024 §3.3.2)
+PP_SCHEDULE = (
+    "1f1b"  # the candidates' schedule: torchtitan's default, 1F1B's memory, no second stage per rank
+)
 _GIB = 2**30
 
 
@@ -47,13 +66,16 @@ class Layout:
     dp_replicate: int = 1
     activation_checkpointing: bool = False
     offload: str = "none"
+    pp_size: int = 1  # pipeline stages (1F1B, `PP_SCHEDULE`)
+    pp_split: tuple[int, ...] = ()  # where stages 1, 2, … start; () = even
 
     def label(self, world_size: int) -> str:
-        shard = world_size // (self.tp_size * self.dp_replicate)
+        shard = world_size // (self.tp_size * self.dp_replicate * self.pp_size)
         if world_size == 1:
             mesh = "on one device"
         elif self.strategy in MESH_STRATEGIES:
-            mesh = f"tp {self.tp_size} × replicate {self.dp_replicate} × shard {shard}"
+            pipeline = f"pp {self.pp_size} ({PP_SCHEDULE}) × " if self.pp_size > 1 else ""
+            mesh = f"{pipeline}tp {self.tp_size} × replicate {self.dp_replicate} × shard {shard}"
         else:
             mesh = f"over {world_size} rank(s)" + (" (replicated)" if self.strategy == "ddp" else "")
         return (
@@ -69,6 +91,12 @@ class Layout:
             f"--parallel.dp_replicate={self.dp_replicate}",
             f"--parallel.activation_checkpointing={str(self.activation_checkpointing).lower()}",
             f"--parallel.offload={self.offload}",
+            *(
+                [f"--parallel.pp_size={self.pp_size}", f"--parallel.pp_schedule={PP_SCHEDULE}"]
+                + ([f"--parallel.pp_split=[{','.join(map(str, self.pp_split))}]"] if self.pp_split else [])
+                if self.pp_size > 1
+                else []
+            ),
         ]
 
 
@@ -97,13 +125,14 @@ class LayoutCheck:
             )
         return ""
 
-    def rank_key(self) -> tuple[int, int, bool, int, int, bool, int]:
+    def rank_key(self) -> tuple[int, int, bool, int, int, int, bool, int]:
         """Smaller is faster under the module docstring's model; layouts that do not fit last."""
         lay = self.layout
         return (
             not self.fits,
             OFFLOAD_ORDER.index(lay.offload),
             lay.activation_checkpointing,
+            lay.pp_size,
             lay.tp_size,
             STRATEGY_ORDER.index(lay.strategy),
             lay.dp_replicate == 1,
@@ -151,15 +180,45 @@ def candidate_layouts(
                 sorted({1, nnodes}) if mesh and nnodes > 1 and (world_size // tp) % nnodes == 0 else [1]
             )
             for replicate in replicas:
-                for ckpt in (False, True):
-                    out.append(
-                        Layout(
-                            strategy=strategy,
-                            tp_size=tp,
-                            dp_replicate=replicate,
-                            activation_checkpointing=ckpt,
+                for pp, split in _pipelines(model, world_size // (tp * replicate)) if mesh else [(1, ())]:
+                    for ckpt in (False, True):
+                        out.append(
+                            Layout(
+                                strategy=strategy,
+                                tp_size=tp,
+                                dp_replicate=replicate,
+                                activation_checkpointing=ckpt,
+                                pp_size=pp,
+                                pp_split=split,
+                            )
                         )
-                    )
+    return out
+
+
+def mesh_candidates(
+    model: ModelConfig, strategy: str, *, world_size: int, per_node: int
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(tp_size, pp_size, pp_split) of `strategy` on `world_size` ranks: no mesh, and for the FSDP strategies
+    tensor parallel inside a node × the pipelines the layers allow (`cost compare` sizes its fewest devices with
+    these)."""
+    if strategy not in MESH_STRATEGIES or world_size == 1:
+        return [(1, 1, ())]
+    out = []
+    for tp in tensor_parallel_sizes(model, min(per_node, world_size)):
+        out += [(tp, pp, split) for pp, split in _pipelines(model, world_size // tp)]
+    return out
+
+
+def _pipelines(model: ModelConfig, ranks: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(pp_size, pp_split) for no pipeline and each `PP_SIZES` that divides the `ranks` of one tensor-parallel
+    slice of a replica and whose stages the layers allow (a model the trainer pipelines: dense, untied decoder)."""
+    out: list[tuple[int, tuple[int, ...]]] = [(1, ())]
+    if model.arch == "bert" or model.num_experts or model.tie_embeddings:
+        return out
+    for pp in PP_SIZES:
+        split = balanced_split(model.num_layers, pp)
+        if ranks % pp == 0 and split is not None:
+            out.append((pp, split))
     return out
 
 
@@ -188,8 +247,13 @@ def _check(model: ModelConfig, layout: Layout, t: _Target) -> LayoutCheck:
         activation_checkpointing=layout.activation_checkpointing,
         compile=t.compiled,
         float8=t.float8,
+        pp_size=layout.pp_size,
+        pp_schedule=PP_SCHEDULE,
+        pp_split=layout.pp_split,
     )
-    batch = BatchPlan.from_micro_batch(t.micro_batch_size, data_parallel_size=plan.data_parallel_size)
+    batch = BatchPlan.from_micro_batch(
+        t.micro_batch_size, accumulation=layout.pp_size, data_parallel_size=plan.data_parallel_size
+    )
     best = max_micro_batch_that_fits(
         model, plan, budget_bytes=t.device_bytes, limit=256, precision=t.precision, device_kind=t.device_kind
     )

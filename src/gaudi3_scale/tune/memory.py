@@ -58,7 +58,7 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.device.float8 import Float8Plan
@@ -74,6 +74,7 @@ from gaudi3_scale.tune.activations import (
     model_shape,
     tp_shape,
 )
+from gaudi3_scale.tune.pipeline_shape import RankStages, pipeline_activation_bytes, rank_stages
 
 __all__ = [
     "CPU_DEEPSPEED_IMPORT_BYTES",
@@ -120,6 +121,13 @@ class MemoryEstimate:
     offload: str = "none"  # none, optimizer or all (parallel.offload)
     host_bytes: int = 0  # what offload keeps in host memory for this rank (not in total_bytes); 0 on cpu
     compiled: bool = False  # train.compile: activations as torch.compile's partitioner saves them
+    pp_size: int = 1  # pipeline ranks (parallel.pp_size)
+    pp_schedule: str = ""  # parallel.pp_schedule when pp_size > 1
+    pp_rank: int = 0  # the pipeline rank this estimate is of (by default the one with the largest peak)
+    pp_stages: tuple[int, ...] = ()  # the stage indices that rank holds
+    in_flight_micro_batches: int = (
+        1  # micro-batches whose activations that rank holds at its peak (all its stages)
+    )
 
     @property
     def total_bytes(self) -> int:
@@ -174,6 +182,7 @@ class _Run:
     compiled: bool = False  # train.compile: torch.compile's partitioner decides what is saved
     float8: Float8Plan | None = None  # train.precision fp8: how the linears are converted
     shard: float = 0.0  # FSDP: parameter elements on the rank holding the most (`distributed.shard_plan`)
+    pipeline: RankStages | None = None  # pipeline parallel: this rank's stages; `sh` is then their parameters
 
     @property
     def fp8_inputs(self) -> bool:
@@ -183,6 +192,11 @@ class _Run:
 
     @property
     def activations(self) -> float:
+        if self.pipeline is not None:
+            return pipeline_activation_bytes(
+                self.pipeline, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp,
+                compiled=self.compiled, fp8_inputs=self.fp8_inputs,
+            )  # fmt: skip
         return activation_bytes(
             self.whole, self.b, self.s, self.e, self.ckpt, self.device_kind, self.tp,
             compiled=self.compiled, fp8_inputs=self.fp8_inputs,
@@ -197,7 +211,13 @@ class _Run:
 
     def loss(self, head_grad_bytes: int) -> float:
         return loss_workspace_bytes(
-            self.whole, self.b, self.s, self.e, head_grad_bytes, self.tp, compiled=self.compiled
+            replace(self.whole, last=self.sh.last),
+            self.b,
+            self.s,
+            self.e,
+            head_grad_bytes,
+            self.tp,
+            compiled=self.compiled,
         )
 
     def weight_casts(self) -> float:
@@ -274,6 +294,24 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
     # No "init" phase: the model is built on meta and each rank allocates only its shards (parallelize), plus one
     # parameter's shard of fp32 values while initialising it (models.common.init), far below the step's peak.
     return phases
+
+
+def _pipelined(r: _Run) -> list[_Phase]:
+    """A pipeline rank (FSDP2 over its data-parallel ranks, `distributed.pipeline`): every block of its stages
+    stays gathered from forward to backward (`ParallelPlan.reshard_after_forward`), and their unsharded gradients
+    accumulate over the step's micro-batches until the last one's reduce-scatter. Except under GPipe (all forwards
+    first), the steady state runs forwards while those gradients exist; the peak is then there."""
+    assert r.pipeline is not None
+    e, sh = r.e, r.sh
+    shards = r.shard * e.weight
+    gathered = (sh.layers * sh.block + sh.root) * e.gathered
+    unsharded_grads = sh.params * e.gathered
+    during = unsharded_grads if r.pipeline.grads_in_flight else 0.0
+    name = "steady state" if r.pipeline.grads_in_flight else "backward start"
+    return [
+        _Phase(name, shards + gathered, during, r.shard_optimizer(), r.activations, r.loss(e.gathered)),
+        _Phase("backward end", shards + gathered, unsharded_grads + r.shard * e.grad, r.shard_optimizer()),
+    ]
 
 
 def _build_bytes(e: ElementBytes) -> int:
@@ -414,9 +452,20 @@ def _build_run(
         offload="none" if device_kind == "cpu" else plan.offload,
         compiled=plan.compile,
         float8=float8,
-        shard=_largest_shard(model, plan) if plan.shards_parameters else 0.0,
+        shard=_largest_shard(model, plan) if plan.shards_parameters and not plan.pipelined else 0.0,
     )
     return run, strategy, precision
+
+
+def _rank_runs(run: _Run, plan: ParallelPlan, batch: BatchPlan) -> list[_Run]:
+    """The step of every pipeline rank (one run without a pipeline): each rank's stages, their parameters sharded
+    evenly over its data-parallel ranks (`plan.dp_shard`; FSDP's uneven dim-0 chunks are left out here)."""
+    if not plan.pipelined:
+        return [run]
+    return [
+        replace(run, sh=rank.shape, pipeline=rank, shard=rank.shape.params / plan.dp_shard)
+        for rank in rank_stages(run.sh, plan, batch.accumulation)
+    ]
 
 
 _SHARDS: dict[tuple[str, str, int, int, int], int] = {}  # the tuner estimates one model many times
@@ -445,6 +494,7 @@ def estimate_memory(
     precision: str = "auto",
     device_kind: str = "cpu",
     optimizer: str = "adamw",
+    pp_rank: int | None = None,
 ) -> MemoryEstimate:
     """Peak memory per rank of training `model` (vocab_size resolved) as `plan` and `batch` say; see the module
     docstring.
@@ -456,12 +506,25 @@ def estimate_memory(
     model's, also the maximum); how many micro-batches make a step does not change what a rank holds at its peak.
     precision: a `train.precision` value ("auto" = 32-true on cpu, bf16-mixed elsewhere); device_kind: cpu, cuda
     or hpu (one HPU runs as ddp, `ParallelPlan.runs_as`); optimizer: adamw.
+
+    Under pipeline parallel (plan.pp_size > 1) the estimate is of one pipeline rank: `pp_rank`, or by default the
+    one whose peak is the largest (named in the estimate's `pp_rank` and `pp_stages`). A rank holds its stages'
+    parameters and the activations of the micro-batches its schedule keeps in flight (`tune.pipeline_shape`), so
+    there the micro-batch count (batch.accumulation) matters.
     """
     run, strategy, precision = _build_run(
         model, plan, batch, precision=precision, device_kind=device_kind, optimizer=optimizer
     )
-    phases = _PHASES[strategy](run)
-    peak = max(phases, key=lambda phase: phase.total)
+    runs = _rank_runs(run, plan, batch)
+    if pp_rank is not None and not 0 <= pp_rank < len(runs):
+        raise UserInputError(
+            f"pp_rank must be between 0 and {len(runs) - 1} (parallel.pp_size - 1), got {pp_rank}"
+        )
+    by_rank = [(_pipelined(r) if r.pipeline else _PHASES[strategy](r)) for r in runs]
+    peaks = [max(phases, key=lambda phase: phase.total) for phases in by_rank]
+    chosen = pp_rank if pp_rank is not None else max(range(len(runs)), key=lambda i: peaks[i].total)
+    run, phases, peak = runs[chosen], by_rank[chosen], peaks[chosen]
+    stages = run.pipeline.stages if run.pipeline else ()
     runtime = 0
     if device_kind == "cpu":
         runtime = CPU_RUNTIME_BYTES + (CPU_DEEPSPEED_IMPORT_BYTES if strategy.startswith("deepspeed") else 0)
@@ -486,7 +549,18 @@ def estimate_memory(
         offload=plan.offload,
         host_bytes=round(max(phase.host for phase in phases)),
         compiled=plan.compile,
+        pp_size=plan.pp_size,
+        pp_schedule=plan.pp_schedule if plan.pipelined else "",
+        pp_rank=chosen,
+        pp_stages=_stage_indices(plan, chosen) if plan.pipelined else (),
+        in_flight_micro_batches=sum(count for _, count in stages) if stages else 1,
     )
+
+
+def _stage_indices(plan: ParallelPlan, pp_rank: int) -> tuple[int, ...]:
+    from gaudi3_scale.distributed.stages import local_stages
+
+    return tuple(local_stages(plan.pp_schedule, plan.pp_size, pp_rank))
 
 
 def estimate_activation_bytes(
@@ -507,7 +581,7 @@ def estimate_activation_bytes(
     run, _, _ = _build_run(
         model, plan, batch, precision=precision, device_kind=device_kind, optimizer="adamw"
     )
-    return round(run.activations)
+    return round(max(r.activations for r in _rank_runs(run, plan, batch)))
 
 
 def max_micro_batch_that_fits(
@@ -523,14 +597,19 @@ def max_micro_batch_that_fits(
 ) -> int:
     """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
 
-    context_length: tokens per sequence (0 = the model's); other arguments as in `estimate_memory`. The estimate
+    context_length: tokens per sequence (0 = the model's); other arguments as in `estimate_memory` (a pipeline
+    with pp_size micro-batches per step, the fewest 1F1B runs; GPipe holds all of them). The estimate
     never shrinks as the micro-batch grows, so this doubles, then bisects: O(log limit) estimates, each a few
     milliseconds.
     """
 
     def fits(micro: int) -> bool:
         batch = BatchPlan.from_micro_batch(
-            micro, data_parallel_size=plan.data_parallel_size, context_length=context_length
+            micro,
+            # a pipeline's first stage holds pp_size micro-batches under 1F1B however many more the step has
+            accumulation=plan.pp_size,
+            data_parallel_size=plan.data_parallel_size,
+            context_length=context_length,
         )
         est = estimate_memory(
             model, plan, batch, precision=precision, device_kind=device_kind, optimizer=optimizer
