@@ -12,14 +12,16 @@ from pathlib import Path
 SHAPE = ["--model.name", "gpt2-124m", "--model.num_layers", "4", "--model.dim", "512", "--model.num_heads", "8",
          "--model.context_length", "64", "--data.tokenizer", "char", "--model.vocab_size", "null"]  # fmt: skip
 MEASURE = """
-import json, resource, sys
+import json, sys
+from pathlib import Path
 import psutil, torch
 from gaudi3_scale.artifacts.inference import generate_text, load_for_generation
-from gaudi3_scale.models.counting import count_parameters
 base = psutil.Process().memory_info().rss
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts here: the imports' own peak is not counted
 model, tokenizer = load_for_generation(sys.argv[1])
 generate_text(model, tokenizer, "", max_new_tokens=8)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+peak = int(status["VmHWM"].split()[0]) * 1024
 print(json.dumps({"base": base, "peak": peak, "weights": sum(p.numel() for p in model.parameters()) * 4}))
 """
 
