@@ -1,10 +1,12 @@
 """Pipeline parallel on real ranks (gloo, fp32), through `gaudi3 train` under torchrun: PP 2 with each schedule,
-PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks) train a 4-layer llama-tiny like one process over 12 steps — losses,
-gradient norms (the whole model's: clipped at 1.0 over all stages) and validation losses within 1e-5, final weights
-within 1e-5 — and a PP 2 checkpoint (DCP, each rank its stage's tensors) resumes bit-exactly under PP 2, and in
-one process and under FSDP 2 with one process's losses; `init_from` fills two stages with a Hugging Face Llama.
+PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks), PP 2 × FSDP 2 × TP 2 and PP 2 × HSDP 2×2 (8 ranks) train a 4-layer
+llama-tiny like one process over 12 steps — losses, gradient norms (the whole model's: clipped at 1.0 over all
+stages) and validation losses within 1e-5, final weights within 1e-5 — and a pipeline checkpoint (DCP, each rank
+its stage's tensors) resumes bit-exactly under PP 2, and in one process, under FSDP 2, FSDP 4 (from PP 2 × FSDP 2)
+and PP 4 with one process's losses; `init_from` fills two stages with a Hugging Face Llama.
 
-4-rank launches are slow on 2 cores: one run each for the two 3-D layouts, nothing else on 4 ranks."""
+Launches of 4 and 8 ranks are slow on 2 cores: one run each for the layouts with a second parallel dimension and
+the two 3-D ones, and the resumes that change the world size (PP 2 × FSDP 2 → FSDP 4, PP 2 → PP 4)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,19 @@ LAYOUTS = {  # name: (ranks, overrides)
     },
     "pp2-fsdp2": (4, ["--parallel.pp_size=2"]),  # pipeline 2 × data parallel 2 (FSDP)
     "pp2-tp2": (4, ["--parallel.pp_size=2", "--parallel.tp_size=2"]),  # pipeline 2 × tensor parallel 2
+    # the 3-D mesh: pipeline 2 × FSDP 2 × tensor parallel 2; pipeline 2 × HSDP (2 replicas × 2 shards), whose
+    # 4 data-parallel ranks read 2 sequences each: micro-batches of 1 give the pipeline its 2 (and 4 validation
+    # micro-batches of 1 are one process's 2 of 2 windows)
+    "pp2-fsdp2-tp2": (8, ["--parallel.pp_size=2", "--parallel.tp_size=2"]),
+    "pp2-hsdp2x2": (
+        8,
+        [
+            "--parallel.pp_size=2",
+            "--parallel.dp_replicate=2",
+            "--train.micro_batch_size=1",
+            "--train.val_batches=4",
+        ],
+    ),  # fmt: skip
 }
 STEP6, STEP12 = "checkpoints/step-00000006", "checkpoints/step-00000012"
 VOCAB = (
@@ -117,14 +132,19 @@ def test_a_pipeline_checkpoint_resumes_bit_exactly_under_the_same_layout(
 
 
 @pytest.mark.parametrize(
-    ("ranks", "overrides"),
-    [(1, ["--train.threads=2"]), (2, ["--parallel.strategy=fsdp"])],
-    ids=["pp2-to-1-process", "pp2-to-fsdp2"],
+    ("source", "ranks", "overrides"),
+    [
+        ("pp2-1f1b", 1, ["--train.threads=2"]),
+        ("pp2-1f1b", 2, ["--parallel.strategy=fsdp"]),
+        ("pp2-fsdp2", 4, ["--parallel.strategy=fsdp"]),
+        ("pp2-1f1b", 4, ["--parallel.pp_size=4"]),  # 4 layers: one per stage
+    ],
+    ids=["pp2-to-1-process", "pp2-to-fsdp2", "pp2xfsdp2-to-fsdp4", "pp2-to-pp4"],
 )
 def test_a_pipeline_checkpoint_resumes_under_another_layout(
-    runs: dict[str, Path], tmp_path: Path, ranks: int, overrides: list[str]
+    runs: dict[str, Path], tmp_path: Path, source: str, ranks: int, overrides: list[str]
 ) -> None:
-    _resume(runs["pp2-1f1b"], tmp_path, ranks, overrides)
+    _resume(runs[source], tmp_path, ranks, overrides)
     single = runs["single"]
     for key in ("train_loss", "grad_norm"):
         want = {step: value for step, value in _metrics(single, key).items() if step > 6}

@@ -15,6 +15,9 @@ from gaudi3_scale.distributed.schedule_math import (
     bubble_fraction,
     in_flight_micro_batches,
     p2p_bytes_per_micro_batch,
+    simulate_step,
+    simulated_bubble,
+    single_stage_order,
 )
 from gaudi3_scale.models import get_model_config
 from gaudi3_scale.models.config import ModelConfig
@@ -68,12 +71,52 @@ def test_one_stage_schedules_in_flight() -> None:
     assert in_flight_micro_batches("1f1b", 4, 0, 2) == {0: 2}  # never more than the step has
 
 
+def _orders(schedule: str, pp_size: int, micro_batches: int) -> dict[int, list[str]]:
+    if schedule in ("gpipe", "1f1b"):
+        return {r: single_stage_order(schedule, pp_size, r, micro_batches) for r in range(pp_size)}
+    return {r: [str(a) for a in _torch_order(schedule, pp_size, micro_batches, r)] for r in range(pp_size)}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
+@pytest.mark.parametrize(("pp_size", "micro_batches"), [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 64)])
+def test_bubble_formulas_are_the_schedules_bubble_under_equal_passes(
+    schedule: str, pp_size: int, micro_batches: int
+) -> None:
+    """Each closed form equals the idle share of the schedule's own order (torch's, for two stages per rank) laid
+    out on balanced stages; a full backward may take any multiple of its forward, ZB-V's three passes are equal."""
+    orders = _orders(schedule, pp_size, micro_batches)
+    for backward_over_forward in (1.0, 2.0, 3.0) if schedule != "zbv" else (1.0,):
+        seconds = {"F": 1.0, "B": backward_over_forward, "I": 1.0, "W": 1.0}
+        durations = {a: seconds[a.lstrip("0123456789")[0]] for order in orders.values() for a in order}
+        idle = simulated_bubble(orders, durations)
+        assert idle == {r: pytest.approx(bubble_fraction(schedule, pp_size, micro_batches)) for r in orders}
+
+
+def test_the_simulation_waits_for_what_an_action_needs() -> None:
+    """Unequal passes: a last stage twice as slow holds the first rank's backwards back; ZB-V's longer input
+    gradients (the CPU's: attention's backward has no weights) leave a bubble its formula does not have; and
+    orders that wait on each other are refused."""
+    orders = _orders("gpipe", 2, 2)  # 0F0 0F1 0B0 0B1 | 1F0 1F1 1B0 1B1
+    slow_last = {"0F0": 1, "0F1": 1, "0B0": 2, "0B1": 2, "1F0": 2, "1F1": 2, "1B0": 4, "1B1": 4}
+    # rank 1: F0 at 1–3, F1 3–5, B0 5–9, B1 9–13; rank 0: F 0–2, B0 waits for 1B0 (9–11), B1 for 1B1 (13–15)
+    assert simulate_step(orders, slow_last) == {0: (15.0, 6.0), 1: (13.0, 12.0)}
+    zbv = _orders("zbv", 2, 8)
+    equal = {a: 1.0 for order in zbv.values() for a in order}
+    long_input = {a: 2.0 if "I" in a else 1.0 for a in equal}
+    assert max(simulated_bubble(zbv, long_input).values()) > bubble_fraction("zbv", 2, 8)
+    assert simulated_bubble(zbv, equal)[0] == pytest.approx(bubble_fraction("zbv", 2, 8))
+    with pytest.raises(ValueError, match="wait on each other"):
+        simulate_step(
+            {0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, dict.fromkeys(["0B0", "0F0", "1F0", "1B0"], 1.0)
+        )
+
+
 def test_bubble_formulas() -> None:
     assert bubble_fraction("1f1b", 1, 8) == 0.0
     assert bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)  # (p − 1)/(m + p − 1)
     assert bubble_fraction("1f1b", 8, 128) == pytest.approx(7 / 135)
     assert bubble_fraction("interleaved_1f1b", 4, 8) == pytest.approx(3 / 19)  # (p − 1)/(v·m + p − 1), v = 2
-    assert bubble_fraction("zbv", 4, 8) == 0.0
+    assert bubble_fraction("zbv", 4, 8) == pytest.approx(3 / 51)  # (p − 1)/(6m + p − 1)
     # b × s × h × bytes, forward and backward, at each of a rank's stage boundaries
     assert p2p_bytes_per_micro_batch("1f1b", 2, 1024, 512, 2) == 2 * 2 * 1024 * 512 * 2
     assert p2p_bytes_per_micro_batch("zbv", 2, 1024, 512, 2, tp_size=2) == 2 * 2 * 1024 * 512 * 2

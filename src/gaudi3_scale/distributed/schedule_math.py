@@ -9,6 +9,9 @@ Notation: p = pp_size, m = micro-batches per step (the train accumulation), v = 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+
 from gaudi3_scale.distributed.config import STAGES_PER_RANK
 from gaudi3_scale.distributed.stages import local_stages
 
@@ -18,7 +21,14 @@ __all__ = [
     "bubble_source",
     "in_flight_micro_batches",
     "p2p_bytes_per_micro_batch",
+    "simulate_step",
+    "simulated_bubble",
+    "single_stage_order",
 ]
+
+# torch's action strings (torch/distributed/pipelining/schedules.py `_Action`): stage, kind, micro-batch; F forward,
+# B full backward, I input-gradient backward, W weight-gradient backward (the last two: zero-bubble schedules)
+_COMPUTE_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 def in_flight_micro_batches(schedule: str, pp_size: int, pp_rank: int, micro_batches: int) -> dict[int, int]:
@@ -63,7 +73,7 @@ def bubble_fraction(schedule: str, pp_size: int, micro_batches: int) -> float:
     if p == 1:
         return 0.0
     if schedule == "zbv":
-        return 0.0
+        return (p - 1) / (6 * m + p - 1)
     v = STAGES_PER_RANK[schedule]
     return (p - 1) / (v * m + p - 1)
 
@@ -72,8 +82,10 @@ def bubble_source(schedule: str) -> str:
     """Where `bubble_fraction`'s formula comes from, in words."""
     if schedule == "zbv":
         return (
-            "ZB-V's bubble is 0 when forward, input-gradient and weight-gradient passes take equal time (Qi et al. "
-            "2024, arXiv:2401.10241 §6; sail-sg/zero-bubble-pipeline-parallelism's table)"
+            "(p − 1)/(6m + p − 1): torch's ZB-V order (ScheduleZBVZeroBubble, Qi et al. 2024, arXiv:2401.10241 "
+            "§6) idles p − 1 passes of one stage in 6m (2 stages × m micro-batches × forward, input-gradient and "
+            "weight-gradient passes) when the three passes take equal time (`simulated_bubble` over torch's order; "
+            "the paper's zero is its steady state); longer input-gradient passes leave more"
         )
     if STAGES_PER_RANK[schedule] > 1:
         return (
@@ -107,3 +119,102 @@ def balanced_split(num_layers: int, stages: int) -> tuple[int, ...] | None:
         return None
     per_stage = (num_layers + 2) // stages
     return tuple(stage * per_stage - 1 for stage in range(1, stages))
+
+
+def single_stage_order(schedule: str, pp_size: int, pp_rank: int, micro_batches: int) -> list[str]:
+    """The compute actions of a one-stage-per-rank schedule in the order torch 2.13 runs them, as action strings
+    (`ScheduleGPipe._step_microbatches`: every forward, then every backward; `Schedule1F1B._step_microbatches`:
+    min(m, p − r) forwards, then a backward and a forward in turn, then the backwards left). Torch's own
+    `pipeline_order` for these two classes is a drawing, not what runs (its 1F1B lists forward 1 before 0 on the
+    last stage): `simulated_bubble` reads this instead."""
+    m, stage = micro_batches, pp_rank
+    if schedule == "gpipe":
+        return [f"{stage}F{i}" for i in range(m)] + [f"{stage}B{i}" for i in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(
+            f"{schedule} runs {STAGES_PER_RANK[schedule]} stages per rank: read torch's pipeline_order"
+        )
+    warmup = min(m, pp_size - stage)
+    order = [f"{stage}F{i}" for i in range(warmup)]
+    forward = warmup
+    for backward in range(m):
+        order.append(f"{stage}B{backward}")
+        if forward < m:
+            order.append(f"{stage}F{forward}")
+            forward += 1
+    return order
+
+
+def simulated_bubble(orders: Mapping[int, Sequence[str]], seconds: Mapping[str, float]) -> dict[int, float]:
+    """Each rank's idle share of the step `simulate_step` lays out."""
+    timeline = simulate_step(orders, seconds)
+    step = max(finish for finish, _ in timeline.values())
+    return {rank: 1 - busy / step for rank, (_, busy) in timeline.items()}
+
+
+def simulate_step(
+    orders: Mapping[int, Sequence[str]], seconds: Mapping[str, float]
+) -> dict[int, tuple[float, float]]:
+    """Rank → (when it finishes, seconds it computed) for a step in which each rank runs its compute actions in `orders`' order (torch's action
+    strings "{stage}{F|B|I|W}{micro-batch}" as a schedule's `pipeline_order` lists them; any other entry, such as a
+    send or an unshard, is skipped), each taking `seconds[action]`, and waits only for the actions whose output it
+    needs: a forward for the previous stage's forward of that micro-batch, a backward (B or I) for its own forward
+    and the next stage's backward, a weight gradient (W) for its input gradient. Transfers are free.
+
+    The closed forms of `bubble_fraction` are this with balanced stages and equal pass times; with the pass times a
+    run measured it is the schedule's bubble on that run's compute alone (stage imbalance, a backward longer than
+    its forward, ZB-V's unequal I and W), what `benchmarks/bench_pipeline.py` holds its measured bubble against.
+    `simulated_bubble` gives each rank's idle share of it.
+    """
+    actions: dict[int, list[tuple[int, str, int]]] = {}
+    for rank, order in orders.items():
+        parsed = [_COMPUTE_ACTION.match(str(entry)) for entry in order if entry]
+        actions[rank] = [(int(m[1]), m[2], int(m[3])) for m in parsed if m]
+    last_stage = max(stage for listed in actions.values() for stage, _, _ in listed)
+    done: dict[tuple[int, str, int], float] = {}
+    free = dict.fromkeys(actions, 0.0)
+    busy = dict.fromkeys(actions, 0.0)
+    position = dict.fromkeys(actions, 0)
+
+    def needs(stage: int, kind: str, micro: int) -> list[tuple[int, str, int]] | None:
+        """The finish times the action waits for, or None while one of them has not run."""
+        if kind == "F":
+            wanted = [(stage - 1, ("F",), micro)] if stage else []
+        elif kind == "W":
+            wanted = [(stage, ("I",), micro)]
+        else:
+            wanted = [(stage, ("F",), micro)] + (
+                [(stage + 1, ("B", "I"), micro)] if stage < last_stage else []
+            )
+        found = []
+        for s, kinds, m in wanted:
+            key = next(((s, k, m) for k in kinds if (s, k, m) in done), None)
+            if key is None:
+                return None
+            found.append(key)
+        return found
+
+    remaining = sum(len(listed) for listed in actions.values())
+    while remaining:
+        progressed = False
+        for rank, listed in actions.items():
+            while position[rank] < len(listed):
+                action = listed[position[rank]]
+                waits = needs(*action)
+                if waits is None:
+                    break
+                key = f"{action[0]}{action[1]}{action[2]}"
+                start = max([free[rank], *(done[w] for w in waits)])
+                done[action] = free[rank] = start + seconds[key]
+                busy[rank] += seconds[key]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {
+                rank: listed[position[rank]]
+                for rank, listed in actions.items()
+                if position[rank] < len(listed)
+            }
+            raise ValueError(f"the orders wait on each other: {stuck}")
+    return {rank: (free[rank], busy[rank]) for rank in actions}
