@@ -7,20 +7,24 @@ over each stage's data-parallel ranks) and runs training steps of `--micro-batch
 
 * bubble: the worker times each of its stages' compute actions (torch's `forward_one_chunk`,
   `backward_one_chunk`, `backward_weight_one_chunk`, wrapped with a clock: what the schedule calls between its
-  sends and receives) and the step's wall time. A rank's busy share is their sum ÷ the step; its bubble is the
-  rest. The formula (`distributed.schedule_math.bubble_fraction`) assumes balanced stages and free transfers: the
-  model is 8 equal Llama blocks with a 65-character vocabulary (a head of 1 % of the FLOPs), so the stages are
-  close to balanced; the gloo transfers (b × s × h per micro-batch) are counted as idle, as they are on a rank.
+  sends and receives; and `perform_reduce_grad` / `scale_grads`, the gradient work after the last backward) and
+  the step's wall time. A rank's busy share is their sum ÷ the step; its measured bubble is the rest. Two
+  references: the formula (`distributed.schedule_math.bubble_fraction`: balanced stages, equal passes, free
+  transfers; the model is 8 equal Llama blocks with a 65-character vocabulary, a head of 1 % of the FLOPs), and
+  the schedule laid out on the pass times this step measured (`simulated_bubble` over the order each rank ran:
+  what the stages' imbalance and the passes' ratios leave, transfers free). Measured minus the second is what
+  the transfers (b × s × h per micro-batch over gloo, counted as idle, as they are on a rank) and the runtime add.
 * tokens/s: the same global batch per step (m micro-batches of b sequences) under PP 2 (one pipeline) and FSDP 2
   (two data-parallel ranks of m / 2 micro-batches each, gradients reduce-scattered once per step);
 * memory: peak RSS of each rank (ru_maxrss) above its RSS before the first step, with MALLOC_MMAP_THRESHOLD_=131072
   (freed tensors go back to the OS at once, as in bench_memory_estimate.py), next to `tune.memory`'s estimate.
 
-Goals: measured bubble within 10 % of the formula (relative); 1F1B's first-stage peak ≤ GPipe's at the same m.
+Goals: measured bubble within 10 % of the formula (relative; reported also against the schedule on measured
+compute); 1F1B's first-stage peak ≤ GPipe's at the same m.
 The machine's other load inflates wall time and so the measured bubble: run the full variant on a quiet machine.
 
     PYTHONPATH=src python benchmarks/bench_pipeline.py            # → benchmarks/results/pipeline_cpu.json, .png
-    PYTHONPATH=src python benchmarks/bench_pipeline.py --quick    # 2 measured steps, m = 4: checks it works
+    PYTHONPATH=src python benchmarks/bench_pipeline.py --quick    # 2 measured steps, m = 4 → pipeline_cpu_quick.json
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ MODEL = dict(
     dim=256, num_layers=8, num_heads=8, num_kv_heads=4, ffn_dim=768, context_length=256, vocab_size=65
 )
 _TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+RESULT = Path(__file__).parent / "results" / "pipeline_cpu.json"
 _AFTER = ("perform_reduce_grad", "scale_grads")  # a stage's gradient work after its last backward
 
 
@@ -281,7 +286,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pipeline_cpu.json")
+    parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -290,6 +295,8 @@ def main() -> None:
         return
     if args.quick:
         args.micro_batches, args.warmup, args.steps = 4, 1, 2
+        if args.out == RESULT:
+            args.out = RESULT.with_name("pipeline_cpu_quick.json")
     from rich.progress import track
 
     from gaudi3_scale.monitor.environment import environment_info
