@@ -30,6 +30,12 @@ COMMON = ["--model.name=llama-tiny", "--model.num_layers=4", "--train.max_steps=
           "--train.val_every_steps=6", "--train.val_batches=2", "--train.global_batch_size=8",
           "--train.micro_batch_size=2", "--optim.warmup_steps=2", "--checkpoint.every_steps=6",
           "--checkpoint.keep_last=2", "--sample-tokens=0", "--no-progress"]  # fmt: skip
+HSDP = [
+    "--parallel.pp_size=2",
+    "--parallel.dp_replicate=2",
+    "--train.micro_batch_size=1",
+    "--train.val_batches=4",
+]
 LAYOUTS = {  # name: (ranks, overrides)
     "single": (1, ["--train.threads=2"]),
     **{
@@ -42,15 +48,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     # 4 data-parallel ranks read 2 sequences each: micro-batches of 1 give the pipeline its 2 (and 4 validation
     # micro-batches of 1 are one process's 2 of 2 windows)
     "pp2-fsdp2-tp2": (8, ["--parallel.pp_size=2", "--parallel.tp_size=2"]),
-    "pp2-hsdp2x2": (
-        8,
-        [
-            "--parallel.pp_size=2",
-            "--parallel.dp_replicate=2",
-            "--train.micro_batch_size=1",
-            "--train.val_batches=4",
-        ],
-    ),  # fmt: skip
+    "pp2-hsdp2x2": (8, HSDP),
 }
 STEP6, STEP12 = "checkpoints/step-00000006", "checkpoints/step-00000012"
 VOCAB = (

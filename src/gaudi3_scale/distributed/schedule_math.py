@@ -178,6 +178,7 @@ def simulate_step(
 
     def needs(stage: int, kind: str, micro: int) -> list[tuple[int, str, int]] | None:
         """The finish times the action waits for, or None while one of them has not run."""
+        wanted: list[tuple[int, tuple[str, ...], int]]
         if kind == "F":
             wanted = [(stage - 1, ("F",), micro)] if stage else []
         elif kind == "W":
