@@ -42,6 +42,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from torch import nn
 
 from gaudi3_scale.artifacts.export import export_checkpoint
 from gaudi3_scale.config.core import to_dict
@@ -58,10 +59,11 @@ CLIENTS = (1, 4, 16)
 SERVING = re.compile(r"^serving \S+ \(([\d,]+) parameters\) on http://127\.0\.0\.1:(\d+)$")
 
 
-def _build_export(directory: Path, cfg: ModelConfig | None = None) -> Path:
-    """A random-weight model (default: the preset's shape) as a `gaudi3 ckpt export --format safetensors` dir."""
+def _build_export(directory: Path, cfg: ModelConfig | None = None, model: nn.Module | None = None) -> Path:
+    """A random-weight model (default: the preset's shape, `build_model`'s init; else `model`, built from `cfg`) as
+    a `gaudi3 ckpt export --format safetensors` dir."""
     cfg = cfg or replace(get_model_config(PRESET), vocab_size=ByteTokenizer().vocab_size)
-    model = build_model(cfg, seed=0)
+    model = model if model is not None else build_model(cfg, seed=0)
     # A plain Lightning-style checkpoint file: what `gaudi3 train` writes, minus the optimizer state.
     checkpoint = directory / "random.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},

@@ -1,0 +1,79 @@
+"""benchmarks/bench_serve_kv.py keeps working on CPU in its GPU form (models, client counts, budget, verdict), so a
+GPU session only has to run it with `--device cuda`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve_kv.py"
+ENV = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
+MODES = ("dynamic", "static", "off")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=ENV,
+                          timeout=300)  # fmt: skip
+
+
+def test_small_dry_run_measures_every_cell_and_writes_a_verdict(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    done = _run("--small", "--device", "cpu", "--model", "llama-tiny", "--clients", "2", "--budget-s", "120",
+                "--git-commit", "0123abc", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "serve_kv_cpu" and report["git_commit"] == "0123abc"
+    assert report["models"]["llama-tiny"]["context_length"] == 512 and list(report["models"]) == [
+        "llama-tiny"
+    ]
+    assert report["skipped"] == [] and report["machine"]["cpu_count"] >= 1
+    cells = {(c["clients"], c["kv_cache"]): c for c in report["cells"]}
+    assert set(cells) == {(2, m) for m in MODES}
+    for (clients, mode), cell in cells.items():
+        assert cell["errors"] == 0 and cell["requests"] == clients and cell["generated_tokens_per_s"] > 0, (
+            cell
+        )
+        ratio = report["tokens_per_s_over_recompute"]["llama-tiny"][str(clients)][mode]
+        assert ratio == pytest.approx(
+            cell["generated_tokens_per_s"] / cells[clients, "off"]["generated_tokens_per_s"]
+        )
+    # The cache skips re-reading 384+ positions per token: well ahead of recomputing even for a 2-layer model.
+    assert cells[2, "dynamic"]["generated_tokens_per_s"] > 1.5 * cells[2, "off"]["generated_tokens_per_s"]
+    assert report["verdict"].startswith("llama-tiny: static/dynamic x")
+    assert "dynamic/off x" in report["verdict"] and "3 cells ran, 0 skipped, 0 errors" in report["verdict"]
+    assert f"verdict: {report['verdict']}" in done.stdout
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+    bad = _run("--model", "llama-tiny,nope", "--out", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "--model: unknown nope; valid: gpt12-ctx512, llama3.2-1b" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_the_budget_skips_cells_estimated_to_end_past_it() -> None:
+    spec = importlib.util.spec_from_file_location("bench_serve_kv", SCRIPT)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report: dict = {"cells": [], "skipped": []}
+    for mode, wall_s in (("dynamic", 2.0), ("static", 3.0), ("off", 10.0)):
+        report["cells"].append({"model": "m", "kv_cache": mode, "clients": 1, "wall_s": wall_s})
+    args = argparse.Namespace(budget_s=60.0)
+    # At 4 clients: dynamic 8 s (ends at 28), static 12 s (ends at 40), off 40 s would end at 80: skipped.
+    assert bench._modes_to_run(report, "m", 4, args, 20.0) == ("dynamic", "static")
+    assert [(s["kv_cache"], s["clients"]) for s in report["skipped"]] == [("off", 4)]
+    assert report["skipped"][0]["reason"] == "estimated to end at 80.0 s, past the 60 s budget"
+    # A mode skipped at fewer clients stays skipped; past the budget nothing starts; a new model's first cells run.
+    assert bench._modes_to_run(report, "m", 8, args, 20.0) == ("dynamic", "static")
+    assert report["skipped"][-1]["reason"] == "skipped at fewer clients"
+    assert bench._modes_to_run(report, "m", 8, args, 61.0) == ()
+    assert bench._modes_to_run(report, "other", 1, args, 59.0) == MODES
+    assert bench._modes_to_run(report, "m", 64, argparse.Namespace(budget_s=None), 1e6) == MODES
