@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,11 +59,16 @@ def test_small_dry_run_measures_every_cell_and_writes_a_verdict(tmp_path: Path) 
     assert not (tmp_path / "bad.json").exists()
 
 
-def test_the_budget_skips_cells_estimated_to_end_past_it() -> None:
+def _load_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_serve_kv", SCRIPT)
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_budget_skips_cells_estimated_to_end_past_it() -> None:
+    bench = _load_module()
     report: dict = {"cells": [], "skipped": []}
     for mode, wall_s in (("dynamic", 2.0), ("static", 3.0), ("off", 10.0)):
         report["cells"].append({"model": "m", "kv_cache": mode, "clients": 1, "wall_s": wall_s})
@@ -77,3 +83,22 @@ def test_the_budget_skips_cells_estimated_to_end_past_it() -> None:
     assert bench._modes_to_run(report, "m", 8, args, 61.0) == ()
     assert bench._modes_to_run(report, "other", 1, args, 59.0) == MODES
     assert bench._modes_to_run(report, "m", 64, argparse.Namespace(budget_s=None), 1e6) == MODES
+
+
+def test_the_large_models_fast_random_export_serves_in_float32(tmp_path: Path) -> None:
+    """Llama 3.2 1B's export path (plain draws, bf16 on disk), on llama-tiny: it loads as serve loads it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gaudi3_scale.serve.loading import load_served_model, resolve_source
+
+    bench = _load_module()
+
+    cfg = bench._model_config("llama-tiny")
+    export = bench._build_export(tmp_path, cfg, bench._random_model(cfg, "cpu"))
+    stored = load_file(str(export / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    assert 0.015 < stored["layers.0.attention.wq.weight"].float().std().item() < 0.025
+    served = load_served_model(resolve_source(export))
+    assert {p.dtype for p in served.model.parameters()} == {torch.float32}
+    assert served.config.context_length == 512 and served.config.vocab_size == 256
