@@ -331,7 +331,9 @@ def verdict(report: dict[str, Any]) -> str:
         parts.append(f"{model}: {', '.join(said) or 'no pair measured'}")
     errors = sum(c["errors"] for c in report["cells"])
     ran = f"{len(report['cells'])} cells ran, {len(report['skipped'])} skipped, {errors} errors"
-    return "; ".join([*parts, ran, f"cuda graphs: {report['cuda_graphs']}"])
+    used = report.get("gpu_memory_used_by_servers_bytes")
+    on_gpu = [] if used is None else [f"the servers took {used / 2**30:.1f} GiB of the GPU"]  # 0: not on it
+    return "; ".join([*parts, ran, *on_gpu, f"cuda graphs: {report['cuda_graphs']}"])
 
 
 def _print_table(report: dict[str, Any]) -> None:
