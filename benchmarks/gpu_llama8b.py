@@ -7,17 +7,20 @@ Phases, each written to the JSON as it ends (a lease cut short keeps what finish
    (offload none < all, activation checkpointing off < on; then bf16-mixed before bf16-true). The first one whose
    device peak fits `TARGET_UTILIZATION` of the device's memory, whose offloaded host share fits the host's RAM and
    whose files fit the disks (the HF checkpoint, the run's full checkpoint: weights + AdamW moments, the export)
-   is the one run. Every candidate is recorded with why it was passed over.
+   is the one run. Every candidate is recorded with why it was passed over. On an H200 (139 GiB) at context 8192,
+   micro-batch 1, that is bf16-true without offload or checkpointing (estimate 106.9 GiB; bf16-mixed needs 163.6
+   GiB without activation checkpointing, 121.6 GiB with it but a 96 GB checkpoint).
 2. write: `LlamaForCausalLM` of the preset's shape (`models.hf.hf_llama_config`), random, bf16, built on the GPU
    (random init of 8 B parameters on a CPU takes minutes), `save_pretrained` sharded safetensors — in a worker
    process, so this one never holds device memory while the run measures its peak.
-3. train: `gaudi3 train --model.init_from DIR` on synthetic ids for 20 steps (checkpointing only at the end,
-   validation off); from its summary.json: peak memory (`torch.cuda.max_memory_allocated`), step time, tokens/s,
-   MFU (6N + 12·L·H·Q·T over the dense BF16 peak, `models/counting.py`), and the estimate's error against it.
+3. train: `gaudi3 train --model.init_from DIR` on synthetic ids for 20 steps, eager (checkpoint and one validation
+   batch only at the end); from its summary.json: peak memory (`torch.cuda.max_memory_allocated`), step time, tokens/s,
+   MFU (6N + 12·L·H·Q·T over the dense BF16 peak, `models/counting.py`), and the estimate's error against it;
+   a run stopped by the budget after its last step (in its final save) gives them from metrics.jsonl's last window.
 4. export: the HF checkpoint is deleted (the run has read it), then `gaudi3 ckpt export --format hf`; the export's
    tensors are counted against the preset's parameter count.
 
-    python benchmarks/gpu_llama8b.py --budget-s 240     # on the GPU: results/llama8b_cuda_<gpu>.json
+    timeout 270 python benchmarks/gpu_llama8b.py --budget-s 240  # on the GPU: results/llama8b_cuda_<gpu>.json
     python benchmarks/gpu_llama8b.py --small --out /tmp/llama8b_small.json  # the tiny CPU dry-run (< 3 min)
 
 `--small` (the default without CUDA) runs llama-tiny's shape through the same phases on the CPU.
@@ -67,8 +70,9 @@ GPU_SHAPE = Shape(preset="llama3-8b", context_length=8192, micro_batch_size=1, s
 SMALL_SHAPE = Shape(preset="llama-tiny", vocab_size=512, context_length=64, micro_batch_size=2, steps=20,
                     warmup_steps=3, max_shard_size="50KB")  # fmt: skip
 # (offload, activation checkpointing, precision), fastest first (tune.layouts' ranking, then precision).
+PRECISIONS = ("bf16-mixed", "bf16-true")
 CANDIDATES = [(offload, ckpt, precision) for offload in ("none", "all") for ckpt in (False, True)
-              for precision in ("bf16-mixed", "bf16-true")]  # fmt: skip
+              for precision in PRECISIONS]  # fmt: skip
 
 
 def model_config(shape: Shape, device: str) -> Any:
@@ -118,7 +122,8 @@ def place(need: dict[str, int], roots: dict[str, int]) -> dict[str, str] | None:
     return out
 
 
-def choose_layout(cfg: Any, shape: Shape, device: str, device_bytes: int, host_bytes: int) -> dict[str, Any]:
+def choose_layout(cfg: Any, shape: Shape, device: str, device_bytes: int, host_bytes: int,
+                  precisions: tuple[str, ...] = PRECISIONS) -> dict[str, Any]:  # fmt: skip
     """Every candidate's estimate and verdict; `chosen` is the first that fits the device, the host and, with its
     checkpoint and export, the disks. When none does with them, the first that fits without them runs with no
     checkpoint (`save` false; the export is then skipped): the 20 steps' numbers are still measured."""
@@ -129,6 +134,8 @@ def choose_layout(cfg: Any, shape: Shape, device: str, device_bytes: int, host_b
     budget = int(device_bytes * TARGET_UTILIZATION)
     rows = []
     for offload, ckpt, precision in CANDIDATES:
+        if precision not in precisions:
+            continue
         if offload != "none" and device == "cpu":
             continue  # on a CPU the host is the device: nothing to offload to
         plan = ParallelPlan.build(
@@ -246,21 +253,33 @@ def write_phase(shape: Shape, hf: Path, device: str, env: dict[str, str], timeou
 
 def train_phase(args: list[str], run: Path, results: dict[str, Any], env: dict[str, str], timeout_s: float
                 ) -> dict[str, Any]:  # fmt: skip
-    """Phase 3: `gaudi3 train`, its summary's numbers and the estimate's error against the measured peak."""
+    """Phase 3: `gaudi3 train`, its summary's numbers and the estimate's error against the measured peak. A run
+    stopped after its last step (in its final checkpoint, say) leaves no summary: its numbers then come from the
+    last window of metrics.jsonl (`numbers_from`)."""
     train = run_cli(args, env, timeout_s)
-    if train["status"] != "ok":
-        return train
-    summary = json.loads((run / "summary.json").read_text())
+    steps = results["model"]["shape"]["steps"]
+    if train["status"] == "ok":
+        numbers = json.loads((run / "summary.json").read_text())
+        train["numbers_from"] = "summary.json"
+    else:
+        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
+        records = [r for r in map(json.loads, lines) if "step_time_s" in r]
+        if not records or records[-1]["step"] < steps:
+            return train
+        numbers = {**records[-1], "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records)}
+        train["numbers_from"] = (
+            f"metrics.jsonl, steps {records[-1]['step'] - records[-1]['window_steps'] + 1}-{steps}"
+        )
     keep = ("peak_memory_bytes", "step_time_s", "tokens_per_s", "mfu_peak_source", "measured_steps", "warmup_s",
             "wall_s", "train_loss", "predicted_peak_memory_bytes", "device", "precision")  # fmt: skip
-    train.update({k: summary.get(k) for k in keep})
+    train.update({k: numbers[k] for k in keep if k in numbers})
     # MFU over this script's peak (as bench_gpu_shapes'); the run's own figure beside it (on a CPU the run
     # measures its own peak, so the two differ there).
     peak = results["peak_flops"]
-    train["mfu"] = summary["tokens_per_s"] * results["model"]["flops_per_token"] / peak if peak else None
-    train["mfu_reported"] = summary["mfu"]
+    train["mfu"] = numbers["tokens_per_s"] * results["model"]["flops_per_token"] / peak if peak else None
+    train["mfu_reported"] = numbers["mfu"]
     chosen = results["phases"]["estimate"]["chosen"]
-    train["memory_error"] = _relative(chosen["estimate_bytes"], summary["peak_memory_bytes"])
+    train["memory_error"] = _relative(chosen["estimate_bytes"], numbers["peak_memory_bytes"])
     train["checkpoint_bytes"] = _dir_bytes(run / "checkpoints") if chosen["save"] else None
     return train
 
@@ -276,7 +295,8 @@ def export_phase(run: Path, export: Path, parameters: int, env: dict[str, str], 
     return exported
 
 
-def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, budget_s: float) -> None:
+def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, budget_s: float,
+               precisions: tuple[str, ...]) -> None:  # fmt: skip
     """estimate → write → train → export, each recorded in `results["phases"]` and written to `out` as it ends."""
     from gaudi3_scale.models import count_parameters, flops_per_token
 
@@ -289,7 +309,7 @@ def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, bu
     cfg = model_config(shape, device)
     results["model"] = {"preset": shape.preset, "parameters": count_parameters(cfg),
                         "flops_per_token": flops_per_token(cfg), "shape": asdict(shape)}  # fmt: skip
-    phases["estimate"] = choose_layout(cfg, shape, device, *_memory_bytes(device))
+    phases["estimate"] = choose_layout(cfg, shape, device, *_memory_bytes(device), precisions=precisions)
     _write(results, out)
     chosen = phases["estimate"]["chosen"]
     if chosen is None:
@@ -328,7 +348,8 @@ def verdict(results: dict[str, Any]) -> str:
     layout = (f"fsdp 1 rank, {chosen['precision']}, offload {chosen['offload']}, act.ckpt "
               f"{'on' if chosen['activation_checkpointing'] else 'off'}")  # fmt: skip
     failed = next((k for k in ("write", "train", "export") if phases.get(k, {}).get("status") != "ok"), None)
-    if failed in ("write", "train"):
+    measured = "peak_memory_bytes" in phases.get("train", {})  # also when stopped after the last step
+    if failed == "write" or (failed == "train" and not measured):
         return f"{name} {layout}: {failed} {phases.get(failed, {}).get('status', 'not reached')}"
     train = phases["train"]
     err = train["memory_error"]
@@ -337,6 +358,10 @@ def verdict(results: dict[str, Any]) -> str:
     export = phases.get("export", {})
     shipped = (f"export {'complete' if export.get('complete') else 'INCOMPLETE'} ({export['bytes'] / 1e9:.1f} GB)"
                if failed is None else f"export {export.get('status', 'not reached')}")  # fmt: skip
+    if failed == "train":
+        shipped = (
+            f"the run {train['status']} after its last step (numbers from {train['numbers_from']}); {shipped}"
+        )
     return (
         f"{name} {layout}: {'fits as predicted' if fits else 'NOT as predicted'} (peak "
         f"{train['peak_memory_bytes'] / _GIB:.1f} GiB, estimate {chosen['estimate_bytes'] / _GIB:.1f} GiB, "
@@ -354,6 +379,11 @@ def main() -> None:
         "--budget-s", type=float, default=240.0, help="the phases stop after this long in all"
     )
     parser.add_argument("--out", type=Path, help="result JSON (default results/llama8b_<device>.json)")
+    parser.add_argument(
+        "--precisions", default=",".join(PRECISIONS),
+        help="the train.precision values the layouts may use, comma-separated (default: %(default)s); "
+        "--small --precisions bf16-true dry-runs the path the 8B takes on an H200",
+    )  # fmt: skip
     parser.add_argument("--write-hf", type=Path, help=argparse.SUPPRESS)  # the worker of phase 2
     args = parser.parse_args()
     import torch
@@ -363,6 +393,9 @@ def main() -> None:
         parser.error(f"--device must be cuda or cpu, got {device!r}")
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    if not precisions or set(precisions) - set(PRECISIONS):
+        parser.error(f"--precisions must be some of {', '.join(PRECISIONS)}, got {args.precisions!r}")
     shape = SMALL_SHAPE if args.small or device == "cpu" else GPU_SHAPE
     if args.write_hf:
         write_hf(shape, args.write_hf, device)
@@ -377,7 +410,7 @@ def main() -> None:
                                "budget_s": args.budget_s, "peak_flops": peak, "peak_source": peak_source}  # fmt: skip
     started = time.perf_counter()
     try:
-        run_phases(shape, device, results, out, args.budget_s)
+        run_phases(shape, device, results, out, args.budget_s, precisions)
     finally:
         results["wall_s"] = time.perf_counter() - started
         results["verdict"] = (

@@ -49,6 +49,21 @@ def test_small_dry_run_estimates_trains_from_the_hf_checkpoint_and_exports(tmp_p
     assert result["machine"]["git_commit"] and f"verdict: {result['verdict']}" in done.stdout
 
 
-def test_bad_budget_exits_2() -> None:
+def test_bad_input_exits_2() -> None:
     bad = _run("--small", "--budget-s", "0")
     assert bad.returncode == 2 and "--budget-s must be positive, got 0.0" in bad.stderr
+    bad = _run("--small", "--precisions", "fp8")
+    assert (
+        bad.returncode == 2 and "--precisions must be some of bf16-mixed, bf16-true, got 'fp8'" in bad.stderr
+    )
+
+
+def test_a_spent_budget_leaves_the_estimate_and_the_phase_it_stopped(tmp_path: Path) -> None:
+    out = tmp_path / "llama8b.json"
+    done = _run("--small", "--budget-s", "2", "--precisions", "bf16-true", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["phases"]["estimate"]["chosen"]["precision"] == "bf16-true"
+    assert {c["precision"] for c in result["phases"]["estimate"]["candidates"]} == {"bf16-true"}
+    assert result["phases"]["write"]["status"] == "timeout" and "train" not in result["phases"]
+    assert result["verdict"] == "llama-tiny fsdp 1 rank, bf16-true, offload none, act.ckpt off: write timeout"
