@@ -276,19 +276,12 @@ def run_gaudi3(
     steps = cell.warmup_steps + cell.measured_steps
     profile = ([f"--train.profile_start_step={cell.warmup_steps}", f"--train.profile_num_steps={profile_steps}"]
                if profile_steps else [])  # fmt: skip
-    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--resume", "never",
-           "--no-progress", "--sample-tokens", "0", *profile,
-           *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.data_vocab_size or cell.vocab_size}")]  # fmt: skip
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        output = exc.stderr or exc.stdout or b""
-        text = output.decode(errors="replace") if isinstance(output, bytes) else output
-        return {"status": "timeout", "timeout_s": timeout_s, "reason": _tail(text)}
-    process_s = time.perf_counter() - started
-    if done.returncode != 0:
-        return {"status": "failed", "reason": _tail(done.stderr or done.stdout)}
+    args = ["train", "--out", str(out), "--resume", "never", "--no-progress", "--sample-tokens", "0", *profile,
+            *gaudi3_overrides(cell, steps=steps, warmup=cell.warmup_steps, source=f"synthetic:{cell.data_vocab_size or cell.vocab_size}")]  # fmt: skip
+    run = run_cli(args, env, timeout_s)
+    if run["status"] != "ok":
+        return run
+    process_s = run["process_s"]
     summary = json.loads((out / "summary.json").read_text())
     # The raw per-window step times (the first window holds the warm-up steps too), to set beside the plain loop's:
     # is a difference spread over every window, or in one?
@@ -300,6 +293,23 @@ def run_gaudi3(
             "warmup_s": summary["warmup_s"], "final_loss": summary["train_loss"], "mfu_reported": summary["mfu"],
             "tokens_per_s": summary["tokens_per_s"], "peak_memory_bytes": summary["peak_memory_bytes"],
             "wall_s": summary["wall_s"], "process_s": process_s, "windows": windows}  # fmt: skip
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout_s: float | None) -> dict[str, Any]:
+    """One `gaudi3 ARGS` call in a fresh process: status ok / failed / timeout, its wall time (`process_s`) and, when
+    not ok, its last lines (`reason`)."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stderr or exc.stdout or b""
+        text = output.decode(errors="replace") if isinstance(output, bytes) else output
+        return {"status": "timeout", "timeout_s": timeout_s, "reason": _tail(text)}
+    process_s = time.perf_counter() - started
+    if done.returncode != 0:
+        return {"status": "failed", "process_s": process_s, "reason": _tail(done.stderr or done.stdout)}
+    return {"status": "ok", "process_s": process_s}
 
 
 def _tail(output: str) -> list[str]:

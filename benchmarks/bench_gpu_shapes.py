@@ -19,6 +19,7 @@ The shapes run in order and each gets `--run-timeout-s` (default 240 s) but neve
 
     python benchmarks/bench_gpu_shapes.py                     # the GPU set (results/gpu_shapes_cuda.json + .png)
     python benchmarks/bench_gpu_shapes.py --shapes gpt2-mb32-eager,llama3.2-1b-bf16 --budget-s 300
+    python benchmarks/bench_gpu_shapes.py --shapes moe-1b-top2,bert-base-mb32 --budget-s 120  # MoE and BERT, 50 steps
     python benchmarks/bench_gpu_shapes.py --small             # the tiny CPU set (the default without CUDA)
     python benchmarks/bench_gpu_shapes.py --list
     python benchmarks/bench_gpu_shapes.py --rescore A.json B.json --out C.json  # no device: merge, forecast anew
@@ -80,9 +81,9 @@ GPU_SHAPES = [
     _gpt2(True),
     _llama("1b", "bf16-mixed", 8, activation_checkpointing=True),
     Cell(name="moe-1b-top2", model="moe-tiny", model_overrides=_MOE, vocab_size=32000, context_length=2048,
-         micro_batch_size=8, precision="bf16-mixed", compile=True, warmup_steps=5, measured_steps=45),
+         micro_batch_size=8, precision="bf16-mixed", compile=True, warmup_steps=5, measured_steps=50),
     Cell(name="bert-base-mb32", model="bert-base", vocab_size=30522, data_vocab_size=30518, context_length=512,
-         micro_batch_size=32, precision="bf16-mixed", compile=True, warmup_steps=5, measured_steps=45),
+         micro_batch_size=32, precision="bf16-mixed", compile=True, warmup_steps=5, measured_steps=50),
     _llama("1b", "fp8", 8),
     _llama("1b", "fp8", 8, fp8_head=True, fp8_recipe="rowwise"),
     _llama("1b", "fp8", 8, fp8_head=True, fp8_skip_small_linears=True),
@@ -107,7 +108,7 @@ def forecast(cell: Cell, device: str, peak_flops: float | None) -> dict[str, Any
     """The estimator's peak memory and the cost planner's step time for `cell`, as the run resolves it."""
     from gaudi3_scale.device.float8 import Float8Plan
     from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
-    from gaudi3_scale.models import flops_per_token, get_model_config
+    from gaudi3_scale.models import count_parameters, flops_per_token, get_model_config
     from gaudi3_scale.tune.memory import estimate_memory
 
     model = _model_config(cell, get_model_config).resolve_padding(device)
@@ -124,7 +125,10 @@ def forecast(cell: Cell, device: str, peak_flops: float | None) -> dict[str, Any
     out: dict[str, Any] = {
         "memory_bytes": est.total_bytes,
         "memory_parts_bytes": {**dict(est.rows()), "peak_phase": est.peak_phase},
+        # MFU's FLOPs count a mixture of experts' *active* parameters (models/counting.py): both counts shown.
         "flops_per_token": flops_per_token(model),
+        "parameters": count_parameters(model),
+        "active_parameters": count_parameters(model, active=True),
     }
     if peak_flops:
         out["step_time_s"] = out["flops_per_token"] * batch.tokens_per_step / (peak_flops * COST_PLANNER_MFU)
@@ -370,7 +374,12 @@ def _line(row: dict[str, Any]) -> str:
     if run.get("status") != "ok":
         return f"{name}: {run.get('status')} {(run.get('reason') or [''])[-1]}"
     mem = f"{run['peak_memory_bytes'] / 2**30:.2f} GiB (estimate {row['memory_error']:+.1%})"
-    mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+    fc = row["forecast"]
+    active = fc.get("active_parameters")
+    basis = (
+        f" of {active / 1e6:,.1f} M active parameters" if active and active != fc.get("parameters") else ""
+    )
+    mfu = f", MFU {row['mfu']:.1%}{basis}" if row.get("mfu") is not None else ""
     return (f"{name}: {run['step_time_s'] * 1e3:.1f} ms/step, {run['tokens_per_s']:,.0f} tok/s{mfu}, "
             f"peak {mem}, warm-up {run['warmup_s']:.1f} s, process {run['process_s']:.1f} s")  # fmt: skip
 

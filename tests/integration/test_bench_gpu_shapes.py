@@ -85,3 +85,24 @@ def test_bad_input_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "is not a bench_gpu_shapes result file" in done.stderr
     assert "--rescore needs --out" in _run("--rescore", str(not_ours)).stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_moe_mfu_counts_active_parameters() -> None:
+    """The GPU set's MoE shape is forecast (and its MFU computed) from the parameters a token uses: 2 of 8 experts."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_gpu import _model_config
+    from bench_gpu_shapes import GPU_SHAPES, forecast
+    from gaudi3_scale.models import count_parameters, get_model_config
+
+    cells = {c.name: c for c in GPU_SHAPES}
+    moe, bert = (
+        forecast(cells["moe-1b-top2"], "cuda", 989e12),
+        forecast(cells["bert-base-mb32"], "cuda", 989e12),
+    )
+    assert 0.3 < moe["active_parameters"] / moe["parameters"] < 0.5
+    assert bert["active_parameters"] == bert["parameters"]
+    cfg = _model_config(cells["moe-1b-top2"], get_model_config).resolve_padding("cuda")
+    active_matmul = count_parameters(cfg, trainable_only=False, exclude_embeddings=True, active=True)
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * cfg.context_length
+    assert moe["flops_per_token"] == 6 * active_matmul + attention
+    assert all(cells[n].measured_steps == 50 and cells[n].compile for n in ("moe-1b-top2", "bert-base-mb32"))
