@@ -45,9 +45,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import RESULTS, ROOT, _peak_flops, _tail, run_cli
 from bench_gpu_shapes import _relative, _write
+from gaudi3_scale.tune.config import TuneConfig
 
-# What `gaudi3 tune` lets a chosen config use of the device's memory (tune.config.TuneConfig.target_utilization).
-TARGET_UTILIZATION = 0.95
+# What `gaudi3 tune` lets a chosen config use of the device's memory.
+TARGET_UTILIZATION = TuneConfig().target_utilization
 _GIB = 2**30
 
 
