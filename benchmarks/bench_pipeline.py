@@ -217,11 +217,11 @@ def _summarise(mode: str, ranks: list[dict[str, Any]], micro_batches: int) -> di
             order = {rank: single_stage_order(mode, 2, rank, micro_batches) for rank in range(2)}
         else:  # the multi-stage runtime runs torch's pipeline_order
             order = {int(rank): listed for rank, listed in ranks[0]["pipeline_order"].items()}
+        held = {rank: {int(re.match(r"\d+", a)[0]) for a in listed} for rank, listed in order.items()}
         ideal_per_step = []
         for i in range(len(ranks[0]["steps"])):
             seconds = {**ranks[0]["steps"][i]["actions"], **ranks[1]["steps"][i]["actions"]}
             timeline = simulate_step(order, seconds)
-            held = {rank: {int(re.match(r"\d+", a)[0]) for a in listed} for rank, listed in order.items()}
             after = {rank: sum(seconds.get(f"{stage}R", 0.0) for stage in held[rank]) for rank in order}
             step_s = max(finish + after[rank] for rank, (finish, _) in timeline.items())
             ideal_per_step.append(statistics.mean(1 - (busy + after[rank]) / step_s

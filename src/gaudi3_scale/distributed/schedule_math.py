@@ -155,10 +155,10 @@ def simulated_bubble(orders: Mapping[int, Sequence[str]], seconds: Mapping[str, 
 def simulate_step(
     orders: Mapping[int, Sequence[str]], seconds: Mapping[str, float]
 ) -> dict[int, tuple[float, float]]:
-    """Rank → (when it finishes, seconds it computed) for a step in which each rank runs its compute actions in `orders`' order (torch's action
-    strings "{stage}{F|B|I|W}{micro-batch}" as a schedule's `pipeline_order` lists them; any other entry, such as a
-    send or an unshard, is skipped), each taking `seconds[action]`, and waits only for the actions whose output it
-    needs: a forward for the previous stage's forward of that micro-batch, a backward (B or I) for its own forward
+    """Rank → (when it finishes, seconds it computed) for a step in which each rank runs its compute actions in
+    `orders`' order (torch's action strings "{stage}{F|B|I|W}{micro-batch}" as a schedule's `pipeline_order` lists
+    them; any other entry, such as a send or an unshard, is skipped), each taking `seconds[action]`, and waits only
+    for the actions whose output it needs: a forward for the previous stage's forward of that micro-batch, a backward (B or I) for its own forward
     and the next stage's backward, a weight gradient (W) for its input gradient. Transfers are free.
 
     The closed forms of `bubble_fraction` are this with balanced stages and equal pass times; with the pass times a
@@ -171,6 +171,7 @@ def simulate_step(
         parsed = [_COMPUTE_ACTION.match(str(entry)) for entry in order if entry]
         actions[rank] = [(int(m[1]), m[2], int(m[3])) for m in parsed if m]
     last_stage = max(stage for listed in actions.values() for stage, _, _ in listed)
+    label = {action: f"{action[0]}{action[1]}{action[2]}" for listed in actions.values() for action in listed}
     done: dict[tuple[int, str, int], float] = {}
     free = dict.fromkeys(actions, 0.0)
     busy = dict.fromkeys(actions, 0.0)
@@ -204,10 +205,10 @@ def simulate_step(
                 waits = needs(*action)
                 if waits is None:
                     break
-                key = f"{action[0]}{action[1]}{action[2]}"
+                took = seconds[label[action]]
                 start = max([free[rank], *(done[w] for w in waits)])
-                done[action] = free[rank] = start + seconds[key]
-                busy[rank] += seconds[key]
+                done[action] = free[rank] = start + took
+                busy[rank] += took
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
