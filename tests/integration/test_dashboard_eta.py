@@ -23,6 +23,7 @@ from gaudi3_scale.train.report import read_metrics
 pytestmark = pytest.mark.integration
 
 MAX_STEPS = 12
+PRICE_USD_PER_HOUR = 3600.0  # a dollar a second: the accrued cost is the wall time
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = tmp_path_factory.mktemp("eta-runs")
     args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(runs / "done"), "--no-progress",
             "--sample-tokens", "0", "--model.num_layers", "1", "--train.threads", "1", "--train.max_steps",
-            str(MAX_STEPS), "--train.log_every_steps", "2", "--train.val_every_steps", "6"]  # fmt: skip
+            str(MAX_STEPS), "--train.log_every_steps", "2", "--train.val_every_steps", "6",
+            "--cost.price_usd_per_hour", str(PRICE_USD_PER_HOUR)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return runs
@@ -122,6 +124,35 @@ def test_a_running_run_projects_its_finish_from_its_recent_pace(runs: Path) -> N
     newest = resumed[-1]
     assert eta["started_unix"] == pytest.approx(newest["time_unix"] - newest["wall_s"])
     assert eta["live"]["wall_s"] == pytest.approx(newest["wall_s"])  # step 12 of 12: nothing left
+
+
+def test_a_resumed_run_is_forecast_from_its_checkpoint_step(runs: Path) -> None:
+    """A run resumed at step 12 and carried on to 18 forecasts that process (summary.json's wall_s is its own):
+    its predicted line starts at step 12, its steady steps, validations and saves are those after step 12, and its
+    cost adds the checkpoint's accrued cost to this process's."""
+    run = _copy(runs, "resumed")
+    spent = json.loads((run / "checkpoints" / "step-00000012" / "manifest.json").read_text())["cost_usd"]
+    assert spent > 0
+    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--config", str(run / "config.yaml"), "--out",
+            str(run), "--no-progress", "--sample-tokens", "0", "--train.max_steps", "18"]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert plan["run"]["start_step"] == 12 and plan["run"]["max_steps"] == 18
+    warmup_steps = plan["run"]["warmup_steps"]
+    step_s, wall = plan["predicted_step_time_s"], plan["wall"]
+    assert wall["steady_s"]["value"] == pytest.approx((18 - 12 - warmup_steps) * step_s)
+    assert ": 1 pass(es)" in wall["validation_s"]["source"]  # at step 18 only (every 6: 12 was before)
+    assert ": 1 save(s)" in wall["checkpoint_s"]["source"]
+    assert plan["cost_usd"]["value"] == pytest.approx(
+        spent + plan["predicted_wall_s"] * PRICE_USD_PER_HOUR / 3600
+    )
+    assert summary["predicted_wall_s"] == plan["predicted_wall_s"]
+    assert summary["cost_usd"] > spent  # measured: accrued over both processes, as predicted
+    points = _eta(runs, "resumed")["forecast"]["points"]
+    assert points[0] == [0.0, 12.0] and points[-1] == [pytest.approx(plan["predicted_wall_s"]), 18.0]
+    assert [p[1] for p in points] == sorted(p[1] for p in points)
 
 
 def test_without_plan_json_there_is_no_predicted_line_and_it_says_so(runs: Path) -> None:

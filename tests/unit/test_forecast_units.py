@@ -136,3 +136,44 @@ def test_a_run_feeds_the_store_only_when_ok_here_and_of_its_own_layout(tmp_path:
     probe = CalibrationStore(machine.store.path, machine=machine.store.machine).probes[shape.key]
     assert probe.origin == f"tune trial {tmp_path}" and probe.step_time_s == 0.05
     assert probe.source().startswith(f"probe of this layout, from tune trial {tmp_path}, ")
+
+
+def _committed(checkpoints: Path, step: int, cost_usd: float) -> Path:
+    from gaudi3_scale.checkpoint.manifest import write_manifest
+
+    directory = checkpoints / f"step-{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / "state.ckpt").write_bytes(b"weights")
+    write_manifest(directory, {"step": step, "cost_usd": cost_usd})
+    return directory
+
+
+def test_the_forecast_of_a_resumed_run_reads_the_step_its_resume_will_take(tmp_path: Path) -> None:
+    from gaudi3_scale.train.config import resolve_config
+    from gaudi3_scale.train.resume import resume_manifest
+
+    out = tmp_path / "run"
+
+    def manifest(*overrides: str) -> dict | None:
+        cfg = resolve_config(None, ["--out_dir", str(out), "--train.max_steps", "100", *overrides])
+        return resume_manifest(cfg)
+
+    assert manifest() is None  # nothing saved yet: a fresh start
+    _committed(out / "checkpoints", 20, 1.5)
+    newest = _committed(out / "checkpoints", 40, 3.0)
+    (out / "checkpoints" / "step-00000060").mkdir()  # never committed: not a resume point
+    assert manifest()["step"] == 40  # auto without a pointer: the newest committed
+    (out / "checkpoints" / "latest").write_text("step-00000020\n")
+    assert manifest()["step"] == 20  # the pointer's target first, as `auto` takes it
+    assert manifest("--train.resume", "never") is None
+    assert manifest("--train.resume", str(newest / "state.ckpt"))["cost_usd"] == 3.0
+    assert manifest("--train.resume", str(out))["step"] == 20  # a run directory: its pointer's
+
+
+def test_a_resumed_forecast_counts_only_the_pauses_after_its_start() -> None:
+    from gaudi3_scale.forecast.model import _count
+
+    assert _count(0, 100, 25) == 4  # 25, 50, 75, 100
+    assert _count(40, 100, 25) == 3  # 50, 75, 100
+    assert _count(40, 110, 25) == 4  # 50, 75, 100 and the last step
+    assert _count(40, 100, 0) == 1  # only after the last step

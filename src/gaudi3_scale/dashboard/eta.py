@@ -5,8 +5,8 @@ Time runs from the trainer's start, the clock of summary.json's `wall_s` and of 
 (docs/foresight.md): a train record of metrics.jsonl carries `wall_s` and `time_unix` at its window's end
 (`train.step_metrics`), so the run's start is `time_unix - wall_s`.
 
-- **Predicted line**: step 0 until the forecast's startup ends, the warm-up steps, then the steady steps to
-  `train.max_steps` at `predicted_wall_s`; validation and checkpoint pauses are spread over the steps in proportion
+- **Predicted line**: step 0 (a resumed run: its checkpoint's step, the forecast's `run.start_step`) until the
+  forecast's startup ends, the warm-up steps, then the steady steps to `train.max_steps` at `predicted_wall_s`; validation and checkpoint pauses are spread over the steps in proportion
   to their time (they recur every so many steps). The predicted finish is the run's start + `predicted_wall_s`;
   its source is "probe" when a probe measured this layout (`run.probed`), else "catalog".
 - **Live ETA**: the newest record's `wall_s` + the steps left × the wall time per step over the last records of
@@ -48,26 +48,36 @@ def _part(plan: dict[str, Any], name: str) -> float | None:
     return None if value is None or value < 0 else value
 
 
+def _start_step(plan: dict[str, Any], max_steps: int) -> int:
+    """The step a resumed run's forecast starts from (`run.start_step`); 0 for a fresh run or an older plan."""
+    run = plan.get("run")
+    start = run.get("start_step") if isinstance(run, dict) else None
+    if isinstance(start, int) and not isinstance(start, bool) and 0 <= start < max_steps:
+        return start
+    return 0
+
+
 def _predicted_points(plan: dict[str, Any], wall_s: float, max_steps: int) -> list[list[float]]:
-    """[seconds since the trainer's start, step] of the forecast, from (0, 0) to (wall_s, max_steps)."""
-    points = [[0.0, 0.0]]
+    """[seconds since the trainer's start, step] of the forecast, from (0, start step) to (wall_s, max_steps)."""
+    start = float(_start_step(plan, max_steps))
+    points = [[0.0, start]]
     startup = _part(plan, "startup_s")
     if startup is None or startup >= wall_s:
         startup = 0.0
     elif startup > 0:
-        points.append([startup, 0.0])
+        points.append([startup, start])
     run = plan.get("run")
     warmup_steps = _number(run.get("warmup_steps")) if isinstance(run, dict) else None
     warmup, steady = _part(plan, "warmup_s"), _part(plan, "steady_s")
     if (
         warmup_steps
-        and 0 < warmup_steps < max_steps
+        and 0 < start + warmup_steps < max_steps
         and warmup is not None
         and steady
         and warmup + steady > 0
     ):
         training_s = wall_s - startup  # the steps' own time and the pauses among them
-        points.append([startup + training_s * warmup / (warmup + steady), warmup_steps])
+        points.append([startup + training_s * warmup / (warmup + steady), start + warmup_steps])
     points.append([wall_s, float(max_steps)])
     return points
 

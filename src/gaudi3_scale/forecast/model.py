@@ -196,9 +196,17 @@ def forecast_run(
     checkpoint: CheckpointConfig,
     probe: Probe | None = None,
     price_usd_per_node_hour: Figure | None = None,
+    start_step: int = 0,
+    spent_usd: float | None = None,
 ) -> Forecast:
     """The forecast of a run of `shape` on `machine` with its `train` and `checkpoint` sections; `probe`: a
-    measurement of this layout (by default the calibration store's, when it has one)."""
+    measurement of this layout (by default the calibration store's, when it has one).
+
+    A resumed run (`start_step` > 0, its checkpoint's step) is forecast as summary.json measures it: the wall time
+    of this process, steps `start_step` to `train.max_steps`, and the cost accrued in all (`spent_usd`, the
+    checkpoint's, plus this process's)."""
+    if not 0 <= start_step < train.max_steps:
+        raise ValueError(f"start_step {start_step} is outside [0, train.max_steps {train.max_steps})")
     model = shape.model
     probe = probe or stored_probe(shape, machine)
     memory = _memory(shape, probe)
@@ -206,14 +214,15 @@ def forecast_run(
     step_time = step["step_time_s"].value
     assert step_time is not None
     tokens = modelled(shape.batch.tokens_per_step / step_time, "tokens per step ÷ step time")
-    wall = _wall(train, checkpoint, shape, machine, probe, step_time)
+    wall = _wall(train, checkpoint, shape, machine, probe, step_time, start_step)
     ranks = shape.plan.world_size
     wall_h = (wall["wall_s"].value or 0.0) / 3600
     energy = _energy(machine, ranks, wall_h)
+    spent = f" + ${spent_usd:,.2f} accrued before step {start_step} (its checkpoint's)" if spent_usd else ""
     cost = (
         modelled(
-            price_usd_per_node_hour.value * shape.nodes * wall_h,
-            f"nodes × wall time × {price_usd_per_node_hour.source}",
+            price_usd_per_node_hour.value * shape.nodes * wall_h + (spent_usd or 0.0),
+            f"nodes × wall time × {price_usd_per_node_hour.source}{spent}",
         )
         if price_usd_per_node_hour is not None and price_usd_per_node_hour.value is not None
         else assumed(None, "no price: set cost.instance (catalog) or cost.price_usd_per_hour")
@@ -221,8 +230,10 @@ def forecast_run(
     run = {
         "name": run_name,
         "model": model.name,
+        "start_step": start_step,  # a resumed run's checkpoint step: the wall time is from there to max_steps
         "max_steps": train.max_steps,
-        "warmup_steps": _warmup_steps(train),  # the steps of wall.warmup_s (the dashboard's predicted line)
+        # the steps of wall.warmup_s, after start_step (the dashboard's predicted line)
+        "warmup_steps": _warmup_steps(train, start_step),
         "machine": machine.kind,
         "device": machine.device_name,
         "nodes": shape.nodes,
@@ -360,8 +371,9 @@ def _wall(
     machine: Machine,
     probe: Probe | None,
     step_s: float,
+    start_step: int,
 ) -> dict[str, Figure]:
-    warmup_steps = _warmup_steps(train)
+    warmup_steps = _warmup_steps(train, start_step)
     same = probe is not None and probe.key == shape.key
     kind = shape.device_kind
     if same and probe is not None:
@@ -373,28 +385,34 @@ def _wall(
         extra = COMPILE_S[kind] if shape.plan.compile else 0.0
         warmup = assumed(warmup_steps * step_s * 2 + extra,
                          "warm-up steps at 2× a steady step" + (f" + {extra:g} s compile" if extra else ""))  # fmt: skip
-    steady = modelled((train.max_steps - warmup_steps) * step_s, "steps after the warm-up × step time")
-    validation = _validations(train, shape, machine, probe if same else None)
-    checkpoints = _checkpoints(checkpoint, train.max_steps, shape, probe if same else None)
+    steps = train.max_steps - start_step
+    after = f" (from the resumed step {start_step})" if start_step else ""
+    steady = modelled((steps - warmup_steps) * step_s, f"steps after the warm-up{after} × step time")
+    validation = _validations(train, shape, machine, probe if same else None, start_step)
+    checkpoints = _checkpoints(checkpoint, start_step, train.max_steps, shape, probe if same else None)
     parts = [startup, warmup, steady, validation, checkpoints]
     total = sum(p.value or 0.0 for p in parts)
     return {"startup_s": startup, "warmup_s": warmup, "steady_s": steady, "validation_s": validation,
             "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
 
 
-def _warmup_steps(train: TrainConfig) -> int:
-    return min(train.resolved_throughput_warmup_steps(), train.max_steps)
+def _warmup_steps(train: TrainConfig, start_step: int = 0) -> int:
+    """The first steps of the process that run slower (a resumed process warms up again)."""
+    return min(train.resolved_throughput_warmup_steps(), train.max_steps - start_step)
 
 
-def _count(max_steps: int, every: int) -> int:
-    """Pauses in a run of `max_steps` at every `every` steps, and always one after the last step."""
+def _count(start_step: int, max_steps: int, every: int) -> int:
+    """Pauses in the steps after `start_step` up to `max_steps`, at every multiple of `every`, and always one
+    after the last step."""
     if every <= 0:
         return 1
-    return max_steps // every + (1 if max_steps % every else 0)
+    return max_steps // every - start_step // every + (1 if max_steps % every else 0)
 
 
-def _validations(train: TrainConfig, shape: RunShape, machine: Machine, probe: Probe | None) -> Figure:
-    count = _count(train.max_steps, train.val_every_steps)
+def _validations(
+    train: TrainConfig, shape: RunShape, machine: Machine, probe: Probe | None, start_step: int
+) -> Figure:
+    count = _count(start_step, train.max_steps, train.val_every_steps)
     if probe is not None and probe.validation_s is not None:
         return modelled(count * probe.validation_s, f"{count} pass(es) at the probe's measured rate")
     flops = shape.validation_flops_per_rank(train.val_batches)
@@ -404,10 +422,12 @@ def _validations(train: TrainConfig, shape: RunShape, machine: Machine, probe: P
     )
 
 
-def _checkpoints(ckpt: CheckpointConfig, max_steps: int, shape: RunShape, probe: Probe | None) -> Figure:
+def _checkpoints(
+    ckpt: CheckpointConfig, start_step: int, max_steps: int, shape: RunShape, probe: Probe | None
+) -> Figure:
     if not ckpt.enabled:
         return modelled(0.0, "checkpoints off")
-    count = _count(max_steps, ckpt.every_steps)
+    count = _count(start_step, max_steps, ckpt.every_steps)
     if probe is not None and probe.checkpoint_s is not None:
         return measured(count * probe.checkpoint_s, f"{count} × the probe's save")
     from gaudi3_scale.models.counting import count_parameters

@@ -38,8 +38,11 @@ def _value(figure: Figure, unit: str) -> str:
 
 def format_forecast(forecast: Forecast) -> list[str]:
     run = forecast.run
+    steps = (
+        f"steps {run['start_step']}–{run['max_steps']}" if run["start_step"] else f"{run['max_steps']} steps"
+    )
     lines = [
-        f"forecast of {run['name']} ({run['model']}, {run['max_steps']} steps) on {run['nodes']} node(s) of "
+        f"forecast of {run['name']} ({run['model']}, {steps}) on {run['nodes']} node(s) of "
         f"{run['machine']} ({run['device']}), {run['world_size']} rank(s), {run['layout']['strategy']}"
         + (" — from a probe of this layout" if run["probed"] else ""),
         "per-rank peak memory:",

@@ -124,12 +124,29 @@ def forecast_config(
     return cfg, _forecast(cfg, run_shape(cfg, model, target, nodes=nodes), target, probe=measured)
 
 
-def _forecast(cfg: RunConfig, shape: RunShape, machine: Machine, *, probe: Probe | None = None) -> Forecast:
+def _forecast(
+    cfg: RunConfig,
+    shape: RunShape,
+    machine: Machine,
+    *,
+    probe: Probe | None = None,
+    start_step: int = 0,
+    spent_usd: float | None = None,
+) -> Forecast:
     return forecast_run(shape, machine, run_name=cfg.name, train=cfg.train, checkpoint=cfg.checkpoint,
-                        probe=probe, price_usd_per_node_hour=_price(cfg))  # fmt: skip
+                        probe=probe, price_usd_per_node_hour=_price(cfg), start_step=start_step,
+                        spent_usd=spent_usd)  # fmt: skip
 
 
 def forecast_for_training(cfg: RunConfig, model: ModelConfig) -> Forecast:
-    """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout)."""
+    """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout). A
+    resumed run's is from its checkpoint's step on, as its summary.json measures it (`forecast_run`)."""
+    from gaudi3_scale.checkpoint.contents import COST_KEY
+    from gaudi3_scale.train.resume import resume_manifest
+
     machine = machine_for(cfg, None)
-    return _forecast(cfg, run_shape(cfg, model, machine), machine)
+    manifest = resume_manifest(cfg) or {}
+    step, spent = manifest.get("step"), manifest.get(COST_KEY)
+    start = step if isinstance(step, int) and 0 < step < cfg.train.max_steps else 0
+    spent_usd = float(spent) if start and isinstance(spent, int | float) else None
+    return _forecast(cfg, run_shape(cfg, model, machine), machine, start_step=start, spent_usd=spent_usd)

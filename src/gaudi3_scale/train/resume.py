@@ -16,6 +16,7 @@ from gaudi3_scale.checkpoint.contents import (
     zero_layout,
 )
 from gaudi3_scale.checkpoint.manager import (
+    LATEST_NAME,
     CheckpointManager,
     checkpoint_directory,
     resolve_checkpoint,
@@ -33,8 +34,40 @@ __all__ = [
     "check_resume_data",
     "check_resume_strategy",
     "resume_checkpoint",
+    "resume_manifest",
     "saved_run_config",
 ]
+
+
+def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
+    """The manifest of the checkpoint `train.resume` will most likely take (its `step`, accrued `cost_usd` …),
+    read without checking the checkpoint's files: `auto`'s `latest` pointer target, else its newest committed
+    checkpoint; a named checkpoint or run directory's own. None for a fresh start (`never`, nothing saved yet, or
+    only a remote copy to fetch). For what a run predicts of itself before it starts (`gaudi3 train`'s forecast),
+    never for what it resumes: that is `resume_checkpoint`, which verifies and may skip to an older one."""
+    resume = cfg.train.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        directory = cfg.output_dir / "checkpoints"
+    else:
+        directory = checkpoint_directory(resume)
+        if not directory.is_dir():
+            return None
+        if (found := read_manifest(directory)) is not None:
+            return found
+        directory = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
+    manager = CheckpointManager(directory)
+    pointer = directory / LATEST_NAME
+    if pointer.is_file():
+        try:
+            named = read_manifest(directory / pointer.read_text().strip())
+        except OSError:
+            named = None
+        if named is not None:
+            return named
+    committed = manager.committed()
+    return read_manifest(committed[-1][1]) if committed else None
 
 
 def _read_meta(checkpoint: Path) -> dict[str, Any]:
