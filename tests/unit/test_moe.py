@@ -180,3 +180,44 @@ def test_parallel_layouts_moe_cannot_run_are_one_line_exit_2(
     code, _, err = gaudi3_cli("train", "--out", str(tmp_path), "--model.name", "moe-tiny", *args)
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not any(tmp_path.iterdir())
+
+
+# A fresh interpreter: what the shape-only commands import (plan, tune --estimate-only, the launcher's forecast),
+# then a MoE block compiled (dynamo's eager backend: no C++ compiler) over batches whose experts get other row
+# counts each time. The batched experts run eagerly under compile, so new counts never recompile the block.
+_COMPILE_SCRIPT = """
+import sys
+import gaudi3_scale.forecast.report, gaudi3_scale.models.build
+assert "torch._dynamo" not in sys.modules, "reading a model's shape imported torch._dynamo"
+from dataclasses import replace
+import torch
+import torch._dynamo
+from gaudi3_scale.models import get_model_config
+from gaudi3_scale.models.common.moe import MoEFeedForward
+cfg = replace(get_model_config("moe-tiny"), dim=16, ffn_dim=24)
+torch.manual_seed(0)
+moe = MoEFeedForward(cfg)
+with torch.no_grad():
+    for param in moe.parameters():
+        param.normal_(0, 0.3)
+compiled = torch.compile(moe, backend="eager", dynamic=False)
+torch._dynamo.config.error_on_recompile = True
+counts = set()
+for seed in range(6):
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(compiled(x), moe(x))
+    counts.add(tuple(torch.bincount(moe.router(x).topk(cfg.experts_per_token).indices.flatten(),
+                                    minlength=cfg.num_experts).tolist()))
+assert len(counts) > 1, counts
+print("ok", len(counts))
+"""
+
+
+def test_the_batched_experts_run_eagerly_under_compile_and_shape_only_imports_skip_dynamo() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
