@@ -1,6 +1,6 @@
-"""Pipeline parallel on real ranks (gloo, fp32), through `gaudi3 train` under torchrun: PP 2 with each schedule,
-PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks), PP 2 × FSDP 2 × TP 2 and PP 2 × HSDP 2×2 (8 ranks) train a 4-layer
-llama-tiny like one process over 12 steps — losses, gradient norms (the whole model's: clipped at 1.0 over all
+"""Pipeline parallel on real ranks (gloo, fp32), through `gaudi3 train` under torchrun: PP 2 with each schedule
+(GPipe with `train.compile`: each stage's blocks compiled), PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks), PP 2 × FSDP 2
+× TP 2 and PP 2 × HSDP 2×2 (8 ranks) train a 4-layer llama-tiny like one process over 12 steps — losses, gradient norms (the whole model's: clipped at 1.0 over all
 stages) and validation losses within 1e-5, final weights within 1e-5 — and a pipeline checkpoint (DCP, each rank
 its stage's tensors) resumes bit-exactly under PP 2, and in one process, under FSDP 2, FSDP 4 (from PP 2 × FSDP 2)
 and PP 4 with one process's losses; `init_from` fills two stages with a Hugging Face Llama.
@@ -11,6 +11,7 @@ the two 3-D ones, and the resumes that change the world size (PP 2 × FSDP 2 →
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,8 +41,13 @@ LAYOUTS = {  # name: (ranks, overrides)
     "single": (1, ["--train.threads=2"]),
     **{
         f"pp2-{schedule}": (2, ["--parallel.pp_size=2", f"--parallel.pp_schedule={schedule}"])
-        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+        for schedule in ("1f1b", "interleaved_1f1b", "zbv")
     },
+    # GPipe with train.compile: each stage's blocks compiled (Inductor's C++ on the CPU), the rest eager
+    "pp2-gpipe-compiled": (
+        2,
+        ["--parallel.pp_size=2", "--parallel.pp_schedule=gpipe", "--train.compile=true"],
+    ),
     "pp2-fsdp2": (4, ["--parallel.pp_size=2"]),  # pipeline 2 × data parallel 2 (FSDP)
     "pp2-tp2": (4, ["--parallel.pp_size=2", "--parallel.tp_size=2"]),  # pipeline 2 × tensor parallel 2
     # the 3-D mesh: pipeline 2 × FSDP 2 × tensor parallel 2; pipeline 2 × HSDP (2 replicas × 2 shards), whose
@@ -50,6 +56,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2-fsdp2-tp2": (8, ["--parallel.pp_size=2", "--parallel.tp_size=2"]),
     "pp2-hsdp2x2": (8, HSDP),
 }
+INDUCTOR_CACHE = "inductor-cache"
 STEP6, STEP12 = "checkpoints/step-00000006", "checkpoints/step-00000012"
 VOCAB = (
     65  # tensor parallel pads the vocabulary tables to 66 rows (tests/distributed/test_tensor_parallel.py)
@@ -61,7 +68,11 @@ def _train(out: Path, ranks: int, overrides: list[str]) -> None:
             *overrides]  # fmt: skip
     if ranks > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(out / INDUCTOR_CACHE),
+    }  # what Inductor generated, if any
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     (out / "stderr.log").write_text(proc.stderr)
     assert proc.returncode == 0, f"{out / 'stderr.log'}: {proc.stderr[-3000:]}"
 
@@ -89,6 +100,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
 def test_layout_trains_like_one_process(runs: dict[str, Path], layout: str) -> None:
     single, run = runs["single"], runs[layout]
+    kernels = list(
+        (run / INDUCTOR_CACHE).rglob("*.py")
+    )  # the code Inductor generated for the compiled blocks
+    assert bool(kernels) == layout.endswith("-compiled"), (layout, kernels[:3])
     for key in ("train_loss", "grad_norm", "val_loss"):
         _assert_close(_metrics(run, key), _metrics(single, key), f"{layout} {key}")
     assert sorted(_metrics(run, "val_loss")) == [6, 12]

@@ -54,7 +54,9 @@ PP2 = [*LLAMA4, "parallel.nproc_per_node=2", "parallel.pp_size=2"]
         ([*LLAMA4, "parallel.pp_split=[2]"], r"^parallel\.pp_split: splits the model into pipeline stages"),
         ([*PP2, "parallel.pp_schedule=zb"], r"^parallel\.pp_schedule: got 'zb'; allowed: gpipe, 1f1b, "),
         ([*PP2, "model.name=shakespeare-char", "model.num_layers=4"], r"^parallel\.pp_size: .*tied embedding and head"),
-        ([*PP2, "train.compile=true"], r"^train\.compile: is not implemented with pipeline parallel yet"),
+        ([*PP2, "train.compile=true", "train.compile_mode=reduce-overhead"],
+         r"^train\.compile_mode: reduce-overhead captures CUDA graphs, which a pipeline's sends and receives"),
+        ([*PP2, "train.compile=true", "train.compile_mode=max-autotune"], r"^train\.compile_mode: max-autotune "),
     ],
 )  # fmt: skip
 def test_bad_pipeline_layouts_are_one_line_naming_the_field(overrides: list[str], message: str) -> None:

@@ -18,15 +18,22 @@ import itertools
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.distributed.config import STAGES_PER_RANK, ParallelConfig
+from gaudi3_scale.distributed.plan import CUDA_GRAPH_COMPILE_MODES
 from gaudi3_scale.models.config import ModelConfig
 
 __all__ = ["check_micro_batches", "check_pipeline", "local_stages", "stage_layers", "stage_starts"]
 
 
 def check_pipeline(
-    model: ModelConfig, parallel: ParallelConfig, *, accumulation: int, compile: bool, rerun_check: bool
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    accumulation: int,
+    compile_mode: str | None,
+    rerun_check: bool,
 ) -> None:
-    """A pipeline layout against the model and the run, before launch: one `ConfigError` naming the field."""
+    """A pipeline layout against the model and the run, before launch: one `ConfigError` naming the field.
+    `compile_mode`: `train.compile_mode` when `train.compile` is on, else None."""
     if parallel.pp_size == 1:
         return
     if model.arch == "bert" or model.num_experts or model.tie_embeddings:
@@ -42,8 +49,12 @@ def check_pipeline(
             f"pipeline parallel is implemented for decoder-only dense models without tied embeddings, not {what}; "
             "use 1",
         )
-    if compile:
-        raise ConfigError("train.compile", "is not implemented with pipeline parallel yet; use false")
+    if compile_mode in CUDA_GRAPH_COMPILE_MODES:
+        raise ConfigError(
+            "train.compile_mode",
+            f"{compile_mode} captures CUDA graphs, which a pipeline's sends and receives between the stages' "
+            "blocks cannot be part of; with pipeline parallel use default or max-autotune-no-cudagraphs",
+        )
     if rerun_check:
         raise ConfigError(
             "health.rerun_check", "re-runs single micro-steps, which a pipeline does not have; use false"

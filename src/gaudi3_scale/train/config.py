@@ -348,7 +348,7 @@ class RunConfig:
             self.model,
             self.parallel,
             accumulation=batch.accumulation,
-            compile=self.train.compile,
+            compile_mode=self.train.compile_mode if self.train.compile else None,
             rerun_check=self.health.rerun_check,
         )
         if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
