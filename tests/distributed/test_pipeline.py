@@ -1,8 +1,8 @@
 """Pipeline parallel on real ranks (gloo, fp32), through `gaudi3 train` under torchrun: PP 2 with each schedule
 (GPipe with `train.compile`: each stage's blocks compiled), PP 2 × FSDP 2 and PP 2 × TP 2 (4 ranks), PP 2 × FSDP 2
-× TP 2 and PP 2 × HSDP 2×2 (8 ranks) train a 4-layer llama-tiny like one process over 12 steps — losses, gradient norms (the whole model's: clipped at 1.0 over all
-stages) and validation losses within 1e-5, final weights within 1e-5 — and a pipeline checkpoint (DCP, each rank
-its stage's tensors) resumes bit-exactly under PP 2, and in one process, under FSDP 2, FSDP 4 (from PP 2 × FSDP 2)
+× TP 2 and PP 2 × HSDP 2×2 (8 ranks) train a 4-layer llama-tiny like one process over 12 steps — losses,
+gradient norms (the whole model's: clipped at 1.0 over all stages) and validation losses within 1e-5, final weights
+within 1e-5 — and a pipeline checkpoint (DCP, each rank its stage's tensors) resumes bit-exactly under PP 2, and in one process, under FSDP 2, FSDP 4 (from PP 2 × FSDP 2)
 and PP 4 with one process's losses; `init_from` fills two stages with a Hugging Face Llama.
 
 Launches of 4 and 8 ranks are slow on 2 cores: one run each for the layouts with a second parallel dimension and

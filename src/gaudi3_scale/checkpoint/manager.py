@@ -158,8 +158,9 @@ class CheckpointManager:
         fsync_directory(self.directory)
         self.apply_retention()
 
-    def latest_valid(self, warn: Callable[[str], None] | None = None) -> Path | None:
-        """The newest checkpoint that verifies (the pointer's target first); every skipped one is named."""
+    def resume_order(self) -> list[Path]:
+        """Every `step-X` directory in the order a resume tries them: the `latest` pointer's target, then the
+        others newest first."""
         candidates = [path for _, path in reversed(self.steps())]
         pointer = self.directory / LATEST_NAME
         if pointer.is_file():
@@ -167,7 +168,11 @@ class CheckpointManager:
             if named in candidates:
                 candidates.remove(named)
                 candidates.insert(0, named)
-        for path in candidates:
+        return candidates
+
+    def latest_valid(self, warn: Callable[[str], None] | None = None) -> Path | None:
+        """The newest checkpoint that verifies (the pointer's target first); every skipped one is named."""
+        for path in self.resume_order():
             problems = verify_checkpoint(path)
             if not problems:
                 return path

@@ -6,8 +6,9 @@ Time runs from the trainer's start, the clock of summary.json's `wall_s` and of 
 (`train.step_metrics`), so the run's start is `time_unix - wall_s`.
 
 - **Predicted line**: step 0 (a resumed run: its checkpoint's step, the forecast's `run.start_step`) until the
-  forecast's startup ends, the warm-up steps, then the steady steps to `train.max_steps` at `predicted_wall_s`; validation and checkpoint pauses are spread over the steps in proportion
-  to their time (they recur every so many steps). The predicted finish is the run's start + `predicted_wall_s`;
+  forecast's startup ends, the warm-up steps, then the steady steps to `train.max_steps` at `predicted_wall_s`;
+  validation and checkpoint pauses are spread over the steps in proportion to their time (they recur every so
+  many steps). The predicted finish is the run's start + `predicted_wall_s`;
   its source is "probe" when a probe measured this layout (`run.probed`), else "catalog".
 - **Live ETA**: the newest record's `wall_s` + the steps left × the wall time per step over the last records of
   the process (pauses included, as the cost meter's projection does), or the record's own `step_time_s` while

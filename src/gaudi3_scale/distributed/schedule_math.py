@@ -158,8 +158,9 @@ def simulate_step(
     """Rank → (when it finishes, seconds it computed) for a step in which each rank runs its compute actions in
     `orders`' order (torch's action strings "{stage}{F|B|I|W}{micro-batch}" as a schedule's `pipeline_order` lists
     them; any other entry, such as a send or an unshard, is skipped), each taking `seconds[action]`, and waits only
-    for the actions whose output it needs: a forward for the previous stage's forward of that micro-batch, a backward (B or I) for its own forward
-    and the next stage's backward, a weight gradient (W) for its input gradient. Transfers are free.
+    for the actions whose output it needs: a forward for the previous stage's forward of that micro-batch, a
+    backward (B or I) for its own forward and the next stage's backward, a weight gradient (W) for its input
+    gradient. Transfers are free.
 
     The closed forms of `bubble_fraction` are this with balanced stages and equal pass times; with the pass times a
     run measured it is the schedule's bubble on that run's compute alone (stage imbalance, a backward longer than

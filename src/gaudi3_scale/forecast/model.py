@@ -396,7 +396,7 @@ def _wall(
             "checkpoint_s": checkpoints, "wall_s": modelled(total, "the sum of the parts")}  # fmt: skip
 
 
-def _warmup_steps(train: TrainConfig, start_step: int = 0) -> int:
+def _warmup_steps(train: TrainConfig, start_step: int) -> int:
     """The first steps of the process that run slower (a resumed process warms up again)."""
     return min(train.resolved_throughput_warmup_steps(), train.max_steps - start_step)
 

@@ -16,7 +16,6 @@ from gaudi3_scale.checkpoint.contents import (
     zero_layout,
 )
 from gaudi3_scale.checkpoint.manager import (
-    LATEST_NAME,
     CheckpointManager,
     checkpoint_directory,
     resolve_checkpoint,
@@ -57,17 +56,8 @@ def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
         if (found := read_manifest(directory)) is not None:
             return found
         directory = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
-    manager = CheckpointManager(directory)
-    pointer = directory / LATEST_NAME
-    if pointer.is_file():
-        try:
-            named = read_manifest(directory / pointer.read_text().strip())
-        except OSError:
-            named = None
-        if named is not None:
-            return named
-    committed = manager.committed()
-    return read_manifest(committed[-1][1]) if committed else None
+    manifests = (read_manifest(path) for path in CheckpointManager(directory).resume_order())
+    return next((manifest for manifest in manifests if manifest is not None), None)
 
 
 def _read_meta(checkpoint: Path) -> dict[str, Any]:
