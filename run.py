@@ -7,7 +7,10 @@
                                                   # --generate first rewrites the generated reference pages
 
 Needs only Python >= 3.11 with pip and venv. The install is skipped when pyproject.toml and the pinned
-constraints are unchanged since the last one (a stamp file in .venv records their hash). `test` also sets up
+constraints are unchanged since the last one (a stamp file in .venv records their hash). transformers, the tests'
+reference for Hugging Face checkpoints, goes to .venv/oracles, on the path of the test process and of the commands
+that load such checkpoints only: gaudi3-scale never imports it, and Lightning's torchmetrics imports it wherever it is
+installed: 1.0 s of each of the suite's ~330 training processes (2026-11-29). `test` also sets up
 `.venv-tools` (checkov, pinned in requirements/tools.txt) the same way: a venv of its own, because its pins clash
 with ours.
 """
@@ -25,6 +28,9 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".gaudi3-install"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+# tests/conftest.py puts ORACLES on sys.path, and `oracles_env` on the PYTHONPATH of a subprocess that needs it
+ORACLES = VENV / "oracles"
+ORACLE_PINS = ("transformers",)  # each installed at its version in requirements/constraints.txt
 TOOLS = ROOT / ".venv-tools"  # the tests find checkov at .venv-tools/bin/checkov (tests/conftest.py)
 TOOLS_PINS = ROOT / "requirements/tools.txt"
 EXTRAS = "test,deepspeed,docs"  # part of the install fingerprint: another set of extras installs again
@@ -46,22 +52,17 @@ def ensure_venv() -> Path:
         print(f"creating virtual environment in {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
     print("installing gaudi3-scale and its pinned dependencies (first run only)", flush=True)
-    subprocess.run(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "-c",
-            str(ROOT / "requirements/constraints.txt"),
-            "-e",
-            f"{ROOT}[{EXTRAS}]",
-        ],
-        check=True,
-    )
+    _pip_install(python, "-e", f"{ROOT}[{EXTRAS}]")
+    # transformers alone: its dependencies are in the `test` extra, so in .venv already
+    _pip_install(python, "--no-deps", "--upgrade", "--target", str(ORACLES), *ORACLE_PINS)
     STAMP.write_text(fingerprint + "\n")
     return python
+
+
+def _pip_install(python: Path, *args: str) -> None:
+    """`pip install` into `python`'s environment, at the versions requirements/constraints.txt pins."""
+    constraints = str(ROOT / "requirements/constraints.txt")
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c", constraints, *args], check=True)
 
 
 def ensure_tools() -> None:

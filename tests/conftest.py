@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,19 @@ import pytest
 # the same order, so no number a test checks changes. Set before anything loads torch, so it holds in this process
 # and in every process a test starts; a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# transformers, the reference the tests hold Hugging Face checkpoints against, is installed apart (run.py, ORACLES):
+# on this process's path, and on a subprocess's only through `oracles_env`, so that the training processes the tests
+# start import what a user's `pip install gaudi3-scale` has (torchmetrics imports transformers whenever it can).
+ORACLES = Path(sys.prefix) / "oracles"
+if ORACLES.is_dir() and str(ORACLES) not in sys.path:
+    sys.path.append(str(ORACLES))
+
+
+def oracles_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with .venv/oracles on PYTHONPATH: for a subprocess that imports transformers itself."""
+    paths = [p for p in (env.get("PYTHONPATH"), str(ORACLES) if ORACLES.is_dir() else None) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)} if paths else dict(env)
 
 
 @pytest.fixture(autouse=True, scope="session")

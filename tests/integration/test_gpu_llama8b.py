@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import oracles_env
 
 pytestmark = pytest.mark.integration
 
@@ -16,7 +19,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_llama8b.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    env = oracles_env(dict(os.environ))  # the script writes its Hugging Face checkpoint with transformers
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def test_small_dry_run_estimates_trains_from_the_hf_checkpoint_and_exports(tmp_path: Path) -> None:

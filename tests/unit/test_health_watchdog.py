@@ -1,6 +1,7 @@
-"""The hang watchdog in real processes, without training: a rank silent past its step timeout, and a stopped peer
-(SIGSTOP) named by the rank beside it. Stacks come from faulthandler and from py-spy (a test dependency); the
-process ends with the restartable exit code. A 2-rank training run: tests/distributed/test_hang_watchdog.py."""
+"""The hang watchdog in real processes, without training: a rank silent past its step timeout, a stopped peer (SIGSTOP)
+named and killed by the rank beside it, and a running rank's stacks taken on request. Stacks come from faulthandler
+and from py-spy (a test dependency); the process ends with the restartable exit code. A 2-rank training run:
+tests/distributed/test_hang_watchdog.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES
+from gaudi3_scale.health.dumps import dump_header, request_stacks
 from gaudi3_scale.health.heartbeat import read_heartbeat
 from gaudi3_scale.health.watchdog import HANG_EXIT_CODE
 
@@ -116,17 +118,35 @@ def test_a_stopped_rank_is_named_by_its_peer_which_dumps_it_with_py_spy(tmp_path
         assert f"Thread {pid} " in spy and "beat_forever (" in spy, spy
         asked = (health / "stacks-rank1.txt").read_text()
         assert asked.startswith("--- rank 1, ") and "asked by rank 0 (SIGUSR2)" in asked
-        assert "File " not in asked  # stopped: faulthandler has not run yet
-        os.kill(pid, signal.SIGCONT)  # the pending SIGUSR2 runs first: the stacks land under the header
-        deadline = time.monotonic() + 20
-        while "beat_forever" not in (health / "stacks-rank1.txt").read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert "File " not in asked  # stopped: faulthandler never ran
+        # Then killed by rank 0: a stopped process never acts on the SIGTERM torch's agent would send.
+        assert ranks[1].wait(timeout=10) == -signal.SIGKILL
     finally:
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+def test_a_running_rank_asked_for_its_stacks_writes_them_under_the_askers_header(tmp_path: Path) -> None:
+    """What a peer that is frozen but not stopped gets: DUMP_SIGNAL runs its faulthandler (registered by its
+    watchdog), which appends every thread's stack to the file the asker opened with its header line."""
+    script, health = tmp_path / "rank.py", tmp_path / "run" / "health"
+    script.write_text(RANK)
+    proc = _start(script, health, 0, 1)
+    try:
+        pid = _wait_for_step(health, 0, 5, proc)
+        path = health / "stacks-rank0.txt"
+        request_stacks(pid, path, dump_header(0, "asked by a test (SIGUSR2)"))
+        deadline = time.monotonic() + 20
+        while "beat_forever" not in path.read_text():
+            assert time.monotonic() < deadline, path.read_text()
+            time.sleep(0.05)
+        text = path.read_text()
+        assert text.index("asked by a test (SIGUSR2)") < text.index("beat_forever")
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.parametrize(

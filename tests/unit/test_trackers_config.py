@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.monitor.config import MonitorConfig
-from gaudi3_scale.monitor.trackers import check_trackers, flatten_config, tracker_metrics
+from gaudi3_scale.monitor.config import MonitorConfig, check_trackers
+from gaudi3_scale.monitor.trackers import flatten_config, tracker_metrics
 from gaudi3_scale.train.config import RunConfig
 
 

@@ -8,14 +8,17 @@ stopped or frozen process stops its own watchdog too, so its peers must notice).
 
 On a hang the rank that found it dumps its own stacks (faulthandler, every thread), asks each local peer for its
 stacks (DUMP_SIGNAL), runs `py-spy dump` on every local rank where py-spy is installed, saves the NCCL flight
-recorder on CUDA, writes `hang-rank<N>.json`, prints one line naming the silent rank, section and step, and ends
-the process with HANG_EXIT_CODE, which the launcher passes on as restartable: `--max-restarts` (or Kubernetes)
-restarts the run from its last checkpoint. The process exits with `os._exit`, from the watchdog thread: the main
-thread is stuck (that is the point), so nothing it would run on the way out can be waited for.
+recorder on CUDA, writes `hang-rank<N>.json`, prints one line naming the silent rank, section and step, kills the
+silent peers (SIGKILL: a stopped or frozen process never acts on the SIGTERM torch's agent sends, which would hold
+the restart for the agent's 30 s grace), and ends the process with HANG_EXIT_CODE, which the launcher passes on as
+restartable: `--max-restarts` (or Kubernetes) restarts the run from its last checkpoint. The process exits with
+`os._exit`, from the watchdog thread: the main thread is stuck (that is the point), so nothing it would run on the
+way out can be waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -68,6 +71,9 @@ assert HANG_EXIT_CODE in RESTARTABLE_EXIT_CODES
 _CHECK_EVERY_S = 1.0  # deadlines are checked this often: detection is at most this late
 _WRITE_EVERY_S = 2.0  # the heartbeat file is rewritten this often (and at every section change)
 _STALE_AFTER_S = 3 * _WRITE_EVERY_S  # a peer file older than this: its watchdog thread is not running
+_ASKED_STACKS_WAIT_S = (
+    1.0  # how long a silent peer has to write the stacks it was asked for, before it is killed
+)
 
 
 class Watchdog:
@@ -100,6 +106,9 @@ class Watchdog:
         self._write_lock = threading.Lock()
         self._stacks_file: IO[str] | None = None
         self._write_failed = False
+        self._asked_sizes: dict[
+            int, int
+        ] = {}  # peer rank -> its stacks file's size once asked (the header only)
 
     # ---- the training loop's side: cheap, no I/O per step -----------------------------------------------------
     def beat(self, step: int) -> None:
@@ -225,7 +234,21 @@ class Watchdog:
             f"exit {HANG_EXIT_CODE} (restartable): `gaudi3 health {self.health_dir.parent}` shows what each rank "
             "was doing"
         )
+        self._kill_silent_peers([s for s in silent if s.rank != self.rank])
         os._exit(HANG_EXIT_CODE)
+
+    def _kill_silent_peers(self, peers: list[Silence]) -> None:
+        """SIGKILL the silent peers (ranks of this launch and attempt on this node, `_local_peers`), after up to
+        _ASKED_STACKS_WAIT_S for the stacks they were asked for: a frozen process's faulthandler writes at once, a
+        stopped one never does."""
+        deadline = time.monotonic() + _ASKED_STACKS_WAIT_S
+        waiting = {p.rank: stacks_path(self.health_dir, p.rank) for p in peers if p.rank in self._asked_sizes}
+        while waiting and time.monotonic() < deadline:
+            waiting = {r: f for r, f in waiting.items() if _size(f) <= self._asked_sizes[r]}
+            time.sleep(0.05)
+        for peer in peers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(peer.pid, signal.SIGKILL)
 
     def _dump(self, why: str) -> list[str]:
         """Stacks of this rank (faulthandler) and of its local peers (on request and by py-spy), the flight
@@ -243,6 +266,7 @@ class Watchdog:
                 )
             except ProcessLookupError:
                 continue  # it ended meanwhile
+            self._asked_sizes[peer.rank] = _size(path)
             files.append(path)
         py_spy = find_py_spy()
         if py_spy is not None:
@@ -253,6 +277,13 @@ class Watchdog:
         if dump_flight_recorder(trace):
             files.append(trace)
         return [str(f) for f in files]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _say(line: str) -> None:

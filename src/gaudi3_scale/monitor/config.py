@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
 
-__all__ = ["LOGGERS", "MonitorConfig"]
+__all__ = ["LOGGERS", "TRACKING_EXTRA", "MonitorConfig", "check_trackers", "installed"]
 
 # Experiment trackers a run can write to, all at once if asked (metrics.jsonl is always written: it is what the
 # summary, the dashboard and the benchmark results read).
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
+TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
 
 
 @dataclass(kw_only=True)
@@ -65,3 +68,27 @@ class MonitorConfig:
     @property
     def logger_names(self) -> list[str]:
         return list(dict.fromkeys(n.strip().lower() for n in self.loggers.split(",") if n.strip()))
+
+
+def check_trackers(monitor: MonitorConfig) -> None:
+    """Each configured tracker's package is installed (and W&B configured), or one line on `monitor.loggers`."""
+    for name in monitor.logger_names:
+        if name == "tensorboard" and not (installed("tensorboard") or installed("tensorboardX")):
+            raise ConfigError("monitor.loggers", f"tensorboard is not installed: {TRACKING_EXTRA}")
+        if name == "mlflow" and not installed("mlflow"):
+            raise ConfigError("monitor.loggers", f"mlflow is not installed: {TRACKING_EXTRA}")
+        if name == "wandb":
+            if not installed("wandb"):
+                raise ConfigError("monitor.loggers", "wandb is not installed: pip install wandb")
+            mode = os.environ.get("WANDB_MODE", "").lower()
+            if not os.environ.get("WANDB_API_KEY") and mode not in ("offline", "disabled", "dryrun"):
+                raise ConfigError(
+                    "monitor.loggers",
+                    "wandb is not configured: set WANDB_API_KEY, or WANDB_MODE=offline to write <out>/wandb/ "
+                    "and `wandb sync` it later",
+                )
+
+
+def installed(module: str) -> bool:
+    """`module` can be imported here (found, not imported)."""
+    return importlib.util.find_spec(module) is not None

@@ -21,7 +21,6 @@ one stops every rank with the same line.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,20 +33,18 @@ from lightning.pytorch.loggers import Logger
 
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.monitor.config import MonitorConfig
+from gaudi3_scale.monitor.config import MonitorConfig, check_trackers, installed
 
 __all__ = [
     "METRIC_NAMES",
     "ExperimentTrackers",
     "build_trackers",
-    "check_trackers",
     "flatten_config",
     "mlflow_client",
     "prepare_mlflow_environment",
     "tracker_metrics",
 ]
 
-TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
 
 # Record field (metrics.jsonl) → tracker metric name. Fields that already hold a "/" keep their name
 # (`checkpoint/remote_backlog`); others not listed here are forwarded under their own name.
@@ -128,29 +125,6 @@ def flatten_config(config: Any) -> dict[str, Any]:
 
     walk("", config if isinstance(config, Mapping) else to_dict(config))
     return flat
-
-
-def check_trackers(monitor: MonitorConfig) -> None:
-    """Each configured tracker's package is installed (and W&B configured), or one line on `monitor.loggers`."""
-    for name in monitor.logger_names:
-        if name == "tensorboard" and not (_installed("tensorboard") or _installed("tensorboardX")):
-            raise ConfigError("monitor.loggers", f"tensorboard is not installed: {TRACKING_EXTRA}")
-        if name == "mlflow" and not _installed("mlflow"):
-            raise ConfigError("monitor.loggers", f"mlflow is not installed: {TRACKING_EXTRA}")
-        if name == "wandb":
-            if not _installed("wandb"):
-                raise ConfigError("monitor.loggers", "wandb is not installed: pip install wandb")
-            mode = os.environ.get("WANDB_MODE", "").lower()
-            if not os.environ.get("WANDB_API_KEY") and mode not in ("offline", "disabled", "dryrun"):
-                raise ConfigError(
-                    "monitor.loggers",
-                    "wandb is not configured: set WANDB_API_KEY, or WANDB_MODE=offline to write <out>/wandb/ "
-                    "and `wandb sync` it later",
-                )
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 class ExperimentTrackers(pl.Callback):
@@ -281,7 +255,7 @@ def _mlflow(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
             client.create_experiment(experiment)
     except MlflowException as exc:
         hint = ""
-        if urlparse(uri).scheme.startswith("sqlite") and not _installed("sqlalchemy"):
+        if urlparse(uri).scheme.startswith("sqlite") and not installed("sqlalchemy"):
             hint = " (sqlite:// needs SQLAlchemy: pip install mlflow, or use a file: URI)"
         raise ConfigError(
             "monitor.mlflow_tracking_uri", f"MLflow cannot use {uri!r}: {str(exc).splitlines()[0]}{hint}"

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from gaudi3_scale.checkpoint.contents import COST_KEY
-from gaudi3_scale.checkpoint.manager import checkpoint_directory
-from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
@@ -21,14 +18,13 @@ from gaudi3_scale.metering.live import (
     SpotCheck,
     budget_message,
     build_spot_check,
-    check_budget_left,
     check_cost_config,
     uses_spot_quotes,
 )
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
 from gaudi3_scale.train.step_metrics import RunMetrics
 
-__all__ = ["LiveCost", "build_live_cost", "check_resume_budget"]
+__all__ = ["LiveCost", "build_live_cost"]
 
 
 class LiveCost:
@@ -107,19 +103,6 @@ class LiveCost:
                 f"spot policy at step {step}: scale up — {decision.reason}; capacity is cheap now: consider "
                 "more nodes (parallel.nnodes) at the next restart"
             )
-
-
-def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
-    """Refuse to resume a checkpoint whose accrued cost already reached `cost.budget_usd` (exit 3, one line).
-
-    The accrued cost is read from the manifest (the checkpoint's own `gaudi3_meta`, copied there at commit), so
-    this costs no checkpoint load and runs before any rank is launched.
-    """
-    directory = checkpoint_directory(checkpoint)
-    manifest = read_manifest(directory) or {}
-    stored = manifest.get(COST_KEY)
-    if cost.budget_usd is not None and stored is not None:
-        check_budget_left(cost.budget_usd, float(stored), directory.name)
 
 
 def build_live_cost(

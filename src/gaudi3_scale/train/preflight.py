@@ -15,10 +15,9 @@ from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config
-from gaudi3_scale.monitor.trackers import check_trackers
+from gaudi3_scale.monitor.config import check_trackers
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.cost_callback import check_resume_budget
-from gaudi3_scale.train.resume import check_resume_strategy, resume_checkpoint
+from gaudi3_scale.train.resume import check_resume_budget, check_resume_strategy, resume_checkpoint
 
 __all__ = ["check_run_inputs", "resume_point"]
 

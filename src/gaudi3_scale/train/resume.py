@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.checkpoint.contents import (
+    COST_KEY,
     OPTIMIZER_STATES_KEY,
     is_light,
     run_config,
@@ -26,9 +27,12 @@ from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.launch import inside_launched_worker
 from gaudi3_scale.distributed.plan import ZERO_STAGES
+from gaudi3_scale.metering.config import CostConfig
+from gaudi3_scale.metering.live import check_budget_left
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
+    "check_resume_budget",
     "check_resume_compatible",
     "check_resume_data",
     "check_resume_strategy",
@@ -36,6 +40,19 @@ __all__ = [
     "resume_manifest",
     "saved_run_config",
 ]
+
+
+def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint whose accrued cost already reached `cost.budget_usd` (exit 3, one line).
+
+    The accrued cost is read from the manifest (the checkpoint's own `gaudi3_meta`, copied there at commit), so
+    this costs no checkpoint load and runs before any rank is launched.
+    """
+    directory = checkpoint_directory(checkpoint)
+    manifest = read_manifest(directory) or {}
+    stored = manifest.get(COST_KEY)
+    if cost.budget_usd is not None and stored is not None:
+        check_budget_left(cost.budget_usd, float(stored), directory.name)
 
 
 def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
