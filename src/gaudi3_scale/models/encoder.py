@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, build_dropout, build_norm
+from gaudi3_scale.models.common.init import Embedding
 from gaudi3_scale.models.common.kv_cache import CacheStep
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.transformer import Transformer
@@ -69,16 +70,16 @@ class MlmHead(nn.Module):
 class Encoder(Transformer):
     """Token ids (and optional token types) → MLM logits [batch, seq, padded_vocab_size] for every position."""
 
-    pos_embeddings: nn.Embedding  # always learned positions (optional in Transformer)
+    pos_embeddings: Embedding  # always learned positions (optional in Transformer)
 
     def __init__(self, cfg: ModelConfig) -> None:
         # Not Transformer.__init__: the modules differ; the methods inherited only read the attributes set here.
         nn.Module.__init__(self)
         self.config = cfg
         vocab = cfg.padded_vocab_size  # raises ValueError while vocab_size is unresolved
-        self.tok_embeddings = nn.Embedding(vocab, cfg.dim)
-        self.pos_embeddings = nn.Embedding(cfg.context_length, cfg.dim)
-        self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.dim)
+        self.tok_embeddings = Embedding(vocab, cfg.dim)
+        self.pos_embeddings = Embedding(cfg.context_length, cfg.dim)
+        self.type_embeddings = Embedding(cfg.type_vocab_size, cfg.dim)
         self.embedding_norm = build_norm(cfg)
         self.dropout = build_dropout(cfg.dropout)
         self.layers = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))

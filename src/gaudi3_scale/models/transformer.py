@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from gaudi3_scale.models.common import Attention, GeluMLP, SwiGLU, build_dropout, build_norm, build_rope_cache
-from gaudi3_scale.models.common.init import fill_normal
+from gaudi3_scale.models.common.init import Embedding, fill_normal
 from gaudi3_scale.models.common.kv_cache import CacheStep, LayerCache
-from gaudi3_scale.models.common.moe import GroupedExperts, MoEFeedForward
+from gaudi3_scale.models.common.moe import GroupedExperts, MoEFeedForward, run_experts_eagerly_under_compile
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.vocab import mask_vocab_padding
 
@@ -67,8 +67,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         vocab = cfg.padded_vocab_size  # raises ValueError while vocab_size is unresolved
-        self.tok_embeddings = nn.Embedding(vocab, cfg.dim)
-        self.pos_embeddings = nn.Embedding(cfg.context_length, cfg.dim) if cfg.arch == "gpt2" else None
+        self.tok_embeddings = Embedding(vocab, cfg.dim)
+        self.pos_embeddings = Embedding(cfg.context_length, cfg.dim) if cfg.arch == "gpt2" else None
         self.dropout = build_dropout(cfg.dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = build_norm(cfg)
@@ -130,6 +130,8 @@ class Transformer(nn.Module):
         # Moving off meta gives every module a fresh Parameter, which would silently untie embedding and head.
         super().to_empty(device=device, recurse=recurse)
         self._tie_weights()
+        if self.config.num_experts and torch.device(device or "cpu").type != "meta":
+            run_experts_eagerly_under_compile()  # before anything can compile the blocks (models.common.moe)
         return self
 
     @torch.no_grad()

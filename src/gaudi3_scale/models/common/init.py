@@ -16,8 +16,9 @@ import hashlib
 import math
 
 import torch
+from torch import nn
 
-__all__ = ["CHUNK_ELEMENTS", "fill_normal", "logical_shape"]
+__all__ = ["CHUNK_ELEMENTS", "Embedding", "fill_normal", "logical_shape"]
 
 CHUNK_ELEMENTS = 1 << 16  # a multiple of 16: torch's vectorised normal sampler fills whole blocks of 16
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive chunk indices over the seed space
@@ -107,3 +108,14 @@ def _fill_block(
             [segment((first_row + i) * row_length + first_col, rows.shape[1]) for i in range(rows.shape[0])]
         )
     rows.copy_(values.mul_(std))
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` that skips its own init on the meta device, where the models are built (`build_model`) and
+    counted (plan, tune --estimate-only, the launcher's forecast) before `init_weights` fills them: `normal_` on a
+    meta tensor runs torch's Python decomposition, whose first call imports torch._dynamo (1.1 s on a 2-core AMD
+    EPYC, 2026-11-29) to draw nothing. On any other device, as `nn.Embedding`."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()

@@ -39,6 +39,7 @@ __all__ = [
     "load_balancing_loss",
     "route",
     "router_losses",
+    "run_experts_eagerly_under_compile",
 ]
 
 
@@ -50,14 +51,16 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        _run_eagerly_under_compile()
+        if not self.w1.is_meta:  # built on meta: `Transformer.to_empty` wraps it when the weights get storage
+            run_experts_eagerly_under_compile()
 
     # Eager under torch.compile: the per-expert row counts change every step, and a compiled graph would specialise
     # on them and recompile each time (moe-tiny, CPU, torch 2.13: 5.5 s a step, against 0.06 s with this). Around
     # this call the graph breaks once; the router and the rest of the block stay compiled. `torch.compiler.disable`
-    # is applied when the first instance is built (`_run_eagerly_under_compile`), not as a decorator: it imports
-    # torch._dynamo (~1 s), which the commands that only read a model's shape (plan, tune --estimate-only, the
-    # launcher's forecast) never need.
+    # is applied when the first instance with real weights is built or materialized from meta
+    # (`run_experts_eagerly_under_compile`), not as a decorator: it imports torch._dynamo (~1 s), which the commands
+    # that only build a model on meta to read its shape (plan, tune --estimate-only, the launcher's forecast) never
+    # need.
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [N, dim] rows sorted by expert, `counts[e]` rows for expert e → [N, dim] in the same order."""
         # unbind: one view per expert whose backward stacks the E gradients once; indexing w1[e] would allocate
@@ -71,7 +74,7 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
-def _run_eagerly_under_compile() -> None:
+def run_experts_eagerly_under_compile() -> None:
     """Wrap GroupedExperts.forward in `torch.compiler.disable` once, before any instance can run or be compiled."""
     if "_eager_under_compile" not in GroupedExperts.__dict__:
         forward = GroupedExperts.__dict__["forward"]

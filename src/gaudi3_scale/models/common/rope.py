@@ -15,7 +15,11 @@ __all__ = ["apply_rope", "build_rope_cache"]
 def build_rope_cache(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """cos/sin of every (position, frequency) pair: float32 tensor of shape [max_seq_len, head_dim // 2, 2]."""
+    """cos/sin of every (position, frequency) pair: float32 tensor of shape [max_seq_len, head_dim // 2, 2]. On the
+    meta device only the shape: computing it there runs torch's Python decompositions, whose first use imports
+    torch._dynamo (1.1 s) in the shape-only commands (plan, tune --estimate-only, the launcher's forecast)."""
+    if torch.device(device or torch.get_default_device()).type == "meta":
+        return torch.empty(max_seq_len, len(range(0, head_dim, 2)), 2, device="meta", dtype=torch.float32)
     # θ_i = theta^(-2i/d) for i in [0, d/2)  (RoFormer eq. 15; Llama 3 uses theta = 500000)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
