@@ -320,5 +320,7 @@ def test_training_mirrors_to_s3_and_a_fresh_machine_resumes_from_it(
     train(fresh, 12)
     records = [json.loads(line) for line in (fresh / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train_loss" in r] == [9, 10, 11, 12]
+    # its forecast (written before the download) starts where the remote copy does
+    assert json.loads((fresh / "plan.json").read_text())["run"]["start_step"] == 8
     assert verify_checkpoint(fresh / "checkpoints" / "step-00000012") == []
     assert fs.cat_file(f"{root}/latest").decode().strip() == "step-00000012"

@@ -170,6 +170,40 @@ def test_the_forecast_of_a_resumed_run_reads_the_step_its_resume_will_take(tmp_p
     assert manifest("--train.resume", str(out))["step"] == 20  # a run directory: its pointer's
 
 
+def test_with_no_local_checkpoint_the_forecast_reads_the_remote_mirrors_manifest(tmp_path: Path) -> None:
+    """A fresh machine resumes from `checkpoint.remote_url` alone: its forecast starts at the step it will download
+    (a real fsspec store, file://, of committed, uncommitted and damaged checkpoints)."""
+    from gaudi3_scale.train.config import resolve_config
+    from gaudi3_scale.train.resume import resume_manifest
+
+    out, remote = tmp_path / "run", tmp_path / "mirror"
+
+    def manifest(url: str, *overrides: str) -> dict | None:
+        cfg = resolve_config(
+            None,
+            ["--out_dir", str(out), "--checkpoint.remote_url", url, "--train.max_steps", "100", *overrides],
+        )
+        return resume_manifest(cfg)
+
+    assert manifest(remote.as_uri()) is None  # nothing there yet: a fresh start
+    _committed(remote, 30, 2.0)
+    _committed(remote, 50, 4.0)
+    (remote / "step-00000070").mkdir()  # never committed
+    (remote / "step-00000090").mkdir()
+    (remote / "step-00000090" / "manifest.json").write_text('{"format": ')  # damaged
+    assert manifest(remote.as_uri())["step"] == 50  # the newest committed one
+    (remote / "latest").write_text("step-00000030\n")
+    found = manifest(remote.as_uri())
+    assert (found["step"], found["cost_usd"]) == (
+        30,
+        2.0,
+    )  # the remote pointer's target first, as it downloads
+    assert manifest(remote.as_uri(), "--train.resume", "never") is None
+    assert manifest((tmp_path / "nowhere").as_uri()) is None  # no store there: the resume says why, not this
+    _committed(out / "checkpoints", 10, 0.5)
+    assert manifest(remote.as_uri())["step"] == 10  # a local checkpoint comes first, as for the resume
+
+
 def test_a_resumed_forecast_counts_only_the_pauses_after_its_start() -> None:
     from gaudi3_scale.forecast.model import _count
 

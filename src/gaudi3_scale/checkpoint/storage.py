@@ -44,6 +44,7 @@ __all__ = [
     "open_remote",
     "read_remote_bytes",
     "read_remote_pointer",
+    "remote_manifest",
     "remote_problems",
 ]
 
@@ -159,6 +160,27 @@ def _download(fs: AbstractFileSystem, remote_dir: str, target: Path) -> str | No
         return None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after a failure; gone already after the rename
+
+
+def remote_manifest(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The manifest of the first remote checkpoint `fetch_latest` would try that has a well-formed one (the `latest`
+    pointer's target, then newest step first), read without its files: what a run about to resume from the remote
+    copy alone predicts from. None when the remote holds none, or cannot be read: `fetch_latest` then says why."""
+    try:
+        fs, root = open_remote(url, storage_options)
+        for name in _remote_step_names(fs, root):
+            data = read_remote_bytes(fs, f"{root}/{name}/{MANIFEST_NAME}")
+            if data is None:  # never committed
+                continue
+            try:
+                return parse_manifest(data)
+            except ManifestError:
+                continue
+    except Exception as exc:
+        if isinstance(exc, UserInputError) or storage.is_storage_error(exc):
+            return None
+        raise
+    return None
 
 
 def fetch_latest(

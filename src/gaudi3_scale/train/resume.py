@@ -58,9 +58,10 @@ def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
 def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
     """The manifest of the checkpoint `train.resume` will most likely take (its `step`, accrued `cost_usd` …),
     read without checking the checkpoint's files: `auto`'s `latest` pointer target, else its newest committed
-    checkpoint; a named checkpoint or run directory's own. None for a fresh start (`never`, nothing saved yet, or
-    only a remote copy to fetch). For what a run predicts of itself before it starts (`gaudi3 train`'s forecast),
-    never for what it resumes: that is `resume_checkpoint`, which verifies and may skip to an older one."""
+    checkpoint, else (nothing local) the one `checkpoint.remote_url` would give; a named checkpoint or run
+    directory's own. None for a fresh start (`never`, nothing saved yet). For what a run predicts of itself before
+    it starts (`gaudi3 train`'s forecast), never for what it resumes: that is `resume_checkpoint`, which verifies,
+    may skip to an older one, and downloads the remote copy."""
     resume = cfg.train.resume
     if resume == "never":
         return None
@@ -74,7 +75,12 @@ def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
             return found
         directory = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
     manifests = (read_manifest(path) for path in CheckpointManager(directory).resume_order())
-    return next((manifest for manifest in manifests if manifest is not None), None)
+    found = next((manifest for manifest in manifests if manifest is not None), None)
+    if found is None and resume == "auto" and cfg.checkpoint.remote_url:
+        from gaudi3_scale.checkpoint.storage import remote_manifest
+
+        found = remote_manifest(cfg.checkpoint.remote_url)
+    return found
 
 
 def _read_meta(checkpoint: Path) -> dict[str, Any]:
