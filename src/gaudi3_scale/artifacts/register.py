@@ -27,6 +27,7 @@ from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.counting import count_parameters
+from gaudi3_scale.monitor.config import TRACKING_EXTRA
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_EXPERIMENT = "gaudi3-exports"
-_TRACKING_EXTRA = "pip install 'gaudi3-scale[tracking]'"
 # What the MLflow server and the file store both accept as a registered model name, and safe as a path part.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_URI_PREFIX = "models:/"  # MLflow's URI of a registered model version: models:/NAME/VERSION
@@ -78,7 +78,7 @@ def check_registry(name: str, uri: str, *, asked_by: str = "--register") -> Any:
     try:
         import mlflow  # noqa: F401  (only to know it is there)
     except ImportError:
-        raise UserInputError(f"{asked_by} needs MLflow: {_TRACKING_EXTRA}") from None
+        raise UserInputError(f"{asked_by} needs MLflow: {TRACKING_EXTRA}") from None
     for key, value in _HTTP_FAIL_FAST.items():
         os.environ.setdefault(key, value)
     from mlflow.exceptions import MlflowException

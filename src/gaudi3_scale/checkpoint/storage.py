@@ -176,8 +176,10 @@ def remote_manifest(url: str, *, storage_options: dict[str, Any] | None = None) 
                 return parse_manifest(data)
             except ManifestError:
                 continue
+    except UserInputError:  # a URL `open_remote` refuses
+        return None
     except Exception as exc:
-        if isinstance(exc, UserInputError) or storage.is_storage_error(exc):
+        if storage.is_storage_error(exc):
             return None
         raise
     return None

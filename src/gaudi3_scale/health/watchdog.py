@@ -71,9 +71,8 @@ assert HANG_EXIT_CODE in RESTARTABLE_EXIT_CODES
 _CHECK_EVERY_S = 1.0  # deadlines are checked this often: detection is at most this late
 _WRITE_EVERY_S = 2.0  # the heartbeat file is rewritten this often (and at every section change)
 _STALE_AFTER_S = 3 * _WRITE_EVERY_S  # a peer file older than this: its watchdog thread is not running
-_ASKED_STACKS_WAIT_S = (
-    1.0  # how long a silent peer has to write the stacks it was asked for, before it is killed
-)
+# How long a silent peer has to write the stacks it was asked for, before it is killed.
+_ASKED_STACKS_WAIT_S = 1.0
 
 
 class Watchdog:
@@ -106,9 +105,8 @@ class Watchdog:
         self._write_lock = threading.Lock()
         self._stacks_file: IO[str] | None = None
         self._write_failed = False
-        self._asked_sizes: dict[
-            int, int
-        ] = {}  # peer rank -> its stacks file's size once asked (the header only)
+        # peer rank -> its stacks file's size once asked (the header only)
+        self._asked_sizes: dict[int, int] = {}
 
     # ---- the training loop's side: cheap, no I/O per step -----------------------------------------------------
     def beat(self, step: int) -> None:

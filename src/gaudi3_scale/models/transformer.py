@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         # Moving off meta gives every module a fresh Parameter, which would silently untie embedding and head.
         super().to_empty(device=device, recurse=recurse)
         self._tie_weights()
-        if self.config.num_experts and torch.device(device or "cpu").type != "meta":
+        if self.config.num_experts and self._device().type != "meta":
             run_experts_eagerly_under_compile()  # before anything can compile the blocks (models.common.moe)
         return self
 
