@@ -152,6 +152,39 @@ def test_a_whole_strategy_failing_does_not_stop_the_tuner(tmp_path: Path) -> Non
     assert report["best"]["candidate"]["micro_batch_size"] == 1
 
 
+def test_a_pipeline_layout_is_a_trial_of_its_own(tmp_path: Path) -> None:
+    """On 2 ranks a Llama's FSDP group and its pipeline group (PP 2, 1F1B) each run a real trial; the pipeline's
+    trial trains through the pipeline (its run config and its 2 micro-batches a step), the reports name its
+    layout, and best.yaml keeps the winner's."""
+    out = tmp_path / "tune"
+    # one kv head: no tensor parallel, so the groups are FSDP over 2 ranks and one pipeline of 2
+    proc = _gaudi3("tune", "--world-size", "2", "--strategies", "fsdp", "--global-batch", "2", "--precisions",
+                   "32-true", "--activation-checkpointing", "off", *SHORT, "--model.name", "llama-tiny",
+                   "--model.num_kv_heads", "1", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = _report(out)
+    assert "pipeline (1F1B) 1/2" in report["space"]
+    trials = {t["candidate"]["pp_size"]: t for t in report["trials"]}
+    assert sorted(trials) == [1, 2] and all(t["status"] == "ok" for t in trials.values()), trials
+    pipeline = trials[2]
+    run = yaml.safe_load((out / "trials" / pipeline["key"] / "run" / "config.yaml").read_text())
+    assert (run["parallel"]["pp_size"], run["parallel"]["pp_schedule"], run["train"]["micro_batch_size"]) == (
+        2, "1f1b", 1)  # fmt: skip
+    assert pipeline["tokens_per_s"] > 0 and pipeline["measured_steps"] == [2]
+    with (out / "trials.csv").open() as f:
+        rows = {row["pp_size"]: row for row in csv.DictReader(f)}
+    assert rows["2"]["accumulation"] == "2" and rows["1"]["accumulation"] == "1"
+    assert "fsdp pp 2 32-true gb 2 mb 1×2" in proc.stdout
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["parallel"]["pp_size"] == report["best"]["candidate"]["pp_size"]
+    if best["parallel"]["pp_size"] == 2:  # micro-batch 1 is the whole share of an FSDP rank, not a pipeline's
+        assert report["limit"].startswith(
+            "search space: micro-batch 1 is the largest that leaves the pipeline"
+        )
+    else:
+        assert report["limit"].startswith("search space: micro-batch 1 is the whole per-rank batch")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

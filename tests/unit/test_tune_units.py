@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -232,7 +234,7 @@ def test_adaptive_batch_finder_refuses_a_module_with_one_line() -> None:
     assert "\n" not in str(refused.value)
 
 
-def test_tensor_parallel_joins_the_space_for_mesh_strategies_on_a_llama() -> None:
+def test_tensor_and_pipeline_parallel_join_the_space_for_mesh_strategies_on_a_llama() -> None:
     import hashlib
     import json
     from dataclasses import asdict
@@ -243,24 +245,131 @@ def test_tensor_parallel_joins_the_space_for_mesh_strategies_on_a_llama() -> Non
     space = build_space(base, world_size=4, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,),
                         precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
     assert space.tp_sizes == (1, 2)  # divisors of 4 ranks that divide 4 heads and 2 kv heads
-    layouts = {(c.strategy, c.tp_size) for c in space.candidates()}
-    assert layouts == {("ddp", 1), ("fsdp", 1), ("fsdp", 2)}
-    tp = next(c for c in space.candidates() if c.tp_size == 2 and c.micro_batch_size == 2)
+    assert space.pp_sizes == (1, 2)  # PP 4 would leave llama-tiny's 2 layers without a stage each
+    layouts = {(c.strategy, c.tp_size, c.pp_size) for c in space.candidates()}
+    assert layouts == {("ddp", 1, 1), ("fsdp", 1, 1), ("fsdp", 2, 1), ("fsdp", 1, 2), ("fsdp", 2, 2)}
+    tp = next(c for c in space.candidates() if (c.tp_size, c.pp_size, c.micro_batch_size) == (2, 1, 2))
     assert space.micro_batches(8, 2) == [1, 2, 4]  # 8 sequences over 2 tensor-parallel groups
     pairs = [tuple(o[2:].split("=", 1)) for o in tp.overrides()]
     cfg = build_run_config(None, [*pairs, ("model.name", "llama-tiny"), ("parallel.nproc_per_node", "4")])  # type: ignore[list-item]
     assert (cfg.parallel.tp_size, cfg.batch_plan().accumulation) == (2, tp.accumulation(4)) == (2, 2)
     assert tp.label(4).startswith("fsdp tp 2 32-true")
+    assert "× tensor parallel 1/2 × pipeline (1F1B) 1/2" in space.describe()
     # keys of layouts at their defaults are those of the trial caches written before layouts existed
-    plain = next(c for c in space.candidates() if c.tp_size == 1)
-    old = {k: v for k, v in asdict(plain).items() if k not in ("tp_size", "dp_replicate", "offload")}
+    plain = next(c for c in space.candidates() if c.tp_size == 1 and c.pp_size == 1)
+    layout = ("tp_size", "dp_replicate", "offload", "pp_size", "pp_split")
+    old = {k: v for k, v in asdict(plain).items() if k not in layout}
     assert plain.key == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_a_pipeline_group_keeps_its_micro_batches_and_its_trials_run_the_pipeline() -> None:
+    """A pipeline candidate is a run with `parallel.pp_size` (1F1B, the split `balanced_split` gives), its
+    micro-batches leave the pipeline at least pp_size of them a step, its memory is estimated as a pipeline's, and
+    the winner's config keeps the layout; a candidate without a pipeline turns the base config's off, and one read
+    back from a trial cache's JSON is the same point."""
+    from dataclasses import asdict
+
+    from gaudi3_scale.tune.estimate_table import resolved_model
+    from gaudi3_scale.tune.layouts import Layout, check_layouts
+    from gaudi3_scale.tune.trial import TrialResult
+    from gaudi3_scale.tune.tuner import _estimator, winner_config
+
+    # 6 layers in 4 stages: the Llama 3 split (one layer fewer on the first and last stage)
+    args = ["--model.name", "llama-tiny", "--model.num_layers", "6", "--train.global_batch_size", "8",
+            "--train.micro_batch_size", "1", "--parallel.pp_size", "2", "--parallel.nproc_per_node", "4"]  # fmt: skip
+    base = build_run_config(None, parse_overrides(args))
+    space = build_space(base, world_size=4, strategies=("fsdp",), compile=(False,), threads=(1,),
+                        precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
+    assert (1, 4, (1, 3, 5)) in space.meshes and space.pp_sizes == (1, 2, 4)
+    # 8 sequences in one pipeline of 4: micro-batches of 1 or 2 leave 8 or 4 a step; 4 and 8 too few for 1F1B
+    assert space.micro_batches(8, 1, 4) == [1, 2]
+    # tp 2 × pp 2 on 4 ranks is one pipeline too: micro-batch 4 leaves the 2 a pipeline of 2 needs, 8 only 1
+    assert space.micro_batches(8, 2, 2) == [1, 2, 4]
+    estimate = _estimator(base, space)
+    for c in space.candidates():
+        pairs = [tuple(o[2:].split("=", 1)) for o in c.overrides()]
+        cfg = build_run_config(None, [*pairs, ("model.name", "llama-tiny"), ("model.num_layers", "6"),
+                                      ("parallel.nproc_per_node", "4")])  # type: ignore[list-item]  # fmt: skip
+        assert (cfg.parallel.pp_size, tuple(cfg.parallel.pp_split)) == (c.pp_size, c.pp_split), c
+        assert cfg.batch_plan().accumulation == c.accumulation(4) >= c.pp_size, c
+        assert cfg.parallel.pp_schedule == "1f1b" or c.pp_size == 1
+        assert estimate(c) is not None
+    pp4 = next(c for c in space.candidates() if c.pp_size == 4 and c.micro_batch_size == 2)
+    assert pp4.label(4) == "fsdp pp 4 32-true gb 8 mb 2×4 1 thr"
+    # the tuner's estimate of a pipeline is the layout table's (`tune --estimate-only`) for the same layout
+    table = check_layouts(resolved_model(base.model, base.data), world_size=4, per_node=4, device_kind="cpu",
+                          device_bytes=2**40, micro_batch_size=2, precision="32-true")  # fmt: skip
+    row = next(r for r in table if r.layout == Layout(strategy="fsdp", pp_size=4, pp_split=(1, 3, 5)))
+    assert estimate(pp4) == int(row.estimate.total_bytes)
+    flat = replace(pp4, pp_size=1, pp_split=())
+    assert estimate(flat) != estimate(pp4)
+    config, _ = winner_config(base, pp4, 4, "sqrt")
+    assert (config.parallel.pp_size, config.parallel.pp_split, config.parallel.pp_schedule) == (
+        4,
+        [1, 3, 5],
+        "1f1b",
+    )
+    config, _ = winner_config(base, flat, 4, "sqrt")
+    assert (config.parallel.pp_size, config.parallel.pp_split) == (
+        1,
+        [],
+    )  # the base's pp 2 is not the winner's
+    assert "--parallel.pp_size=1" in flat.overrides()
+    cached = TrialResult.from_dict(json.loads(json.dumps(TrialResult(candidate=pp4, status="ok").to_dict())))
+    assert cached.candidate == pp4 and cached.key == pp4.key and asdict(cached.candidate) == asdict(pp4)
+
+
+def test_no_pipeline_where_the_model_or_the_run_cannot_have_one() -> None:
+    """Tied embeddings (the default model), a mixture of experts and `health.rerun_check` leave the pipeline out;
+    the last says so in the space's notes."""
+    for model in (
+        ["--model.name", "shakespeare-char"],
+        ["--model.name", "llama-tiny", "--model.num_experts", "4"],
+    ):
+        space = build_space(build_run_config(None, parse_overrides([*model, "--train.global_batch_size", "8"])),
+                            world_size=2, compile=(False,), threads=(1,), precisions=("32-true",))  # fmt: skip
+        assert space.pp_sizes == (1,) and all(c.pp_size == 1 for c in space.candidates()), model
+    rerun = build_run_config(None, parse_overrides(["--model.name", "llama-tiny", "--health.rerun_check", "true",
+                                                    "--train.global_batch_size", "8"]))  # fmt: skip
+    space = build_space(rerun, world_size=2, strategies=("fsdp",), compile=(False,), threads=(1,),
+                        precisions=("32-true",))  # fmt: skip
+    assert space.pp_sizes == (1,)
+    assert any(note.startswith("pipeline parallel left out: health.rerun_check") for note in space.notes)
+
+
+def test_the_search_runs_the_pipeline_where_only_it_fits(tmp_path: Path) -> None:
+    """With an estimate under which only the pipeline fits, its group is the one searched and it wins; the other
+    layouts are pruned by the estimate without running."""
+    from gaudi3_scale.tune.search import TrialCache, search
+    from gaudi3_scale.tune.trial import TrialResult
+
+    base = build_run_config(
+        None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8"])
+    )
+    space = build_space(base, world_size=2, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,),
+                        precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
+    ran: list[Candidate] = []
+
+    def run(c: Candidate, estimate: int | None) -> TrialResult:
+        ran.append(c)
+        return TrialResult(candidate=c, status="ok", tokens_per_s=100.0 * c.micro_batch_size, step_time_s=1.0)
+
+    only_the_pipeline_fits = lambda c: 5 if c.pp_size == 2 else 100  # noqa: E731
+    outcome = search(space, TuneConfig(memory_budget_bytes=10), run=run, estimate=only_the_pipeline_fits,
+                     cache=TrialCache(tmp_path / "t.jsonl", "f"))  # fmt: skip
+    assert ran and all(c.pp_size == 2 for c in ran)
+    assert outcome.best is not None and outcome.best.candidate.pp_size == 2
+    # 8 sequences in one pipeline: micro-batches 1, 2, 4 (4 leaves the 2 micro-batches 1F1B needs); 8 is not one
+    assert {c.micro_batch_size for c in ran} <= {1, 2, 4} and max(c.micro_batch_size for c in ran) == 4
+    pruned = [r for r in outcome.results if r.status == "pruned"]
+    assert pruned and all(r.candidate.pp_size == 1 for r in pruned)
 
 
 def test_micro_batches_are_the_batch_plans_under_tensor_parallel() -> None:
     """A candidate's micro-batch divides its rank's share of the global batch over the data-parallel ranks
-    (world / tp_size: a tensor-parallel pair reads one batch), as the run's `BatchPlan` splits it; the space's
-    description lists every micro-batch its grid holds, and a batch that does not split is refused, not floored."""
+    (world / (tp_size × pp_size): a tensor-parallel pair or a pipeline reads one batch), as the run's `BatchPlan`
+    splits it; the space's description lists every micro-batch its grid holds, and a batch that does not split is
+    refused, not floored."""
     base = build_run_config(
         None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8"])
     )
@@ -268,7 +377,7 @@ def test_micro_batches_are_the_batch_plans_under_tensor_parallel() -> None:
                         precisions=("32-true",), activation_checkpointing=(False,))  # fmt: skip
     for c in space.candidates():
         plan = c.batch_plan(4)
-        assert plan.data_parallel_size == 4 // c.tp_size
+        assert plan.data_parallel_size == 4 // (c.tp_size * c.pp_size)
         assert plan.micro_batch_size * plan.accumulation * plan.data_parallel_size == 8
     grid = sorted({c.micro_batch_size for c in space.candidates()})
     assert grid == [1, 2, 4]  # 4: the whole share of a tensor-parallel pair (8 sequences over 2 pairs)

@@ -164,7 +164,7 @@ class _Search:
         budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
         if budget is None:
             return True
-        for m in self.space.micro_batches(base.global_batch_size, base.tp_size):
+        for m in self.space.micro_batches(base.global_batch_size, base.tp_size, base.pp_size):
             for ckpt in self.space.activation_checkpointing:
                 estimate = self.estimate(replace(base, micro_batch_size=m, activation_checkpointing=ckpt))
                 if estimate is None or estimate <= budget:
@@ -172,7 +172,7 @@ class _Search:
         return False
 
     def group(self, base: Candidate) -> None:
-        mbs = self.space.micro_batches(base.global_batch_size, base.tp_size)
+        mbs = self.space.micro_batches(base.global_batch_size, base.tp_size, base.pp_size)
         at = {m: replace(base, micro_batch_size=m) for m in mbs}
         budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
 
@@ -286,10 +286,15 @@ class _Search:
                 + ")"
             )
         c = best.candidate
-        mbs = self.space.micro_batches(c.global_batch_size, c.tp_size)
+        mbs = self.space.micro_batches(c.global_batch_size, c.tp_size, c.pp_size)
         bigger = [replace(c, micro_batch_size=m) for m in mbs if m > c.micro_batch_size]
         if self.skipped_for_time:
             return f"time budget: {self.skipped_for_time} planned trial(s) skipped"
+        if not bigger and c.pp_size > 1:
+            return (
+                f"search space: micro-batch {c.micro_batch_size} is the largest that leaves the pipeline its "
+                f"{c.pp_size} micro-batches a step (1F1B); only a larger global batch could go further"
+            )
         if not bigger:
             return (
                 f"search space: micro-batch {c.micro_batch_size} is the whole per-rank batch (no accumulation); "
@@ -305,8 +310,10 @@ class _Search:
 
 
 def _group_name(c: Candidate) -> str:
-    layout = (f" tp {c.tp_size}" if c.tp_size > 1 else "") + (
-        f" offload {c.offload}" if c.offload != "none" else ""
+    layout = (
+        (f" pp {c.pp_size}" if c.pp_size > 1 else "")
+        + (f" tp {c.tp_size}" if c.tp_size > 1 else "")
+        + (f" offload {c.offload}" if c.offload != "none" else "")
     )
     return f"{c.strategy}{layout} {c.precision} global batch {c.global_batch_size}"
 
@@ -336,18 +343,23 @@ def search(
     """Search `space`; `run` executes one trial (see trial.run_trial), `estimate` gives bytes per rank."""
     s = _Search(space, config, run, estimate, cache, on_result)
     default_threads = space.threads[0]
-    for strategy, tp in ((st, t) for st in space.strategies for t in space.tp_sizes_for(strategy=st)):
+    for strategy, (tp, pp, split) in ((st, m) for st in space.strategies for m in space.meshes_for(st)):
         for precision in space.precisions:
             for gb in space.global_batches:
+                mbs = space.micro_batches(gb, tp, pp)
+                if not mbs:
+                    continue  # too few sequences for the pipeline's micro-batches
                 base = Candidate(
                     strategy=strategy,
                     precision=precision,
                     global_batch_size=gb,
-                    micro_batch_size=space.micro_batches(gb, tp)[-1],
+                    micro_batch_size=mbs[-1],
                     activation_checkpointing=False,
                     compile=False,
                     threads=default_threads,
                     tp_size=tp,
+                    pp_size=pp,
+                    pp_split=split,
                 )
                 s.group(base)
                 if not s.fits_somewhere(base):

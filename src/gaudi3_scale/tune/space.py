@@ -22,7 +22,7 @@ from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
-from gaudi3_scale.tune.layouts import tensor_parallel_sizes
+from gaudi3_scale.tune.layouts import PP_SCHEDULE, mesh_candidates
 
 __all__ = [
     "Candidate",
@@ -52,13 +52,20 @@ class Candidate:
     tp_size: int = 1  # tensor-parallel ranks (fsdp, fsdp_grad_op on a Llama)
     dp_replicate: int = 1  # HSDP replicas
     offload: str = "none"  # tried only where the configuration does not fit without it
+    pp_size: int = 1  # pipeline ranks (fsdp, fsdp_grad_op on a dense untied decoder), schedule `PP_SCHEDULE`
+    pp_split: tuple[int, ...] = ()  # where stages 1, 2, … start (`balanced_split`); () = even
+
+    def __post_init__(self) -> None:
+        # a trial cache's JSON gives lists back; a tuple keeps the candidate hashable and its key the same
+        object.__setattr__(self, "pp_split", tuple(self.pp_split))
 
     def batch_plan(self, world_size: int, context_length: int = 0) -> BatchPlan:
-        """This candidate's batch on `world_size` ranks (tensor-parallel groups of `tp_size` read one batch)."""
+        """This candidate's batch on `world_size` ranks (tensor-parallel groups of `tp_size` × a pipeline of
+        `pp_size` read one batch; the pipeline's micro-batches are the accumulation)."""
         return BatchPlan.build(
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
-            data_parallel_size=data_parallel_size(world_size, self.tp_size),
+            data_parallel_size=data_parallel_size(world_size, self.tp_size, self.pp_size),
             context_length=context_length,
         )
 
@@ -75,7 +82,8 @@ class Candidate:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def overrides(self) -> list[str]:
-        """The `gaudi3 train` config overrides that make a run this candidate."""
+        """The `gaudi3 train` config overrides that make a run this candidate; the layout fields always, so a
+        base config's own tensor or pipeline parallel never leaks into a candidate without it."""
         out = [
             f"--parallel.strategy={self.strategy}",
             f"--train.precision={self.precision}",
@@ -95,14 +103,21 @@ class Candidate:
                 f"--train.{k}={str(v).lower() if isinstance(v, bool) else v}"
                 for k, v in fp8_option_defaults().items()
             ]
-        for name, default in _LAYOUT_DEFAULTS.items():
-            if getattr(self, name) != default:
-                out.append(f"--parallel.{name}={getattr(self, name)}")
+        out += [
+            f"--parallel.tp_size={self.tp_size}",
+            f"--parallel.dp_replicate={self.dp_replicate}",
+            f"--parallel.offload={self.offload}",
+            f"--parallel.pp_size={self.pp_size}",
+            f"--parallel.pp_split=[{','.join(map(str, self.pp_split))}]",
+        ]
+        if self.pp_size > 1:
+            out.append(f"--parallel.pp_schedule={PP_SCHEDULE}")
         return out
 
     def label(self, world_size: int) -> str:
         parts = [
             self.strategy,
+            *([f"pp {self.pp_size}"] if self.pp_size > 1 else []),
             *([f"tp {self.tp_size}"] if self.tp_size > 1 else []),
             *([f"hsdp {self.dp_replicate}"] if self.dp_replicate > 1 else []),
             *([f"offload {self.offload}"] if self.offload != "none" else []),
@@ -119,7 +134,8 @@ class Candidate:
         return " ".join(parts)
 
 
-_LAYOUT_DEFAULTS = {"tp_size": 1, "dp_replicate": 1, "offload": "none"}
+_LAYOUT_DEFAULTS: dict[str, object] = {"tp_size": 1, "dp_replicate": 1, "offload": "none", "pp_size": 1,
+                                       "pp_split": ()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -134,30 +150,47 @@ class SearchSpace:
     threads: tuple[int | None, ...]
     # After compile wins on CUDA, the refinement tries CUDA graphs (train.compile_mode reduce-overhead) too.
     cuda_graphs: bool = False
-    # Tensor parallel for the mesh strategies (fsdp, fsdp_grad_op): divisors of the node's ranks that divide the
-    # model's heads, kv heads and MLP width (`tune.layouts.tensor_parallel_sizes`). HSDP replicates across nodes
-    # (one replica per node); the tuner's trials run on one node, so its replicate is 1.
-    tp_sizes: tuple[int, ...] = (1,)
+    # (tp_size, pp_size, pp_split) for the mesh strategies (fsdp, fsdp_grad_op), `tune.layouts.mesh_candidates`:
+    # tensor parallel over divisors of the node's ranks that divide the model's heads, kv heads and MLP width, ×
+    # the pipelines (1F1B) its layers allow on the rest. HSDP replicates across nodes (one replica per node); the
+    # tuner's trials run on one node, so its replicate is 1.
+    meshes: tuple[tuple[int, int, tuple[int, ...]], ...] = ((1, 1, ()),)
     notes: tuple[str, ...] = ()  # what the space leaves out and why (printed with `describe`)
 
-    def micro_batches(self, global_batch: int, tp_size: int = 1) -> list[int]:
-        """The micro-batches that divide a rank's share of `global_batch` on this space's ranks in tensor-parallel
-        groups of `tp_size` (the whole share: `BatchPlan` without a micro-batch); a global batch that does not
-        split over the data-parallel ranks is the plan's `ConfigError`."""
-        dp = data_parallel_size(self.world_size, tp_size)
-        whole = BatchPlan.build(global_batch_size=global_batch, micro_batch_size=None, data_parallel_size=dp)
-        return divisors(whole.per_rank_batch_size)
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({tp for tp, _, _ in self.meshes}))
 
-    def tp_sizes_for(self, strategy: str) -> tuple[int, ...]:
-        return self.tp_sizes if strategy in MESH_STRATEGIES else (1,)
+    @property
+    def pp_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({pp for _, pp, _ in self.meshes}))
+
+    def micro_batches(self, global_batch: int, tp_size: int = 1, pp_size: int = 1) -> list[int]:
+        """The micro-batches that divide a rank's share of `global_batch` on this space's ranks in tensor-parallel
+        groups of `tp_size` × pipelines of `pp_size` (the whole share: `BatchPlan` without a micro-batch), and
+        under a pipeline leave at least `pp_size` micro-batches a step (1F1B's minimum, `check_micro_batches`); a
+        global batch that does not split over the data-parallel ranks is the plan's `ConfigError`."""
+        dp = data_parallel_size(self.world_size, tp_size, pp_size)
+        whole = BatchPlan.build(global_batch_size=global_batch, micro_batch_size=None, data_parallel_size=dp)
+        share = whole.per_rank_batch_size
+        return [mb for mb in divisors(share) if pp_size == 1 or share // mb >= pp_size]
+
+    def meshes_for(self, strategy: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """(tp_size, pp_size, pp_split) of `strategy`'s groups: for a mesh strategy the space's meshes, less the
+        pipelines that no global batch of the space gives their pp_size micro-batches; else no mesh."""
+        if strategy not in MESH_STRATEGIES:
+            return ((1, 1, ()),)
+        return tuple(
+            m for m in self.meshes if any(self.micro_batches(gb, m[0], m[1]) for gb in self.global_batches)
+        )
 
     def candidates(self) -> list[Candidate]:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out = []
-        for strategy, tp in ((s, t) for s in self.strategies for t in self.tp_sizes_for(s)):
+        for strategy, (tp, pp, split) in ((s, m) for s in self.strategies for m in self.meshes_for(s)):
             for precision in self.precisions:
                 for gb in self.global_batches:
-                    for mb in self.micro_batches(gb, tp):
+                    for mb in self.micro_batches(gb, tp, pp):
                         for ckpt in self.activation_checkpointing:
                             for comp in self.compile:
                                 if comp and strategy == "deepspeed_zero3":
@@ -173,19 +206,30 @@ class SearchSpace:
                                             compile=comp,
                                             threads=threads,
                                             tp_size=tp,
+                                            pp_size=pp,
+                                            pp_split=split,
                                         )
                                     )
         return out
 
     def describe(self) -> str:
-        tps = {tp for s in self.strategies for tp in self.tp_sizes_for(s)}
-        mbs = sorted({mb for gb in self.global_batches for tp in tps for mb in self.micro_batches(gb, tp)})
+        meshes = {m for s in self.strategies for m in self.meshes_for(s)}
+        mbs = sorted(
+            {
+                mb
+                for gb in self.global_batches
+                for tp, pp, _ in meshes
+                for mb in self.micro_batches(gb, tp, pp)
+            }
+        )
+        tps, pps = sorted({tp for tp, _, _ in meshes}), sorted({pp for _, pp, _ in meshes})
         return (
             f"{len(self.candidates())} configurations: strategy {'/'.join(self.strategies)} × precision "
             f"{'/'.join(self.precisions)} × global batch {'/'.join(map(str, self.global_batches))} × micro-batch "
             f"{'/'.join(map(str, mbs))} × activation checkpointing {_onoff(self.activation_checkpointing)} × "
             f"compile {_onoff(self.compile)}"
-            + (f" × tensor parallel {'/'.join(map(str, self.tp_sizes))}" if self.tp_sizes != (1,) else "")
+            + (f" × tensor parallel {'/'.join(map(str, tps))}" if tps != [1] else "")
+            + (f" × pipeline (1F1B) {'/'.join(map(str, pps))}" if pps != [1] else "")
             + (f" × threads {'/'.join(str(t) for t in self.threads)}" if self.threads != (None,) else "")
             + f", {self.world_size} rank(s) on {self.device}"
             + "".join(f"; {note}" for note in self.notes)
@@ -293,6 +337,11 @@ def build_space(
         supported, notes = fp8_if_it_pays(config, supported)
     if threads is None:
         threads = _cpu_threads(world_size) if device == "cpu" else (None,)
+    meshes = mesh_candidates(config.model, "fsdp", world_size=world_size, per_node=world_size)
+    if config.health.rerun_check and any(pp > 1 for _, pp, _ in meshes):
+        meshes = [m for m in meshes if m[1] == 1]
+        notes += ("pipeline parallel left out: health.rerun_check re-runs single micro-steps, which a pipeline "
+                  "does not have",)  # fmt: skip
     return SearchSpace(
         world_size=world_size,
         device=device,
@@ -303,7 +352,7 @@ def build_space(
         compile=compile,
         threads=threads,
         cuda_graphs=device == "cuda" and True in compile,
-        tp_sizes=tuple(tensor_parallel_sizes(config.model, world_size)),
+        meshes=tuple(meshes),
         notes=notes,
     )
 

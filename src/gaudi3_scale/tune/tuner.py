@@ -20,6 +20,7 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
+from gaudi3_scale.tune.layouts import PP_SCHEDULE
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
 from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
@@ -79,6 +80,9 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
             activation_checkpointing=c.activation_checkpointing,
             compile=c.compile,
             float8=base.float8_plan() if c.precision == "fp8" else None,
+            pp_size=c.pp_size,
+            pp_schedule=PP_SCHEDULE,
+            pp_split=c.pp_split,
         )
         batch = c.batch_plan(space.world_size, base.model.context_length)
         est = estimate_memory(model, plan, batch, precision=c.precision, device_kind=space.device)
@@ -140,6 +144,9 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         tp_size=c.tp_size,
         dp_replicate=c.dp_replicate,
         offload=c.offload,
+        pp_size=c.pp_size,
+        pp_split=list(c.pp_split),
+        **({"pp_schedule": PP_SCHEDULE} if c.pp_size > 1 else {}),
     )
     return from_dict(RunConfig, raw), sched.describe(rule)
 
@@ -286,6 +293,10 @@ def write_reports(result: TuneResult) -> None:
                 "activation_checkpointing",
                 "compile",
                 "threads",
+                "tp_size",
+                "pp_size",
+                "pp_split",
+                "offload",
                 "reason",
             ]
         )
@@ -308,6 +319,10 @@ def write_reports(result: TuneResult) -> None:
                     c.activation_checkpointing,
                     c.compile,
                     c.threads if c.threads is not None else "",
+                    c.tp_size,
+                    c.pp_size,
+                    " ".join(map(str, c.pp_split)),
+                    c.offload,
                     r.reason,
                 ]
             )
