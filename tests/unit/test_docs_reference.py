@@ -1,4 +1,4 @@
-"""The generated reference pages (docs/reference/cli.md, config.md) are what the code generates today.
+"""The generated reference pages (docs/reference/cli.md, config.md, deploy_options.md) are what the code generates today.
 
 `GAUDI3_UPDATE_DOCS=1` rewrites them instead of failing (as `python3 run.py docs --generate` does)."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from gaudi3_scale.cli.main import VERBS
 from gaudi3_scale.cli.reference import reference_pages, stale_pages
 from gaudi3_scale.config.core import iter_fields
+from gaudi3_scale.deploy.render import target_options
 from gaudi3_scale.train.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,35 @@ def test_the_pages_hold_every_verb_flag_and_field() -> None:
     for name, _tp, _f in iter_fields(RunConfig):
         assert f"| `{name}` |" in config_page, name
     assert "| `train.max_steps` | `int` |" in config_page
+    deploy_page = pages[ROOT / "docs/reference/deploy_options.md"]
+    options = target_options()
+    assert sorted(options) == ["ci", "k8s", "onprem"]
+    for target, cls in options.items():
+        section = deploy_page.split(f"## `{target}`\n", 1)[1].split("\n## ", 1)[0]
+        for name, _tp, _f in iter_fields(cls):
+            assert f"| `{name}` |" in section, (target, name)
+    assert "| `storage` | `pvc \\| emptydir` | `pvc` |" in deploy_page
+    assert "`aws`, `azure`, `gcp` take no options" in deploy_page
+
+
+def test_a_key_of_the_deploy_options_page_is_what_render_reads(tmp_path: Path) -> None:
+    """`--set` with a key the page lists for k8s renders with it; the same key for a Terraform target is refused,
+    naming the targets the page lists (one registry: what renders is what is documented)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("name: demo\ntrain:\n  global_batch_size: 16\n")
+    base = ["deploy", "render", "--config", str(config), "--nodes", "1", "--accelerator", "h100"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+    def render(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *base, *args], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    ok = render("--target", "k8s", "--set", "namespace=team-a", "--out", str(tmp_path / "k8s"))
+    assert ok.returncode == 0, ok.stderr
+    assert "namespace: team-a" in (tmp_path / "k8s" / "k8s" / "pytorchjob.yaml").read_text()
+    refused = render("--target", "aws", "--set", "namespace=team-a", "--out", str(tmp_path / "aws"))
+    assert refused.returncode == 2
+    assert "--target aws takes no options (only ci, k8s, onprem take them)" in refused.stderr
 
 
 def test_check_names_a_stale_page_and_fails(tmp_path: Path) -> None:

@@ -39,9 +39,9 @@ def deploy() -> None:
     "settings",
     multiple=True,
     metavar="KEY=VALUE",
-    help="a target option, repeatable (k8s: namespace, storage, storage_class, storage_size, credentials_secret, "
-    "cpu, memory, max_restarts, monitoring, … — see the rendered README; onprem: monitoring; ci: registry, "
-    "image_name, platforms, smoke_runs_on, repro_runs_on, python_version, … — listed in the workflow's header)",
+    help="a target option, repeatable (k8s: namespace, storage, cpu, memory, max_restarts, monitoring, …; onprem: "
+    "monitoring; ci: registry, image_name, platforms, smoke_runs_on, …); every key with its default and meaning: "
+    "docs/reference/deploy_options.md",
 )
 @click.option(
     "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"

@@ -1,10 +1,11 @@
 """The generated reference pages of the documentation site: every CLI verb and flag (walked from the click tree
-of `gaudi3`) and every run-config field with its type, default and help (walked from `RunConfig`'s dataclasses).
+of `gaudi3`), every run-config field with its type, default and help (walked from `RunConfig`'s dataclasses), and
+every `gaudi3 deploy render --set KEY=VALUE` option of each target (walked from the dataclass it registered).
 
 Nothing here is written by hand, so the pages cannot drift from the code; tests/unit/test_docs_reference.py
 regenerates them and fails when the committed pages differ.
 
-    python -m gaudi3_scale.cli.reference --write   # rewrite docs/reference/cli.md and config.md
+    python -m gaudi3_scale.cli.reference --write   # rewrite docs/reference/cli.md, config.md, deploy_options.md
     python -m gaudi3_scale.cli.reference --check   # exit 1 naming each stale page
     (`python3 run.py docs --generate` and `GAUDI3_UPDATE_DOCS=1` in the test do the same as --write)
 """
@@ -27,6 +28,7 @@ __all__ = [
     "reference_pages",
     "render_cli_reference",
     "render_config_reference",
+    "render_deploy_options_reference",
     "stale_pages",
 ]
 
@@ -109,6 +111,19 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return f"`{value}`"
 
 
+def _doc(cls: type) -> str:
+    """The first paragraph of a dataclass's own docstring ("" for the signature dataclasses make up)."""
+    doc = cls.__doc__ or ""
+    return "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split("\n\n")[0].split())
+
+
+_TABLE_HEAD = {key: [f"| {key} | type | default | help |", "|---|---|---|---|"] for key in ("field", "key")}
+
+
+def _field_row(name: str, tp: Any, f: dataclasses.Field[Any]) -> str:
+    return f"| `{name}` | `{_cell(type_name(tp))}` | {_cell(_default(f))} | {_cell(field_help(f))} |"
+
+
 def _section_docs() -> dict[str, str]:
     from gaudi3_scale.train.config import RunConfig
 
@@ -116,11 +131,8 @@ def _section_docs() -> dict[str, str]:
     out = {}
     for f in dataclasses.fields(RunConfig):
         tp = hints[f.name]
-        doc = (tp.__doc__ or "") if dataclasses.is_dataclass(tp) and isinstance(tp, type) else ""
-        if doc and not doc.startswith(
-            f"{tp.__name__}("
-        ):  # dataclasses make up a signature when there is none
-            out[f.name] = " ".join(doc.split("\n\n")[0].split())
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type) and _doc(tp):
+            out[f.name] = _doc(tp)
     return out
 
 
@@ -146,10 +158,33 @@ def render_config_reference() -> str:
             lines += ["", f"## {title}", ""]
             if sections.get(section):
                 lines += [_cell(sections[section]), ""]
-            lines += ["| field | type | default | help |", "|---|---|---|---|"]
-        lines.append(
-            f"| `{name}` | `{_cell(type_name(tp))}` | {_cell(_default(f))} | {_cell(field_help(f))} |"
-        )
+            lines += _TABLE_HEAD["field"]
+        lines.append(_field_row(name, tp, f))
+    return "\n".join(lines) + "\n"
+
+
+def render_deploy_options_reference() -> str:
+    from gaudi3_scale.deploy.render import CONTAINERS, renderers, target_options
+
+    options = target_options()
+    others = sorted(set(renderers()) - set(options) - {CONTAINERS})
+    lines = [
+        "# Deploy options",
+        "",
+        GENERATED,
+        "",
+        "`gaudi3 deploy render --target TARGET --set KEY=VALUE` (repeatable) sets the options below; each value is read",
+        "as YAML (`3` a number, `true` a boolean, other text stays text). An unknown key or a wrong type is one line",
+        "naming `TARGET.KEY` and the allowed keys, exit 2. "
+        + (f"{', '.join(f'`{t}`' for t in others)} take no options: " if others else "")
+        + "their settings are Terraform variables in the rendered files.",
+    ]
+    for target in sorted(options):
+        cls = options[target]
+        lines += ["", f"## `{target}`", ""]
+        if _doc(cls):
+            lines += [_cell(_doc(cls)), ""]
+        lines += [*_TABLE_HEAD["key"], *(_field_row(name, tp, f) for name, tp, f in iter_fields(cls))]
     return "\n".join(lines) + "\n"
 
 
@@ -158,6 +193,7 @@ def reference_pages(root: Path) -> dict[Path, str]:
     return {
         root / REFERENCE_DIR / "cli.md": render_cli_reference(),
         root / REFERENCE_DIR / "config.md": render_config_reference(),
+        root / REFERENCE_DIR / "deploy_options.md": render_deploy_options_reference(),
     }
 
 

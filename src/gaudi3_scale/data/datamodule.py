@@ -6,7 +6,7 @@ global_step * global_batch_size``; since a step's samples do not depend on world
 resume on a different number of ranks and read the exact batches it would have read.
 
 Ranks here are data-parallel ranks: the `tp_size` ranks of one tensor-parallel group read the same batches
-(`distributed.mesh.data_parallel_rank`), so a run resumes across layouts (TP=2 → one process, FSDP×TP → FSDP) on the
+(`distributed.mesh.data_parallel_coordinate`), so a run resumes across layouts (TP=2 → one process, FSDP×TP → FSDP) on the
 same stream too.
 """
 
@@ -28,7 +28,7 @@ from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.mlm import MlmMasking
 from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.data.skips import BatchSkips
-from gaudi3_scale.distributed.mesh import data_parallel_rank
+from gaudi3_scale.distributed.mesh import data_parallel_coordinate
 
 __all__ = ["TokenDataModule"]
 
@@ -88,8 +88,7 @@ class TokenDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 1, 0
-        replicas = trainer.world_size // (self.tp_size * self.pp_size)
-        return replicas, data_parallel_rank(trainer.global_rank, self.tp_size, replicas)
+        return data_parallel_coordinate(trainer.world_size, trainer.global_rank, self.tp_size, self.pp_size)
 
     def _member_sampler(self, member: DatasetMember, world_size: int, rank: int) -> WindowSampler:
         return WindowSampler(

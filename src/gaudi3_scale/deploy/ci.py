@@ -289,4 +289,4 @@ def _publish(opts: CiOptions, gaudi: bool) -> dict[str, Any]:
     }
 
 
-register_renderer("ci", render_ci)
+register_renderer("ci", render_ci, options=CiOptions)

@@ -37,6 +37,9 @@ _OVERRIDE = "[a-z_][a-z0-9_]*(?:[.][a-z_][a-z0-9_]*)+=[A-Za-z0-9_.:/,+-]*"  # se
 
 @dataclass(frozen=True, kw_only=True)
 class CiOptions:
+    """The GitHub Actions workflow's registry, image, platforms, runners and Python; each value is held to a grammar
+    without `$`, `{`, quotes, spaces or backslashes."""
+
     registry: str = field(
         default=DEFAULT_REGISTRY, metadata={"help": "registry host the image is pushed to (host[:port])"}
     )

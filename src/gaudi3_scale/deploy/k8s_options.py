@@ -24,6 +24,9 @@ GPU_RESOURCE = "nvidia.com/gpu"  # NVIDIA device plugin
 
 @dataclass(frozen=True, kw_only=True)
 class K8sOptions:
+    """The PyTorchJob's namespace, volume, credentials, pod resources, restarts and monitoring stack; every default
+    renders a working job."""
+
     namespace: str | None = field(
         default=None, metadata={"help": "namespace to create and run in; null = the run name"}
     )

@@ -32,7 +32,7 @@ from gaudi3_scale.deploy.k8s_monitoring import (
     monitoring_readme,
     stack_values_text,
 )
-from gaudi3_scale.deploy.k8s_options import JobPlan, k8s_options, plan_job
+from gaudi3_scale.deploy.k8s_options import JobPlan, K8sOptions, k8s_options, plan_job
 from gaudi3_scale.deploy.quoting import comment, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
@@ -236,4 +236,4 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-register_renderer("k8s", render_k8s)
+register_renderer("k8s", render_k8s, options=K8sOptions)

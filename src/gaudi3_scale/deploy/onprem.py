@@ -232,4 +232,4 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
     return {f"{ANSIBLE_DIR}/{name}": text for name, text in files.items()}
 
 
-register_renderer("onprem", render_onprem)
+register_renderer("onprem", render_onprem, options=OnpremOptions)

@@ -188,6 +188,8 @@ MONITORING_PLAYBOOK = """# The monitoring stack of gaudi3-scale, rendered by `ga
 
 @dataclass(frozen=True, kw_only=True)
 class OnpremOptions:
+    """The Ansible inventory's optional monitoring stack; hosts come from --hosts."""
+
     monitoring: bool | None = field(
         default=None,
         metadata={

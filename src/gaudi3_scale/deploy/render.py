@@ -1,7 +1,9 @@
 """The renderer registry and the one function that writes rendered files.
 
 A renderer takes a `DeploySpec` and returns {relative path: file text}; `register_renderer` adds one per target
-(plain registry, filled by the target modules when `renderers()` first imports them). `write_files` never
+(plain registry, filled by the target modules when `renderers()` first imports them), with the dataclass its
+`--set KEY=VALUE` options are read into when it takes any (`target_options`; the options reference page is made
+from them). `write_files` never
 overwrites a file that differs unless told to, so a user's edits to a rendered tree are not lost silently.
 """
 
@@ -23,11 +25,13 @@ __all__ = [
     "register_renderer",
     "render",
     "renderers",
+    "target_options",
     "write_files",
 ]
 
 Renderer = Callable[[DeploySpec], dict[str, str]]
 _RENDERERS: dict[str, Renderer] = {}
+_OPTIONS: dict[str, type] = {}  # target: the dataclass of its `DeploySpec.extra` (--set KEY=VALUE)
 # The modules that register renderers, imported on first use (each needs only the standard library and yaml).
 _MODULES = (
     "gaudi3_scale.deploy.kubernetes",
@@ -37,17 +41,15 @@ _MODULES = (
     "gaudi3_scale.deploy.ci",
 )
 CONTAINERS = "containers"  # not a target: the image files every target's nodes run, rendered with each target
-TAKES_OPTIONS = {
-    "k8s",
-    "onprem",
-    "ci",
-}  # targets that read `DeploySpec.extra` (--set KEY=VALUE); others refuse it
 
 
-def register_renderer(target: str, renderer: Renderer) -> None:
+def register_renderer(target: str, renderer: Renderer, *, options: type | None = None) -> None:
+    """`options`: the dataclass the target reads `DeploySpec.extra` into; a target without one refuses --set."""
     if target in _RENDERERS:
         raise ValueError(f"a renderer for {target!r} is registered already")
     _RENDERERS[target] = renderer
+    if options is not None:
+        _OPTIONS[target] = options
 
 
 def renderers() -> dict[str, Renderer]:
@@ -60,15 +62,21 @@ def renderers() -> dict[str, Renderer]:
     return dict(_RENDERERS)
 
 
+def target_options() -> dict[str, type]:
+    """The targets that take --set KEY=VALUE, each with the dataclass of its options."""
+    renderers()
+    return dict(_OPTIONS)
+
+
 def render(spec: DeploySpec) -> dict[str, str]:
     """Every file of `spec`'s target: the target's own files plus the container files all targets ship."""
     found = renderers()
     if spec.target not in found:
         available = ", ".join(sorted(set(found) - {CONTAINERS}))
         raise UserInputError(f"--target {spec.target}: no renderer yet; available: {available}")
-    if spec.extra and spec.target not in TAKES_OPTIONS:
+    if spec.extra and spec.target not in _OPTIONS:
         raise UserInputError(
-            f"--set: --target {spec.target} takes no options (only {', '.join(sorted(TAKES_OPTIONS))} take them); "
+            f"--set: --target {spec.target} takes no options (only {', '.join(sorted(_OPTIONS))} take them); "
             "its settings are Terraform / Ansible variables in the rendered files"
         )
     check_run_geometry(spec)

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from gaudi3_scale.checkpoint.sharded import optimizer_state_by_name
-from gaudi3_scale.distributed.mesh import build_device_mesh, data_parallel_rank
+from gaudi3_scale.distributed.mesh import build_device_mesh, data_parallel_coordinate
+from gaudi3_scale.distributed.plan import data_parallel_size
 
 __all__ = ["FSDP2Body", "FSDPStrategy"]
 
@@ -53,7 +54,7 @@ class FSDP2Body(_Base):
         # ParallelStrategy's (the next class after ModelParallelStrategy), then the mesh
         super(self._model_parallel, self).setup_environment()  # type: ignore[arg-type]
         self._setup_distributed()
-        self._data_parallel_size = self.world_size // (self.tp_size * self.pp_size)
+        self._data_parallel_size = data_parallel_size(self.world_size, self.tp_size, self.pp_size)
         self._device_mesh = build_device_mesh(
             self.root_device.type,
             world_size=self.world_size,
@@ -67,11 +68,10 @@ class FSDP2Body(_Base):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The ranks of a tensor-parallel group, and the stages of a pipeline, read the same data (distributed.mesh).
-        replicas = self.world_size // (self.tp_size * self.pp_size)
-        return {
-            "num_replicas": replicas,
-            "rank": data_parallel_rank(self.global_rank, self.tp_size, replicas),
-        }
+        replicas, rank = data_parallel_coordinate(
+            self.world_size, self.global_rank, self.tp_size, self.pp_size
+        )
+        return {"num_replicas": replicas, "rank": rank}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)

@@ -15,12 +15,15 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from gaudi3_scale.distributed.plan import data_parallel_size
+
 __all__ = [
     "DP_REPLICATE",
     "DP_SHARD",
     "PP_DIM",
     "TP_DIM",
     "build_device_mesh",
+    "data_parallel_coordinate",
     "data_parallel_mesh",
     "data_parallel_rank",
     "release_mesh_groups",
@@ -38,10 +41,8 @@ def build_device_mesh(
     """The run's 4-D mesh (sizes of 1 allowed); the process group must be initialised."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    data_parallel = world_size // (tp_size * pp_size)
-    assert data_parallel * tp_size * pp_size == world_size and data_parallel % dp_replicate == 0, (
-        "validated by the config"
-    )
+    data_parallel = data_parallel_size(world_size, tp_size, pp_size)
+    assert data_parallel % dp_replicate == 0, "validated by the config"
     mesh = init_device_mesh(
         device_type,
         (pp_size, dp_replicate, data_parallel // dp_replicate, tp_size),
@@ -80,3 +81,11 @@ def data_parallel_rank(global_rank: int, tp_size: int, data_parallel_size: int |
     parallel only (the pipeline dimension is outside the data-parallel ones)."""
     group = global_rank // tp_size
     return group if data_parallel_size is None else group % data_parallel_size
+
+
+def data_parallel_coordinate(
+    world_size: int, global_rank: int, tp_size: int, pp_size: int
+) -> tuple[int, int]:
+    """(data-parallel ranks, this rank's coordinate among them): what a sampler splits the data over."""
+    replicas = data_parallel_size(world_size, tp_size, pp_size)
+    return replicas, data_parallel_rank(global_rank, tp_size, replicas)
