@@ -1,4 +1,5 @@
-"""The generated reference pages (docs/reference/cli.md, config.md, deploy_options.md) are what the code generates today.
+"""The generated reference pages (docs/reference/cli.md, config.md, deploy_options.md) are what the code generates
+today.
 
 `GAUDI3_UPDATE_DOCS=1` rewrites them instead of failing (as `python3 run.py docs --generate` does)."""
 

@@ -173,9 +173,9 @@ def render_deploy_options_reference() -> str:
         "",
         GENERATED,
         "",
-        "`gaudi3 deploy render --target TARGET --set KEY=VALUE` (repeatable) sets the options below; each value is read",
-        "as YAML (`3` a number, `true` a boolean, other text stays text). An unknown key or a wrong type is one line",
-        "naming `TARGET.KEY` and the allowed keys, exit 2. "
+        "`gaudi3 deploy render --target TARGET --set KEY=VALUE` (repeatable) sets the options below; each value is",
+        "read as YAML (`3` a number, `true` a boolean, other text stays text). An unknown key or a wrong type is one",
+        "line naming `TARGET.KEY` and the allowed keys, exit 2. "
         + (f"{', '.join(f'`{t}`' for t in others)} take no options: " if others else "")
         + "their settings are Terraform variables in the rendered files.",
     ]

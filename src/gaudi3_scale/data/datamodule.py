@@ -5,9 +5,9 @@ Lightning saves ``datamodule.state_dict()`` in every checkpoint and calls ``load
 global_step * global_batch_size``; since a step's samples do not depend on world size (see `sampler`), a run can
 resume on a different number of ranks and read the exact batches it would have read.
 
-Ranks here are data-parallel ranks: the `tp_size` ranks of one tensor-parallel group read the same batches
-(`distributed.mesh.data_parallel_coordinate`), so a run resumes across layouts (TP=2 → one process, FSDP×TP → FSDP) on the
-same stream too.
+Ranks here are data-parallel ranks: the `tp_size` ranks of one tensor-parallel group, and the stages of one
+pipeline, read the same batches (`distributed.mesh.data_parallel_coordinate`), so a run resumes across layouts
+(TP=2 → one process, FSDP×TP → FSDP) on the same stream too.
 """
 
 from __future__ import annotations
