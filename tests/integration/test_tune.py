@@ -193,6 +193,7 @@ def test_a_pipeline_layout_is_a_trial_of_its_own(tmp_path: Path) -> None:
         (["--world-size", "5"], "global batch 12 sequences cannot be split over 5 ranks"),
         (["--global-batch", "12,x"], "--global-batch: expected comma-separated whole numbers"),
         (["--strategies", "zero9", "--world-size", "2"], "--strategies: zero9 not available with 2 rank(s)"),
+        (["--pipeline", "on", "--world-size", "2"], "--pipeline on: no pipeline layout in this search"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -33,8 +33,8 @@ EXPECTED = {
     "train": ["--config", "--dry-run", "--list-fields", "--no-progress", "--out", "--print-config", "--profile", "--progress",
               "--resume", "--sample-tokens", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"],
     "tune": ["--accelerator", "--activation-checkpointing", "--compile", "--config", "--estimate-only",
-             "--global-batch", "--lr-rule", "--measure-steps", "--memory-budget", "--no-estimate-pruning", "--out", "--precisions",
-             "--strategies", "--target-utilization", "--threads", "--time-budget-min", "--trial-timeout-s",
+             "--global-batch", "--lr-rule", "--measure-steps", "--memory-budget", "--no-estimate-pruning", "--out", "--pipeline",
+             "--precisions", "--strategies", "--target-utilization", "--threads", "--time-budget-min", "--trial-timeout-s",
              "--warmup-steps", "--world-size"],
 }  # fmt: skip
 

@@ -337,6 +337,30 @@ def test_no_pipeline_where_the_model_or_the_run_cannot_have_one() -> None:
     assert any(note.startswith("pipeline parallel left out: health.rerun_check") for note in space.notes)
 
 
+def test_pipeline_on_off_or_both_shapes_the_space() -> None:
+    """`--pipeline off` leaves pipelines out, `on` searches only pipelines (so no strategy that cannot pipeline), and
+    `on` where no pipeline can be is one line naming what is allowed."""
+    base = build_run_config(
+        None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8"])
+    )
+    common = dict(
+        world_size=2, strategies=("ddp", "fsdp"), compile=(False,), threads=(1,), precisions=("32-true",)
+    )
+
+    def layouts(pipeline: tuple[bool, ...]) -> set[tuple[str, int]]:
+        space = build_space(base, pipeline=pipeline, **common)  # type: ignore[arg-type]
+        return {(c.strategy, c.pp_size) for c in space.candidates()}
+
+    assert layouts((False, True)) == {("ddp", 1), ("fsdp", 1), ("fsdp", 2)}
+    assert layouts((False,)) == {("ddp", 1), ("fsdp", 1)}
+    assert layouts((True,)) == {("fsdp", 2)}
+    tied = build_run_config(None, parse_overrides(["--train.global_batch_size", "8"]))  # shakespeare-char
+    with pytest.raises(UserInputError, match=r"^--pipeline on: no pipeline layout in this search; .* allowed here: "
+                       r"--pipeline off or both$") as refused:  # fmt: skip
+        build_space(tied, pipeline=(True,), **common)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
+
+
 def test_the_search_runs_the_pipeline_where_only_it_fits(tmp_path: Path) -> None:
     """With an estimate under which only the pipeline fits, its group is the one searched and it wins; the other
     layouts are pruned by the estimate without running."""

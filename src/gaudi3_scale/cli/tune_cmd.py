@@ -110,6 +110,13 @@ def _check_mode(
     help="search torch.compile on, off or both",
 )
 @click.option(
+    "--pipeline",
+    type=click.Choice(list(ONOFF)),
+    default="both",
+    show_default=True,
+    help="search pipeline-parallel layouts (1F1B, for fsdp and fsdp_grad_op) on, off or both",
+)
+@click.option(
     "--threads", help="CPU threads per rank to try, comma-separated (default: cores÷ranks and half)"
 )
 @click.option(
@@ -151,6 +158,7 @@ def tune(
     precisions: str | None,
     ckpt: str,
     compile_: str,
+    pipeline: str,
     threads: str | None,
     lr_rule: str,
     warmup_steps: int,
@@ -201,6 +209,7 @@ def tune(
         activation_checkpointing=ONOFF[ckpt],
         compile=ONOFF[compile_],
         threads=thread_counts,
+        pipeline=ONOFF[pipeline],
     )
     config = TuneConfig(
         world_size=world,

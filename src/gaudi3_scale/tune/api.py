@@ -43,6 +43,7 @@ class AdaptiveBatchFinder:
         activation_checkpointing: tuple[bool, ...] = (False, True),
         compile: tuple[bool, ...] = (False, True),
         threads: tuple[int | None, ...] | None = None,
+        pipeline: tuple[bool, ...] = (False, True),
         time_budget_s: float | None = None,
         memory_budget_bytes: int | None = None,
         measure_steps: int = 5,
@@ -58,6 +59,7 @@ class AdaptiveBatchFinder:
             activation_checkpointing=activation_checkpointing,
             compile=compile,
             threads=threads,
+            pipeline=pipeline,
         )
         budget = memory_budget_bytes or default_memory_budget(
             self.space.device, world_size, target_hpu_utilization

@@ -155,6 +155,10 @@ class SearchSpace:
     # the pipelines (1F1B) its layers allow on the rest. HSDP replicates across nodes (one replica per node); the
     # tuner's trials run on one node, so its replicate is 1.
     meshes: tuple[tuple[int, int, tuple[int, ...]], ...] = ((1, 1, ()),)
+    pipeline: tuple[bool, ...] = (
+        False,
+        True,
+    )  # layouts without a pipeline, with one (`--pipeline off|on|both`)
     notes: tuple[str, ...] = ()  # what the space leaves out and why (printed with `describe`)
 
     @property
@@ -177,11 +181,15 @@ class SearchSpace:
 
     def meshes_for(self, strategy: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         """(tp_size, pp_size, pp_split) of `strategy`'s groups: for a mesh strategy the space's meshes, less the
-        pipelines that no global batch of the space gives their pp_size micro-batches; else no mesh."""
+        pipelines that no global batch of the space gives their pp_size micro-batches; else no mesh (none at all when
+        the space searches pipelines only)."""
         if strategy not in MESH_STRATEGIES:
-            return ((1, 1, ()),)
+            return ((1, 1, ()),) if False in self.pipeline else ()
         return tuple(
-            m for m in self.meshes if any(self.micro_batches(gb, m[0], m[1]) for gb in self.global_batches)
+            m
+            for m in self.meshes
+            if (m[1] > 1) in self.pipeline
+            and any(self.micro_batches(gb, m[0], m[1]) for gb in self.global_batches)
         )
 
     def candidates(self) -> list[Candidate]:
@@ -304,6 +312,7 @@ def build_space(
     activation_checkpointing: tuple[bool, ...] = (False, True),
     compile: tuple[bool, ...] = (False, True),
     threads: tuple[int | None, ...] | None = None,
+    pipeline: tuple[bool, ...] = (False, True),
 ) -> SearchSpace:
     """The space for `config` on `world_size` ranks; bad choices get one line naming the flag."""
     if world_size < 1:
@@ -342,7 +351,7 @@ def build_space(
         meshes = [m for m in meshes if m[1] == 1]
         notes += ("pipeline parallel left out: health.rerun_check re-runs single micro-steps, which a pipeline "
                   "does not have",)  # fmt: skip
-    return SearchSpace(
+    space = SearchSpace(
         world_size=world_size,
         device=device,
         strategies=tuple(strategies or allowed),
@@ -353,8 +362,17 @@ def build_space(
         threads=threads,
         cuda_graphs=device == "cuda" and True in compile,
         meshes=tuple(meshes),
+        pipeline=pipeline,
         notes=notes,
     )
+    if not space.candidates() and pipeline == (True,):
+        raise UserInputError(
+            "--pipeline on: no pipeline layout in this search; one needs fsdp or fsdp_grad_op among the strategies, "
+            "a dense decoder without tied embeddings (not an encoder or a mixture of experts), layers that split "
+            "into 2, 4, 8 or 16 stages over the ranks, a global batch of at least pp_size sequences per pipeline, "
+            "and health.rerun_check false; allowed here: --pipeline off or both"
+        )
+    return space
 
 
 def fp8_if_it_pays(config: RunConfig, precisions: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
