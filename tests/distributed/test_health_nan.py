@@ -1,5 +1,6 @@
 """A NaN on one rank of a real 2-rank run (torchrun, gloo): the update is dropped on both ranks, and the run ends
-bitwise where a run that never loads that batch ends — under DDP and under FSDP."""
+bitwise where a run that never loads that batch ends — under DDP, under FSDP and under a pipeline of 2 stages, the
+last two with the re-run check."""
 
 from __future__ import annotations
 
@@ -65,3 +66,30 @@ def test_the_rerun_check_names_the_rank_of_a_transient_fault_and_the_batch_of_a_
     assert len({(s["shard"], s["offset"]) for s in samples}) == 8
     a, b = _weights(checked), _weights(unchecked)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_under_a_pipeline_the_guard_drops_the_step_and_the_rerun_check_reruns_it_whole(
+    tmp_path: Path,
+) -> None:
+    """PP 2 (1F1B, rank 1 holds the last stage, where the loss is computed): a transient NaN at data step 1 and a
+    reproducible one at data step 3, with the re-run check and dropout. Both updates are dropped on both ranks, and the run ends
+    bitwise where one that skips those two batches ends. The re-run of the first differs on both ranks (the loss is
+    the pipeline's, shared by its stages); the second reproduces and names its batch, which both stages read."""
+    checked, skipped = tmp_path / "checked", tmp_path / "skipped"
+    # dropout on: the re-run draws the step's masks again (seeded by step and rank), or it could not reproduce
+    pipeline = ["--model.name", "llama-tiny", "--model.dropout", "0.1", "--parallel.pp_size", "2"]
+    faults = "nan:rank=1:step=1:transient=1,nan:rank=1:step=3"
+    proc = _train(checked, "fsdp", *pipeline, "--health.rerun_check", "true", faults=faults)
+    assert "re-run differs: hardware fault suspected, rank(s) 0, 1 computed other losses" in proc.stderr
+    _train(skipped, "fsdp", *pipeline, "--health.skip_batches", "[1,3]")
+    a, b = _weights(checked), _weights(skipped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    events = {e["step"]: e for e in read_metrics(checked / "metrics.jsonl") if "health_event" in e}
+    assert sorted(events) == [1, 2]
+    first = events[1]
+    assert (first["data_step"], first["rerun"]["suspect"], first["rerun"]["ranks"]) == (1, "hardware", [0, 1])
+    data = events[2]  # data step 3 is update 2's: the dropped batch 1 made none
+    assert (data["data_step"], data["rerun"]["suspect"], data["rerun"]["ranks"]) == (3, "data", [])
+    samples = data["rerun"]["batch"]["samples"]
+    read = {rank: [(s["shard"], s["offset"]) for s in samples if s["rank"] == rank] for rank in (0, 1)}
+    assert read[0] == read[1] and len(set(read[0])) == 8  # the pipeline's 8 sequences, on both of its stages

@@ -319,22 +319,16 @@ def test_a_pipeline_group_keeps_its_micro_batches_and_its_trials_run_the_pipelin
     assert cached.candidate == pp4 and cached.key == pp4.key and asdict(cached.candidate) == asdict(pp4)
 
 
-def test_no_pipeline_where_the_model_or_the_run_cannot_have_one() -> None:
-    """Tied embeddings (the default model), a mixture of experts and `health.rerun_check` leave the pipeline out;
-    the last says so in the space's notes."""
+def test_no_pipeline_where_the_model_cannot_have_one() -> None:
+    """Tied embeddings (the default model), a mixture of experts and too few layers leave the pipeline out."""
     for model in (
         ["--model.name", "shakespeare-char"],
         ["--model.name", "llama-tiny", "--model.num_experts", "4"],
+        ["--model.name", "llama-tiny", "--model.num_layers", "1"],
     ):
         space = build_space(build_run_config(None, parse_overrides([*model, "--train.global_batch_size", "8"])),
                             world_size=2, compile=(False,), threads=(1,), precisions=("32-true",))  # fmt: skip
         assert space.pp_sizes == (1,) and all(c.pp_size == 1 for c in space.candidates()), model
-    rerun = build_run_config(None, parse_overrides(["--model.name", "llama-tiny", "--health.rerun_check", "true",
-                                                    "--train.global_batch_size", "8"]))  # fmt: skip
-    space = build_space(rerun, world_size=2, strategies=("fsdp",), compile=(False,), threads=(1,),
-                        precisions=("32-true",))  # fmt: skip
-    assert space.pp_sizes == (1,)
-    assert any(note.startswith("pipeline parallel left out: health.rerun_check") for note in space.notes)
 
 
 def test_pipeline_on_off_or_both_shapes_the_space() -> None:

@@ -101,6 +101,9 @@ class Pipeline:
     device: torch.device
     loss: LossFn  # (model, tokens, targets) -> loss, applied to the last stage's logits
     _schedules: dict[bool, Any] = field(default_factory=dict)  # training: n_microbatches; evaluation: 1
+    # Applied to each micro-batch loss of the last stage while set: the test-only faults of `health.inject`, set by
+    # the training module for the step they belong to.
+    loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def has_first(self) -> bool:
@@ -136,7 +139,8 @@ class Pipeline:
 
     def _head_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`loss` with an identity for the model: the cross-entropy of the logits the last stage returns."""
-        return local_loss(self.loss(nn.Identity(), logits, targets))
+        loss = local_loss(self.loss(nn.Identity(), logits, targets))
+        return loss if self.loss_hook is None else self.loss_hook(loss)
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of a step's micro-batches (concatenated on the batch dimension); the mean of their

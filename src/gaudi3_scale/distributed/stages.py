@@ -30,7 +30,6 @@ def check_pipeline(
     *,
     accumulation: int,
     compile_mode: str | None,
-    rerun_check: bool,
 ) -> None:
     """A pipeline layout against the model and the run, before launch: one `ConfigError` naming the field.
     `compile_mode`: `train.compile_mode` when `train.compile` is on, else None."""
@@ -54,10 +53,6 @@ def check_pipeline(
             "train.compile_mode",
             f"{compile_mode} captures CUDA graphs, which a pipeline's sends and receives between the stages' "
             "blocks cannot be part of; with pipeline parallel use default or max-autotune-no-cudagraphs",
-        )
-    if rerun_check:
-        raise ConfigError(
-            "health.rerun_check", "re-runs single micro-steps, which a pipeline does not have; use false"
         )
     stages = parallel.pp_stages
     if model.num_layers < stages:

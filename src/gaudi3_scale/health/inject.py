@@ -7,6 +7,8 @@
 the gradients that the all-reduce spreads are NaN too; `spike` multiplies that loss by `scale`; `sleep` sleeps
 `seconds` before each forward of `rank` from `step` on (a straggler). `transient=1` makes a `nan` or `spike` happen
 only the first time its step runs, not when `health.rerun_check` runs it again (a hardware fault, not the data's).
+Under pipeline parallel a `nan` or `spike` acts on the rank holding the last stage (where the loss is computed), on
+each micro-batch's loss of its step.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ fault in some rank's backward pass; which rank cannot be told from synchronised 
 names its batch: the data step and, for every sample of the global batch, the rank, dataset member, shard and token
 offset it was read from.
 
+Under pipeline parallel the step is re-run whole through the schedule; its one loss is the pipeline's (the last
+stage's mean, the same on every stage), so a differing re-run names the ranks of that pipeline.
+
 It costs nothing until an event: the step keeps references to its micro-batches (no copy) and their losses. At an
 event it costs one more forward and backward pass of the step, one all-reduce of a flag per rank and one gather of
 the batch's locations.

@@ -349,7 +349,6 @@ class RunConfig:
             self.parallel,
             accumulation=batch.accumulation,
             compile_mode=self.train.compile_mode if self.train.compile else None,
-            rerun_check=self.health.rerun_check,
         )
         if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
             raise ConfigError(

@@ -285,17 +285,60 @@ class LanguageModel(SteppedModule, pl.LightningModule):
     def _pipelined(self, batch: tuple[torch.Tensor, torch.Tensor], started: float) -> torch.Tensor | None:
         """Pipeline parallel: keep the micro-batch; at the step's last, run them all through the schedule (which
         takes them concatenated and splits them again) and return their mean loss, the same on every stage."""
-        state, pipeline = self.step_state, self._pipeline
-        assert pipeline is not None
+        state = self.step_state
         self._stashed.append(batch)
         state.micro_step += 1
         if state.micro_step < state.accumulation:
             return None
         batches, self._stashed = self._stashed, []
-        with self._step_context():
-            loss = pipeline.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-        state.compute_s = (state.compute_s or 0.0) + time.perf_counter() - started  # the pipeline's waits too
+        step_batch = (torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        loss = self._pipeline_step(step_batch, started=started)
+        if self._window is not None:  # health.rerun_check: a pipeline re-runs its whole step
+            self._window[:] = [(step_batch, loss.detach())]
         return loss
+
+    def _pipeline_step(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        *,
+        started: float | None = None,
+        data_step: int | None = None,
+    ) -> torch.Tensor:
+        """One step's micro-batches through the pipeline's schedule; their mean loss. `started` = None: a re-run
+        (health.rerun) of the step, which draws the same dropout masks and is not booked as compute."""
+        state, pipeline = self.step_state, self._pipeline
+        assert pipeline is not None
+        if self.model_cfg.dropout > 0:
+            # As `_forward_backward` seeds each micro-step: the step's masks are a function of (seed, step, rank)
+            # only, so a resumed run and a re-run draw the same ones.
+            step = self.trainer.global_step * state.accumulation
+            torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
+        faults = self._faults
+        # under a pipeline a loss fault acts on the last stage, on each micro-batch's loss of its step
+        if faults:
+            step_of_data = data_step if data_step is not None else self._data_step()
+            if started is not None:
+                inject_delay(faults, step=step_of_data, rank=self.global_rank)
+            rank, rerun = self.global_rank, started is None
+            pipeline.loss_hook = lambda loss: inject_into_loss(
+                faults, loss, step=step_of_data, rank=rank, rerun=rerun
+            )
+        try:
+            with self._step_context():
+                loss = pipeline.train_step(*batch)
+        finally:
+            pipeline.loss_hook = None
+        if started is not None:
+            state.compute_s = (
+                (state.compute_s or 0.0) + time.perf_counter() - started
+            )  # the pipeline's waits too
+        return loss
+
+    def _data_step(self) -> int:
+        """The data step this optimizer step reads (the skipped batches of health.skip_batches and of dropped
+        updates counted)."""
+        guard = self.guard
+        return guard.skips.next_data_step(self.trainer.global_step) if guard else self.trainer.global_step
 
     def _forward_backward(
         self,
@@ -317,11 +360,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         faults = self._faults
         if faults:
             if data_step is None:
-                data_step = (
-                    self.guard.skips.next_data_step(self.trainer.global_step)
-                    if self.guard
-                    else self.trainer.global_step
-                )
+                data_step = self._data_step()
             if started is not None:
                 inject_delay(faults, step=data_step, rank=self.global_rank)
         with self._step_context():
@@ -358,13 +397,22 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         assert not isinstance(opt, list)
         opt.zero_grad(set_to_none=True)
         rerun_losses = []
-        for micro_step, (batch, _) in enumerate(window):
+        pipeline = self._pipeline
+        if pipeline is not None:  # the window is the step (its loss is the pipeline's, the same on its ranks)
+            ((batch, _),) = window
+            rerun_losses.append(self._pipeline_step(batch, data_step=data_step).float().item())
+        for micro_step, (batch, _) in enumerate(window if pipeline is None else []):
             sync.begin_micro_step(micro_step + 1 == len(window))
             loss = self._forward_backward(batch, micro_step, data_step=data_step)
             rerun_losses.append(loss.detach().float().item())
         rerun_norm = None
         if first_norm is not None and self._clip_params is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self._clip_params, self.optim_cfg.grad_clip_norm)
+            clip = self.optim_cfg.grad_clip_norm
+            norm = (
+                torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
+                if pipeline is None
+                else pipeline.clip_grad_norm(self._clip_params, clip)  # the norm of all stages
+            )
             rerun_norm = _plain_float(norm)
         sampler = getattr(getattr(self.trainer, "datamodule", None), "sampler", None)
         verdict = compare_reruns(

@@ -347,10 +347,6 @@ def build_space(
     if threads is None:
         threads = _cpu_threads(world_size) if device == "cpu" else (None,)
     meshes = mesh_candidates(config.model, "fsdp", world_size=world_size, per_node=world_size)
-    if config.health.rerun_check and any(pp > 1 for _, pp, _ in meshes):
-        meshes = [m for m in meshes if m[1] == 1]
-        notes += ("pipeline parallel left out: health.rerun_check re-runs single micro-steps, which a pipeline "
-                  "does not have",)  # fmt: skip
     space = SearchSpace(
         world_size=world_size,
         device=device,
@@ -369,8 +365,8 @@ def build_space(
         raise UserInputError(
             "--pipeline on: no pipeline layout in this search; one needs fsdp or fsdp_grad_op among the strategies, "
             "a dense decoder without tied embeddings (not an encoder or a mixture of experts), layers that split "
-            "into 2, 4, 8 or 16 stages over the ranks, a global batch of at least pp_size sequences per pipeline, "
-            "and health.rerun_check false; allowed here: --pipeline off or both"
+            "into 2, 4, 8 or 16 stages over the ranks, and a global batch of at least pp_size sequences per "
+            "pipeline; allowed here: --pipeline off or both"
         )
     return space
 
