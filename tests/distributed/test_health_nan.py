@@ -72,9 +72,10 @@ def test_under_a_pipeline_the_guard_drops_the_step_and_the_rerun_check_reruns_it
     tmp_path: Path,
 ) -> None:
     """PP 2 (1F1B, rank 1 holds the last stage, where the loss is computed): a transient NaN at data step 1 and a
-    reproducible one at data step 3, with the re-run check and dropout. Both updates are dropped on both ranks, and the run ends
-    bitwise where one that skips those two batches ends. The re-run of the first differs on both ranks (the loss is
-    the pipeline's, shared by its stages); the second reproduces and names its batch, which both stages read."""
+    reproducible one at data step 3, with the re-run check and dropout. Both updates are dropped on both ranks, and
+    the run ends bitwise where one that skips those two batches ends. The re-run of the first differs on both ranks
+    (the loss is the pipeline's, shared by its stages); the second reproduces and names its batch, which both stages
+    read."""
     checked, skipped = tmp_path / "checked", tmp_path / "skipped"
     # dropout on: the re-run draws the step's masks again (seeded by step and rank), or it could not reproduce
     pipeline = ["--model.name", "llama-tiny", "--model.dropout", "0.1", "--parallel.pp_size", "2"]
