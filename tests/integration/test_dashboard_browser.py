@@ -389,7 +389,12 @@ def test_health_events_of_a_real_run_are_marked_on_the_loss_curve(
     assert shown == expected
     for mark, (kind, _, step) in zip(marks, expected, strict=True):
         assert mark.is_displayed() and "health-mark " + kind == mark.get_attribute("class")
-        assert float(mark.get_attribute("data-x")) == pytest.approx(x_of_step[step], abs=0.06)  # at its step
+        # where it happened: a warned spike on the point of its loss (the train record of the update it made, one
+        # step on), a dropped update halfway to the next update's point, a rollback at the step it went back from
+        at = {"spike": step + 1.0, "dropped": step + 0.5, "rollback": float(step)}[kind]
+        whole = int(at)
+        x = x_of_step[whole] + (at - whole) * (x_of_step[whole + 1] - x_of_step[whole] if at > whole else 0.0)
+        assert float(mark.get_attribute("data-x")) == pytest.approx(x, abs=0.06)
         title = mark.find_element("css selector", "title").get_attribute("textContent")
         (event,) = [e for e in events if e["step"] == step and event_mark(e) == kind]
         assert title == f"{MARKS[kind][0]} at step {step}: {event['detail']} ({MARKS[kind][1]})"

@@ -183,6 +183,9 @@ def test_health_events_are_served_as_marks_for_the_loss_curve(runs: Path, client
         (9, "rollback", "rollback"), (11, "spike", "loss_spike"),
     ]  # fmt: skip
     assert [(m["label"], m["help"]) for m in marks] == [MARKS[m["mark"]] for m in marks]
+    # drawn where it happened: a warned spike on its loss's point (the train record of the update it made, step + 1),
+    # a dropped update between the updates around it, a rollback at the step it went back from
+    assert [m["at"] for m in marks] == [4.5, 6.0, 6.5, 9.0, 11.5]
     assert (marks[3]["from_step"], marks[3]["to_step"], marks[3]["detail"]) == (9, 6, "back to 6")
     assert client.get("/api/runs/alpha/metrics?since=8").get_json()["health_marks"] == [marks[-1]]
     assert client.get("/api/runs/alpha/metrics?since=0").get_json()["health_marks"] == marks

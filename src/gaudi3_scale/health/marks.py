@@ -2,12 +2,15 @@
 dashboard's live loss chart (its metrics API serves `health_marks`, static/charts.js draws them) and the rollback
 plot of docs/health.md (benchmarks/bench_health_rollback_plot.py) all classify records here, so they agree.
 
-Three marks, each at its record's optimizer step (the update count before the event):
+Three marks. A record's `step` is the update count before the event, while a train record's `step` is the count
+after its update, so a mark is drawn `at` the place on the loss curve's axis where its event happened:
 
-    dropped   the guard dropped the update: a non-finite step, or a spike under `health.spike_policy skip`
-    spike     a loss or gradient-norm spike whose update was applied (`warn`), or that stopped the run (`stop`)
-    rollback  the run went back from step `from_step` to the checkpoint of step `to_step`; the spike that asked for
-              it has no mark of its own (its rollback's is at the same step)
+    dropped   the guard dropped the update: a non-finite step, or a spike under `health.spike_policy skip`; at
+              step + 0.5, between the last applied update's point and the next one's (which read the next batch)
+    spike     a loss or gradient-norm spike whose update was applied (`warn`): at step + 1, the point of the loss
+              that spiked; one that stopped the run (`stop`, its update dropped) at step + 0.5
+    rollback  the run went back from step `from_step` to the checkpoint of step `to_step`: at the step it went back
+              from; the spike that asked for it has no mark of its own
 
 No torch here: the dashboard imports it.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["MARKS", "event_mark", "health_marks"]
+__all__ = ["MARKS", "event_mark", "health_marks", "mark_position"]
 
 # mark: (legend label, what it means: the legend's and the marker's hover text)
 MARKS: dict[str, tuple[str, str]] = {
@@ -41,9 +44,17 @@ def event_mark(record: dict[str, Any]) -> str | None:
     return "spike" if action in ("warn", "stop") else None
 
 
+def mark_position(record: dict[str, Any]) -> float:
+    """Where a marked record is drawn on the optimizer-step axis of a loss curve (the module docstring)."""
+    step = float(record["step"])
+    if record.get("health_event") == "rollback":
+        return step
+    return step + 1 if record.get("health_action") == "warn" else step + 0.5
+
+
 def health_marks(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The marks of these records as the dashboard draws them: `step`, `mark`, `event` (health_event), `label`,
-    `help`, `detail`, and for a rollback `from_step` and `to_step`."""
+    """The marks of these records as the dashboard draws them: `step` (the record's), `at` (`mark_position`),
+    `mark`, `event` (health_event), `label`, `help`, `detail`, and for a rollback `from_step` and `to_step`."""
     marks = []
     for record in records:
         mark = event_mark(record)
@@ -51,8 +62,8 @@ def health_marks(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         if mark is None or not isinstance(step, int):
             continue
         label, meaning = MARKS[mark]
-        entry = {"step": step, "mark": mark, "event": record["health_event"], "label": label, "help": meaning,
-                 "detail": str(record.get("detail", ""))}  # fmt: skip
+        entry = {"step": step, "at": mark_position(record), "mark": mark, "event": record["health_event"],
+                 "label": label, "help": meaning, "detail": str(record.get("detail", ""))}  # fmt: skip
         if mark == "rollback":
             entry.update(from_step=record.get("from_step", step), to_step=record.get("to_step"))
         marks.append(entry)

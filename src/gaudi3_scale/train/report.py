@@ -12,7 +12,7 @@ from rich.table import Table
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.atomic import write_text_atomic
-from gaudi3_scale.health.marks import MARKS, event_mark
+from gaudi3_scale.health.marks import MARKS, event_mark, mark_position
 
 __all__ = [
     "draw_health_marks",
@@ -52,7 +52,7 @@ def write_run_report(
         print_summary(summary, console)
 
 
-# How a loss plot draws the marks of `health.marks` (docs/health.md): a vertical line at the event's step.
+# How a loss plot draws the marks of `health.marks` (docs/health.md): a vertical line where the event happened.
 _MARK_STYLES = {  # mark: (colour, line style)
     "dropped": ("tab:red", ":"),
     "spike": ("tab:orange", "--"),
@@ -67,9 +67,9 @@ def draw_health_marks(ax: Any, records: list[dict[str, Any]]) -> bool:
     marked = False
     for mark, (color, linestyle) in _MARK_STYLES.items():
         events = [r for r in records if event_mark(r) == mark]
-        for i, step in enumerate(sorted({r["step"] for r in events})):
+        for i, at in enumerate(sorted({mark_position(r) for r in events})):
             label = MARKS[mark][0] if i == 0 else None
-            ax.axvline(step, color=color, linestyle=linestyle, linewidth=1.0, alpha=0.8, label=label)
+            ax.axvline(at, color=color, linestyle=linestyle, linewidth=1.0, alpha=0.8, label=label)
             marked = True
         for r in events:
             if mark == "rollback" and r.get("to_step") is not None:

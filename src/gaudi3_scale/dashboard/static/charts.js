@@ -142,9 +142,11 @@
       for (const [x, y] of points) this.add(key, x, y);
     }
 
-    // mark: {step, mark: "dropped" | "spike" | "rollback", event, label, help, detail, from_step?, to_step?}
+    // mark: {step, at, mark: "dropped" | "spike" | "rollback", event, label, help, detail, from_step?, to_step?};
+    // `at` is where it is drawn (health.marks.mark_position: a record's step is the update count before its event)
     addMark(mark) {
       if (typeof mark.step !== "number" || !isFinite(mark.step) || !(mark.mark in MARK_GLYPHS)) return false;
+      if (typeof mark.at !== "number" || !isFinite(mark.at)) mark = { ...mark, at: mark.step };
       this.marks.push(mark);
       return true;
     }
@@ -179,7 +181,7 @@
         return;
       }
       const o = this.options;
-      const markSteps = this.marks.flatMap((m) => [m.step, m.to_step]).filter((x) => typeof x === "number");
+      const markSteps = this.marks.flatMap((m) => [m.at, m.to_step]).filter((x) => typeof x === "number");
       const [x0, x1] = bounds([...all.map((p) => p[0]), ...markSteps]);
       const values = all.filter((p) => !isGap(p)).map((p) => p[1]);
       let [y0, y1] = bounds(values.length ? values : [0], o.yMin, o.yMax); // only gaps so far: any y scale
@@ -225,10 +227,10 @@
       svgElement("title", {}, group).textContent = `${s.label}: ${value} at ${where}`;
     }
 
-    // A health event: a line at its step (a rollback: a band back to the step it restored, and a line there too),
-    // a glyph at the top, and a title saying what it is.
+    // A health event: a line where it happened (a rollback: a band back to the step it restored, and a line there
+    // too), a glyph at the top, and a title saying what it is.
     drawMark(mark, sx, top, bottom) {
-      const at = sx(mark.step);
+      const at = sx(mark.at);
       const group = svgElement("g", { class: "health-mark " + mark.mark, "data-step": mark.step, "data-mark": mark.mark,
         "data-event": mark.event, "data-x": at.toFixed(1) }, this.svg);
       let glyph = MARK_GLYPHS[mark.mark];
