@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import oracles_env
+from conftest import missing_system_tool, oracles_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([*(ROOT / "docs" / "get-started").glob("*.md"), *(ROOT / "docs" / "how-to").glob("*.md")])
@@ -105,7 +105,7 @@ def test_page_commands_run(page: Path, tmp_path: Path) -> None:
     if any("transformers" in b.code for b in blocks):  # a reader of this page installed it
         env = oracles_env(env)
     if any(re.search(r"\bcurl\b", b.code) for b in blocks) and shutil.which("curl") is None:
-        pytest.skip("curl is not on PATH (a page's commands use it as a reader would)")
+        missing_system_tool("curl is not on PATH (a page's commands use it as a reader would)")
     for block in blocks:
         returncode, output = _run_block(
             block.code, tmp_path, env, tmp_path.parent / f"{page.stem}-{block.line}.log"
