@@ -1,7 +1,7 @@
-"""Straggler detection in a real 2-rank DDP run (torchrun, gloo): rank 1 slowed by a sleep before each of its
-forwards is named within `health.straggler_windows` (3) logging windows of the slowdown — in the window records,
-the one warning line, Prometheus-ready per-rank compute and summary.json — and an unslowed run of 200 steps names
-nobody."""
+"""Straggler detection in a real 2-rank run (torchrun, gloo), DDP and a pipeline of 2 stages: rank 1 slowed by a
+sleep before each of its forwards is named within `health.straggler_windows` (3) logging windows of the slowdown —
+in the window records, the one warning line, Prometheus-ready per-rank compute and summary.json — and an unslowed
+run of 200 steps names nobody."""
 
 from __future__ import annotations
 
@@ -36,18 +36,28 @@ def _windows(out: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "compute_s_per_rank" in r]
 
 
-def test_a_rank_slowed_by_a_sleep_is_named_within_3_windows(tmp_path: Path) -> None:
-    onset = (
-        10  # rank 1 sleeps 50 ms before each forward from data step 10 on: the windows ending at 15, 20, 25
-    )
+# DDP; and PP 2 (1F1B, a layer a stage), where a step's time holds every stage's waits for the others, so a rank's
+# own compute is the host time of its stage's forwards (distributed.pipeline.Pipeline.forward_s)
+LAYOUTS = {
+    "ddp": [],
+    "pp": ["--model.name", "llama-tiny", "--model.num_layers", "2", "--parallel.pp_size", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_rank_slowed_by_a_sleep_is_named_within_3_windows(tmp_path: Path, layout: str) -> None:
+    # rank 1 sleeps 50 ms before each forward from data step 10 on: the windows ending at 15, 20, 25
+    onset = 10
     proc = _train(tmp_path / "slow", "--train.max_steps", "40", "--train.log_every_steps", str(LOG_EVERY),
-                  faults=f"sleep:rank=1:step={onset}:seconds=0.05")  # fmt: skip
+                  *LAYOUTS[layout], faults=f"sleep:rank=1:step={onset}:seconds=0.05")  # fmt: skip
     windows = _windows(tmp_path / "slow")
     assert [w["step"] for w in windows] == list(range(5, 41, 5))
     assert all(len(w["compute_s_per_rank"]) == 2 for w in windows)
     assert all(
         w["compute_s_per_rank"][1] >= 0.05 for w in windows if w["step"] > onset
     )  # the sleep is counted
+    # rank 0's own compute does not hold its waits for rank 1 (under the pipeline, for rank 1's activations)
+    assert all(w["compute_s_per_rank"][0] < 0.05 for w in windows), [w["compute_s_per_rank"] for w in windows]
     named = [w for w in windows if w.get("stragglers")]
     first = named[0]["step"]
     detection_windows = (first - onset) // LOG_EVERY

@@ -17,6 +17,7 @@ dividing each micro-batch loss by the accumulation. FSDP's reduce-scatter of a s
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,25 @@ class Pipeline:
     # Applied to each micro-batch loss of the last stage while set: the test-only faults of `health.inject`, set by
     # the training module for the step they belong to.
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Called before each forward of a stage of this rank while set (the test-only delays of `health.inject`).
+    before_forward: Callable[[], None] | None = None
+    # Host time of this rank's stage forwards in the last `train_step`: its own compute, without the waits for the
+    # other stages that the step's time holds (health.stragglers; `before_forward` counted in).
+    forward_s: float = 0.0
+    _forward_started: float = 0.0
+
+    def __post_init__(self) -> None:
+        for module in self.modules:
+            module.register_forward_pre_hook(self._before_stage_forward)
+            module.register_forward_hook(self._after_stage_forward)
+
+    def _before_stage_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_started = time.perf_counter()
+        if self.before_forward is not None:
+            self.before_forward()
+
+    def _after_stage_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forward_s += time.perf_counter() - self._forward_started
 
     @property
     def has_first(self) -> bool:
@@ -145,6 +165,7 @@ class Pipeline:
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of a step's micro-batches (concatenated on the batch dimension); the mean of their
         losses, the same on every stage."""
+        self.forward_s = 0.0
         return self._run(self._schedule(True).step, tokens, targets)
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

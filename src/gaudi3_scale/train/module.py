@@ -314,24 +314,25 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             step = self.trainer.global_step * state.accumulation
             torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.global_rank)
         faults = self._faults
-        # under a pipeline a loss fault acts on the last stage, on each micro-batch's loss of its step
+        # under a pipeline a loss fault acts on the last stage, on each micro-batch's loss of its step, and a delay
+        # before each forward of a stage of the rank
         if faults:
             step_of_data = data_step if data_step is not None else self._data_step()
-            if started is not None:
-                inject_delay(faults, step=step_of_data, rank=self.global_rank)
             rank, rerun = self.global_rank, started is None
             pipeline.loss_hook = lambda loss: inject_into_loss(
                 faults, loss, step=step_of_data, rank=rank, rerun=rerun
             )
+            if not rerun:
+                pipeline.before_forward = lambda: inject_delay(faults, step=step_of_data, rank=rank)
         try:
             with self._step_context():
                 loss = pipeline.train_step(*batch)
         finally:
-            pipeline.loss_hook = None
+            pipeline.loss_hook = pipeline.before_forward = None
         if started is not None:
-            state.compute_s = (
-                (state.compute_s or 0.0) + time.perf_counter() - started
-            )  # the pipeline's waits too
+            # this rank's own compute (health.stragglers): its stages' forwards, as a one-process step books the
+            # forwards of its micro-batches; the step's time would hold the waits for the other stages
+            state.compute_s = (state.compute_s or 0.0) + pipeline.forward_s
         return loss
 
     def _data_step(self) -> int:
