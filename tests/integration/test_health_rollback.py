@@ -100,6 +100,21 @@ def test_a_resume_from_the_middle_of_a_rolled_back_run_is_bitwise(
     assert a["gaudi3_health"] == b["gaudi3_health"]
 
 
+def test_a_checkpoint_further_back_than_the_skip_still_skips_the_spiking_batch(tmp_path: Path) -> None:
+    """One batch skipped from the checkpoint of step 6 would replay batch 7, which spiked: the rollback skips
+    through it (6 and 7), and the run ends after one rollback instead of rolling back to step 6 until
+    health.max_rollbacks stops it."""
+    out = tmp_path / "short-skip"
+    proc = _train(out, "--train.max_steps", "10", "--health.spike_policy", "rollback",
+                  "--health.rollback_skip_batches", "1", faults=SPIKE)  # fmt: skip
+    assert "rolled back from step 7 to checkpoint step 6; data batches 6–7 skipped" in proc.stderr
+    assert [(e["health_event"], e.get("skipped_batches")) for e in _events(out)] == [
+        ("loss_spike", None), ("rollback", [6, 7])
+    ]  # fmt: skip
+    final = _final(out)
+    assert final["global_step"] == 10 and final["gaudi3_health"]["counts"]["rollback"] == 1
+
+
 def test_a_spike_after_max_rollbacks_stops_with_a_restartable_exit_code_and_the_lr_stays_scaled(
     rolled_back: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:

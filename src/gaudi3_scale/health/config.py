@@ -56,7 +56,8 @@ class HealthConfig:
     rollback_skip_batches: int = field(
         default=200,
         metadata={
-            "help": "batches a rollback skips, from the data step its checkpoint resumes at (PaLM skipped 200-500)"
+            "help": "batches a rollback skips, from the data step its checkpoint resumes at, and at least through the "
+            "batch that spiked (PaLM skipped 200-500)"
         },
     )
     rollback_lr_scale: float = field(

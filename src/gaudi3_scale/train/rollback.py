@@ -8,8 +8,10 @@ save of that fit has committed, and fits again from the plan's checkpoint with t
 The checkpoint is the newest committed one whose step is at most K: a checkpoint of step S holds the state after
 S updates, before step S's own, so one saved at K itself precedes the spiking update. Its data step (the sampler's
 `samples_consumed` / the global batch) is the first batch a resume from it would load; the plan skips
-`health.rollback_skip_batches` data steps from there, so the spiking batch (K's, at or after it) is never loaded
-again. Without a checkpoint that old the run starts over from its initial weights.
+`health.rollback_skip_batches` data steps from there, and at least through the spiking batch (K's, at or after it),
+so it is never loaded again: from a checkpoint further back than that many steps, a replay of the spiking batch
+would spike again and roll back to the same checkpoint until `health.max_rollbacks` stopped the run. Without a
+checkpoint that old the run starts over from its initial weights.
 
 A spike after `health.max_rollbacks` rollbacks is not rolled back: the run stops (`spike_stop`).
 """
@@ -74,8 +76,9 @@ def plan_rollback(
     lr_scale: float,
 ) -> Rollback:
     """The rollback from a spike at `spike_step`: the newest committed checkpoint at or before it, and the
-    `skip_batches` data steps from the one it resumes at. `skips` is the spiking fit's (for the no-checkpoint case:
-    the first batch of the stream not already skipped); `lr_scale` the factor after this rollback."""
+    `skip_batches` data steps from the one it resumes at, at least through the spiking batch. `skips` is the spiking
+    fit's (the spiking update's batch; for the no-checkpoint case, the first batch of the stream not already
+    skipped); `lr_scale` the factor after this rollback."""
     older = [(step, path) for step, path in manager.committed() if step <= spike_step]
     if older:
         to_step, directory = older[-1]
@@ -85,7 +88,10 @@ def plan_rollback(
     else:
         to_step, ckpt = 0, None
         first = BatchSkips(skips.skipped).data_step_of_load(0)
-    return Rollback(spike_step, to_step, ckpt, range(first, first + skip_batches), lr_scale)
+    spiked = skips.next_data_step(
+        spike_step
+    )  # a rollback's update is dropped without a skip: still its batch
+    return Rollback(spike_step, to_step, ckpt, range(first, max(first + skip_batches, spiked + 1)), lr_scale)
 
 
 def spike_stop(spike_step: int, *, max_rollbacks: int) -> dict[str, Any]:
