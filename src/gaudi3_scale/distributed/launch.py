@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.hosts import parse_endpoint
+from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.network import apply_network_preset
 from gaudi3_scale.distributed.rendezvous import hosted_here, wait_for_rendezvous
@@ -172,6 +173,9 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     if cfg.max_restarts > 0:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' parent: the agent runs in this process
+    # Each rank sets its intra-op threads (train.threads, else the usable cores ÷ ranks: train.assembly); the same
+    # default here keeps torch's agent from setting 1 and printing its banner about it at every launch.
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(cfg.nproc_per_node)))
     apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
     try:
         run(get_args_parser().parse_args(launcher_args))
