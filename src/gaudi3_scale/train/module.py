@@ -218,7 +218,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         assert not isinstance(opt, list)
         state, sync = self.step_state, self._sync
         pipeline = self._pipeline
-        step_loss = self._accumulate(batch, started) if pipeline is None else self._pipelined(batch, started)
+        step_loss = self._accumulate(batch, started) if pipeline is None else self._pipelined(batch)
         if step_loss is None:  # not the step's last micro-batch
             return
         loss = step_loss
@@ -282,7 +282,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             loss = (self._pending_loss + loss.detach()) / accumulation
         return loss
 
-    def _pipelined(self, batch: tuple[torch.Tensor, torch.Tensor], started: float) -> torch.Tensor | None:
+    def _pipelined(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """Pipeline parallel: keep the micro-batch; at the step's last, run them all through the schedule (which
         takes them concatenated and splits them again) and return their mean loss, the same on every stage."""
         state = self.step_state
@@ -292,7 +292,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             return None
         batches, self._stashed = self._stashed, []
         step_batch = (torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-        loss = self._pipeline_step(step_batch, started=started)
+        loss = self._pipeline_step(step_batch)
         if self._window is not None:  # health.rerun_check: a pipeline re-runs its whole step
             self._window[:] = [(step_batch, loss.detach())]
         return loss
@@ -301,11 +301,11 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         self,
         batch: tuple[torch.Tensor, torch.Tensor],
         *,
-        started: float | None = None,
+        rerun: bool = False,
         data_step: int | None = None,
     ) -> torch.Tensor:
-        """One step's micro-batches through the pipeline's schedule; their mean loss. `started` = None: a re-run
-        (health.rerun) of the step, which draws the same dropout masks and is not booked as compute."""
+        """One step's micro-batches through the pipeline's schedule; their mean loss. `rerun`: the health.rerun of
+        the step, which draws the same dropout masks, meets no injected delay and is not booked as compute."""
         state, pipeline = self.step_state, self._pipeline
         assert pipeline is not None
         if self.model_cfg.dropout > 0:
@@ -318,7 +318,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         # before each forward of a stage of the rank
         if faults:
             step_of_data = data_step if data_step is not None else self._data_step()
-            rank, rerun = self.global_rank, started is None
+            rank = self.global_rank
             pipeline.loss_hook = lambda loss: inject_into_loss(
                 faults, loss, step=step_of_data, rank=rank, rerun=rerun
             )
@@ -329,7 +329,7 @@ class LanguageModel(SteppedModule, pl.LightningModule):
                 loss = pipeline.train_step(*batch)
         finally:
             pipeline.loss_hook = pipeline.before_forward = None
-        if started is not None:
+        if not rerun:
             # this rank's own compute (health.stragglers): its stages' forwards, as a one-process step books the
             # forwards of its micro-batches; the step's time would hold the waits for the other stages
             state.compute_s = (state.compute_s or 0.0) + pipeline.forward_s
@@ -401,11 +401,12 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         pipeline = self._pipeline
         if pipeline is not None:  # the window is the step (its loss is the pipeline's, the same on its ranks)
             ((batch, _),) = window
-            rerun_losses.append(self._pipeline_step(batch, data_step=data_step).float().item())
-        for micro_step, (batch, _) in enumerate(window if pipeline is None else []):
-            sync.begin_micro_step(micro_step + 1 == len(window))
-            loss = self._forward_backward(batch, micro_step, data_step=data_step)
-            rerun_losses.append(loss.detach().float().item())
+            rerun_losses.append(self._pipeline_step(batch, rerun=True, data_step=data_step).float().item())
+        else:
+            for micro_step, (batch, _) in enumerate(window):
+                sync.begin_micro_step(micro_step + 1 == len(window))
+                loss = self._forward_backward(batch, micro_step, data_step=data_step)
+                rerun_losses.append(loss.detach().float().item())
         rerun_norm = None
         if first_norm is not None and self._clip_params is not None:
             clip = self.optim_cfg.grad_clip_norm
