@@ -170,7 +170,8 @@ def tune(
     accelerator: str | None,
     overrides: tuple[str, ...],
 ) -> None:
-    """Tune micro-batch × accumulation × strategy × precision × activation checkpointing × compile × threads.
+    """Tune micro-batch × accumulation × strategy (with tensor and pipeline parallel) × precision × activation
+    checkpointing × compile × threads.
 
     Every trial is a short real `gaudi3 train` run in its own process group; the winner is written as a YAML
     that `gaudi3 train --config` takes. Exit 0 with a winner, 1 when nothing fits, 2 on bad input.
