@@ -31,6 +31,7 @@ Measured throughput (`gaudi3 tune` trials) decides between layouts this model ca
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
@@ -83,21 +84,33 @@ class Layout:
             f"offload {self.offload}"
         )
 
+    def parallel_fields(self) -> dict[str, Any]:
+        """This layout as `parallel.*` run-config fields: every one it sets, at its defaults too, so a base config's
+        own mesh never leaks into a layout without one."""
+        return {
+            "strategy": self.strategy,
+            "tp_size": self.tp_size,
+            "dp_replicate": self.dp_replicate,
+            "activation_checkpointing": self.activation_checkpointing,
+            "offload": self.offload,
+            "pp_size": self.pp_size,
+            "pp_split": list(self.pp_split),
+            **({"pp_schedule": PP_SCHEDULE} if self.pp_size > 1 else {}),
+        }
+
     def overrides(self) -> list[str]:
-        """The `gaudi3 train` overrides for this layout."""
+        """The `gaudi3 train` overrides for this layout (`parallel_fields`)."""
         return [
-            f"--parallel.strategy={self.strategy}",
-            f"--parallel.tp_size={self.tp_size}",
-            f"--parallel.dp_replicate={self.dp_replicate}",
-            f"--parallel.activation_checkpointing={str(self.activation_checkpointing).lower()}",
-            f"--parallel.offload={self.offload}",
-            *(
-                [f"--parallel.pp_size={self.pp_size}", f"--parallel.pp_schedule={PP_SCHEDULE}"]
-                + ([f"--parallel.pp_split=[{','.join(map(str, self.pp_split))}]"] if self.pp_split else [])
-                if self.pp_size > 1
-                else []
-            ),
+            f"--parallel.{name}={_override_value(value)}" for name, value in self.parallel_fields().items()
         ]
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return f"[{','.join(map(str, value))}]"
+    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True)

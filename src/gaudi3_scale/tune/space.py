@@ -22,7 +22,7 @@ from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
-from gaudi3_scale.tune.layouts import PP_SCHEDULE, mesh_candidates
+from gaudi3_scale.tune.layouts import Layout, mesh_candidates
 
 __all__ = [
     "Candidate",
@@ -81,15 +81,20 @@ class Candidate:
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
+    def layout(self) -> Layout:
+        """Its parallel layout, as the layout table names one."""
+        return Layout(strategy=self.strategy, tp_size=self.tp_size, dp_replicate=self.dp_replicate,
+                      activation_checkpointing=self.activation_checkpointing, offload=self.offload,
+                      pp_size=self.pp_size, pp_split=self.pp_split)  # fmt: skip
+
     def overrides(self) -> list[str]:
-        """The `gaudi3 train` config overrides that make a run this candidate; the layout fields always, so a
-        base config's own tensor or pipeline parallel never leaks into a candidate without it."""
+        """The `gaudi3 train` config overrides that make a run this candidate (its layout's: every layout field,
+        so a base config's own tensor or pipeline parallel never leaks into a candidate without it)."""
         out = [
-            f"--parallel.strategy={self.strategy}",
+            *self.layout().overrides(),
             f"--train.precision={self.precision}",
             f"--train.global_batch_size={self.global_batch_size}",
             f"--train.micro_batch_size={self.micro_batch_size}",
-            f"--parallel.activation_checkpointing={str(self.activation_checkpointing).lower()}",
             f"--train.compile={str(self.compile).lower()}",
         ]
         if self.threads is not None:
@@ -103,15 +108,6 @@ class Candidate:
                 f"--train.{k}={str(v).lower() if isinstance(v, bool) else v}"
                 for k, v in fp8_option_defaults().items()
             ]
-        out += [
-            f"--parallel.tp_size={self.tp_size}",
-            f"--parallel.dp_replicate={self.dp_replicate}",
-            f"--parallel.offload={self.offload}",
-            f"--parallel.pp_size={self.pp_size}",
-            f"--parallel.pp_split=[{','.join(map(str, self.pp_split))}]",
-        ]
-        if self.pp_size > 1:
-            out.append(f"--parallel.pp_schedule={PP_SCHEDULE}")
         return out
 
     def label(self, world_size: int) -> str:

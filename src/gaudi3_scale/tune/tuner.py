@@ -137,17 +137,7 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
     )
     if c.precision != "fp8":
         raw["train"].update(fp8_option_defaults())  # as its trials ran (Candidate.overrides)
-    raw["parallel"].update(
-        strategy=c.strategy,
-        activation_checkpointing=c.activation_checkpointing,
-        nproc_per_node=world_size,
-        tp_size=c.tp_size,
-        dp_replicate=c.dp_replicate,
-        offload=c.offload,
-        pp_size=c.pp_size,
-        pp_split=list(c.pp_split),
-        **({"pp_schedule": PP_SCHEDULE} if c.pp_size > 1 else {}),
-    )
+    raw["parallel"].update(nproc_per_node=world_size, **c.layout().parallel_fields())
     return from_dict(RunConfig, raw), sched.describe(rule)
 
 
