@@ -310,12 +310,7 @@ class _Search:
 
 
 def _group_name(c: Candidate) -> str:
-    layout = (
-        (f" pp {c.pp_size}" if c.pp_size > 1 else "")
-        + (f" tp {c.tp_size}" if c.tp_size > 1 else "")
-        + (f" offload {c.offload}" if c.offload != "none" else "")
-    )
-    return f"{c.strategy}{layout} {c.precision} global batch {c.global_batch_size}"
+    return f"{c.layout_name()} {c.precision} global batch {c.global_batch_size}"
 
 
 def _with_offload(s: _Search, base: Candidate) -> None:

@@ -110,13 +110,19 @@ class Candidate:
             ]
         return out
 
-    def label(self, world_size: int) -> str:
-        parts = [
+    def layout_name(self) -> str:
+        """The strategy and the layout fields away from their defaults, e.g. "fsdp pp 2 tp 2"."""
+        return " ".join([
             self.strategy,
             *([f"pp {self.pp_size}"] if self.pp_size > 1 else []),
             *([f"tp {self.tp_size}"] if self.tp_size > 1 else []),
             *([f"hsdp {self.dp_replicate}"] if self.dp_replicate > 1 else []),
             *([f"offload {self.offload}"] if self.offload != "none" else []),
+        ])  # fmt: skip
+
+    def label(self, world_size: int) -> str:
+        parts = [
+            self.layout_name(),
             self.precision,
             f"gb {self.global_batch_size}",
             f"mb {self.micro_batch_size}×{self.accumulation(world_size)}",
