@@ -1,0 +1,305 @@
+"""Every command the README and the docs show names a real verb, real options and real config fields.
+
+tests/integration/test_docs_commands.py runs the Get started and How-to pages' blocks; the other pages (health,
+pipeline, checkpoints, foresight, …) and the commands in prose are only read. This checks all of them without
+running anything:
+- each `gaudi3 VERB [SUB] …` (also `gaudi3-train …`, `python3 run.py train …`, `python -m gaudi3_scale.cli …`)
+  in a fenced block or an inline code span: each `--name` in it is an option of that command or, for a verb that
+  takes config overrides (`train`, `tune`, `plan`, `doctor`, `repro`), a field of the run config (`--list-fields`);
+- each config field named alone in prose (`` `--parallel.strategy fsdp` ``);
+- each `benchmarks/NAME.py …`: the script exists and its argparse parser defines the options (read from its source;
+  the first line of a command continued with a backslash).
+A renamed flag or field then fails here until every page says the new name.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import pytest
+
+from gaudi3_scale.cli.main import cli
+from gaudi3_scale.config.core import iter_fields
+from gaudi3_scale.train.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+# Written as a pattern for the reader, not as a field: "any config field can be set as --section.field VALUE".
+PLACEHOLDERS = {"--section.field", "--section.key", "--<section>.<field>"}
+FIELDS = {f"--{name}" for name, _tp, _f in iter_fields(RunConfig)}
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_INLINE = re.compile(r"`([^`\n]+)`")
+# The start of a command: the console scripts, the modules, or the README's `python3 run.py train`; the verb an alias
+# or module stands for is put back in front of its words.
+_START = re.compile(
+    r"(?:(?<=^)|(?<=[\s(]))(?:gaudi3-(?P<alias>train|benchmark|deploy)|gaudi3|python3? run\.py"
+    r"|python3? -m gaudi3_scale\.(?:cli|(?P<module>train)))(?=\s|$)"
+)
+_FLAG = re.compile(r"--[A-Za-z<][\w.<>-]*")
+_END = re.compile(r"\s(?:&&|\|\||;|\||#|>|2>)\s|[;)]\s*$")  # where a shell command ends
+
+
+@dataclass(frozen=True)
+class Use:
+    where: str  # page:line
+    text: str  # the command as the page writes it
+    words: list[str]  # its words after `gaudi3`
+
+
+def _commands(text: str, line: int, where: str) -> list[Use]:
+    uses = []
+    for start in _START.finditer(text):
+        rest = text[start.end() :]
+        end = _END.search(rest)
+        rest = rest[: end.start()] if end else rest
+        head = text[start.start() : start.end()]
+        try:
+            words = shlex.split(rest, comments=True)
+        except ValueError:  # an unclosed quote in a prose span: plain words are enough for the names
+            words = rest.split()
+        before = text[: start.start()].split()
+        if before and (before[-1].startswith("-") or before[-1] in ("grep", "echo")):
+            continue  # a value (`--accelerator gaudi3`, `grep -c gaudi3`), not a command
+        if "run.py" in head and (not words or words[0] != "train"):
+            continue  # `run.py test` / `run.py docs` take pytest's and mkdocs' options
+        verb = start.group("alias") or start.group("module")
+        words = [verb, *words] if verb else words
+        uses.append(Use(f"{where}:{line}", (head + rest).strip(), words))
+    return uses
+
+
+def _uses(page: Path, root: Path = ROOT) -> list[Use]:
+    text, where = page.read_text(), page.relative_to(root).as_posix()
+    found: list[Use] = []
+    spans: list[tuple[int, int]] = []
+    for block in _FENCE.finditer(text):
+        spans.append(block.span())
+        first = text.count("\n", 0, block.start(1)) + 1
+        # Continuation lines joined, each command kept at the line it starts on.
+        lines = block.group(1).split("\n")
+        i = 0
+        while i < len(lines):
+            start, joined = i, lines[i]
+            while joined.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                joined = joined.rstrip()[:-1] + " " + lines[i]
+            found += _commands(joined.strip().removeprefix("$ "), first + start, where)
+            i += 1
+    for span in _INLINE.finditer(text):
+        if any(a <= span.start() < b for a, b in spans):
+            continue
+        found += _commands(span.group(1), text.count("\n", 0, span.start()) + 1, where)
+    return found
+
+
+def _options(command: click.Command) -> set[str]:
+    names = {"--help"}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            names.update(o for o in (*param.opts, *param.secondary_opts) if o.startswith("--"))
+    return names
+
+
+def _takes_overrides(command: click.Command) -> bool:
+    return bool(command.context_settings.get("ignore_unknown_options"))
+
+
+def problems(use: Use) -> list[str]:
+    """What is wrong with one command a page shows: [] when its verb, subcommand, options and fields exist."""
+    words = use.words
+    if not words or words[0].startswith("-") or not re.fullmatch(r"[a-z][a-z-]*", words[0]):
+        return []  # `gaudi3 --version`, or prose such as "`gaudi3 <verb>`"
+    command: click.Command | None = cli.commands.get(words[0])
+    if command is None:
+        return [f"{words[0]!r} is not a gaudi3 verb (verbs: {', '.join(sorted(cli.commands))})"]
+    name, rest = f"gaudi3 {words[0]}", words[1:]
+    if isinstance(command, click.Group):
+        if not rest or rest[0].startswith("-"):
+            return []  # the group alone (`gaudi3 ckpt --help`)
+        # A table cell may list alternatives: `gaudi3 deploy plan\|apply\|destroy DIR`.
+        names = rest[0].replace("\\|", "|").split("|")
+        unknown = [n for n in names if n not in command.commands]
+        if unknown:
+            return [f"{unknown[0]!r} is not a subcommand of {name} ({', '.join(sorted(command.commands))})"]
+        command, name, rest = command.commands[names[0]], f"{name} {names[0]}", rest[1:]
+    allowed = _options(command) | (FIELDS if _takes_overrides(command) else set())
+    wrong = []
+    for word in rest:
+        if word == "--":
+            break
+        named = _FLAG.match(word)  # up to `=` or the punctuation of a sentence around it
+        flag = named.group(0).rstrip(".") if named else ""
+        if flag and flag not in allowed and flag not in PLACEHOLDERS:
+            kind = "option or config field" if _takes_overrides(command) else "option"
+            wrong.append(f"{flag} is not an {kind} of {name}")
+    return wrong
+
+
+USES = [use for page in PAGES for use in _uses(page)]
+
+
+def test_the_pages_show_many_commands() -> None:
+    """The extraction finds the commands (a broken pattern would make the check below pass on nothing)."""
+    pages = {use.where.split(":")[0] for use in USES}
+    assert len(USES) > 300 and len(pages) > 25, (len(USES), sorted(pages))
+    verbs = {use.words[0] for use in USES if use.words}
+    assert {"train", "tune", "plan", "ckpt", "deploy", "cost", "serve", "health"} <= verbs
+
+
+def test_every_command_on_the_pages_names_real_verbs_options_and_fields() -> None:
+    wrong = [f"{use.where}: `{use.text}`: {p}" for use in USES for p in problems(use)]
+    assert not wrong, "\n".join(wrong)
+
+
+SECTIONS = {name.split(".")[0] for name in FIELDS}
+
+
+def field_problem(flag: str) -> str | None:
+    """A config field named in prose (`--parallel.strategy fsdp`, `--parallel.*`): None when it exists."""
+    if flag in FIELDS or flag in PLACEHOLDERS:
+        return None
+    if flag.endswith(".*") and flag[:-2] in SECTIONS:
+        return None
+    return f"{flag} is not a config field (`gaudi3 train --list-fields`)"
+
+
+def prose_fields(page: Path, root: Path = ROOT) -> list[tuple[str, str]]:
+    """(page:line, flag) of each inline code span that starts with a dotted `--section.field`; other `--flag` spans
+    in prose may be any tool's (pytest, docker, a benchmark script), so only the config's own form is checked."""
+    text, where = page.read_text(), page.relative_to(root).as_posix()
+    found = []
+    for span in re.finditer(r"`(--[^`\n]*)`", text):
+        named = re.match(r"--[A-Za-z<][\w<>-]*\.[\w.*<>-]*", span.group(1))
+        if named:
+            found.append((f"{where}:{text.count(chr(10), 0, span.start()) + 1}", named.group(0).rstrip(".")))
+    return found
+
+
+def test_every_config_field_named_in_prose_exists() -> None:
+    named = [use for page in PAGES for use in prose_fields(page)]
+    assert len(named) > 30, len(named)  # the pattern finds them
+    wrong = [f"{where}: {problem}" for where, flag in named if (problem := field_problem(flag))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_field_in_prose_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("With `--distributed.strategy fsdp` or `--parallel.*`, and `--train.max_steps.`\n")
+    found = prose_fields(page, tmp_path)
+    assert found == [
+        ("page.md:1", "--distributed.strategy"),
+        ("page.md:1", "--parallel.*"),
+        ("page.md:1", "--train.max_steps"),
+    ]
+    assert [field_problem(flag) is None for _, flag in found] == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("command", "problem"),
+    [
+        (
+            "gaudi3 train --model.name llama-tiny --train.max_step 5",
+            "--train.max_step is not an option or config field",
+        ),
+        ("gaudi3 trian --out x", "'trian' is not a gaudi3 verb"),
+        ("gaudi3 ckpt lst runs/x", "'lst' is not a subcommand of gaudi3 ckpt"),
+        ("gaudi3 serve ckpt --kv-cache-size 3", "--kv-cache-size is not an option of gaudi3 serve"),
+        ("gaudi3 health runs/x --model.name=llama-tiny", "--model.name is not an option of gaudi3 health"),
+    ],
+)
+def test_a_wrong_name_is_found(command: str, problem: str, tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(f"Run\n\n```bash\n{command} && echo done\n```\n\nand `{command}` in prose.\n")
+    uses = _uses(page, tmp_path)
+    assert [u.where for u in uses] == ["page.md:4", "page.md:7"]
+    for use in uses:
+        assert use.words[-1] != "done"  # the command ends at `&&`
+        assert any(problem in p for p in problems(use)), problems(use)
+
+
+def test_continuations_and_prose_are_read(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Say `gaudi3 plan --machine h100 --nodes 2` here.\n\n"
+        "```bash\n$ gaudi3 train \\\n  --train.max_steps 5 \\\n  --no-progress  # short\n```\n"
+    )
+    assert [(u.where, u.words) for u in _uses(page, tmp_path)] == [
+        ("page.md:4", ["train", "--train.max_steps", "5", "--no-progress"]),
+        ("page.md:1", ["plan", "--machine", "h100", "--nodes", "2"]),
+    ]
+    assert not problems(_uses(page, tmp_path)[0])
+
+
+BENCHMARKS = ROOT / "benchmarks"
+_SCRIPT = re.compile(r"(?:(?<=^)|(?<=[\s(/`]))benchmarks/(?P<name>\w+)\.py(?P<rest>[^`\n]*)")
+
+
+def script_options(script: Path) -> set[str]:
+    """The `--options` a benchmark script's argparse parser defines (read from its source, not run)."""
+    found = {"--help"}
+    for node in ast.walk(ast.parse(script.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            negatable = any(
+                k.arg == "action"
+                and isinstance(k.value, ast.Attribute)
+                and k.value.attr == "BooleanOptionalAction"
+                for k in node.keywords
+            )
+            for name in names:
+                if name.startswith("--"):
+                    found.add(name)
+                    if negatable:
+                        found.add("--no-" + name[2:])
+    return found
+
+
+def script_problems(text: str, benchmarks: Path = BENCHMARKS) -> list[str]:
+    """What is wrong with each `benchmarks/NAME.py …` command in `text`: a script that is not there, or an option
+    its parser does not define."""
+    wrong = []
+    for use in _SCRIPT.finditer(text):
+        script = benchmarks / f"{use['name']}.py"
+        if not script.is_file():
+            wrong.append(f"benchmarks/{script.name} does not exist")
+            continue
+        rest = use["rest"]
+        end = _END.search(rest)
+        options = script_options(script)
+        for word in (rest[: end.start()] if end else rest).split():
+            named = _FLAG.match(word)
+            if word == "--":
+                break
+            if named and named.group(0).rstrip(".") not in options:
+                wrong.append(f"{named.group(0).rstrip('.')} is not an option of benchmarks/{script.name}")
+    return wrong
+
+
+def test_every_benchmark_command_on_the_pages_names_a_real_script_and_options() -> None:
+    wrong, seen = [], 0
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            seen += len(_SCRIPT.findall(line))
+            wrong += [f"{page.relative_to(ROOT).as_posix()}:{number}: {p}" for p in script_problems(line)]
+    assert seen > 50, seen  # the pattern finds the pages' benchmark commands
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_benchmark_command_is_found() -> None:
+    assert script_problems("python benchmarks/bench_gpu.py --small --fp8-recipe rowwise") == []
+    assert script_problems("`benchmarks/bench_gpu.py --smal`") == [
+        "--smal is not an option of benchmarks/bench_gpu.py"
+    ]
+    assert script_problems("run benchmarks/bench_nothing.py") == [
+        "benchmarks/bench_nothing.py does not exist"
+    ]
