@@ -79,7 +79,7 @@ def doctor_before_training(config_path: str | None, out_dir: str | None, overrid
     whose ranks open the devices next. Inside a rank of some other launcher it does not run (the launcher's node
     was checked, or is not ours to check).
     """
-    from gaudi3_scale.distributed.launch import inside_launched_worker
+    from gaudi3_scale.distributed.env import inside_launched_worker
 
     if os.environ.get(BEFORE_TRAIN_ENV) != "1" or os.environ.get(SKIP_ENV) == "1" or inside_launched_worker():
         return

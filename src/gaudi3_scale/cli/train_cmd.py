@@ -27,7 +27,7 @@ __all__ = ["print_dry_run", "run_training"]
 
 
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
-    from gaudi3_scale.distributed.launch import inside_launched_worker
+    from gaudi3_scale.distributed.env import inside_launched_worker
 
     with stop_when_budget_exhausted(), _forecast_for_the_run(cfg, here=not inside_launched_worker()):
         if cfg.parallel.world_size > 1 and not inside_launched_worker():

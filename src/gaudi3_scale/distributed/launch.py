@@ -27,6 +27,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.hosts import parse_endpoint
 from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import ParallelConfig
+from gaudi3_scale.distributed.env import inside_launched_worker
 from gaudi3_scale.distributed.network import apply_network_preset
 from gaudi3_scale.distributed.rendezvous import hosted_here, wait_for_rendezvous
 
@@ -78,10 +79,6 @@ def signal_exit_code(signum: int) -> int:
     --max-restarts restarts on any non-zero exit.
     """
     return 0 if signum == signal.SIGINT else 128 + int(signum)
-
-
-def inside_launched_worker() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def launched_parallel(cfg: ParallelConfig) -> ParallelConfig:

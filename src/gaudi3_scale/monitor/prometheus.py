@@ -41,6 +41,7 @@ import torch
 
 from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.distributed.env import launched_local_rank, launched_rank
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.monitor.system import DeviceSample, SystemSample, SystemSampler
 
@@ -345,7 +346,7 @@ def start_exporter(
     """Serve this rank's metrics and write its endpoint files; raises ConfigError for a busy port."""
     assert cfg.metrics_port is not None, "start_exporter needs monitor.metrics_port"
     client = _import_client()
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launched_rank(), launched_local_rank()
     key = (out_dir.resolve(), run, rank)
     if key not in _EXPORTERS:
         _EXPORTERS[key] = MetricsExporter(client.CollectorRegistry(), rank=rank, run=run,

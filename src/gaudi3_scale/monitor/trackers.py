@@ -33,6 +33,7 @@ from lightning.pytorch.loggers import Logger
 
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.monitor.config import MonitorConfig, check_trackers, installed
 
 __all__ = [
@@ -196,7 +197,7 @@ def build_trackers(
         return None
     check_trackers(monitor)
     loggers: list[Logger] = []
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         loggers = [_BUILDERS[name](monitor, run_name, out_dir) for name in names]
     trackers = ExperimentTrackers(loggers, hyperparameters)
     if loggers:

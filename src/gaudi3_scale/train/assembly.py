@@ -29,7 +29,6 @@ from gaudi3_scale.train.config import TrainConfig, steps_for_epochs
 from gaudi3_scale.train.resume import saved_run_config
 
 __all__ = [
-    "launched_rank",
     "launched_world_size",
     "plan_run_device",
     "quiet_lightning",
@@ -80,11 +79,6 @@ def _check_device_options(train: TrainConfig, accelerator: str) -> None:
             f"reduce-overhead captures CUDA graphs, which need a CUDA device, but this run trains on "
             f"{accelerator}; allowed here: default, max-autotune, max-autotune-no-cudagraphs",
         )
-
-
-def launched_rank() -> int:
-    """This process's rank, from the launcher's environment (the Lightning trainer may not exist yet, or no more)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def launched_world_size(parallel: ParallelConfig) -> int:

@@ -3,13 +3,13 @@ first by `train.after_step.AfterStep`."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 
 from gaudi3_scale.checkpoint.contents import COST_KEY
+from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
@@ -132,7 +132,7 @@ def build_live_cost(
         warn_at_fraction=cfg.warn_at_fraction,
     )
     spot: SpotCheck | None = None
-    if uses_spot_quotes(cfg) and int(os.environ.get("RANK", "0")) == 0:  # one price poller per run
+    if uses_spot_quotes(cfg) and launched_rank() == 0:  # one price poller per run
         spot = build_spot_check(cfg, warn=warn)
     live = LiveCost(meter, interrupt, checkpoint, warn=warn, note=note, spot=spot)
     metrics.sources.append(live.metrics)

@@ -10,7 +10,6 @@ that run beside the fit start from these parts (`train.services`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from gaudi3_scale.checkpoint.contents import CONFIG_KEY, HEALTH_KEY, RNG_KEY, Ch
 from gaudi3_scale.config.core import config_sha256, to_dict
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.device import DevicePlan
+from gaudi3_scale.distributed.env import launched_local_rank, launched_local_world_size
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.health.config import HealthConfig
@@ -177,6 +177,6 @@ def build_watchdog(health: HealthConfig, out_dir: Path, *, rank: int, warmup_ste
     from gaudi3_scale.health.watchdog import Watchdog
 
     return Watchdog(
-        health, out_dir / HEALTH_DIR, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), warmup_steps=warmup_steps,
+        health, out_dir / HEALTH_DIR, rank=rank, local_rank=launched_local_rank(),
+        local_world_size=launched_local_world_size(), warmup_steps=warmup_steps,
     )  # fmt: skip

@@ -25,7 +25,7 @@ from gaudi3_scale.checkpoint.manager import (
 from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.distributed.launch import inside_launched_worker
+from gaudi3_scale.distributed.env import inside_launched_worker
 from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import check_budget_left

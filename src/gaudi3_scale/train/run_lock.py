@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.distributed.launch import inside_launched_worker, process_alive
+from gaudi3_scale.distributed.env import inside_launched_worker
+from gaudi3_scale.distributed.launch import process_alive
 
 __all__ = ["RunDirectoryBusyError", "lock_path", "run_directory_lock"]
 

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gaudi3_scale.distributed.env import launched_local_rank
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.callbacks import GracefulInterrupt
@@ -89,7 +90,7 @@ def _start_metrics_endpoint(
 
 def _start_spot_watcher(cfg: TrainConfig, interrupt: GracefulInterrupt) -> SpotInterruptionWatcher | None:
     """One watcher per node (local rank 0): a notice there stops every rank through GracefulInterrupt."""
-    if not cfg.spot_watch or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    if not cfg.spot_watch or launched_local_rank() != 0:
         return None
     return SpotInterruptionWatcher(
         cfg.spot_url,

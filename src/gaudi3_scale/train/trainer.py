@@ -31,6 +31,7 @@ from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.device import DevicePlan
+from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.strategies import build_strategy
@@ -39,7 +40,6 @@ from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.monitor.trackers import build_trackers
 from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.assembly import (
-    launched_rank,
     launched_world_size,
     plan_run_device,
     quiet_lightning,

@@ -8,7 +8,6 @@ tools (`bench`, `artifacts`) that `gaudi3 train` runs itself, in its own process
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ import click
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief, print_error
 from gaudi3_scale.config.numbers import parse_number
+from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.train.config import RunConfig, config_yaml, resolve_config
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def stop_when_budget_exhausted() -> Iterator[None]:
     try:
         yield
     except BudgetExhaustedError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launched_rank() == 0:
             click.echo(str(exc), err=True)
         sys.exit(exc.exit_code)
 
