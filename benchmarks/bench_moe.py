@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from gaudi3_scale.models import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
 from gaudi3_scale.models.common.moe import moe_layers, router_losses
 from gaudi3_scale.monitor.environment import environment_info
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer
+from gaudi3_scale.train.optim_config import OptimConfig
 
 
 def _configs(args: argparse.Namespace) -> dict[str, ModelConfig]:

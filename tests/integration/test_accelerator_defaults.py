@@ -14,8 +14,8 @@ from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.distributed.plan import ParallelPlan
 from gaudi3_scale.models import ModelConfig, count_parameters, flops_per_token, get_model_config
 from gaudi3_scale.train import GaudiTrainer, build_run_config
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.module import LanguageModel
+from gaudi3_scale.train.optim_config import OptimConfig
 
 pytestmark = pytest.mark.integration
 

@@ -318,8 +318,8 @@ def test_the_fp8_options_reach_the_training_module_through_the_plan_before_compi
     _torchao()
     from torchao.float8 import Float8LinearConfig
 
-    from gaudi3_scale.train.config import OptimConfig
     from gaudi3_scale.train.module import LanguageModel
+    from gaudi3_scale.train.optim_config import OptimConfig
 
     cfg = build_run_config(
         None, [("train.precision", "fp8"), ("train.fp8_recipe", "rowwise_with_gw_hp"), ("train.fp8_head", "true"),

@@ -22,8 +22,8 @@ from gaudi3_scale.device.hpu import hpu_available
 from gaudi3_scale.models.common.attention import Attention
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.precision import GaudiMixedPrecision
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer
+from gaudi3_scale.train.optim_config import OptimConfig
 
 pytestmark = pytest.mark.skipif(hpu_available(), reason="checks the behaviour without Gaudi")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
+from gaudi3_scale.train.optim_config import OptimConfig
 
 
 def test_warmup_then_cosine_to_min_lr() -> None:

@@ -18,8 +18,9 @@ from gaudi3_scale.distributed.parallelize import parallelize
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.teardown import leave_process_group
 from gaudi3_scale.models import build_model, flops_per_token, get_model_config
-from gaudi3_scale.train.config import OptimConfig, build_run_config
+from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.train.module import LanguageModel, next_token_loss
+from gaudi3_scale.train.optim_config import OptimConfig
 from gaudi3_scale.train.step import at_step_boundary, step_state_of
 
 TINY = get_model_config("shakespeare-char").resolve_vocab(65)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from gaudi3_scale.models import get_model_config
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.module import _PLAIN_ATTRS, LanguageModel
+from gaudi3_scale.train.optim_config import OptimConfig
 
 CFG = get_model_config("shakespeare-char").resolve_vocab(65)
 

@@ -1,9 +1,9 @@
 """Typed config trees: dataclasses in, dataclasses out, one clear line for every mistake.
 
 Section configs are `kw_only` dataclasses that live beside the code that owns them (`models/config.py`,
-`data/config.py`, `train/config.py`). This module only knows how to build them from plain dicts (YAML), apply
-dotted command-line overrides (`--model.num_layers 6`), and turn them back into dicts. Help text for a field is
-``field(metadata={"help": "..."})`` and doubles as CLI help.
+`data/config.py`, `train/optim_config.py`), composed into the run config by `train/config.py`. This module only
+knows how to build them from plain dicts (YAML), apply dotted command-line overrides (`--model.num_layers 6`), and
+turn them back into dicts. Help text for a field is ``field(metadata={"help": "..."})`` and doubles as CLI help.
 
 Validation of values lives in each section's ``__post_init__``; it raises `ConfigError(field, msg)` with the
 field name relative to the section, and `from_dict` prefixes the dotted path of the section. Numbers are checked

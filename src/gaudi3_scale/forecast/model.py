@@ -27,7 +27,7 @@ from gaudi3_scale.forecast.figures import Figure, assumed, measured, modelled
 from gaudi3_scale.forecast.machine import Machine
 from gaudi3_scale.forecast.pipeline import busiest_rank_share, pipeline_bubble, pipeline_p2p
 from gaudi3_scale.models import ModelConfig, flops_per_token
-from gaudi3_scale.train.config import TrainConfig
+from gaudi3_scale.train.train_config import TrainConfig
 
 __all__ = ["Forecast", "RunShape", "forecast_run", "forecast_step", "stored_probe"]
 

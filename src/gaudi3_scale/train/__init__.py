@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gaudi3_scale.lazy import lazy_exports
-from gaudi3_scale.train.config import OptimConfig, RunConfig, TrainConfig, build_run_config
+from gaudi3_scale.train.config import RunConfig, build_run_config
+from gaudi3_scale.train.optim_config import OptimConfig
+from gaudi3_scale.train.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from gaudi3_scale.train.module import LanguageModel

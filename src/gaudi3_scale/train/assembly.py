@@ -25,8 +25,9 @@ from gaudi3_scale.device.select import DevicePlan, cpu_threads_per_rank, plan_de
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count
-from gaudi3_scale.train.config import TrainConfig, steps_for_epochs
+from gaudi3_scale.train.config import steps_for_epochs
 from gaudi3_scale.train.resume import saved_run_config
+from gaudi3_scale.train.train_config import TrainConfig
 
 __all__ = [
     "launched_world_size",

@@ -30,8 +30,8 @@ from gaudi3_scale.health.inject import faults_from_env, inject_delay, inject_int
 from gaudi3_scale.health.rerun import batch_locations, compare_reruns
 from gaudi3_scale.models import ModelConfig, flops_per_token
 from gaudi3_scale.models.common.moe import MoEFeedForward, moe_layers, router_losses
-from gaudi3_scale.train.config import OptimConfig
 from gaudi3_scale.train.optim import build_optimizer, lr_at_step
+from gaudi3_scale.train.optim_config import OptimConfig
 from gaudi3_scale.train.step import SteppedModule, StepState
 
 __all__ = ["CONFIG_KEY", "LanguageModel", "masked_lm_loss", "next_token_loss"]

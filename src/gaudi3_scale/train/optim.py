@@ -10,7 +10,7 @@ from torch import nn
 
 from gaudi3_scale.device.optim import GaudiOptimizer
 from gaudi3_scale.models.common.init import logical_shape
-from gaudi3_scale.train.config import OptimConfig
+from gaudi3_scale.train.optim_config import OptimConfig
 
 __all__ = ["build_lr_lambda", "build_optimizer", "lr_at_step"]
 

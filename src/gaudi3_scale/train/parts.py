@@ -30,13 +30,14 @@ from gaudi3_scale.health.heartbeat import HEALTH_DIR
 from gaudi3_scale.health.stragglers import StragglerDetector
 from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
-from gaudi3_scale.train.config import RunConfig, TrainConfig
+from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.cost_callback import LiveCost, build_live_cost
 from gaudi3_scale.train.progress import RichStepProgress
 from gaudi3_scale.train.rng import RngStates
 from gaudi3_scale.train.step import StepState
 from gaudi3_scale.train.step_health import StepHealth
 from gaudi3_scale.train.step_metrics import RunMetrics
+from gaudi3_scale.train.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from gaudi3_scale.health.watchdog import Watchdog

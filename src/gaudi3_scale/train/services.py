@@ -19,8 +19,8 @@ from gaudi3_scale.distributed.env import launched_local_rank
 from gaudi3_scale.monitor.config import MonitorConfig
 from gaudi3_scale.train.after_step import AfterStep
 from gaudi3_scale.train.callbacks import GracefulInterrupt
-from gaudi3_scale.train.config import TrainConfig
 from gaudi3_scale.train.spot import SpotInterruptionWatcher
+from gaudi3_scale.train.train_config import TrainConfig
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,8 @@ from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
-from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.train_config import fp8_option_defaults
 from gaudi3_scale.tune.layouts import Layout, mesh_candidates
 
 __all__ = [

@@ -18,7 +18,8 @@ from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.distributed.plan import ParallelPlan
-from gaudi3_scale.train.config import RunConfig, fp8_option_defaults
+from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.train_config import fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.layouts import PP_SCHEDULE
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
