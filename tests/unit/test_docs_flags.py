@@ -15,8 +15,10 @@ A renamed flag or field then fails here until every page says the new name.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ class Use:
     where: str  # page:line
     text: str  # the command as the page writes it
     words: list[str]  # its words after `gaudi3`
+    error: str | None = None  # the `gaudi3: error: …` line the page shows right below it, if any
 
 
 def _commands(text: str, line: int, where: str) -> list[Use]:
@@ -89,7 +92,12 @@ def _uses(page: Path, root: Path = ROOT) -> list[Use]:
             while joined.rstrip().endswith("\\") and i + 1 < len(lines):
                 i += 1
                 joined = joined.rstrip()[:-1] + " " + lines[i]
-            found += _commands(joined.strip().removeprefix("$ "), first + start, where)
+            shown = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            error = shown if shown.startswith("gaudi3: error:") else None
+            found += [
+                dataclasses.replace(use, error=error)
+                for use in _commands(joined.strip().removeprefix("$ "), first + start, where)
+            ]
             i += 1
     for span in _INLINE.finditer(text):
         if any(a <= span.start() < b for a, b in spans):
@@ -303,3 +311,41 @@ def test_a_wrong_benchmark_command_is_found() -> None:
     assert script_problems("run benchmarks/bench_nothing.py") == [
         "benchmarks/bench_nothing.py does not exist"
     ]
+
+
+# The pages whose blocks run for real (tests/integration/test_docs_commands.py): their commands need the files
+# the blocks before them make.
+EXECUTED = ("docs/get-started/", "docs/how-to/")
+# A word the reader replaces: `<dir>`, `$OUT`, `…`, `runs/*`, an upper-case name such as PORT or N.
+_PLACEHOLDER = re.compile(r"[<$…*]|\.\.\.|^[A-Z][A-Z_]*$")
+
+
+def resolvable(use: Use) -> bool:
+    """A `gaudi3 train` command that needs nothing the page leaves to the reader or made before: no placeholder,
+    no config file, on a page that is not executed."""
+    return (
+        bool(use.words)
+        and use.words[0] == "train"
+        and not use.where.startswith(EXECUTED)
+        and not any(_PLACEHOLDER.search(word) for word in use.words)
+        and not any(word.split("=")[0] in ("--config", "--model.init_from") for word in use.words)
+    )
+
+
+def test_every_train_command_on_the_read_only_pages_resolves_or_fails_as_shown(
+    gaudi3_cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Each such command's config resolves (`gaudi3 train … --print-config`, in this process: the values, not
+    only the names, are checked), and a command the page shows failing fails with the line it shows."""
+    uses = [use for use in USES if resolvable(use)]
+    assert len(uses) > 40 and sum(use.error is not None for use in uses) >= 1, len(uses)
+    wrong = []
+    for use in uses:
+        code, _out, err = gaudi3_cli(*use.words, "--print-config")
+        if use.error is None and code != 0:
+            wrong.append(f"{use.where}: `{use.text}`: {err.strip()}")
+        elif use.error is not None and (code != 2 or err.strip() != use.error):
+            wrong.append(
+                f"{use.where}: `{use.text}` shows {use.error!r} but gives exit {code}: {err.strip()!r}"
+            )
+    assert not wrong, "\n".join(wrong)

@@ -75,6 +75,25 @@ def test_pipelines_and_tensor_parallel_groups_read_one_batch() -> None:
     assert ParallelPlan.build(world_size=4, pp_size=2).strategy == "fsdp"
 
 
+def test_an_unset_micro_batch_is_one_sequence_under_a_pipeline() -> None:
+    """`train.micro_batch_size` null: the whole per-rank batch without a pipeline, 1 with one (torchtitan's
+    default), so `--parallel.pp_size 2` trains with the default global batch instead of being refused for having
+    one micro-batch; a micro-batch the user sets is kept."""
+    default = ["model.name=llama-tiny", "model.num_layers=4", "parallel.nproc_per_node=2"]
+    flat = build_run_config([*default, "parallel.strategy=fsdp"]).batch_plan()
+    assert (flat.micro_batch_size, flat.accumulation, flat.data_parallel_size) == (6, 1, 2)
+    piped = build_run_config([*default, "parallel.pp_size=2"]).batch_plan()
+    assert (piped.micro_batch_size, piped.accumulation, piped.data_parallel_size) == (1, 12, 1)
+    both = build_run_config([*default, "parallel.nproc_per_node=4", "parallel.pp_size=2"]).batch_plan()
+    assert (both.micro_batch_size, both.accumulation, both.data_parallel_size) == (1, 6, 2)
+    assert (
+        build_run_config([*default, "parallel.pp_size=2", "train.micro_batch_size=3"])
+        .batch_plan()
+        .accumulation
+        == 4
+    )
+
+
 def test_stages_split_layers_evenly_or_where_told_and_sit_in_a_loop_or_a_v() -> None:
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(4, 2, [1]) == [range(0, 1), range(1, 4)]

@@ -125,9 +125,14 @@ class RunConfig:
         """How each optimizer step's global batch splits over `world_size` ranks (default: the configured
         launch geometry) and micro-steps; a batch that does not split is a `ConfigError`."""
         world = world_size or self.parallel.world_size
+        micro = self.train.micro_batch_size
+        if micro is None and self.parallel.pp_size > 1:
+            # torchtitan's default under a pipeline (micro-batch 1): every sequence is a pipeline micro-batch, the
+            # smallest bubble, and 1F1B always has the pp_size micro-batches it needs once each rank has that many
+            micro = 1
         return BatchPlan.build(
             global_batch_size=self.train.global_batch_size,
-            micro_batch_size=self.train.micro_batch_size,
+            micro_batch_size=micro,
             data_parallel_size=data_parallel_size(world, self.parallel.tp_size, self.parallel.pp_size),
             context_length=self.model.context_length,
         )

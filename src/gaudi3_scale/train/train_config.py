@@ -32,7 +32,11 @@ class TrainConfig:
         },
     )
     micro_batch_size: int | None = field(
-        default=None, metadata={"help": "sequences per forward pass per rank; null = global batch / ranks"}
+        default=None,
+        metadata={
+            "help": "sequences per forward pass per rank; null = global batch / data-parallel ranks (no "
+            "accumulation), or 1 under pipeline parallel (torchtitan's default: each sequence a pipeline micro-batch)"
+        },
     )
     max_steps: int = field(
         default=2000, metadata={"help": "optimizer steps to train (or set train.max_epochs instead)"}

@@ -206,8 +206,8 @@ def print_estimate_table(
     console: Console,
 ) -> None:
     """Print the table for `base`'s model at the micro-batch its run would use on `world_size` ranks (the batch
-    plan's: global batch ÷ data-parallel ranks when `train.micro_batch_size` is unset, as `gaudi3 train` does; 1
-    when the global batch does not split over them), context and precision.
+    plan's: global batch ÷ data-parallel ranks when `train.micro_batch_size` is unset, 1 under a pipeline, as
+    `gaudi3 train` does; 1 when the global batch does not split over them), context and precision.
 
     `accelerator` (a name in `device/specs.py`) without a budget: every layout the trainer supports on
     `world_size` of them (all devices, whole nodes of the catalog's accelerators per node) and whether it fits
