@@ -145,7 +145,10 @@ def test_record_fed_series_equal_the_metrics_records(scraped: Any) -> None:
     assert tokens_per_s == pytest.approx(last["tokens_per_s"], rel=1e-12) and tokens_per_s > 0
     # 12 sequences of 64 tokens per step (the default preset): samples/s × context = tokens/s exactly.
     assert _value(s, "gaudi3_samples_per_second") * 64 == pytest.approx(tokens_per_s, rel=1e-9)
-    assert 0 < _value(s, "gaudi3_mfu_ratio") < 1
+    # The record's MFU, against the CPU matmul ceiling measured at the run's start. Not held below 1: on the shared
+    # 2-core machine the ceiling can be measured while other tests load it (a 3-worker run: 1.003), which the run
+    # flags itself (`monitor.perf.mfu_above_peak`).
+    assert _value(s, "gaudi3_mfu_ratio") == pytest.approx(last["mfu"], rel=1e-12) and last["mfu"] > 0
     assert _value(s, "gaudi3_predicted_step_duration_seconds") == 0.5
     assert _value(s, "gaudi3_predicted_wall_seconds") == 12.5
     assert _value(s, "gaudi3_predicted_peak_memory_bytes") == 123456789
