@@ -102,12 +102,18 @@ def test_optimizer_falls_back_and_either_trainer_takes_the_precision_plugin(
 
 
 def test_batch_finder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"  # a calibration store of this test's own (the trials inherit it)
+    monkeypatch.setenv("GAUDI3_CACHE", str(cache))
     ns = _run("batch_finder", tmp_path, monkeypatch)
     best = ns["finder"].result.best
     assert ns["micro_batch_size"] in (1, 2, 4) and ns["micro_batch_size"] == best.candidate.micro_batch_size
     assert ns["finder"].result.best_config.train.micro_batch_size == ns["micro_batch_size"]
     assert best.tokens_per_s > 0
     assert ns["finder"].config.memory_budget_bytes > 2**30 and (ns["finder"].out_dir / "best.yaml").is_file()
+    # on_trial=feed_tune_trial: the winning trial is a probe of its layout in this machine's calibration store
+    (store,) = (cache / "calibration").glob("*.json")
+    origins = {p["origin"] for p in json.loads(store.read_text())["probes"].values()}
+    assert f"tune trial {ns['finder'].out_dir}/trials/{best.candidate.key}" in origins
 
 
 def test_memory_optimizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

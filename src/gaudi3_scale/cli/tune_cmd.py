@@ -12,7 +12,7 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, check_number, parse_number
 
 if TYPE_CHECKING:
-    from gaudi3_scale.tune.trial import TrialResult
+    pass
 
 __all__ = ["tune"]
 
@@ -35,13 +35,6 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
         raise UserInputError(f"{flag}: expected comma-separated whole numbers >= 1, got {brief(text)} "
                              f"({exc.problem})") from None  # fmt: skip
     return values
-
-
-def _feed_calibration(result: TrialResult, run_dir: Path) -> str:
-    """Each trial run now is a probe of its layout for this machine's calibration store (forecast.feed)."""
-    from gaudi3_scale.forecast.feed import feed_run
-
-    return feed_run(run_dir, status=result.status, origin=f"tune trial {run_dir.parent}")
 
 
 def _check_mode(
@@ -233,7 +226,9 @@ def tune(
     console.print(f"tuning {space.describe()}", highlight=False)
     assert config.memory_budget_bytes is not None
     console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)
-    result = run_tuner(base, space, config, out, console=console, on_trial=_feed_calibration)
+    from gaudi3_scale.forecast.feed import feed_tune_trial  # each trial run now is a probe for the store
+
+    result = run_tuner(base, space, config, out, console=console, on_trial=feed_tune_trial)
     print_report(result, console)
     if result.best is None:
         raise SystemExit(1)

@@ -4,7 +4,8 @@ short real `gaudi3 train` run with a summary.json, so once it has ended well it 
 forecasts from it and names it as its source ("probe of this layout, from tune trial …").
 
 The CLI hands each trial and cell it has just run to `feed_run` (`tune` and `bench` sit beside `forecast`, which
-imports `tune`; they do not import it). A run is stored only when it ended ok, ran on this machine — its plan.json,
+imports `tune`; they do not import it); from Python, `AdaptiveBatchFinder(..., on_trial=feed_tune_trial)` feeds
+the store as `gaudi3 tune` does. A run is stored only when it ended ok, ran on this machine — its plan.json,
 the forecast `gaudi3 train` records at its start, names this machine's calibration store — and its layout key is
 the one `RunShape.key` computes for its config here. Anything else is one note saying why not: feeding the store
 never stops a tune or a benchmark."""
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.forecast.calibration import Probe
+from gaudi3_scale.tune.trial import TrialResult
 
-__all__ = ["feed_run"]
+__all__ = ["feed_run", "feed_tune_trial"]
 
 NOTE = "calibration store"
 
@@ -37,6 +39,12 @@ def feed_run(run_dir: Path, *, status: str, origin: str) -> str:
     return (
         f"{NOTE}: probe of this layout stored ({probe.step_time_s:.4g} s a step); gaudi3 plan of it uses it"
     )
+
+
+def feed_tune_trial(result: TrialResult, run_dir: Path) -> str:
+    """The tuner's `on_trial` hook (`run_tuner`, `AdaptiveBatchFinder`): the trial run just now in `run_dir` is a
+    probe of its layout; the line to print under the trial's."""
+    return feed_run(run_dir, status=result.status, origin=f"tune trial {run_dir.parent}")
 
 
 def _read(path: Path) -> dict[str, Any] | None:

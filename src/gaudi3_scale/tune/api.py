@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -15,6 +15,7 @@ from gaudi3_scale.models.registry import list_models
 from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.space import build_space
+from gaudi3_scale.tune.trial import TrialResult
 from gaudi3_scale.tune.tuner import TuneResult, default_memory_budget, run_tuner
 
 __all__ = ["AdaptiveBatchFinder"]
@@ -27,7 +28,10 @@ class AdaptiveBatchFinder:
     `model`: a registry name (e.g. ``"gpt2-124m"``), a `ModelConfig`, or a whole `RunConfig`.
     `target_hpu_utilization`: the fraction of each device's memory the chosen configuration may use (the name is
     the seed's; it applies to CPU RAM and CUDA memory too). `precision`: the one precision to search; None = every
-    precision the hardware supports. Other keyword arguments are `gaudi3 tune`'s options.
+    precision the hardware supports. `on_trial(result, run_dir)`: called with each trial run now (not one from
+    the cache); the line it returns is printed under the trial's. `gaudi3 tune` passes
+    `gaudi3_scale.forecast.feed.feed_tune_trial`, which stores each trial in this machine's calibration store for
+    `gaudi3 plan`; None (the default) feeds nothing. Other keyword arguments are `gaudi3 tune`'s options.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class AdaptiveBatchFinder:
         measure_steps: int = 5,
         out_dir: str | Path | None = None,
         console: Console | None = None,
+        on_trial: Callable[[TrialResult, Path], str | None] | None = None,
     ) -> None:
         self.base = _run_config(model, overrides, global_batch_size)
         self.space = build_space(
@@ -73,10 +78,13 @@ class AdaptiveBatchFinder:
         )
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gaudi3-tune-"))
         self.console = console
+        self.on_trial = on_trial
         self.result: TuneResult | None = None
 
     def run(self) -> TuneResult:
-        self.result = run_tuner(self.base, self.space, self.config, self.out_dir, console=self.console)
+        self.result = run_tuner(
+            self.base, self.space, self.config, self.out_dir, console=self.console, on_trial=self.on_trial
+        )
         return self.result
 
     def find_optimal_batch_size(self) -> int:
