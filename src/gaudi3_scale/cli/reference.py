@@ -1,11 +1,12 @@
 """The generated reference pages of the documentation site: every CLI verb and flag (walked from the click tree
-of `gaudi3`), every run-config field with its type, default and help (walked from `RunConfig`'s dataclasses), and
-every `gaudi3 deploy render --set KEY=VALUE` option of each target (walked from the dataclass it registered).
+of `gaudi3`), every run-config field with its type, default and help (walked from `RunConfig`'s dataclasses),
+every `gaudi3 deploy render --set KEY=VALUE` option of each target (walked from the dataclass it registered), and
+every key of a `gaudi3 benchmark run --matrix` file with the shipped matrices (`bench.matrix.MatrixConfig`).
 
 Nothing here is written by hand, so the pages cannot drift from the code; tests/unit/test_docs_reference.py
 regenerates them and fails when the committed pages differ.
 
-    python -m gaudi3_scale.cli.reference --write   # rewrite docs/reference/cli.md, config.md, deploy_options.md
+    python -m gaudi3_scale.cli.reference --write   # rewrite the generated pages in docs/reference/
     python -m gaudi3_scale.cli.reference --check   # exit 1 naming each stale page
     (`python3 run.py docs --generate` and `GAUDI3_UPDATE_DOCS=1` in the test do the same as --write)
 """
@@ -29,6 +30,7 @@ __all__ = [
     "render_cli_reference",
     "render_config_reference",
     "render_deploy_options_reference",
+    "render_matrix_reference",
     "stale_pages",
 ]
 
@@ -188,12 +190,44 @@ def render_deploy_options_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_matrix_reference() -> str:
+    from gaudi3_scale.bench.matrix import MAX_CELLS, MatrixConfig, list_matrices, load_matrix
+
+    lines = [
+        "# Benchmark matrix file",
+        "",
+        GENERATED,
+        "",
+        "`gaudi3 benchmark run --matrix FILE.yaml --out DIR` runs one training job per cell: every combination of the",
+        "list keys `models` × `strategies` × `world_sizes` × `micro_batch_sizes` × `precisions` (at most "
+        f"{MAX_CELLS:,} cells),",
+        "each with the rest of the keys below. Every cell's run config is built and checked before the first cell",
+        "runs; an unknown key or a wrong value is one line naming it, exit 2 "
+        "([how-to](../how-to/benchmark-matrix.md)).",
+        "",
+        *_TABLE_HEAD["key"],
+        *(_field_row(name, tp, f) for name, tp, f in iter_fields(MatrixConfig)),
+        "",
+        "## Shipped matrices",
+        "",
+        "`--matrix NAME` runs one of these (`gaudi3 benchmark matrices` lists them):",
+        "",
+        "| name | cells | what it compares |",
+        "|---|---|---|",
+    ]
+    for name in list_matrices():
+        matrix, cells = load_matrix(name)
+        lines.append(f"| `{name}` | {len(cells)} | {_cell(matrix.description)} |")
+    return "\n".join(lines) + "\n"
+
+
 def reference_pages(root: Path) -> dict[Path, str]:
     """What each generated page should hold."""
     return {
         root / REFERENCE_DIR / "cli.md": render_cli_reference(),
         root / REFERENCE_DIR / "config.md": render_config_reference(),
         root / REFERENCE_DIR / "deploy_options.md": render_deploy_options_reference(),
+        root / REFERENCE_DIR / "matrix.md": render_matrix_reference(),
     }
 
 
