@@ -12,6 +12,7 @@ from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.health.deadlines import (
     MEASURED_STEPS,
     MIN_DERIVED_STEP_TIMEOUT_S,
+    Silence,
     StepTimeoutLearner,
     section_timeout_s,
     silent_ranks,
@@ -86,7 +87,17 @@ def test_a_stopped_peer_is_named_instead_of_the_rank_waiting_for_it() -> None:
     peer = _beat(1, last_beat=90.1, written=91.0)
     [silence] = silent_ranks(own, [peer], 100.0, stale_after_s=6.0)
     assert silence.rank == 1 and silence.pid == 1001 and "not running" in silence.reason
-    assert "rank 1 silent for 9.9 s in step at step 14 (timeout 10 s;" in silence.describe()
+    # Its figures are its file's, 9 s old: it may have stepped on after writing it (every few seconds).
+    assert silence.describe() == (
+        "rank 1 silent for up to 9.9 s in step at step 14 or a later one (timeout 10 s; its heartbeat stopped: the "
+        "process is not running; figures from its heartbeat file, 9.0 s old)"
+    )
+    # A hang report keeps it (vars), and one written before file_age_s existed still reads
+    assert Silence.from_record(vars(silence)) == silence
+    old = {k: v for k, v in vars(silence).items() if k != "file_age_s"}
+    assert (
+        Silence.from_record(old).describe().startswith("rank 1 silent for 9.9 s in step at step 14 (timeout")
+    )
 
 
 def test_a_stopped_peer_is_named_once_past_its_own_timeout_while_this_rank_still_beats() -> None:

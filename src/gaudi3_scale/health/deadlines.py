@@ -5,7 +5,8 @@ so the rules are tested without a clock or a process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.health.heartbeat import Heartbeat
@@ -71,8 +72,9 @@ def section_timeout_s(cfg: HealthConfig, section: str, step_timeout_s: float | N
 @dataclass(frozen=True)
 class Silence:
     """Rank `rank` made no progress for `silent_s` in `section` at `step`, past its `timeout_s`. For a peer named
-    by its stale file, `step` and `silent_s` are as of its last heartbeat file (written every few seconds): the
-    rank may have done a few steps more, and been silent up to that much less."""
+    by its stale file (`file_age_s`: how old that file is), `step` and `silent_s` are as of the file: the watchdog
+    writes it every few seconds, so the rank may have done more steps after it and been silent that much less,
+    which `describe` says."""
 
     rank: int
     pid: int
@@ -81,16 +83,37 @@ class Silence:
     silent_s: float
     timeout_s: float
     reason: str
+    file_age_s: float | None = None  # None: the rank reported itself, its figures are current
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Silence:
+        """A Silence read back from a hang report (`vars(silence)`; reports written before `file_age_s` lack it)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
 
     def describe(self) -> str:
+        if self.file_age_s is None:
+            return (
+                f"rank {self.rank} silent for {self.silent_s:.1f} s in {self.section} at step {self.step} "
+                f"(timeout {self.timeout_s:g} s; {self.reason})"
+            )
         return (
-            f"rank {self.rank} silent for {self.silent_s:.1f} s in {self.section} at step {self.step} "
-            f"(timeout {self.timeout_s:g} s; {self.reason})"
+            f"rank {self.rank} silent for up to {self.silent_s:.1f} s in {self.section} at step {self.step} or a "
+            f"later one (timeout {self.timeout_s:g} s; {self.reason}; figures from its heartbeat file, "
+            f"{self.file_age_s:.1f} s old)"
         )
 
 
 def _silence(beat: Heartbeat, now_s: float, reason: str) -> Silence:
+    """`beat`'s silence now; `beat` is a stale peer's file (its figures may be behind), unless it is this rank's."""
     return Silence(beat.rank, beat.pid, beat.section, beat.step, beat.silent_s(now_s), beat.timeout_s, reason)
+
+
+def _stale_silence(beat: Heartbeat, now_s: float) -> Silence:
+    return replace(
+        _silence(beat, now_s, "its heartbeat stopped: the process is not running"),
+        file_age_s=now_s - beat.written_monotonic_s,
+    )
 
 
 def silent_ranks(
@@ -105,14 +128,11 @@ def silent_ranks(
     peer, this rank names itself: its own stacks show where it waits.
     """
     stale = [p for p in peers if now_monotonic_s - p.written_monotonic_s > stale_after_s]
-    hung = [_silence(p, now_monotonic_s, "its heartbeat stopped: the process is not running") for p in stale
-            if p.silent_s(now_monotonic_s) > p.timeout_s]  # fmt: skip
+    hung = [_stale_silence(p, now_monotonic_s) for p in stale if p.silent_s(now_monotonic_s) > p.timeout_s]
     if hung:
         return hung
     if own.silent_s(now_monotonic_s) <= own.timeout_s:
         return []
     if stale:
-        return [
-            _silence(p, now_monotonic_s, "its heartbeat stopped: the process is not running") for p in stale
-        ]
+        return [_stale_silence(p, now_monotonic_s) for p in stale]
     return [_silence(own, now_monotonic_s, "its own deadline passed")]

@@ -16,6 +16,7 @@ from typing import Any
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.health.deadlines import Silence
 from gaudi3_scale.health.heartbeat import (
     DONE,
     HEALTH_DIR,
@@ -180,11 +181,7 @@ def _when(unix_s: float) -> str:
 def format_health(report: HealthReport) -> list[str]:
     lines = [f"{report.health_dir}:"]
     for hang in report.hangs:
-        silent = "; ".join(
-            f"rank {s['rank']} silent for {s['silent_s']:.1f} s in {s['section']} at step {s['step']} "
-            f"(timeout {s['timeout_s']:g} s; {s['reason']})"
-            for s in hang.get("silent", [])
-        )
+        silent = "; ".join(Silence.from_record(s).describe() for s in hang.get("silent", []))
         lines.append(
             f"hang found by rank {hang['detected_by_rank']} at its step {hang['detected_by_step']}, "
             f"{_when(hang['detected_unix_s'])} (attempt "
