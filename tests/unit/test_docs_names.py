@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
+import importlib.util
+import pkgutil
 import re
 import shlex
 from collections.abc import Callable
@@ -29,6 +32,7 @@ from pathlib import Path
 import click
 import pytest
 
+import gaudi3_scale
 from gaudi3_scale.cli.main import cli
 from gaudi3_scale.config.core import iter_fields
 from gaudi3_scale.train.config import RunConfig
@@ -404,3 +408,63 @@ def test_a_missing_repository_file_is_found(tmp_path: Path) -> None:
         "benchmarks/results/a_cpu.{json,png}",
         "benchmarks/results/b.json",
     ]
+
+
+# `health.watchdog.HANG_EXIT_CODE`, `gaudi3_scale.forecast.feed.feed_tune_trial`, `monitor.perf.mfu_above_peak()`:
+# a dotted name whose first part is one of the package's modules; written with or without `gaudi3_scale.`.
+_SYMBOL = re.compile(r"`((?:gaudi3_scale\.)?[a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\(\))?`")
+_FILE_SUFFIXES = {"json", "yaml", "md", "png", "html", "pdf", "log", "bin", "py", "csv", "txt"}
+# Names that look like ours but are another tool's: nvidia-smi's query fields (metrics.md).
+NOT_SYMBOLS = {"memory.used", "memory.total"}
+
+
+def symbol_problem(dotted: str) -> str | None:
+    """None when `dotted` (relative to gaudi3_scale, or absolute) names a module or an attribute of one."""
+    obj: object = gaudi3_scale
+    walked = "gaudi3_scale"
+    for part in dotted.removeprefix("gaudi3_scale.").split("."):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        elif hasattr(obj, "__path__") and importlib.util.find_spec(f"{walked}.{part}") is not None:
+            obj = importlib.import_module(f"{walked}.{part}")
+        else:
+            return f"{walked} has no {part}"
+        walked = f"{walked}.{part}"
+    return None
+
+
+def symbols(text: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of each of the package's names in `text`'s code spans; file names and config fields
+    (`config.json`, `train.max_steps`) are not."""
+    modules = {m.name for m in pkgutil.iter_modules(gaudi3_scale.__path__)}
+    found = []
+    for match in _SYMBOL.finditer(text):
+        dotted = match.group(1)
+        first = dotted.removeprefix("gaudi3_scale.").split(".")[0]
+        if first not in modules or dotted in NOT_SYMBOLS or f"--{dotted}" in FIELDS:
+            continue
+        if dotted.rsplit(".", 1)[1] in _FILE_SUFFIXES:
+            continue
+        found.append((text.count("\n", 0, match.start()) + 1, dotted))
+    return found
+
+
+def test_every_python_name_the_pages_give_exists() -> None:
+    named = [(page, line, dotted) for page in PAGES for line, dotted in symbols(page.read_text())]
+    assert len(named) > 40, len(named)  # the pattern finds them
+    wrong = [
+        f"{page.relative_to(ROOT).as_posix()}:{line}: `{dotted}`: {problem}"
+        for page, line, dotted in named
+        if (problem := symbol_problem(dotted))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_python_name_is_found() -> None:
+    assert symbol_problem("health.watchdog.HANG_EXIT_CODE") is None
+    assert symbol_problem("gaudi3_scale.forecast.feed.feed_tune_trial") is None
+    assert symbol_problem("health.watchdog.HANG_EXIT") == "gaudi3_scale.health.watchdog has no HANG_EXIT"
+    assert symbol_problem("health.watchdgo.HANG_EXIT_CODE") == "gaudi3_scale.health has no watchdgo"
+    assert [
+        d for _, d in symbols("`config.json`, `train.max_steps`, `monitor.perf.mfu()` and `os.path`")
+    ] == ["monitor.perf.mfu"]
