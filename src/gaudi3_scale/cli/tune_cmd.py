@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from gaudi3_scale.cli.options import Count, Number, Seconds
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, check_number, parse_number
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["tune"]
 

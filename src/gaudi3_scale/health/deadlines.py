@@ -105,7 +105,7 @@ class Silence:
 
 
 def _silence(beat: Heartbeat, now_s: float, reason: str) -> Silence:
-    """`beat`'s silence now; `beat` is a stale peer's file (its figures may be behind), unless it is this rank's."""
+    """`beat`'s silence now, as its figures say (`_stale_silence` for a stale peer's file, which may be behind)."""
     return Silence(beat.rank, beat.pid, beat.section, beat.step, beat.silent_s(now_s), beat.timeout_s, reason)
 
 
