@@ -88,9 +88,8 @@ def plan_rollback(
     else:
         to_step, ckpt = 0, None
         first = BatchSkips(skips.skipped).data_step_of_load(0)
-    spiked = skips.next_data_step(
-        spike_step
-    )  # a rollback's update is dropped without a skip: still its batch
+    # the spiking update's batch (a rolled-back update is dropped without a skip, so the batch is still its own)
+    spiked = skips.next_data_step(spike_step)
     return Rollback(spike_step, to_step, ckpt, range(first, max(first + skip_batches, spiked + 1)), lr_scale)
 
 
