@@ -12,6 +12,8 @@ training anything:
   the first line of a command continued with a backslash);
 - each `gaudi3 train …` on a page that is not executed resolves (`--print-config`, in this process), or fails with
   the `gaudi3: error:` line the page shows under it;
+- each such command of an offline verb (`plan` without `--probe`, `tune --estimate-only`, `cost compare`,
+  `cost catalog`) runs as written, in this process;
 - each repository file a page names (`benchmarks/results/…`, `src/gaudi3_scale/…`, `tests/…`) exists.
 A renamed flag, field or file then fails here until every page says the new name.
 """
@@ -326,18 +328,24 @@ def test_a_wrong_benchmark_command_is_found() -> None:
 EXECUTED = ("docs/get-started/", "docs/how-to/")
 # A word the reader replaces: `<dir>`, `$OUT`, `…`, `runs/*`, an upper-case name such as PORT or N.
 _PLACEHOLDER = re.compile(r"[<$…*]|\.\.\.|^[A-Z][A-Z_]*$")
+# A synopsis's optional part or alternatives (`[--nodes`, `N]`, `h100|gaudi3`); a list value (`[15,31]`) is none.
+_SYNOPSIS = re.compile(r"^\[-|^[^\[]*\]$|\|")
+
+
+def _self_contained(use: Use) -> bool:
+    """On a page that is not executed, and needs nothing the page leaves to the reader or made before: no
+    placeholder, no config file, no synopsis (`[--nodes N]`, `h100|gaudi3`)."""
+    return (
+        bool(use.words)
+        and not use.where.startswith(EXECUTED)
+        and not any(_PLACEHOLDER.search(word) or _SYNOPSIS.search(word) for word in use.words)
+        and not any(word.split("=")[0] in ("--config", "--model.init_from") for word in use.words)
+    )
 
 
 def resolvable(use: Use) -> bool:
-    """A `gaudi3 train` command that needs nothing the page leaves to the reader or made before: no placeholder,
-    no config file, on a page that is not executed."""
-    return (
-        bool(use.words)
-        and use.words[0] == "train"
-        and not use.where.startswith(EXECUTED)
-        and not any(_PLACEHOLDER.search(word) for word in use.words)
-        and not any(word.split("=")[0] in ("--config", "--model.init_from") for word in use.words)
-    )
+    """A self-contained `gaudi3 train` command."""
+    return _self_contained(use) and use.words[0] == "train"
 
 
 def test_every_train_command_on_the_read_only_pages_resolves_or_fails_as_shown(
@@ -352,6 +360,40 @@ def test_every_train_command_on_the_read_only_pages_resolves_or_fails_as_shown(
         code, _out, err = gaudi3_cli(*use.words, "--print-config")
         if use.error is None and code != 0:
             wrong.append(f"{use.where}: `{use.text}`: {err.strip()}")
+        elif use.error is not None and (code != 2 or err.strip() != use.error):
+            wrong.append(
+                f"{use.where}: `{use.text}` shows {use.error!r} but gives exit {code}: {err.strip()!r}"
+            )
+    assert not wrong, "\n".join(wrong)
+
+
+# The verbs that only compute, offline, in seconds: `plan` (not `--probe`, which trains), `tune --estimate-only`,
+# `cost compare` and `cost catalog` (not `cost quote`, which asks a cloud's price API).
+def runs_offline(use: Use) -> bool:
+    """A self-contained command of an offline verb with more than its bare name (`gaudi3 plan` alone is prose)."""
+    if not _self_contained(use):
+        return False
+    words = use.words
+    if words[0] == "plan":
+        return "--probe" not in words and len(words) > 1
+    if words[0] == "tune":
+        return "--estimate-only" in words and len(words) > 2
+    return words[:2] in (["cost", "compare"], ["cost", "catalog"]) and len(words) > 2
+
+
+def test_every_offline_command_on_the_read_only_pages_runs_or_fails_as_shown(
+    gaudi3_cli: Callable[..., tuple[int, str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The llama3-405b plan, the estimate tables and the cost comparisons the pages quote run as written (in this
+    process, in an empty directory), so a renamed model, machine or value fails here, not for a reader."""
+    uses = [use for use in USES if runs_offline(use)]
+    assert {use.words[0] for use in uses} == {"plan", "tune", "cost"} and len(uses) >= 6, uses
+    monkeypatch.chdir(tmp_path)
+    wrong = []
+    for use in uses:
+        code, out, err = gaudi3_cli(*use.words)
+        if use.error is None and (code != 0 or not out.strip()):
+            wrong.append(f"{use.where}: `{use.text}`: exit {code}: {err.strip()[-500:]}")
         elif use.error is not None and (code != 2 or err.strip() != use.error):
             wrong.append(
                 f"{use.where}: `{use.text}` shows {use.error!r} but gives exit {code}: {err.strip()!r}"
