@@ -27,6 +27,7 @@ from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
 from gaudi3_scale.config.errors import UserInputError, print_error
+from gaudi3_scale.process_exit import skip_exit_collection
 
 __all__ = ["VERBS", "benchmark_alias", "cli", "deploy_alias", "main", "train_alias"]
 
@@ -211,6 +212,10 @@ VERBS: dict[str, Callable[..., Any]] = {name: cmd for name, cmd in cli.commands.
 
 
 def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> None:
+    """Run `gaudi3 ARGV…`; with no `argv`, this process's own command line (the `gaudi3` console script, `python -m
+    gaudi3_scale.cli`), whose exit then skips the final garbage collections (`process_exit`)."""
+    if argv is None:
+        skip_exit_collection()
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cli.main(args=args, prog_name=prog_name, standalone_mode=False)
@@ -227,14 +232,17 @@ def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> Non
 
 def benchmark_alias() -> None:
     """`gaudi3-benchmark …` is `gaudi3 benchmark …` (the name the seed promised)."""
+    skip_exit_collection()
     main(["benchmark", *sys.argv[1:]], prog_name="gaudi3-benchmark")
 
 
 def deploy_alias() -> None:
     """`gaudi3-deploy …` is `gaudi3 deploy …`."""
+    skip_exit_collection()
     main(["deploy", *sys.argv[1:]], prog_name="gaudi3-deploy")
 
 
 def train_alias() -> None:
     """`gaudi3-train …` is `gaudi3 train …` (the name the seed promised)."""
+    skip_exit_collection()
     main(["train", *sys.argv[1:]], prog_name="gaudi3-train")
