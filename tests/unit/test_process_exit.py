@@ -35,7 +35,7 @@ def _frozen_at_exit(body: str) -> int:
         # the `gaudi3-train` console script
         "from gaudi3_scale.cli.main import train_alias\nsys.argv = ['gaudi3-train', '--print-config']\n"
         "sys.exit(train_alias())",
-        # a rank: `python -m gaudi3_scale.train`, which imports torch and Lightning after the skip is registered
+        # a rank: `python -m gaudi3_scale.train`, the command every launcher starts in each rank
         "import runpy\nsys.argv = ['train', '--print-config']\n"
         "runpy.run_module('gaudi3_scale.train', run_name='__main__')",
     ],
