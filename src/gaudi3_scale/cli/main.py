@@ -230,19 +230,22 @@ def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> Non
         _fail(str(exc))
 
 
+def _alias(verb: str) -> None:
+    """The `gaudi3-VERB` console script: `gaudi3 VERB` with this process's own arguments, its exit as `main`'s."""
+    skip_exit_collection()
+    main([verb, *sys.argv[1:]], prog_name=f"gaudi3-{verb}")
+
+
 def benchmark_alias() -> None:
     """`gaudi3-benchmark …` is `gaudi3 benchmark …` (the name the seed promised)."""
-    skip_exit_collection()
-    main(["benchmark", *sys.argv[1:]], prog_name="gaudi3-benchmark")
+    _alias("benchmark")
 
 
 def deploy_alias() -> None:
     """`gaudi3-deploy …` is `gaudi3 deploy …`."""
-    skip_exit_collection()
-    main(["deploy", *sys.argv[1:]], prog_name="gaudi3-deploy")
+    _alias("deploy")
 
 
 def train_alias() -> None:
     """`gaudi3-train …` is `gaudi3 train …` (the name the seed promised)."""
-    skip_exit_collection()
-    main(["train", *sys.argv[1:]], prog_name="gaudi3-train")
+    _alias("train")
