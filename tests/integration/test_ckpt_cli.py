@@ -1,5 +1,7 @@
 """`gaudi3 ckpt list | verify | diff` on real checkpoints, resume skipping a corrupt latest checkpoint, a malformed
-manifest treated as damage by every command, and a run directory accepted wherever a checkpoint is."""
+manifest treated as damage by every command, and a run directory accepted wherever a checkpoint is; what must never
+change a run's saved state: a refused resume, a run whose every checkpoint is damaged, retention after resuming an
+older checkpoint, `ckpt export --force`; stray files, copied checkpoints and a `latest` that is not text."""
 
 from __future__ import annotations
 
@@ -131,3 +133,123 @@ def test_a_run_directory_is_accepted_where_a_checkpoint_is(run_dir: Path, gaudi3
     assert by_run == by_step and by_run[0] == 0 and by_run[1].startswith("ROMEO:")
     code, stdout, _ = gaudi3_cli("ckpt", "diff", str(run_dir), str(step4))
     assert code == 0 and stdout.startswith("identical"), stdout
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_refused_resume_changes_nothing_in_the_run(run_dir: Path, gaudi3_cli: Cli) -> None:
+    """Refusals that need the dataset (its tokenizer's vocabulary) or the checkpoint's sampler (the seed) come after
+    the data is open: the run's config, tokenizer and checkpoints are still the ones it trained with."""
+    before = _snapshot(run_dir)
+    for args, field in [(("--data.tokenizer", "byte"), "model.vocab_size"), (("--seed", "1"), "seed")]:
+        code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(run_dir), "--train.max_steps", "6", *args)
+        assert code == 2 and stderr.count("\n") == 1 and stderr.startswith(f"gaudi3: error: {field}: "), (
+            stderr
+        )
+        assert _snapshot(run_dir) == before
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    for step in ("step-00000002", "step-00000004"):
+        _flip(out / "checkpoints" / step / "state.ckpt")
+    before = _snapshot(out)
+    code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(out), "--train.max_steps", "6")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and [line.split(":")[0] for line in lines] == ["warning", "warning", "gaudi3"], stderr
+    assert lines[-1].startswith("gaudi3: error: train.resume: no checkpoint in ") and "SHA-256" in lines[-1]
+    assert _snapshot(out) == before  # nothing set aside, nothing trained over
+
+
+def test_resuming_an_older_checkpoint_keeps_the_new_one_and_the_newer_ones(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    """keep_last 1 after resuming step 2 of a run that holds step 4: the step-3 checkpoint just committed stays
+    (and `latest` names it), step 4 of the trajectory the run left stays, step 2 goes."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    step4 = _snapshot(out / "checkpoints" / "step-00000004")
+    code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(out), "--train.max_steps", "3", "--checkpoint.every_steps", "1",
+                                 "--checkpoint.keep_last", "1",
+                                 "--train.resume", str(out / "checkpoints" / "step-00000002"))  # fmt: skip
+    assert code == 0, stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest",
+        "step-00000003",
+        "step-00000004",
+    ]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    assert gaudi3_cli("ckpt", "verify", str(out))[0] == 0
+    assert _snapshot(out / "checkpoints" / "step-00000004") == step4
+
+
+def test_generate_and_export_refuse_a_tokenizer_larger_than_the_model(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    byte_tokenizer = tmp_path / "byte"
+    byte_tokenizer.mkdir()
+    (byte_tokenizer / "tokenizer.json").write_text('{"type": "gaudi3-byte"}')
+    want = "gaudi3: error: the tokenizer has 256 tokens but model 'shakespeare-char' only 65; "
+    for args in [("generate", str(run_dir), "--max-new-tokens", "3"),
+                 ("ckpt", "export", str(run_dir), "--out", str(tmp_path / "export"))]:  # fmt: skip
+        code, _, stderr = gaudi3_cli(*args, "--tokenizer", str(byte_tokenizer))
+        assert code == 2 and stderr.count("\n") == 1 and stderr.startswith(want), stderr
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_force_never_replaces_a_committed_checkpoint_or_a_runs_tokenizer(
+    run_dir: Path, gaudi3_cli: Cli
+) -> None:
+    before = _snapshot(run_dir)
+    step2 = run_dir / "checkpoints" / "step-00000002"
+    for out, problem in [
+        (step2, f"holds the committed checkpoint {str(step2)!r}"),
+        (run_dir / "checkpoints", "contains the checkpoint"),
+        (step2 / "export", f"lies inside the committed checkpoint {str(step2)!r}"),
+        (run_dir / "tokenizer", "is a run's tokenizer"),
+    ]:
+        code, _, stderr = gaudi3_cli("ckpt", "export", str(run_dir), "--out", str(out), "--force")
+        assert code == 2 and stderr.count("\n") == 1 and problem in stderr, stderr
+    assert _snapshot(run_dir) == before
+
+
+def test_stray_files_a_copied_checkpoint_and_an_unreadable_pointer(
+    run_dir: Path, tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    """Files the manifest does not list decide nothing; a copy under another step's name is damage; a `latest`
+    that is not text is passed over by the tools, and named explicitly it is one line."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    step2, step4 = out / "checkpoints" / "step-00000002", out / "checkpoints" / "step-00000004"
+    (step4 / ".metadata").write_bytes(b"")
+    (step4 / "meta.pt").write_bytes(b"")
+    code, stdout, _ = gaudi3_cli("ckpt", "diff", str(step4), str(run_dir / "checkpoints" / "step-00000004"))
+    assert code == 0 and stdout.startswith("identical"), stdout
+    shutil.copytree(step2, out / "checkpoints" / "step-00000008")
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(out))
+    assert code == 1 and "step-00000008: its manifest is of step 2 (copied or renamed)" in stdout, stdout
+    (out / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
+    code, stdout, stderr = gaudi3_cli("ckpt", "list", str(out))
+    assert code == 0 and "│ 8 " in stdout, stderr  # every step listed, none marked latest
+    code, _, stderr = gaudi3_cli("generate", str(out / "checkpoints" / "latest"), "--max-new-tokens", "3")
+    assert code == 2 and stderr.count("\n") == 1 and "names no checkpoint directory" in stderr, stderr
+    by_run = gaudi3_cli("generate", str(out), "--max-new-tokens", "12", "--prompt", "ROMEO:")
+    assert by_run == gaudi3_cli(
+        "generate", str(step4), "--max-new-tokens", "12", "--prompt", "ROMEO:"
+    )  # not 8's
+    assert by_run[0] == 0 and by_run != gaudi3_cli(
+        "generate", str(step2), "--max-new-tokens", "12", "--prompt", "ROMEO:"
+    )

@@ -5,6 +5,7 @@ a catalog machine's scale-out; bad input is one line, exit 2, nothing written.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,9 +56,18 @@ def test_a_forecast_says_where_every_number_comes_from_and_keeps_the_peak(tmp_pa
 
 
 def test_a_probe_is_stored_and_later_forecasts_of_its_layout_use_it(tmp_path: Path) -> None:
-    args = ("--train.max_steps", "300", "--train.val_batches", "2")
+    remote = tmp_path / "remote"  # the run's mirror: the probe, a throwaway run, must not upload into it
+    args = (
+        "--train.max_steps",
+        "300",
+        "--train.val_batches",
+        "2",
+        "--checkpoint.remote_url",
+        f"file://{remote}",
+    )
     done = _plan(tmp_path, "--probe", "--out", "probed.json", *args)
     assert done.returncode == 0, done.stderr
+    assert not remote.exists()
     probed = json.loads((tmp_path / "probed.json").read_text())
     (probe,) = _store(tmp_path)["probes"].values()
     assert probed["run"]["probed"] is True and probe["key"] == probed["run"]["probe_key"]
@@ -152,7 +162,7 @@ def test_llama3_405b_under_a_pipeline_reports_its_bubble(tmp_path: Path) -> None
         (["--machine", "tpu9"], "--machine: unknown machine kind 'tpu9'; allowed: cpu,"),
         (["--nodes", "2"], "--nodes: only with --machine"),
         (["--machine", "h100", "--probe"], "--probe: runs on this machine"),
-        (["--compare", "."], "--compare: . has no summary.json"),
+        (["--compare", "."], "--out: not with --compare"),  # every case writes --out never.json
         (["--parallel.tp_size", "3"], "tp_size"),
     ],
 )
@@ -209,3 +219,26 @@ def test_a_forecast_that_fails_never_stops_the_run(tmp_path: Path) -> None:
     assert "gaudi3: note: no forecast for this run" in done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "predicted_step_time_s" not in summary and not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_max_epochs_is_forecast_as_the_steps_train_would_run(tmp_path: Path) -> None:
+    """`gaudi3 train` turns train.max_epochs into steps over the dataset's tokens; the forecast covers as many."""
+    from gaudi3_scale.cli.main import main
+
+    steps = {}
+    for epochs in (1, 3):
+        main(
+            [
+                "plan",
+                "--model.num_layers",
+                "1",
+                "--train.max_epochs",
+                str(epochs),
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        steps[epochs] = json.loads((tmp_path / "p.json").read_text())["run"]["max_steps"]
+    tokens_per_step = 12 * 64  # the default global batch × context
+    assert steps[1] == math.ceil(1_003_854 / tokens_per_step)  # the bundled corpus's training tokens
+    assert steps[3] == math.ceil(3 * 1_003_854 / tokens_per_step)

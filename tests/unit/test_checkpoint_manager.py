@@ -1,9 +1,11 @@
-"""Checkpoint commit (manifest written last), verification, the `latest` pointer, retention, failing writes."""
+"""Checkpoint commit (manifest written last), verification (a manifest's step against its directory, the files its
+layout needs), the `latest` pointer, retention, failing writes, and which checkpoint a rollback restores."""
 
 from __future__ import annotations
 
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,16 +14,23 @@ import torch
 from torch import nn
 
 from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
+from gaudi3_scale.checkpoint.contents import DATAMODULE_KEY
+from gaudi3_scale.checkpoint.inspect import checkpoint_rows
 from gaudi3_scale.checkpoint.manager import (
     META_KEY,
     STATE_NAME,
     CheckpointManager,
     CheckpointSaveError,
     RetentionPolicy,
+    resolve_checkpoint,
 )
-from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
+from gaudi3_scale.checkpoint.reader import read_checkpoint
+from gaudi3_scale.checkpoint.sharded import is_sharded
 from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.train.rollback import plan_rollback
 
 
 def _save(
@@ -258,3 +267,120 @@ def test_async_save_failure_is_raised_by_the_next_wait_and_commits_nothing(tmp_p
     io.wait()  # the error is raised once, not again
     assert not manager.path_for(20).exists()
     assert manager.latest_valid() == good and verify_checkpoint(good) == []
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("older", ["intact", "damaged"])
+def test_retention_keeps_the_pointer_target_and_never_counts_checkpoints_past_it(
+    tmp_path: Path, older: str
+) -> None:
+    """A run that resumed from step 2 while step 4 exists (named explicitly, or step 4 skipped as damaged) commits
+    step 3 under keep_last 1: step 3 (`latest`) and step 4 stay, step 2 goes; nothing `latest` names is deleted."""
+    io = VerifiedCheckpointIO()
+    first = CheckpointManager(tmp_path, RetentionPolicy(keep_last=5))
+    for step in (2, 4):
+        _save(io, first, step)
+    if older == "damaged":
+        _flip(first.path_for(4) / STATE_NAME)
+    resumed = CheckpointManager(tmp_path, RetentionPolicy(keep_last=1))
+    _save(io, resumed, 3)
+    assert [step for step, _ in resumed.steps()] == [3, 4]
+    assert resumed.pointed() == resumed.path_for(3) and verify_checkpoint(resumed.path_for(3)) == []
+    assert resumed.latest_valid(warn=lambda message: None) == resumed.path_for(3)
+
+
+def test_a_copied_checkpoint_is_damage_never_taken_as_the_newest_nor_deleted(tmp_path: Path) -> None:
+    io = VerifiedCheckpointIO()
+    manager = CheckpointManager(tmp_path, RetentionPolicy(keep_last=1))
+    _save(io, manager, 2)
+    shutil.copytree(manager.path_for(2), manager.path_for(8))  # its manifest still says step 2
+    assert verify_checkpoint(manager.path_for(8)) == [
+        "step-00000008: its manifest is of step 2 (copied or renamed)"
+    ]
+    (tmp_path / "latest").unlink()  # ranked by their names alone, the copy would come first
+    skipped: list[str] = []
+    assert manager.latest_valid(warn=skipped.append) == manager.path_for(2)
+    assert len(skipped) == 1 and "step-00000008" in skipped[0]
+    _save(io, manager, 4)  # retention ranks by the manifests' steps: the copy neither counts nor goes
+    assert [step for step, _ in manager.steps()] == [4, 8]
+
+
+def test_a_latest_pointer_that_is_not_text_is_ignored_and_named_explicitly_is_one_line(
+    tmp_path: Path,
+) -> None:
+    io = VerifiedCheckpointIO()
+    manager = CheckpointManager(tmp_path)
+    for step in (2, 4):
+        _save(io, manager, step)
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00step")
+    assert manager.pointed() is None and manager.latest_valid() == manager.path_for(4)
+    assert resolve_checkpoint(tmp_path) == manager.path_for(4)
+    assert [row["latest"] for row in checkpoint_rows(tmp_path, verify=False)] == [False, False]
+    with pytest.raises(UserInputError, match="names no checkpoint directory"):
+        resolve_checkpoint(tmp_path / "latest")
+
+
+def test_files_the_manifest_does_not_list_decide_nothing(tmp_path: Path) -> None:
+    """A DCP index and `meta.pt` dropped into a verified single-file checkpoint: it still loads its `state.ckpt`."""
+    io = VerifiedCheckpointIO()
+    path = _save(io, CheckpointManager(tmp_path), 2)
+    (path / ".metadata").write_bytes(b"")
+    (path / "meta.pt").write_bytes(b"")
+    assert verify_checkpoint(path) == [] and not is_sharded(path)
+    assert torch.equal(read_checkpoint(path)["w"], torch.full((256,), 2.0))
+
+
+def _sharded(directory: Path) -> Path:
+    """A sharded checkpoint as FSDP writes one (DCP shards and index, rank 0's meta.pt), committed."""
+    import torch.distributed.checkpoint as dcp
+
+    directory.mkdir(parents=True)
+    state = {"state_dict": {"w": torch.arange(8.0)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    torch.save({"global_step": 3}, directory / "meta.pt")
+    write_manifest(directory, {"step": 3, "layout": "sharded"})
+    return directory
+
+
+@pytest.mark.parametrize("lost", ["shard", ".metadata", "state.ckpt"])
+def test_a_manifest_that_omits_a_file_its_layout_needs_is_damage(tmp_path: Path, lost: str) -> None:
+    path = _sharded(tmp_path / "step-00000003")
+    assert verify_checkpoint(path) == [] and is_sharded(path)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    if lost == "state.ckpt":  # a single-file checkpoint's manifest that lists no state
+        manifest["layout"] = "single-file"
+        for name in (".metadata", "meta.pt"):
+            del manifest["files"][name]
+        want = "step-00000003: the manifest lists no state.ckpt"
+    else:
+        name = next(n for n in manifest["files"] if n.endswith(".distcp")) if lost == "shard" else lost
+        (path / name).unlink()
+        del manifest["files"][name]
+        want = (f"step-00000003/{name}: named by the shard index but not by the manifest" if lost == "shard"
+                else "step-00000003: a sharded checkpoint whose manifest lists no .metadata")  # fmt: skip
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == [want]
+    with pytest.raises(UserInputError, match="is not usable"):
+        read_checkpoint(path)
+
+
+def test_a_rollback_passes_over_a_damaged_checkpoint_to_the_newest_that_verifies(tmp_path: Path) -> None:
+    io = VerifiedCheckpointIO()
+    manager = CheckpointManager(tmp_path, RetentionPolicy(keep_last=5))
+    for step in (4, 5, 6):
+        path = manager.path_for(step)
+        state = {"global_step": step, "epoch": 0, DATAMODULE_KEY: {"samples_consumed": 4 * step}}
+        io.save_checkpoint(state, path / STATE_NAME)
+        manager.mark_latest(path)
+    _flip(manager.path_for(6) / STATE_NAME)
+    skipped: list[str] = []
+    rollback = plan_rollback(manager, spike_step=7, skips=BatchSkips([]), global_batch_size=4, skip_batches=3,
+                             lr_scale=1.0, warn=skipped.append)  # fmt: skip
+    assert (rollback.to_step, rollback.checkpoint) == (5, manager.path_for(5) / STATE_NAME)
+    assert rollback.skipped == range(5, 8)
+    assert len(skipped) == 1 and "step-00000006" in skipped[0] and "SHA-256" in skipped[0]

@@ -180,3 +180,16 @@ def test_light_checkpoint_config_is_validated_in_one_line() -> None:
     for fine in (("50", "20"), ("50", "70"), ("0", "10")):  # some light steps are not full ones
         config = CheckpointConfig(every_steps=int(fine[0]), light_every_steps=int(fine[1]))
         assert config.light_every_steps == int(fine[1])
+
+
+def test_a_longest_retry_wait_under_a_second_is_honoured(tmp_path: Path) -> None:
+    """checkpoint.remote_max_backoff_s 0.5: the first retry waits 0.5 s too, rather than the mirror refusing to
+    start once training has begun."""
+    config = CheckpointConfig(
+        async_save=False, remote_url=(tmp_path / "remote").as_uri(), remote_max_backoff_s=0.5
+    )
+    with Checkpointer(config, tmp_path / "checkpoints") as checkpointer:
+        assert checkpointer.mirror is not None
+        _save(checkpointer, 10)
+    fs, root = open_remote(config.remote_url)
+    assert fs.cat_file(f"{root}/latest") == b"step-00000010\n"

@@ -63,6 +63,19 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p["rendered"] = root / "rendered"
     main(["deploy", "render", "--target", "k8s", "--accelerator", "h100", "--nodes", "1", "--config",
           str(p["good.yaml"]), "--out", str(p["rendered"])])  # fmt: skip
+    for name, report in [("hang_list", "[1]"), ("hang_time", '{"silent": [], "detected_by_rank": 0, '
+                         '"detected_by_step": 1, "detected_unix_s": 1e30, "exit_code": 143}')]:  # fmt: skip
+        (root / name / "health").mkdir(parents=True)
+        (root / name / "health" / "hang-rank0.json").write_text(report)
+        p[name] = root / name
+    p["project"] = root / "project"  # a directory of the user's own: a run there would overwrite config.yaml
+    p["project"].mkdir()
+    (p["project"] / "config.yaml").write_text("# my notes\nfoo: 1\n")
+    p["checkpoints_file"] = root / "checkpoints-file"  # a run directory whose checkpoints/ is a file
+    p["checkpoints_file"].mkdir()
+    (p["checkpoints_file"] / "checkpoints").write_text("not a directory\n")
+    p["remote"] = root / "remote"  # another run's mirror, holding its checkpoint
+    shutil.copytree(step, p["remote"] / step.name)
     p["edited"] = p["rendered"] / "k8s" / "base" / "02-config.yaml"
     p["edited"].write_text(p["edited"].read_text() + "# edited by hand\n")
     return p
@@ -79,6 +92,7 @@ def _prepare(p: dict[str, Path], *extra: str) -> list[str]:
 
 _TUNE = ["tune", "--model.num_layers", "1"]
 _RENDER = ["deploy", "render", "--target", "k8s", "--accelerator", "h100", "--nodes", "1"]
+_COMPARE = ["cost", "compare", "--model", "70B", "--tokens", "1T", "--platforms", "h100"]
 _QUOTE = ["cost", "quote", "--provider", "azure", "--type", "Standard_ND96isr_H100_v5", "--region", "eastus"]
 
 # (id, command, words the line must hold, fixture paths whose files must be unchanged afterwards)
@@ -106,6 +120,41 @@ FIXED: list[Case] = [
     ("cost-quote-endpoint-ftp", lambda p: [*_QUOTE, "--endpoint-url", "ftp://prices.example/x"], ("--endpoint-url:", "http:// or https://"), ()),
     ("cost-quote-endpoint-port", lambda p: [*_QUOTE, "--endpoint-url", "http://127.0.0.1:99999/x"], ("--endpoint-url:", "Port out of range"), ()),
     ("train-spot-endpoint-ftp", lambda p: ["train", "--print-config", "--cost.spot_endpoint_url", "ftp://x"], ("cost.spot_endpoint_url:", "http:// or https://"), ()),
+    # the second sweep (2026-11-30): outputs below a file, sizes no estimate can hold, what checkpoints alone use
+    ("train-out-a-directory-of-ones-own", lambda p: _train(p, "--out", str(p["project"])), ("out_dir:", "holds config.yaml but no gaudi3 run"), ("project",)),
+    ("train-checkpoints-is-a-file", lambda p: _train(p, "--out", str(p["checkpoints_file"])), ("out_dir:", "checkpoints' is a file"), ("checkpoints_file",)),
+    ("plan-over-a-trained-runs-forecast", lambda p: ["plan", "--model.num_layers", "1", "--out_dir", str(p["run"])], ("out_dir:", "holds a run that has trained", "--out FILE"), ("run",)),
+    ("plan-out-inside-a-file", lambda p: ["plan", "--model.num_layers", "1", "--out", str(p["a_file"] / "plan.json")], ("--out:", "is a file"), ("a_file",)),
+    ("plan-out-dir-is-a-file", lambda p: ["plan", "--model.num_layers", "1", "--out_dir", str(p["a_file"])], ("out_dir:", "is a file"), ("a_file",)),
+    ("cost-compare-out-inside-a-file", lambda p: [*_COMPARE, "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
+    ("tune-out-inside-a-file", lambda p: [*_TUNE, "--out", str(p["a_file"] / "sub"), "--strategies", "auto", "--precisions", "32-true", "--activation-checkpointing", "off", "--compile", "off", "--pipeline", "off"], ("--out:", "which is a file"), ("a_file",)),
+    ("plan-nodes-huge", lambda p: ["plan", "--machine", "h100", "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),
+    ("cost-compare-nodes-huge", lambda p: [*_COMPARE, "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),
+    ("tune-world-size-huge", lambda p: [*_TUNE, "--estimate-only", "--accelerator", "h100", "--world-size", "2147483640"], ("--world-size: must be a positive integer up to 1,048,576",), ()),
+    ("train-nnodes-huge", lambda p: ["train", "--print-config", "--parallel.nnodes", "2147483647"], ("parallel.nnodes: must be <= 1048576",), ()),
+    ("train-ranks-huge", lambda p: ["train", "--print-config", "--parallel.nproc_per_node", "2097152"], ("parallel.nproc_per_node:", "more than 1,048,576 ranks"), ()),
+    ("serve-max-queue-huge", lambda p: ["serve", str(p["step"]), "--max-queue", "2147483647"], ("--max-queue: must be a positive integer up to 65,536",), ()),
+    ("ckpt-export-out-cwd", lambda p: ["ckpt", "export", str(p["step"]), "--out", "."], ("is the current directory or holds it",), ("step",)),
+    ("ckpt-export-force-into-a-checkpoint", lambda p: ["ckpt", "export", str(p["step"]), "--out", str(p["trunc"]), "--force"], ("holds the committed checkpoint",), ("trunc",)),
+    ("cost-quote-timeout-huge", lambda p: [*_QUOTE, "--timeout-s", "1e300"], ("--timeout-s: must be a positive number of seconds up to 1e+09",), ()),
+    ("cost-quote-empty-type", lambda p: ["cost", "quote", "--provider", "aws", "--type", " ", "--region", "us-east-1"], ("--type: empty",), ()),
+    ("cost-compare-pue-below-1", lambda p: [*_COMPARE, "--pue", "0.5"], ("--pue: must be a finite number >= 1",), ()),
+    ("cost-compare-power-fraction-huge", lambda p: [*_COMPARE, "--power-fraction", "1e300"], ("--power-fraction:",), ()),
+    ("train-price-huge", lambda p: ["train", "--print-config", "--cost.price_usd_per_hour", "1e300"], ("cost.price_usd_per_hour: must be <= 1e+12",), ()),
+    ("train-light-without-checkpoints", lambda p: ["train", "--print-config", "--checkpoint.enabled", "false", "--checkpoint.light_every_steps", "3"], ("checkpoint.light_every_steps: 3 would be ignored", "checkpoint.enabled is false"), ()),
+    ("train-remote-without-checkpoints", lambda p: ["train", "--print-config", "--checkpoint.enabled", "false", "--checkpoint.remote_url", "file:///x"], ("checkpoint.remote_url:", "would be ignored"), ()),
+    ("train-resume-never-over-a-remote", lambda p: _train(p, "--resume", "never", "--checkpoint.remote_url", f"file://{p['remote']}"), ("already holds checkpoints", "train.resume is 'never'"), ("remote",)),
+    ("tune-estimate-only-with-global-batch", lambda p: [*_TUNE, "--estimate-only", "--global-batch", "48"], ("--global-batch: only shapes the search", "--train.global_batch_size"), ()),
+    ("tune-estimate-only-with-target-utilization", lambda p: [*_TUNE, "--estimate-only", "--accelerator", "h100", "--target-utilization", "0.05"], ("--target-utilization: only shapes the search", "--memory-budget"), ()),
+    ("tune-estimate-only-with-out", lambda p: [*_TUNE, "--estimate-only", "--out", str(p["root"] / "t1")], ("--out: only shapes the search",), ()),
+    ("plan-compare-with-out", lambda p: ["plan", "--compare", str(p["run"]), "--out", str(p["root"] / "c.json")], ("--out: not with --compare",), ()),
+    ("plan-compare-without-summary", lambda p: ["plan", "--compare", str(p["empty"])], ("has no summary.json",), ()),
+    ("plan-machine-with-refresh-peak", lambda p: ["plan", "--machine", "h100", "--refresh-peak"], ("--refresh-peak: measures this machine's peak",), ()),
+    ("train-light-with-a-pipeline", lambda p: ["train", "--print-config", "--parallel.pp_size", "2", "--parallel.nproc_per_node", "2", "--model.num_layers", "2", "--model.tie_embeddings", "false", "--checkpoint.light_every_steps", "1", "--checkpoint.every_steps", "3"], ("checkpoint.light_every_steps:", "parallel.pp_size 2 (FSDP2) saves sharded checkpoints"), ()),
+    ("train-epochs-with-warmup-past-them", lambda p: _train(p, "--train.max_epochs", "1", "--train.throughput_warmup_steps", "100000"), ("train.throughput_warmup_steps: 100000 leaves no measured step", "train.max_epochs 1 gives"), ()),
+    ("cost-catalog-bad-file", lambda p: ["cost", "catalog", "--catalog", str(p["list.yaml"])], ("list.yaml",), ()),
+    ("health-hang-report-a-list", lambda p: ["health", str(p["hang_list"])], ("not a hang report (a JSON list, not an object)",), ()),
+    ("health-hang-report-time", lambda p: ["health", str(p["hang_time"])], ("detected_unix_s 1e+30 is not a time",), ()),
 ]  # fmt: skip
 
 WORKED: list[Case] = [
@@ -170,8 +219,9 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         main(argv)
-    _, err = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert exited.value.code == 2, (argv, err)
+    assert out == "", out  # no half report before the refusal
     assert "Traceback" not in err
     assert err.startswith("gaudi3: error: ") and err.count("\n") == 1, err
     for word in words:
@@ -194,3 +244,19 @@ def test_serving_from_a_registry_that_is_not_there_creates_none(
         and "--tracking-uri" in err
     )
     assert not store.exists()
+
+
+def test_plan_compare_shows_a_figure_that_is_not_a_number_as_unknown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """summary.json spells non-finite figures "Infinity" and "NaN" (strict JSON); anything else not a number is
+    shown as unknown too, never a TypeError."""
+    (tmp_path / "summary.json").write_text(
+        '{"predicted_step_time_s": 0.01, "step_time_s": "Infinity", "predicted_wall_s": "soon", "wall_s": 4.0,'
+        ' "predicted_tokens_per_s": 100, "tokens_per_s": 80}'
+    )
+    main(["plan", "--compare", str(tmp_path)])
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["step_time_s"] == ["0.01", "s", "—", "—"]
+    assert rows["wall_s"] == ["—", "4", "s", "—"]
+    assert rows["tokens_per_s"] == ["100", "tokens/s", "80", "tokens/s", "+25.0%"]

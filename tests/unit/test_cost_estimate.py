@@ -172,7 +172,7 @@ def test_a_model_that_fits_nowhere_is_one_clear_line(gaudi3_cli: Callable[..., t
             "--mfu and --from-benchmarks are exclusive",
         ),
         (("--tokens", "1T", "--nodes", "0"), "--nodes: must be a positive integer"),
-        (("--tokens", "1T", "--pue", "-1"), "--pue: must be a positive number"),
+        (("--tokens", "1T", "--pue", "-1"), "--pue: must be a finite number >= 1"),  # facility ÷ IT energy
     ],
 )
 def test_bad_input_is_one_line_exit_2(

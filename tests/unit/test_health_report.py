@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import json
 import subprocess
 import sys
 import threading
@@ -106,3 +107,9 @@ def test_a_directory_without_health_is_one_line_and_exit_2(tmp_path: Path) -> No
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(f"gaudi3: error: {tmp_path / 'nowhere'}: no health/ directory here")
     assert done.stderr.count("\n") == 1
+
+
+def test_lines_of_metrics_jsonl_that_are_not_records_are_passed_over(tmp_path: Path) -> None:
+    event = {"step": 3, "health_event": "loss_spike", "health_action": "skip", "detail": "loss 9 over 4"}
+    (tmp_path / "metrics.jsonl").write_text(f'["health_event"]\n{json.dumps(event)}\n"health_event"\n')
+    assert format_health(read_health(tmp_path))[-1] == "step 3: loss_spike (skip): loss 9 over 4"

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from gaudi3_scale.artifacts.inference import read_model_state, run_tokenizer_dir
-from gaudi3_scale.checkpoint.manifest import fsync_directory
+from gaudi3_scale.artifacts.inference import check_tokenizer_fits, read_model_state, run_tokenizer_dir
+from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, fsync_directory, read_manifest
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
@@ -78,6 +78,8 @@ def export_checkpoint(
     safetensors_torch = _import_safetensors()
     cfg, state = read_model_state(checkpoint, mmap=True)
     tokenizer = _run_tokenizer(checkpoint, tokenizer_dir)
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, cfg)  # an export that pairs them must generate
     state = _untied(cfg, _checked_state(cfg, state, checkpoint))
     if fmt == "hf":
         if cfg.arch not in ("llama", "bert"):
@@ -170,16 +172,32 @@ def _import_safetensors() -> ModuleType:
 
 
 def _check_destination(checkpoint: Path, out_dir: Path, *, force: bool) -> None:
-    """Refuse an --out that is a file, non-empty without --force, or would delete the checkpoint itself."""
+    """Refuse an --out that is a file, non-empty without --force, or holds what a run keeps: the checkpoint itself,
+    any committed checkpoint (one that holds or lies inside one), a run's tokenizer."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserInputError(f"--out {str(out_dir)!r} is a file; pass a directory")
+    resolved = out_dir.resolve()
+    if (
+        Path.cwd().resolve().is_relative_to(resolved)
+    ):  # replaced by a rename, it would leave this process nowhere
+        raise UserInputError(
+            f"--out {str(out_dir)!r} is the current directory or holds it; pass a new directory"
+        )
+    if inside := next((d for d in resolved.parents if read_manifest(d) is not None), None):
+        raise UserInputError(f"--out {str(out_dir)!r} lies inside the committed checkpoint {str(inside)!r}")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not force:
             raise UserInputError(
                 f"--out {str(out_dir)!r} exists and is not empty; pick a new directory or pass --force to replace it"
             )
-        if checkpoint.resolve().is_relative_to(out_dir.resolve()):
+        if checkpoint.resolve().is_relative_to(resolved):
             raise UserInputError(f"--out {str(out_dir)!r} contains the checkpoint; --force would delete it")
+        committed = (m.parent for m in resolved.rglob(MANIFEST_NAME) if read_manifest(m.parent) is not None)
+        if held := next(committed, None):
+            raise UserInputError(f"--out {str(out_dir)!r} holds the committed checkpoint {str(held)!r}; --force "
+                                 "would delete it")  # fmt: skip
+        if resolved.name == TOKENIZER_DIR and (resolved.parent / "checkpoints").is_dir():
+            raise UserInputError(f"--out {str(out_dir)!r} is a run's tokenizer; --force would replace it")
 
 
 @contextmanager

@@ -16,7 +16,14 @@ from gaudi3_scale.data import Tokenizer, load_tokenizer
 from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.generate import generate
 
-__all__ = ["generate_text", "load_for_generation", "read_model_state", "refuse_encoder", "run_tokenizer_dir"]
+__all__ = [
+    "check_tokenizer_fits",
+    "generate_text",
+    "load_for_generation",
+    "read_model_state",
+    "refuse_encoder",
+    "run_tokenizer_dir",
+]
 
 
 def read_model_state(path: Path, *, mmap: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -34,6 +41,16 @@ def refuse_encoder(cfg: ModelConfig, where: str | Path) -> None:
         raise UserInputError(
             f"{where}: model {cfg.name!r} is a bert encoder (masked-language model) and cannot generate text; "
             "generate and serve take a decoder checkpoint (arch gpt2 or llama)"
+        )
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, cfg: ModelConfig) -> None:
+    """One line for a tokenizer with more ids than the model has embedding rows: its ids would index past them
+    (generate, serve and export ship or use a model with the tokenizer it names)."""
+    if cfg.vocab_size is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise UserInputError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model {cfg.name!r} only {cfg.vocab_size}; "
+            "pass the tokenizer it was trained with (--tokenizer DIR)"
         )
 
 
@@ -55,14 +72,16 @@ def load_for_generation(
     # weights' pages are dropped once copied into the model (gpt2-124m's sample: 1.71 → 1.26 GiB peak RSS).
     model_cfg, state = read_model_state(path, mmap=True)
     refuse_encoder(model_cfg, path)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(path)
+    if not tok_dir.is_dir():
+        raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
+    tokenizer = load_tokenizer(tok_dir, flag="--tokenizer" if tokenizer_dir else None)
+    check_tokenizer_fits(tokenizer, model_cfg)
     model = build_model(model_cfg)
     model.load_state_dict(state)
     del state
     model.eval()
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(path)
-    if not tok_dir.is_dir():
-        raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
-    return model, load_tokenizer(tok_dir, flag="--tokenizer" if tokenizer_dir else None)
+    return model, tokenizer
 
 
 @torch.no_grad()

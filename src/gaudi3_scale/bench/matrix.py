@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gaudi3_scale.checkpoint.config import CHECKPOINTS_OFF
 from gaudi3_scale.config.core import check_positive, from_dict, load_yaml, merge_mappings
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import check_seconds
@@ -155,7 +156,7 @@ def _cell_overrides(m: MatrixConfig, cell_id: str, model: str, strategy: str, wo
         "data": {"source": m.data},
         "parallel": {"strategy": strategy, "nproc_per_node": world},
         "train": train,
-        "checkpoint": {"enabled": False},
+        "checkpoint": dict(CHECKPOINTS_OFF),
         "benchmark": bench,
     }
 

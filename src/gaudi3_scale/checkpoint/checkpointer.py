@@ -105,6 +105,8 @@ class Checkpointer:
         self.mirror = mirror = RemoteMirror(
             self.config.remote_url,
             storage_options=self._storage_options,
+            # the first retry after 1 s, or sooner when the longest wait is shorter
+            initial_backoff_s=min(1.0, self.config.remote_max_backoff_s),
             max_backoff_s=self.config.remote_max_backoff_s,
             warn=self._warn,
         )

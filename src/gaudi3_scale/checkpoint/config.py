@@ -9,7 +9,16 @@ from gaudi3_scale.config.core import check_positive
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CHECKPOINTS_OFF", "CheckpointConfig", "checkpoints_off_overrides"]
+
+# What a throwaway run (a tuning trial, a benchmark cell, a plan probe) sets, whatever the run's config says: no
+# checkpoint at all, and off what acts only on checkpoints (which `enabled: false` refuses rather than ignores).
+CHECKPOINTS_OFF = {"enabled": False, "light_every_steps": 0, "remote_url": ""}
+
+
+def checkpoints_off_overrides() -> list[str]:
+    """`CHECKPOINTS_OFF` as `gaudi3 train` flags."""
+    return [f"--checkpoint.{key}={str(value).lower()}" for key, value in CHECKPOINTS_OFF.items()]
 
 
 @dataclass(kw_only=True)
@@ -68,6 +77,13 @@ class CheckpointConfig:
         check_positive("light_keep_last", self.light_keep_last)
         for name in ("every_steps", "keep_every_steps", "keep_best", "light_every_steps"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        if not self.enabled:  # what only acts on checkpoints would be silently dropped
+            for name, off in CHECKPOINTS_OFF.items():
+                if getattr(self, name) != off:
+                    raise ConfigError(
+                        name,
+                        f"{getattr(self, name)!r} would be ignored: checkpoint.enabled is false (no checkpoints)",
+                    )
         light, full = self.light_every_steps, self.every_steps
         if light and full and light % full == 0:
             # Every light step would also be a full one, where the full checkpoint wins: no light one, ever.

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gaudi3_scale.checkpoint.manager import LATEST_NAME, CheckpointManager
+from gaudi3_scale.checkpoint.manager import CheckpointManager
 from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 
 __all__ = ["Difference", "checkpoint_rows", "first_difference"]
@@ -19,8 +19,7 @@ __all__ = ["Difference", "checkpoint_rows", "first_difference"]
 def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
     """One row per `step-X` directory: committed?, intact? (with `verify`), size, tokens, validation loss."""
     manager = CheckpointManager(directory)
-    pointer = directory / LATEST_NAME
-    latest = pointer.read_text().strip() if pointer.is_file() else None
+    latest = manager.pointed()
     rows = []
     for step, path in manager.steps():
         manifest = read_manifest(path) or {}
@@ -29,7 +28,7 @@ def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
         rows.append({
             "step": step,
             "path": str(path),
-            "latest": path.name == latest,
+            "latest": path == latest,
             "committed": has_manifest(path),
             # A malformed manifest is damaged, named even without --verify (its fields cannot be shown).
             "status": "uncommitted" if not has_manifest(path) else (problems[0] if problems else ("ok" if verify else "-")),

@@ -28,9 +28,11 @@ from pathlib import Path
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.checkpoint.contents import META_KEY
 from gaudi3_scale.checkpoint.manifest import (
+    STATE_NAME,
     fsync_directory,
     has_manifest,
     read_manifest,
+    read_pointer,
     verify_checkpoint,
 )
 from gaudi3_scale.checkpoint.sharded import is_sharded
@@ -50,7 +52,6 @@ __all__ = [
     "state_path",
 ]
 
-STATE_NAME = "state.ckpt"
 LATEST_NAME = "latest"  # the pointer file: the name of the newest committed checkpoint directory
 LIGHT_DIR_NAME = (
     "light_checkpoints"  # beside checkpoints/, so <checkpoint>/../../tokenizer is the run's for both
@@ -146,8 +147,16 @@ class CheckpointManager:
         return sorted(found)
 
     def committed(self) -> list[tuple[int, Path]]:
-        """Committed checkpoints whose manifest is well formed (their files are not checked), oldest first."""
-        return [(step, path) for step, path in self.steps() if read_manifest(path) is not None]
+        """Committed checkpoints whose manifest is well formed and of the directory's step (their files are not
+        checked), oldest first."""
+        return [(step, path) for step, path in self.steps()
+                if (manifest := read_manifest(path)) is not None and manifest.get("step", step) == step]  # fmt: skip
+
+    def pointed(self) -> Path | None:
+        """The `step-X` directory the `latest` pointer names; None when it is missing, unreadable (not UTF-8) or
+        names no `step-X` directory here."""
+        name = read_pointer(self.directory / LATEST_NAME)
+        return next((path for _, path in self.steps() if path.name == name), None)
 
     def mark_latest(self, directory: Path) -> None:
         """Point `latest` at a committed checkpoint (atomic rename), then apply retention."""
@@ -162,17 +171,20 @@ class CheckpointManager:
         """Every `step-X` directory in the order a resume tries them: the `latest` pointer's target, then the
         others newest first."""
         candidates = [path for _, path in reversed(self.steps())]
-        pointer = self.directory / LATEST_NAME
-        if pointer.is_file():
-            named = self.directory / pointer.read_text().strip()
-            if named in candidates:
-                candidates.remove(named)
-                candidates.insert(0, named)
+        named = self.pointed()
+        if named is not None:
+            candidates.remove(named)
+            candidates.insert(0, named)
         return candidates
 
     def latest_valid(self, warn: Callable[[str], None] | None = None) -> Path | None:
         """The newest checkpoint that verifies (the pointer's target first); every skipped one is named."""
-        for path in self.resume_order():
+        return self.first_valid(self.resume_order(), warn=warn)
+
+    @staticmethod
+    def first_valid(candidates: list[Path], warn: Callable[[str], None] | None = None) -> Path | None:
+        """The first of `candidates` that verifies; every one skipped is named via `warn`."""
+        for path in candidates:
             problems = verify_checkpoint(path)
             if not problems:
                 return path
@@ -184,8 +196,18 @@ class CheckpointManager:
         return None
 
     def apply_retention(self) -> list[Path]:
-        """Delete committed checkpoints that no rule keeps, and uncommitted leftovers older than the newest commit."""
+        """Delete committed checkpoints that no rule keeps, and uncommitted leftovers older than the newest commit.
+
+        The rules rank the checkpoints up to the `latest` pointer's target, which is always kept: those of a
+        higher step belong to a trajectory the run has left (it resumed from an older checkpoint, or skipped them
+        as damaged) and are neither counted nor deleted.
+        """
         committed = self.committed()
+        latest = self.pointed()
+        if latest is not None and any(path == latest for _, path in committed):
+            committed = [
+                (step, path) for step, path in committed if path == latest or step < _step_of(latest)
+            ]
         if not committed:
             return []
         policy = self.policy
@@ -196,6 +218,7 @@ class CheckpointManager:
             scored = [(m["val_loss"], path) for _, path in committed
                       if (m := read_manifest(path)) and m.get("val_loss") is not None]  # fmt: skip
             keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
+        keep |= {latest} if latest is not None else set()
         newest = committed[-1][0]
         allowed = self._can_delete or (lambda path: True)
         removed = [path for _, path in committed if path not in keep and allowed(path)]
@@ -221,7 +244,12 @@ def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None]
     if not path.exists():
         raise UserInputError(f"checkpoint {str(path)!r} does not exist")
     if path.name == LATEST_NAME and path.is_file():
-        return path.parent / path.read_text().strip()
+        named = CheckpointManager(path.parent).pointed()
+        if named is None:
+            raise UserInputError(
+                f"{str(path)!r} names no checkpoint directory beside it; name a step-X directory or the run instead"
+            )
+        return named
     checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = CheckpointManager(checkpoints)
     if checkpoints != path or (path.is_dir() and not has_manifest(path) and manager.steps()):
@@ -234,6 +262,10 @@ def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None]
             (warn or _warn_default)(message)
         return found
     return checkpoint_directory(path)
+
+
+def _step_of(directory: Path) -> int:
+    return int(directory.name[len(_PREFIX) :])
 
 
 def _warn_default(message: str) -> None:

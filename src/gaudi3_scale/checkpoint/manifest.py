@@ -27,17 +27,22 @@ from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.files import decode_utf8, parse_json
 
 __all__ = [
+    "DCP_INDEX_NAME",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "SHARDED_META_NAME",
+    "STATE_NAME",
     "ManifestError",
     "file_sha256",
     "fsync_directory",
     "has_manifest",
     "library_versions",
+    "manifest_layout",
     "manifest_problem",
     "parse_manifest",
     "read_manifest",
+    "read_pointer",
     "verify_checkpoint",
     "write_manifest",
 ]
@@ -59,6 +64,14 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_pointer(pointer: Path) -> str | None:
+    """The directory name a `latest` pointer holds; None when it is missing, unreadable or not UTF-8 text."""
+    try:
+        return pointer.read_bytes().decode("utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def library_versions() -> dict[str, str]:
@@ -203,13 +216,63 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return _load(directory)[0]
 
 
+STATE_NAME = "state.ckpt"  # a single-file checkpoint's state (a directory of files under DeepSpeed)
+# A sharded one's (`checkpoint.sharded`): DCP's index of the shard files, and rank 0's non-tensor state
+DCP_INDEX_NAME, SHARDED_META_NAME = ".metadata", "meta.pt"
+DCP_NAMES = (DCP_INDEX_NAME, SHARDED_META_NAME)
+_STEP_DIRECTORY = re.compile(r"step-(\d+)")
+
+
+def manifest_layout(manifest: dict[str, Any]) -> str:
+    """ "sharded" or "single-file": what the manifest commits, never what else lies in the directory (a stray
+    `.metadata` beside a verified `state.ckpt` decides nothing). Manifests that predate the `layout` field: by
+    the files they list."""
+    if manifest.get("layout") == "sharded" or all(name in manifest["files"] for name in DCP_NAMES):
+        return "sharded"
+    return "single-file"
+
+
+def _dcp_storage_files(directory: Path) -> set[str]:
+    """The shard files DCP's index names (relative to `directory`): what a load of the checkpoint opens."""
+    from torch.distributed.checkpoint import FileSystemReader  # torch: only for sharded checkpoints
+
+    return {info.relative_path for info in FileSystemReader(directory).read_metadata().storage_data.values()}
+
+
+def _layout_problem(directory: Path, manifest: dict[str, Any]) -> str | None:
+    """What the manifest's layout needs that it does not list: `state.ckpt`, or DCP's index, `meta.pt` and
+    every shard file the index names (a manifest may omit a file that is then missing too)."""
+    files = manifest["files"]
+    if manifest_layout(manifest) == "single-file":
+        if not any(name == STATE_NAME or name.startswith(f"{STATE_NAME}/") for name in files):
+            return f"{directory.name}: the manifest lists no {STATE_NAME}"
+        return None
+    for name in DCP_NAMES:
+        if name not in files:
+            return f"{directory.name}: a sharded checkpoint whose manifest lists no {name}"
+    try:
+        named = _dcp_storage_files(directory)
+    except Exception as exc:  # the index itself verified, so this is a DCP version this torch cannot read
+        return f"{directory.name}/{DCP_NAMES[0]}: not readable by this torch ({type(exc).__name__})"
+    unlisted = sorted(named - files.keys())
+    if unlisted:
+        return f"{directory.name}/{unlisted[0]}: named by the shard index but not by the manifest"
+    return None
+
+
 def verify_checkpoint(directory: Path) -> list[str]:
-    """What is wrong with a checkpoint directory (an empty list means committed and intact)."""
+    """What is wrong with a checkpoint directory (an empty list means committed and intact): its manifest
+    damaged, or naming another step than the directory's name; a listed file missing, of another size or
+    checksum; a file its layout needs not listed."""
     if not directory.is_dir():
         return [f"{directory} is not a directory"]
     manifest, problem = _load(directory)
     if manifest is None:
         return [f"{directory.name}: {problem}"]
+    named = _STEP_DIRECTORY.fullmatch(directory.name)
+    if named and manifest.get("step") is not None and manifest["step"] != int(named[1]):
+        # a copied or renamed checkpoint: ranked by its name it would rewind a resume and steer retention
+        return [f"{directory.name}: its manifest is of step {manifest['step']} (copied or renamed)"]
     problems = []
     for name, entry in manifest["files"].items():
         path = directory / name
@@ -221,4 +284,6 @@ def verify_checkpoint(directory: Path) -> list[str]:
             )
         elif file_sha256(path) != entry["sha256"]:
             problems.append(f"{directory.name}/{name}: SHA-256 does not match the manifest (corrupt)")
+    if not problems and (problem := _layout_problem(directory, manifest)):
+        problems.append(problem)
     return problems

@@ -65,7 +65,14 @@ def _load(
     """Load a checkpoint directory (single-file or sharded) or a plain checkpoint file; nothing is verified here."""
     if target.is_dir():
         if is_sharded(target):  # written by FSDP, read by one process
-            return consolidate(target) if tensors else read_sharded_meta(target)
+            try:
+                return consolidate(target) if tensors else read_sharded_meta(target)
+            except (
+                Exception
+            ) as exc:  # DCP and torch.load raise many types for a damaged shard; one line for all
+                raise UserInputError(
+                    f"{target}: not a readable sharded checkpoint ({type(exc).__name__}); pick another one"
+                ) from None
         target = target / STATE_NAME
     if not target.is_file():
         raise UserInputError(f"checkpoint {str(target)!r} does not exist")

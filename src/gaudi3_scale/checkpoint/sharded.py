@@ -20,14 +20,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHARDED_META_NAME", "consolidate", "is_sharded", "optimizer_state_by_name", "read_sharded_meta"]
+from gaudi3_scale.checkpoint.manifest import DCP_INDEX_NAME, SHARDED_META_NAME, manifest_layout, read_manifest
 
-SHARDED_META_NAME = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
-_DCP_INDEX = ".metadata"
+__all__ = ["SHARDED_META_NAME", "consolidate", "is_sharded", "optimizer_state_by_name", "read_sharded_meta"]
 
 
 def is_sharded(directory: Path) -> bool:
-    return (directory / SHARDED_META_NAME).is_file() and (directory / _DCP_INDEX).is_file()
+    """Whether `directory` holds a sharded checkpoint: as its manifest commits it (files it does not list decide
+    nothing); a directory without one (not ours, or never committed) by DCP's index and `meta.pt` being there."""
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        return manifest_layout(manifest) == "sharded"
+    return all((directory / name).is_file() for name in (SHARDED_META_NAME, DCP_INDEX_NAME))
 
 
 def read_sharded_meta(directory: Path) -> dict[str, Any]:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
-from gaudi3_scale.cli.options import Count, Number
+from gaudi3_scale.cli.options import Count, Number, Seconds
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import check_output_dir
+from gaudi3_scale.config.numbers import MAX_WORLD_SIZE
 
 __all__ = ["cost"]
 
@@ -37,22 +39,30 @@ def cost() -> None:
     "--from-benchmarks", type=click.Path(file_okay=False),
     help="benchmark results directory: use each accelerator's best measured MFU instead of --mfu",
 )  # fmt: skip
-@click.option("--nodes", type=Count(), help="nodes to train on (default: the fewest that fit the model)")
+@click.option(
+    "--nodes",
+    type=Count(high=MAX_WORLD_SIZE),
+    help="nodes to train on (default: the fewest that fit the model)",
+)
 @click.option("--context-length", type=Count(), help="tokens per sequence (default: the model's)")
 @click.option(
     "--catalog", "catalog_file", type=click.Path(dir_okay=False), help="instance catalog override YAML"
 )
 @click.option(
     "--pue",
-    type=Number(integer=False),
+    type=Number(integer=False, low=1, high=10),  # facility ÷ IT energy: 1 at the least
     help="power usage effectiveness [default: 1.58, Uptime Institute 2023 average]",
 )
 @click.option(
-    "--power-fraction", type=Number(integer=False), default=1.0, show_default=True, help="average power ÷ TDP"
+    "--power-fraction",
+    type=Number(integer=False, above=0, high=2),
+    default=1.0,
+    show_default=True,
+    help="average power ÷ TDP",
 )
 @click.option(
     "--usd-per-kwh",
-    type=Number(integer=False),
+    type=Number(integer=False, low=0, high=100),
     help="electricity price for the energy $ column (default: unknown)",
 )
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
@@ -80,6 +90,8 @@ def compare_cmd(
 
     if mfu is not None and from_benchmarks is not None:
         raise UserInputError("--mfu and --from-benchmarks are exclusive: give one")
+    if out_dir:
+        check_output_dir("--out", out_dir)  # before the table, not after it
     names = [p.strip() for p in platforms.split(",") if p.strip()]
     comparison = compare_training_cost(
         model,
@@ -118,6 +130,9 @@ def catalog_cmd(catalog_file: str | None) -> None:
     def known(value: float | None, spec: str = ",.2f") -> str:
         return "unknown" if value is None else format(value, spec)
 
+    instances = load_instances(
+        Path(catalog_file) if catalog_file else None
+    ).values()  # a bad --catalog: nothing printed
     console = wide_console()
     specs = Table(title="accelerators (cpu: measured on the machine at run time)", title_justify="left")
     for header in ("name", "aliases", "BF16 TFLOP/s", "FP8 TFLOP/s", "memory GB", "TB/s", "TDP W"):
@@ -141,7 +156,6 @@ def catalog_cmd(catalog_file: str | None) -> None:
         "date",
     ):
         prices.add_column(header, no_wrap=header != "date")
-    instances = load_instances(Path(catalog_file) if catalog_file else None).values()
     for i in instances:
         spot = (
             "unknown" if i.spot_usd_per_hour_range is None else "–".join(map(str, i.spot_usd_per_hour_range))
@@ -168,7 +182,7 @@ def catalog_cmd(catalog_file: str | None) -> None:
 @click.option("--region", required=True, help="us-east-1 (aws), eastus (azure), us-central1 (gcp)")
 @click.option("--pricing", type=click.Choice(["spot", "on_demand"]), default="spot", show_default=True)
 @click.option("--endpoint-url", help="the price API's URL [default: the provider's public endpoint]")
-@click.option("--timeout-s", type=Number(integer=False, above=0), default=10.0, show_default=True,
+@click.option("--timeout-s", type=Seconds(), default=10.0, show_default=True,
               help="seconds per connection and per read")  # fmt: skip
 def quote_cmd(
     provider_name: str,
@@ -185,6 +199,11 @@ def quote_cmd(
     from gaudi3_scale.metering.spot import SpotPriceError, fetch_price, spot_provider
 
     check_http_url("--endpoint-url", endpoint_url)
+    for flag, value in (("--type", instance_type), ("--region", region)):
+        if not value.strip():
+            raise UserInputError(
+                f"{flag}: empty; pass a name such as {'p5.48xlarge' if flag == '--type' else 'us-east-1'}"
+            )
     provider = spot_provider(provider_name, endpoint_url=endpoint_url, timeout_s=timeout_s)
     check = getattr(provider, "check_instance", None)
     if check is not None:

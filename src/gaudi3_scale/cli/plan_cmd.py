@@ -13,6 +13,8 @@ import click
 
 from gaudi3_scale.cli.options import Count
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import check_output_dir
+from gaudi3_scale.config.numbers import MAX_WORLD_SIZE
 
 __all__ = ["plan"]
 
@@ -27,7 +29,9 @@ __all__ = ["plan"]
     help="forecast for a catalog accelerator (h100, h200, a100, gaudi3, …; see `gaudi3 cost compare`) instead of "
     "this machine",
 )
-@click.option("--nodes", type=Count(), help="nodes of --machine (default: parallel.nnodes)")
+@click.option(
+    "--nodes", type=Count(high=MAX_WORLD_SIZE), help="nodes of --machine (default: parallel.nnodes)"
+)
 @click.option(
     "--probe", is_flag=True, help="run the config briefly on this machine first and forecast from it"
 )
@@ -49,6 +53,11 @@ def plan(
 ) -> None:
     """Predict a run's per-rank memory, step time, tokens/s, wall time, energy and cost, each with its source."""
     if compare_run is not None:
+        given = [flag for flag, value in (("--out", out_path), ("--machine", machine), ("--nodes", nodes),
+                                          ("--probe", probe), ("--refresh-peak", refresh_peak)) if value]  # fmt: skip
+        if given:
+            raise UserInputError(f"{given[0]}: not with --compare, which reads the run's own predictions and "
+                                 "measurements; drop one of them")  # fmt: skip
         _compare(compare_run, config_path, overrides)
         return
     from gaudi3_scale.forecast.report import format_forecast
@@ -57,22 +66,40 @@ def plan(
     if machine is not None and probe:
         raise UserInputError("--probe: runs on this machine; drop --machine to probe here, or --probe to "
                              "forecast for the catalog's accelerator")  # fmt: skip
+    if refresh_peak and machine is not None:
+        raise UserInputError("--refresh-peak: measures this machine's peak; drop --machine to measure here, or "
+                             "--refresh-peak to forecast for the catalog's accelerator")  # fmt: skip
     if nodes is not None and machine is None:
         raise UserInputError("--nodes: only with --machine (this machine's geometry is parallel.nnodes × "
                              "parallel.nproc_per_node)")  # fmt: skip
+    if out_path is not None:
+        _check_plan_path(out_path)  # before a probe's minutes, not after them
     cfg, forecast = forecast_config(
         config_path, overrides, machine=machine, nodes=nodes, probe=probe, refresh_peak=refresh_peak,
         warn=lambda line: click.echo(f"gaudi3: warning: {line}", err=True),
     )  # fmt: skip
+    path = out_path or cfg.output_dir / "plan.json"
+    _check_plan_path(path, field="--out" if out_path is not None else "out_dir")
+    if out_path is None and (cfg.output_dir / "summary.json").is_file():
+        raise UserInputError(
+            f"out_dir: {str(cfg.output_dir)!r} holds a run that has trained; its plan.json is the forecast it ran "
+            "with (what --compare and the calibration store read): pass --out FILE to write this one elsewhere"
+        )
     for line in format_forecast(forecast):
         click.echo(line)
-    path = out_path or cfg.output_dir / "plan.json"
     from gaudi3_scale.config import strict_json
     from gaudi3_scale.config.atomic import write_text_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, strict_json.dumps(forecast.as_dict(), indent=2) + "\n")
     click.echo(f"wrote {path}")
+
+
+def _check_plan_path(path: Path, *, field: str = "--out") -> None:
+    """Where the forecast goes: a file whose directory can be made (`--out`, default <out_dir>/plan.json)."""
+    if path.is_dir():
+        raise UserInputError(f"{field}: {str(path)!r} is a directory; pass the JSON file to write")
+    check_output_dir(field, path.parent)
 
 
 def _compare(run_dir: Path, config_path: str | None, overrides: tuple[str, ...]) -> None:

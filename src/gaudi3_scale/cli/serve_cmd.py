@@ -10,6 +10,9 @@ import click
 from gaudi3_scale.cli.options import Count, Number, Port
 from gaudi3_scale.config.errors import UserInputError
 
+# requests one server holds at once, per kind (waiting, decoding): the kernel's listen() backlog is their sum
+MAX_CONNECTIONS = 2**16
+
 if TYPE_CHECKING:
     from gaudi3_scale.serve.decoding import KvCacheMode
 
@@ -25,9 +28,9 @@ MAX_CLIENT_TIMEOUT_S = 3600.0
               help="address to bind (0.0.0.0: every interface; there is no authentication)")  # fmt: skip
 @click.option("--port", type=Port(), default=8000, show_default=True,
               help="TCP port (0: any free port, printed on start)")  # fmt: skip
-@click.option("--max-batch-size", type=Count(), default=8, show_default=True,
+@click.option("--max-batch-size", type=Count(high=MAX_CONNECTIONS), default=8, show_default=True,
               help="requests decoded together in one forward pass")  # fmt: skip
-@click.option("--max-queue", type=Count(), default=64, show_default=True,
+@click.option("--max-queue", type=Count(high=MAX_CONNECTIONS), default=64, show_default=True,
               help="requests waiting for a batch slot; more are refused with 503")  # fmt: skip
 @click.option("--kv-cache", type=click.Choice(["dynamic", "static", "off"]), default="dynamic", show_default=True,
               help="dynamic: a KV cache slot per request, each decode step as wide as the batch; static: every "

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from gaudi3_scale.cli.options import Count, Number, Seconds
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
-from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, check_number, parse_number
+from gaudi3_scale.config.files import check_output_dir
+from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, MAX_WORLD_SIZE, check_number, parse_number
 
 __all__ = ["tune"]
 
@@ -33,6 +35,17 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     return values
 
 
+# What a search takes and an estimate does not (`--strategies` and `--precisions` are refused with their own words).
+_SEARCH_ONLY = frozenset({
+    "time_budget_min", "global_batch", "ckpt", "compile_", "pipeline", "threads", "lr_rule", "warmup_steps",
+    "measure_steps", "trial_timeout_s", "out_dir", "no_estimate_pruning", "target_utilization",
+})  # fmt: skip
+_ESTIMATE_INSTEAD = {
+    "--global-batch": " (set --train.global_batch_size)",
+    "--target-utilization": " (--memory-budget sets the memory the rows are checked against)",
+}
+
+
 def _check_mode(
     estimate_only: bool, accelerator: str | None, strategies: str | None, precisions: str | None
 ) -> None:
@@ -48,6 +61,17 @@ def _check_mode(
             f"{given[0]}: only shapes the search; --estimate-only lists every strategy at the config's "
             f"train.precision (set that with --train.precision), so drop {given[0]} or --estimate-only"
         )
+    if estimate_only:
+        ctx = click.get_current_context()
+        for param in ctx.command.params:
+            if (
+                param.name in _SEARCH_ONLY
+                and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+            ):
+                flag = param.opts[0]
+                instead = _ESTIMATE_INSTEAD.get(flag, "")
+                raise UserInputError(f"{flag}: only shapes the search, which --estimate-only does not run; drop "
+                                     f"{flag}{instead} or --estimate-only")  # fmt: skip
 
 
 @click.command(
@@ -57,7 +81,7 @@ def _check_mode(
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="run config YAML to tune")
 @click.option(
     "--world-size",
-    type=Count(),
+    type=Count(high=MAX_WORLD_SIZE),
     help="ranks on this node (default: the config's parallel.nproc_per_node); with --estimate-only and "
     "--accelerator: all devices, in whole nodes of the catalog's accelerators per node (8 for gaudi3 and h100)",
 )
@@ -219,6 +243,7 @@ def tune(
             config, memory_budget_bytes=default_memory_budget(space.device, world, target_utilization)
         )
     out = Path(out_dir) if out_dir else Path("runs") / f"{base.name}-tune"
+    check_output_dir("--out", out)
     console.print(f"tuning {space.describe()}", highlight=False)
     assert config.memory_budget_bytes is not None
     console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)

@@ -36,6 +36,9 @@ __all__ = [
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # counts handed to C ints: threads, processes
+MAX_WORLD_SIZE = (
+    2**20
+)  # ranks (or nodes) a plan, tuner or cost estimate takes: estimates keep a figure per rank
 SEED_LIMIT = 2**32  # numpy.random.default_rng / RandomState take seeds in [0, 2**32)
 MAX_INT_DIGITS = 100  # characters of an integer literal, sign and underscores included
 MAX_SECONDS = 10.0**9  # ~31.7 years; threading.TIMEOUT_MAX is ~9.2e9 s on Linux

@@ -13,7 +13,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.checkpoint.manifest import has_manifest, manifest_problem, read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import (
+    has_manifest,
+    manifest_problem,
+    read_manifest,
+    read_pointer,
+    verify_checkpoint,
+)
 from gaudi3_scale.dashboard.files import OutsideRuns, first_escape, real_file, real_path
 
 __all__ = ["CheckpointVerifier"]
@@ -109,7 +115,7 @@ class CheckpointVerifier:
             path = real_file(self.root, pointer)
         except OutsideRuns as exc:
             return None, str(exc)
-        return (path.read_text().strip() if path is not None else None), None
+        return (read_pointer(path) if path is not None else None), None
 
     def _manifest(self, directory: Path) -> tuple[dict[str, Any] | None, str | None]:
         """(the committed manifest or None, why the checkpoint is not read at all): a link out of the runs

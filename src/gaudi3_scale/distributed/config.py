@@ -8,7 +8,7 @@ from typing import Literal
 from gaudi3_scale.config.core import check_choice, check_positive
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.hosts import parse_endpoint
-from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds
+from gaudi3_scale.config.numbers import INT32_MAX, MAX_WORLD_SIZE, check_number, check_seconds
 from gaudi3_scale.distributed.network import NETWORK_PRESETS
 
 __all__ = [
@@ -146,7 +146,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_number("nproc_per_node", self.nproc_per_node, low=1, high=INT32_MAX)  # torchrun takes C ints
-        check_number("nnodes", self.nnodes, low=1, high=INT32_MAX)
+        check_number("nnodes", self.nnodes, low=1, high=MAX_WORLD_SIZE)
+        if self.nproc_per_node * self.nnodes > MAX_WORLD_SIZE:
+            raise ConfigError(
+                "nnodes" if self.nnodes > 1 else "nproc_per_node",
+                f"{self.nnodes:,} nodes × {self.nproc_per_node:,} processes are more than {MAX_WORLD_SIZE:,} ranks",
+            )
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_number("tp_size", self.tp_size, low=1, high=INT32_MAX)
         check_number("dp_replicate", self.dp_replicate, low=1, high=INT32_MAX)

@@ -20,6 +20,7 @@ the embedding table, row-wise over the vocabulary) by rows; norm weights stay wh
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from torch import nn
@@ -33,11 +34,6 @@ def fsdp_shard_dim(shape: tuple[int, ...], shards: int) -> int:
     """The dimension FSDP2 shards a parameter of `shape` along over `shards` ranks: 0, except for batched expert
     weights (3-D) whose expert count does not divide by the ranks: 1 (module docstring)."""
     return 1 if len(shape) == 3 and shape[0] % shards else 0
-
-
-def _chunk_rows(rows: int, ranks: int, rank: int) -> int:
-    size = math.ceil(rows / ranks)
-    return max(0, min(rows, (rank + 1) * size) - rank * size)
 
 
 _ROW_PARALLEL = ("wo.weight", "w2.weight")  # split by columns under tensor parallel
@@ -56,18 +52,27 @@ def parameter_bytes_per_rank(model: nn.Module, plan: ParallelPlan, *, element_by
     ranks = plan.world_size
     params = list(model.named_parameters())  # tied parameters appear once
     if plan.shards_parameters:
-        per_rank = [0] * ranks
         shards = plan.dp_shard
+        # Per shard index, as a difference array: torch.chunk gives shards 0..k-1 `size` rows each, shard k the
+        # rest, the others none; the work is per parameter and per shard, never per parameter and rank.
+        change = [0] * (shards + 1)
         for name, p in params:
             shape = tuple(p.shape)
             if fsdp_shard_dim(shape, shards) == 1:  # [experts, in, out] chunked along `in`
                 rows, row = shape[1], shape[0] * shape[2]
             else:
                 rows, row = _tp_local_shape(name, shape, plan.tp_size)
-            for rank in range(ranks):
-                shard = (rank // plan.tp_size) % shards
-                per_rank[rank] += _chunk_rows(rows, shards, shard) * row * element_bytes
-        return per_rank
+            size = math.ceil(rows / shards)
+            if not size:
+                continue
+            full, rest = divmod(rows, size)
+            change[0] += size * row * element_bytes
+            change[full] -= size * row * element_bytes
+            if rest:
+                change[full] += rest * row * element_bytes
+                change[full + 1] -= rest * row * element_bytes
+        by_shard = list(itertools.accumulate(change[:shards]))
+        return [by_shard[(rank // plan.tp_size) % shards] for rank in range(ranks)]
     total = sum(p.numel() for _, p in params)
     if plan.partitions_parameters:
         return [math.ceil(total / ranks) * element_bytes] * ranks

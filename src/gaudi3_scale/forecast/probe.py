@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 from gaudi3_scale.forecast.calibration import Probe
 from gaudi3_scale.forecast.model import RunShape
 
@@ -44,7 +45,10 @@ def probe_command(
         *overrides, "--out", str(out), "--resume", "never", "--sample-tokens", "0", "--no-progress",
         "--train.max_steps", str(warmup_steps + measured_steps),
         "--train.throughput_warmup_steps", str(warmup_steps),
-        "--train.val_every_steps", "0", "--checkpoint.every_steps", "0",
+        "--train.val_every_steps", "0",
+        # nothing of the probe leaves its temporary directory: no checkpoint (none uploaded to the run's remote),
+        # no tracker run, no metrics port that the run itself may hold
+        *checkpoints_off_overrides(), "--monitor.loggers=", "--monitor.metrics_port", "null",
         "--cost.budget_usd", "null",
     ]  # fmt: skip
 

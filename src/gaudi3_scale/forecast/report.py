@@ -4,9 +4,11 @@ each predicted quantity against the run's summary.json)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.forecast.figures import Figure
 from gaudi3_scale.forecast.model import Forecast
@@ -78,15 +80,22 @@ def read_run_summary(run_dir: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(summary, dict):
         raise UserInputError(f"--compare: {path} is not a run summary")
-    return summary
+    return strict_json.restore_non_finite(summary)  # "Infinity" and "NaN" as summary.json spells them
+
+
+def _number(value: Any) -> float | None:
+    """A figure that can be shown and compared: a finite number, else None (shown as "—")."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return value
 
 
 def compare_with_run(predicted: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Per quantity: predicted, measured and the error (predicted ÷ measured − 1), where both are known."""
     rows = []
     for key, (measured_key, unit) in COMPARED.items():
-        p, m = predicted.get(key), summary.get(measured_key)
-        error = (p / m - 1) if isinstance(p, int | float) and isinstance(m, int | float) and m else None
+        p, m = _number(predicted.get(key)), _number(summary.get(measured_key))
+        error = (p / m - 1) if p is not None and m else None
         rows.append({"quantity": measured_key, "unit": unit, "predicted": p, "measured": m, "error": error})
     return rows
 

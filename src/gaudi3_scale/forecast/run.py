@@ -4,6 +4,7 @@ one)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from gaudi3_scale.forecast.calibration import Probe
@@ -99,6 +100,16 @@ def forecast_config(
             *_catalog_geometry(machine, nodes),
         ],
     )
+    if (
+        cfg.train.max_epochs is not None
+    ):  # as `gaudi3 train` resolves it: optimizer steps over the dataset's tokens
+        from gaudi3_scale.data.inputs import open_training_data
+        from gaudi3_scale.train.assembly import steps_of_epochs
+
+        tokens_per_step = cfg.batch_plan(cfg.parallel.world_size).tokens_per_step
+        train = steps_of_epochs(cfg.train, open_training_data(cfg.data, progress=False),
+                                tokens_per_step=tokens_per_step, note=lambda line: None)  # fmt: skip
+        cfg = dataclasses.replace(cfg, train=train)
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
     model = resolved_model(cfg.model, cfg.data)
     measured = None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config import strict_json
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.health.deadlines import Silence
 from gaudi3_scale.health.heartbeat import (
     DONE,
@@ -79,13 +79,43 @@ def read_health(run_dir: Path) -> HealthReport:
     for path in sorted(health_dir.iterdir()):
         if _HANG_FILE.match(path.name):
             try:
-                hangs.append(json.loads(path.read_text()))
+                record = json.loads(path.read_text())
             except ValueError:
                 raise UserInputError(f"{path}: not a hang report (invalid JSON)") from None
+            if problem := _hang_problem(record):
+                raise UserInputError(f"{path}: not a hang report ({problem})")
+            hangs.append(record)
     hangs.sort(key=lambda r: r.get("detected_unix_s", 0.0))
     beats = read_heartbeats(health_dir)
     ranks = sorted({*beats, *(int(m[1]) for p in health_dir.iterdir() if (m := _RANK_FILE.match(p.name)))})
     return HealthReport(health_dir, hangs, [_rank_health(health_dir, r, beats.get(r)) for r in ranks], events)
+
+
+_HANG_NUMBERS = {
+    "detected_by_rank": int,
+    "detected_by_step": int,
+    "detected_unix_s": int | float,
+    "exit_code": int,
+}
+_LAST_UNIX_S = 2**33  # the year 2242: any later "time" is not one
+
+
+def _hang_problem(record: Any) -> str | None:
+    """What keeps a parsed hang report from being shown (the watchdog writes `health.watchdog.hang_record`)."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for key, kind in _HANG_NUMBERS.items():
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"{key} is {brief(value)}, not a number"
+    if not 0 <= record["detected_unix_s"] < _LAST_UNIX_S:
+        return f"detected_unix_s {brief(record['detected_unix_s'])} is not a time"
+    silent = record.get("silent", [])
+    try:
+        [Silence.from_record(entry).describe() for entry in silent]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return f"silent is {brief(silent)}, not a list of silent ranks"
+    return None
 
 
 def read_events(metrics: Path) -> list[dict[str, Any]]:
@@ -97,9 +127,11 @@ def read_events(metrics: Path) -> list[dict[str, Any]]:
         if '"health_event"' not in line:
             continue
         try:
-            events.append(strict_json.restore_non_finite(json.loads(line)))
+            record = json.loads(line)
         except ValueError:
             continue  # a line being written when the run was killed
+        if isinstance(record, dict):  # anything else is not a record the run wrote
+            events.append(strict_json.restore_non_finite(record))
     return events
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gaudi3_scale.config.core import check_choice, check_positive
+from gaudi3_scale.config.core import check_choice
 from gaudi3_scale.config.errors import ConfigError
-from gaudi3_scale.config.numbers import check_seconds
+from gaudi3_scale.config.numbers import check_number, check_seconds
 from gaudi3_scale.config.urls import check_http_url
 
 __all__ = ["PRICINGS", "CostConfig"]
@@ -20,6 +20,7 @@ __all__ = ["PRICINGS", "CostConfig"]
 PRICINGS = ("on_demand", "spot", "capacity_block")
 Pricing = Literal["on_demand", "spot", "capacity_block"]
 _SPOT_ONLY = ("spot_pause_above_usd_per_hour", "spot_scale_up_below_usd_per_hour")
+MAX_USD = 1e12  # a price or budget above a trillion dollars is a typo; its forecasts would print as inf
 
 
 @dataclass(kw_only=True)
@@ -104,7 +105,7 @@ class CostConfig:
                 )
         check_choice("pricing", self.pricing, PRICINGS)
         for name in ("price_usd_per_hour", "budget_usd", *_SPOT_ONLY):
-            check_positive(name, getattr(self, name))
+            check_number(name, getattr(self, name), above=0, high=MAX_USD)
         check_seconds("spot_ttl_s", self.spot_ttl_s)
         check_http_url("spot_endpoint_url", self.spot_endpoint_url)
         if not 0 < self.warn_at_fraction < 1:

@@ -81,6 +81,7 @@ def load_served_model(
     """The model (eval mode; on the GPU when there is one) and its tokenizer, checked against each other."""
     import torch
 
+    from gaudi3_scale.artifacts.inference import check_tokenizer_fits
     from gaudi3_scale.data import load_tokenizer
     from gaudi3_scale.models import count_parameters
 
@@ -100,11 +101,7 @@ def load_served_model(
         model, tokenizer = load_for_generation(source.path, tokenizer_dir)
     cfg = model.config
     assert isinstance(cfg, ModelConfig) and cfg.vocab_size is not None, "loaders build with build_model"
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise UserInputError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model {cfg.name!r} only {cfg.vocab_size}; "
-            "pass the tokenizer it was trained with (--tokenizer DIR)"
-        )
+    check_tokenizer_fits(tokenizer, cfg)  # load_for_generation checked its own; an export's here
     if torch.cuda.is_available():
         model = model.to("cuda")
     return ServedModel(model.eval(), tokenizer, cfg, name or cfg.name, count_parameters(cfg), source)

@@ -167,8 +167,14 @@ def steps_of_epochs(
         return train
     train_tokens = sum(int(sum(m.train.shard_tokens)) for m in prepared.members)
     steps = steps_for_epochs(train.max_epochs, train_tokens=train_tokens, tokens_per_step=tokens_per_step)
+    try:  # the fields checked against max_steps (warmup and profiling steps within it) meet the resolved one
+        resolved = dataclasses.replace(train, max_steps=steps, max_epochs=None)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"train.{exc.field}", f"{exc.problem} (train.max_epochs {train.max_epochs} gives {steps} steps)"
+        ) from None
     note(
         f"train.max_epochs {train.max_epochs}: {steps} optimizer steps ({train_tokens:,} training tokens, "
         f"{tokens_per_step:,} per step)"
     )
-    return dataclasses.replace(train, max_steps=steps, max_epochs=None)
+    return resolved

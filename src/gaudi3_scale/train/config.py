@@ -97,6 +97,17 @@ class RunConfig:
                 "off, warn, skip",
             )
         _check_expert_parallel(self.model, self.parallel.ep_size)
+        if (
+            self.checkpoint.enabled
+            and self.checkpoint.light_every_steps
+            and (sharded := _sharded_by(self.parallel))
+        ):
+            # refused here, before any rank is launched (the trainer's own check names a user's strategy object)
+            raise ConfigError(
+                "checkpoint.light_every_steps",
+                f"light checkpoints are one file written by rank 0, but {sharded} saves sharded checkpoints (not "
+                "supported yet); set it to 0 and export a full checkpoint instead",
+            )
         if self.parallel.tp_size > 1 and self.train.precision == "fp8":
             raise ConfigError(
                 "train.precision",
@@ -260,6 +271,17 @@ def _check_steps_or_epochs(raw: Mapping[str, Any]) -> None:
             f"{train_raw['max_epochs']!r} and train.max_steps {train_raw['max_steps']!r} are both set; they are "
             "alternatives: set one (max_epochs = passes over the training tokens, max_steps = optimizer steps)",
         )
+
+
+def _sharded_by(parallel: ParallelConfig) -> str | None:
+    """The setting that makes the run save sharded (DCP) checkpoints: FSDP, or the FSDP2 mesh of pipeline, tensor
+    parallel or HSDP; None for single-file ones."""
+    if parallel.strategy in ("fsdp", "fsdp_grad_op"):
+        return f"parallel.strategy {parallel.strategy}"
+    for name in ("pp_size", "tp_size", "dp_replicate"):
+        if getattr(parallel, name) > 1:
+            return f"parallel.{name} {getattr(parallel, name)} (FSDP2)"
+    return None
 
 
 def steps_for_epochs(max_epochs: int, *, train_tokens: int, tokens_per_step: int) -> int:

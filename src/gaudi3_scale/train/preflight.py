@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config
 from gaudi3_scale.monitor.config import check_trackers
@@ -26,7 +27,8 @@ def check_run_inputs(cfg: RunConfig) -> None:
     """One line, exit 2, for: a model.init_from checkpoint that is incomplete or unreadable (every shard present,
     every tensor there with its config's shape; headers only), a checkpoint.remote_url that cannot be opened, an
     unknown instance or price (cost), a tracker whose package is missing (monitor), an --out that is a file."""
-    check_output_dir("out_dir", cfg.output_dir)
+    check_output_dir("out_dir", cfg.output_dir / "checkpoints")  # a file there would fail only the first save
+    _check_not_foreign(cfg.output_dir)
     if cfg.model.init_from is not None:
         from gaudi3_scale.models.pretrained import open_pretrained
 
@@ -37,6 +39,27 @@ def check_run_inputs(cfg: RunConfig) -> None:
         open_remote(cfg.checkpoint.remote_url)
     check_cost_config(cfg.cost)
     check_trackers(cfg.monitor)
+
+
+# What marks a directory as a run's (its lock is taken before anything is written), and what a run writes there
+# that would replace a file of the same name.
+_RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+_RUN_WRITES = ("config.yaml", "summary.json", "loss.png", "tokenizer", "health")
+
+
+def _check_not_foreign(out_dir: Path) -> None:
+    """Refuse an --out that holds files a run would overwrite (a project directory, `--out .` beside one's own
+    config.yaml) but no run; a new, empty or unrelated directory, and a run's own, pass."""
+    if not out_dir.is_dir() or any((out_dir / name).exists() for name in _RUN_MARKERS):
+        return
+    if any(out_dir.glob(".run*.lock")):
+        return
+    if mine := next((name for name in _RUN_WRITES if (out_dir / name).exists()), None):
+        raise ConfigError(
+            "out_dir",
+            f"{str(out_dir)!r} holds {mine} but no gaudi3 run (no checkpoints/, metrics.jsonl or .run.lock); a run "
+            "would overwrite it: pass a new directory (a run's own to continue it)",
+        )
 
 
 def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -> Path | None:

@@ -22,7 +22,7 @@ from gaudi3_scale.checkpoint.manager import (
     resolve_checkpoint,
     state_path,
 )
-from gaudi3_scale.checkpoint.manifest import read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.env import inside_launched_worker
@@ -95,12 +95,19 @@ def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
 
 
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint trained with another model shape, global batch or dataset (one line)."""
+    """Refuse to resume a checkpoint trained with another model shape, global batch, dataset or seed (one line)."""
     ckpt = _read_meta(checkpoint)
     check_resume_strategy(ckpt, config.get("parallel", {}))
     saved = run_config(ckpt)
     if saved is None:
         return
+    if saved.get("seed") != config.get(
+        "seed"
+    ):  # the data order's: the sampler would refuse it inside the fit
+        raise UserInputError(
+            f"seed: the checkpoint was trained with {saved.get('seed')!r} but the config says {config.get('seed')!r}; "
+            "use the original value or a new --out directory"
+        )
     for section, keys in (
         ("model", None),
         ("train", ("global_batch_size",)),
@@ -181,6 +188,12 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
             found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
             if found is not None:
                 manager.mark_latest(found)
+        if found is None and (damaged := [path for _, path in manager.steps() if has_manifest(path)]):
+            # committed checkpoints, none intact: starting over would silently drop the training they hold
+            raise UserInputError(
+                f"train.resume: no checkpoint in {manager.directory} verifies ({verify_checkpoint(damaged[-1])[0]}); "
+                "restore one, move them aside to start over, or use a new --out directory"
+            )
         return state_path(found) if found is not None else None
     if resume == "never":
         if manager.steps():
@@ -188,6 +201,16 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
                 f"{manager.directory} already holds checkpoints and train.resume is 'never'; use --train.resume "
                 "auto to continue, or a new --out directory"
             )
+        if cfg.checkpoint.remote_url and not inside_launched_worker():
+            from gaudi3_scale.checkpoint.storage import remote_manifest
+
+            if (
+                remote_manifest(cfg.checkpoint.remote_url) is not None
+            ):  # another run's: its uploads would be replaced
+                raise UserInputError(
+                    f"checkpoint.remote_url {cfg.checkpoint.remote_url} already holds checkpoints and train.resume is "
+                    "'never'; use --train.resume auto to continue from them, or another remote_url"
+                )
         return None
     if not Path(resume).exists():
         raise ConfigError(

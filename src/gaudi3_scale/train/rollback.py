@@ -5,7 +5,7 @@ The step guard (`health.guard.StepGuard`) finds the spike at optimizer step K on
 update and ends the fit (`train.step_health.StepHealth`); `GaudiTrainer` then plans the rollback here, once every
 save of that fit has committed, and fits again from the plan's checkpoint with the plan's batches skipped.
 
-The checkpoint is the newest committed one whose step is at most K: a checkpoint of step S holds the state after
+The checkpoint is the newest one that verifies whose step is at most K: a checkpoint of step S holds the state after
 S updates, before step S's own, so one saved at K itself precedes the spiking update. Its data step (the sampler's
 `samples_consumed` / the global batch) is the first batch a resume from it would load; the plan skips
 `health.rollback_skip_batches` data steps from there, and at least through the spiking batch (K's, at or after it),
@@ -19,6 +19,7 @@ A spike after `health.max_rollbacks` rollbacks is not rolled back: the run stops
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,16 +75,20 @@ def plan_rollback(
     global_batch_size: int,
     skip_batches: int,
     lr_scale: float,
+    warn: Callable[[str], None] | None = None,
 ) -> Rollback:
-    """The rollback from a spike at `spike_step`: the newest committed checkpoint at or before it, and the
-    `skip_batches` data steps from the one it resumes at, at least through the spiking batch. `skips` is the spiking
-    fit's (the spiking update's batch; for the no-checkpoint case, the first batch of the stream not already
-    skipped); `lr_scale` the factor after this rollback."""
-    older = [(step, path) for step, path in manager.committed() if step <= spike_step]
-    if older:
-        to_step, directory = older[-1]
+    """The rollback from a spike at `spike_step`: the newest checkpoint at or before it that verifies (each
+    damaged one passed over is named via `warn`), and the `skip_batches` data steps from the one it resumes at, at
+    least through the spiking batch. `skips` is the spiking fit's (the spiking update's batch; for the
+    no-checkpoint case, the first batch of the stream not already skipped); `lr_scale` the factor after this
+    rollback."""
+    older = {path: step for step, path in reversed(manager.committed()) if step <= spike_step}  # newest first
+    # each verified: a damaged one (even one this run's resume skipped) is named and passed over
+    directory = manager.first_valid(list(older), warn=warn)
+    if directory is not None:
+        to_step = older[directory]
         ckpt: Path | None = state_path(directory)
-        state = read_checkpoint(directory, tensors=False, verify=False)
+        state = read_checkpoint(directory, tensors=False, verify=False)  # verified just now
         first = int(state[DATAMODULE_KEY]["samples_consumed"]) // global_batch_size
     else:
         to_step, ckpt = 0, None

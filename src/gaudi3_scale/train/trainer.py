@@ -30,6 +30,7 @@ from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.data.skips import BatchSkips
+from gaudi3_scale.data.tokenizers import Tokenizer
 from gaudi3_scale.device import DevicePlan
 from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
@@ -117,6 +118,7 @@ class GaudiTrainer:
         self._health: StepHealth | None = None
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
         self._data_sha256: str | None = None
+        self._tokenizer: Tokenizer | None = None  # the run's dataset's, saved beside its config
         self._resolved_plans: tuple[BatchPlan, ParallelPlan] | None = None
         # health.spike_policy rollback: the data steps the run's rollbacks skip, a multi-rank fit's store kept for
         # the re-fit after one, and the re-fits made
@@ -179,10 +181,7 @@ class GaudiTrainer:
         guard = StepGuard(cfg.health, skips)
         if guard.active:
             module.guard = self._guard = guard
-        if launched_rank() == 0:
-            tokenizer_dir = self.out_dir / "tokenizer"
-            tokenizer_dir.mkdir(parents=True, exist_ok=True)
-            prepared.tokenizer.save(tokenizer_dir)
+        self._tokenizer = prepared.tokenizer  # saved with the config once the resume checks passed
         return module, datamodule
 
     # ---- the Lightning trainer around the parts that act after each step ---------------------------------------
@@ -272,7 +271,8 @@ class GaudiTrainer:
         self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock
         if ckpt_path is not None:
             self._check_resume(model, ckpt_path)
-        # plan.json past every refusal: a run refused at its start changes nothing
+        # the run's files and plan.json past every refusal: a run refused at its start changes nothing
+        self._write_run_files()
         if rollback is None and self._forecast is not None and launched_rank() == 0:
             write_plan(self.out_dir, self._forecast)
         if rollback is not None and self._health is not None:  # reported at the first step of this fit
@@ -298,7 +298,7 @@ class GaudiTrainer:
         datamodule: pl.LightningDataModule | None,
         ckpt_path: Path | None,
     ) -> tuple[pl.LightningModule, pl.LightningDataModule | None]:
-        """What this fit trains (the registry model on the run's dataset unless given), its config written."""
+        """What this fit trains: the registry model on the run's dataset unless given."""
         # Python, numpy and torch global generators: nothing in our training draws from them (weights, data order
         # and dropout have their own seeded streams), but user code may, and checkpoints record them, so two runs
         # with the same seed must hold the same state. One stream per rank.
@@ -313,10 +313,18 @@ class GaudiTrainer:
                 "counts passes over the run's own dataset; with your own model and datamodule set train.max_steps",
             )
         self.module, self.datamodule = model, datamodule
+        return model, datamodule
+
+    def _write_run_files(self) -> None:
+        """The run's config and (the run's own dataset) tokenizer, written once the run is past its refusals: a
+        resume refused at its start changes nothing in the run directory."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if launched_rank() == 0:
             save_yaml(self.config, self.out_dir / "config.yaml")
-        return model, datamodule
+            if self._tokenizer is not None:
+                tokenizer_dir = self.out_dir / "tokenizer"
+                tokenizer_dir.mkdir(parents=True, exist_ok=True)
+                self._tokenizer.save(tokenizer_dir)
 
     def _check_resume(self, model: pl.LightningModule, ckpt_path: Path) -> None:
         """The checkpoint's model and data against this run's (`train.resume`): our model only."""
@@ -374,6 +382,7 @@ class GaudiTrainer:
             global_batch_size=self._plans()[0].global_batch_size,
             skip_batches=health.rollback_skip_batches,
             lr_scale=guard.lr_scale * health.rollback_lr_scale,
+            warn=self._warn,
         )
         self._rollback_skips.extend(rollback.skipped)
         if _distributed():

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
 from gaudi3_scale.train.report import read_metrics
@@ -98,7 +99,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         "--train.log_every_steps=1",
         "--train.val_every_steps=0",
         "--train.val_batches=1",
-        "--checkpoint.enabled=false",
+        *checkpoints_off_overrides(),
         *settings.extra_overrides,
     ]
 
