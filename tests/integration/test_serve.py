@@ -552,6 +552,19 @@ HOSTILE = [  # (name, request bytes, status, param, words in the message)
      "Content-Length must be a number"),
     ("Content-Length of 5,000 digits", _post(b"").replace(b"Length: 0", b"Length: " + b"9" * 5000), 413, None,
      "over this server's limit"),
+    # the second sweep (2026-11-30)
+    ("a field named by a lone surrogate", _post(b'{"\\ud800": 1}'), 400, "\ud800", "Unrecognized request argument"),
+    ("a 60,000-byte path", b"GET /" + b"a" * 60_000 + b" HTTP/1.1\r\n\r\n", 404, None, "Invalid URL (GET /aaa"),
+    ("a 60,000-byte method", b"B" * 60_000 + b" /health HTTP/1.1\r\n\r\n", 405, None, "use GET or HEAD"),
+    ("Content-Lengths that differ", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 1\r\n"
+     b"\r\n{}", 400, None, "Content-Length headers that differ"),
+    ("Transfer-Encoding: gzip", b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n"
+     b"\r\n{}", 501, None, "Transfer-Encoding 'gzip' is not supported"),
+    ("n: true", _post(b'{"prompt": "KING", "n": true}'), 400, "n", "n=true is not supported"),
+    ("n: 1.0", _post(b'{"prompt": "KING", "n": 1.0}'), 400, "n", "n=1.0 is not supported"),
+    ("user: 5", _post(b'{"prompt": "KING", "user": 5}'), 400, "user", "user must be a string, got 5"),
+    ("a body that is null", _post(b"null"), 400, None, "must be a JSON object, got a JSON null"),
+    ("an empty request line", b"   \r\n\r\n", 400, None, "an empty request line"),
 ]  # fmt: skip
 
 

@@ -74,6 +74,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p["checkpoints_file"] = root / "checkpoints-file"  # a run directory whose checkpoints/ is a file
     p["checkpoints_file"].mkdir()
     (p["checkpoints_file"] / "checkpoints").write_text("not a directory\n")
+    p["blocked"] = root / "blocked"  # a render target whose k8s/ is a file: refused before docker/ is written
+    p["blocked"].mkdir()
+    (p["blocked"] / "k8s").write_text("mine\n")
     p["remote"] = root / "remote"  # another run's mirror, holding its checkpoint
     shutil.copytree(step, p["remote"] / step.name)
     p["edited"] = p["rendered"] / "k8s" / "base" / "02-config.yaml"
@@ -153,6 +156,9 @@ FIXED: list[Case] = [
     ("train-light-with-a-pipeline", lambda p: ["train", "--print-config", "--parallel.pp_size", "2", "--parallel.nproc_per_node", "2", "--model.num_layers", "2", "--model.tie_embeddings", "false", "--checkpoint.light_every_steps", "1", "--checkpoint.every_steps", "3"], ("checkpoint.light_every_steps:", "parallel.pp_size 2 (FSDP2) saves sharded checkpoints"), ()),
     ("train-epochs-with-warmup-past-them", lambda p: _train(p, "--train.max_epochs", "1", "--train.throughput_warmup_steps", "100000"), ("train.throughput_warmup_steps: 100000 leaves no measured step", "train.max_epochs 1 gives"), ()),
     ("cost-catalog-bad-file", lambda p: ["cost", "catalog", "--catalog", str(p["list.yaml"])], ("list.yaml",), ()),
+    ("deploy-render-out-inside-a-file", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
+    ("deploy-render-a-file-in-the-way", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["blocked"])], ("--out:", "k8s' is a file"), ("blocked",)),
+    ("deploy-render-hosts-empty-entry", lambda p: ["deploy", "render", "--target", "onprem", "--accelerator", "gaudi3", "--nodes", "2", "--hosts", "node0,,node1", "--config", str(p["good.yaml"]), "--out", str(p["root"] / "r4")], ("--hosts:", "has an empty entry"), ()),
     ("health-hang-report-a-list", lambda p: ["health", str(p["hang_list"])], ("not a hang report (a JSON list, not an object)",), ()),
     ("health-hang-report-time", lambda p: ["health", str(p["hang_time"])], ("detected_unix_s 1e+30 is not a time",), ()),
 ]  # fmt: skip

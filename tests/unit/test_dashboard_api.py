@@ -225,6 +225,42 @@ def test_corrupt_metrics_lines_are_a_warning_not_a_crash(runs: Path, client: Any
     assert any(w.startswith("config.yaml unreadable") for w in detail["warnings"])
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"step": 1, "train_loss": 2.0, "peak_memory_bytes": NaN}',
+        '{"step": 1, "train_loss": 2.0, "peak_memory_bytes": "Infinity"}',
+        '{"step": "abc", "train_loss": 2.0}',
+        '{"step": 1, "train_loss": "x"}',
+        '{"step": 1, "cost_usd": "z", "projected_finish_unix": 1e30}',
+        '{"step": 1, "stragglers": "rank 1"}',
+        "config",
+    ],
+)
+def test_a_value_of_the_wrong_type_in_one_run_fails_none_of_the_pages(
+    runs: Path, client: Any, bad: str
+) -> None:
+    """A hand-edited or foreign file: the record is an unreadable line (the config value unknown), and every page,
+    the other runs' included, is still served."""
+    records = [_train_record(1)]
+    _make_run(
+        runs,
+        "bad",
+        records,
+        config={**_config(), "train": {"max_steps": "lots"}} if bad == "config" else None,
+    )
+    if bad != "config":
+        (runs / "bad" / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n" + bad + "\n")
+    for url in ("/", "/api/runs", "/system", "/api/system", "/runs/bad", "/api/runs/bad", "/api/runs/bad/metrics",
+                "/runs/bad/cost", "/api/runs/alpha"):  # fmt: skip
+        assert client.get(url).status_code == 200, url
+    run = client.get("/api/runs/bad").get_json()
+    if bad == "config":
+        assert run["max_steps"] is None
+    else:
+        assert run["unreadable_lines"] == 1 and run["step"] == 1
+
+
 def test_a_diverged_run_is_served_as_strict_json(runs: Path, client: Any) -> None:
     """metrics.jsonl and summary.json as runs before the strict encoder wrote them (bare NaN, Infinity): every API
     response about the run still parses with JSON.parse's rules, the non-finite numbers spelled out as strings."""

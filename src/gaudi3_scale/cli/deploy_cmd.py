@@ -79,7 +79,7 @@ def render_cmd(
         name=name,
         image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,
-        hosts=tuple(h.strip() for h in (hosts or "").split(",") if h.strip()),
+        hosts=_hosts(hosts),
         extra=_settings(settings),
     )
     files = render(spec)
@@ -165,3 +165,13 @@ def _tool(action: str, paths: tuple[str, ...], *, yes: bool) -> None:
         raise SystemExit(1) from None
     if not done:
         raise SystemExit(1)
+
+
+def _hosts(hosts: str | None) -> tuple[str, ...]:
+    """--hosts as names; an empty entry (`a,,b`, a trailing comma) is a typo that would drop a node."""
+    if hosts is None:
+        return ()
+    names = tuple(h.strip() for h in hosts.split(","))
+    if not all(names):
+        raise UserInputError(f"--hosts: {hosts!r} has an empty entry; pass comma-separated host names")
+    return names

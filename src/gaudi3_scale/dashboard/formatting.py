@@ -58,7 +58,10 @@ def when(unix_s: float | None) -> str:
     """A Unix time as local date and time (the dashboard runs where its user is: `--host` defaults to loopback)."""
     if unix_s is None:
         return MISSING
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+    except (OverflowError, OSError, ValueError):  # NaN, infinite or beyond the platform's time_t
+        return MISSING
 
 
 def ranks(value: list[int] | None) -> str:

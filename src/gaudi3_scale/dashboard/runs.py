@@ -13,6 +13,7 @@ the bytes appended since. A line that is not a JSON object is counted as unreada
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -45,10 +46,39 @@ def child_kind(root: Path, directory: Path) -> str | None:
     return None
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def config_section(config: dict[str, Any], key: str) -> dict[str, Any]:
     """One section of a run's config.yaml; {} when absent or not a mapping (a hand-edited file)."""
     value = config.get(key)
     return value if isinstance(value, dict) else {}
+
+
+# What the pages and the API read from a record as numbers (a diverged loss may be NaN or infinite; a count not).
+_COUNTS = ("step", "tokens_seen", "peak_memory_bytes")
+_NUMBERS = ("train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "step_time_s",
+            "time_unix", "cost_usd", "cost_usd_per_hour", "cost_projected_usd", "cost_budget_usd",
+            "cost_budget_remaining_usd", "projected_finish_unix", "scaling_efficiency")  # fmt: skip
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _misfit(record: dict[str, Any]) -> bool:
+    """Whether a metrics record holds a field of another type than `gaudi3 train` writes there."""
+    counts = [record[k] for k in _COUNTS if record.get(k) is not None]
+    if not all(_is_number(v) and math.isfinite(v) and v >= 0 for v in counts):
+        return True
+    if any(record.get(k) is not None and not _is_number(record[k]) for k in _NUMBERS):
+        return True
+    stragglers = record.get("stragglers")
+    return stragglers is not None and not (
+        isinstance(stragglers, list)
+        and all(isinstance(r, int) and not isinstance(r, bool) for r in stragglers)
+    )
 
 
 @dataclass
@@ -80,6 +110,10 @@ class _Tail:
             return
         # A diverged run's "NaN" is a number here (as in a file from before the strict encoder), spelled when served.
         record = restore_non_finite(record)
+        if _misfit(record):  # a field the pages read as a number that is not one: unreadable, never a 500
+            self.unreadable += 1
+            self.lines.append(None)
+            return
         self.lines.append(record)
         if record.get("train_loss") is not None or record.get("tokens_per_s") is not None:
             self.latest_train = record
@@ -88,7 +122,7 @@ class _Tail:
         if record.get("cost_usd") is not None:
             self.latest_cost = record
         peak = record.get("peak_memory_bytes")
-        if isinstance(peak, int | float):
+        if peak is not None:
             self.peak_memory_bytes = max(int(peak), self.peak_memory_bytes or 0)
 
 
@@ -277,7 +311,7 @@ class RunStore:
             "model": config_section(config, "model").get("name"),
             "device": (summary or {}).get("device"),
             "step": max(train.get("step") or 0, val.get("step") or 0) if view.count else None,
-            "max_steps": config_section(config, "train").get("max_steps"),
+            "max_steps": _count(config_section(config, "train").get("max_steps")),  # a hand-edited file's
             "train_loss": train.get("train_loss"),
             "val_loss": val.get("val_loss"),
             "tokens_per_s": train.get("tokens_per_s"),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = [
@@ -109,28 +110,41 @@ def check_run_geometry(spec: DeploySpec) -> None:
 
 def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False) -> list[Path]:
     """Write `files` under `out_dir` (each atomically). A file that exists with other content is refused (one
-    line naming it) unless `force`; identical files are left alone."""
+    line naming it) unless `force`; identical files are left alone. Everything that would stop a write (a file
+    where a directory goes, a directory where a file goes, a link out of `out_dir`) is refused before any file
+    is written."""
+    check_output_dir("--out", out_dir)
     root = out_dir.resolve()
     targets = {}
     for rel, text in files.items():
         path = (root / rel).resolve()
         if root not in path.parents:
-            raise ValueError(f"rendered path {rel!r} leaves the output directory")
-        targets[path] = text
-    clashes = [p for p, text in targets.items() if p.exists() and p.read_text() != text]
+            raise UserInputError(f"--out: {rel} would be written through a link out of {str(out_dir)!r}")
+        check_output_dir("--out", path.parent)
+        if path.exists() and not path.is_file():
+            raise UserInputError(
+                f"--out: {str(path)!r} is in the way of a rendered file (not a regular file)"
+            )
+        targets[path] = text.encode()
+    clashes = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data]
     if clashes and not force:
         raise UserInputError(
             f"{clashes[0]} exists and differs from what would be rendered ({len(clashes)} such file(s)); "
             "render into a new --out directory, or pass --force to overwrite"
         )
     written = []
-    for path, text in sorted(targets.items()):
-        if path.exists() and path.read_text() == text:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-        written.append(path)
+    try:
+        for path, data in sorted(targets.items()):
+            if path.exists() and path.read_bytes() == data:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+            written.append(path)
+    except OSError as exc:  # the file system refused (read-only, /proc, full): one line, naming the path
+        raise UserInputError(
+            f"--out: cannot write {exc.filename or out_dir} ({exc.strerror or exc})"
+        ) from None
     return written

@@ -103,6 +103,21 @@ def shown(value: Any) -> str:
     return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 1] + "…"
 
 
+def clipped(text: str) -> str:
+    """A client's text (a path, a method) as an error message quotes it: at most `QUOTE_CHARS` characters."""
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 1] + "…"
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type: object, array, string, number, boolean or null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = ((dict, "object"), (list, "array"), (str, "string"), (int | float, "number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
 class RequestError(Exception):
     """A request the server refuses: an HTTP status and OpenAI's error object."""
 
@@ -244,7 +259,13 @@ def _check_fields(body: dict[str, Any]) -> None:
         )
     for name, default in _ONLY_DEFAULT.items():
         value = body.get(name, default)
-        if value is not None and value != default and not (name == "logit_bias" and value == {}):
+        # a JSON boolean is not the number 1 or 0; n and best_of are integers (1.0 is not one)
+        wrong_type = isinstance(value, bool) or (name in ("n", "best_of") and not isinstance(value, int))
+        if (
+            value is not None
+            and (wrong_type or value != default)
+            and not (name == "logit_bias" and value == {})
+        ):
             raise _invalid(
                 f"{name}={shown(value)} is not supported by this server; "
                 f"leave it out or set it to {json.dumps(default)}.",
@@ -273,8 +294,10 @@ def parse_completion_request(raw: bytes, *, served_model: str, max_tokens_limit:
     """A `POST /v1/completions` body checked field by field; `RequestError` names the first problem."""
     body = _load_body(raw)
     if not isinstance(body, dict):
-        raise _invalid(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
+        raise _invalid(f"The request body must be a JSON object, got a JSON {json_type(body)}.")
     _check_fields(body)
+    if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: a string
+        raise _invalid(f"user must be a string, got {shown(body['user'])}.", "user")
     model = body.get("model", served_model)
     if model != served_model:
         raise RequestError(

@@ -35,11 +35,13 @@ from gaudi3_scale.serve.loading import ServedModel
 from gaudi3_scale.serve.protocol import (
     CompletionRequest,
     RequestError,
+    clipped,
     completion_body,
     encode_prompt,
     error_body,
     new_completion_id,
     parse_completion_request,
+    shown,
     sse_event,
     stream_chunk,
 )
@@ -131,18 +133,21 @@ class _Handler(BaseHTTPRequestHandler):
                 return  # connected and closed without a request (a TCP health probe)
             self.raw_requestline = head[0]
             socket_file, self.rfile = self.rfile, io.BytesIO(b"".join(head[1:]))
+            self._refused = False
             try:
                 parsed = self.parse_request()  # a refusal goes through send_error
             finally:
                 self.rfile = socket_file
             if parsed:
                 self._route(self.command)
+            elif not self._refused:  # the standard library drops an empty request line without a word
+                self.send_error(400, "Bad request syntax (an empty request line)")
         except (ConnectionError, TimeoutError):
             pass  # the client went away, or stopped reading what we write: there is nobody to answer
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (a malformed request line or headers), in OpenAI's error shape."""
-        self.close_connection = True
+        self.close_connection = self._refused = True
         text = " ".join((message or HTTPStatus(code).phrase).split())[:200].rstrip(".")
         self._send_json(code, error_body(f"{text}."))
 
@@ -191,10 +196,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._read_body()  # before any answer, so that an error never leaves a body unread
             if allowed is None:
-                raise RequestError(404, f"Invalid URL ({method} {path}): this server answers GET /health, "
+                raise RequestError(404, f"Invalid URL ({clipped(f'{method} {path}')}): this server answers GET /health, "
                                         "GET /v1/models and POST /v1/completions.", code="unknown_url")  # fmt: skip
             if method not in allowed:
-                raise RequestError(405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}.",
+                raise RequestError(405, f"{clipped(method)} is not allowed on {path}; use {' or '.join(allowed)}.",
                                    code="method_not_allowed")  # fmt: skip
             if path == "/health":
                 self._send_json(200, self._health())
@@ -214,7 +219,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def _send_json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = strict_json.dumps(body, ensure_ascii=False).encode()
+        # a client's lone surrogate quoted in an error stays a JSON escape (\ud800) rather than failing to encode
+        data = strict_json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
         self.connection.settimeout(self.server.client_timeout_s)  # each write; reading had its own deadline
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -241,15 +247,23 @@ class _Handler(BaseHTTPRequestHandler):
             return {"object": "list", "data": [card]}
         name = path[len(_MODEL_PREFIX) :]
         if name != app.served.name:
-            raise RequestError(404, f"The model {name!r} does not exist; this server serves {app.served.name!r}.",
+            raise RequestError(404, f"The model {shown(name)} does not exist; this server serves {app.served.name!r}.",
                                param="model", code="model_not_found")  # fmt: skip
         return card
 
     def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        coding = self.headers.get("Transfer-Encoding", "").strip().lower()
+        if "chunked" in coding:
             raise RequestError(
                 411, "Send the body with a Content-Length header; chunked bodies are not accepted."
             )
+        if coding not in ("", "identity"):  # RFC 9112 §6.1: a coding the server does not know is a 501
+            raise RequestError(
+                501, f"Transfer-Encoding {clipped(coding)!r} is not supported; send the body as is."
+            )
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length") or []}
+        if len(lengths) > 1:  # RFC 9112 §6.3: differing lengths make the message unreadable (and smugglable)
+            raise RequestError(400, "The request has Content-Length headers that differ; send one.")
         length = self.headers.get("Content-Length", "0").strip()
         if not (length.isascii() and length.isdigit()):
             raise RequestError(400, f"Content-Length must be a number of bytes, got {length[:40]!r}.")
