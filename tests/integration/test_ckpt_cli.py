@@ -104,8 +104,9 @@ def test_malformed_manifest_is_damage_for_every_command(
     assert code == 1 and stdout.strip() == f"{step4}: step-00000004: {problem}"
     code, stdout, _ = gaudi3_cli("ckpt", "verify", str(out))  # a run directory: each of its checkpoints
     assert code == 1 and stdout.splitlines()[0].endswith("step-00000002: ok") and problem in stdout
-    code, stdout, stderr = gaudi3_cli("ckpt", "list", str(out), "--verify")
-    assert code == 1 and "malformed" in stdout and stderr == ""
+    for flags in ((), ("--verify",)):  # a manifest of the wrong shape is damage even without hashing
+        code, stdout, stderr = gaudi3_cli("ckpt", "list", str(out), *flags)
+        assert code == 1 and "malformed" in stdout and stderr == ""
     for args, field in [
         (("ckpt", "diff", str(out / "checkpoints" / "step-00000002"), str(step4)), "checkpoint"),
         ((*TRAIN, "--out", str(tmp_path / "new"), "--train.resume", str(step4)), "train.resume"),

@@ -49,7 +49,8 @@ def ckpt() -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="also check every file's size and SHA-256")
 def list_cmd(directory: Path, verify: bool) -> None:
-    """The checkpoints of a run (a run directory or its checkpoints/)."""
+    """The checkpoints of a run (a run directory or its checkpoints/); exit 1 if any is damaged or uncommitted
+    (a damaged manifest shows without --verify; a damaged file only with it)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -71,7 +72,7 @@ def list_cmd(directory: Path, verify: bool) -> None:
         table.add_row(str(r["step"]), r["status"], "*" if r["latest"] else "", size, tokens,
                       str(r["world_size"] or "-"), str(r["strategy"] or "-"), val)  # fmt: skip
     Console().print(table)
-    if verify and any(r["status"] != "ok" for r in rows):
+    if any(r["status"] not in ("ok", "-") for r in rows):  # damaged or uncommitted ("-": not verified)
         sys.exit(1)
 
 

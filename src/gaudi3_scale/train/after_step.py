@@ -133,11 +133,12 @@ class AfterStep(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.metrics.end()
-        self.stop.end()
+        self.stop.settle()
         if not (
             self.health is not None and self.health.ends_fit
         ):  # a rollback or the stop saves nothing more
             self.checkpoint.end(trainer)  # the final checkpoint, committed
+        self.stop.end()  # the signal handlers stay the run's until that commit
         if self.progress is not None:
             self.progress.stop()
         if self.profiler is not None:
@@ -150,6 +151,7 @@ class AfterStep(pl.Callback):
             self.progress.stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.stop.restore()  # after on_train_end (nothing left to restore), or after an exception
         if self.profiler is not None:  # an exception ended training: stop profiling, write nothing
             self.profiler.abort()
         self.checkpoint.release()

@@ -39,6 +39,7 @@ __all__ = [
     "PREEMPTION_SIGNALS",
     "GracefulInterrupt",
     "StepCheckpoint",
+    "own_signals",
     "preemption_exit_code",
 ]
 
@@ -228,6 +229,18 @@ def preemption_exit_code(signal_name: str | None) -> int:
     return 0 if signal_name is None else signal_exit_code(getattr(signal, signal_name))
 
 
+def own_signals(trainer: pl.Trainer, stop: GracefulInterrupt) -> None:
+    """The stop signals are the run's for the whole fit: its handlers go up where Lightning would put its own.
+
+    Lightning 2.6 installs a SIGTERM handler just before the fit loop (`_SignalConnector.register_signal_handlers`)
+    that broadcasts inside the handler (a collective that can meet another one, a checkpoint's barrier, and hang)
+    and, landing before the run's handlers were up, ends the fit as a SystemExit without a code: exit 0, nothing
+    saved. Its SLURM requeue handler goes too; SIGUSR1 stops the run like SIGTERM."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None and hasattr(connector, "register_signal_handlers"):
+        connector.register_signal_handlers = stop.start
+
+
 class GracefulInterrupt:
     """SIGTERM, SIGUSR1 or Ctrl-C: finish the current optimizer step, save a checkpoint on every rank, stop.
 
@@ -288,7 +301,10 @@ class GracefulInterrupt:
         )
 
     def start(self) -> None:
-        """Handle the stop signals (main thread only) until `end`."""
+        """Handle the stop signals (main thread only) until `end` (or `restore`). Called where Lightning would
+        install its own handlers (`own_signals`), and again at the fit's start: the second call changes nothing."""
+        if self._previous:
+            return
         for signum in PREEMPTION_SIGNALS:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -326,15 +342,39 @@ class GracefulInterrupt:
         signum, exit_code = previous[1].tolist()
         return int(signum), int(exit_code)
 
-    def end(self) -> None:
-        """Wait for the last boundary's all-reduce, restore the signal handlers."""
-        if (
-            self._in_flight is not None
-        ):  # the last boundary's all-reduce: every rank issued it, so it completes
+    def adopt_pending(self, trainer: pl.Trainer) -> bool:
+        """After a fit that a spike ended for a rollback: whether any rank holds a stop signal the step boundaries
+        did not agree on yet (it arrived in the last step); if so it becomes this run's stop (every rank alike)."""
+        received, exit_code = self._received, self._exit_code
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            flags = torch.tensor(
+                [received, exit_code], dtype=torch.int64, device=trainer.strategy.root_device
+            )
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            received, exit_code = (int(v) for v in flags.tolist())
+        if received and self.signal_name is None:
+            # the summary's stop: "interrupted" (a save the stop asked for), its signal or exit code
+            self.signal_name = PREEMPTION_SIGNALS[signal.Signals(received)]
+            self.exit_code, self.checkpoint.save_requested = exit_code or None, True
+        return self.signal_name is not None
+
+    def settle(self) -> None:
+        """Wait for the last boundary's all-reduce (every rank issued it, so it completes): before the final save's
+        own collectives."""
+        if self._in_flight is not None:
             self._in_flight[0].wait()
             self._in_flight = None
+
+    def end(self) -> None:
+        """After the final save has committed: the time from the signal to that commit, the handlers restored. Until
+        then a signal is ours to record (a Ctrl-C raised inside the save's wait would abandon its writer thread)."""
+        self.settle()
         if self.signal_name is not None and self._received_at is not None:
             self.signal_to_checkpoint_s = self.checkpoint.committed_at - self._received_at
+        self.restore()
+
+    def restore(self) -> None:
+        """The signal handlers there were before `start` (a fit that raised ends here, through teardown)."""
         for signum, previous in self._previous.items():
             if previous is not None:
                 signal.signal(signum, previous)

@@ -47,6 +47,7 @@ from gaudi3_scale.train.assembly import (
     resolve_model,
     steps_of_epochs,
 )
+from gaudi3_scale.train.callbacks import own_signals
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.forecast_file import predicted_fields, read_forecast, write_plan
 from gaudi3_scale.train.module import LanguageModel
@@ -222,7 +223,9 @@ class GaudiTrainer:
         else:
             kwargs["precision"] = plan.precision
         kwargs.update(self.trainer_kwargs)
-        return pl.Trainer(**kwargs)
+        trainer = pl.Trainer(**kwargs)
+        own_signals(trainer, after.stop)
+        return trainer
 
     # ---- the fit -----------------------------------------------------------------------------------------------
     def fit(
@@ -284,7 +287,13 @@ class GaudiTrainer:
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
         guard = self._guard
         outcome: dict[str, Any] | Rollback
-        if guard is not None and guard.rollback_at is not None:
+        # a stop signal that arrived while the spike ended the fit wins: the run stops (the newest checkpoint before
+        # the spike is the resume point; the resumed run meets the spike again and rolls back then)
+        if (
+            guard is not None
+            and guard.rollback_at is not None
+            and not self._after.stop.adopt_pending(trainer)
+        ):
             outcome = self._plan_rollback(guard, guard.rollback_at)
         else:
             outcome = self._summary(trainer, datamodule, started)
