@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gaudi3_scale.artifacts.export import load_exported
 from gaudi3_scale.cli.main import main
 from gaudi3_scale.config.core import save_yaml
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.models.pretrained import open_pretrained
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.train.trainer import GaudiTrainer
@@ -187,6 +187,12 @@ def test_bad_checkpoints_are_one_line_exit_2_and_write_nothing(
     del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     (missing / "model.safetensors.index.json").write_text(json.dumps(index))
     cases["tensor missing"] = (missing, "tensor 'model.layers.1.mlp.up_proj.weight' is missing from any file")
+    for key, value, kind in [("rope_theta", "abc", "a finite number"), ("rope_scaling", [1], "an object"),
+                             ("tie_word_embeddings", "false", "true or false")]:  # fmt: skip
+        typo = _broken(tmp_path, sharded, f"typed-{key}")
+        config = json.loads((typo / "config.json").read_text())
+        (typo / "config.json").write_text(json.dumps({**config, key: value}))
+        cases[f"{key} {value}"] = (typo, f"{key} is {brief(value)}; a config.json has {kind}")
     for what, (directory, message) in cases.items():
         out = tmp_path / "runs" / what.replace(" ", "-")
         args = ["train", "--model.init_from", str(directory), "--out", str(out), "--train.max_steps", "1"]

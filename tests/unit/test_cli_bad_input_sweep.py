@@ -77,6 +77,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p["blocked"] = root / "blocked"  # a render target whose k8s/ is a file: refused before docker/ is written
     p["blocked"].mkdir()
     (p["blocked"] / "k8s").write_text("mine\n")
+    p["hf_model"] = (
+        root / "hf-model"
+    )  # not a prepared dataset: preparing into it would replace its tokenizer.json
+    p["hf_model"].mkdir()
+    (p["hf_model"] / "tokenizer.json").write_text('{"mine": true}')
     p["remote"] = root / "remote"  # another run's mirror, holding its checkpoint
     shutil.copytree(step, p["remote"] / step.name)
     p["edited"] = p["rendered"] / "k8s" / "base" / "02-config.yaml"
@@ -110,7 +115,7 @@ FIXED: list[Case] = [
     ("prepare-out-s3-no-bucket", lambda p: _prepare(p, "--out", "s3://"), ("--out:", "names no bucket"), ()),
     ("prepare-unknown-tokenizer", lambda p: _prepare(p, "--out", str(p["root"] / "d1"), "--tokenizer", "wordpiece"), ("unknown tokenizer 'wordpiece'", "allowed: bpe, byte, char"), ()),
     ("prepare-char-with-vocab-size", lambda p: _prepare(p, "--out", str(p["root"] / "d2"), "--vocab-size", "100"), ("tokenizer=char takes its vocabulary from the data", "tokenizer=bpe"), ()),
-    ("prepare-bpe-without-vocab-size", lambda p: _prepare(p, "--out", str(p["root"] / "d3"), "--tokenizer", "bpe"), ("tokenizer=bpe needs vocab_size >= 256",), ()),
+    ("prepare-bpe-without-vocab-size", lambda p: _prepare(p, "--out", str(p["root"] / "d3"), "--tokenizer", "bpe"), ("tokenizer=bpe needs vocab_size from 256",), ()),
     ("tune-accelerator-without-estimate-only", lambda p: [*_TUNE, "--accelerator", "h100"], ("--accelerator: only with --estimate-only",), ()),
     ("tune-estimate-only-with-strategies", lambda p: [*_TUNE, "--estimate-only", "--strategies", "ddp,foo"], ("--strategies: only shapes the search", "--train.precision"), ()),
     ("tune-estimate-only-with-precisions", lambda p: [*_TUNE, "--estimate-only", "--precisions", "fp64"], ("--precisions: only shapes the search",), ()),
@@ -159,6 +164,8 @@ FIXED: list[Case] = [
     ("deploy-render-out-inside-a-file", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
     ("deploy-render-a-file-in-the-way", lambda p: [*_RENDER, "--config", str(p["good.yaml"]), "--out", str(p["blocked"])], ("--out:", "k8s' is a file"), ("blocked",)),
     ("deploy-render-hosts-empty-entry", lambda p: ["deploy", "render", "--target", "onprem", "--accelerator", "gaudi3", "--nodes", "2", "--hosts", "node0,,node1", "--config", str(p["good.yaml"]), "--out", str(p["root"] / "r4")], ("--hosts:", "has an empty entry"), ()),
+    ("prepare-bpe-vocab-huge", lambda p: _prepare(p, "--out", str(p["root"] / "d4"), "--tokenizer", "bpe", "--vocab-size", "2147483647"), ("tokenizer=bpe needs vocab_size from 256", "to 1,048,576"), ()),
+    ("prepare-into-a-model-directory", lambda p: _prepare(p, "--out", str(p["hf_model"])), ("data.prepared_dir:", "is not a prepared dataset but holds tokenizer.json"), ("hf_model",)),
     ("health-hang-report-a-list", lambda p: ["health", str(p["hang_list"])], ("not a hang report (a JSON list, not an object)",), ()),
     ("health-hang-report-time", lambda p: ["health", str(p["hang_time"])], ("detected_unix_s 1e+30 is not a time",), ()),
 ]  # fmt: skip

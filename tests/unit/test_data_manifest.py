@@ -124,3 +124,25 @@ def test_token_dtype_boundary() -> None:
     assert token_dtype(65) == "uint16"
     assert token_dtype(65_536) == "uint16"  # ids 0..65535
     assert token_dtype(65_537) == "uint32"
+
+
+def test_a_manifest_over_a_config_files_size_is_read(prepared: Path) -> None:
+    """A corpus of thousands of shards writes a manifest of megabytes (~300 bytes a shard): the 1 MiB cap of a
+    config file refused what `prepare` had just written, and `--force` rebuilt the same."""
+    path = prepared / "manifest.json"
+    path.write_text(path.read_text() + " " * (2 << 20))  # whitespace: the same JSON, 2 MiB larger
+    assert load_manifest(prepared).shards
+
+
+def test_a_tokenizer_with_more_ids_than_the_manifests_vocabulary_is_refused(prepared: Path) -> None:
+    """Its ids would index past the model's embedding rows: an IndexError mid-training, after the run wrote its
+    files. Refused when the dataset is opened, with the fix."""
+    from gaudi3_scale.data.inputs import training_data_from_dir
+
+    path = prepared / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "vocab_size": manifest["vocab_size"] - 10}))
+    with pytest.raises(
+        UserInputError, match=r"its tokenizer has 65 ids but the manifest's vocab_size is 55; re-run"
+    ):
+        training_data_from_dir(prepared)

@@ -177,9 +177,8 @@ def _check_destination(checkpoint: Path, out_dir: Path, *, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserInputError(f"--out {str(out_dir)!r} is a file; pass a directory")
     resolved = out_dir.resolve()
-    if (
-        Path.cwd().resolve().is_relative_to(resolved)
-    ):  # replaced by a rename, it would leave this process nowhere
+    # replaced by a rename, the current directory would leave this process nowhere
+    if Path.cwd().resolve().is_relative_to(resolved):
         raise UserInputError(
             f"--out {str(out_dir)!r} is the current directory or holds it; pass a new directory"
         )

@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.config import DataConfig, MixtureSource
 from gaudi3_scale.data.manifest import Manifest, Shard, numpy_dtype, tokens_sha256, verify_prepared
 from gaudi3_scale.data.shards import LocalShardOpener, ShardedTokens
@@ -98,8 +98,15 @@ def _split_tokens(manifest: Manifest, split: str, opener_for: Any) -> ShardedTok
 def training_data_from_dir(
     directory: Path, *, name: str = "data", weight: float = 1.0, block_shards: int | None = None
 ) -> DatasetMember:
-    """A local prepared directory (sizes and SHA-256 checked) as a member."""
+    """A local prepared directory (sizes and SHA-256 checked, its tokenizer within the manifest's vocabulary) as a
+    member."""
     manifest = verify_prepared(directory, checksums=True)
+    tokenizer_ids = load_tokenizer(directory).vocab_size
+    if tokenizer_ids > manifest.vocab_size:  # ids past the model's embedding rows: an IndexError mid-training
+        raise UserInputError(
+            f"{directory}: its tokenizer has {tokenizer_ids} ids but the manifest's vocab_size is "
+            f"{manifest.vocab_size}; re-run `gaudi3 prepare --force`"
+        )
 
     def local(shards: list[Shard], counts: list[int]) -> LocalShardOpener:
         return LocalShardOpener([directory / s.file for s in shards], counts, numpy_dtype(manifest.dtype))

@@ -52,6 +52,9 @@ _V2_FILE = re.compile(r"(train|val)-[0-9]{5,}\.bin")
 # Explicit little-endian so a dataset prepared on one machine reads the same on any other.
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _FIX = "re-run `gaudi3 prepare --force`"
+# A manifest lists every shard (~300 bytes each): 256 MiB holds ~900,000, hundreds of TB of tokens at the default
+# shard size; the 1 MiB of a config file refused one of 3,500 shards, which `prepare` itself had just written.
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +235,7 @@ def load_manifest(directory: Path) -> Manifest:
             f"{directory}: not a prepared dataset (no {MANIFEST_FILE}); run `gaudi3 prepare` first"
         )
     try:
-        data = load_json_file(path, what="dataset manifest", expect=None)
+        data = load_json_file(path, what="dataset manifest", expect=None, max_bytes=MAX_MANIFEST_BYTES)
     except UserInputError as exc:
         raise UserInputError(f"{exc}; {_FIX}") from None
     return _parse(data, path)

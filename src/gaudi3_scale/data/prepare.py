@@ -35,7 +35,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.encode import (
@@ -135,6 +135,7 @@ def prepare_dataset(
         {"settings": settings, "files": [[str(f.path), f.size_bytes, f.mtime_ns] for f in source.files]}
     )
     check_output_dir("data.prepared_dir", target)
+    _check_not_foreign(target)
     target.mkdir(parents=True, exist_ok=True)
     job = _Job(cfg, source, settings, fingerprint, workers or cfg.prepare_workers, progress)
 
@@ -205,6 +206,22 @@ def _default_dir(cfg: DataConfig, source: ResolvedSource, settings: dict[str, An
     label = "custom" if is_tokenizer_path(cfg.tokenizer) else cfg.tokenizer
     vocab = f"-{cfg.vocab_size}" if cfg.vocab_size is not None else ""
     return default_cache_dir() / "datasets" / f"{source.name}-{label}{vocab}-{_sha256_json(key)[:10]}"
+
+
+def _check_not_foreign(target: Path) -> None:
+    """Refuse a directory that `prepare` never built (no manifest, no lock file of ours) holding files a build
+    would replace or delete: a tokenizer.json (a Hugging Face model's, say), files named like shards."""
+    if not target.is_dir() or (target / MANIFEST_FILE).exists() or (target / _LOCK_FILE).exists():
+        return
+    clash = next(
+        (p.name for p in target.iterdir() if p.name == TOKENIZER_FILE or is_shard_file(p.name)), None
+    )
+    if clash is not None:
+        raise ConfigError(
+            "data.prepared_dir",
+            f"{str(target)!r} is not a prepared dataset but holds {clash}, which preparing would replace or delete; "
+            "pass a new directory",
+        )
 
 
 @contextmanager

@@ -277,11 +277,15 @@ def _check_byte_vocab(vocab_size: int | None) -> None:
         )
 
 
+MAX_BPE_VOCAB = 1 << 20  # merges learned here; 2**31 asked the tokenizers library for 141 GB and aborted
+
+
 def _check_bpe_vocab(vocab_size: int | None) -> None:
-    if vocab_size is None or vocab_size < 256:
+    if vocab_size is None or not 256 <= vocab_size <= MAX_BPE_VOCAB:
         raise ConfigError(
             "vocab_size",
-            f"tokenizer=bpe needs vocab_size >= 256 (256 byte symbols + merges), got {vocab_size}",
+            f"tokenizer=bpe needs vocab_size from 256 (256 byte symbols + merges) to {MAX_BPE_VOCAB:,}, got "
+            f"{vocab_size}",
         )
 
 

@@ -28,7 +28,7 @@ import torch
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.counting import parameter_shapes
-from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer
+from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer, typed
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = [
@@ -261,12 +261,17 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
 
 
 def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    rope = config.get("rope_parameters") or {}  # transformers >= 5; 4.x: rope_theta + rope_scaling
-    scaled = [r.get("rope_type", r.get("type")) for r in (rope, config.get("rope_scaling") or {}) if r]
+    rope = typed(
+        where, config, "rope_parameters", {}, dict
+    )  # transformers >= 5; 4.x: rope_theta + rope_scaling
+    scaled = [
+        r.get("rope_type", r.get("type")) for r in (rope, typed(where, config, "rope_scaling", {}, dict)) if r
+    ]
+    bias = typed(where, config, "attention_bias", False, bool)
     differences = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "rope type": (next((t for t in scaled if t != "default"), "default"), "default"),
-        "mlp_bias": (config.get("mlp_bias", False), config.get("attention_bias", False)),
+        "mlp_bias": (typed(where, config, "mlp_bias", False, bool), bias),
     }
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
@@ -282,10 +287,12 @@ def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         "ffn_dim": config["intermediate_size"],
         "vocab_size": config["vocab_size"],
         "context_length": config["max_position_embeddings"],
-        "bias": bool(config.get("attention_bias", False)),
-        "norm_eps": config.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "bias": bias,
+        "norm_eps": typed(where, config, "rms_norm_eps", 1e-6, float),
+        "rope_theta": typed(
+            where, rope, "rope_theta", typed(where, config, "rope_theta", 10000.0, float), float
+        ),
+        "tie_embeddings": typed(where, config, "tie_word_embeddings", False, bool),
     }
 
 
@@ -331,6 +338,6 @@ def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         "vocab_size": config["vocab_size"],
         "context_length": config["n_positions"],
         "bias": True,
-        "norm_eps": config.get("layer_norm_epsilon", 1e-5),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+        "norm_eps": typed(where, config, "layer_norm_epsilon", 1e-5, float),
+        "tie_embeddings": typed(where, config, "tie_word_embeddings", True, bool),
     }

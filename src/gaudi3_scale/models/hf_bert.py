@@ -16,7 +16,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer
+from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer, typed
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = ["bert_fields", "bert_name", "hf_bert_config", "to_hf_bert"]
@@ -126,6 +126,6 @@ def bert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         "context_length": config["max_position_embeddings"],
         "type_vocab_size": config["type_vocab_size"],
         "bias": True,
-        "norm_eps": config.get("layer_norm_eps", 1e-12),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+        "norm_eps": typed(where, config, "layer_norm_eps", 1e-12, float),
+        "tie_embeddings": typed(where, config, "tie_word_embeddings", True, bool),
     }

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
 
-__all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "split_layer"]
+__all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "split_layer", "typed"]
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -23,6 +24,24 @@ def check_supported(where: str, differences: dict[str, tuple[Any, Any]]) -> None
     for key, (got, supported) in differences.items():
         if got != supported:
             raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
+
+
+_KINDS = {bool: "true or false", dict: "an object", float: "a finite number"}
+
+
+def typed(where: str, config: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """`config[key]`, or `default` when absent or null; a value of another JSON type is one line (bool("false") is
+    true, float([1]) raises: neither may reach the model's config)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise UserInputError(f"{where}: {key} is {brief(value)}; a config.json has {_KINDS[kind]} there")
+    return float(value) if kind is float else value
 
 
 def check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:

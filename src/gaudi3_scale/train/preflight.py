@@ -26,7 +26,8 @@ __all__ = ["check_run_inputs", "resume_point"]
 def check_run_inputs(cfg: RunConfig) -> None:
     """One line, exit 2, for: a model.init_from checkpoint that is incomplete or unreadable (every shard present,
     every tensor there with its config's shape; headers only), a checkpoint.remote_url that cannot be opened, an
-    unknown instance or price (cost), a tracker whose package is missing (monitor), an --out that is a file."""
+    unknown instance or price (cost), a tracker whose package is missing (monitor), an --out that is a file (or
+    whose checkpoints/ is) or that holds a user's files a run would overwrite."""
     check_output_dir("out_dir", cfg.output_dir / "checkpoints")  # a file there would fail only the first save
     _check_not_foreign(cfg.output_dir)
     if cfg.model.init_from is not None:
@@ -54,10 +55,10 @@ def _check_not_foreign(out_dir: Path) -> None:
         return
     if any(out_dir.glob(".run*.lock")):
         return
-    if mine := next((name for name in _RUN_WRITES if (out_dir / name).exists()), None):
+    if clash := next((name for name in _RUN_WRITES if (out_dir / name).exists()), None):
         raise ConfigError(
             "out_dir",
-            f"{str(out_dir)!r} holds {mine} but no gaudi3 run (no checkpoints/, metrics.jsonl or .run.lock); a run "
+            f"{str(out_dir)!r} holds {clash} but no gaudi3 run (no checkpoints/, metrics.jsonl or .run.lock); a run "
             "would overwrite it: pass a new directory (a run's own to continue it)",
         )
 
