@@ -204,10 +204,9 @@ class CheckpointManager:
         """
         committed = self.committed()
         latest = self.pointed()
-        if latest is not None and any(path == latest for _, path in committed):
-            committed = [
-                (step, path) for step, path in committed if path == latest or step < _step_of(latest)
-            ]
+        latest_step = next((step for step, path in committed if path == latest), None)
+        if latest_step is not None:
+            committed = [(step, path) for step, path in committed if step <= latest_step]
         if not committed:
             return []
         policy = self.policy
@@ -218,7 +217,10 @@ class CheckpointManager:
             scored = [(m["val_loss"], path) for _, path in committed
                       if (m := read_manifest(path)) and m.get("val_loss") is not None]  # fmt: skip
             keep |= {path for _, path in sorted(scored, key=lambda x: x[0])[: policy.keep_best]}
-        keep |= {latest} if latest is not None else set()
+        if (
+            latest is not None and latest_step is not None
+        ):  # `latest` names one of them: kept, whatever the rules
+            keep.add(latest)
         newest = committed[-1][0]
         allowed = self._can_delete or (lambda path: True)
         removed = [path for _, path in committed if path not in keep and allowed(path)]
@@ -262,10 +264,6 @@ def resolve_checkpoint(path: str | os.PathLike[str], warn: Callable[[str], None]
             (warn or _warn_default)(message)
         return found
     return checkpoint_directory(path)
-
-
-def _step_of(directory: Path) -> int:
-    return int(directory.name[len(_PREFIX) :])
 
 
 def _warn_default(message: str) -> None:

@@ -253,7 +253,7 @@ def _layout_problem(directory: Path, manifest: dict[str, Any]) -> str | None:
     try:
         named = _dcp_storage_files(directory)
     except Exception as exc:  # the index itself verified, so this is a DCP version this torch cannot read
-        return f"{directory.name}/{DCP_NAMES[0]}: not readable by this torch ({type(exc).__name__})"
+        return f"{directory.name}/{DCP_INDEX_NAME}: not readable by this torch ({type(exc).__name__})"
     unlisted = sorted(named - files.keys())
     if unlisted:
         return f"{directory.name}/{unlisted[0]}: named by the shard index but not by the manifest"

@@ -130,9 +130,8 @@ def catalog_cmd(catalog_file: str | None) -> None:
     def known(value: float | None, spec: str = ",.2f") -> str:
         return "unknown" if value is None else format(value, spec)
 
-    instances = load_instances(
-        Path(catalog_file) if catalog_file else None
-    ).values()  # a bad --catalog: nothing printed
+    # a bad --catalog is refused before anything is printed
+    instances = load_instances(Path(catalog_file) if catalog_file else None).values()
     console = wide_console()
     specs = Table(title="accelerators (cpu: measured on the machine at run time)", title_justify="left")
     for header in ("name", "aliases", "BF16 TFLOP/s", "FP8 TFLOP/s", "memory GB", "TB/s", "TDP W"):

@@ -79,7 +79,8 @@ def plan(
         warn=lambda line: click.echo(f"gaudi3: warning: {line}", err=True),
     )  # fmt: skip
     path = out_path or cfg.output_dir / "plan.json"
-    _check_plan_path(path, field="--out" if out_path is not None else "out_dir")
+    if out_path is None:  # the default: <out_dir>/plan.json, known once the config is resolved
+        _check_plan_path(path, field="out_dir")
     if out_path is None and (cfg.output_dir / "summary.json").is_file():
         raise UserInputError(
             f"out_dir: {str(cfg.output_dir)!r} holds a run that has trained; its plan.json is the forecast it ran "

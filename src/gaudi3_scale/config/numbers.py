@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from gaudi3_scale.config.errors import ConfigError, brief
 
@@ -30,6 +31,8 @@ __all__ = [
     "check_range",
     "check_seconds",
     "check_seed",
+    "finite_number",
+    "is_number",
     "is_number_text",
     "parse_number",
 ]
@@ -108,6 +111,17 @@ def check_seconds(name: str, value: float | None, *, allow_zero: bool = False) -
     """A duration: finite, > 0 (or >= 0), at most `MAX_SECONDS`."""
     check_positive(name, value, allow_zero=allow_zero)
     check_number(name, value, high=MAX_SECONDS)
+
+
+def is_number(value: Any) -> bool:
+    """Whether a parsed JSON or YAML value is a number (NaN and the infinities included; a bool is not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def finite_number(value: Any) -> float | None:
+    """A parsed value as a finite float; None for anything else (null, text, a bool, NaN, an infinity): how readers
+    of files written by hand, by another tool or by an older version take a figure they show or compute with."""
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 def is_number_text(text: str) -> bool:

@@ -19,10 +19,10 @@ Time runs from the trainer's start, the clock of summary.json's `wall_s` and of 
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
+from gaudi3_scale.config.numbers import finite_number
 from gaudi3_scale.dashboard.formatting import MISSING, hours
 from gaudi3_scale.dashboard.runs import MetricsView
 
@@ -34,18 +34,11 @@ PACE_RECORDS = 6  # the live pace is over the windows between the last this-many
 _SCAN_LINES = 400
 
 
-def _number(value: Any) -> float | None:
-    """A finite number as float; None for anything else (a hand-edited or older file)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def _part(plan: dict[str, Any], name: str) -> float | None:
     """One of the forecast's wall-time parts (`wall.startup_s.value` …), None when absent or unknown."""
     wall = plan.get("wall")
     figure = wall.get(name) if isinstance(wall, dict) else None
-    value = _number(figure.get("value")) if isinstance(figure, dict) else None
+    value = finite_number(figure.get("value")) if isinstance(figure, dict) else None
     return None if value is None or value < 0 else value
 
 
@@ -68,7 +61,7 @@ def _predicted_points(plan: dict[str, Any], wall_s: float, max_steps: int) -> li
     elif startup > 0:
         points.append([startup, start])
     run = plan.get("run")
-    warmup_steps = _number(run.get("warmup_steps")) if isinstance(run, dict) else None
+    warmup_steps = finite_number(run.get("warmup_steps")) if isinstance(run, dict) else None
     warmup, steady = _part(plan, "warmup_s"), _part(plan, "steady_s")
     if (
         warmup_steps
@@ -91,7 +84,7 @@ def _forecast(
         return None, problem
     if plan is None:
         return None, None
-    wall_s = _number(plan.get("predicted_wall_s"))
+    wall_s = finite_number(plan.get("predicted_wall_s"))
     if wall_s is None or wall_s <= 0:
         return None, "plan.json has no predicted_wall_s (a positive number of seconds)"
     run = plan.get("run") if isinstance(plan.get("run"), dict) else {}
@@ -102,7 +95,7 @@ def _forecast(
     step_source = plan.get("predicted_step_time_source")
     return {
         "wall_s": wall_s,
-        "step_time_s": _number(plan.get("predicted_step_time_s")),
+        "step_time_s": finite_number(plan.get("predicted_step_time_s")),
         "max_steps": steps,
         "source": "probe" if run.get("probed") is True else "catalog",
         "step_time_source": step_source if isinstance(step_source, str) else None,
@@ -115,7 +108,7 @@ def _progress(view: MetricsView) -> list[tuple[float, int, dict[str, Any]]]:
     end until a record that is not before the next one in both time and step (another process, a rollback)."""
     found: list[tuple[float, int, dict[str, Any]]] = []
     for record in reversed(view.lines[max(0, view.count - _SCAN_LINES) : view.count]):
-        wall_s = _number(record.get("wall_s")) if record is not None else None
+        wall_s = finite_number(record.get("wall_s")) if record is not None else None
         step = record.get("step") if record is not None else None
         if wall_s is None or not isinstance(step, int) or "time_unix" not in record:
             continue  # validation and event records; records of a run from before wall_s was written
@@ -131,12 +124,12 @@ def _live(
     progress: list[tuple[float, int, dict[str, Any]]], summary: dict[str, Any] | None, max_steps: int | None
 ) -> dict[str, Any] | None:
     """The run's whole wall time as measured so far: done (`finished`) or projected from the recent pace."""
-    if summary is not None and (wall_s := _number(summary.get("wall_s"))) is not None:
+    if summary is not None and (wall_s := finite_number(summary.get("wall_s"))) is not None:
         return {"wall_s": wall_s, "finished": True}
     if not progress or max_steps is None:
         return None
     (w0, s0, _), (w1, s1, newest) = progress[0], progress[-1]
-    pace = (w1 - w0) / (s1 - s0) if s1 > s0 else _number(newest.get("step_time_s"))
+    pace = (w1 - w0) / (s1 - s0) if s1 > s0 else finite_number(newest.get("step_time_s"))
     if pace is None:
         return None
     return {"wall_s": w1 + max(0, max_steps - s1) * pace, "finished": False, "step": s1}
@@ -180,7 +173,7 @@ def _started_unix(progress: list[tuple[float, int, dict[str, Any]]]) -> float | 
     if not progress:
         return None
     wall_s, _, newest = progress[-1]
-    time_unix = _number(newest.get("time_unix"))
+    time_unix = finite_number(newest.get("time_unix"))
     return None if time_unix is None else time_unix - wall_s
 
 

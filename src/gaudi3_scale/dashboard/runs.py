@@ -13,7 +13,6 @@ the bytes appended since. A line that is not a JSON object is counted as unreada
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 from gaudi3_scale.config.core import load_yaml
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
+from gaudi3_scale.config.numbers import finite_number, is_number
 from gaudi3_scale.config.strict_json import restore_non_finite
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
 from gaudi3_scale.train.forecast_file import PLAN_FILE
@@ -63,16 +63,12 @@ _NUMBERS = ("train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "step_tim
             "cost_budget_remaining_usd", "projected_finish_unix", "scaling_efficiency")  # fmt: skip
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _misfit(record: dict[str, Any]) -> bool:
     """Whether a metrics record holds a field of another type than `gaudi3 train` writes there."""
-    counts = [record[k] for k in _COUNTS if record.get(k) is not None]
-    if not all(_is_number(v) and math.isfinite(v) and v >= 0 for v in counts):
+    counts = [finite_number(record[k]) for k in _COUNTS if record.get(k) is not None]
+    if not all(v is not None and v >= 0 for v in counts):
         return True
-    if any(record.get(k) is not None and not _is_number(record[k]) for k in _NUMBERS):
+    if any(record.get(k) is not None and not is_number(record[k]) for k in _NUMBERS):
         return True
     stragglers = record.get("stragglers")
     return stragglers is not None and not (

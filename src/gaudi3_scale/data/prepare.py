@@ -214,7 +214,7 @@ def _check_not_foreign(target: Path) -> None:
     if not target.is_dir() or (target / MANIFEST_FILE).exists() or (target / _LOCK_FILE).exists():
         return
     clash = next(
-        (p.name for p in target.iterdir() if p.name == TOKENIZER_FILE or is_shard_file(p.name)), None
+        (p.name for p in sorted(target.iterdir()) if p.name == TOKENIZER_FILE or is_shard_file(p.name)), None
     )
     if clash is not None:
         raise ConfigError(

@@ -4,12 +4,12 @@ each predicted quantity against the run's summary.json)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.numbers import finite_number
 from gaudi3_scale.forecast.figures import Figure
 from gaudi3_scale.forecast.model import Forecast
 
@@ -83,18 +83,11 @@ def read_run_summary(run_dir: Path) -> dict[str, Any]:
     return strict_json.restore_non_finite(summary)  # "Infinity" and "NaN" as summary.json spells them
 
 
-def _number(value: Any) -> float | None:
-    """A figure that can be shown and compared: a finite number, else None (shown as "—")."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return value
-
-
 def compare_with_run(predicted: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Per quantity: predicted, measured and the error (predicted ÷ measured − 1), where both are known."""
     rows = []
     for key, (measured_key, unit) in COMPARED.items():
-        p, m = _number(predicted.get(key)), _number(summary.get(measured_key))
+        p, m = finite_number(predicted.get(key)), finite_number(summary.get(measured_key))  # else "—"
         error = (p / m - 1) if p is not None and m else None
         rows.append({"quantity": measured_key, "unit": unit, "predicted": p, "measured": m, "error": error})
     return rows

@@ -112,7 +112,8 @@ def _hang_problem(record: Any) -> str | None:
         return f"detected_unix_s {brief(record['detected_unix_s'])} is not a time"
     silent = record.get("silent", [])
     try:
-        [Silence.from_record(entry).describe() for entry in silent]
+        for entry in silent:
+            Silence.from_record(entry).describe()
     except (AttributeError, KeyError, TypeError, ValueError):
         return f"silent is {brief(silent)}, not a list of silent ranks"
     return None

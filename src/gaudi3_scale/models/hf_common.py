@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.numbers import finite_number
 
 __all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "split_layer", "typed"]
 
@@ -35,13 +35,10 @@ def typed(where: str, config: dict[str, Any], key: str, default: Any, kind: type
     value = config.get(key)
     if value is None:
         return default
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
+    checked = finite_number(value) if kind is float else value if isinstance(value, kind) else None
+    if checked is None:
         raise UserInputError(f"{where}: {key} is {brief(value)}; a config.json has {_KINDS[kind]} there")
-    return float(value) if kind is float else value
+    return checked
 
 
 def check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:

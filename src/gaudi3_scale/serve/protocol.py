@@ -99,8 +99,7 @@ def _sketch(value: Any, depth: int) -> str:
 
 def shown(value: Any) -> str:
     """A client's value as an error message quotes it: JSON-like, at most `QUOTE_CHARS` characters."""
-    text = _sketch(value, depth=2)
-    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 1] + "…"
+    return clipped(_sketch(value, depth=2))
 
 
 def clipped(text: str) -> str:

@@ -4,6 +4,7 @@ or world size. One line each, before training."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,18 +182,24 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
     resume = cfg.train.resume
     manager = CheckpointManager(cfg.output_dir / "checkpoints")
     if resume == "auto":
-        found = manager.latest_valid(warn=warn)
+        skipped: list[str] = []  # each damaged checkpoint passed over: named, and kept for the refusal below
+        found = manager.latest_valid(warn=skipped.append)
+        for message in skipped:
+            if warn is not None:
+                warn(message)
+            else:
+                warnings.warn(message, stacklevel=2)
         if found is None and cfg.checkpoint.remote_url and not inside_launched_worker():
             from gaudi3_scale.checkpoint.remote import fetch_latest
 
             found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
             if found is not None:
                 manager.mark_latest(found)
-        if found is None and (damaged := [path for _, path in manager.steps() if has_manifest(path)]):
+        if found is None and any(has_manifest(path) for _, path in manager.steps()):
             # committed checkpoints, none intact: starting over would silently drop the training they hold
             raise UserInputError(
-                f"train.resume: no checkpoint in {manager.directory} verifies ({verify_checkpoint(damaged[-1])[0]}); "
-                "restore one, move them aside to start over, or use a new --out directory"
+                f"train.resume: no checkpoint in {manager.directory} verifies ({skipped[0]}); restore one, move "
+                "them aside to start over, or use a new --out directory"
             )
         return state_path(found) if found is not None else None
     if resume == "never":
