@@ -235,10 +235,21 @@ def own_signals(trainer: pl.Trainer, stop: GracefulInterrupt) -> None:
     Lightning 2.6 installs a SIGTERM handler just before the fit loop (`_SignalConnector.register_signal_handlers`)
     that broadcasts inside the handler (a collective that can meet another one, a checkpoint's barrier, and hang)
     and, landing before the run's handlers were up, ends the fit as a SystemExit without a code: exit 0, nothing
-    saved. Its SLURM requeue handler goes too; SIGUSR1 stops the run like SIGTERM."""
+    saved. Its SLURM requeue handler goes too; SIGUSR1 stops the run like SIGTERM.
+
+    Without that handler Lightning's flag never rises, so its loop's per-batch broadcast of the flag goes as well:
+    on more than one rank it was a blocking collective before every step, and the `.item()` that reads it holds
+    the host until the device has run all the work queued (what `GracefulInterrupt` avoids for its own flags)."""
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None and hasattr(connector, "register_signal_handlers"):
         connector.register_signal_handlers = stop.start
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = _no_flag_to_broadcast  # type: ignore[method-assign]
+
+
+def _no_flag_to_broadcast() -> None:
+    """Stands in for Lightning's per-batch SIGTERM broadcast (`own_signals`)."""
 
 
 class GracefulInterrupt:

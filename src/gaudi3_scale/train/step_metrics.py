@@ -71,6 +71,20 @@ def _to_host(value: Any) -> Any:
     return value.detach().to("cpu", non_blocking=True)
 
 
+def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean over all ranks, as `strategy.reduce(value, "mean")` but without the barrier Lightning issues before
+    its all-reduce: on NCCL a barrier holds the host until the device has run everything queued, once every
+    logging window (what the window's queued copies avoid)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    world_size = torch.distributed.get_world_size()
+    if world_size == 1:
+        return value
+    total = value.clone()
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)  # gloo has no AVG
+    return total / world_size
+
+
 class RunMetrics:
     """Step time, tokens/s, MFU, loss, lr and peak memory → `metrics.jsonl` every `log_every_steps` steps.
 
@@ -283,7 +297,7 @@ class RunMetrics:
         values: dict[str, Any] = {}
         if with_loss:
             mean = self._loss_sum.detach().float() / self._window_steps
-            values["train_loss"] = trainer.strategy.reduce(mean, reduce_op="mean")
+            values["train_loss"] = _mean_over_ranks(mean)
         values["grad_norm"] = state.grad_norm
         values.update(state.extra)
         compute = self._window_compute_s
