@@ -208,6 +208,27 @@ def test_bad_checkpoints_are_one_line_exit_2_and_write_nothing(
     )
 
 
+def test_a_float_size_in_a_real_config_is_one_line_from_the_cli(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`n_inner: 128.0` (GPT-2's own 4 * n_embd, as a float) crashed deep in nn.Linear with a traceback and exit 1;
+    now `gaudi3 train` in a fresh process prints one line and exits 2. The other checks of a checkpoint's config and
+    tensors are tests/unit/test_pretrained_checks.py."""
+    directory = _broken(tmp_path, hf_dirs["gpt2-untied"], "float-n-inner")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "n_inner": 128.0}))
+    args = ["train", "--model.init_from", str(directory), "--out", str(tmp_path / "run"), "--train.max_steps", "1",
+            "--no-progress", "--sample-tokens", "0"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    assert done.stderr == (
+        f"gaudi3: error: model.init_from {directory / 'config.json'}: n_inner is 128.0; a GPT2LMHeadModel config "
+        "needs an integer or null there\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_fine_tune_from_hf_then_resume_export_and_serve(
     hf_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models import (
     build_model,
     count_parameters,
@@ -15,8 +16,8 @@ from gaudi3_scale.models import (
     forward_flops_per_token,
     get_model_config,
 )
-from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.counting import parameter_shapes
+from gaudi3_scale.models.config import MAX_PARAMETERS, ModelConfig
+from gaudi3_scale.models.counting import _parameters_at_least, check_parameter_count, parameter_shapes
 
 
 @pytest.mark.parametrize(
@@ -99,3 +100,40 @@ def test_parameter_shapes_of_one_block_are_those_of_the_whole_model(name: str, t
     with torch.device("meta"):
         model = build_model(cfg)
     assert list(parameter_shapes(cfg).items()) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(dim=2**40, num_heads=1), dict(vocab_size=2**62), dict(ffn_dim=2**62),
+     dict(arch="bert", type_vocab_size=2**62), dict(arch="llama", bias=False, num_experts=2**16, ffn_dim=2**50)],
+)  # fmt: skip
+def test_widths_too_large_to_build_are_refused_from_the_config(shape: dict[str, int]) -> None:
+    """torch refuses a tensor past 2**63 bytes even on meta ("Storage size calculation overflowed"): such a shape is
+    over MAX_PARAMETERS by its config alone, at every entry that counts or lists parameters (train, plan, serve)."""
+    cfg = ModelConfig(**{"vocab_size": 256, **shape})
+    for call in (lambda: check_parameter_count(cfg, "model"), lambda: count_parameters(cfg),
+                 lambda: parameter_shapes(cfg)):  # fmt: skip
+        with pytest.raises(UserInputError) as raised:
+            call()
+        message = str(raised.value)
+        assert message.startswith(f"model: the shape (dim {cfg.dim}, ffn_dim {cfg.hidden_dim}, "), message
+        assert (
+            f" has at least {_parameters_at_least(cfg):,} parameters, over the limit of {MAX_PARAMETERS:,}"
+            in message
+        )
+
+
+def test_vocabulary_padding_too_large_to_build_is_one_line() -> None:
+    cfg = ModelConfig(vocab_size=100, pad_vocab_to_multiple=2**62)
+    with pytest.raises(
+        UserInputError, match=r"^model: pad_vocab_to_multiple 4611686018427387904 pads the embedding"
+    ):
+        count_parameters(cfg)
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "llama3-8b", "mixtral-8x7b", "bert-base", "shakespeare-char"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_count_from_the_config_alone_is_a_lower_bound(name: str, tied: bool) -> None:
+    cfg = replace(get_model_config(name), tie_embeddings=tied, pad_vocab_to_multiple=64)
+    cfg = cfg if cfg.vocab_size else cfg.resolve_vocab(100)
+    assert 0 < _parameters_at_least(cfg) <= count_parameters(cfg)

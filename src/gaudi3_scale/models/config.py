@@ -7,10 +7,17 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from gaudi3_scale.config.core import check_positive, check_range
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.config.numbers import check_number
 
-__all__ = ["ACCELERATOR_VOCAB_MULTIPLE", "MAX_NUM_LAYERS", "MAX_PARAMETERS", "ModelConfig"]
+__all__ = [
+    "ACCELERATOR_VOCAB_MULTIPLE",
+    "MAX_CONTEXT_LENGTH",
+    "MAX_NUM_EXPERTS",
+    "MAX_NUM_LAYERS",
+    "MAX_PARAMETERS",
+    "ModelConfig",
+]
 
 ACCELERATOR_VOCAB_MULTIPLE = 64  # vocabulary padding on GPUs and Gaudi when the config leaves it null
 # Bounds on a shape, so that a typo (num_layers 100000000) is one line, not minutes of building modules while memory
@@ -21,6 +28,18 @@ ACCELERATOR_VOCAB_MULTIPLE = 64  # vocabulary padding on GPUs and Gaudi when the
 # Kimi Team 2025, arXiv:2507.20534).
 MAX_NUM_LAYERS = 1024
 MAX_PARAMETERS = 10**13
+# The context adds no parameters to a llama, but every model holds a RoPE cache (or a position table) of that many
+# rows: float32 cos/sin [context_length, head_dim / 2, 2], 8 GiB at 2**24 tokens and head_dim 128, which a Gaudi 3
+# (128 GB) or an H100 (80 GB) holds; 10**11 would be 3.2 TB. 2**24 is above the longest published context, Llama 4
+# Scout's 10M tokens (Meta, 2025-04-05 model card).
+MAX_CONTEXT_LENGTH = 2**24
+# Experts per block: each is a name per projection and block in a Hugging Face checkpoint (and a row of the router),
+# so a tiny config of 10**9 experts listed billions of names. 2**16 is 170 times the most experts of an open-weight
+# model, Kimi K2's 384 (arXiv:2507.20534).
+MAX_NUM_EXPERTS = 2**16
+# Fields that count something (torch takes sizes as Python ints: a 64.0 from a JSON file failed inside nn.Linear).
+_INT_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "dim", "ffn_dim", "num_experts", "experts_per_token",
+               "vocab_size", "pad_vocab_to_multiple", "context_length", "type_vocab_size")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -106,6 +125,10 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(name, f"expected an integer, got {brief(value)}")
         for name in ("num_layers", "num_heads", "dim", "context_length"):
             check_positive(name, getattr(self, name))
         if self.num_layers > MAX_NUM_LAYERS:
@@ -113,6 +136,12 @@ class ModelConfig:
                 "num_layers",
                 f"{self.num_layers} is over the limit of {MAX_NUM_LAYERS} layers (models.config.MAX_NUM_LAYERS, "
                 f"above the deepest transformer trained); allowed: 1 to {MAX_NUM_LAYERS}",
+            )
+        if self.context_length > MAX_CONTEXT_LENGTH:
+            raise ConfigError(
+                "context_length",
+                f"{self.context_length} is over the limit of {MAX_CONTEXT_LENGTH:,} tokens "
+                f"(models.config.MAX_CONTEXT_LENGTH, the RoPE cache's rows); allowed: 1 to {MAX_CONTEXT_LENGTH:,}",
             )
         pad = self.pad_vocab_to_multiple
         check_number("pad_vocab_to_multiple", pad)  # 64 bits: 2**70 is a power of two too
@@ -145,6 +174,12 @@ class ModelConfig:
         check_positive("moe_z_loss_coef", self.moe_z_loss_coef, allow_zero=True)
         if self.num_experts is None:
             return
+        if self.num_experts > MAX_NUM_EXPERTS:
+            raise ConfigError(
+                "num_experts",
+                f"{self.num_experts} is over the limit of {MAX_NUM_EXPERTS:,} experts (models.config.MAX_NUM_EXPERTS); "
+                f"allowed: 1 to {MAX_NUM_EXPERTS:,}, or null",
+            )
         if self.arch != "llama":
             raise ConfigError(
                 "num_experts", f"mixture of experts is an option of arch llama, not {self.arch}; use null"

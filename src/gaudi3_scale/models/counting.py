@@ -51,14 +51,50 @@ __all__ = [
 _BLOCK = "layers.0."  # the parameter names of the first block start with this
 
 
+# Elements of the largest weight a shape may have to be built on meta: torch computes a tensor's size in bytes as an
+# int64 and refuses one past 2**63 ("Storage size calculation overflowed"), 2**60 elements of 8 bytes. Far above
+# MAX_PARAMETERS, so a shape over the limit by less than this still gets its exact count.
+_MAX_META_ELEMENTS = 2**56
+
+
 def _build_on_meta(cfg: ModelConfig) -> Transformer:
     with torch.device("meta"):
         return build_model(cfg)
 
 
+def _parameters_at_least(cfg: ModelConfig) -> int:
+    """A lower bound on `count_parameters(cfg)`, from the config alone: the tables (token; position in gpt2 and bert;
+    segment in bert) and each block's query projection and first MLP matrix (of each expert)."""
+    tables = (cfg.vocab_size or 0) + (cfg.context_length if cfg.arch != "llama" else 0)
+    tables += cfg.type_vocab_size if cfg.arch == "bert" else 0
+    block = cfg.dim + (cfg.num_experts or 1) * cfg.hidden_dim
+    return (tables + cfg.num_layers * block) * cfg.dim
+
+
+def _check_buildable(cfg: ModelConfig, where: str) -> None:
+    """One line when a weight of `cfg`'s model is too large for torch to build, even on meta: no weight has more
+    elements than the largest of these products (the RoPE cache, [context_length, head_dim / 2, 2], included)."""
+    rows = [cfg.context_length, cfg.dim, (cfg.num_experts or 1) * cfg.hidden_dim]
+    rows += [
+        cfg.padded_vocab_size if cfg.vocab_size is not None else 0,
+        cfg.type_vocab_size if cfg.arch == "bert" else 0,
+    ]
+    if max(rows) * cfg.dim <= _MAX_META_ELEMENTS:
+        return
+    at_least = _parameters_at_least(cfg)
+    if at_least > MAX_PARAMETERS:
+        # The widths alone in the message: callers count blocks with num_layers 1 (tune.activations).
+        raise UserInputError(_over_the_limit(cfg, where, f"at least {at_least:,}", layers=False))
+    raise UserInputError(  # no parameter: the rows pad_vocab_to_multiple adds
+        f"{where}: pad_vocab_to_multiple {cfg.pad_vocab_to_multiple} pads the embedding to {cfg.padded_vocab_size:,} "
+        f"rows of {cfg.dim}, too large to build; allowed: a smaller power of two"
+    )
+
+
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name → shape for `cfg`, in `named_parameters()` order (a tied head listed once), from a
     one-block model: block 0's entries are repeated for each block."""
+    _check_buildable(cfg, "model")
     named = [
         (name, logical_shape(p)) for name, p in _build_on_meta(replace(cfg, num_layers=1)).named_parameters()
     ]
@@ -95,22 +131,30 @@ def count_parameters(
 def from_one_and_two_blocks(cfg: ModelConfig, measure: Callable[[Transformer], Sequence[int]]) -> list[int]:
     """The numbers `measure` gives for the model `cfg` describes, from models of one and two blocks built on meta:
     every block has the same parameters, so each number grows by the same amount per block."""
+    _check_buildable(cfg, "model")
     one, two = (measure(_build_on_meta(replace(cfg, num_layers=n))) for n in (1, 2))
     return [a + (cfg.num_layers - 1) * (b - a) for a, b in zip(one, two, strict=True)]
 
 
 def check_parameter_count(cfg: ModelConfig, where: str) -> None:
     """One line naming `where` and the shape when `cfg` has more than `MAX_PARAMETERS` parameters (its vocabulary
-    must be resolved)."""
+    must be resolved). A shape too large to build even on meta is refused from its config alone (`at least` so many
+    parameters)."""
+    _check_buildable(cfg, where)
     count = count_parameters(cfg)
     if count > MAX_PARAMETERS:
-        experts = f", num_experts {cfg.num_experts}" if cfg.num_experts else ""
-        raise UserInputError(
-            f"{where}: the shape (num_layers {cfg.num_layers}, dim {cfg.dim}, ffn_dim {cfg.hidden_dim}, vocab_size "
-            f"{cfg.vocab_size}, context_length {cfg.context_length}{experts}) has {count:,} parameters, over the "
-            f"limit of {MAX_PARAMETERS:,} (models.config.MAX_PARAMETERS, ten times the largest open-weight model); "
-            "allowed: a smaller shape"
-        )
+        raise UserInputError(_over_the_limit(cfg, where, f"{count:,}"))
+
+
+def _over_the_limit(cfg: ModelConfig, where: str, count: str, *, layers: bool = True) -> str:
+    experts = f", num_experts {cfg.num_experts}" if cfg.num_experts else ""
+    experts += f", type_vocab_size {cfg.type_vocab_size}" if cfg.arch == "bert" else ""
+    depth = f"num_layers {cfg.num_layers}, " if layers else ""
+    return (
+        f"{where}: the shape ({depth}dim {cfg.dim}, ffn_dim {cfg.hidden_dim}, vocab_size {cfg.vocab_size}, "
+        f"context_length {cfg.context_length}{experts}) has {count} parameters, over the limit of {MAX_PARAMETERS:,} "
+        "(models.config.MAX_PARAMETERS, ten times the largest open-weight model); allowed: a smaller shape"
+    )
 
 
 def _count_model(model: Transformer, trainable_only: bool, exclude_embeddings: bool, active: bool) -> int:

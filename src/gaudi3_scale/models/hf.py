@@ -20,15 +20,17 @@ A `Source` says where one of our parameters is in a checkpoint, so a rank can re
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.counting import parameter_shapes
-from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer, typed
+from gaudi3_scale.models.hf_common import check_ints, check_supported, gpt2_activation, split_layer, typed
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = [
@@ -37,7 +39,10 @@ __all__ = [
     "hf_llama_config",
     "hf_model_config",
     "hf_sources",
+    "ignored_tensor",
+    "iter_stored_shapes",
     "permute_rope_rows",
+    "stored_shapes",
     "to_hf_llama",
 ]
 
@@ -136,17 +141,46 @@ def hf_sources(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[s
 
 def stored_shapes(cfg: ModelConfig, model_type: str, *, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """Shape of every tensor a `model_type` checkpoint of shape `cfg` holds (what `hf_sources` points at)."""
+    return dict(iter_stored_shapes(cfg, model_type, prefix=prefix))
+
+
+def iter_stored_shapes(
+    cfg: ModelConfig, model_type: str, *, prefix: str = ""
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """`stored_shapes` one tensor at a time, the experts' last: a Mixtral stores a tensor per expert, projection and
+    block, so a check that finds the router's shape wrong stops before a name is made for each expert the config
+    claims."""
     params = parameter_shapes(cfg)
-    shapes: dict[str, tuple[int, ...]] = {}
+    experts: list[tuple[Source, tuple[int, int]]] = []
     for name, source in hf_sources(cfg, model_type, prefix=prefix).items():
         shape = list(params[name])
         if source.experts:
-            shapes.update(dict.fromkeys(source.expert_names(), (shape[2], shape[1])))
+            experts.append((source, (shape[2], shape[1])))
             continue
         if source.name.endswith("c_attn.weight") or source.name.endswith("c_attn.bias"):
             shape[0] *= 3  # q, k and v side by side
-        shapes[source.name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
-    return shapes
+        yield source.name, tuple(reversed(shape)) if source.transposed else tuple(shape)
+    for source, expert_shape in experts:
+        for expert in range(source.experts):
+            yield source.name.format(expert=expert), expert_shape
+
+
+# Stored tensors our model has no use for and a checkpoint may hold anyway, skipped as transformers skips them:
+# buffers older transformers saved (GPT-2's causal mask `attn.bias` / `attn.masked_bias`, Llama's
+# `rotary_emb.inv_freq`, BERT's `position_ids`), and BERT parts BertForMaskedLM has no use for (the pooler and the
+# next-sentence head of a BertForPreTraining checkpoint such as bert-base-uncased) or stores twice (the MLM bias is
+# both `cls.predictions.bias` and `cls.predictions.decoder.bias`; `models.hf_bert` reads one).
+_IGNORED = re.compile(
+    r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$"
+    r"|^bert\.pooler\.|^cls\.seq_relationship\.|^cls\.predictions\.(decoder\.)?bias$"
+)
+# A tied head saved beside the embedding it equals (HF Llama / GPT-2, BERT, our export's alias).
+_TIED_HEADS = ("lm_head.weight", "cls.predictions.decoder.weight", "output.weight")
+
+
+def ignored_tensor(name: str, cfg: ModelConfig) -> bool:
+    """Whether a stored tensor our model of shape `cfg` does not read is one a checkpoint may hold harmlessly."""
+    return bool(_IGNORED.search(name)) or (cfg.tie_embeddings and name in _TIED_HEADS)
 
 
 def permute_rope_rows(weight: torch.Tensor, num_heads: int, *, to_hf: bool) -> torch.Tensor:
@@ -228,6 +262,15 @@ def hf_llama_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
     return config
 
 
+_LLAMA_KEYS = {"num_layers": "num_hidden_layers", "context_length": "max_position_embeddings"}
+_CONFIG_KEYS = {  # model_type → our field → its config.json key, for the fields ModelConfig bounds
+    "llama": _LLAMA_KEYS,
+    "mixtral": {**_LLAMA_KEYS, "num_experts": "num_local_experts"},
+    "bert": _LLAMA_KEYS,
+    "gpt2": {"num_layers": "n_layer", "context_length": "n_positions"},
+}
+
+
 def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelConfig:
     """Our `ModelConfig` for a Hugging Face `config.json` (Llama or GPT-2); one line naming the field when the
     checkpoint is something our model cannot compute exactly (another architecture, scaled RoPE, ...).
@@ -243,6 +286,13 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
             "'llama'), Mixtral (MixtralForCausalLM, 'mixtral'), GPT-2 (GPT2LMHeadModel, model_type 'gpt2') and BERT "
             "(BertForMaskedLM, model_type 'bert')"
         )
+    if (quantization := config.get("quantization_config")) is not None:
+        # Quantized weights (fp8, int8, 4-bit) are codes that need their scales (more tensors, each method its own
+        # layout): read as plain weights they are off by orders of magnitude.
+        raise UserInputError(
+            f"{where}: quantization_config is {brief(quantization)}; quantized checkpoints are not supported; "
+            "allowed: an unquantized checkpoint (BF16, F16, F32 or F64 weights, no quantization_config)"
+        )
     if model_type == "gpt2":
         fields = _gpt2_fields(config, where)
     elif model_type == "bert":
@@ -254,9 +304,10 @@ def hf_model_config(config: dict[str, Any], *, name: str, where: str) -> ModelCo
     try:
         return ModelConfig(name=name, pad_vocab_to_multiple=1, dropout=0.0, **fields)
     except (ConfigError, TypeError) as exc:
-        if isinstance(exc, ConfigError) and exc.field == "num_layers":  # named as config.json names it
-            raise UserInputError(f"{where}: {'n_layer' if model_type == 'gpt2' else 'num_hidden_layers'} "
-                                 f"{exc.problem}") from None  # fmt: skip
+        # A field ModelConfig bounds (num_layers, context_length, num_experts), named as config.json names it.
+        key = _CONFIG_KEYS[model_type].get(exc.field) if isinstance(exc, ConfigError) else None
+        if isinstance(exc, ConfigError) and key is not None:
+            raise UserInputError(f"{where}: {key} {exc.problem}") from None
         raise UserInputError(f"{where}: not a model this project can build ({exc})") from None
 
 
@@ -277,7 +328,7 @@ def _llama_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         differences["head_dim"] = (config.get("head_dim") or hidden // heads, hidden // heads)
     check_supported(where, differences)
-    check_ints(where, config, _LLAMA_INT_KEYS, "LlamaForCausalLM")
+    check_ints(where, config, _LLAMA_INT_KEYS, "LlamaForCausalLM", optional=("num_key_value_heads",))
     return {
         "arch": "llama",
         "num_layers": config["num_hidden_layers"],
@@ -312,12 +363,7 @@ def _mixtral_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    activation = config.get("activation_function", "gelu_new")
-    if activation not in GPT2_ACTIVATIONS:
-        raise UserInputError(
-            f"{where}: activation_function {activation!r} is not supported; allowed: "
-            f"{', '.join(GPT2_ACTIVATIONS)}"
-        )
+    activation = gpt2_activation(where, config, "activation_function", "gelu_new")
     # Attention scaled by 1/sqrt(head_dim), as ours, and nothing else (GPT2Attention's other options).
     check_supported(
         where,
@@ -327,14 +373,14 @@ def _gpt2_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             "add_cross_attention": (config.get("add_cross_attention", False), False),
         },
     )
-    check_ints(where, config, _GPT2_INT_KEYS, "GPT2LMHeadModel")
+    check_ints(where, config, _GPT2_INT_KEYS, "GPT2LMHeadModel", optional=("n_inner",))
     return {
         "arch": "gpt2",
         "num_layers": config["n_layer"],
         "num_heads": config["n_head"],
         "dim": config["n_embd"],
         "ffn_dim": config.get("n_inner"),  # null = 4 * dim, as HF's
-        "activation": GPT2_ACTIVATIONS[activation],
+        "activation": activation,
         "vocab_size": config["vocab_size"],
         "context_length": config["n_positions"],
         "bias": True,

@@ -16,7 +16,7 @@ import torch
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.models.hf_common import GPT2_ACTIVATIONS, check_ints, check_supported, split_layer, typed
+from gaudi3_scale.models.hf_common import check_ints, check_supported, gpt2_activation, split_layer, typed
 from gaudi3_scale.models.transformer import INIT_STD
 
 __all__ = ["bert_fields", "bert_name", "hf_bert_config", "to_hf_bert"]
@@ -101,11 +101,7 @@ def hf_bert_config(cfg: ModelConfig, *, dtype: torch.dtype) -> dict[str, Any]:
 
 def bert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """Our model fields for a `BertForMaskedLM` config.json; one line for what our encoder cannot compute."""
-    activation = config.get("hidden_act", "gelu")
-    if activation not in GPT2_ACTIVATIONS:
-        raise UserInputError(
-            f"{where}: hidden_act {activation!r} is not supported; allowed: {', '.join(GPT2_ACTIVATIONS)}"
-        )
+    activation = gpt2_activation(where, config, "hidden_act", "gelu")
     check_supported(
         where,
         {
@@ -121,7 +117,7 @@ def bert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         "num_heads": config["num_attention_heads"],
         "dim": config["hidden_size"],
         "ffn_dim": config["intermediate_size"],
-        "activation": GPT2_ACTIVATIONS[activation],
+        "activation": activation,
         "vocab_size": config["vocab_size"],
         "context_length": config["max_position_embeddings"],
         "type_vocab_size": config["type_vocab_size"],

@@ -7,7 +7,7 @@ from typing import Any
 from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.numbers import finite_number
 
-__all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "split_layer", "typed"]
+__all__ = ["GPT2_ACTIVATIONS", "check_ints", "check_supported", "gpt2_activation", "split_layer", "typed"]
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -23,7 +23,18 @@ def split_layer(module: str) -> tuple[str, str]:
 def check_supported(where: str, differences: dict[str, tuple[Any, Any]]) -> None:
     for key, (got, supported) in differences.items():
         if got != supported:
-            raise UserInputError(f"{where}: {key} {got!r} is not supported (only {supported!r})")
+            raise UserInputError(f"{where}: {key} {brief(got)} is not supported (only {supported!r})")
+
+
+def gpt2_activation(where: str, config: dict[str, Any], key: str, default: str) -> str:
+    """Our `activation` for the HF activation name `config[key]` (GPT-2's and BERT's); one line for another name
+    or a value that is not a name at all (a list is unhashable: a bare `in` raised TypeError)."""
+    activation = config.get(key, default)
+    if not isinstance(activation, str) or activation not in GPT2_ACTIVATIONS:
+        raise UserInputError(
+            f"{where}: {key} {brief(activation)} is not supported; allowed: {', '.join(GPT2_ACTIVATIONS)}"
+        )
+    return GPT2_ACTIVATIONS[activation]
 
 
 _KINDS = {bool: "true or false", dict: "an object", float: "a finite number"}
@@ -41,8 +52,15 @@ def typed(where: str, config: dict[str, Any], key: str, default: Any, kind: type
     return checked
 
 
-def check_ints(where: str, config: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
-    for key in keys:
+def check_ints(
+    where: str, config: dict[str, Any], keys: tuple[str, ...], what: str, *, optional: tuple[str, ...] = ()
+) -> None:
+    """Each of `keys` is an integer, each of `optional` an integer or null: 64.0 is a float to torch, which refuses
+    it as a size deep inside a module's constructor."""
+    for key in (*keys, *optional):
         value = config.get(key)
+        if key in optional and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
-            raise UserInputError(f"{where}: {key} is {value!r}; a {what} config needs an integer there")
+            allowed = "an integer or null" if key in optional else "an integer"
+            raise UserInputError(f"{where}: {key} is {brief(value)}; a {what} config needs {allowed} there")

@@ -3,26 +3,30 @@
 A checkpoint directory is a Hugging Face one (`config.json` + `model.safetensors`, or shards listed in
 `model.safetensors.index.json`; Llama, Mixtral, GPT-2 or BertForMaskedLM) or a `gaudi3 ckpt export` one (`--format safetensors`:
 `model_config.json` + our names; `--format hf` is a Hugging Face Llama directory). `open_pretrained` checks it —
-configs, every shard present and readable, every tensor there with the right shape — reading only headers;
+configs (no quantization), every shard a file of the directory, present and readable, every tensor there with
+the right shape and a floating-point dtype, and no tensor the config's model does not have — reading only headers;
 `pretrained_model_fields` is the model section `model.init_from` decides. Filling a model built from the config,
 each rank reading only its blocks of any layout, is `models.pretrained_reader.load_pretrained`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gaudi3_scale.config.core import from_dict
-from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.counting import check_parameter_count, parameter_shapes
-from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, stored_shapes
+from gaudi3_scale.models.hf import Source, hf_model_config, hf_sources, ignored_tensor, iter_stored_shapes
 
 __all__ = [
+    "FLOAT_DTYPES",
     "HF_CONFIG_NAME",
     "INDEX_NAME",
     "MODEL_CONFIG_NAME",
@@ -41,6 +45,9 @@ INDEX_NAME = "model.safetensors.index.json"  # sharded: {"weight_map": {tensor n
 MODEL_CONFIG_NAME = "model_config.json"  # `gaudi3 ckpt export --format safetensors`: our ModelConfig
 HF_CONFIG_NAME = "config.json"  # Hugging Face (and `gaudi3 ckpt export --format hf`)
 _INSTALL = "pip install 'gaudi3-scale[export]'"
+# safetensors dtype → torch's: the weights a checkpoint may hold. Any other (I8, U8, F8_E4M3, BOOL, ...) is a
+# quantized code or not a weight at all, and cast to float it would load as a wrong value without a word.
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -74,13 +81,14 @@ def open_pretrained(directory: str | Path, *, field_name: str = "model.init_from
     files = _tensor_files(path, field_name)
     # GPT-2 names start with `transformer.` as transformers saves them; not in the original OpenAI conversion.
     prefix = "transformer." if model_type == "gpt2" and "wte.weight" not in files else ""
+    expected: Iterable[tuple[str, tuple[int, ...]]]
     if model_type == "gaudi3":
-        expected = parameter_shapes(config)
-        sources = {name: Source(name) for name in expected}
+        shapes = parameter_shapes(config)
+        sources, expected = {name: Source(name) for name in shapes}, shapes.items()
     else:
         sources = hf_sources(config, model_type, prefix=prefix)
-        expected = stored_shapes(config, model_type, prefix=prefix)
-    _check_tensors(path, files, expected, field_name)
+        expected = iter_stored_shapes(config, model_type, prefix=prefix)
+    _check_tensors(path, files, expected, field_name, config)
     return PretrainedCheckpoint(path, config, model_type, files, sources)
 
 
@@ -169,14 +177,9 @@ def _tensor_files(directory: Path, field_name: str) -> dict[str, Path]:
                 f"{field_name}: {index_path} has no weight_map of tensor name → file; allowed: the index "
                 "transformers' save_pretrained writes"
             )
-        files = {name: directory / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file() or file.parent.resolve() != directory.resolve():
-                raise UserInputError(
-                    f"{field_name}: {index_path} lists shard {file.name!r}, which is missing from {directory}; "
-                    "allowed: an index whose every shard file is present"
-                )
-        return files
+        for entry in sorted(set(weight_map.values())):
+            _check_shard(directory, index_path, entry, field_name)
+        return {name: directory / file for name, file in weight_map.items()}
     single = directory / WEIGHTS_NAME
     if not single.is_file():
         raise UserInputError(
@@ -184,6 +187,22 @@ def _tensor_files(directory: Path, field_name: str) -> dict[str, Path]:
             "safetensors file, or shards listed by an index"
         )
     return dict.fromkeys(_header(single, field_name), single)
+
+
+def _check_shard(directory: Path, index_path: Path, entry: str, field_name: str) -> None:
+    """A shard the index lists is a file name in `directory` (save_pretrained writes no other), and is there."""
+    if Path(entry).name != entry or entry in ("", ".", ".."):
+        inside = (directory / entry).resolve().is_relative_to(directory.resolve())
+        where = f"not a file name in {directory}" if inside else f"a path that leaves {directory}"
+        raise UserInputError(
+            f"{field_name}: {index_path} lists shard {brief(entry)}, {where}; allowed: file names in the "
+            "checkpoint directory"
+        )
+    if not (directory / entry).is_file():
+        raise UserInputError(
+            f"{field_name}: {index_path} lists shard {brief(entry)}, which is missing from {directory}; allowed: an "
+            "index whose every shard file is present"
+        )
 
 
 def _header(path: Path, field_name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -206,11 +225,20 @@ def _header(path: Path, field_name: str) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def _check_tensors(
-    directory: Path, files: dict[str, Path], expected: dict[str, tuple[int, ...]], field_name: str
+    directory: Path,
+    files: dict[str, Path],
+    expected: Iterable[tuple[str, tuple[int, ...]]],
+    field_name: str,
+    config: ModelConfig,
 ) -> None:
-    """Every tensor the model needs is in the file the index names, with the shape its config implies."""
+    """Every tensor the model needs is in the file the index names, a floating-point one with the shape its config
+    implies; and the files hold no weight the model does not have (but the harmless ones, `models.hf.ignored_tensor`).
+
+    `expected` is consumed one tensor at a time: the first one wrong ends the check before the rest are listed.
+    """
     headers = {file: _header(file, field_name) for file in sorted(set(files.values()))}
-    for name, shape in expected.items():
+    used: set[str] = set()
+    for name, shape in expected:
         file = files.get(name)
         if file is None or name not in headers[file]:
             where = file.name if file is not None else "any file"
@@ -218,12 +246,27 @@ def _check_tensors(
                 f"{field_name}: tensor {name!r} is missing from {where} in {directory}; allowed: a checkpoint "
                 "holding every weight of its config's model"
             )
-        stored = headers[file][name][1]
+        dtype, stored = headers[file][name]
+        if dtype not in FLOAT_DTYPES:
+            raise UserInputError(
+                f"{field_name}: tensor {name!r} in {file} has dtype {dtype}; allowed: floating-point weights "
+                f"({', '.join(FLOAT_DTYPES)}), not quantized ones"
+            )
         if stored != shape:
             raise UserInputError(
                 f"{field_name}: tensor {name!r} in {file} has shape {list(stored)}, but the checkpoint's config "
                 f"implies {list(shape)}; allowed: weights that match their config"
             )
+        used.add(name)
+    unused = [name for header in headers.values() for name in header if name not in used]
+    unused = [name for name in unused if not ignored_tensor(name, config)]
+    if unused:
+        examples = " and ".join(brief(name) for name in unused[:2])
+        raise UserInputError(
+            f"{field_name}: {directory} holds {len(unused)} tensor(s) that its config's model does not have, such as "
+            f"{examples}; allowed: a config that describes every stored weight (its layer count, no quantization "
+            "scales)"
+        )
 
 
 def import_safe_open() -> Any:

@@ -34,7 +34,7 @@ from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models.common.init import fill_normal
 from gaudi3_scale.models.counting import parameter_shapes
 from gaudi3_scale.models.hf import Source, permute_rope_rows
-from gaudi3_scale.models.pretrained import PretrainedCheckpoint, import_safe_open
+from gaudi3_scale.models.pretrained import FLOAT_DTYPES, PretrainedCheckpoint, import_safe_open
 from gaudi3_scale.models.transformer import INIT_STD, Transformer
 
 __all__ = ["load_pretrained"]
@@ -111,7 +111,7 @@ class _StoredFile:
         """Rows [first, first + len(out)) of tensor `name` cast into `out`; False when its dtype has no plain
         torch equivalent here (the caller then slices the memory map)."""
         entry = self.header[name]
-        dtype = _DTYPES.get(entry["dtype"])
+        dtype = FLOAT_DTYPES.get(entry["dtype"])
         if dtype is None:
             return False
         row_elements = math.prod(entry["shape"][1:])
@@ -136,7 +136,6 @@ class _StoredFile:
             done += n
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _CHUNK_BYTES = 32 << 20  # the largest temporary buffer a read uses
 
 
