@@ -260,6 +260,28 @@ def test_a_damaged_result_names_its_file(tmp_path: Path, damage: Any, message: s
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["cells/tiny.ddp.w1.mb4.32-true/result.json",
+                                  "cells/tiny.ddp.w1.mb4.32-true/run/benchmark_result.json"])  # fmt: skip
+def test_a_result_cut_before_its_schema_string_is_named_not_dropped(tmp_path: Path, name: str) -> None:
+    """The runner writes sorted keys: "schema" is near the end, so a cut-short copy no longer names the schema. It
+    is still a result by its name: an error naming it and what to do, never a report without the cell."""
+    directory = write_set(tmp_path / "set", [make_result("fsdp", 1, 10.0)])
+    bad = directory / name
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(make_result("ddp", 1, 10.0), indent=2, sort_keys=True)
+    bad.write_text(text[: text.index('"schema"')])
+    with pytest.raises(UserInputError) as info:
+        write_report([directory], tmp_path / "out")
+    assert str(info.value).startswith(f"{bad}: not valid JSON at line ")
+    assert str(info.value).endswith("a damaged benchmark result: run its cell again, or delete the file")
+    assert not (tmp_path / "out").exists()
+    # Other JSON that is cut short, or names no schema, is still not a result (configs, manifests, tokenizers).
+    bad.unlink()
+    (directory / "cells" / "result.json").write_text("{")  # not cells/<id>/result.json
+    (directory / "cells" / "tiny.fsdp.w1.mb4.32-true" / "summary.json").write_text('{"step": ')
+    assert [item.result["cell"]["id"] for item in load_results([directory])] == ["tiny.fsdp.w1.mb4.32-true"]
+
+
 def test_a_directory_without_results_is_named(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     (empty / "run").mkdir(parents=True)

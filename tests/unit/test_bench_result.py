@@ -123,6 +123,14 @@ def _ok() -> dict[str, Any]:
         ),
         (lambda r: r.update(metrics=None), "metrics must be an object when status is 'ok'"),
         (lambda r: r.update(status="oom"), "metrics must be null when status is 'oom'"),
+        (
+            lambda r: r.update(created="2026-01-02T03:04:05"),
+            "created must be an ISO 8601 time with a UTC offset",
+        ),
+        (
+            lambda r: r.update(created="yesterday"),
+            'with a UTC offset (2026-01-02T03:04:05+00:00), got "yesterday"',
+        ),
     ],
 )
 def test_schema_names_the_first_bad_field(edit: Any, message: str) -> None:
@@ -131,6 +139,32 @@ def test_schema_names_the_first_bad_field(edit: Any, message: str) -> None:
     with pytest.raises(UserInputError) as info:
         validate_result(result, "cells/x/result.json")
     assert str(info.value).startswith("cells/x/result.json: ") and message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "cell_id",
+    ["../../escaped", "/tmp/victim/abs", "a/b", "a\\b", "..", ".", ".hidden", "", "a\x00b", "a b", "x" * 129],
+)
+def test_a_cell_id_that_is_not_one_plain_name_is_refused(cell_id: str) -> None:
+    """The id names OUT/cells/<id>/ for every reader (collect, run, report, dashboard): a result whose id would
+    lead elsewhere is not a result."""
+    result = copy.deepcopy(_ok())
+    result["cell"]["id"] = cell_id
+    with pytest.raises(UserInputError) as info:
+        validate_result(result, "pod.log:3")
+    message = str(info.value)
+    assert message.startswith("pod.log:3: cell.id: must be 1 to 128 letters, digits, '.', '_' or '-'")
+    assert "\n" not in message
+    if cell_id.split() == [cell_id]:  # else the marker lines are not markers: there is nothing to collect
+        with pytest.raises(UserInputError, match=r"^pod\.log:1: cell\.id: must be"):
+            collect_from_lines(
+                _printed(result), "pod.log"
+            )  # what `benchmark collect` and `deploy collect` read
+    else:
+        assert collect_from_lines(_printed(result), "pod.log") == []
+    validate_result(
+        copy.deepcopy(_ok()) | {"cell": _cell(cell_id="shakespeare-char.ddp.w2.mb4.bf16-mixed")}, "ok"
+    )
 
 
 def test_load_result_names_the_file(tmp_path: Path) -> None:

@@ -141,6 +141,31 @@ def test_benchmark_cells_and_names_are_shown_escaped(runs: Path, client: Any) ->
     assert detail["name"] == "<img src=x onerror=alert(1)>"
 
 
+def test_a_damaged_benchmark_result_is_shown_as_damaged_beside_the_others(runs: Path, client: Any) -> None:
+    """A result.json cut short before its schema string (the runner sorts keys: "schema" is near the end) is a row
+    of its own, not dropped (the report refuses the set)."""
+    bench = runs / "bench-cut"
+    bench.mkdir()
+    (bench / "matrix.yaml").write_text("name: t\n")
+    for result in (_bench_result("ddp", "ok"), _bench_result("fsdp", "ok")):
+        path = bench / "cells" / result["cell"]["id"] / "result.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(result, sort_keys=True, indent=2))
+    cut = bench / "cells" / "tiny.fsdp.w1" / "result.json"
+    cut.write_text(cut.read_text()[:200])
+    data = client.get("/api/benchmarks/bench-cut").get_json()
+    assert data["problem"] is None
+    assert [(c["id"], c["status"]) for c in data["cells"]] == [
+        ("tiny.ddp.w1", "ok"), ("cells/tiny.fsdp.w1/result.json", "damaged")]  # fmt: skip
+    damaged = data["cells"][1]
+    assert (
+        damaged["reason"].startswith(f"{cut}: not valid JSON") and "run its cell again" in damaged["reason"]
+    )
+    assert damaged["tokens_per_s"] == "—"
+    page = client.get("/bench/bench-cut").text
+    assert "cells/tiny.fsdp.w1/result.json" in page and "damaged" in page
+
+
 def test_metrics_are_polled_incrementally_by_line_offset(runs: Path, client: Any) -> None:
     first = client.get("/api/runs/alpha/metrics?since=0").get_json()
     assert [r["step"] for r in first["records"]] == [1, 2, 3] and first["next"] == 3 and not first["reset"]

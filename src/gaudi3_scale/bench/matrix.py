@@ -14,10 +14,12 @@ A matrix is a YAML file (or the name of one shipped in `bench/matrices/`):
     warmup_steps: 3                     # steps left out of the result
     measure_steps: 10
     timeout_s: 900                      # per cell
-    base: {train: {threads: 1}}         # any run-config fields, for every cell
+    base: {train: {threads: 1}}         # any run-config fields for every cell, but none the matrix sets itself
 
 Every cell's run config is built (and so validated) when the matrix is loaded: a bad value fails before anything
-runs, as one line naming the cell and the field.
+runs, as one line naming the cell and the field. A `base` field that the matrix sets in every cell (its axes, data,
+batch and steps, and what a benchmark cell always fixes: `_cell_overrides`) is refused, naming the matrix key to use:
+merged under the cell's own settings, it would be dropped without a word.
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ class MatrixConfig:
     measure_steps: int = field(default=10, metadata={"help": "measured steps per cell"})
     timeout_s: float = field(default=900.0, metadata={"help": "kill a cell after this many seconds"})
     base: Any = field(
-        default_factory=dict, metadata={"help": "run-config fields for every cell (nested mapping)"}
-    )
+        default_factory=dict,
+        metadata={"help": "run-config fields for every cell (nested mapping); not those the matrix sets itself "
+                          "(data.source, train.precision, …: the keys above)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for axis in _AXES:
@@ -87,6 +91,7 @@ class MatrixConfig:
         check_seconds("timeout_s", self.timeout_s)
         if not isinstance(self.base, Mapping):
             raise ConfigError("base", f"expected a mapping of run-config sections, got {brief(self.base)}")
+        _check_base(self)
         cells = math.prod(len(getattr(self, axis)) for axis in _AXES)
         if cells > MAX_CELLS:
             raise ConfigError(
@@ -159,6 +164,52 @@ def _cell_overrides(m: MatrixConfig, cell_id: str, model: str, strategy: str, wo
         "checkpoint": dict(CHECKPOINTS_OFF),
         "benchmark": bench,
     }
+
+
+# Why a run-config field `_cell_overrides` owns cannot come from `base`, and what to write instead ({} is the base's
+# value); a field not listed is one every benchmark cell fixes.
+_SET_BY = {
+    "name": "set in every cell (a cell is named by its id); leave it out of base",
+    "model.name": "set by the matrix's `models` (use models: [{}])",
+    "data.source": "set by the matrix's `data` (use data: {})",
+    "parallel.strategy": "set by the matrix's `strategies` (use strategies: [{}])",
+    "parallel.nproc_per_node": "set by the matrix's `world_sizes` (use world_sizes: [{}])",
+    "train.precision": "set by the matrix's `precisions` (use precisions: [{}])",
+    "train.micro_batch_size": "set by the matrix's `micro_batch_sizes` (use micro_batch_sizes: [{}])",
+    "train.global_batch_size": "set by the matrix: micro-batch × ranks × `accumulation` (set accumulation)",
+    "train.max_steps": "set by the matrix: `warmup_steps` + `measure_steps` (set those)",
+    "train.throughput_warmup_steps": "set by the matrix's `warmup_steps` (use warmup_steps: {})",
+    "benchmark.warmup_steps": "set by the matrix's `warmup_steps` (use warmup_steps: {})",
+    "benchmark.matrix": "set by the matrix's `name` (use name: {})",
+}
+_FIXED = "set in every benchmark cell (each step logged, no validation, no checkpoints); leave it out of base"
+
+
+def _check_base(m: MatrixConfig) -> None:
+    """ConfigError naming the first `base` field the cells' own settings would replace (see the module docstring)."""
+    owned = _cell_overrides(m, "cell", m.models[0], m.strategies[0], m.world_sizes[0], m.micro_batch_sizes[0],
+                            m.precisions[0])  # fmt: skip
+    for dotted in _dotted(owned):
+        parts = dotted.split(".")
+        node: Any = m.base
+        for depth, part in enumerate(parts):
+            if not isinstance(node, Mapping) or part not in node:
+                break  # base leaves the field alone
+            node = node[part]
+            # The field itself, or a section the cell's settings replace (`base: {data: tinyshakespeare}`).
+            if depth == len(parts) - 1 or not isinstance(node, Mapping):
+                shown = brief(node).strip("'\"") if isinstance(node, str) else brief(node)
+                message = _SET_BY.get(dotted, _FIXED).format(shown)
+                raise ConfigError(f"base.{'.'.join(parts[: depth + 1])}", message)
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of a nested mapping's leaves."""
+    out = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out += _dotted(value, f"{name}.") if isinstance(value, Mapping) and value else [name]
+    return out
 
 
 def _cells(m: MatrixConfig, path: Path) -> list[Cell]:

@@ -2,7 +2,9 @@
 
 Each DIR is one *set* of results (one machine, usually one `gaudi3 benchmark run` output directory), labelled with
 its directory's name or a label given for it. Every `*.json` under DIR whose `schema` is the result schema
-(`bench.schema`) is read; other JSON is ignored, a file that claims the schema but is damaged is an error naming it.
+(`bench.schema`) is read; other JSON is ignored. A damaged result is an error naming it: a file that claims the
+schema, and any file named as the runner names results (`cells/<id>/result.json`, `benchmark_result.json`), which a
+cut-short copy no longer shows to be one (the schema string sits near the end of the runner's sorted keys).
 The runner leaves two copies of a cell (`cells/<id>/result.json` and the rank-0 copy in `run/`); the runner's
 `result.json` wins because only it carries scaling efficiency, else the latest by `created`.
 
@@ -20,16 +22,26 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from gaudi3_scale.bench.plots import PLOTS, group_rows, write_plots
+from gaudi3_scale.bench.result import RESULT_FILE
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, validate_result
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_json
 from gaudi3_scale.document import Block, Image, Section, Table, to_html, to_markdown
 
-__all__ = ["PRICE_NOTE", "LabelledResult", "ReportFiles", "load_results", "write_report"]
+__all__ = [
+    "PRICE_NOTE",
+    "LabelledResult",
+    "ReportFiles",
+    "ResultScan",
+    "load_results",
+    "scan_results",
+    "write_report",
+]
 
 PRICE_NOTE = "prices given on the command line"
 _INSTALL = "pip install 'gaudi3-scale[report]'"
 _GIB = 2**30
+_DAMAGED = "a damaged benchmark result: run its cell again, or delete the file"
 _CELL_COLUMNS = ("id", "matrix", "model", "strategy", "world_size", "nnodes", "micro_batch_size", "global_batch_size",
                  "accumulation", "context_length", "precision", "data")  # fmt: skip
 _METRIC_COLUMNS = ("tokens_per_s", "samples_per_s", "step_time_mean_s", "step_time_p50_s", "step_time_p95_s",
@@ -96,23 +108,45 @@ def _load_sets(dirs: Sequence[Path], labels: Sequence[str]) -> list[LabelledResu
     return [item for label, directory in seen.items() for item in _load_set(directory, label)]
 
 
-def _load_set(directory: Path, label: str) -> list[LabelledResult]:
+@dataclass(frozen=True)
+class ResultScan:
+    items: list[LabelledResult]  # one per cell: the copy that wins (see the module docstring)
+    damaged: list[tuple[Path, str]]  # a result file that is not a valid result, and the line that says why
+
+
+def scan_results(directory: Path, label: str | None = None) -> ResultScan:
+    """Every result under `directory`, and every damaged one beside them (the dashboard shows both); the set is
+    labelled with `label`, default the directory's name. A directory that is missing, or holds neither, is an
+    error."""
+    label = _dir_label(directory) if label is None else label
     if not directory.is_dir():
         raise UserInputError(f"{directory}: not a directory of benchmark results")
     best: dict[str, tuple[tuple[bool, str], LabelledResult]] = {}
+    damaged: list[tuple[Path, str]] = []
     for path in sorted(directory.rglob("*.json")):
-        result = _read_if_result(path)
+        try:
+            result = _read_if_result(path)
+        except UserInputError as exc:
+            damaged.append((path, str(exc)))
+            continue
         if result is None:
             continue
         rank = (path.name == "result.json", result["created"])
         cell_id = result["cell"]["id"]
         if cell_id not in best or rank > best[cell_id][0]:
             best[cell_id] = (rank, LabelledResult(label=label, path=path, result=result))
-    if not best:
+    if not best and not damaged:
         raise UserInputError(
             f"{directory}: no benchmark results found (JSON files with schema {RESULT_SCHEMA!r})"
         )
-    return [item for _, item in best.values()]
+    return ResultScan(items=[item for _, item in best.values()], damaged=damaged)
+
+
+def _load_set(directory: Path, label: str) -> list[LabelledResult]:
+    scan = scan_results(directory, label)
+    if scan.damaged:  # a report without the cell would look complete
+        raise UserInputError(scan.damaged[0][1])
+    return scan.items
 
 
 def _read_if_result(path: Path) -> dict[str, Any] | None:
@@ -121,10 +155,16 @@ def _read_if_result(path: Path) -> dict[str, Any] | None:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except OSError as exc:
         raise UserInputError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if RESULT_SCHEMA not in text:
+    # Named as the runner and a cell's rank 0 name results: one cut short must not pass for other JSON.
+    named = path.name == RESULT_FILE or (path.name == "result.json" and path.parent.parent.name == "cells")
+    if RESULT_SCHEMA not in text and not named:
         return None  # cheap: other JSON (configs, manifests, tokenizers) is never parsed
-    obj = parse_json(text, where=f"{path} (names the benchmark result schema)", expect=None)
-    if not isinstance(obj, dict) or obj.get("schema") != RESULT_SCHEMA:
+    try:
+        obj = parse_json(text, where=str(path) if named else f"{path} (names the benchmark result schema)",
+                         expect=None)  # fmt: skip
+    except UserInputError as exc:
+        raise UserInputError(f"{exc}; {_DAMAGED}") from None
+    if not named and (not isinstance(obj, dict) or obj.get("schema") != RESULT_SCHEMA):
         return None
     return validate_result(obj, str(path))
 

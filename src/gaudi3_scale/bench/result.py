@@ -35,6 +35,7 @@ __all__ = [
     "CHUNK",
     "END",
     "RESULT_FILE",
+    "cell_result_path",
     "cell_section",
     "failed_result",
     "measure_h2d_gbps",
@@ -48,6 +49,12 @@ CHUNK = "GAUDI3-BENCHMARK-RESULT"
 END = "GAUDI3-BENCHMARK-RESULT-END"
 RESULT_FILE = "benchmark_result.json"
 CHUNK_CHARS = 2048  # < PIPE_BUF (4096) with the prefix: one atomic write per line
+
+
+def cell_result_path(out_dir: Path, cell_id: str) -> Path:
+    """Where a results directory keeps a cell's result (the layout in `bench.runner`); `cell_id` is a plain name,
+    as every validated result's is (`bench.schema`)."""
+    return out_dir / "cells" / cell_id / "result.json"
 
 
 def cell_section(

@@ -11,6 +11,11 @@ Layout of the output directory:
 A cell with a valid result is skipped when the matrix runs again (resume); `retry_failed` re-runs failed ones. A
 failed, out-of-memory or timed-out cell is recorded with its reason and the matrix goes on. When every cell has
 run, scaling efficiency is filled in against the 1-rank cell of the same model, strategy, micro-batch and precision.
+
+A directory holds one matrix's results. Before anything is written, `check_results_dir` refuses one whose
+matrix.yaml is another matrix (any key differs), or that holds a result the cell of the same id would not have
+produced (its matrix, batch, context length, data or steps differ: results collected from logs into it, say):
+resuming would report those numbers as this matrix's.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from gaudi3_scale.bench.cell import cell_of_config, cell_warmup_steps
 from gaudi3_scale.bench.collect import collect_from_lines
 from gaudi3_scale.bench.matrix import Cell, MatrixConfig
-from gaudi3_scale.bench.result import failed_result, write_result
+from gaudi3_scale.bench.result import cell_result_path, failed_result, write_result
 from gaudi3_scale.bench.schema import load_result
-from gaudi3_scale.config.core import save_yaml
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.core import load_yaml, save_yaml, to_dict
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.distributed.jobs import run_job
 
-__all__ = ["MatrixOutcome", "run_matrix"]
+__all__ = ["MatrixOutcome", "check_results_dir", "run_matrix"]
 
 _STATUS = {"crash": "failed", "oom": "oom", "timeout": "timeout"}
+# What a result records of the cell that made it, beyond its id (which names model, strategy, ranks, micro-batch and
+# precision as asked; the result holds strategy and precision as resolved): these must match for it to be reused.
+_SAME_CELL = ("id", "matrix", "nnodes", "global_batch_size", "accumulation", "context_length", "data")
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,46 @@ def _existing(path: Path) -> dict[str, Any] | None:
         return load_result(path)
     except UserInputError:
         return None  # a damaged result: the cell runs again and replaces it
+
+
+def check_results_dir(
+    matrix: MatrixConfig, cells: Sequence[Cell], out_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """The results in `out_dir` that cells of `matrix` can reuse (cell id → result); a UserInputError line when
+    `out_dir` holds another matrix's (see the module docstring). Writes nothing."""
+    refuse = (
+        f"{out_dir} holds the results of another matrix ({{}}); allowed: the same matrix, or another --out"
+    )
+    stored_path = out_dir / "matrix.yaml"
+    if stored_path.exists():
+        stored, current = load_yaml(stored_path, what="the matrix of the results directory"), to_dict(matrix)
+        for key in dict.fromkeys([*current, *stored]):
+            if stored.get(key) != current.get(key):
+                there, here = brief(stored.get(key)), brief(current.get(key))
+                raise UserInputError(refuse.format(f"matrix.yaml: {key} {there} there, {here} here"))
+    found = {}
+    for cell in cells:
+        result = _existing(cell_result_path(out_dir, cell.id))
+        if result is None:
+            continue
+        differs = _differs(cell, matrix, result)
+        if differs:
+            raise UserInputError(refuse.format(f"cells/{cell.id}/result.json: {differs}"))
+        found[cell.id] = result
+    return found
+
+
+def _differs(cell: Cell, matrix: MatrixConfig, result: dict[str, Any]) -> str | None:
+    """How `result` is not one the cell made (`_SAME_CELL`, warm-up and measured steps), or None."""
+    expected = _cell(cell)
+    recorded = {f"cell.{k}": (result["cell"][k], expected[k]) for k in _SAME_CELL}
+    recorded["steps.warmup"] = (result["steps"]["warmup"], cell_warmup_steps(cell.config))
+    if result["status"] == "ok":  # a cell that ended early measured fewer steps
+        recorded["steps.measured"] = (result["steps"]["measured"], matrix.measure_steps)
+    for key, (there, here) in recorded.items():
+        if there != here:
+            return f"{key} {brief(there)} there, {brief(here)} here"
+    return None
 
 
 def _run_cell(cell: Cell, cell_dir: Path, timeout_s: float, environment: dict[str, Any]) -> dict[str, Any]:
@@ -123,8 +171,10 @@ def run_matrix(
     from gaudi3_scale.monitor.environment import environment_info
 
     console = console or Console(stderr=True)
+    done = check_results_dir(matrix, cells, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_yaml(matrix, out_dir / "matrix.yaml")
+    if not (out_dir / "matrix.yaml").exists():  # else it is this matrix already (check_results_dir)
+        save_yaml(matrix, out_dir / "matrix.yaml")
     environment = environment_info()
     results: dict[str, dict[str, Any]] = {}
     ran: list[str] = []
@@ -134,8 +184,8 @@ def run_matrix(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"matrix {matrix.name}", total=len(cells))
         for cell in cells:
-            path = out_dir / "cells" / cell.id / "result.json"
-            existing = _existing(path)
+            path = cell_result_path(out_dir, cell.id)
+            existing = done.get(cell.id)
             if existing is not None and (existing["status"] == "ok" or not retry_failed):
                 results[cell.id] = existing
                 skipped.append(cell.id)
@@ -159,5 +209,5 @@ def run_matrix(
             progress.advance(task)
     _fill_scaling(cells, results)
     for cell in cells:
-        write_result(results[cell.id], out_dir / "cells" / cell.id / "result.json")
+        write_result(results[cell.id], cell_result_path(out_dir, cell.id))
     return MatrixOutcome(results=results, ran=ran, skipped=skipped)

@@ -6,7 +6,8 @@ Version 1 (`schema_version: 1`, `schema: "gaudi3-scale/benchmark-result"`). Unit
       "schema": "gaudi3-scale/benchmark-result",
       "schema_version": 1,
       "cell": {                          # what ran
-        "id": str,                       #   stable key of the cell (strategy, ranks, model, micro-batch, precision)
+        "id": str,                       #   stable key of the cell (strategy, ranks, model, micro-batch, precision);
+                                         #   one plain path component (config.core.check_name): it names cells/<id>/
         "matrix": str | null,            #   the matrix it belongs to
         "model": str,                    #   registry preset
         "strategy": str,                 #   parallel.strategy as resolved (auto → ddp/single)
@@ -33,7 +34,7 @@ Version 1 (`schema_version: 1`, `schema: "gaudi3-scale/benchmark-result"`). Unit
       },
       "steps": {"warmup": int, "measured": int},
       "environment": {…},                # monitor.environment.environment_info(): hardware, versions, git commit
-      "created": str                     # ISO 8601 UTC
+      "created": str                     # ISO 8601 with a UTC offset: which of two copies of a result is newer
     }
 """
 
@@ -41,10 +42,12 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.core import check_name
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.files import load_json_file
 from gaudi3_scale.monitor.perf import mfu_above_peak
 
@@ -52,6 +55,7 @@ __all__ = [
     "RESULT_SCHEMA",
     "RESULT_SCHEMA_VERSION",
     "STATUSES",
+    "created_time",
     "load_result",
     "mfu_problem",
     "validate_result",
@@ -127,7 +131,12 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
                  "created": str}, "", source)  # fmt: skip
     if obj["status"] not in STATUSES:
         raise UserInputError(f"{source}: status must be one of {', '.join(STATUSES)}, got {obj['status']!r}")
+    created_time(obj, source)
     _check(obj["cell"], _CELL_FIELDS, "cell.", source)
+    try:
+        check_name("cell.id", obj["cell"]["id"])  # it becomes OUT/cells/<id>/: never `..`, `/abs` or `a/b`
+    except ConfigError as exc:
+        raise UserInputError(f"{source}: {exc}") from None
     for name in (
         "world_size",
         "nnodes",
@@ -164,6 +173,22 @@ def validate_result(obj: Any, source: str) -> dict[str, Any]:
     if above:
         raise UserInputError(f"{source}: metrics.mfu must be at most 1: {above}")
     return obj
+
+
+def created_time(result: dict[str, Any], source: str = "benchmark result") -> datetime:
+    """When `result` was made: its `created`, an ISO 8601 time with a UTC offset (a naive time cannot be ordered
+    against another machine's)."""
+    text = result["created"]
+    try:
+        created = datetime.fromisoformat(text)
+    except ValueError:
+        created = None
+    if created is None or created.utcoffset() is None:
+        raise UserInputError(
+            f"{source}: created must be an ISO 8601 time with a UTC offset (2026-01-02T03:04:05+00:00), "
+            f"got {json.dumps(text)[:60]}"
+        )
+    return created
 
 
 def mfu_problem(mfu: float | None, environment: dict[str, Any] | None) -> str | None:

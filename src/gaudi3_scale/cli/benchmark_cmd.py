@@ -9,6 +9,7 @@ import click
 
 from gaudi3_scale.cli.options import Seconds
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.config.numbers import parse_number
 
 __all__ = ["benchmark"]
@@ -37,7 +38,7 @@ def run_cmd(
     """Run every cell of a matrix (resumable: cells with a result are skipped). Exit 0 when all cells are ok,
     1 when some failed (they are recorded with their reason), 2 on bad input."""
     from gaudi3_scale.bench.matrix import load_matrix
-    from gaudi3_scale.bench.runner import run_matrix
+    from gaudi3_scale.bench.runner import check_results_dir, run_matrix
     from gaudi3_scale.cli.config_cmd import wide_console
     from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
 
@@ -48,6 +49,8 @@ def run_cmd(
             console.print(f"{cell.id}: {cell.label}", highlight=False)
         console.print(f"matrix {matrix.name}: {len(cells)} cells (dry run: nothing run)", highlight=False)
         return
+    check_output_dir("--out", out_dir)
+    check_results_dir(matrix, cells, Path(out_dir))  # another matrix's results: refused before any output
     doctor_once_for_trainings(None, [])  # in the training image only
     console.print(f"matrix {matrix.name}: {len(cells)} cells → {out_dir}/cells/", highlight=False)
     outcome = run_matrix(matrix, cells, Path(out_dir), timeout_s=cell_timeout_s, retry_failed=retry_failed,
@@ -75,15 +78,14 @@ def _feed_calibration(result: dict[str, Any], run_dir: Path) -> str:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="results directory")
 def collect_cmd(logs: tuple[str, ...], out_dir: str) -> None:
     """Recover cell results printed between GAUDI3-BENCHMARK-RESULT markers in LOG files (e.g. pod logs)."""
-    from gaudi3_scale.bench.collect import collect_logs
-    from gaudi3_scale.bench.result import write_result
+    from gaudi3_scale.bench.collect import collect_logs, save_collected
 
+    check_output_dir("--out", out_dir)
     results = collect_logs(Path(p) for p in logs)
     if not results:
         raise UserInputError(f"no benchmark result markers in {', '.join(logs)}")
-    for result in results:
-        write_result(result, Path(out_dir) / "cells" / result["cell"]["id"] / "result.json")
-    click.echo(f"{len(results)} result(s) → {out_dir}/cells/")
+    for line in save_collected(results, Path(out_dir)).lines():
+        click.echo(line)
 
 
 @benchmark.command(name="report")
@@ -104,6 +106,7 @@ def report_cmd(
 
     if labels and len(labels) != len(dirs):
         raise UserInputError(f"--label: give one per directory ({len(dirs)}), got {len(labels)}")
+    check_output_dir("--out", out_dir)
     files = write_report([Path(d) for d in dirs], Path(out_dir), labels=list(labels) or None,
                          prices_usd_per_hour=_prices(prices) or None, title=title)  # fmt: skip
     click.echo(f"report: {files.markdown}, {files.html}, {files.csv}, {len(files.plots)} plots in {out_dir}/")

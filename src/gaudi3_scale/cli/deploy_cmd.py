@@ -8,7 +8,7 @@ import click
 
 from gaudi3_scale.cli.options import Count
 from gaudi3_scale.config.errors import UserInputError, brief, print_error
-from gaudi3_scale.config.files import parse_yaml_value
+from gaudi3_scale.config.files import check_output_dir, parse_yaml_value
 
 __all__ = ["deploy"]
 
@@ -111,15 +111,15 @@ def _settings(items: tuple[str, ...]) -> dict[str, object]:
 def collect_cmd(logs: tuple[str, ...], job: str | None, namespace: str | None, out_dir: str) -> None:
     """Benchmark results a deployed run printed (GAUDI3-BENCHMARK-RESULT markers) from LOG files or a job's pods,
     written as `gaudi3 benchmark collect` does (OUT/cells/<id>/result.json)."""
-    from gaudi3_scale.bench.result import write_result
+    from gaudi3_scale.bench.collect import save_collected
     from gaudi3_scale.deploy.collect import collect_results
 
     if namespace and not job:
         raise UserInputError("--namespace: only with --job NAME (log files carry no namespace)")
+    check_output_dir("--out", out_dir)  # before kubectl: a typo in --out costs no cluster round trip
     results = collect_results([Path(p) for p in logs], job, namespace)  # at least one, or UserInputError
-    for result in results:
-        write_result(result, Path(out_dir) / "cells" / result["cell"]["id"] / "result.json")
-    click.echo(f"{len(results)} result(s) → {out_dir}/cells/")
+    for line in save_collected(results, Path(out_dir)).lines():
+        click.echo(line)
 
 
 _PATHS = click.argument("paths", nargs=-1, required=True, type=click.Path())
