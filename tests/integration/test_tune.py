@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,6 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from process_groups import kill_what_is_left, wait_for_job_group
 
 pytestmark = pytest.mark.integration
 
@@ -237,3 +240,27 @@ def test_trials_are_ranked_by_synchronised_time(tmp_path: Path) -> None:
     trials = {t["candidate"]["micro_batch_size"]: t for t in report["trials"] if t["status"] == "ok"}
     assert trials[4]["step_time_s"] >= 0.95 * 0.15, trials[4]
     assert report["best"]["candidate"]["micro_batch_size"] == 2, report["trials"]
+
+
+def test_ctrl_c_stops_the_running_trial_and_its_whole_process_group(tmp_path: Path) -> None:
+    """A trial runs in a session of its own, so a terminal's Ctrl-C reaches only the tuner: the tuner stops the
+    trial's process group before it exits, and no training outlives it. Sent as soon as the trial has started:
+    what is under test is the supervisor, not how far the trial got."""
+    out = tmp_path / "tune"
+    tuner = subprocess.Popen(
+        [sys.executable, "-m", "gaudi3_scale.cli", "tune", "--global-batch", "1", "--precisions", "32-true",
+         "--activation-checkpointing", "off", "--pipeline", "off", *SHORT, "--measure-steps", "1000",
+         "--model.num_layers", "1", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal starts it
+    )  # fmt: skip
+    try:
+        trial = wait_for_job_group(tuner.pid)
+        tuner.send_signal(signal.SIGINT)
+        stdout, stderr = tuner.communicate(timeout=120)
+    finally:
+        tuner.kill()
+    assert tuner.returncode == 2 and stderr.endswith("gaudi3: error: aborted\n"), stdout + stderr
+    assert kill_what_is_left(trial) == [], "the trial outlived the tuner"
+    # a stopped trial is no result: nothing recorded, no report
+    assert not (out / "tune.json").exists() and not (out / "trials.jsonl").exists()

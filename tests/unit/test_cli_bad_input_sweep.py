@@ -84,6 +84,14 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (p["hf_model"] / "tokenizer.json").write_text('{"mine": true}')
     p["remote"] = root / "remote"  # another run's mirror, holding its checkpoint
     shutil.copytree(step, p["remote"] / step.name)
+    # tune outputs whose trials.jsonl is damaged: refused before base.yaml is rewritten
+    for name, line in [("tune_null", b"null"), ("tune_list", b"[1, 2]"), ("tune_bytes", b'\xff\xfe{"x": 1}')]:
+        p[name] = root / name
+        p[name].mkdir()
+        (p[name] / "trials.jsonl").write_bytes(
+            b'{"fingerprint": "another search", "result": {}}\n' + line + b"\n"
+        )
+        (p[name] / "base.yaml").write_text("# mine\n")
     p["edited"] = p["rendered"] / "k8s" / "base" / "02-config.yaml"
     p["edited"].write_text(p["edited"].read_text() + "# edited by hand\n")
     return p
@@ -99,6 +107,8 @@ def _prepare(p: dict[str, Path], *extra: str) -> list[str]:
 
 
 _TUNE = ["tune", "--model.num_layers", "1"]
+_TUNE_ONE = ["--strategies", "auto", "--precisions", "32-true", "--activation-checkpointing", "off", "--compile", "off",
+             "--pipeline", "off"]  # fmt: skip
 _RENDER = ["deploy", "render", "--target", "k8s", "--accelerator", "h100", "--nodes", "1"]
 _COMPARE = ["cost", "compare", "--model", "70B", "--tokens", "1T", "--platforms", "h100"]
 _QUOTE = ["cost", "quote", "--provider", "azure", "--type", "Standard_ND96isr_H100_v5", "--region", "eastus"]
@@ -136,6 +146,14 @@ FIXED: list[Case] = [
     ("plan-out-dir-is-a-file", lambda p: ["plan", "--model.num_layers", "1", "--out_dir", str(p["a_file"])], ("out_dir:", "is a file"), ("a_file",)),
     ("cost-compare-out-inside-a-file", lambda p: [*_COMPARE, "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
     ("tune-out-inside-a-file", lambda p: [*_TUNE, "--out", str(p["a_file"] / "sub"), "--strategies", "auto", "--precisions", "32-true", "--activation-checkpointing", "off", "--compile", "off", "--pipeline", "off"], ("--out:", "which is a file"), ("a_file",)),
+    ("smoke-out-inside-a-file", lambda p: ["smoke", "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
+    ("repro-out-inside-a-file", lambda p: ["repro", "--out", str(p["a_file"] / "sub"), "--steps", "2"], ("--out:", "which is a file"), ("a_file",)),
+    ("tune-trials-jsonl-null", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_null"])], ("trials.jsonl:2: not a trial record", "got 'null'", "delete the line or use a new --out"), ("tune_null",)),
+    ("tune-trials-jsonl-list", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_list"])], ("trials.jsonl:2: not a trial record", "got '[1, 2]'"), ("tune_list",)),
+    ("tune-trials-jsonl-not-utf8", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_bytes"])], ("trials.jsonl:2: not a trial record (byte 0xff at column 1 is not UTF-8)",), ("tune_bytes",)),
+    # a 1 MiB budget: without the bound, the space builds and the budget is what is refused
+    ("tune-global-batch-huge", lambda p: [*_TUNE, *_TUNE_ONE, "--global-batch", "2000000000", "--memory-budget", "1MiB", "--out", str(p["root"] / "t2")], ("--global-batch: the tuner searches global batches of 1 to 1,048,576 sequences, got 2,000,000,000",), ()),
+    ("tune-config-global-batch-huge", lambda p: [*_TUNE, *_TUNE_ONE, "--train.global_batch_size", "1048577", "--memory-budget", "1MiB", "--out", str(p["root"] / "t3")], ("train.global_batch_size: the tuner searches global batches of 1 to 1,048,576",), ()),
     ("plan-nodes-huge", lambda p: ["plan", "--machine", "h100", "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),
     ("cost-compare-nodes-huge", lambda p: [*_COMPARE, "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),
     ("tune-world-size-huge", lambda p: [*_TUNE, "--estimate-only", "--accelerator", "h100", "--world-size", "2147483640"], ("--world-size: must be a positive integer up to 1,048,576",), ()),

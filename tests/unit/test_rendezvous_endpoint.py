@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.hosts import parse_endpoint
@@ -77,3 +78,32 @@ def test_config_check_dry_run_and_train_refuse_a_bad_endpoint_alike(
 def test_the_rendezvous_timeout_is_a_duration(gaudi3_cli: Callable[..., CliResult]) -> None:
     code, _, err = gaudi3_cli("train", "--print-config", "--parallel.rdzv_timeout_s", "0")
     assert code == 2 and err == "gaudi3: error: parallel.rdzv_timeout_s: must be > 0, got 0.0\n"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "words"),
+    [
+        (
+            "host:",
+            "parallel.rdzv_endpoint: the port must be 1-65535, got '' in 'host:'",
+        ),  # YAML: {host: null}
+        ("{a: 1}", "parallel.rdzv_endpoint: expected HOST:PORT (a host name"),  # YAML: a mapping
+        ("node0:29500 #x", "got '29500 #x' in 'node0:29500 #x'"),  # YAML: a comment, dropped without a word
+    ],
+)
+@pytest.mark.parametrize("verb", [["train", "--print-config"], ["doctor"]])
+def test_the_endpoint_flag_is_read_as_typed_not_as_yaml(
+    endpoint: str, words: str, verb: list[str], gaudi3_cli: Callable[..., CliResult]
+) -> None:
+    code, stdout, err = gaudi3_cli(*verb, "--rdzv-endpoint", endpoint)
+    assert code == 2 and stdout == "", err
+    assert err.startswith("gaudi3: error: ") and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("endpoint", ["node0:29500", "[fd00::1]:29500", "10.0.0.1:65535"])
+def test_a_good_endpoint_flag_reaches_the_config_unchanged(
+    endpoint: str, gaudi3_cli: Callable[..., CliResult]
+) -> None:
+    code, stdout, err = gaudi3_cli("train", "--print-config", "--rdzv-endpoint", endpoint)
+    assert code == 0, err
+    assert yaml.safe_load(stdout)["parallel"]["rdzv_endpoint"] == endpoint

@@ -12,10 +12,10 @@ import pytest
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.jobs import classify_failure
-from gaudi3_scale.train.config import build_run_config
+from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 from gaudi3_scale.tune.lr import rescale_schedule
-from gaudi3_scale.tune.space import Candidate, build_space, divisors
+from gaudi3_scale.tune.space import Candidate, SearchSpace, build_space, divisors
 
 
 def _rescale(rule: str, to_batch: int) -> tuple[float, float, int, int]:
@@ -437,3 +437,112 @@ def test_offload_is_searched_only_where_nothing_fits_without_it(tmp_path: Path) 
         "fsdp_grad_op",
         "fsdp",
     )  # what the trainer builds on Gaudi
+
+
+@pytest.mark.timeout(60)  # a scan of 1..n ran past 60 s here for 2**31 - 1
+def test_divisors_pair_up_below_the_square_root() -> None:
+    for n in (1, 2, 16, 36, 97, 360, 720_720):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert divisors(2**31 - 1) == [1, 2**31 - 1]  # a prime
+    assert divisors(2**40) == [2**k for k in range(41)]
+
+
+def _one_point_space() -> tuple[RunConfig, SearchSpace, Candidate]:
+    """A 1-rank space of one candidate: global batch 1, 32-true, nothing else searched."""
+    base = build_run_config(
+        None, parse_overrides(["--train.global_batch_size", "1", "--model.num_layers", "1"])
+    )
+    space = build_space(base, world_size=1, compile=(False,), threads=(1,), precisions=("32-true",),
+                        activation_checkpointing=(False,), pipeline=(False,))  # fmt: skip
+    (candidate,) = space.candidates()
+    return base, space, candidate
+
+
+def test_a_search_without_a_winner_removes_an_earlier_search_s_best_yaml(tmp_path: Path) -> None:
+    """best.yaml is always the winner of the tune.json beside it: a search that ends without one (here its one
+    trial crashed, from the cache, so nothing runs) removes the winner an earlier search left, and says so."""
+    import io
+
+    from rich.console import Console
+
+    from gaudi3_scale.tune.search import TrialCache
+    from gaudi3_scale.tune.trial import TrialResult
+    from gaudi3_scale.tune.tuner import print_report, run_tuner
+
+    base, space, candidate = _one_point_space()
+    out = tmp_path / "tune"
+    out.mkdir()
+    (out / "best.yaml").write_text("# the winner of an earlier search\n")
+    cache = TrialCache(out / "trials.jsonl", "this search")
+    cache.add(TrialResult(candidate=candidate, status="crash", reason="exit code 1: boom"))
+    console = Console(file=io.StringIO(), width=200)
+    result = run_tuner(base, space, TuneConfig(memory_budget_bytes=2**40), out, console=console,
+                       estimate=lambda c: None, cache=cache)  # fmt: skip
+    print_report(result, console)
+    assert result.best is None and result.outcome.trials_run == 0
+    assert not (out / "best.yaml").exists()
+    report = json.loads((out / "tune.json").read_text())
+    assert report["best"] is None and report["best_config"] is None
+    note = f"removed {out / 'best.yaml'}: the winner of an earlier search here; this one has none"
+    assert note in report["notes"]
+    assert f"note: {note}" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("result", "problem"),
+    [
+        ("5", "result: expected a mapping of fields, got 5"),
+        ('{"candidate": {"strategy": "auto"}, "status": "ok"}', "result.candidate.precision: is required"),
+        ("BAD_STATUS", "result.status: got 'bogus'; allowed: ok, oom"),
+        ("NAN_SPEED", "result.tokens_per_s: must be a finite number, got nan"),
+    ],
+)
+def test_a_record_of_this_search_that_does_not_read_back_is_one_line_naming_its_line(
+    tmp_path: Path, result: str, problem: str
+) -> None:
+    from gaudi3_scale.tune.search import TrialCache
+    from gaudi3_scale.tune.trial import TrialResult
+
+    _, _, candidate = _one_point_space()
+    good = TrialResult(candidate=candidate, status="ok", tokens_per_s=10.0, step_time_s=1.0).to_dict()
+    if result == "BAD_STATUS":
+        result = json.dumps({**good, "status": "bogus"})
+    elif result == "NAN_SPEED":
+        result = json.dumps({**good, "tokens_per_s": float("nan")})
+    path = tmp_path / "trials.jsonl"
+    path.write_text(json.dumps({"fingerprint": "f", "result": good}) + "\n"
+                    + f'{{"fingerprint": "f", "result": {result}}}\n')  # fmt: skip
+    with pytest.raises(UserInputError) as refused:
+        TrialCache(path, "f")
+    message = str(refused.value)
+    assert message.startswith(f"{path}:2: not a trial record ({problem}"), message
+    assert message.endswith("); delete the line or use a new --out") and "\n" not in message
+    TrialCache(path, "another search")  # records of another search are not read back: no error
+
+
+def test_a_line_cut_short_is_skipped_and_the_next_record_gets_a_line_of_its_own(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.search import TrialCache
+    from gaudi3_scale.tune.trial import TrialResult
+
+    _, _, candidate = _one_point_space()
+    path = tmp_path / "trials.jsonl"
+    path.write_text('{"fingerprint": "f", "result": {"candid')  # a tuner killed while it wrote
+    cache = TrialCache(path, "f")
+    assert cache.results == {}
+    ok = TrialResult(candidate=candidate, status="ok", tokens_per_s=10.0, step_time_s=1.0)
+    cache.add(ok)
+    assert TrialCache(path, "f").get(candidate.key) == ok
+
+
+def test_run_tuner_refuses_a_damaged_trial_file_before_it_writes_anything(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.tuner import run_tuner
+
+    base, space, _ = _one_point_space()
+    out = tmp_path / "tune"
+    out.mkdir()
+    (out / "trials.jsonl").write_text("[1, 2]\n")
+    (out / "base.yaml").write_text("# the base of an earlier search\n")
+    with pytest.raises(UserInputError, match=r"trials.jsonl:1: not a trial record"):
+        run_tuner(base, space, TuneConfig(memory_budget_bytes=2**40), out, estimate=lambda c: None)
+    assert sorted(p.name for p in out.iterdir()) == ["base.yaml", "trials.jsonl"]
+    assert (out / "base.yaml").read_text() == "# the base of an earlier search\n"

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
+from gaudi3_scale.config.hosts import parse_endpoint
 from gaudi3_scale.config.numbers import (
     INT32_MAX,
     MAX_SECONDS,
@@ -144,5 +145,16 @@ def launch_options(command: F) -> F:
 
 
 def launch_overrides(launch: Mapping[str, Any]) -> list[str]:
-    """The given launch flags as `--parallel.FIELD=VALUE` config overrides."""
-    return [f"--parallel.{key}={value}" for key, value in launch.items() if value is not None]
+    """The given launch flags as `--parallel.FIELD=VALUE` config overrides.
+
+    An override's value is read as YAML; the endpoint is text, so it is checked as typed (`host:` would be the
+    mapping {host: null}, ` #x` a comment) and passed single-quoted, which YAML reads back unchanged."""
+    out = []
+    for key, value in launch.items():
+        if value is None:
+            continue
+        if key == "rdzv_endpoint":
+            parse_endpoint("parallel.rdzv_endpoint", value)  # HOST:PORT, or one line saying so
+            value = "'" + value.replace("'", "''") + "'"
+        out.append(f"--parallel.{key}={value}")
+    return out

@@ -19,6 +19,7 @@ import click
 from gaudi3_scale.cli.options import Count, launch_options, launch_overrides
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError, print_error
+from gaudi3_scale.config.files import check_output_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -73,8 +74,10 @@ def repro(
     from gaudi3_scale.train.config import resolve_config
     from gaudi3_scale.verify.repro import plan_runs
 
-    if out_dir is not None and out_dir.exists() and any(out_dir.iterdir()):
-        raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
+    if out_dir is not None:
+        check_output_dir("--out", out_dir)  # a file at or above it: one line, not mkdir's traceback later
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
     user_overrides = [*overrides, *launch_overrides(launch)]
     cfg = resolve_config(config_path, user_overrides)
     if not steps and cfg.train.max_epochs is not None:

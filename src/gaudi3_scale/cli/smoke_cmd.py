@@ -15,6 +15,7 @@ import click
 
 from gaudi3_scale.cli.options import Count
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.files import check_output_dir
 
 if TYPE_CHECKING:
     from gaudi3_scale.verify.smoke import StageResult
@@ -37,8 +38,10 @@ def smoke(out_dir: Path | None, steps: int, keep: bool) -> None:
     """Smoke test: train, save a checkpoint, verify its checksums and reload it; each stage timed."""
     from gaudi3_scale.verify.smoke import run_smoke
 
-    if out_dir is not None and out_dir.exists() and any(out_dir.iterdir()):
-        raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
+    if out_dir is not None:
+        check_output_dir("--out", out_dir)  # a file at or above it: one line, not mkdir's traceback later
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
     directory = out_dir or Path(tempfile.mkdtemp(prefix="gaudi3-smoke-"))
     directory.mkdir(parents=True, exist_ok=True)
     report = run_smoke(directory, steps, progress_print=_print_stage)

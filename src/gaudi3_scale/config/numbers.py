@@ -23,6 +23,7 @@ __all__ = [
     "INT32_MAX",
     "INT64_MAX",
     "INT64_MIN",
+    "MAX_GLOBAL_BATCH_SIZE",
     "MAX_INT_DIGITS",
     "MAX_SECONDS",
     "SEED_LIMIT",
@@ -42,6 +43,9 @@ INT32_MAX = 2**31 - 1  # counts handed to C ints: threads, processes
 MAX_WORLD_SIZE = (
     2**20
 )  # ranks (or nodes) a plan, tuner or cost estimate takes: estimates keep a figure per rank
+# Sequences per optimizer step the tuner searches: 512× Llama 3 405B's largest batch, 16M tokens = 2,048 sequences
+# of 8,192 ("The Llama 3 Herd of Models", 2024, §3.4.1).
+MAX_GLOBAL_BATCH_SIZE = 2**20
 SEED_LIMIT = 2**32  # numpy.random.default_rng / RandomState take seeds in [0, 2**32)
 MAX_INT_DIGITS = 100  # characters of an integer literal, sign and underscores included
 MAX_SECONDS = 10.0**9  # ~31.7 years; threading.TIMEOUT_MAX is ~9.2e9 s on Linux

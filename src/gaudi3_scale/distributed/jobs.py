@@ -11,6 +11,12 @@ run, several ranks included) through `run_job`, which never raises for what happ
   others, so the ranks agree by construction: the job is OOM if any rank ran out.
 - ``timeout``: no exit within `timeout_s` (a hang, or far too slow): the whole process group is killed.
 - ``crash``: any other non-zero exit; the reason is the rank's own error line when there is one.
+
+Stopping the supervisor stops the job first. The job runs in a session of its own, out of the terminal's reach, so
+Ctrl-C's SIGINT reaches only the supervisor: while a job runs, SIGINT and SIGTERM are held, the job's whole process
+group gets SIGTERM (the ranks' preemption signal), `STOP_GRACE_S` to exit and then SIGKILL, and only then does the
+signal take its usual course (KeyboardInterrupt for Ctrl-C; SIGTERM ends the process). Any other exception that
+leaves `run_job` stops the job the same way. A signal the process ignores (SIGINT of a background job) stays ignored.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["OOM_PATTERNS", "JobOutcome", "classify_failure", "run_job"]
 
@@ -39,6 +46,10 @@ _ERROR_LINE = re.compile(r"(error|Error|Exception|Traceback|FAILED|Killed)")
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
 _AGENT_REPORT = re.compile(r"^(error_file|traceback|exitcode|rank|host|time|root cause)\s*:")
 POLL_S = 0.2
+# SIGTERM to SIGKILL when the supervisor is stopped: time for the ranks to leave their step and exit cleanly
+# (trials and benchmark cells write no checkpoint), short enough for a person waiting on Ctrl-C.
+STOP_GRACE_S = 5.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,10 +106,46 @@ def _tree_rss(pid: int) -> int:
     return peak
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> bool:
+    """Send `signum` to the job's process group; False when no process of it is left."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 0.0) -> None:
+    """End every process of the job's group: SIGTERM and up to `grace_s` to exit when `grace_s` > 0, then SIGKILL
+    for whatever is left; returns once the job's own process is reaped."""
+    if grace_s > 0 and _signal_group(proc, signal.SIGTERM):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader: its zombie would keep the group alive
+            if not _signal_group(proc, 0):
+                break
+            time.sleep(0.05)
+    _signal_group(proc, signal.SIGKILL)
     proc.wait()
+
+
+@contextlib.contextmanager
+def _held_stop_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM received inside the block, held (listed) instead of acted on; outside it, the handlers the
+    process had. Only the main thread can set handlers (and only it receives signals): elsewhere nothing is held."""
+    received: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler not in (signal.SIG_IGN, None):  # ignored stays ignored; None: set outside Python
+                previous[signum] = handler
+                signal.signal(signum, lambda got, _frame: received.append(got))
+    try:
+        yield received
+    finally:
+        for held, handler in previous.items():
+            signal.signal(held, handler)
 
 
 def run_job(
@@ -113,9 +160,7 @@ def run_job(
     any of its processes passes `rss_budget_bytes` (None: RSS not watched). Never raises for the job's failures."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    watched = 0
-    killed: tuple[JobStatus, str] | None = None
-    with log_path.open("wb") as log:
+    with _held_stop_signals() as stop, log_path.open("wb") as log:
         proc = subprocess.Popen(
             list(command),
             stdout=log,
@@ -124,22 +169,18 @@ def run_job(
             start_new_session=True,  # its own process group: a kill reaches every rank
             env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1"},
         )
-        while proc.poll() is None:
-            if time.perf_counter() - started > timeout_s:
-                _kill_group(proc)
-                killed = ("timeout", f"no result within {timeout_s:g} s; the job was killed")
-                break
-            if rss_budget_bytes is not None:
-                watched = max(watched, _tree_rss(proc.pid))
-                if watched > rss_budget_bytes:
-                    _kill_group(proc)
-                    killed = (
-                        "oom",
-                        f"memory budget exceeded: a process reached {watched / 2**30:.2f} GiB RSS "
-                        f"> {rss_budget_bytes / 2**30:.2f} GiB; the job was killed",
-                    )
-                    break
-            time.sleep(POLL_S)
+        try:
+            killed, watched = _supervise(proc, stop, started, timeout_s, rss_budget_bytes)
+        except BaseException:
+            _stop_group(proc, STOP_GRACE_S)
+            raise
+        if stop:
+            _stop_group(proc, STOP_GRACE_S)
+    if stop:
+        # The signal again, now to the process's own handler: KeyboardInterrupt for Ctrl-C, the end for SIGTERM. A
+        # handler of the caller's may return: the job still ended because of it.
+        signal.raise_signal(stop[0])
+        killed = ("crash", f"stopped: its supervisor received {signal.Signals(stop[0]).name}")
     wall_s = time.perf_counter() - started
     if killed is not None:
         return JobOutcome(status=killed[0], reason=killed[1], returncode=None, wall_s=wall_s,
@@ -150,3 +191,30 @@ def run_job(
                           watched_peak_rss_bytes=watched, log_path=log_path)  # fmt: skip
     return JobOutcome(status="ok", reason="", returncode=0, wall_s=wall_s, watched_peak_rss_bytes=watched,
                       log_path=log_path)  # fmt: skip
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    stop: list[int],
+    started: float,
+    timeout_s: float,
+    rss_budget_bytes: int | None,
+) -> tuple[tuple[JobStatus, str] | None, int]:
+    """Poll the job until it exits, a stop signal is held (`stop` not empty), its time is up or it passes the
+    memory budget (both: killed here); (why it was killed or None, the largest RSS watched)."""
+    watched = 0
+    while proc.poll() is None and not stop:
+        if time.perf_counter() - started > timeout_s:
+            _stop_group(proc)
+            return ("timeout", f"no result within {timeout_s:g} s; the job was killed"), watched
+        if rss_budget_bytes is not None:
+            watched = max(watched, _tree_rss(proc.pid))
+            if watched > rss_budget_bytes:
+                _stop_group(proc)
+                return (
+                    "oom",
+                    f"memory budget exceeded: a process reached {watched / 2**30:.2f} GiB RSS "
+                    f"> {rss_budget_bytes / 2**30:.2f} GiB; the job was killed",
+                ), watched
+        time.sleep(POLL_S)
+    return None, watched

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult
@@ -38,21 +39,53 @@ EstimateFn = Callable[[Candidate], int | None]
 
 
 class TrialCache:
-    """Trials already run for this config and settings (`trials.jsonl`, one JSON object per line)."""
+    """Trials already run for this config and settings (`trials.jsonl`, one JSON object per line).
+
+    A line that is not JSON is skipped: a killed tuner leaves its last line cut short. Any other line that is not a
+    trial record (another JSON value, bytes that are not UTF-8, a record of this config whose result does not read
+    back) is a `UserInputError` naming the file and line: the tuner opens the cache before it writes anything.
+    """
 
     def __init__(self, path: Path, fingerprint: str) -> None:
         self.path = path
         self.fingerprint = fingerprint
         self.results: dict[str, TrialResult] = {}
         if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a killed tuner
-                if record.get("fingerprint") == fingerprint:
-                    result = TrialResult.from_dict(record["result"])
+            for number, line in enumerate(path.read_bytes().splitlines(), 1):
+                result = self._read_line(number, line)
+                if result is not None:
                     self.results[result.key] = result
+
+    def _read_line(self, number: int, line: bytes) -> TrialResult | None:
+        """The result on line `number` when it is one of this fingerprint's; None for another's or a torn line."""
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            byte = f"0x{line[exc.start]:02x}"
+            raise self._damaged(number, f"byte {byte} at column {exc.start + 1} is not UTF-8") from None
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            return None  # a line cut short by a killed tuner
+        except (ValueError, RecursionError) as exc:  # a 5,000-digit integer, [[[[… nested past the C decoder
+            raise self._damaged(number, f"{type(exc).__name__}: {exc}") from None
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("fingerprint"), str)
+            or "result" not in record
+        ):
+            raise self._damaged(number, f'expected {{"fingerprint": …, "result": …}}, got {brief(text)}')
+        if record["fingerprint"] != self.fingerprint:
+            return None  # a trial of another config or settings: kept in the file, not reused
+        try:
+            return TrialResult.from_dict(record["result"])
+        except ConfigError as exc:
+            raise self._damaged(number, str(exc)) from None
+
+    def _damaged(self, number: int, problem: str) -> UserInputError:
+        return UserInputError(
+            f"{self.path}:{number}: not a trial record ({problem}); delete the line or use a new --out"
+        )
 
     def get(self, key: str) -> TrialResult | None:
         return self.results.get(key)
@@ -60,8 +93,18 @@ class TrialCache:
     def add(self, result: TrialResult) -> None:
         self.results[result.key] = result
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({"fingerprint": self.fingerprint, "result": result.to_dict()}) + "\n")
+        with self.path.open("ab") as f:
+            if f.tell() and not _ends_with_newline(self.path):
+                f.write(b"\n")  # after a line cut short: the record gets a line of its own
+            f.write(
+                json.dumps({"fingerprint": self.fingerprint, "result": result.to_dict()}).encode() + b"\n"
+            )
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 @dataclass

@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.numbers import MAX_GLOBAL_BATCH_SIZE
 from gaudi3_scale.device.float8 import float8_unsupported_reason
 from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
@@ -257,7 +259,9 @@ def offload_options(strategy: str) -> tuple[str, ...]:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n` >= 1, ascending: each d <= √n pairs with n // d, so √n steps, not n."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def device_kind(config: RunConfig) -> str:
@@ -323,6 +327,11 @@ def build_space(
     device = device_kind(config)
     batches = global_batches or (config.train.global_batch_size,)
     for gb in batches:
+        if gb > MAX_GLOBAL_BATCH_SIZE:
+            where = "--global-batch" if global_batches else "train.global_batch_size"
+            raise UserInputError(
+                f"{where}: the tuner searches global batches of 1 to {MAX_GLOBAL_BATCH_SIZE:,} sequences, got {gb:,}"
+            )
         if gb < world_size or gb % world_size:
             raise UserInputError(
                 f"global batch {gb} sequences cannot be split over {world_size} ranks: it must be a multiple of "

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
+from gaudi3_scale.config.core import from_dict
+from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
 from gaudi3_scale.train.report import read_metrics
@@ -68,10 +70,12 @@ class TrialResult:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
-        data = {k: v for k, v in data.items() if k != "key"}
-        data["candidate"] = Candidate(**data["candidate"])
-        return cls(**data)
+    def from_dict(cls, data: Any) -> TrialResult:
+        """A result as `to_dict` wrote it; anything else is `ConfigError` naming the field (types checked the way
+        config files are read)."""
+        if not isinstance(data, dict):
+            raise ConfigError("result", f"expected a mapping of fields, got {brief(data)}")
+        return from_dict(cls, {k: v for k, v in data.items() if k != "key"}, prefix="result")
 
 
 def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, out: Path) -> list[str]:

@@ -27,7 +27,7 @@ from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 
-__all__ = ["TuneResult", "default_memory_budget", "run_tuner", "winner_config"]
+__all__ = ["TuneResult", "default_memory_budget", "open_trial_cache", "run_tuner", "winner_config"]
 
 
 @dataclass
@@ -156,6 +156,12 @@ def _fingerprint(base: RunConfig, space: SearchSpace, config: TuneConfig) -> str
     )
 
 
+def open_trial_cache(base: RunConfig, space: SearchSpace, config: TuneConfig, out_dir: Path) -> TrialCache:
+    """The trials `out_dir` already holds for this config and settings; a damaged trials.jsonl is one line (exit 2)
+    here, before anything in `out_dir` is written."""
+    return TrialCache(out_dir / "trials.jsonl", _fingerprint(base, space, config))
+
+
 def run_tuner(
     base: RunConfig,
     space: SearchSpace,
@@ -166,11 +172,15 @@ def run_tuner(
     estimate: Callable[[Candidate], int | None] | None = None,
     extra_overrides: tuple[str, ...] = (),
     on_trial: Callable[[TrialResult, Path], str | None] | None = None,
+    cache: TrialCache | None = None,
 ) -> TuneResult:
     """Search `space` with real trials under `out_dir`; `on_trial(result, run_dir)` sees each trial run now (not
     one from the cache) with its run directory, and the line it returns is printed under the trial's
-    (`gaudi3 tune` feeds the calibration store with it: forecast.feed)."""
+    (`gaudi3 tune` feeds the calibration store with it: forecast.feed). `cache`: `open_trial_cache`'s (default:
+    opened here)."""
     console = console or Console(stderr=True)
+    if cache is None:
+        cache = open_trial_cache(base, space, config, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
     base_yaml = out_dir / "base.yaml"
@@ -214,7 +224,6 @@ def run_tuner(
             if note:
                 progress.console.print(f"    {note}", highlight=False)
 
-    cache = TrialCache(out_dir / "trials.jsonl", _fingerprint(base, space, config))
     groups = len(space.strategies) * len(space.precisions) * len(space.global_batches)
     expected = groups * 3 + len(space.threads) + 1  # rough: the bar's total grows if the search needs more
     with Progress(
@@ -236,9 +245,14 @@ def run_tuner(
 
         outcome = search(space, config, run=run, estimate=estimate, cache=cache, on_result=on_result_growing)
     best_config, lr_note = None, ""
+    best_path = out_dir / "best.yaml"
     if outcome.best is not None:
         best_config, lr_note = winner_config(base, outcome.best.candidate, space.world_size, config.lr_rule)
-        save_yaml(best_config, out_dir / "best.yaml")
+        save_yaml(best_config, best_path)
+    elif best_path.is_file():
+        # best.yaml is always the winner of the tune.json beside it: an earlier search's would be trained by mistake
+        best_path.unlink()
+        outcome.notes.append(f"removed {best_path}: the winner of an earlier search here; this one has none")
     result = TuneResult(outcome, space, config, base, best_config, out_dir, lr_note)
     write_reports(result)
     return result
