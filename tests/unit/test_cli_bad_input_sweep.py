@@ -153,6 +153,7 @@ FIXED: list[Case] = [
     ("tune-trials-jsonl-not-utf8", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_bytes"])], ("trials.jsonl:2: not a trial record (byte 0xff at column 1 is not UTF-8)",), ("tune_bytes",)),
     # a 1 MiB budget: without the bound, the space builds and the budget is what is refused
     ("tune-global-batch-huge", lambda p: [*_TUNE, *_TUNE_ONE, "--global-batch", "2000000000", "--memory-budget", "1MiB", "--out", str(p["root"] / "t2")], ("--global-batch: the tuner searches global batches of 1 to 1,048,576 sequences, got 2,000,000,000",), ()),
+    ("tune-memory-budget-holds-nothing", lambda p: [*_TUNE, *_TUNE_ONE, "--memory-budget", "1MiB", "--out", str(p["root"] / "t4")], ("--memory-budget 0.00 GiB per rank cannot hold any configuration",), ()),
     ("tune-config-global-batch-huge", lambda p: [*_TUNE, *_TUNE_ONE, "--train.global_batch_size", "1048577", "--memory-budget", "1MiB", "--out", str(p["root"] / "t3")], ("train.global_batch_size: the tuner searches global batches of 1 to 1,048,576",), ()),
     ("plan-nodes-huge", lambda p: ["plan", "--machine", "h100", "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),
     ("cost-compare-nodes-huge", lambda p: [*_COMPARE, "--nodes", "2147483647"], ("--nodes: must be a positive integer up to 1,048,576",), ()),

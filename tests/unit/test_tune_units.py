@@ -546,3 +546,13 @@ def test_run_tuner_refuses_a_damaged_trial_file_before_it_writes_anything(tmp_pa
         run_tuner(base, space, TuneConfig(memory_budget_bytes=2**40), out, estimate=lambda c: None)
     assert sorted(p.name for p in out.iterdir()) == ["base.yaml", "trials.jsonl"]
     assert (out / "base.yaml").read_text() == "# the base of an earlier search\n"
+
+
+def test_run_tuner_refuses_a_budget_nothing_fits_before_it_writes_anything(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.tuner import run_tuner
+
+    base, space, _ = _one_point_space()
+    out = tmp_path / "tune"
+    with pytest.raises(UserInputError, match=r"--memory-budget .* cannot hold any configuration"):
+        run_tuner(base, space, TuneConfig(memory_budget_bytes=2**20), out, estimate=lambda c: 2**30)
+    assert not out.exists()

@@ -212,7 +212,13 @@ def tune(
         )
         return
     from gaudi3_scale.tune.space import build_space
-    from gaudi3_scale.tune.tuner import default_memory_budget, open_trial_cache, print_report, run_tuner
+    from gaudi3_scale.tune.tuner import (
+        check_memory_budget,
+        default_memory_budget,
+        open_trial_cache,
+        print_report,
+        run_tuner,
+    )
 
     space = build_space(
         base,
@@ -245,12 +251,15 @@ def tune(
     out = Path(out_dir) if out_dir else Path("runs") / f"{base.name}-tune"
     check_output_dir("--out", out)
     cache = open_trial_cache(base, space, config, out)  # a damaged trials.jsonl: one line before any output
+    estimate = check_memory_budget(base, space, config)  # and a budget no configuration fits
     console.print(f"tuning {space.describe()}", highlight=False)
     assert config.memory_budget_bytes is not None
     console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)
     from gaudi3_scale.forecast.feed import feed_tune_trial  # each trial run now is a probe for the store
 
-    result = run_tuner(base, space, config, out, console=console, on_trial=feed_tune_trial, cache=cache)
+    result = run_tuner(
+        base, space, config, out, console=console, estimate=estimate, on_trial=feed_tune_trial, cache=cache
+    )
     print_report(result, console)
     if result.best is None:
         raise SystemExit(1)

@@ -27,7 +27,14 @@ from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 
-__all__ = ["TuneResult", "default_memory_budget", "open_trial_cache", "run_tuner", "winner_config"]
+__all__ = [
+    "TuneResult",
+    "check_memory_budget",
+    "default_memory_budget",
+    "open_trial_cache",
+    "run_tuner",
+    "winner_config",
+]
 
 
 @dataclass
@@ -89,6 +96,20 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
         est = estimate_memory(model, plan, batch, precision=c.precision, device_kind=space.device)
         return int(est.total_bytes)
 
+    return estimate
+
+
+def check_memory_budget(
+    base: RunConfig,
+    space: SearchSpace,
+    config: TuneConfig,
+    estimate: Callable[[Candidate], int | None] | None = None,
+) -> Callable[[Candidate], int | None]:
+    """The search's memory estimate (`estimate`, or the model's); one line (exit 2) when the budget holds none of
+    `space`'s configurations and the search prunes by the estimate."""
+    estimate = estimate or _estimator(base, space)
+    if config.prune_by_estimate and config.memory_budget_bytes is not None:
+        _check_budget_possible(space, estimate, config.memory_budget_bytes)
     return estimate
 
 
@@ -181,13 +202,11 @@ def run_tuner(
     console = console or Console(stderr=True)
     if cache is None:
         cache = open_trial_cache(base, space, config, out_dir)
+    estimate = check_memory_budget(base, space, config, estimate)  # refused: nothing written
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
     base_yaml = out_dir / "base.yaml"
     save_yaml(base, base_yaml)
-    estimate = estimate or _estimator(base, space)
-    if config.prune_by_estimate and config.memory_budget_bytes is not None:
-        _check_budget_possible(space, estimate, config.memory_budget_bytes)
     settings = TrialSettings(
         world_size=space.world_size,
         device=space.device,
