@@ -22,7 +22,7 @@ import pytest
 
 from gaudi3_scale.data import DataConfig, prepare_dataset
 from gaudi3_scale.data.manifest import load_manifest
-from gaudi3_scale.data.publish import publish_prepared
+from gaudi3_scale.data.publish import OBJECTS_DIR, publish_prepared
 from gaudi3_scale.data.sources import bundled_corpora
 from gaudi3_scale.storage import open_remote
 from gaudi3_scale.train import GaudiTrainer
@@ -209,8 +209,9 @@ def test_a_damaged_shard_at_the_store_is_one_line(
     _, local, _ = store
     url = publish_prepared(local, f"s3://{BUCKET}/damaged-{damage}")
     names = [s.file for s in load_manifest(local).shards_of("train")]
-    for name in names:  # whichever shard the run reads first is damaged
-        _corrupt(url, name, b"\x00" * 64 if damage == "checksum" else None)
+    for shard in load_manifest(local).shards_of("train"):  # whichever shard the run reads first is damaged
+        stored = f"{OBJECTS_DIR}/{shard.sha256}-{shard.file}"  # published files are stored by content
+        _corrupt(url, stored, b"\x00" * 64 if damage == "checksum" else None)
     code, _, err = gaudi3_cli("train", "--out", str(tmp_path / "run"), "--no-progress", f"--data.source={url}",
                                 *COMMON, f"--data.cache_dir={tmp_path / 'cache'}", "--data.fetch_retry_s=1")  # fmt: skip
     lines = [line for line in err.splitlines() if line.strip()]
@@ -259,9 +260,13 @@ def test_prepare_publishes_to_a_url_manifest_last_and_reuploads_nothing(
     assert code == 0, err
     assert out.strip() == url
     fs, root = open_remote(url, field="test")
-    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) == ["manifest.json", "objects"]
     manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
-    assert names == sorted(["manifest.json", "tokenizer.json", *(s["file"] for s in manifest["shards"])])
+    objects = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/objects"))
+    listed = [(s["sha256"], s["file"]) for s in manifest["shards"]] + [
+        (manifest["tokenizer_sha256"], "tokenizer.json")
+    ]
+    assert objects == sorted(f"{sha256}-{name}" for sha256, name in listed)  # stored by content
     assert len(manifest["shards"]) > 2
     puts = len([r for r in server.requests if r[0] == "PUT"])
     assert gaudi3_cli("prepare", str(source), "--shard-mb", "0.002", "--out", url)[0] == 0

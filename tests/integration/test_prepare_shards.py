@@ -345,3 +345,28 @@ def test_bad_jsonl_lines_are_named_by_their_line_in_the_file(tmp_path: Path) -> 
     path.write_text("\n\n{\"text\": 'single'}\n")  # the first record, checked before any worker starts
     with pytest.raises(UserInputError, match=r"rows.jsonl: line 3: not valid JSON lines: Expecting value"):
         prepare(path, tmp_path / "out", tokenizer="byte")
+
+
+def test_a_dictionary_encoded_parquet_text_column_is_text(tmp_path: Path) -> None:
+    """pandas writes a `category` column as dictionary<string>: the same text as a plain string column."""
+    rows = [SHAKESPEARE[i : i + 300] for i in range(0, 6_000, 300)]
+    pq.write_table(pa.table({"text": pa.array(rows).dictionary_encode()}), tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"text": rows}), tmp_path / "plain.parquet")
+    dictionary = prepare(tmp_path / "dict.parquet", tmp_path / "out-dict", tokenizer="byte")
+    plain = prepare(tmp_path / "plain.parquet", tmp_path / "out-plain", tokenizer="byte")
+    assert shard_stats(dictionary).keys() == shard_stats(plain).keys()
+    assert [s.sha256 for s in load_manifest(dictionary).shards] == [
+        s.sha256 for s in load_manifest(plain).shards
+    ]
+
+
+def test_rows_without_text_are_refused_like_an_empty_text_file(tmp_path: Path) -> None:
+    from gaudi3_scale.config.errors import ConfigError
+
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "empty.parquet")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    for name in ("empty.parquet", "blank.jsonl"):
+        with pytest.raises(ConfigError) as info:
+            prepare(tmp_path / name, tmp_path / f"out-{name}", tokenizer="byte")
+        assert str(info.value).startswith(f"data.source: {str(tmp_path / name)!r} holds no text (0 tokens")
+        assert not (tmp_path / f"out-{name}" / "manifest.json").exists()

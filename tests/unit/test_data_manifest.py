@@ -91,7 +91,7 @@ def test_missing_tokenizer(prepared: Path) -> None:
         ({"format": "nanogpt"}, "format 'nanogpt' is not"),
         ({"shards": None}, "missing key.s. shards"),
         ({"dtype": "float32"}, "dtype 'float32' is not one of uint16, uint32"),
-        ({"shards": [{"split": "train"}]}, "malformed entry"),
+        ({"shards": [{"split": "train"}]}, r"shards\[0\] must hold exactly split, file, num_tokens"),
         ({"vocab_size": "65"}, "key 'vocab_size' has the wrong type"),
         ({"vocab_size": 1}, "a vocabulary of 1 token type.s. leaves a language model nothing to predict"),
     ],
@@ -99,6 +99,63 @@ def test_missing_tokenizer(prepared: Path) -> None:
 def test_bad_manifest(prepared: Path, changes: dict[str, object], pattern: str) -> None:
     rewrite_manifest(prepared, **changes)
     expect_error(prepared, pattern, checksums=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"num_tokens": "3776"}, r"shards\[0\]: num_tokens is '3776'; allowed: an integer >= 0"),
+        ({"num_tokens": 3776.0}, r"num_tokens is 3776.0; allowed: an integer"),
+        ({"num_tokens": True}, r"num_tokens is True; allowed: an integer"),
+        ({"size_bytes": -1}, r"size_bytes is -1; allowed: an integer >= 0"),
+        ({"size_bytes": "7552"}, r"size_bytes is '7552'"),
+        ({"sha256": 12345}, r"sha256 is 12345; allowed: a string"),
+        (
+            {"sha256": "../../../escape/" + "0" * 48},
+            r"sha256 '\.\./\.\./\.\./escape/0+' is not 64 lowercase hex",
+        ),
+        ({"sha256": "A" * 64}, r"is not 64 lowercase hex digits"),
+        ({"file": 7}, r"file is 7; allowed: a string"),
+        ({"file": "../train-00000.bin"}, r"file '\.\./train-00000\.bin' is not a plain file name"),
+        ({"split": ["train"]}, r"split is \['train'\]; allowed: a string"),
+        ({"extra": 1}, r"must hold exactly split, file, num_tokens, size_bytes, sha256, got \["),
+        ("half", r"shards\[0\]: size_bytes \d+ disagrees with num_tokens \d+ × 2 bytes per token"),
+        ("uint32", r"shards\[0\]: size_bytes \d+ disagrees with num_tokens \d+ × 4 bytes per token"),
+    ],
+)
+def test_a_bad_shard_entry_is_one_line_naming_it(prepared: Path, change: object, pattern: str) -> None:
+    """Types, the SHA-256 (it names cache files: a path in it wrote outside the cache) and size_bytes = num_tokens ×
+    the dtype's bytes are checked where the manifest is parsed, for local and URL datasets alike."""
+    path = prepared / "manifest.json"
+    data = json.loads(path.read_text())
+    shard = data["shards"][0]
+    if change == "half":
+        shard["num_tokens"] //= 2
+    elif change == "uint32":
+        data["dtype"] = "uint32"
+    else:
+        assert isinstance(change, dict)
+        shard.update(change)
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserInputError, match=pattern) as exc:
+        load_manifest(prepared)
+    assert "\n" not in str(exc.value) and str(exc.value).startswith(str(path))
+
+
+def test_tokenizer_file_and_objects_dir_must_be_plain_names(prepared: Path) -> None:
+    rewrite_manifest(prepared, tokenizer_file="../tokenizer.json")
+    expect_error(prepared, r"tokenizer_file '\.\./tokenizer\.json' is not a plain file name")
+    rewrite_manifest(
+        prepared, tokenizer_file="tokenizer.json", objects_dir="../up", tokenizer_sha256="0" * 64
+    )
+    expect_error(prepared, r"objects_dir '\.\./up' is not a plain directory name")
+    rewrite_manifest(prepared, objects_dir="objects", tokenizer_sha256="xyz")
+    expect_error(prepared, r"tokenizer_sha256 'xyz' is not 64 lowercase hex digits")
+
+
+def test_a_local_manifest_has_no_published_layout_keys(prepared: Path) -> None:
+    data = json.loads((prepared / "manifest.json").read_text())
+    assert "objects_dir" not in data and "tokenizer_sha256" not in data
 
 
 def test_malformed_json_and_absent_manifest(prepared: Path, tmp_path: Path) -> None:

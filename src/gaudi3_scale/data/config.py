@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ class MixtureSource:
 
     def __post_init__(self) -> None:
         check_number("weight", self.weight, low=0.0)
+
+    @property
+    def label(self) -> str:
+        """`name`, or by default the last part of `source` (`s3://b/web` -> `web`)."""
+        if self.name:
+            return self.name
+        return os.path.basename(self.source.rstrip("/")) or self.source
 
 
 @dataclass(kw_only=True)
@@ -160,6 +168,15 @@ def _check_mixture(mixture: list[MixtureSource]) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError("mixture", f"{', '.join(duplicates)} listed twice; give each member its own name")
+    labels = [m.label for m in mixture]
+    for label in labels:
+        clash = [m.source for m in mixture if m.label == label]
+        if len(clash) > 1:
+            raise ConfigError(
+                "mixture",
+                f"members {', '.join(repr(c) for c in clash)} both get the name {label!r} (the last part of their "
+                "source); give each its own name, e.g. {source: ..., weight: ..., name: " + f"{label}2}}",
+            )
 
 
 def weight_sum_problem(weights: Sequence[float]) -> str | None:

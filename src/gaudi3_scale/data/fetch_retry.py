@@ -1,8 +1,12 @@
 """Retrying reads from object storage: transient errors back off exponentially until a time budget is spent.
 
 Transient means what `gaudi3_scale.storage.is_transient_error` says (refused / reset / timed-out connections, 5xx,
-throttling); anything else, a missing object included, is raised at once. One warning when an outage begins and one
-when it ends, however many threads retry through it. The backoff jitter comes from a generator of our own: the
+throttling), and also what fsspec's http:// backend reports as `FileNotFoundError` although the store said 5xx, 408
+or 429 or never answered (`is_transient_fetch_error`); anything else, a missing object (HTTP 404) included, is
+raised at once. A read that stalls is bounded by the backend's timeouts (`stall_timeout_s`, passed to the store by
+`data.remote`) and counts as a failure; the outage it begins is dated back to when the store was last known to
+answer (at most the stall bound ago), so a stalled first attempt is charged to the budget. One warning when an
+outage begins and one when it ends, however many threads retry through it; none from a caller that is stopping. The backoff jitter comes from a generator of our own: the
 global `random` state is part of what checkpoints record, and a run with an outage must stay bitwise identical to
 one without.
 """
@@ -19,10 +23,49 @@ from typing import TypeVar
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.storage import is_transient_error
 
-__all__ = ["FetchStopped", "Retrier"]
+__all__ = [
+    "FetchStopped",
+    "Retrier",
+    "describe_error",
+    "http_status",
+    "is_transient_fetch_error",
+    "stall_timeout_s",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# Longest wait for a connection or for the next bytes of a read (s3fs's own default read timeout); a budget of
+# data.fetch_retry_s spends at most a quarter of itself on one stalled attempt, and a stall is at least 1 s.
+MAX_STALL_S = 15.0
+MIN_STALL_S = 1.0
+_TRANSIENT_STATUSES = {408, 429}
+
+
+def stall_timeout_s(budget_s: float) -> float:
+    """How long a read of a retry budget of `budget_s` waits for a connection or the next bytes before failing."""
+    return min(MAX_STALL_S, max(MIN_STALL_S, budget_s / 4))
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status of an aiohttp response error, or of the one fsspec's http backend wrapped (its `_info` turns
+    any failed HEAD/GET, a 503 included, into `FileNotFoundError(url)` with the response error as the cause)."""
+    for candidate in (error, error.__cause__):
+        status = getattr(candidate, "status", None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            return status
+    return None
+
+
+def is_transient_fetch_error(error: BaseException) -> bool:
+    """`is_transient_error`, reading through fsspec's http wrapping: an HTTP status is transient when 5xx, 408 or
+    429 (so a 404 is missing, a 403 refused); a `FileNotFoundError` caused by a connection or timeout error is
+    transient too."""
+    status = http_status(error)
+    if status is not None:
+        return status >= 500 or status in _TRANSIENT_STATUSES
+    if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
+        return is_transient_error(error.__cause__)
+    return is_transient_error(error)
 
 
 class FetchStopped(Exception):
@@ -32,9 +75,20 @@ class FetchStopped(Exception):
 class Retrier:
     """Runs storage reads with retries; `retries` counts the failed attempts that were tried again."""
 
-    def __init__(self, *, first_backoff_s: float = 0.5, max_backoff_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        first_backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        stall_s: float = 0.0,
+        quiet: bool = False,
+    ) -> None:
+        """`stall_s`: the stall bound of the reads retried (`stall_timeout_s`); `quiet`: log outages at debug level
+        only (a caller whose budget is a few seconds: its error line says it all)."""
         self.first_backoff_s = first_backoff_s
         self.max_backoff_s = max_backoff_s
+        self.stall_s = stall_s
+        self._level = logging.DEBUG if quiet else logging.WARNING
         self.retries = 0
         self._lock = threading.Lock()
         self._outage_since_s: float | None = None
@@ -58,16 +112,17 @@ class Retrier:
         """
         delay_s = self.first_backoff_s
         while True:
+            started_s = time.monotonic()
             try:
                 result = attempt()
             except Exception as error:
-                if not is_transient_error(error):
+                if not is_transient_fetch_error(error):
                     raise
-                elapsed_s = self._failed(what, error, budget_s, budget_name)
+                elapsed_s = self._failed(what, error, budget_s, budget_name, started_s, stop)
                 if elapsed_s >= budget_s:
                     raise UserInputError(
                         f"{what}: unreachable, retried for {elapsed_s:.1f} s ({budget_name}={budget_s:g}); "
-                        f"last error {_describe(error)}"
+                        f"last error {describe_error(error)}"
                     ) from error
                 with self._lock:
                     self.retries += 1
@@ -80,35 +135,52 @@ class Retrier:
                     raise FetchStopped(what) from error
                 delay_s = min(2 * delay_s, self.max_backoff_s)
             else:
-                self._succeeded(what)
+                self._succeeded(what, stop)
                 return result
 
-    def _failed(self, what: str, error: Exception, budget_s: float, budget_name: str) -> float:
-        """Seconds since the outage began (this failure begins one when none is under way)."""
+    def _failed(
+        self,
+        what: str,
+        error: Exception,
+        budget_s: float,
+        budget_name: str,
+        started_s: float,
+        stop: threading.Event | None,
+    ) -> float:
+        """Seconds since the outage began (this failure begins one when none is under way: when the store last
+        answered, which is at most `stall_s` before now, and not before this attempt started)."""
         now_s = time.monotonic()
         with self._lock:
             began = self._outage_since_s is None
             if began:
-                self._outage_since_s = now_s
+                self._outage_since_s = max(started_s, now_s - self.stall_s)
             since_s = self._outage_since_s
         assert since_s is not None
-        if began:
-            log.warning(
+        if began and not (stop is not None and stop.is_set()):
+            log.log(
+                self._level,
                 "%s: %s; retrying with backoff for up to %g s (%s)",
                 what,
-                _describe(error),
+                describe_error(error),
                 budget_s,
                 budget_name,
             )
         return now_s - since_s
 
-    def _succeeded(self, what: str) -> None:
+    def _succeeded(self, what: str, stop: threading.Event | None) -> None:
         with self._lock:
             since_s, self._outage_since_s = self._outage_since_s, None
-        if since_s is not None:
-            log.warning("%s: storage reachable again after %.1f s", what, time.monotonic() - since_s)
+        if since_s is not None and not (stop is not None and stop.is_set()):
+            log.log(self._level, "%s: storage reachable again after %.1f s", what, time.monotonic() - since_s)
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """A storage error in a few words: `HTTP 503 Service Unavailable` for an HTTP status, else its type and text."""
+    if (status := http_status(error)) is not None:
+        cause = error if getattr(error, "status", None) == status else error.__cause__
+        reason = getattr(cause, "message", "")
+        return f"HTTP {status} {reason}".strip() if isinstance(reason, str) else f"HTTP {status}"
+    if isinstance(error, FileNotFoundError) and error.__cause__ is not None:  # fsspec http's wrapping
+        error = error.__cause__
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__

@@ -77,11 +77,13 @@ def _missing_column(path: str, field: str, columns: list[str]) -> UserInputError
 
 
 def _row_texts(column: Any, path: str, field: str, row_of: Any) -> Iterator[str]:
-    """The non-null strings of an Arrow column, each with `ROW_END`; `row_of(i)` says where row i is for errors."""
+    """The non-empty strings of an Arrow column, each with `ROW_END`; `row_of(i)` says where row i is for errors."""
     import pyarrow as pa
 
     if pa.types.is_null(column.type):
         return
+    if pa.types.is_dictionary(column.type):  # what pandas writes a `category` column as: decode to its values
+        column = column.cast(column.type.value_type)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         first = next(i for i, value in enumerate(column.to_pylist()) if value is not None)
         raise UserInputError(
@@ -89,7 +91,7 @@ def _row_texts(column: Any, path: str, field: str, row_of: Any) -> Iterator[str]
             "set data.text_field to a text column"
         )
     for value in column.to_pylist():
-        if value is not None:
+        if value:  # a null or empty row holds no text: no row separator either
             yield value + ROW_END
 
 

@@ -12,25 +12,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
-from gaudi3_scale.data.config import DataConfig, MixtureSource
+from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.data.manifest import Manifest, Shard, numpy_dtype, tokens_sha256, verify_prepared
 from gaudi3_scale.data.shards import LocalShardOpener, ShardedTokens
 from gaudi3_scale.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = [
+    "MIXTURE_SHA256_PREFIX",
     "DatasetMember",
     "TrainingData",
     "open_training_data",
     "remote_block_shards",
     "training_data_from_dir",
 ]
+
+MIXTURE_SHA256_PREFIX = "mixture:"  # a mixture's tokens_sha256, told apart from one dataset's by a resume
 
 
 @dataclass(kw_only=True)
@@ -68,12 +70,14 @@ class TrainingData:
 
     @property
     def tokens_sha256(self) -> str:
-        """The identity of what is trained on (checkpoints record it): one dataset's `tokens_sha256`, or a hash
-        over each member's with its name and weight."""
+        """The identity of what is trained on (checkpoints record it): one dataset's `tokens_sha256`, or, for a
+        mixture, `MIXTURE_SHA256_PREFIX` and a hash over each member's name and `tokens_sha256`, in name order.
+        Weights and order are not in it: the mixture sampler's state checks those and says so (equal fractions
+        resume), while this says that a member's data, or the set of members, changed."""
         if not self.is_mixture:
             return tokens_sha256(self.members[0].manifest)
-        parts = [[m.name, m.weight, tokens_sha256(m.manifest)] for m in self.members]
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+        parts = sorted([m.name, tokens_sha256(m.manifest)] for m in self.members)
+        return MIXTURE_SHA256_PREFIX + hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def stats(self) -> dict[str, float]:
         """Shard-cache counters of the URL members (bytes fetched, hits, waits, retries), summed."""
@@ -101,12 +105,7 @@ def training_data_from_dir(
     """A local prepared directory (sizes and SHA-256 checked, its tokenizer within the manifest's vocabulary) as a
     member."""
     manifest = verify_prepared(directory, checksums=True)
-    tokenizer_ids = load_tokenizer(directory).vocab_size
-    if tokenizer_ids > manifest.vocab_size:  # ids past the model's embedding rows: an IndexError mid-training
-        raise UserInputError(
-            f"{directory}: its tokenizer has {tokenizer_ids} ids but the manifest's vocab_size is "
-            f"{manifest.vocab_size}; re-run `gaudi3 prepare --force`"
-        )
+    _check_tokenizer_ids(directory, manifest, where=str(directory), fix="re-run `gaudi3 prepare --force`")
 
     def local(shards: list[Shard], counts: list[int]) -> LocalShardOpener:
         return LocalShardOpener([directory / s.file for s in shards], counts, numpy_dtype(manifest.dtype))
@@ -124,6 +123,17 @@ def training_data_from_dir(
     )
 
 
+def _check_tokenizer_ids(directory: Path, manifest: Manifest, *, where: str, fix: str) -> None:
+    """The tokenizer in `directory` (a prepared directory, or a URL dataset's cache) makes no id past the manifest's
+    vocab_size: those would index past the model's embedding rows, an IndexError mid-training."""
+    tokenizer_ids = load_tokenizer(directory).vocab_size
+    if tokenizer_ids > manifest.vocab_size:
+        raise UserInputError(
+            f"{where}: its tokenizer has {tokenizer_ids} ids but the manifest's vocab_size is "
+            f"{manifest.vocab_size}; {fix}"
+        )
+
+
 def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field: str) -> DatasetMember:
     from gaudi3_scale.data.remote_shards import RemoteShardOpener, remote_settings
 
@@ -132,6 +142,8 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
         url, settings
     )  # opens (fails fast, one line) and shares the cache handle
     manifest = probe.manifest
+    _check_tokenizer_ids(probe.directory, manifest, where=url,
+                         fix="re-run `gaudi3 prepare --force` and publish it again")  # fmt: skip
 
     def remote(shards: list[Shard], counts: list[int]) -> RemoteShardOpener:
         return RemoteShardOpener(url, settings, shards, numpy_dtype(manifest.dtype))
@@ -184,12 +196,6 @@ def _open_member(
     return training_data_from_dir(directory, name=name, weight=weight, block_shards=cfg.shuffle_block_shards)
 
 
-def _member_name(source: MixtureSource) -> str:
-    if source.name:
-        return source.name
-    return os.path.basename(source.source.rstrip("/")) or source.source
-
-
 def open_training_data(cfg: DataConfig, *, progress: bool = True) -> TrainingData:
     """Prepare what needs preparing and open every member; bad input is one `UserInputError` line."""
     if cfg.mixture is None:
@@ -198,7 +204,7 @@ def open_training_data(cfg: DataConfig, *, progress: bool = True) -> TrainingDat
         )
         return TrainingData(members=[member])
     members = [
-        _open_member(cfg, m.source, name=_member_name(m), weight=m.weight, field=f"data.mixture[{i}].source",
+        _open_member(cfg, m.source, name=m.label, weight=m.weight, field=f"data.mixture[{i}].source",
                      progress=progress)
         for i, m in enumerate(cfg.mixture)
     ]  # fmt: skip

@@ -6,6 +6,11 @@ flat little-endian ``uint16`` (vocab ≤ 65536) or ``uint32`` token ids, read wi
 (shard i of both splits comes from the same piece of source text; a shard may hold 0 tokens); format version 1
 (still read) has exactly ``train.bin`` and ``val.bin``. The manifest carries no context length: windows are cut at
 load time, so one prepared dataset serves every model size.
+
+A manifest published to a URL (`gaudi3 prepare --out s3://…`) also names `objects_dir` and `tokenizer_sha256`: its
+files are stored by content, `<objects_dir>/<sha256>-<file>` (`object_name`), so publishing another dataset to the
+same URL never overwrites a file the manifest there lists. Local directories keep the plain layout (both keys
+absent).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "SourceEntry",
     "load_manifest",
     "numpy_dtype",
+    "object_name",
     "save_manifest",
     "shard_file",
     "split_token_counts",
@@ -49,6 +55,8 @@ FORMAT_VERSION = 2
 SPLITS = ("train", "val")
 _V1_FILES = {split: f"{split}.bin" for split in SPLITS}
 _V2_FILE = re.compile(r"(train|val)-[0-9]{5,}\.bin")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a file or directory name: no separator, no ".."
 # Explicit little-endian so a dataset prepared on one machine reads the same on any other.
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _FIX = "re-run `gaudi3 prepare --force`"
@@ -95,6 +103,9 @@ class Manifest:
     fingerprint: str  # hash of settings + source paths, sizes and mtimes
     created_at: str
     library_version: str | None  # None when the package metadata is not installed
+    # A published copy's content-addressed layout (see the module docstring); None in a local directory.
+    objects_dir: str | None = None
+    tokenizer_sha256: str | None = None
 
     def shard(self, split: str) -> Shard:
         """The split's only shard (format 1, or a format-2 dataset made of one piece)."""
@@ -106,7 +117,21 @@ class Manifest:
         return [s for s in self.shards if s.split == split]
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for key in _OPTIONAL:  # absent, not null, in a local directory: its manifest reads as it always did
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+_OPTIONAL = ("objects_dir", "tokenizer_sha256")
+
+
+def object_name(manifest: Manifest, file: str, sha256: str) -> str:
+    """Where `file` (a shard or the tokenizer, of SHA-256 `sha256`) is stored relative to the dataset's root: itself
+    in a local directory, `<objects_dir>/<sha256>-<file>` in a published one (named by content: it never clashes
+    with a file of another dataset published to the same URL)."""
+    return file if manifest.objects_dir is None else f"{manifest.objects_dir}/{sha256}-{file}"
 
 
 def tokens_sha256(manifest: Manifest) -> str:
@@ -181,23 +206,78 @@ def _parse(data: Any, path: Path) -> Manifest:
             f"{path}: format_version {version} is newer than this gaudi3-scale reads ({FORMAT_VERSION}); "
             f"upgrade gaudi3-scale or {_FIX}"
         )
-    missing = [f.name for f in dataclasses.fields(Manifest) if f.name not in data]
+    missing = [f.name for f in dataclasses.fields(Manifest) if f.name not in data and f.name not in _OPTIONAL]
     if missing:
         raise UserInputError(f"{path}: missing key(s) {', '.join(missing)}; {_FIX}")
-    fields = {f.name: data[f.name] for f in dataclasses.fields(Manifest)}
-    try:
-        fields["shards"] = [Shard(**s) for s in _require(data, "shards", list, path)]
-        fields["sources"] = [SourceEntry(**s) for s in _require(data, "sources", list, path)]
-    except (KeyError, TypeError) as exc:
-        raise UserInputError(f"{path}: malformed entry ({type(exc).__name__}: {exc}); {_FIX}") from None
+    fields: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(Manifest)}
     for key, kind in (("vocab_size", int), ("dtype", str), ("num_tokens", dict), ("tokenizer_file", str)):
         _require(data, key, kind, path)
     if fields["vocab_size"] < MIN_VOCAB_SIZE:
         raise UserInputError(f"{path}: {vocab_problem(fields['vocab_size'])}")
     if fields["dtype"] not in _DTYPES:
         raise UserInputError(f"{path}: dtype {fields['dtype']!r} is not one of {', '.join(_DTYPES)}; {_FIX}")
+    if not _PLAIN_NAME.fullmatch(fields["tokenizer_file"]):
+        raise UserInputError(
+            f"{path}: tokenizer_file {fields['tokenizer_file'][:80]!r} is not a plain file name; {_FIX}"
+        )
+    itemsize = _DTYPES[fields["dtype"]].itemsize
+    fields["shards"] = [
+        _shard(s, i, itemsize, path) for i, s in enumerate(_require(data, "shards", list, path))
+    ]
+    try:
+        fields["sources"] = [SourceEntry(**s) for s in _require(data, "sources", list, path)]
+    except (KeyError, TypeError) as exc:
+        raise UserInputError(f"{path}: malformed entry ({type(exc).__name__}: {exc}); {_FIX}") from None
+    _check_layout(fields, path)
     _check_shard_names(fields["shards"], version, path)
     return Manifest(**fields)
+
+
+def _shard(entry: Any, index: int, itemsize: int, path: Path) -> Shard:
+    """`shards[index]` type-checked, its SHA-256 64 hex digits (it names files) and its size its tokens' bytes."""
+    where = f"{path}: shards[{index}]"
+    if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(Shard)}:
+        keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise UserInputError(
+            f"{where} must hold exactly split, file, num_tokens, size_bytes, sha256, got {keys}; {_FIX}"
+        )
+    kinds: tuple[tuple[str, type], ...] = (
+        ("split", str),
+        ("file", str),
+        ("sha256", str),
+        ("num_tokens", int),
+        ("size_bytes", int),
+    )
+    for key, kind in kinds:
+        value = entry[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and entry[key] < 0):
+            allowed = "an integer >= 0" if kind is int else "a string"
+            raise UserInputError(f"{where}: {key} is {value!r}; allowed: {allowed}; {_FIX}")
+    if not _SHA256.fullmatch(entry["sha256"]):
+        raise UserInputError(
+            f"{where}: sha256 {entry['sha256'][:80]!r} is not 64 lowercase hex digits; {_FIX}"
+        )
+    if not _PLAIN_NAME.fullmatch(entry["file"]):
+        raise UserInputError(f"{where}: file {entry['file'][:80]!r} is not a plain file name; {_FIX}")
+    if entry["size_bytes"] != entry["num_tokens"] * itemsize:
+        raise UserInputError(
+            f"{where}: size_bytes {entry['size_bytes']} disagrees with num_tokens {entry['num_tokens']} × "
+            f"{itemsize} bytes per token; {_FIX}"
+        )
+    return Shard(**entry)
+
+
+def _check_layout(fields: dict[str, Any], path: Path) -> None:
+    """A published manifest's `objects_dir` (a plain directory name) and `tokenizer_sha256` come together."""
+    objects_dir, tokenizer_sha256 = fields["objects_dir"], fields["tokenizer_sha256"]
+    if objects_dir is None and tokenizer_sha256 is None:
+        return
+    if not isinstance(objects_dir, str) or not _PLAIN_NAME.fullmatch(objects_dir):
+        raise UserInputError(f"{path}: objects_dir {objects_dir!r} is not a plain directory name; {_FIX}")
+    if not isinstance(tokenizer_sha256, str) or not _SHA256.fullmatch(tokenizer_sha256):
+        raise UserInputError(
+            f"{path}: tokenizer_sha256 {tokenizer_sha256!r} is not 64 lowercase hex digits; {_FIX}"
+        )
 
 
 def _check_shard_names(shards: list[Shard], version: int, path: Path) -> None:
@@ -245,13 +325,12 @@ def verify_prepared(directory: Path, *, checksums: bool = True) -> Manifest:
     """Check every shard against the manifest: presence and size always (cheap), SHA-256 when `checksums`."""
     directory = Path(directory)
     manifest = load_manifest(directory)
-    itemsize = _DTYPES[manifest.dtype].itemsize
     for shard in manifest.shards:
         path = directory / shard.file
         if not path.is_file():
             raise UserInputError(f"{path}: missing (listed in {MANIFEST_FILE}); {_FIX}")
         size = path.stat().st_size
-        if size != shard.size_bytes or shard.size_bytes != shard.num_tokens * itemsize:
+        if size != shard.size_bytes:  # size_bytes == num_tokens × itemsize: checked at load
             raise UserInputError(
                 f"{path}: size {size} bytes disagrees with {MANIFEST_FILE} (expected {shard.size_bytes} = "
                 f"{shard.num_tokens} {manifest.dtype} tokens); {_FIX}"

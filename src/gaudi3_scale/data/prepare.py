@@ -260,6 +260,12 @@ def _tokenize_into(partial: Path, job: _Job) -> Manifest:
         tok_path = tokenizer.save(partial)
         shards = encode_pieces(pieces, partial, tok_path, cfg.text_field, cfg.val_fraction, pmap, bar)
         hashes = list(pmap(sha256_source, [str(f.path) for f in job.source.files]))
+    if not any(s.num_tokens for s in shards):  # rows whose text is all empty or null: as an empty text file
+        raise ConfigError(
+            "data.source",
+            f"{cfg.source!r} holds no text (0 tokens; JSONL / Parquet rows are read from the column "
+            f"data.text_field={cfg.text_field!r}); allowed: a source with some text",
+        )
     sources = source_entries(job.source.files, hashes, pieces)
     return _manifest(cfg, tokenizer, shards, SPLIT_RULE, sources, job.settings, job.fingerprint)
 

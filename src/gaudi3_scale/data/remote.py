@@ -7,10 +7,17 @@ checked while it streams, then renamed into place. `prefetch(shards)` names the 
 thread fetches up to `prefetch_shards` of them ahead so that `shard_path` usually returns at once — and never more
 than the cache holds less one shard (`prefetch_room`), the room `shard_path` needs for a shard outside the window.
 
-Failures: a transient storage error (refused / reset / timed-out connection, 5xx) is retried with jittered
-exponential backoff for up to `fetch_retry_s` (one warning per outage, one on recovery), then training stops with
-one line. A shard that is missing at the store, or whose bytes disagree with the manifest twice in a row, is one line
-at once. An outage seen by the prefetch thread crashes nothing: `shard_path` retries when it needs the shard.
+Failures: a transient storage error (refused / reset / timed-out connection, HTTP 5xx, 408 or 429) is retried with
+jittered exponential backoff for up to `fetch_retry_s` (one warning per outage, one on recovery), then training
+stops with one line. Every read is bounded: http(s):// and s3:// connections and reads that wait longer than
+`stall_timeout_s(fetch_retry_s)` (1 to 15 s; `OPEN_STALL_S` at open) for the store fail and are retried like any
+transient error, so a stalled store stops the run after about `fetch_retry_s` (other protocols keep their backend's
+own timeouts). A shard that is missing at the store (HTTP 404), or whose bytes disagree with the manifest twice in a
+row, is one line at once. An outage or a bad shard seen by the prefetch thread crashes nothing and prints nothing:
+`shard_path` retries when it needs the shard, and stops the prefetch thread before it reports.
+
+A published dataset (`data.publish`) stores its files by content (`manifest.object_name`); one copied flat
+(`train-00000.bin` beside `manifest.json`) reads as well.
 
 The cache (`ShardCache`) is bounded by `cache_limit_bytes` and shared by every process on the node: one of them
 downloads a shard while the others wait for it. Shards this process uses are pinned against eviction: the one
@@ -37,8 +44,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.data.fetch_retry import FetchStopped, Retrier
-from gaudi3_scale.data.manifest import MANIFEST_FILE, Manifest, Shard, load_manifest
+from gaudi3_scale.data.fetch_retry import FetchStopped, Retrier, describe_error, http_status, stall_timeout_s
+from gaudi3_scale.data.manifest import MANIFEST_FILE, Manifest, Shard, load_manifest, object_name
 from gaudi3_scale.data.shard_cache import ShardCache, local_name
 from gaudi3_scale.data.sources import default_cache_dir
 from gaudi3_scale.storage import copy_stream, open_remote, url_protocol
@@ -50,6 +57,7 @@ __all__ = ["RemoteDataset", "default_remote_cache_dir", "is_url", "prefetch_room
 
 log = logging.getLogger(__name__)
 OPEN_RETRY_S = 1.5  # at open, a few quick retries only: a wrong URL must fail fast
+OPEN_STALL_S = 5.0  # at open, the longest wait for a connection or the next bytes (s3fs's connect timeout)
 SHARDS_DIR = "shards"
 _FETCH_BUDGET = "data.fetch_retry_s"
 _REUPLOAD = "upload the directory `gaudi3 prepare` wrote again"
@@ -82,7 +90,7 @@ class RemoteDataset:
         self.url, self.directory, self.manifest = url, directory, manifest
         self._fs, self._root, self._cache = fs, root, cache
         self._prefetch_shards, self._fetch_retry_s = prefetch_shards, fetch_retry_s
-        self._retrier = Retrier()
+        self._retrier = Retrier(stall_s=stall_timeout_s(fetch_retry_s))
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._window: list[Shard] = []
@@ -112,12 +120,13 @@ class RemoteDataset:
         """Fetch and check the manifest and tokenizer (one `UserInputError` line, within a few seconds, when `url`
         is unreachable or not a prepared dataset); shards come later, on demand. `cache_dir` None: a directory
         under the gaudi3-scale cache keyed by the URL."""
-        url = url.rstrip("/")
-        fs, root = open_remote(url, storage_options, field=field)
+        head, sep, rest = url.partition("://")
+        url = head + sep + rest.rstrip("/")  # `s3://` stays a URL without a bucket, not `s3:`
+        fs_open, root = open_remote(url, _bounded(url, storage_options, OPEN_STALL_S), field=field)
         directory = Path(cache_dir) if cache_dir is not None else default_remote_cache_dir(url)
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_cache_dir(directory, given=cache_dir is not None)
         _download_small(
-            fs, url, root, MANIFEST_FILE, directory, what="not a prepared dataset (no manifest.json)"
+            fs_open, url, root, MANIFEST_FILE, directory, what="not a prepared dataset (no manifest.json)"
         )
         try:
             manifest = load_manifest(directory)
@@ -125,9 +134,11 @@ class RemoteDataset:
             local = str(directory / MANIFEST_FILE)
             message = str(e).replace(local, f"{url}/{MANIFEST_FILE}").replace(str(directory), url)
             raise UserInputError(message) from None
-        _check_shards(url, manifest, cache_limit_bytes)
-        _check_relative(url, manifest.tokenizer_file)
-        _download_small(fs, url, root, manifest.tokenizer_file, directory, what="tokenizer missing")
+        require_cache_room(url, manifest, cache_limit_bytes, shards=1, what="its largest shard")
+        tokenizer = object_name(manifest, manifest.tokenizer_file, manifest.tokenizer_sha256 or "")
+        _download_small(fs_open, url, root, tokenizer, directory, what="tokenizer missing",
+                        local_name=manifest.tokenizer_file, sha256=manifest.tokenizer_sha256)  # fmt: skip
+        fs, _ = open_remote(url, _bounded(url, storage_options, stall_timeout_s(fetch_retry_s)), field=field)
         cache = ShardCache(directory / SHARDS_DIR, cache_limit_bytes)
         return cls(
             url=url, fs=fs, root=root, directory=directory, manifest=manifest, cache=cache,
@@ -164,8 +175,14 @@ class RemoteDataset:
 
             try:
                 fd = self._cache.acquire(
-                    shard, self._downloader(shard), space_wait_s=self._fetch_retry_s, make_room=make_room
+                    shard,
+                    self._downloader(shard),
+                    space_wait_s=self._fetch_retry_s,
+                    make_room=make_room,
                 )
+            except UserInputError:
+                self._stop_prefetching()  # the run stops on this line: nothing may print after it
+                raise
             finally:
                 if took_room:
                     with self._cond:
@@ -234,6 +251,11 @@ class RemoteDataset:
         self.close()
 
     # ---- internals ----
+    def _stop_prefetching(self) -> None:
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+
     def _release_last_pin(self) -> bool:
         """Unpin the shard `shard_path` returned last; False when there was none."""
         with self._cond:
@@ -267,7 +289,7 @@ class RemoteDataset:
         stopped, self._stop = self._stop.is_set(), threading.Event()
         if stopped:
             self._stop.set()
-        self._retrier = Retrier()
+        self._retrier = Retrier(stall_s=stall_timeout_s(self._fetch_retry_s))
         self._cache.after_fork_in_child()
 
     def _prefetch_loop(self) -> None:
@@ -313,29 +335,32 @@ class RemoteDataset:
     def _downloader(self, shard: Shard) -> Callable[[Path], None]:
         return lambda part: self._download(shard, part)
 
+    def _object(self, shard: Shard) -> str:
+        """Where `shard` is stored, relative to the dataset's root."""
+        return object_name(self.manifest, shard.file, shard.sha256)
+
     def _download(self, shard: Shard, part: Path) -> None:
         """Write `shard` into `part` (reserved at full size) and check it; a mismatch is downloaded once more,
         in case it was a damaged transfer, then reported."""
-        url = f"{self.url}/{shard.file}"
+        url = f"{self.url}/{self._object(shard)}"
         for attempt in (1, 2):
             try:
                 size_bytes, sha256 = self._retrier.call(
                     url, lambda: self._copy(shard, part), budget_s=self._fetch_retry_s, budget_name=_FETCH_BUDGET,
                     stop=self._stop,
                 )  # fmt: skip
-            except FileNotFoundError:
-                raise UserInputError(
-                    f"{url}: missing at the store (listed in {MANIFEST_FILE}); {_REUPLOAD}"
-                ) from None
+            except FileNotFoundError as e:
+                raise _not_found(url, e, f"listed in {MANIFEST_FILE}") from None
             except (UserInputError, FetchStopped):
                 raise
             except Exception as e:
-                raise UserInputError(f"{url}: cannot be read ({type(e).__name__}: {e})") from e
+                raise UserInputError(f"{url}: cannot be read ({describe_error(e)})") from e
             if size_bytes == shard.size_bytes and sha256 == shard.sha256:
                 with self._cond:
                     self._stats["shards_fetched"] += 1
                 return
-            log.warning("%s: does not match %s (attempt %d of 2)", url, MANIFEST_FILE, attempt)
+            # debug only: the error line says "corrupt, twice", and a prefetch's mismatch is a hint
+            log.debug("%s: does not match %s (attempt %d of 2)", url, MANIFEST_FILE, attempt)
         got = f"SHA-256 {sha256[:12]}…" if sha256 else "not read"
         raise UserInputError(
             f"{url}: corrupt, twice: {size_bytes} bytes, {got}; {MANIFEST_FILE} says {shard.size_bytes} bytes, "
@@ -357,7 +382,7 @@ class RemoteDataset:
             if read_bytes > shard.size_bytes:  # never write past the room reserved for it
                 raise _TooLong
 
-        with self._fs.open(f"{self._root}/{shard.file}", "rb") as src, part.open("r+b") as dst:
+        with self._fs.open(f"{self._root}/{self._object(shard)}", "rb") as src, part.open("r+b") as dst:
             listed_bytes = getattr(src, "size", None)  # fsspec's buffered files know it from the listing
             if isinstance(listed_bytes, int) and listed_bytes != shard.size_bytes:
                 return listed_bytes, ""
@@ -380,18 +405,55 @@ def _after_fork(dataset: weakref.ref[RemoteDataset]) -> None:
         alive._after_fork_in_child()
 
 
-def _check_relative(url: str, file: str) -> None:
-    parts = file.split("/")
-    if not file or file.startswith("/") or "\\" in file or any(p in ("", ".", "..") for p in parts):
-        raise UserInputError(
-            f"{url}/{MANIFEST_FILE}: file name {file!r} is not a plain relative path; {_REUPLOAD}"
+def _not_found(url: str, error: FileNotFoundError, listed: str) -> UserInputError:
+    """A permanent `FileNotFoundError`: missing (HTTP 404, or no status), else what the store answered."""
+    status = http_status(error)
+    if status is None or status in (404, 410):
+        return UserInputError(f"{url}: missing at the store ({listed}); {_REUPLOAD}")
+    return UserInputError(f"{url}: cannot be read (HTTP {status}); check the URL and its access rights")
+
+
+def _bounded(url: str, options: dict[str, Any] | None, stall_s: float) -> dict[str, Any]:
+    """`options` with the stall bound as the backend's connect and read timeouts, where it takes them and the
+    caller set none: aiohttp's `ClientTimeout` (fsspec's http `client_kwargs`, whose default waits 300 s for a
+    whole response; sock_read bounds the wait for each next bytes, not the transfer) and botocore's
+    `connect_timeout` / `read_timeout` (s3fs's `config_kwargs`)."""
+    options = dict(options or {})
+    protocol = url_protocol(url)
+    if protocol in ("http", "https"):
+        try:
+            import aiohttp
+        except ImportError:  # open_remote names what to install
+            return options
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=stall_s, sock_read=stall_s)
         )
+        options["client_kwargs"] = client
+    elif protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", stall_s)
+        config.setdefault("read_timeout", stall_s)
+        options["config_kwargs"] = config
+    return options
 
 
-def _check_shards(url: str, manifest: Manifest, cache_limit_bytes: int) -> None:
-    for shard in manifest.shards:
-        _check_relative(url, shard.file)
-    require_cache_room(url, manifest, cache_limit_bytes, shards=1, what="its largest shard")
+def _make_cache_dir(directory: Path, *, given: bool) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(
+            (p for p in [directory, *directory.parents] if p.exists() and not p.is_dir()), directory
+        )
+        where = "data.cache_dir" if given else "the gaudi3-scale cache directory"
+        raise UserInputError(
+            f"{where}: {blocker} is a file; allowed: a directory (created if missing)"
+        ) from None
+    except PermissionError as e:
+        where = "data.cache_dir" if given else "the gaudi3-scale cache directory (XDG_CACHE_HOME)"
+        raise UserInputError(
+            f"{where}: cannot create {directory}: {e.strerror}; use a writable directory"
+        ) from None
 
 
 def _largest(manifest: Manifest) -> Shard:
@@ -430,23 +492,36 @@ def _gib_at_least(num_bytes: int) -> str:
 
 
 def _download_small(
-    fs: AbstractFileSystem, url: str, root: str, name: str, directory: Path, *, what: str
+    fs: AbstractFileSystem,
+    url: str,
+    root: str,
+    name: str,
+    directory: Path,
+    *,
+    what: str,
+    local_name: str | None = None,
+    sha256: str | None = None,
 ) -> None:
-    """Fetch `root/name` into `directory/name` (atomic replace), retrying a few seconds at most."""
+    """Fetch `root/name` into `directory/local_name` (default `name`; atomic replace), retrying a few seconds at
+    most; its SHA-256 checked when given."""
     source = f"{url}/{name}"
     try:
-        data = Retrier().call(
+        data = Retrier(stall_s=OPEN_STALL_S, quiet=True).call(
             source, lambda: fs.cat_file(f"{root}/{name}"), budget_s=OPEN_RETRY_S, budget_name="at open"
         )
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if http_status(e) not in (None, 404, 410):
+            raise _not_found(source, e, "") from None
         raise UserInputError(f"{url}: {what}; {_REUPLOAD}, or check the URL") from None
     except UserInputError:
         raise
     except Exception as e:  # credentials, a bad request: the line names the URL and the error
+        raise UserInputError(f"{source}: cannot be read ({describe_error(e)})") from e
+    if sha256 is not None and (got := hashlib.sha256(data).hexdigest()) != sha256:
         raise UserInputError(
-            f"{source}: cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
-        ) from e
-    target = directory / name
+            f"{source}: SHA-256 {got[:12]}… is not the {sha256[:12]}… {MANIFEST_FILE} lists; {_REUPLOAD}"
+        )
+    target = directory / (local_name or name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_bytes(bytes(data))

@@ -26,6 +26,7 @@ from gaudi3_scale.checkpoint.manager import (
 from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.data.inputs import MIXTURE_SHA256_PREFIX
 from gaudi3_scale.distributed.env import inside_launched_worker
 from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.metering.config import CostConfig
@@ -109,10 +110,13 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
             f"seed: the checkpoint was trained with {saved.get('seed')!r} but the config says {config.get('seed')!r}; "
             "use the original value or a new --out directory"
         )
+    # data.mixture replaces data.source (left at its default): which members, and their data, `check_resume_data`
+    # compares once the data is open, and the mixture sampler's state the weights.
+    mixture = saved.get("data", {}).get("mixture") or config.get("data", {}).get("mixture")
     for section, keys in (
         ("model", None),
         ("train", ("global_batch_size",)),
-        ("data", ("source", "tokenizer")),
+        ("data", ("tokenizer",) if mixture else ("source", "tokenizer")),
     ):
         old, new = saved.get(section, {}), config.get(section, {})
         for key in keys or sorted(set(old) | set(new)):
@@ -143,11 +147,34 @@ def check_resume_data(
         if warn is not None:
             warn(f"resuming on {what} (train.allow_data_change)")
         return
+    mixture_now, mixture_then = (
+        data_sha256.startswith(MIXTURE_SHA256_PREFIX),
+        saved.startswith(MIXTURE_SHA256_PREFIX),
+    )
+    if mixture_now or mixture_then:
+        raise ConfigError("data.mixture", _mixture_change(what, mixture_now, mixture_then))
     raise ConfigError(
         "data.source",
         f"the prepared data now holds {what} (tokens SHA-256 {data_sha256[:12]}…, the checkpoint's "
         f"{saved[:12]}…): its source changed since; restore the original data, pass --train.allow_data_change true "
         "to continue on the new data, or use a new --out directory",
+    )
+
+
+def _mixture_change(what: str, mixture_now: bool, mixture_then: bool) -> str:
+    """What a changed data identity means when a mixture is involved (its weights and order are not part of it:
+    the mixture sampler's state checks those)."""
+    if not mixture_then:
+        return (
+            "the checkpoint was trained on one dataset (data.source), not a mixture; resume without data.mixture, "
+            "or use a new --out directory"
+        )
+    if not mixture_now:
+        return "the checkpoint was trained on a data.mixture; resume with the same data.mixture, or use a new --out directory"
+    return (
+        f"the mixture now holds {what}: a member was added, removed or renamed, or a member's data changed since; "
+        "resume with the original members and data, pass --train.allow_data_change true to continue on a member's "
+        "changed data (the members must stay the same), or use a new --out directory"
     )
 
 
