@@ -86,3 +86,22 @@ def test_a_derived_member_name_clash_says_how_to_fix_it() -> None:
         )
     message = str(info.value)
     assert "both get the name 'web' (the last part of their source)" in message and "name: web2" in message
+
+
+def test_a_member_too_short_for_one_window_is_named(
+    two: tuple[DatasetMember, DatasetMember], tmp_path: Path
+) -> None:
+    from gaudi3_scale.config.errors import UserInputError
+    from gaudi3_scale.data.datamodule import TokenDataModule
+
+    (tmp_path / "tiny.txt").write_text("to be or not\n")
+    tiny = prepare_dataset(DataConfig(source=str(tmp_path / "tiny.txt"), tokenizer="byte"), tmp_path / "tiny",
+                           progress=False)  # fmt: skip
+    a, _ = two
+    members = [dataclasses.replace(a, weight=1.0), training_data_from_dir(tiny, name="tiny", weight=0.0)]
+    module = TokenDataModule(TrainingData(members=members), context_length=32, global_batch_size=2,
+                             micro_batch_size=1, seed=0, val_batches=1)  # fmt: skip
+    with pytest.raises(
+        UserInputError, match=r"^data\.mixture member 'tiny': the train split has \d+ tokens, fewer"
+    ):
+        module.build_sampler(1, 0)

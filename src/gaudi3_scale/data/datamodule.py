@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.dataset import PreparedData
 from gaudi3_scale.data.inputs import DatasetMember, TrainingData, training_data_from_dir
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
@@ -103,12 +103,18 @@ class TokenDataModule(pl.LightningDataModule):
             block_shards=member.block_shards,
         )
 
+    def _mixture_member_sampler(self, member: DatasetMember) -> WindowSampler:
+        try:
+            return self._member_sampler(member, 1, 0)
+        except UserInputError as e:  # e.g. too few tokens for one window: say which member
+            raise UserInputError(f"data.mixture member {member.name!r}: {e}") from None
+
     def build_sampler(self, world_size: int, rank: int) -> WindowSampler | MixtureSampler:
         data = self.data
         if not data.is_mixture:
             return self._member_sampler(data.members[0], world_size, rank)
         return MixtureSampler(
-            [self._member_sampler(m, 1, 0) for m in data.members],
+            [self._mixture_member_sampler(m) for m in data.members],
             [m.weight for m in data.members],
             [m.name for m in data.members],
             global_batch_size=self.global_batch_size,
