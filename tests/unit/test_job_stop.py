@@ -41,18 +41,24 @@ def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout_s: float = 60
     return path.read_text()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_supervisor_stops_its_job_s_whole_process_group(
-    tmp_path: Path, signum: signal.Signals
-) -> None:
+def _start_supervisor(tmp_path: Path, sigint: signal.Handlers) -> tuple[subprocess.Popen[str], Path]:
+    """The supervisor process, with SIGINT as `sigint` when it starts; and the file its job writes its pids to."""
     pids = tmp_path / "pids"
     supervisor = subprocess.Popen(
         [sys.executable, "-c", SUPERVISOR, str(pids), str(tmp_path / "job.log")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
+    return supervisor, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_supervisor_stops_its_job_s_whole_process_group(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    supervisor, pids = _start_supervisor(tmp_path, signal.SIG_DFL)  # as from a terminal
     shell, sleeper = (int(pid) for pid in wait_for_file(pids, supervisor).split())
     assert os.getpgid(sleeper) == shell != os.getpgid(supervisor.pid)  # the job's own group
     supervisor.send_signal(signum)
@@ -66,14 +72,7 @@ def test_a_stopped_supervisor_stops_its_job_s_whole_process_group(
 
 def test_an_ignored_sigint_stays_ignored(tmp_path: Path) -> None:
     """A background job's SIGINT is ignored (`cmd &` in a script): the supervisor and its job run on."""
-    pids = tmp_path / "pids"
-    supervisor = subprocess.Popen(
-        [sys.executable, "-c", SUPERVISOR, str(pids), str(tmp_path / "job.log")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
+    supervisor, pids = _start_supervisor(tmp_path, signal.SIG_IGN)
     shell, _ = (int(pid) for pid in wait_for_file(pids, supervisor).split())
     supervisor.send_signal(signal.SIGINT)
     time.sleep(0.5)  # several of the supervisor's polls
