@@ -113,3 +113,70 @@ def test_lines_of_metrics_jsonl_that_are_not_records_are_passed_over(tmp_path: P
     event = {"step": 3, "health_event": "loss_spike", "health_action": "skip", "detail": "loss 9 over 4"}
     (tmp_path / "metrics.jsonl").write_text(f'["health_event"]\n{json.dumps(event)}\n"health_event"\n')
     assert format_health(read_health(tmp_path))[-1] == "step 3: loss_spike (skip): loss 9 over 4"
+
+
+def _damaged_run(tmp_path: Path) -> Path:
+    """A run whose rank 0 is readable and whose other files are each damaged one way."""
+    run = _run_dir(tmp_path)
+    health = run / "health"
+    (health / "hang-rank0.json").unlink()
+    (health / "hang-rank0.json").mkdir()  # a directory where the hang report should be
+    for rank, field_, value in [(1, "timeout_s", "60"), (2, "last_beat_unix_s", 1e20), (3, "rank", "3"),
+                                (4, "last_beat_unix_s", float("nan"))]:  # fmt: skip
+        beat = dataclasses.replace(BEAT, rank=rank).to_dict() | {field_: value}
+        (health / f"heartbeat-rank{rank}.json").write_text(json.dumps(beat))  # NaN as JSON's NaN
+    event = {"step": 3, "health_event": "nonfinite", "health_action": "skip", "detail": "loss nan"}
+    (run / "metrics.jsonl").write_bytes(
+        b'{"step": 1, "train_loss": 2.5}\n'
+        + b'\xff\xfe{"health_event": "x"}\n'
+        + json.dumps({**event, "rerun": {}}).encode()
+        + b"\n"
+        + json.dumps(event).encode()
+        + b"\n"
+    )
+    return run
+
+
+def test_damaged_files_are_one_line_each_and_the_rest_is_reported(tmp_path: Path) -> None:
+    run = _damaged_run(tmp_path)
+    health = run / "health"
+    done = subprocess.run([*GAUDI3, "health", str(run)], capture_output=True, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("damaged: ")] == [
+        f"damaged: {run / 'metrics.jsonl'}: line 2: not UTF-8 text",
+        f"damaged: {run / 'metrics.jsonl'}: line 3: the health event's rerun is {{}}, without a verdict",
+        f"damaged: {health / 'hang-rank0.json'}: not a hang report (cannot be read: Is a directory)",
+        f"damaged: {health / 'heartbeat-rank1.json'}: not a heartbeat (timeout_s is '60', not a finite number)",
+        f"damaged: {health / 'heartbeat-rank2.json'}: not a heartbeat (last_beat_unix_s is 1e+20, not a time "
+        "(seconds since 1970, before 2242))",
+        f"damaged: {health / 'heartbeat-rank3.json'}: not a heartbeat (rank is '3', not a whole number ≥ 0)",
+        f"damaged: {health / 'heartbeat-rank4.json'}: not a heartbeat (last_beat_unix_s is nan, not a time "
+        "(seconds since 1970, before 2242))",
+    ]
+    assert "no readable hang report" in lines
+    assert any(line.startswith("rank 0: pid 4242 on node-a") for line in lines)  # the readable rest
+    assert "rank 1: heartbeat file damaged" in lines and "rank 2: heartbeat file damaged" in lines
+    assert lines[-1] == "step 3: nonfinite (skip): loss nan"
+
+
+def test_a_run_with_nothing_readable_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    health = tmp_path / "run" / "health"
+    health.mkdir(parents=True)
+    (health / "heartbeat-rank0.json").write_text(json.dumps(BEAT.to_dict() | {"pid": -1}))
+    done = subprocess.run([*GAUDI3, "health", str(tmp_path / "run")], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"gaudi3: error: {tmp_path / 'run'}: nothing readable: {health / 'heartbeat-rank0.json'}: not a heartbeat "
+        "(pid is -1, not a whole number ≥ 0)\n"
+    )
+
+
+def test_a_damaged_heartbeat_is_no_heartbeat_to_the_watchdog(tmp_path: Path) -> None:
+    from gaudi3_scale.health.heartbeat import read_heartbeat
+
+    path = tmp_path / "heartbeat-rank0.json"
+    path.write_text(json.dumps(BEAT.to_dict() | {"last_beat_monotonic_s": "500"}))
+    assert read_heartbeat(path) is None
+    path.write_text(json.dumps(BEAT.to_dict()))
+    assert read_heartbeat(path) == BEAT

@@ -358,6 +358,27 @@ def test_bad_host_is_one_line() -> None:
                        warn=pytest.fail)  # fmt: skip
 
 
+def _ipv6_sockets() -> bool:
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_sockets(), reason="no IPv6 sockets here")
+def test_a_link_local_ipv6_host_without_a_zone_is_one_line() -> None:
+    # Linux refuses to bind fe80::/10 without a scope id (EINVAL), whether or not the address is this machine's.
+    with pytest.raises(ConfigError) as refused:
+        start_exporter(MonitorConfig(metrics_port=0, metrics_host="fe80::1"), run="x",
+                       out_dir=Path("/nonexistent"), device=torch.device("cpu"), tokens_per_step=1,
+                       warn=pytest.fail)  # fmt: skip
+    assert str(refused.value) == (
+        "monitor.metrics_host: cannot bind to 'fe80::1': Invalid argument "
+        "(a link-local IPv6 address needs a zone, e.g. fe80::1%eth0)"
+    )
+
+
 def _names_in(text: str) -> set[str]:
     return set(EXTERNAL_NAME.findall(text))
 

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.atomic import write_text_atomic
+from gaudi3_scale.config.errors import brief
 
 __all__ = [
     "DONE",
     "HEALTH_DIR",
+    "LAST_UNIX_S",
     "Heartbeat",
     "hang_path",
     "heartbeat_path",
+    "parse_heartbeat",
     "py_spy_path",
     "read_heartbeat",
     "read_heartbeats",
@@ -36,6 +40,7 @@ __all__ = [
 
 HEALTH_DIR = "health"  # under the run's output directory
 DONE = "done"  # the section of a rank whose watchdog stopped (training ended, or raised): nobody waits on it
+LAST_UNIX_S = 2**33  # the year 2242: any later "time" is not one
 
 
 def heartbeat_path(health_dir: Path, rank: int) -> Path:
@@ -87,17 +92,50 @@ def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_heartbeat(path: Path) -> Heartbeat | None:
-    """The heartbeat in `path`, or None when there is none or it is not one (a file of an older layout)."""
+    """The heartbeat in `path`, or None when there is none or it is not one (a file of an older layout, damaged)."""
     try:
-        record = json.loads(path.read_text())
+        return parse_heartbeat(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return None  # being replaced right now (os.replace is atomic on POSIX, but not on every network FS)
-    names = {f.name for f in dataclasses.fields(Heartbeat)}
-    if not isinstance(record, dict) or not names <= record.keys():
-        return None
-    return Heartbeat(**{k: record[k] for k in names})
+
+
+_TEXT_FIELDS = frozenset({"host", "section"})
+_TIME_FIELDS = frozenset(
+    {"last_beat_unix_s", "written_unix_s"}
+)  # shown as dates: within what gmtime can show
+_NUMBER_FIELDS = frozenset({"timeout_s", "step_timeout_s", "last_beat_monotonic_s", "written_monotonic_s"})
+
+
+def parse_heartbeat(record: Any) -> Heartbeat:
+    """A heartbeat file's JSON as a `Heartbeat`; ValueError naming the first field that is missing or not of its
+    type (counts and ids: whole numbers ≥ 0; seconds: finite numbers; times: from 1970 to 2242)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    values = {}
+    for f in dataclasses.fields(Heartbeat):
+        if f.name not in record:
+            raise ValueError(f"{f.name} is missing")
+        value = values[f.name] = record[f.name]
+        if f.name in _TEXT_FIELDS:
+            ok = isinstance(value, str)
+        elif f.name in _NUMBER_FIELDS | _TIME_FIELDS:
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok or (f.name == "step_timeout_s" and value is None)
+            ok = ok and not (f.name in _TIME_FIELDS and not 0 <= value < LAST_UNIX_S)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if not ok:
+            raise ValueError(f"{f.name} is {brief(value)}, not {_KINDS.get(f.name, 'a whole number ≥ 0')}")
+    return Heartbeat(**values)
+
+
+_KINDS = {
+    **dict.fromkeys(_TEXT_FIELDS, "a string"),
+    **dict.fromkeys(_NUMBER_FIELDS, "a finite number"),
+    **dict.fromkeys(_TIME_FIELDS, "a time (seconds since 1970, before 2242)"),
+}
 
 
 def read_heartbeats(health_dir: Path) -> dict[int, Heartbeat]:

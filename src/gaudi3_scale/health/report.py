@@ -1,5 +1,9 @@
 """What a run's `health/` directory says happened, per rank: `gaudi3 health RUN` prints `format_health(read_health(RUN))`.
 
+A damaged file (invalid JSON, wrong-typed fields, a directory in its place, a metrics.jsonl line that is not UTF-8)
+is one `damaged:` line of the report naming the file and what is wrong, and the rest is reported as usual; only a
+run with nothing readable left is refused (one line, exit 2).
+
 It reads the files the watchdog writes (`health.heartbeat`): the hang reports, each rank's last heartbeat, and the
 top frames of the training loop's thread in the newest stack dump of each rank (faulthandler's and py-spy's); and
 the step guard's events of the run's metrics.jsonl (non-finite steps, spikes, rollbacks, re-run verdicts).
@@ -20,9 +24,10 @@ from gaudi3_scale.health.deadlines import Silence
 from gaudi3_scale.health.heartbeat import (
     DONE,
     HEALTH_DIR,
+    LAST_UNIX_S,
     Heartbeat,
+    parse_heartbeat,
     py_spy_path,
-    read_heartbeats,
     stacks_path,
 )
 
@@ -39,6 +44,7 @@ __all__ = [
 TOP_FRAMES = 4
 _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _HANG_FILE = re.compile(r"^hang-rank(\d+)\.json$")
+_HEARTBEAT_FILE = re.compile(r"^heartbeat-rank(\d+)\.json$")
 _RANK_FILE = re.compile(r"^(?:heartbeat|stacks|py-spy)-rank(\d+)\.(?:json|txt)$")
 
 
@@ -55,6 +61,7 @@ class RankHealth:
     rank: int
     heartbeat: Heartbeat | None
     dumps: list[StackDump] = field(default_factory=list)
+    heartbeat_damaged: bool = False  # its heartbeat file is there but unreadable (a `damaged:` line says why)
 
 
 @dataclass
@@ -63,32 +70,81 @@ class HealthReport:
     hangs: list[dict[str, Any]]  # hang-rank<N>.json records, oldest first
     ranks: list[RankHealth]
     events: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's health events, in order
+    damaged: list[str] = field(default_factory=list)  # "<file>: what is wrong", one per damaged file or line
+    damaged_hangs: int = 0  # hang reports among them: "no hang recorded" would not be true
+
+    def readable(self) -> bool:
+        """Anything to report besides the damage: a hang, a heartbeat, a stack dump or an event."""
+        return bool(self.hangs or self.events or any(r.heartbeat or r.dumps for r in self.ranks))
 
 
 def read_health(run_dir: Path) -> HealthReport:
     health_dir = run_dir / HEALTH_DIR
-    events = read_events(run_dir / "metrics.jsonl")
+    events, damaged = read_events(run_dir / "metrics.jsonl")
     if not health_dir.is_dir():
-        if events:
-            return HealthReport(health_dir, [], [], events)
+        if not events and not damaged:
+            raise UserInputError(
+                f"{run_dir}: no {HEALTH_DIR}/ directory here; expected the output directory of a run trained with "
+                "health.watchdog true (the default)"
+            )
+        return _readable(run_dir, HealthReport(health_dir, [], [], events, damaged))
+    try:
+        paths = sorted(health_dir.iterdir())
+    except OSError as exc:
+        raise UserInputError(f"{health_dir}: cannot be read ({exc.strerror or exc})") from None
+    hangs: list[dict[str, Any]] = []
+    beats: dict[int, Heartbeat] = {}
+    broken: set[int] = set()  # ranks whose heartbeat file is damaged
+    damaged_hangs = 0
+    for path in paths:
+        if match := _HANG_FILE.match(path.name):
+            problem, record = _load_json(path)
+            problem = problem or _hang_problem(record)
+            if problem:
+                damaged.append(f"{path}: not a hang report ({problem})")
+                damaged_hangs += 1
+            else:
+                hangs.append(record)
+        elif match := _HEARTBEAT_FILE.match(path.name):
+            problem, record = _load_json(path)
+            if problem is None:
+                try:
+                    beats[int(match[1])] = parse_heartbeat(record)
+                except ValueError as exc:
+                    problem = str(exc)
+            if problem:
+                damaged.append(f"{path}: not a heartbeat ({problem})")
+                broken.add(int(match[1]))
+    hangs.sort(key=lambda r: r["detected_unix_s"])
+    ranks = sorted({*beats, *(int(m[1]) for p in paths if (m := _RANK_FILE.match(p.name)))})
+    report = HealthReport(health_dir, hangs, [], events, damaged, damaged_hangs)
+    for rank in ranks:
+        report.ranks.append(_rank_health(health_dir, rank, beats.get(rank), damaged))
+        report.ranks[-1].heartbeat_damaged = rank in broken
+    return _readable(run_dir, report)
+
+
+def _readable(run_dir: Path, report: HealthReport) -> HealthReport:
+    """`report`, unless it is all damage: then one line naming the first damaged file (exit 2)."""
+    if report.damaged and not report.readable():
+        more = len(report.damaged) - 1
         raise UserInputError(
-            f"{run_dir}: no {HEALTH_DIR}/ directory here; expected the output directory of a run trained with "
-            "health.watchdog true (the default)"
+            f"{run_dir}: nothing readable: {report.damaged[0]}"
+            + (f" (and {more} more damaged file{'s' if more > 1 else ''})" if more else "")
         )
-    hangs = []
-    for path in sorted(health_dir.iterdir()):
-        if _HANG_FILE.match(path.name):
-            try:
-                record = json.loads(path.read_text())
-            except ValueError:
-                raise UserInputError(f"{path}: not a hang report (invalid JSON)") from None
-            if problem := _hang_problem(record):
-                raise UserInputError(f"{path}: not a hang report ({problem})")
-            hangs.append(record)
-    hangs.sort(key=lambda r: r.get("detected_unix_s", 0.0))
-    beats = read_heartbeats(health_dir)
-    ranks = sorted({*beats, *(int(m[1]) for p in health_dir.iterdir() if (m := _RANK_FILE.match(p.name)))})
-    return HealthReport(health_dir, hangs, [_rank_health(health_dir, r, beats.get(r)) for r in ranks], events)
+    return report
+
+
+def _load_json(path: Path) -> tuple[str | None, Any]:
+    """(None, the JSON in `path`), or (what keeps it from being read, None)."""
+    try:
+        return None, json.loads(path.read_text())
+    except UnicodeDecodeError:
+        return "not UTF-8 text", None
+    except ValueError:
+        return "invalid JSON", None
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}", None
 
 
 _HANG_NUMBERS = {
@@ -97,7 +153,6 @@ _HANG_NUMBERS = {
     "detected_unix_s": int | float,
     "exit_code": int,
 }
-_LAST_UNIX_S = 2**33  # the year 2242: any later "time" is not one
 
 
 def _hang_problem(record: Any) -> str | None:
@@ -108,7 +163,7 @@ def _hang_problem(record: Any) -> str | None:
         value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, kind):
             return f"{key} is {brief(value)}, not a number"
-    if not 0 <= record["detected_unix_s"] < _LAST_UNIX_S:
+    if not 0 <= record["detected_unix_s"] < LAST_UNIX_S:
         return f"detected_unix_s {brief(record['detected_unix_s'])} is not a time"
     silent = record.get("silent", [])
     try:
@@ -119,30 +174,48 @@ def _hang_problem(record: Any) -> str | None:
     return None
 
 
-def read_events(metrics: Path) -> list[dict[str, Any]]:
-    """The health events of a metrics.jsonl (records with `health_event`); a torn last line is ignored."""
+def read_events(metrics: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The health events of a metrics.jsonl (records with `health_event`), and its damaged lines ("<file>: line N:
+    what is wrong"); a torn line (a run killed while writing it) and JSON that is not a record are passed over."""
     if not metrics.is_file():
-        return []
-    events = []
-    for line in metrics.read_text().splitlines():
-        if '"health_event"' not in line:
+        return [], []
+    try:
+        data = metrics.read_bytes()
+    except OSError as exc:
+        return [], [f"{metrics}: cannot be read: {exc.strerror or exc}"]
+    events, damaged = [], []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if b'"health_event"' not in raw:
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode())
+        except UnicodeDecodeError:
+            damaged.append(f"{metrics}: line {number}: not UTF-8 text")
+            continue
         except ValueError:
             continue  # a line being written when the run was killed
-        if isinstance(record, dict):  # anything else is not a record the run wrote
-            events.append(strict_json.restore_non_finite(record))
-    return events
+        if not isinstance(record, dict):  # not a record the run wrote
+            continue
+        rerun = record.get("rerun")
+        if "rerun" in record and not (isinstance(rerun, dict) and isinstance(rerun.get("verdict"), str)):
+            damaged.append(
+                f"{metrics}: line {number}: the health event's rerun is {brief(rerun)}, without a verdict"
+            )
+            continue
+        events.append(strict_json.restore_non_finite(record))
+    return events, damaged
 
 
-def _rank_health(health_dir: Path, rank: int, beat: Heartbeat | None) -> RankHealth:
+def _rank_health(health_dir: Path, rank: int, beat: Heartbeat | None, damaged: list[str]) -> RankHealth:
     health = RankHealth(rank, beat)
     stacks, spy = stacks_path(health_dir, rank), py_spy_path(health_dir, rank)
-    if stacks.is_file() and stacks.stat().st_size:
-        health.dumps.append(_faulthandler_dump(stacks, beat))
-    if spy.is_file():
-        health.dumps.append(_py_spy_dump(spy, beat))
+    try:
+        if stacks.is_file() and stacks.stat().st_size:
+            health.dumps.append(_faulthandler_dump(stacks, beat))
+        if spy.is_file():
+            health.dumps.append(_py_spy_dump(spy, beat))
+    except OSError as exc:
+        damaged.append(f"{exc.filename or stacks}: cannot be read: {exc.strerror or exc}")
     return health
 
 
@@ -212,7 +285,7 @@ def _when(unix_s: float) -> str:
 
 
 def format_health(report: HealthReport) -> list[str]:
-    lines = [f"{report.health_dir}:"]
+    lines = [f"{report.health_dir}:", *(f"damaged: {line}" for line in report.damaged)]
     for hang in report.hangs:
         silent = "; ".join(Silence.from_record(s).describe() for s in hang.get("silent", []))
         lines.append(
@@ -221,7 +294,7 @@ def format_health(report: HealthReport) -> list[str]:
             f"{hang.get('attempt', 0)}): {silent}; exit {hang['exit_code']} (restartable)"
         )
     if not report.hangs:
-        lines.append("no hang recorded")
+        lines.append("no readable hang report" if report.damaged_hangs else "no hang recorded")
     for rank in report.ranks:
         lines += _format_rank(rank)
     lines += [f"step {e.get('step')}: {e.get('health_event')} ({e.get('health_action')}): {e.get('detail', '')}"
@@ -233,7 +306,9 @@ def format_health(report: HealthReport) -> list[str]:
 def _format_rank(rank: RankHealth) -> list[str]:
     beat = rank.heartbeat
     if beat is None:
-        head = f"rank {rank.rank}: no heartbeat file"
+        head = f"rank {rank.rank}: " + (
+            "heartbeat file damaged" if rank.heartbeat_damaged else "no heartbeat file"
+        )
     else:
         where = (
             f"finished (watchdog stopped) after step {beat.step}"

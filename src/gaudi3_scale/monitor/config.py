@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_seconds
+from gaudi3_scale.config.urls import check_http_url
 
 __all__ = ["LOGGERS", "TRACKING_EXTRA", "MonitorConfig", "check_trackers", "installed"]
 
@@ -58,6 +59,10 @@ class MonitorConfig:
         if not self.metrics_host:
             raise ConfigError("metrics_host", "must be an address such as 127.0.0.1 or 0.0.0.0")
         check_seconds("system_every_s", self.system_every_s)
+        uri = self.mlflow_tracking_uri
+        if uri is not None and uri.partition(":")[0].lower() in ("http", "https"):
+            # A host is needed: MLflow would read `http://` as a request to the host "api", after its retries.
+            check_http_url("mlflow_tracking_uri", uri)
         unknown = [name for name in self.logger_names if name not in LOGGERS]
         if unknown:
             raise ConfigError(

@@ -26,6 +26,7 @@ prometheus-client is the optional extra `monitor`, imported only when an endpoin
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import math
 import os
@@ -316,6 +317,14 @@ def _write_json(path: Path, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
+def _link_local(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a host name
+        return False
+    return address.version == 6 and address.is_link_local and "%" not in host
+
+
 def _serve(client: Any, registry: Any, host: str, port: int, local_rank: int) -> tuple[Any, threading.Thread]:
     try:
         return client.start_http_server(port, addr=host, registry=registry)
@@ -325,7 +334,11 @@ def _serve(client: Any, registry: Any, host: str, port: int, local_rank: int) ->
                 "monitor.metrics_host", f"cannot bind to {host!r}: not an address of this machine"
             ) from None
         if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-            raise
+            # EINVAL, EAFNOSUPPORT …: the address cannot be bound here. An IPv6 link-local one needs its zone.
+            hint = f" (a link-local IPv6 address needs a zone, e.g. {host}%eth0)" if _link_local(host) else ""
+            raise ConfigError(
+                "monitor.metrics_host", f"cannot bind to {host!r}: {exc.strerror or exc}{hint}"
+            ) from None
         what = "already in use" if exc.errno == errno.EADDRINUSE else "not allowed for this user"
         raise ConfigError(
             "monitor.metrics_port",

@@ -22,6 +22,7 @@ one stops every rank with the same line.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,12 +40,21 @@ from gaudi3_scale.monitor.config import MonitorConfig, check_trackers, installed
 __all__ = [
     "METRIC_NAMES",
     "ExperimentTrackers",
+    "SafeTracker",
     "build_trackers",
     "flatten_config",
     "mlflow_client",
     "prepare_mlflow_environment",
     "tracker_metrics",
+    "warn_on_stderr",
 ]
+
+# MLflow's HTTP client retries a failed call 7 times with exponential backoff (~4 minutes) and waits 120 s for an
+# answer (mlflow.environment_variables: MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT). Every tracker
+# call is made from the training loop, so a tracking server that is down would stall training that long per call,
+# and an unreachable URI would keep `gaudi3 train` silent for ~4 minutes before its one line. Ours, unless the user
+# set them: ~5 s for a refused connection, at most ~35 s for a server that never answers.
+MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 # Record field (metrics.jsonl) → tracker metric name. Fields that already hold a "/" keep their name
@@ -82,6 +92,11 @@ _LOGGED_BY_MODULE = frozenset({"val_loss", "val_mlm_accuracy"})
 # Not a measurement: `stragglers` lists rank numbers (Prometheus has gaudi3_straggler per rank); `time_unix` dates
 # the record (trackers date their points themselves).
 _NOT_METRICS = frozenset({"stragglers", "time_unix"})
+
+
+def warn_on_stderr(message: str) -> None:
+    """A `warning:` line on stderr (where the trainer's console writes its own)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class _Listeners(Protocol):
@@ -128,6 +143,78 @@ def flatten_config(config: Any) -> dict[str, Any]:
     return flat
 
 
+class SafeTracker(Logger):
+    """A Lightning logger whose failure never stops training: every call to it (ours and Lightning's: metrics,
+    hyperparameters, `save`, `finalize`, the lazy `experiment`) goes through `call`. The first exception is one
+    warning line naming the tracker and the error, and the tracker is off for the rest of the run: no further call
+    reaches it, `finalize` included (a server that is down would fail that too, after its retries).
+    metrics.jsonl does not depend on it."""
+
+    def __init__(self, name: str, tracker: Logger, warn: Callable[[str], None]) -> None:
+        super().__init__()
+        self.name_in_config = name  # as monitor.loggers names it
+        self.tracker = tracker
+        self.warn = warn
+        self.failed = False
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, or None once the tracker has failed (`what`: the call, for the warning)."""
+        if self.failed:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # any failure of a tracker (network, disk, its own bugs): training goes on
+            self.failed = True
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            self.warn(
+                f"monitor.loggers: {self.name_in_config} failed ({what}: {type(exc).__name__}: {detail}); it is "
+                "off for the rest of the run, training goes on (metrics.jsonl has every record)"
+            )
+            return None
+
+    @property
+    def name(self) -> str | None:
+        return self.call("name", lambda: self.tracker.name)
+
+    @property
+    def version(self) -> int | str | None:
+        return self.call("version", lambda: self.tracker.version)
+
+    @property
+    def root_dir(self) -> str | None:
+        return self.tracker.root_dir
+
+    @property
+    def log_dir(self) -> str | None:
+        return self.tracker.log_dir
+
+    @property
+    def save_dir(self) -> str | None:
+        return self.tracker.save_dir
+
+    @property
+    def experiment(self) -> Any:
+        return self.call("start", lambda: getattr(self.tracker, "experiment", None))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.call("log metrics", self.tracker.log_metrics, metrics, step=step)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.call("log hyperparameters", self.tracker.log_hyperparams, params, *args, **kwargs)
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        self.call("log graph", self.tracker.log_graph, model, input_array)
+
+    def save(self) -> None:
+        self.call("save", self.tracker.save)
+
+    def finalize(self, status: str) -> None:
+        self.call("finalize", self.tracker.finalize, status)
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.call("log checkpoint", self.tracker.after_save_checkpoint, checkpoint_callback)
+
+
 class ExperimentTrackers(pl.Callback):
     """Feeds the loggers our records, the flat resolved config and config.yaml; fixes the step Lightning logs at.
 
@@ -136,7 +223,7 @@ class ExperimentTrackers(pl.Callback):
     validation values land on the optimizer step that metrics.jsonl records them at.
     """
 
-    def __init__(self, loggers: list[Logger], hyperparameters: Mapping[str, Any]) -> None:
+    def __init__(self, loggers: list[SafeTracker], hyperparameters: Mapping[str, Any]) -> None:
         self.loggers = loggers  # empty on ranks other than 0
         self.hyperparameters = hyperparameters  # the resolved run config, as config.yaml holds it
 
@@ -156,7 +243,7 @@ class ExperimentTrackers(pl.Callback):
         config_yaml = yaml.safe_dump(dict(self.hyperparameters), sort_keys=False)  # the text of config.yaml
         for logger in self.loggers:
             logger.log_hyperparams(params)
-            _log_config_file(logger, config_yaml)
+            logger.call("log config.yaml", _log_config_file, logger.tracker, config_yaml)
             logger.save()
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,19 +273,21 @@ def build_trackers(
     hyperparameters: Mapping[str, Any],
     out_dir: Path,
     metrics: _Listeners,
+    warn: Callable[[str], None] = warn_on_stderr,
 ) -> ExperimentTrackers | None:
     """The loggers `monitor.loggers` names, as a callback subscribed to `metrics`; None when none are named.
 
     `run_name` names the run (and the experiment, unless `monitor.experiment` does); `hyperparameters` is the
-    resolved run config as a dict (`config.core.to_dict`), logged whole.
+    resolved run config as a dict (`config.core.to_dict`), logged whole. Each logger is a `SafeTracker`: one that
+    fails mid-run is `warn`ed about once (default: a `warning:` line on stderr) and switched off.
     """
     names = monitor.logger_names
     if not names:
         return None
     check_trackers(monitor)
-    loggers: list[Logger] = []
+    loggers: list[SafeTracker] = []
     if launched_rank() == 0:
-        loggers = [_BUILDERS[name](monitor, run_name, out_dir) for name in names]
+        loggers = [SafeTracker(name, _BUILDERS[name](monitor, run_name, out_dir), warn) for name in names]
     trackers = ExperimentTrackers(loggers, hyperparameters)
     if loggers:
         metrics.listeners.append(trackers.forward)
@@ -235,6 +324,8 @@ def prepare_mlflow_environment(uri: str) -> None:
     # Before mlflow is imported: it starts its usage telemetry at import unless this is set (documented in
     # mlflow.environment_variables); nothing is sent anywhere it was not asked to.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for name, value in MLFLOW_HTTP_BOUNDS.items():
+        os.environ.setdefault(name, value)
     if urlparse(uri).scheme in ("", "file"):
         # MLflow 3 refuses the file store (maintenance mode) unless this is set; mlflow-skinny has no SQLAlchemy
         # for its sqlite:// alternative, so the file store is the one local store that works with the extra.
@@ -254,6 +345,12 @@ def _mlflow(monitor: MonitorConfig, run_name: str, out_dir: Path) -> Logger:
         # Created here, so Lightning does not warn "Experiment with name … not found. Creating it."
         if client.get_experiment_by_name(experiment) is None:
             client.create_experiment(experiment)
+    except OSError as exc:  # the file store: a path that cannot be created (a file in the way, no permission)
+        where = exc.filename or uri
+        raise ConfigError(
+            "monitor.mlflow_tracking_uri",
+            f"cannot create the MLflow file store at {where}: {exc.strerror or exc}",
+        ) from None
     except MlflowException as exc:
         hint = ""
         if urlparse(uri).scheme.startswith("sqlite") and not installed("sqlalchemy"):

@@ -100,7 +100,8 @@ def _run_metrics(
                                        warn=warn)  # fmt: skip
     return RunMetrics(out_dir / "metrics.jsonl", log_every_steps=train.log_every_steps, state=state,
                       peak_flops_per_device=peak_flops, data_parallel_size=data_parallel_size,
-                      warmup_steps=train.resolved_throughput_warmup_steps(), stragglers=stragglers)  # fmt: skip
+                      warmup_steps=train.resolved_throughput_warmup_steps(), stragglers=stragglers,
+                      warn=warn)  # fmt: skip
 
 
 def _step_checkpoint(

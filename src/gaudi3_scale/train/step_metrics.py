@@ -21,6 +21,7 @@ from gaudi3_scale.config import strict_json
 from gaudi3_scale.health.stragglers import StragglerDetector
 from gaudi3_scale.monitor.clock import DeviceClock
 from gaudi3_scale.monitor.perf import mfu, peak_memory_bytes
+from gaudi3_scale.monitor.trackers import warn_on_stderr
 from gaudi3_scale.train.step import StepState
 
 __all__ = ["RunMetrics"]
@@ -114,7 +115,9 @@ class RunMetrics:
     make a rank slow; a rank slow on most steps is — gathered with the peak memory; `stragglers` names the ranks
     `health.stragglers` finds slow.
 
-    `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter.
+    `listeners` are called with every record (train and validation) on every rank, e.g. the Prometheus exporter,
+    after the record is in metrics.jsonl; one that raises is `warn`ed about once and dropped (monitoring never
+    stops training).
 
     With `started_s` set (the trainer's start on the `perf_counter` clock, the origin of summary.json's `wall_s`),
     a train record also says when its window ended: `wall_s` since that start and `time_unix`, the progress over
@@ -131,6 +134,7 @@ class RunMetrics:
         data_parallel_size: int,
         warmup_steps: int = 0,
         stragglers: StragglerDetector | None = None,
+        warn: Callable[[str], None] = warn_on_stderr,
     ) -> None:
         self.path = path
         self.log_every_steps = log_every_steps
@@ -141,6 +145,7 @@ class RunMetrics:
         self.data_parallel_size = data_parallel_size  # ranks that read different batches (samples/s)
         self.warmup_steps = warmup_steps  # first steps of this process left out of steady_state()
         self.stragglers = stragglers  # names slow ranks from each window's compute_s_per_rank
+        self.warn = warn  # a listener that fails: one line, on the rank it failed on
         self.latest: dict[str, Any] = {}
         self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
         self.started_s: float | None = None  # the trainer's start (perf_counter): records say when from it
@@ -395,9 +400,21 @@ class RunMetrics:
 
     def _write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
-        for listener in self.listeners:
-            listener(record)
         if self._is_writer and self.path is not None:
             # Opened per record (every log_every_steps): survives a crash, and the final validation after fit.
+            # Written before the listeners are called: the record is kept whatever they do.
             with self.path.open("a") as f:
                 f.write(strict_json.dumps(record) + "\n")
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except (
+                Exception
+            ) as exc:  # monitoring never stops training: the listener is dropped, the run goes on
+                self.listeners.remove(listener)
+                name = getattr(listener, "__qualname__", type(listener).__name__)
+                detail = (str(exc).strip().splitlines() or [""])[0]
+                self.warn(
+                    f"metrics listener {name} failed ({type(exc).__name__}: {detail}); it gets no more records "
+                    "this run, training goes on"
+                )
