@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,58 @@ def test_a_loss_spike_is_reported_and_dropped_under_the_skip_policy(tmp_path: Pa
     assert [(e["step"], e["health_event"], e["health_action"]) for e in events] == [(7, "loss_spike", "skip")]
     assert _final(skipped)["gaudi3_health"]["skips"]["dropped"] == [7]
     assert not _same_weights(_final(warned), _final(skipped))
+
+
+# lr 1e30 from the first step: update 0 is applied, every loss after it is NaN, so every later update is dropped.
+DIVERGED = ["--train.max_steps", "5", "--optim.lr", "1e30", "--optim.warmup_steps", "0"]
+
+
+def test_a_run_whose_updates_are_all_dropped_stops_on_sigterm_with_its_checkpoint(tmp_path: Path) -> None:
+    """Dropped updates leave global_step where it is; the stop agreement still runs at every step boundary, so
+    SIGTERM ends the run at the next one with its checkpoint (exit 143), not never."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--sample-tokens", "0",
+               *COMMON, *DIVERGED, "--health.max_dropped_in_a_row", "1000000"]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the first dropped update: the run is in its loop of dropped steps
+            seen.append(line)
+            if "update dropped" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, "".join(seen) + rest[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["stop_signal"], summary["steps"]) == ("SIGTERM", 1)
+    saved = _final(out)  # the stop's checkpoint: step 1, its dropped batches skipped on resume
+    assert saved["global_step"] == 1 and saved["gaudi3_health"]["skips"]["dropped"][0] == 1
+
+
+def test_a_diverged_run_stops_after_max_dropped_in_a_row_with_exit_5_saving_nothing_new(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "GAUDI3_INJECT_FAULTS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--sample-tokens", "0", *COMMON,
+         *DIVERGED, "--checkpoint.every_steps", "1", "--health.max_dropped_in_a_row", "5"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert proc.stderr.count("update dropped") == 5
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "stopped by 5 updates in a row dropped at step 1 for non-finite losses or gradient norms "
+        "(health.max_dropped_in_a_row), data batches 1–5; nothing saved after it; exit 5 (not restartable"
+    ), last
+    assert "lower optim.lr" in last
+    # the checkpoint of step 1 (after the one applied update) is the newest: no final one over it
+    assert [Path(p).name for p in sorted(glob.glob(str(out / "checkpoints" / "step-*")))] == ["step-00000001"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["stop_exit_code"], summary["health"]["dropped"]) == (5, 5)

@@ -1,7 +1,8 @@
 """`health.spike_policy rollback` in real `gaudi3 train` runs (a loss spike injected through the test-only
 GAUDI3_INJECT_FAULTS, keyed by data step): the run restores the newest checkpoint at or before the spike, skips
 `health.rollback_skip_batches` batches from its data step and ends bitwise where a run that never loads them ends;
-a resume from the middle stays bitwise; past `health.max_rollbacks` the run stops with exit 143 and one line."""
+a resume from the middle stays bitwise; past `health.max_rollbacks` the run stops with exit 5 (not restartable) and
+one line."""
 
 from __future__ import annotations
 
@@ -115,21 +116,23 @@ def test_a_checkpoint_further_back_than_the_skip_still_skips_the_spiking_batch(t
     assert final["global_step"] == 10 and final["gaudi3_health"]["counts"]["rollback"] == 1
 
 
-def test_a_spike_after_max_rollbacks_stops_with_a_restartable_exit_code_and_the_lr_stays_scaled(
+def test_a_spike_after_max_rollbacks_stops_with_a_non_restartable_exit_code_and_the_lr_stays_scaled(
     rolled_back: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     out = tmp_path / "stopped"
     # Data step 12 is optimizer step 9 after the rollback (steps 6, 7, 8 load batches 9, 10, 11).
-    proc = _train(out, "--train.max_steps", "10", *ROLLBACK, "--health.max_rollbacks", "1",
-                  "--health.rollback_lr_scale", "0.5", faults=f"{SPIKE},spike:step=12:scale=20",
-                  exit_code=143)  # fmt: skip
+    faults = f"{SPIKE},spike:step=12:scale=20"
+    stop = [*ROLLBACK, "--health.max_rollbacks", "1", "--health.rollback_lr_scale", "0.5"]
+    proc = _train(out, "--train.max_steps", "10", *stop, faults=faults, exit_code=5)
     last = proc.stderr.strip().splitlines()[-1]
+    # A restart would load batch 12 on the same weights and stop again: not 143, which launchers restart.
     assert last.startswith(
-        "stopped by a loss spike at step 9, with health.max_rollbacks (1) rollbacks made, after step 9;"
+        "stopped by a loss spike at step 9 (data batch 12) after health.max_rollbacks (1) rollbacks; nothing saved "
+        "after it; exit 5 (not restartable"
     ), last
-    assert "exit 143 (restartable)" in last
+    assert "add it to health.skip_batches" in last
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["stop_exit_code"], summary["steps"], summary["health"]["rollback"]) == (143, 9, 1)
+    assert (summary["stop_exit_code"], summary["steps"], summary["health"]["rollback"]) == (5, 9, 1)
     assert [(e["step"], e["health_event"], e["health_action"]) for e in _events(out)] == [
         (7, "loss_spike", "rollback"),
         (7, "rollback", "rollback"),
@@ -141,3 +144,6 @@ def test_a_spike_after_max_rollbacks_stops_with_a_restartable_exit_code_and_the_
     assert [lr[s] for s in (1, 6)] == [unscaled[s] for s in (1, 6)]
     assert [lr[s] for s in (7, 8, 9)] == [unscaled[s] * 0.5 for s in (7, 8, 9)]
     assert _final(out)["gaudi3_health"]["lr_scale"] == 0.5
+    # What the line says to do works: with batch 12 skipped, the same command resumes past it and finishes.
+    _train(out, "--train.max_steps", "10", *stop, "--health.skip_batches", "[12]", faults=faults)
+    assert _final(out)["global_step"] == 10

@@ -96,15 +96,17 @@ def test_exit_code_page_matches_the_constants() -> None:
     from gaudi3_scale.deploy.bootstrap import NO_RESTART_EXIT_CODES
     from gaudi3_scale.deploy.k8s_job import RETRYABLE_EXIT_CODES
     from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES, signal_exit_code
+    from gaudi3_scale.health.guard import HEALTH_STOP_EXIT_CODE
     from gaudi3_scale.health.watchdog import HANG_EXIT_CODE
     from gaudi3_scale.metering.live import BUDGET_EXIT_CODE, SPOT_PAUSE_EXIT_CODE
 
     page = (ROOT / "docs/reference/exit_codes.md").read_text(encoding="utf-8")
     rows = {int(code): text for code, text in re.findall(r"^\| (\d+) \| (.*)$", page, flags=re.M)}
-    assert sorted(rows) == [0, 1, 2, 3, 4, 138, 143]
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5, 138, 143]
     assert UserInputError.exit_code == 2 and "bad input" in rows[2]
     assert BUDGET_EXIT_CODE == 3 and "cost.budget_usd" in rows[3]
     assert SPOT_PAUSE_EXIT_CODE == 4 and "spot" in rows[4]
+    assert HEALTH_STOP_EXIT_CODE == 5 and "health.max_dropped_in_a_row" in rows[5]
     assert (
         signal_exit_code(signal.SIGUSR1) == 138 and signal_exit_code(signal.SIGTERM) == 143 == HANG_EXIT_CODE
     )

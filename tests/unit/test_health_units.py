@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.health.guard import StepGuard
 from gaudi3_scale.health.spike import SpikeDetector
+from gaudi3_scale.train.rollback import guard_stop
 
 
 def test_a_value_far_over_the_running_median_is_a_spike_and_stays_out_of_the_history() -> None:
@@ -45,6 +47,27 @@ def test_the_detector_state_restores_the_same_decisions() -> None:
     assert [a.check(v) is None for v in (1.3, 3.0, 1.0)] == [b.check(v) is None for v in (1.3, 3.0, 1.0)]
 
 
+def test_updates_dropped_in_a_row_stop_the_run_and_an_applied_one_resets_the_count() -> None:
+    """A spike never joins the history and a skip leaves the weights as they were: once the loss level moves, every
+    update is a spike, for ever. health.max_dropped_in_a_row stops it, with a non-restartable exit code."""
+    cfg = HealthConfig(
+        spike_policy="skip", spike_window_steps=3, spike_warmup_steps=3, max_dropped_in_a_row=3
+    )
+    guard = StepGuard(cfg, BatchSkips())
+    norm = torch.tensor(1.0)
+    assert all(guard.check(step, torch.tensor(1.0 + 0.01 * step), norm) for step in range(3))
+    assert [guard.check(3, torch.tensor(5.0), norm) for _ in range(2)] == [False, False]
+    assert guard.check(3, torch.tensor(1.0), norm)  # applied: the count starts again
+    assert guard.dropped_in_a_row == 0
+    assert [guard.check(4, torch.tensor(5.0), norm) for _ in range(3)] == [False] * 3
+    assert (guard.stop_at, guard.dropped_in_a_row, guard.skips.dropped) == (4, 3, [3, 4, 6, 7, 8])
+    stop = guard_stop(guard)
+    assert stop["stop_exit_code"] == 5 and stop["stop_reason"] == (
+        "3 updates in a row dropped at step 4 for loss spikes (health.max_dropped_in_a_row), data batches 6–8"
+    )
+    assert "health.spike_policy warn" in stop["stop_hint"]
+
+
 def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
     skips = BatchSkips([2, 3, 7])
     assert [skips.data_step_of_load(n) for n in range(6)] == [0, 1, 4, 5, 6, 8]
@@ -70,6 +93,11 @@ def test_skips_count_the_stream_past_skipped_and_dropped_batches() -> None:
             ["--health.spike_window_steps", "5"],
             "health.spike_window_steps: must be at least spike_warmup_steps (20)",
         ),
+        (
+            ["--health.spike_window_steps", "1", "--health.spike_warmup_steps", "1"],
+            "health.spike_warmup_steps: must be at least 3 (the median and MAD of fewer steps cannot tell a spike",
+        ),
+        (["--health.max_dropped_in_a_row", "0"], "health.max_dropped_in_a_row: must be > 0, got 0"),
         (["--health.skip_batches", "[-1]"], "health.skip_batches: must be batch indices >= 0, got -1"),
         (
             ["--health.spike_policy", "rollback", "--checkpoint.enabled", "false"],

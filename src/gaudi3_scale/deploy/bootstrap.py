@@ -21,8 +21,9 @@ __all__ = ["RDZV_PORT", "node_env", "run_config_yaml", "run_script", "systemd_un
 
 RDZV_PORT = 29500  # torchrun's default c10d rendezvous port, on the master (node_rank 0)
 # The exit codes `gaudi3 train` ends with on purpose (cli/train_cmd.py): 2 bad input, 3 cost.budget_usd reached,
-# 4 paused by the spot policy. Restarting would not help, so systemd does not; crashes and preemptions restart.
-NO_RESTART_EXIT_CODES = (2, 3, 4)
+# 4 paused by the spot policy, 5 stopped by the training-health guard (the run diverged, or a spike past
+# health.max_rollbacks). Restarting would not help, so systemd does not; crashes and preemptions restart.
+NO_RESTART_EXIT_CODES = (2, 3, 4, 5)
 
 # Docker flags that give the container every local accelerator.
 _NVIDIA = "args+=(--gpus all)"

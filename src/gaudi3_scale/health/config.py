@@ -9,10 +9,13 @@ from typing import Literal
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import check_number, check_positive, check_seconds
 
-__all__ = ["SPIKE_POLICIES", "HealthConfig"]
+__all__ = ["MIN_SPIKE_WARMUP_STEPS", "SPIKE_POLICIES", "HealthConfig"]
 
 SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
 SpikePolicy = Literal["off", "warn", "skip", "rollback"]
+# The fewest values a spike is judged against: the MAD of one value is 0 (any rise is then "a spike"), and the
+# median of two is moved by either; from 3 on, one outlier moves neither the median nor the MAD.
+MIN_SPIKE_WARMUP_STEPS = 3
 
 
 @dataclass(kw_only=True)
@@ -43,7 +46,8 @@ class HealthConfig:
     spike_warmup_steps: int = field(
         default=20,
         metadata={
-            "help": "steps of history needed before spikes are looked for (at most spike_window_steps)"
+            "help": f"steps of history needed before spikes are looked for (at least {MIN_SPIKE_WARMUP_STEPS}, "
+            "at most spike_window_steps)"
         },
     )
     spike_on_grad_norm: bool = field(
@@ -69,7 +73,15 @@ class HealthConfig:
     max_rollbacks: int = field(
         default=3,
         metadata={
-            "help": "rollbacks a run may make; one more spike stops it with a restartable exit code (143)"
+            "help": "rollbacks a run may make; one more spike stops it, saving nothing, with exit code 5 (not "
+            "restartable: a restart would meet the same spike)"
+        },
+    )
+    max_dropped_in_a_row: int = field(
+        default=20,
+        metadata={
+            "help": "updates dropped in a row (non-finite or, under spike_policy skip, spikes) that stop the run, "
+            "saving nothing, with exit code 5 (not restartable): the run has diverged or its loss level moved"
         },
     )
     rerun_check: bool = field(
@@ -145,6 +157,12 @@ class HealthConfig:
         check_number("straggler_windows", self.straggler_windows, high=1_000_000)
         for name in ("spike_window_steps", "spike_warmup_steps"):
             check_positive(name, getattr(self, name))
+        if self.spike_warmup_steps < MIN_SPIKE_WARMUP_STEPS:
+            raise ConfigError(
+                "spike_warmup_steps",
+                f"must be at least {MIN_SPIKE_WARMUP_STEPS} (the median and MAD of fewer steps cannot tell a "
+                f"spike: every rise would be one), got {self.spike_warmup_steps}",
+            )
         if self.spike_warmup_steps > self.spike_window_steps:
             raise ConfigError(
                 "spike_window_steps",
@@ -154,7 +172,9 @@ class HealthConfig:
         check_number("rollback_skip_batches", self.rollback_skip_batches, high=2**31 - 1)
         check_number("rollback_lr_scale", self.rollback_lr_scale, above=0.0, high=1.0)
         check_number("max_rollbacks", self.max_rollbacks, low=0, high=2**31 - 1)
-        for name in ("rollback_skip_batches", "max_rollbacks"):
+        check_positive("max_dropped_in_a_row", self.max_dropped_in_a_row)
+        check_number("max_dropped_in_a_row", self.max_dropped_in_a_row, high=2**31 - 1)
+        for name in ("rollback_skip_batches", "max_rollbacks", "max_dropped_in_a_row"):
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(name, f"must be an integer, got {getattr(self, name)!r}")
         for name in (

@@ -11,7 +11,10 @@ from one all-reduce of three numbers: the loss summed over ranks, the norm, and 
 norm is not finite. A dropped update is recorded in the data stream's `BatchSkips` (so a resume passes the same
 batch) and as an event the `AfterStep` health part reports. Under `health.spike_policy rollback` a spike's update is
 dropped too, and `rollback_at` asks `GaudiTrainer` to end the fit and restore a checkpoint (`train.rollback`); past
-`health.max_rollbacks`, `stop_at` asks it to stop.
+`health.max_rollbacks`, `stop_at` asks it to stop. So does the `health.max_dropped_in_a_row`-th update dropped in a
+row: a diverged run (every loss NaN) or a spike detector whose history no longer fits the loss would otherwise take
+batch after batch for ever, its update count never moving. Both stops save nothing and exit
+`HEALTH_STOP_EXIT_CODE`, not a restartable code: a restart from the newest checkpoint would meet the same thing.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.health.config import HealthConfig
 from gaudi3_scale.health.spike import Spike, SpikeDetector
 
-__all__ = ["HealthEvent", "StepGuard"]
+__all__ = ["HEALTH_STOP_EXIT_CODE", "HealthEvent", "StepGuard"]
+
+# The exit code of a run the guard stopped (module docstring). Not 128 + a signal, which launchers and Kubeflow
+# restart (as the cost stops' 3 and 4 are not: metering.live); 2 is taken by bad input.
+HEALTH_STOP_EXIT_CODE = 5
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,10 @@ class StepGuard:
         self.lr_scale = 1.0
         self.rollback_at: int | None = None
         self.stop_at: int | None = None
+        self.dropped_in_a_row = 0  # updates dropped since the last applied one (health.max_dropped_in_a_row)
+        # What stopped the run at `stop_at`: "rollback" (health.max_rollbacks), or the kind of the last of
+        # health.max_dropped_in_a_row updates dropped in a row (nonfinite, loss_spike, grad_norm_spike).
+        self.stop_kind = "rollback"
         # What a rollback carries past the checkpoint it restores (`carry_from`): the counts and the lr factor.
         self._carried: dict[str, Any] | None = None
 
@@ -94,6 +105,17 @@ class StepGuard:
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Whether the update of optimizer step `step` is applied (the same answer on every rank)."""
+        applied = self._verdict(step, loss, grad_norm)
+        if applied:
+            self.dropped_in_a_row = 0
+        elif self.rollback_at is None and self.stop_at is None:  # dropped, and the run goes on
+            self.dropped_in_a_row += 1
+            if self.dropped_in_a_row >= self.cfg.max_dropped_in_a_row:
+                self.stop_at = step  # the run's last line says why (`train.rollback.guard_stop`)
+                self.stop_kind = self.pending[-1].kind
+        return applied
+
+    def _verdict(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         if (
             grad_norm is not None
             and self.cfg.spike_policy in ("off", "warn")
@@ -215,6 +237,7 @@ class StepGuard:
             "grad_norm_history": self.norm_spikes.state_dict(),
             "counts": dict(self.counts),
             "lr_scale": self.lr_scale,
+            "dropped_in_a_row": self.dropped_in_a_row,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -223,6 +246,7 @@ class StepGuard:
         self.norm_spikes.load_state_dict(state.get("grad_norm_history", {}))
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
         self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.dropped_in_a_row = int(state.get("dropped_in_a_row", 0))
         self._apply_carried()
 
 

@@ -10,10 +10,12 @@ the run's own work, and the lines of `AfterStep.after_step` are the order.
     profiler    train.profile_callback.StepProfiler  the profiler's window
     progress    train.progress.RichStepProgress      the terminal bar
 
-A step whose update the guard dropped made no step (global_step did not move): only its cost and its health
-report run. Validation runs where Lightning's loop puts it, right after this step's hooks; a checkpoint due at a validated
-step is saved after the validation, so it records that loss. What the run reports (metrics.jsonl, the trackers,
-Prometheus, the dashboard) is what `RunMetrics` writes and passes to its listeners; none of them hooks the step.
+A step whose update the guard dropped made no step (global_step did not move): only its cost, the stop agreement,
+its health report and, when a stop was agreed, the stop's checkpoint run (a run whose updates are all dropped still
+stops on a signal, a spot notice or the budget). Validation runs where Lightning's loop puts it, right after this
+step's hooks; a checkpoint due at a validated step is saved after the validation, so it records that loss. What
+the run reports (metrics.jsonl, the trackers, Prometheus, the dashboard) is what `RunMetrics` writes and passes to
+its listeners; none of them hooks the step.
 The other hooks (start, validation, end) go to the same parts, in the order written here; what a checkpoint holds
 beyond Lightning's own entries is the run's `CheckpointContents` (`checkpoint.contents`). The hang watchdog
 (`health.watchdog`) gets a beat before those lines, and the section the loop is in from the other hooks.
@@ -76,14 +78,17 @@ class AfterStep(pl.Callback):
         """An optimizer step ended (the last micro-batch of its accumulation): these lines are the order."""
         if self.cost is not None:
             self.cost.after_step(trainer)  # time spent costs, update or not
-        if self.state is not None and self.state.update_dropped:  # no step was made: only its report
-            if self.health is not None:
-                self.health.after_step(trainer, pl_module)
-            return
-        self.metrics.after_step(trainer, pl_module)
-        self.stop.after_step(trainer, pl_module)
+        dropped = self.state is not None and self.state.update_dropped  # no step was made: no record of one
+        if not dropped:
+            self.metrics.after_step(trainer, pl_module)
+        self.stop.after_step(trainer, pl_module)  # at every boundary: a run dropping updates must still stop
         if self.health is not None:
             self.health.after_step(trainer, pl_module)
+        if dropped:
+            # only a stop's checkpoint (its batch is in the skips), and none when the guard ended the fit
+            if self.checkpoint.save_requested and not (self.health is not None and self.health.ends_fit):
+                self.checkpoint.after_step(trainer)
+            return
         self.checkpoint.after_step(trainer)
         if self.profiler is not None:
             self.profiler.after_step(trainer)

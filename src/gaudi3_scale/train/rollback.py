@@ -13,12 +13,14 @@ so it is never loaded again: from a checkpoint further back than that many steps
 would spike again and roll back to the same checkpoint until `health.max_rollbacks` stopped the run. Without a
 checkpoint that old the run starts over from its initial weights.
 
-A spike after `health.max_rollbacks` rollbacks is not rolled back: the run stops (`spike_stop`).
+A spike after `health.max_rollbacks` rollbacks is not rolled back: the run stops (`guard_stop`), as it does after
+`health.max_dropped_in_a_row` updates dropped in a row. Neither stop saves, and neither exit code is restartable: a
+restart from the newest checkpoint would replay the same batches on the same weights and meet the same spike (the
+stop's batch is not skipped: its update ended no fit that saved the skip).
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +30,9 @@ from gaudi3_scale.checkpoint.contents import DATAMODULE_KEY
 from gaudi3_scale.checkpoint.manager import CheckpointManager, state_path
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.data.skips import BatchSkips
-from gaudi3_scale.distributed.launch import signal_exit_code
+from gaudi3_scale.health.guard import HEALTH_STOP_EXIT_CODE, StepGuard
 
-__all__ = ["Rollback", "plan_rollback", "spike_stop"]
+__all__ = ["Rollback", "guard_stop", "plan_rollback"]
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,38 @@ def plan_rollback(
     return Rollback(spike_step, to_step, ckpt, range(first, max(first + skip_batches, spiked + 1)), lr_scale)
 
 
-def spike_stop(spike_step: int, *, max_rollbacks: int) -> dict[str, Any]:
-    """A spike after health.max_rollbacks rollbacks: the run stops with a restartable exit code (the summary's
-    stop fields; `gaudi3 train` ends with their one line)."""
-    reason = f"a loss spike at step {spike_step}, with health.max_rollbacks ({max_rollbacks}) rollbacks made,"
-    return {"interrupted": True, "stop_reason": reason, "stop_exit_code": signal_exit_code(signal.SIGTERM)}
+def guard_stop(guard: StepGuard) -> dict[str, Any]:
+    """The summary's stop fields of a run the step guard stopped at `guard.stop_at` (`gaudi3 train` ends with their
+    one line): past health.max_rollbacks, or after health.max_dropped_in_a_row updates dropped in a row."""
+    step, cfg = guard.stop_at, guard.cfg
+    assert step is not None, "the guard asked for the stop"
+    if guard.stop_kind == "rollback":
+        # the spiking update's batch: not dropped (no fit saved after it), so a restart loads it again
+        batch = guard.skips.next_data_step(step)
+        reason = (f"a loss spike at step {step} (data batch {batch}) after health.max_rollbacks "
+                  f"({cfg.max_rollbacks}) rollbacks")  # fmt: skip
+        hint = (f"look at data batch {batch}, then add it to health.skip_batches, raise health.max_rollbacks, "
+                "or lower optim.lr")  # fmt: skip
+    else:
+        n = guard.dropped_in_a_row
+        batches = guard.skips.dropped[-n:]
+        what = {
+            "nonfinite": "non-finite losses or gradient norms",
+            "grad_norm_spike": "gradient norm spikes",
+        }.get(guard.stop_kind, "loss spikes")
+        # a dropped update does not move the step: all of them were step `step`'s
+        reason = (f"{n} updates in a row dropped at step {step} for {what} (health.max_dropped_in_a_row), "
+                  f"data batches {batches[0]}–{batches[-1]}")  # fmt: skip
+        hint = (
+            "the run has diverged: lower optim.lr (or set optim.grad_clip_norm) and start again from a "
+            "checkpoint before the divergence, or from scratch"
+            if guard.stop_kind == "nonfinite"
+            else "the loss no longer fits the spike detector's history: look at those batches, raise "
+            "health.spike_threshold_mads or health.spike_window_steps, or set health.spike_policy warn"
+        )
+    return {
+        "interrupted": True,
+        "stop_reason": reason,
+        "stop_exit_code": HEALTH_STOP_EXIT_CODE,
+        "stop_hint": hint,
+    }

@@ -55,7 +55,7 @@ from gaudi3_scale.train.parts import build_after_step
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
 from gaudi3_scale.train.report import read_metrics, write_run_report
 from gaudi3_scale.train.resume import check_resume_compatible, check_resume_data
-from gaudi3_scale.train.rollback import Rollback, plan_rollback, spike_stop
+from gaudi3_scale.train.rollback import Rollback, guard_stop, plan_rollback
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.services import start_services
 from gaudi3_scale.train.step import StepState, step_state_of
@@ -200,8 +200,9 @@ class GaudiTrainer:
             console=self.console, progress=self.progress, warn=self._warn, note=self._note,
         )  # fmt: skip
         self._after = after
+        # monitor.loggers; None when unnamed
         trackers = build_trackers(self.config.monitor, run_name=self.config.name, hyperparameters=to_dict(self.config),
-                                  out_dir=self.out_dir, metrics=after.metrics)  # monitor.loggers; None when unnamed  # fmt: skip
+                                  out_dir=self.out_dir, metrics=after.metrics, warn=self._warn)  # fmt: skip
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator, "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes, "strategy": strategy, "max_steps": cfg.max_steps,
@@ -364,7 +365,7 @@ class GaudiTrainer:
                               warn=self._warn)  # fmt: skip
         summary.update(predicted_fields(self._forecast))
         if (guard := self._guard) is not None and guard.stop_at is not None:
-            summary.update(spike_stop(guard.stop_at, max_rollbacks=cfg.health.max_rollbacks))
+            summary.update(guard_stop(guard))
         if isinstance(datamodule, TokenDataModule) and datamodule.has_data:
             cache = datamodule.data.stats()  # a URL dataset's shard cache, this process's handle
             if cache:

@@ -84,6 +84,7 @@ def print_outputs(run: FinishedRun) -> None:
 
 def exit_if_stopped(cfg: RunConfig, run: FinishedRun) -> None:
     """A run that stopped early exits with its code and one line saying why (and whether to rerun)."""
+    from gaudi3_scale.health.guard import HEALTH_STOP_EXIT_CODE
     from gaudi3_scale.metering.live import STOP_HINTS, stop_line
 
     summary, exit_code = run.summary, run.exit_code
@@ -94,6 +95,14 @@ def exit_if_stopped(cfg: RunConfig, run: FinishedRun) -> None:
                 exit_code,
                 checkpoint=cfg.checkpoint.enabled and bool(summary.get("checkpoint")),
             ),
+            err=True,
+        )
+        sys.exit(exit_code)
+    # the step guard stopped it (train.rollback.guard_stop): nothing saved
+    if exit_code == HEALTH_STOP_EXIT_CODE:
+        click.echo(
+            f"stopped by {summary['stop_reason']}; nothing saved after it; exit {exit_code} (not restartable: a "
+            f"restart would meet the same): {summary['stop_hint']}",
             err=True,
         )
         sys.exit(exit_code)
