@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 
 from gaudi3_scale.config.core import save_yaml, to_dict
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.data.skips import BatchSkips
@@ -69,6 +69,20 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+# Lightning Trainer arguments the run config decides (`build_trainer` sets them from it): given as keyword
+# arguments they would override it after the module's schedule and the run's files were made from the config.
+_CONFIG_OWNS = {
+    "max_steps": "train.max_steps", "max_epochs": "train.max_steps", "min_steps": "train.max_steps",
+    "precision": "train.precision", "devices": "parallel.nproc_per_node", "num_nodes": "parallel.nnodes",
+    "strategy": "parallel.strategy", "accelerator": "chosen for this machine's devices",
+    "val_check_interval": "train.val_every_steps", "check_val_every_n_epoch": "train.val_every_steps",
+    "limit_val_batches": "train.val_batches", "deterministic": "train.deterministic",
+    "default_root_dir": "out_dir", "accumulate_grad_batches": "train.global_batch_size and micro_batch_size",
+    "gradient_clip_val": "optim.grad_clip_norm", "logger": "monitor.loggers",
+    "enable_checkpointing": "the checkpoint section",
+}  # fmt: skip
+
+
 class GaudiTrainer:
     """Train from a `RunConfig`; `fit()` returns the run summary (also written to `summary.json`).
 
@@ -86,6 +100,9 @@ class GaudiTrainer:
     A run holds its output directory for as long as `fit` runs (`train.run_lock`): a second run there is refused
     with `RunDirectoryBusyError`. Inside a launcher's worker (torchrun) the launch geometry comes from the launcher
     when the config leaves it at one process (`distributed.launch.launched_parallel`).
+
+    Other keyword arguments go to Lightning's `Trainer`; those the run config decides (`max_steps`, `precision`,
+    `devices`, `strategy`, ...) are refused with one line naming the config field to set instead.
     """
 
     def __init__(
@@ -105,6 +122,12 @@ class GaudiTrainer:
         self.extra_callbacks = list(callbacks or [])
         self.progress = progress
         self.console = console or Console(stderr=True)
+        for key in trainer_kwargs:
+            if key in _CONFIG_OWNS:
+                raise UserInputError(
+                    f"GaudiTrainer: {key}= is the run config's to set ({_CONFIG_OWNS[key]}): the optimizer's "
+                    "schedule, the checkpoints and config.yaml follow the config; set it there"
+                )
         self.trainer_kwargs = trainer_kwargs
         self.trainer: pl.Trainer | None = None
         self.module: pl.LightningModule | None = None
