@@ -96,13 +96,21 @@ def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
     return run_config(_read_meta(checkpoint))
 
 
-def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint trained with another model shape, global batch, dataset or seed (one line)."""
+def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | None:
+    """Refuse to resume a checkpoint trained with another model shape, global batch, dataset or seed, or past the
+    config's `train.max_steps` (one line); the checkpoint's step."""
     ckpt = _read_meta(checkpoint)
     check_resume_strategy(ckpt, config.get("parallel", {}))
+    step, max_steps = ckpt.get("global_step"), config.get("train", {}).get("max_steps")
+    if isinstance(step, int) and isinstance(max_steps, int) and max_steps < step:
+        name = (checkpoint.parent if checkpoint.is_file() else checkpoint).name  # state.ckpt: its step directory
+        raise UserInputError(
+            f"train.max_steps: {max_steps}, but the checkpoint {name} is at step {step}; allowed: {step} "
+            "(nothing left to train) or more, or a new --out directory"
+        )
     saved = run_config(ckpt)
     if saved is None:
-        return
+        return step if isinstance(step, int) else None
     if saved.get("seed") != config.get(
         "seed"
     ):  # the data order's: the sampler would refuse it inside the fit
@@ -125,6 +133,7 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> None:
                     f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
                     f"{new.get(key)!r}; use the original value or a new --out directory"
                 )
+    return step if isinstance(step, int) else None
 
 
 def check_resume_data(

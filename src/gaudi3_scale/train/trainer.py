@@ -296,10 +296,12 @@ class GaudiTrainer:
         trainer = self.trainer = self.build_trainer(step_state_of(model))
         assert self._after is not None, "build_trainer builds the run's parts"
         self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock
-        if ckpt_path is not None:
-            self._check_resume(model, ckpt_path)
-        # the run's files and plan.json past every refusal: a run refused at its start changes nothing
-        self._write_run_files()
+        finished = ckpt_path is not None and self._check_resume(model, ckpt_path)
+        # the run's files and plan.json past every refusal: a run refused at its start changes nothing, nor does
+        # one whose checkpoint is at train.max_steps already (it trains nothing; its config.yaml stays the one
+        # the checkpoint was trained with)
+        if not (finished and (self.out_dir / "config.yaml").exists()):
+            self._write_run_files()
         if rollback is None and self._forecast is not None and launched_rank() == 0:
             write_plan(self.out_dir, self._forecast)
         if rollback is not None and self._health is not None:  # reported at the first step of this fit
@@ -359,14 +361,18 @@ class GaudiTrainer:
                 tokenizer_dir.mkdir(parents=True, exist_ok=True)
                 self._tokenizer.save(tokenizer_dir)
 
-    def _check_resume(self, model: pl.LightningModule, ckpt_path: Path) -> None:
-        """The checkpoint's model and data against this run's (`train.resume`): our model only."""
+    def _check_resume(self, model: pl.LightningModule, ckpt_path: Path) -> bool:
+        """The checkpoint's model and data against this run's (`train.resume`): our model only. True when the
+        checkpoint is at `train.max_steps` already."""
+        finished = False
         if isinstance(model, LanguageModel):
-            check_resume_compatible(ckpt_path, to_dict(self.config))
+            step = check_resume_compatible(ckpt_path, to_dict(self.config))
+            finished = step is not None and step == self.config.train.max_steps
             allow_change = self.config.train.allow_data_change
             check_resume_data(ckpt_path, self._data_sha256, allow_change=allow_change, warn=self._warn)
         if self.progress:
             self.console.print(f"resuming from {ckpt_path}")
+        return finished
 
     def _services(self, trainer: pl.Trainer) -> ExitStack:
         """What runs beside the fit (`train.services`), stopped when the fit ends."""
