@@ -71,6 +71,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p["project"] = root / "project"  # a directory of the user's own: a run there would overwrite config.yaml
     p["project"].mkdir()
     (p["project"] / "config.yaml").write_text("# my notes\nfoo: 1\n")
+    # the same, with another tool's weights in a checkpoints/ folder (not a run: no step-*/, latest or .run.lock)
+    p["project_ckpts"] = root / "project-ckpts"
+    (p["project_ckpts"] / "checkpoints").mkdir(parents=True)
+    (p["project_ckpts"] / "checkpoints" / "model.pt").write_text("weights\n")
+    (p["project_ckpts"] / "summary.json").write_text('{"mine": 1}\n')
     p["checkpoints_file"] = root / "checkpoints-file"  # a run directory whose checkpoints/ is a file
     p["checkpoints_file"].mkdir()
     (p["checkpoints_file"] / "checkpoints").write_text("not a directory\n")
@@ -140,6 +145,7 @@ FIXED: list[Case] = [
     ("train-spot-endpoint-ftp", lambda p: ["train", "--print-config", "--cost.spot_endpoint_url", "ftp://x"], ("cost.spot_endpoint_url:", "http:// or https://"), ()),
     # the second sweep (2026-11-30): outputs below a file, sizes no estimate can hold, what checkpoints alone use
     ("train-out-a-directory-of-ones-own", lambda p: _train(p, "--out", str(p["project"])), ("out_dir:", "holds config.yaml but no gaudi3 run"), ("project",)),
+    ("train-out-a-project-with-a-checkpoints-folder", lambda p: _train(p, "--out", str(p["project_ckpts"])), ("out_dir:", "holds summary.json but no gaudi3 run"), ("project_ckpts",)),
     ("train-checkpoints-is-a-file", lambda p: _train(p, "--out", str(p["checkpoints_file"])), ("out_dir:", "checkpoints' is a file"), ("checkpoints_file",)),
     ("plan-over-a-trained-runs-forecast", lambda p: ["plan", "--model.num_layers", "1", "--out_dir", str(p["run"])], ("out_dir:", "holds a run that has trained", "--out FILE"), ("run",)),
     ("plan-out-inside-a-file", lambda p: ["plan", "--model.num_layers", "1", "--out", str(p["a_file"] / "plan.json")], ("--out:", "is a file"), ("a_file",)),

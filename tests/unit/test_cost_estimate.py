@@ -187,6 +187,29 @@ def test_unknown_model_names_the_presets() -> None:
         compare_training_cost("13B", "1T", ["h100"])
 
 
+def test_a_platforms_string_is_one_name_or_the_clis_comma_list_never_its_characters() -> None:
+    analyzer = CostAnalyzer()
+    one = analyzer.compare_training_cost(model_size="8B", dataset_tokens="1B", platforms="gaudi3")
+    assert [r.platform for r in one.rows] == ["gaudi3"]
+    two = compare_training_cost("8B", "1B", "gaudi3, h100")
+    assert [r.platform for r in two.rows] == ["gaudi3", "h100"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model_size": 70e9}, r"^--model: expected a preset name .*, got 70000000000.0$"),
+        ({"model_size": None}, r"^--model: expected a preset name .*, got None$"),
+        ({"mfu": "0.4"}, r"^--mfu: must be in \(0, 1\], got '0.4'$"),
+        ({"mfu": True}, r"^--mfu: must be in \(0, 1\], got True$"),
+    ],
+)
+def test_cost_analyzer_refuses_a_wrong_typed_argument_in_one_line(kwargs: dict, message: str) -> None:
+    args = {"model_size": "8B", "dataset_tokens": "1B", "platforms": ["gaudi3"], **kwargs}
+    with pytest.raises(UserInputError, match=message):
+        CostAnalyzer().compare_training_cost(**args)
+
+
 # Issue 36 item 7: a count below one token, a fraction of a token, or beyond 64 bits printed a table ($0.00 and
 # 0.0 days for 1e-300; inf days for 1e300) and exited 0.
 @pytest.mark.parametrize(

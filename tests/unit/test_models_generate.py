@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.models import Transformer, build_model, get_model_config
 from gaudi3_scale.models.generate import GREEDY_BELOW_TEMPERATURE, generate, sample_next_token
 
@@ -126,13 +127,33 @@ def test_restores_training_mode_and_allows_zero_new_tokens(model: Transformer) -
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
-        ({"max_new_tokens": 1, "temperature": -0.5}, "temperature must be >= 0"),
-        ({"max_new_tokens": 1, "top_k": 0}, "top_k must be >= 1"),
+        ({"max_new_tokens": -1}, r"^max_new_tokens must be an integer >= 0, got -1$"),
+        ({"max_new_tokens": 2.5}, r"^max_new_tokens must be an integer >= 0, got 2.5$"),
+        ({"max_new_tokens": "3"}, r"^max_new_tokens must be an integer >= 0, got '3'$"),
+        ({"max_new_tokens": True}, r"^max_new_tokens must be an integer >= 0, got True$"),
+        (
+            {"max_new_tokens": 1, "temperature": -0.5},
+            r"^temperature must be a finite number >= 0 \(0 = greedy\)",
+        ),
+        (
+            {"max_new_tokens": 1, "temperature": float("nan")},
+            r"^temperature must be a finite number >= 0 .*got nan$",
+        ),
+        (
+            {"max_new_tokens": 1, "temperature": float("inf")},
+            r"^temperature must be a finite number >= 0 .*got inf$",
+        ),
+        (
+            {"max_new_tokens": 1, "temperature": None},
+            r"^temperature must be a finite number >= 0 .*got None$",
+        ),
+        ({"max_new_tokens": 1, "top_k": 0}, r"^top_k must be an integer >= 1 or None, got 0$"),
+        ({"max_new_tokens": 1, "top_k": 2.5}, r"^top_k must be an integer >= 1 or None, got 2.5$"),
     ],
 )
 def test_rejects_bad_arguments(model: Transformer, kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    # one line naming the argument and what it takes, before any forward pass (not torch's error from deep inside)
+    with pytest.raises(UserInputError, match=message):
         generate(model, _prompt(), **kwargs)
 
 

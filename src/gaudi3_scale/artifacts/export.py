@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from gaudi3_scale.artifacts.inference import check_tokenizer_fits, read_model_state, run_tokenizer_dir
+from gaudi3_scale.checkpoint.manager import resolve_checkpoint
 from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, fsync_directory, read_manifest
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import UserInputError
@@ -64,14 +65,17 @@ def export_checkpoint(
     force: bool = False,
     tokenizer_dir: Path | None = None,
 ) -> list[Path]:
-    """Write the model of `checkpoint` to `out_dir` in format `fmt`; returns the files written.
+    """Write the model of `checkpoint` (a run directory: its newest checkpoint that verifies) to `out_dir` in format
+    `fmt`; returns the files written.
 
     The tokenizer (`tokenizer_dir`, default the run's `<run>/tokenizer/`) is copied to `<out>/tokenizer/` when
     there is one; with `hf` and a Hugging Face tokenizer (bpe or a tokenizer.json) it is also written at the top as
     transformers, vLLM and TGI expect. `out_dir` must be absent or empty unless `force`; it is written under a
     temporary name beside it and renamed into place, so it is never left half-written.
     """
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    # A run directory resolves to its newest checkpoint that verifies, as for `gaudi3 ckpt export` and
+    # `load_for_generation`: the run's tokenizer is found from the checkpoint's place in the run, not from the name.
+    checkpoint, out_dir = resolve_checkpoint(checkpoint), Path(out_dir)
     if fmt not in EXPORT_FORMATS:
         raise UserInputError(f"--format {fmt!r} is not known; valid: {', '.join(EXPORT_FORMATS)}")
     _check_destination(checkpoint, out_dir, force=force)

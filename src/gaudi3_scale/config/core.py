@@ -14,8 +14,10 @@ aliases), and every string, as it is read, by `config.urls` (no credentials in a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 import re
 import types
 import typing
@@ -33,6 +35,7 @@ from gaudi3_scale.config.urls import check_no_credentials
 __all__ = [
     "apply_overrides",
     "check_choice",
+    "check_field_types",
     "check_name",
     "check_positive",
     "check_range",
@@ -168,8 +171,35 @@ def _exponent_number(value: Any) -> Any:
     return value
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls)  # cached: `check_field_types` runs on every construction
+
+
+_SCALARS = (int, float, str, bool)
+
+
+def _is_scalar(tp: Any) -> bool:
+    if tp in _SCALARS or tp is type(None) or get_origin(tp) is Literal:
+        return True
+    return get_origin(tp) in (types.UnionType, typing.Union) and all(_is_scalar(opt) for opt in get_args(tp))
+
+
+def check_field_types(obj: Any) -> None:
+    """The type check of `from_dict` for a config built directly in Python (`TrainConfig(max_steps=2.5)`), run from
+    its `__post_init__`: each scalar field (int, float, str, bool, a Literal, or `X | None` of them) is coerced as
+    a YAML value would be (`3.0` → 3, `2.5` refused for an int) or refused with `ConfigError(field, …)`. A path
+    (`os.PathLike`) in a text field is taken as its text. Sections and lists are left to their own classes."""
+    cls: type = type(obj)
+    hints = _hints(cls)
+    for f in dataclasses.fields(obj):
+        tp = hints[f.name]
+        if not f.init or not _is_scalar(tp):
+            continue
+        value = getattr(obj, f.name)
+        if isinstance(value, os.PathLike) and (tp is str or str in get_args(tp)):
+            value = os.fspath(value)
+        object.__setattr__(obj, f.name, _coerce(tp, value, f.name))
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
@@ -269,13 +299,17 @@ def _lookup_type(cls: type, dotted: str) -> Any:
     return tp
 
 
-def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """Set dotted keys in a raw config dict; values are parsed as YAML scalars (so `6`, `3e-4`, `true`, `null`)."""
-    for key, raw in overrides:
+Override = tuple[str, Any] | str
+
+
+def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
+    """Set dotted keys in a raw config dict. Each override is a `(key, value)` pair or a `"key=value"` string; a
+    text value is parsed as a YAML scalar (so `6`, `3e-4`, `true`, `null`), a path is its text, a number, bool or
+    None is taken as it is (and type-checked with the field like any other value)."""
+    for item in overrides:
+        key, raw = _override_pair(item)
         _lookup_type(cls, key)  # fail early on unknown fields
-        value = parse_yaml_value(raw, field=key)
-        if isinstance(value, str) and is_number_text(value):
-            value = float(value)  # YAML 1.1 reads "1e-3" as a string (`_exponent_number`), whatever the field
+        value = _override_value(key, raw)
         node = data
         *parents, leaf = key.split(".")
         for p in parents:
@@ -286,6 +320,30 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[tuple[s
             node = child
         node[leaf] = value
     return data
+
+
+def _override_pair(item: Any) -> tuple[str, Any]:
+    if isinstance(item, str):
+        key, sep, raw = item.partition("=")  # the value keeps any further '=' ("a=b=c" sets a to "b=c")
+        pair: Any = (key.strip(), raw) if sep else None
+    else:
+        pair = tuple(item) if isinstance(item, Sequence) and len(item) == 2 else None
+    if pair is None or not isinstance(pair[0], str) or not pair[0]:
+        raise ConfigError("overrides", f"expected key=value (or a (key, value) pair), got {brief(item)}")
+    return pair[0], pair[1]
+
+
+def _override_value(key: str, raw: Any) -> Any:
+    if isinstance(raw, os.PathLike):
+        raw = os.fspath(raw)
+    if raw is None or isinstance(raw, bool | int | float):
+        return raw  # typed already: checked against the field by `from_dict`
+    if not isinstance(raw, str):
+        raise ConfigError(key, f"an override value is text, a path or a number, got {brief(raw)}")
+    value = parse_yaml_value(raw, field=key)
+    if isinstance(value, str) and is_number_text(value):
+        value = float(value)  # YAML 1.1 reads "1e-3" as a string (`_exponent_number`), whatever the field
+    return value
 
 
 def load_yaml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:

@@ -62,7 +62,7 @@ class CostAnalyzer:
         comparison = compare_training_cost(
             model_size,
             dataset_tokens,
-            list(platforms),
+            platforms,
             mfu=mfu if mfu is not None else self.mfu,
             from_benchmarks=Path(from_benchmarks) if from_benchmarks is not None else None,
             nodes=nodes,

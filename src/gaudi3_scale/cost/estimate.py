@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gaudi3_scale.config.errors import UserInputError, brief
-from gaudi3_scale.config.numbers import INT64_MAX
+from gaudi3_scale.config.numbers import INT64_MAX, is_number
 from gaudi3_scale.cost.comparison import (
     DEFAULT_PUE,
     PUE_SOURCE,
@@ -100,6 +100,11 @@ def resolve_model(model: str | ModelConfig, context_length: int | None = None) -
 
     if isinstance(model, ModelConfig):
         cfg = model
+    elif not isinstance(model, str):
+        raise UserInputError(
+            f"--model: expected a preset name ('llama3-70b'), a size naming one ('70B') or a ModelConfig, got "
+            f"{brief(model)}"
+        )
     else:
         key = model.strip().lower()
         names = list_models()
@@ -431,10 +436,12 @@ def compare_training_cost(
 ) -> CostComparison:
     """One row per platform (see the module docstring). A model that fits on none of them is one line."""
     a = assumptions or Assumptions()
-    if mfu is not None and not 0 < mfu <= 1:
-        raise UserInputError(f"--mfu: must be in (0, 1], got {mfu!r}")
+    if mfu is not None and (not is_number(mfu) or not 0 < mfu <= 1):
+        raise UserInputError(f"--mfu: must be in (0, 1], got {brief(mfu)}")
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
         raise UserInputError(f"--nodes: must be a positive integer, got {nodes!r}")
+    if isinstance(platforms, str):  # one name, or the CLI's comma-separated list: never its characters
+        platforms = [name.strip() for name in platforms.split(",") if name.strip()]
     if not platforms:
         raise UserInputError("--platforms: name at least one (e.g. gaudi3,h100,a100)")
     for name, value in (("--pue", a.pue), ("--power-fraction", a.power_fraction_of_tdp)):

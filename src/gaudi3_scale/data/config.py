@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gaudi3_scale.config.core import check_positive, check_range
+from gaudi3_scale.config.core import check_field_types, check_positive, check_range
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seed
 from gaudi3_scale.data.sources import DEFAULT_SYNTHETIC_VOCAB, synthetic_vocab
@@ -129,6 +129,7 @@ class DataConfig:
         return int(self.cache_limit_gib * (1 << 30))
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # as from YAML; a path (`source=Path(...)`) is taken as its text
         check_range("val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("vocab_size", self.vocab_size)
         check_number("prepare_workers", self.prepare_workers, low=1, high=INT32_MAX)  # process counts: C ints

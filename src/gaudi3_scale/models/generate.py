@@ -10,9 +10,13 @@ other tokens than the model was trained to give.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.numbers import is_number
 from gaudi3_scale.models.common.kv_cache import KVCache
 from gaudi3_scale.models.config import ModelConfig
 
@@ -29,12 +33,19 @@ def _check_args(prompt: torch.Tensor, max_new_tokens: int, temperature: float, t
         raise ValueError(
             f"prompt must be a non-empty int64 tensor [batch, tokens], got {prompt.dtype} {tuple(prompt.shape)}"
         )
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    # bool is an int to Python but never a count; NaN compares False with everything, so "finite" is checked first.
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise UserInputError(f"max_new_tokens must be an integer >= 0, got {brief(max_new_tokens)}")
+    if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise UserInputError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {brief(temperature)}"
+        )
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise UserInputError(f"top_k must be an integer >= 1 or None, got {brief(top_k)}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _model_config(model: nn.Module) -> ModelConfig:

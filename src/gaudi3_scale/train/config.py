@@ -8,6 +8,7 @@ override the preset, so the resolved file always shows the full shape.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
+    Override,
     apply_overrides,
     check_name,
     from_dict,
@@ -320,10 +322,12 @@ def _fill_from_pretrained(raw: dict[str, Any], model_raw: Mapping[str, Any]) -> 
 
 def build_run_config(
     config_path: str | Path | None = None,
-    overrides: Sequence[tuple[str, str]] = (),
+    overrides: Sequence[Override] = (),
     base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """YAML file (optional) → dotted overrides → model preset expansion → batch in tokens → validated RunConfig."""
+    """YAML file (optional) → dotted overrides → model preset expansion → batch in tokens → validated RunConfig.
+
+    `overrides`: `(key, value)` pairs or `"key=value"` strings (`config.core.apply_overrides`)."""
     from gaudi3_scale.models.registry import get_model_config
 
     user: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
@@ -356,12 +360,12 @@ def resolve_config(
     config_path: str | None,
     overrides: Sequence[str],
     *,
-    out_dir: str | None = None,
-    resume: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    resume: str | os.PathLike[str] | None = None,
 ) -> RunConfig:
     """The run config of `--config FILE`, `--section.field VALUE` overrides, `--out` and `--resume` (`gaudi3 train`
     and its workers)."""
-    pairs = parse_overrides(list(overrides))
+    pairs: list[Override] = [*parse_overrides(list(overrides))]
     if out_dir is not None:
         pairs.append(("out_dir", out_dir))
     if resume is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from gaudi3_scale.checkpoint.manager import LATEST_NAME
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
@@ -42,24 +43,33 @@ def check_run_inputs(cfg: RunConfig) -> None:
     check_trackers(cfg.monitor)
 
 
-# What marks a directory as a run's (its lock is taken before anything is written), and what a run writes there
-# that would replace a file of the same name.
-_RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+# What a run writes there that would replace a file of the same name. A run's own directory is told by its lock
+# (`.run.lock`, taken before anything is written), its metrics.jsonl or a gaudi3 checkpoint in checkpoints/: a bare
+# `checkpoints/` folder is a common name in ML projects (another tool's weights), not a sign of a run of ours.
 _RUN_WRITES = ("config.yaml", "summary.json", "loss.png", "tokenizer", "health")
+
+
+def _is_run_directory(out_dir: Path) -> bool:
+    ckpts = out_dir / "checkpoints"
+    return (
+        (out_dir / "metrics.jsonl").exists()
+        or any(out_dir.glob(".run*.lock"))
+        or (ckpts / LATEST_NAME).is_file()
+        or any(path.is_dir() for path in ckpts.glob("step-*"))
+    )
 
 
 def _check_not_foreign(out_dir: Path) -> None:
     """Refuse an --out that holds files a run would overwrite (a project directory, `--out .` beside one's own
-    config.yaml) but no run; a new, empty or unrelated directory, and a run's own, pass."""
-    if not out_dir.is_dir() or any((out_dir / name).exists() for name in _RUN_MARKERS):
-        return
-    if any(out_dir.glob(".run*.lock")):
+    config.yaml, with or without a checkpoints/ folder of another tool's) but no run; a new, empty or unrelated
+    directory, and a run's own, pass."""
+    if not out_dir.is_dir() or _is_run_directory(out_dir):
         return
     if clash := next((name for name in _RUN_WRITES if (out_dir / name).exists()), None):
         raise ConfigError(
             "out_dir",
-            f"{str(out_dir)!r} holds {clash} but no gaudi3 run (no checkpoints/, metrics.jsonl or .run.lock); a run "
-            "would overwrite it: pass a new directory (a run's own to continue it)",
+            f"{str(out_dir)!r} holds {clash} but no gaudi3 run (no checkpoints/step-*, metrics.jsonl or .run.lock); "
+            "a run would overwrite it: pass a new directory (a run's own to continue it)",
         )
 
 

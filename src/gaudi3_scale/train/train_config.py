@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from gaudi3_scale.config.core import check_positive
+from gaudi3_scale.config.core import check_field_types, check_positive
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.numbers import INT32_MAX, check_number, check_seconds
 from gaudi3_scale.config.urls import check_http_url
@@ -159,6 +159,8 @@ class TrainConfig:
     profile_num_steps: int = field(default=5, metadata={"help": "optimizer steps the profiler records"})
 
     def __post_init__(self) -> None:
+        # ints are ints, as from YAML: `TrainConfig(max_steps=2.5)` or `max_steps=None` is refused here
+        check_field_types(self)
         for name in ("global_batch_size", "max_steps", "val_batches", "log_every_steps"):
             check_positive(name, getattr(self, name))
         check_positive("val_every_steps", self.val_every_steps, allow_zero=True)
