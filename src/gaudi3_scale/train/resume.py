@@ -103,7 +103,8 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | N
     check_resume_strategy(ckpt, config.get("parallel", {}))
     step, max_steps = ckpt.get("global_step"), config.get("train", {}).get("max_steps")
     if isinstance(step, int) and isinstance(max_steps, int) and max_steps < step:
-        name = (checkpoint.parent if checkpoint.is_file() else checkpoint).name  # state.ckpt: its step directory
+        # state.ckpt: named by its step directory
+        name = (checkpoint.parent if checkpoint.is_file() else checkpoint).name
         raise UserInputError(
             f"train.max_steps: {max_steps}, but the checkpoint {name} is at step {step}; allowed: {step} "
             "(nothing left to train) or more, or a new --out directory"
