@@ -14,12 +14,14 @@ With Lightning, give the DataLoader `micro_batch_size` and the Trainer `**optimi
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.distributed.parallelize import apply_single_device
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 
@@ -45,18 +47,19 @@ class MemoryOptimizer:
         *,
         max_hpu_graphs: int = 10,
     ) -> None:
-        if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or micro_batch_size < 1):
-            raise ValueError(
-                f"MemoryOptimizer: micro_batch_size must be an integer >= 1 or None, got {micro_batch_size!r}"
+        # 2.5 or "4" would pass a bare `< 1` test (or fail it with a TypeError) and break the split later.
+        if micro_batch_size is not None and not _is_count(micro_batch_size):
+            raise UserInputError(
+                f"MemoryOptimizer: micro_batch_size must be an integer >= 1 or None, got {brief(micro_batch_size)}"
             )
-        if isinstance(accumulation_steps, bool) or accumulation_steps < 1:
-            raise ValueError(
-                f"MemoryOptimizer: accumulation_steps must be an integer >= 1, got {accumulation_steps!r}"
+        if not _is_count(accumulation_steps):
+            raise UserInputError(
+                f"MemoryOptimizer: accumulation_steps must be an integer >= 1, got {brief(accumulation_steps)}"
             )
         self.enable_hpu_graphs = enable_hpu_graphs
         self.enable_gradient_checkpointing = enable_gradient_checkpointing
-        self.micro_batch_size = micro_batch_size
-        self.accumulation_steps = accumulation_steps
+        self.micro_batch_size = None if micro_batch_size is None else int(micro_batch_size)
+        self.accumulation_steps = int(accumulation_steps)
         self.max_hpu_graphs = max_hpu_graphs
         self.checkpointed_blocks = 0
 
@@ -108,6 +111,11 @@ class MemoryOptimizer:
             (loss / self.accumulation_steps).backward()
             total = total + loss.detach().float().cpu()
         return total / self.accumulation_steps
+
+
+def _is_count(value: Any) -> bool:
+    """An integer >= 1 (numpy's integers too); a bool, a float such as 2.0 or a str is not one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 def _batch_len(batch: Any) -> int:

@@ -151,6 +151,60 @@ def test_prepared_dir_without_its_manifest_is_refused_not_read_as_text(tmp_path:
     ]
 
 
+def _tree(directory: Path) -> dict[str, str | None]:
+    """Every path under `directory`: a file's text, None for a directory."""
+    return {
+        p.relative_to(directory).as_posix(): p.read_text() if p.is_file() else None
+        for p in directory.rglob("*")
+    }
+
+
+def test_a_users_directory_holding_a_partial_folder_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """`.partial` is the build's scratch directory, emptied before and after a build: in a directory prepare never
+    built it is the user's own (it was deleted without a word)."""
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:5_000])
+    user = tmp_path / "out"
+    (user / ".partial").mkdir(parents=True)
+    (user / ".partial" / "important.txt").write_text("my notes\n")
+    (user / "notes.txt").write_text("more notes\n")
+    before = _tree(user)
+    with pytest.raises(UserInputError) as refused:
+        prepare(tmp_path, source=str(src))
+    assert str(refused.value) == (
+        f"data.prepared_dir: {str(user)!r} is not a prepared dataset but holds .partial, which preparing would "
+        "replace or delete; pass a new directory"
+    )
+    assert _tree(user) == before
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["first-build-killed", "rebuild-killed"])
+def test_a_partial_folder_a_killed_build_left_is_cleaned_by_the_next(tmp_path: Path, built: bool) -> None:
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:5_000])
+    out = tmp_path / "out"
+    if built:
+        prepare(tmp_path, source=str(src))
+        src.write_text(SHAKESPEARE[:6_000])  # the next run rebuilds
+    else:
+        out.mkdir()
+        (out / ".prepare.lock").touch()  # taken before `.partial` is made; a killed first build leaves both
+    (out / ".partial").mkdir()
+    (out / ".partial" / "train-00000.bin").write_bytes(b"half a shard")
+    data = load_prepared(prepare(tmp_path, source=str(src)))
+    assert (
+        data.tokenizer.decode([*data.train.tolist(), *data.val.tolist()])
+        == SHAKESPEARE[: 6_000 if built else 5_000]
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".prepare.lock",
+        "manifest.json",
+        "tokenizer.json",
+        "train-00000.bin",
+        "val-00000.bin",
+    ]
+
+
 def test_one_repeated_character_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     src = tmp_path / "a.txt"
     src.write_text("a" * 1000)

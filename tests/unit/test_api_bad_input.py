@@ -148,3 +148,82 @@ def test_data_config_takes_a_path_source_as_its_text(tmp_path: Path) -> None:
     from gaudi3_scale.data.config import DataConfig
 
     assert DataConfig(source=tmp_path / "a.txt").source == str(tmp_path / "a.txt")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "message"),
+    [
+        ("train", {"max_steps": 2}, r"^train: expected a TrainConfig, got \{'max_steps': 2\}; a mapping of fields: "
+         r"build_run_config\(base=\{'train': \.\.\.\}\)$"),
+        ("model", "llama-tiny", r"^model: expected a ModelConfig, got 'llama-tiny'$"),
+        ("health", 5, r"^health: expected a HealthConfig, got 5$"),
+    ],
+)  # fmt: skip
+def test_run_config_sections_must_be_their_config_classes(section: str, value: object, message: str) -> None:
+    from gaudi3_scale.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**{section: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^seed: expected an integer, got 'x'$"):
+        RunConfig(seed="x")  # type: ignore[arg-type]
+
+
+def test_the_mapping_route_the_refusal_names_builds_the_preset() -> None:
+    cfg = build_run_config(base={"train": {"max_steps": 2}, "model": {"name": "llama-tiny"}})
+    assert (cfg.train.max_steps, cfg.model.name) == (2, "llama-tiny")
+
+
+def test_gaudi_trainer_takes_a_config_files_path(tmp_path: Path) -> None:
+    from gaudi3_scale.config.errors import UserInputError
+    from gaudi3_scale.train.trainer import GaudiTrainer
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: llama-tiny\ntrain:\n  max_steps: 7\n")
+    for given in (path, str(path)):
+        cfg = GaudiTrainer(given, progress=False).config
+        assert (cfg.model.name, cfg.train.max_steps) == ("llama-tiny", 7)
+    with pytest.raises(UserInputError, match=r"^GaudiTrainer takes a RunConfig or a config file's path, got "
+                                             r"a dict; a mapping of fields: build_run"):  # fmt: skip
+        GaudiTrainer({"train": {"max_steps": 2}})  # type: ignore[arg-type]
+    with pytest.raises(UserInputError, match=r"^config file '.*no-such\.yaml' does not exist$"):
+        GaudiTrainer(tmp_path / "no-such.yaml")
+
+
+def test_fit_refuses_a_module_of_the_other_lightning_namespace_in_one_line() -> None:
+    import pytorch_lightning
+    import torch
+
+    from gaudi3_scale.config.errors import UserInputError
+    from gaudi3_scale.train.trainer import GaudiTrainer
+
+    class Theirs(pytorch_lightning.LightningModule):
+        pass
+
+    trainer = GaudiTrainer(build_run_config(None, [("train.max_steps", "1")]), progress=False)
+    with pytest.raises(UserInputError, match=r"^GaudiTrainer.fit: model Theirs derives from pytorch_lightning\."
+                                             r"LightningModule, but the trainer runs lightning\.pytorch; subclass "
+                                             r"lightning\.pytorch\.LightningModule instead$"):  # fmt: skip
+        trainer.fit(Theirs())
+    with pytest.raises(UserInputError, match=r"^GaudiTrainer.fit: model must be a lightning\.pytorch\."
+                                             r"LightningModule, got Linear$"):  # fmt: skip
+        trainer.fit(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(UserInputError, match=r"^GaudiTrainer.fit: datamodule DataModule derives from "
+                                             r"pytorch_lightning\.LightningDataModule"):  # fmt: skip
+        trainer.fit(datamodule=type("DataModule", (pytorch_lightning.LightningDataModule,), {})())
+    assert trainer.trainer is None  # refused before anything was built
+
+
+def test_max_steps_null_beside_max_epochs_is_left_unset(tmp_path: Path) -> None:
+    """`max_epochs: 1` with `max_steps: null` (a probe's `--train.max_steps null`, or a YAML that nulls it) was
+    refused as "1 and train.max_steps None are both set"; both set to numbers still is."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_epochs: 1\n  max_steps: null\n")
+    cfg = build_run_config(path)
+    assert cfg.train.max_epochs == 1
+    assert (
+        build_run_config(None, [("train.max_epochs", "2"), ("train.max_steps", "null")]).train.max_epochs == 2
+    )
+    with pytest.raises(ConfigError, match=r"^train.max_epochs: 1 and train.max_steps 5 are both set"):
+        build_run_config(None, [("train.max_epochs", "1"), ("train.max_steps", "5")])
+    with pytest.raises(ConfigError, match=r"^train.max_steps: expected an integer, got None$"):
+        build_run_config(None, [("train.max_steps", "null")])

@@ -3,6 +3,7 @@ accumulates the whole batch's gradient; Gaudi-only options stop with one line of
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -113,6 +114,37 @@ def test_a_batch_that_does_not_split_is_refused(
 def test_bad_arguments_are_refused(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be an integer >= 1"):
         MemoryOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"micro_batch_size": 2.5, "accumulation_steps": 2},
+            "micro_batch_size must be an integer >= 1 or None, got 2.5",
+        ),
+        ({"micro_batch_size": 4.0}, "micro_batch_size must be an integer >= 1 or None, got 4.0"),
+        ({"micro_batch_size": False}, "micro_batch_size must be an integer >= 1 or None, got False"),
+        ({"accumulation_steps": 2.5}, "accumulation_steps must be an integer >= 1, got 2.5"),
+        ({"accumulation_steps": "4"}, "accumulation_steps must be an integer >= 1, got '4'"),
+    ],
+)
+def test_non_integer_sizes_are_refused_in_one_line(kwargs: dict[str, object], message: str) -> None:
+    """2.5 passed the `< 1` test and then asked for "batches of 5.0" (refusing 5), or reached Lightning as
+    accumulate_grad_batches=2.5; "4" failed on a TypeError from `<`."""
+    with pytest.raises(UserInputError, match=f"^MemoryOptimizer: {re.escape(message)}$") as refused:
+        MemoryOptimizer(enable_gradient_checkpointing=False, **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
+
+
+def test_numpy_integer_sizes_are_taken_as_ints() -> None:
+    import numpy as np
+
+    optimizer = MemoryOptimizer(micro_batch_size=np.int64(2), accumulation_steps=np.int64(3))  # type: ignore[arg-type]
+    assert optimizer.trainer_kwargs() == {"accumulate_grad_batches": 3}
+    assert type(optimizer.trainer_kwargs()["accumulate_grad_batches"]) is int
+    assert optimizer.batch_size == 6
+    assert [part.shape[0] for part in optimizer.micro_batches(torch.zeros(6, 3))] == [2, 2, 2]
 
 
 @pytest.mark.skipif(hpu_available(), reason="checks the refusal off Gaudi")

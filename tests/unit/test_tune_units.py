@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -16,6 +22,9 @@ from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.tune.config import TuneConfig, parse_bytes
 from gaudi3_scale.tune.lr import rescale_schedule
 from gaudi3_scale.tune.space import Candidate, SearchSpace, build_space, divisors
+
+if TYPE_CHECKING:
+    from gaudi3_scale.tune.api import AdaptiveBatchFinder
 
 
 def _rescale(rule: str, to_batch: int) -> tuple[float, float, int, int]:
@@ -232,6 +241,142 @@ def test_adaptive_batch_finder_refuses_a_module_with_one_line() -> None:
                        r"a ModelConfig or a RunConfig, not a Linear") as refused:  # fmt: skip
         AdaptiveBatchFinder(model=torch.nn.Linear(2, 2))  # type: ignore[arg-type]
     assert "\n" not in str(refused.value)
+
+
+_FINDER_ARGS = {
+    "model": "shakespeare-char",
+    "precision": "32-true",
+    "global_batch_size": 4,
+    "measure_steps": 1,
+}
+
+
+def _finder(tmp_path: Path, **kwargs: object) -> AdaptiveBatchFinder:
+    from gaudi3_scale.batch import AdaptiveBatchFinder
+
+    args: dict[str, Any] = {**_FINDER_ARGS, "out_dir": tmp_path / "tune", **kwargs}
+    return AdaptiveBatchFinder(**args)
+
+
+def test_adaptive_batch_finder_refuses_utilization_as_text_before_multiplying_the_ram_by_it(
+    tmp_path: Path,
+) -> None:
+    """The default budget is RAM × utilization: "0.9" × RAM in bytes was a MemoryError (one rank) or a string of
+    hundreds of MiB (256 ranks) before the range check ran. Run in a child whose heap is capped at 2 GiB, so that
+    a regression fails fast instead of filling this machine's memory."""
+    import gaudi3_scale
+
+    script = textwrap.dedent(
+        f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_DATA, (2 * 2**30, 2 * 2**30))
+        from gaudi3_scale.batch import AdaptiveBatchFinder
+        from gaudi3_scale.config.errors import ConfigError
+        for world_size in (1, 256):
+            try:
+                args = {{**{_FINDER_ARGS!r}, "global_batch_size": 4 * world_size}}
+                AdaptiveBatchFinder(**args, world_size=world_size, target_hpu_utilization="0.9",
+                                    out_dir={str(tmp_path / "tune")!r})
+            except ConfigError as error:
+                print(error)
+            except BaseException as error:
+                print("UNEXPECTED", type(error).__name__, str(error)[:200])
+        """
+    )
+    src = str(Path(gaudi3_scale.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "target_hpu_utilization: expected a number, got '0.9'",
+        "target_hpu_utilization: expected a number, got '0.9'",
+    ]
+    assert not (tmp_path / "tune").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"target_hpu_utilization": float("nan")},
+            "target_hpu_utilization: must be a finite number, got nan",
+        ),
+        ({"target_hpu_utilization": True}, "target_hpu_utilization: expected a number, got True"),
+        ({"target_hpu_utilization": 1.5}, "target_hpu_utilization: must be between 0.05 and 1.0, got 1.5"),
+        ({"world_size": 2.5}, "world_size: must be an integer >= 1, got 2.5"),
+        ({"world_size": "2"}, "world_size: must be an integer >= 1, got '2'"),
+        ({"world_size": 0}, "world_size: must be >= 1, got 0"),
+        ({"memory_budget_bytes": 0}, "memory_budget_bytes: must be > 0, got 0"),
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes: must be > 0, got -1"),
+        ({"memory_budget_bytes": 1.5e9}, "memory_budget_bytes: must be an integer >= 1, got 1500000000.0"),
+        ({"measure_steps": 2.5}, "measure_steps: must be an integer >= 1, got 2.5"),
+    ],
+)
+def test_adaptive_batch_finder_refuses_bad_numbers_in_one_line_naming_the_argument(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    """NaN was a bare "cannot convert float NaN to integer", 2.5 ranks "must be a multiple of the world size (e.g.
+    2.5 or 5.0)", and a budget of 0 bytes was silently replaced by the default."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        _finder(tmp_path, **kwargs)
+
+
+def test_adaptive_batch_finder_keeps_a_given_budget_and_defaults_only_none(tmp_path: Path) -> None:
+    from gaudi3_scale.tune.tuner import default_memory_budget
+
+    assert _finder(tmp_path, memory_budget_bytes=2**30).config.memory_budget_bytes == 2**30
+    finder = _finder(tmp_path, target_hpu_utilization=0.5)
+    assert finder.config.memory_budget_bytes == default_memory_budget("cpu", 1, 0.5)
+    assert finder.config.target_utilization == 0.5
+
+
+def test_grid_options_given_one_value_are_a_grid_of_that_value(tmp_path: Path) -> None:
+    """`compile=False`, `activation_checkpointing=True`, `threads=1` were "'bool' object is not iterable"."""
+    finder = _finder(tmp_path, compile=False, activation_checkpointing=True, threads=1, pipeline=False)
+    space = finder.space
+    assert (space.compile, space.activation_checkpointing, space.threads, space.pipeline) == (
+        (False,), (True,), (1,), (False,)
+    )  # fmt: skip
+    candidates = space.candidates()
+    assert candidates and {(c.compile, c.activation_checkpointing, c.threads) for c in candidates} == {
+        (False, True, 1)
+    }
+    as_tuples = _finder(
+        tmp_path, compile=(False,), activation_checkpointing=(True,), threads=(1,), pipeline=(False,)
+    )
+    assert as_tuples.space == space
+
+
+def test_one_strategy_named_as_text_is_a_choice_of_one(tmp_path: Path) -> None:
+    """`strategies="ddp"` was read letter by letter: "--strategies: d, d, p not available"."""
+    space = _finder(tmp_path, strategies="ddp", world_size=2).space
+    assert (space.strategies, space.precisions) == (("ddp",), ("32-true",))
+    assert {(c.strategy, c.precision) for c in space.candidates()} == {("ddp", "32-true")}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"compile": "on"},
+            "compile: expected True, False or a tuple of them such as (False, True), got 'on'",
+        ),
+        (
+            {"activation_checkpointing": ()},
+            "activation_checkpointing: expected True, False or a tuple of them",
+        ),
+        ({"pipeline": (0, 1)}, "pipeline: expected True, False or a tuple of them"),
+        ({"threads": 0}, "threads: expected a thread count, None or a tuple of them such as (8, 4), got 0"),
+        ({"threads": (4, 2.5)}, "threads: expected a thread count, None or a tuple of them"),
+        ({"threads": True}, "threads: expected a thread count, None or a tuple of them"),
+    ],
+)
+def test_grid_options_that_are_not_values_of_the_grid_are_one_line(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(UserInputError, match=f"^{re.escape(message)}"):
+        _finder(tmp_path, **kwargs)
 
 
 def test_tensor_and_pipeline_parallel_join_the_space_for_mesh_strategies_on_a_llama() -> None:

@@ -7,6 +7,9 @@
                  the mapping is `models.hf`); `load_exported` reads it back too, as does `model.init_from`.
                  Without the vocabulary padding (`models.vocab`): its `vocab_size` is the tokenizer's.
 
+The weights' safetensors metadata carries the identity of the tokenizer the checkpoint was trained with
+(`exported_tokenizer_sha256`), so that serving the export refuses another one as generating from the checkpoint does.
+
 Tied embeddings are written once, as Hugging Face does (`lm_head.weight` / our `output.weight` alias left out):
 safetensors refuses two names for one storage. It lives in `train/` because it reads checkpoints through
 `artifacts.inference.read_model_state`, which also consolidates sharded checkpoints.
@@ -24,7 +27,14 @@ from types import ModuleType
 
 import torch
 
-from gaudi3_scale.artifacts.inference import check_tokenizer_fits, read_model_state, run_tokenizer_dir
+from gaudi3_scale.artifacts.inference import (
+    check_tokenizer_fits,
+    check_trained_tokenizer,
+    read_model_state,
+    run_tokenizer_dir,
+    trained_tokenizer,
+)
+from gaudi3_scale.checkpoint.contents import TOKENIZER_SHA256_KEY
 from gaudi3_scale.checkpoint.manager import resolve_checkpoint
 from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, fsync_directory, read_manifest
 from gaudi3_scale.config.core import to_dict
@@ -38,6 +48,7 @@ from gaudi3_scale.models.pretrained import (
     HF_CONFIG_NAME,  # format hf: transformers' LlamaConfig
     MODEL_CONFIG_NAME,  # format safetensors: our ModelConfig
     WEIGHTS_NAME,
+    import_safe_open,
     open_pretrained,
 )
 from gaudi3_scale.models.pretrained_reader import load_pretrained
@@ -46,6 +57,7 @@ from gaudi3_scale.models.vocab import drop_vocab_padding
 __all__ = [
     "EXPORT_FORMATS",
     "export_checkpoint",
+    "exported_tokenizer_sha256",
     "load_exported",
 ]
 
@@ -81,9 +93,8 @@ def export_checkpoint(
     _check_destination(checkpoint, out_dir, force=force)
     safetensors_torch = _import_safetensors()
     cfg, state = read_model_state(checkpoint, mmap=True)
-    tokenizer = _run_tokenizer(checkpoint, tokenizer_dir)
-    if tokenizer is not None:
-        check_tokenizer_fits(tokenizer, cfg)  # an export that pairs them must generate
+    trained = trained_tokenizer(checkpoint)
+    tokenizer = _run_tokenizer(checkpoint, tokenizer_dir, cfg, trained)
     state = _untied(cfg, _checked_state(cfg, state, checkpoint))
     if fmt == "hf":
         if cfg.arch not in ("llama", "bert"):
@@ -101,8 +112,10 @@ def export_checkpoint(
         tensors, config_name, config = state, MODEL_CONFIG_NAME, to_dict(cfg)
     with _staged_directory(out_dir, force=force) as staging:
         (staging / config_name).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        # "format": "pt" is what transformers' loader expects in the safetensors header.
-        safetensors_torch.save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        # "format": "pt" is what transformers' loader expects in the safetensors header; the trained tokenizer's
+        # identity travels with the weights, so that serving the export refuses another (`exported_tokenizer_sha256`).
+        metadata = {"format": "pt", **({TOKENIZER_SHA256_KEY: trained} if trained is not None else {})}
+        safetensors_torch.save_file(tensors, str(staging / WEIGHTS_NAME), metadata=metadata)
         # safetensors writes through a private temp file (mode 0600); give the weights the umask's mode instead.
         (staging / WEIGHTS_NAME).chmod((staging / config_name).stat().st_mode)
         written = [WEIGHTS_NAME, config_name]
@@ -114,12 +127,32 @@ def export_checkpoint(
     return [out_dir / name for name in written]
 
 
-def _run_tokenizer(checkpoint: Path, tokenizer_dir: Path | None) -> Tokenizer | None:
-    """The tokenizer to ship with the export: `tokenizer_dir` (must exist), else the run's if it has one."""
+def _run_tokenizer(
+    checkpoint: Path, tokenizer_dir: Path | None, cfg: ModelConfig, trained: str | None
+) -> Tokenizer | None:
+    """The tokenizer to ship with the export: `tokenizer_dir` (must exist), else the run's if it has one. An export
+    that pairs them must generate: it must fit model `cfg` and be the one the checkpoint was trained with
+    (`trained`, its identity)."""
     directory = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_dir(checkpoint)
     if tokenizer_dir is None and not (directory / TOKENIZER_FILE).is_file():
         return None  # a bare checkpoint file, not inside a run directory
-    return load_tokenizer(directory, flag="--tokenizer" if tokenizer_dir else None)
+    tokenizer = load_tokenizer(directory, flag="--tokenizer" if tokenizer_dir else None)
+    check_tokenizer_fits(tokenizer, cfg)
+    check_trained_tokenizer(tokenizer, trained, tokenizer_dir=directory, model=checkpoint,
+                            given=tokenizer_dir is not None)  # fmt: skip
+    return tokenizer
+
+
+def exported_tokenizer_sha256(directory: Path) -> str | None:
+    """The identity of the tokenizer an export's model was trained with (`data.tokenizers.tokenizer_sha256`), from
+    its weights' safetensors metadata; None for an export of a checkpoint that predates the record, or a Hugging
+    Face directory not written here (no single model.safetensors)."""
+    path = Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        return None
+    with import_safe_open()(str(path), framework="pt") as handle:
+        saved = (handle.metadata() or {}).get(TOKENIZER_SHA256_KEY)
+    return saved if isinstance(saved, str) else None
 
 
 def _write_hf_tokenizer(tokenizer: HFTokenizer, directory: Path) -> list[str]:

@@ -7,22 +7,31 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gaudi3_scale.checkpoint.contents import STATE_DICT_KEY, model_weights, run_config
+from gaudi3_scale.checkpoint.contents import (
+    STATE_DICT_KEY,
+    model_weights,
+    run_config,
+    trained_tokenizer_sha256,
+)
 from gaudi3_scale.checkpoint.manager import checkpoint_directory, resolve_checkpoint
+from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.data import Tokenizer, load_tokenizer
+from gaudi3_scale.data.tokenizers import tokenizer_sha256
 from gaudi3_scale.models import ModelConfig, build_model
 from gaudi3_scale.models.generate import generate
 
 __all__ = [
     "check_tokenizer_fits",
+    "check_trained_tokenizer",
     "generate_text",
     "load_for_generation",
     "read_model_state",
     "refuse_encoder",
     "run_tokenizer_dir",
+    "trained_tokenizer",
 ]
 
 
@@ -54,6 +63,37 @@ def check_tokenizer_fits(tokenizer: Tokenizer, cfg: ModelConfig) -> None:
         )
 
 
+def trained_tokenizer(checkpoint: Path) -> str | None:
+    """The identity of the tokenizer `checkpoint` (`step-X/` or its `state.ckpt`) was trained with, from its manifest
+    (`data.tokenizers.tokenizer_sha256`); None for a checkpoint that predates the record, or a plain file (no
+    manifest)."""
+    directory = checkpoint_directory(checkpoint)
+    return trained_tokenizer_sha256(read_manifest(directory) if directory.is_dir() else None)
+
+
+def check_trained_tokenizer(
+    tokenizer: Tokenizer, trained_sha256: str | None, *, tokenizer_dir: Path, model: str | Path, given: bool
+) -> None:
+    """One line for a tokenizer other than the one `model` was trained with (`trained_sha256`, recorded by its
+    checkpoint or its export): its ids would stand for other text however many it has, and generation would
+    silently run on the wrong alphabet. `given`: the user named `tokenizer_dir` (--tokenizer). A model that
+    predates the record (None) has nothing to compare it with and is served as before."""
+    if trained_sha256 is None:
+        return
+    got = tokenizer_sha256(tokenizer)
+    if got == trained_sha256:
+        return
+    fix = (
+        "pass the run's own tokenizer directory or leave --tokenizer unset"
+        if given
+        else "it was replaced since; pass the tokenizer directory the run trained with (--tokenizer DIR)"
+    )
+    raise UserInputError(
+        f"tokenizer {str(tokenizer_dir)!r} is not the one {str(model)!r} was trained with (sha256 {got[:12]}… vs "
+        f"{trained_sha256[:12]}…); {fix}"
+    )
+
+
 def run_tokenizer_dir(checkpoint: Path) -> Path:
     """Where `gaudi3 train` keeps the tokenizer of `checkpoint`: `<run>/tokenizer/` beside `<run>/checkpoints/`."""
     return checkpoint_directory(Path(checkpoint)).parent.parent / "tokenizer"
@@ -65,7 +105,8 @@ def load_for_generation(
     """Model (eval mode, CPU) and tokenizer from a checkpoint written by `gaudi3 train`, or from a run directory
     (its newest checkpoint that verifies: `checkpoint.manager.resolve_checkpoint`).
 
-    The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given.
+    The tokenizer is read from `<run>/tokenizer/` next to `<run>/checkpoints/` unless `tokenizer_dir` is given; one
+    other than the run trained with is refused (`check_trained_tokenizer`).
     """
     path = resolve_checkpoint(checkpoint)
     # Memory-mapped: the optimizer's state (twice the weights under AdamW) is never read into memory, and the
@@ -77,6 +118,8 @@ def load_for_generation(
         raise UserInputError(f"tokenizer directory {str(tok_dir)!r} does not exist; pass --tokenizer DIR")
     tokenizer = load_tokenizer(tok_dir, flag="--tokenizer" if tokenizer_dir else None)
     check_tokenizer_fits(tokenizer, model_cfg)
+    check_trained_tokenizer(tokenizer, trained_tokenizer(path), tokenizer_dir=tok_dir, model=path,
+                            given=bool(tokenizer_dir))  # fmt: skip
     model = build_model(model_cfg)
     model.load_state_dict(state)
     del state

@@ -10,9 +10,10 @@ typed readers. Every reader of these entries goes through this module; every wri
     gaudi3_rng          every rank's generators: `train.rng.RngStates`                  no
     gaudi3_health       the step guard (`health.guard.StepGuard`): batches skipped and dropped, the spike
                         detectors' histories, event counts                              no
-    gaudi3_meta         manifest fields: StepCheckpoint (tokens seen, world size, layout, data SHA-256, newest
-                        validation) and LiveCost (accrued cost); copied into the manifest at commit, so
-                        `DATA_SHA256_KEY` and `COST_KEY` are read without loading the checkpoint   yes (+ tier)
+    gaudi3_meta         manifest fields: StepCheckpoint (tokens seen, world size, layout, data and tokenizer
+                        SHA-256, newest validation) and LiveCost (accrued cost); copied into the manifest at
+                        commit, so `DATA_SHA256_KEY`, `TOKENIZER_SHA256_KEY` and `COST_KEY` are read without
+                        loading the checkpoint                                          yes (+ tier)
 
 Our entries are declared by their owners in a run's `CheckpointContents` (`register`); one hook writes them into
 every checkpoint Lightning dumps (and the light writer's) and hands them back on a resume.
@@ -40,6 +41,7 @@ __all__ = [
     "RNG_KEY",
     "STATE_DICT_KEY",
     "TIER_KEY",
+    "TOKENIZER_SHA256_KEY",
     "ZERO_PARTITIONS_KEY",
     "CheckpointContents",
     "FixedState",
@@ -49,6 +51,7 @@ __all__ = [
     "model_weights",
     "run_config",
     "trained_data_sha256",
+    "trained_tokenizer_sha256",
     "zero_layout",
 ]
 
@@ -71,6 +74,8 @@ ZERO_PARTITIONS_KEY = (
 
 # Entries of META_KEY, hence of the manifest.
 DATA_SHA256_KEY = "data_sha256"  # the tokens trained on (data.manifest.tokens_sha256)
+# The tokenizer they were made with (data.tokenizers.tokenizer_sha256); generate, serve and export refuse another.
+TOKENIZER_SHA256_KEY = "tokenizer_sha256"
 COST_KEY = "cost_usd"  # the run's accrued cost in USD
 # A light checkpoint (checkpoint.light_every_steps) holds the weights, counters, run config and these entries, but
 # no optimizer, scheduler, RNG or sampler state: it can be exported or served, never resumed. Full ones omit the key.
@@ -115,6 +120,13 @@ def zero_layout(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
 def trained_data_sha256(manifest: Mapping[str, Any] | None) -> str | None:
     """The prepared tokens' SHA-256 a checkpoint was trained on, from its manifest (None: predates the record)."""
     saved = (manifest or {}).get(DATA_SHA256_KEY)
+    return saved if isinstance(saved, str) else None
+
+
+def trained_tokenizer_sha256(manifest: Mapping[str, Any] | None) -> str | None:
+    """The identity of the tokenizer a checkpoint was trained with (`data.tokenizers.tokenizer_sha256`), from its
+    manifest (None: predates the record, or a model of the user's trained on no dataset of ours)."""
+    saved = (manifest or {}).get(TOKENIZER_SHA256_KEY)
     return saved if isinstance(saved, str) else None
 
 

@@ -127,7 +127,7 @@ class ManifestError(ValueError):
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Metadata that readers format or compare (ckpt list, retention, resume checks): its type is part of the schema.
 _OPTIONAL_INTS = ("step", "epoch", "tokens_seen", "world_size", "val_loss_step")
-_OPTIONAL_STRS = ("strategy", "layout", "config_sha256", "data_sha256", "tier")
+_OPTIONAL_STRS = ("strategy", "layout", "config_sha256", "data_sha256", "tokenizer_sha256", "tier")
 
 
 def _is_int(value: Any) -> bool:

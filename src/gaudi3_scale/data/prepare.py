@@ -90,6 +90,7 @@ from gaudi3_scale.data.tokenizers import (
 from gaudi3_scale.data.update import (
     APPEND,
     CURRENT,
+    PARTIAL_DIR,
     append_files,
     partial_dir,
     plan_update,
@@ -210,11 +211,17 @@ def _default_dir(cfg: DataConfig, source: ResolvedSource, settings: dict[str, An
 
 def _check_not_foreign(target: Path) -> None:
     """Refuse a directory that `prepare` never built (no manifest, no lock file of ours) holding files a build
-    would replace or delete: a tokenizer.json (a Hugging Face model's, say), files named like shards."""
+    would replace or delete: a tokenizer.json (a Hugging Face model's, say), files named like shards, a `.partial`
+    (the build's scratch directory, which it empties; one left by a killed build sits beside our lock file)."""
     if not target.is_dir() or (target / MANIFEST_FILE).exists() or (target / _LOCK_FILE).exists():
         return
     clash = next(
-        (p.name for p in sorted(target.iterdir()) if p.name == TOKENIZER_FILE or is_shard_file(p.name)), None
+        (
+            p.name
+            for p in sorted(target.iterdir())
+            if p.name in (TOKENIZER_FILE, PARTIAL_DIR) or is_shard_file(p.name)
+        ),
+        None,
     )
     if clash is not None:
         raise ConfigError(

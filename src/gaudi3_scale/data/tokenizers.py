@@ -14,6 +14,7 @@ enough to decode a dataset.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
@@ -41,6 +42,7 @@ __all__ = [
     "load_tokenizer_file",
     "register_tokenizer",
     "tokenizer_from_json",
+    "tokenizer_sha256",
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -83,6 +85,13 @@ class Tokenizer(ABC):
         path = Path(directory) / TOKENIZER_FILE
         path.write_text(self.to_json(), encoding="utf-8")
         return path
+
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    """The tokenizer's identity: SHA-256 of its canonical form, `to_json()` in UTF-8 (the bytes `save` writes, and
+    what a tokenizer.json read back gives again). Checkpoints record it (`checkpoint.contents`), so that a model is
+    never paired with a tokenizer that maps text to other ids, however many ids that one has."""
+    return hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()
 
 
 class CharTokenizer(Tokenizer):

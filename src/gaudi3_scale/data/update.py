@@ -43,6 +43,7 @@ from gaudi3_scale.data.tokenizers import CharTokenizer, is_tokenizer_path, load_
 __all__ = [
     "APPEND",
     "CURRENT",
+    "PARTIAL_DIR",
     "REBUILD",
     "Update",
     "append_files",
@@ -53,7 +54,7 @@ __all__ = [
 
 log = logging.getLogger("gaudi3_scale.data.prepare")  # what a user of prepare sees, under one logger name
 CURRENT, APPEND, REBUILD = "current", "append", "rebuild"
-_PARTIAL_DIR = ".partial"
+PARTIAL_DIR = ".partial"  # where a build writes before it swaps in (`partial_dir`)
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ def plan_update(
 
 @contextmanager
 def partial_dir(target: Path) -> Iterator[Path]:
-    """A fresh ``<target>/.partial/`` to build in, removed afterwards whatever happens."""
-    partial = target / _PARTIAL_DIR
+    """A fresh ``<target>/.partial/`` to build in, removed afterwards whatever happens. One found there is a
+    killed build's: `prepare_dataset` refuses a directory it never built that holds one (`_check_not_foreign`)."""
+    partial = target / PARTIAL_DIR
     if partial.exists():
         shutil.rmtree(partial)  # left by a killed run
     partial.mkdir()

@@ -81,27 +81,33 @@ def load_served_model(
     """The model (eval mode; on the GPU when there is one) and its tokenizer, checked against each other."""
     import torch
 
-    from gaudi3_scale.artifacts.inference import check_tokenizer_fits
     from gaudi3_scale.data import load_tokenizer
     from gaudi3_scale.models import count_parameters
 
     if source.kind == "export":
-        from gaudi3_scale.artifacts.export import load_exported
-        from gaudi3_scale.artifacts.inference import refuse_encoder
+        from gaudi3_scale.artifacts.export import exported_tokenizer_sha256, load_exported
+        from gaudi3_scale.artifacts.inference import (
+            check_tokenizer_fits,
+            check_trained_tokenizer,
+            refuse_encoder,
+        )
         from gaudi3_scale.models.pretrained import read_pretrained_config
 
         refuse_encoder(read_pretrained_config(source.path, field_name="export")[0], source.path)
-        model: nn.Module = load_exported(source.path)
-        tokenizer = load_tokenizer(
-            _export_tokenizer_dir(source.path, tokenizer_dir), flag="--tokenizer" if tokenizer_dir else None
-        )
+        exported = load_exported(source.path)
+        tok_dir = _export_tokenizer_dir(source.path, tokenizer_dir)
+        tokenizer = load_tokenizer(tok_dir, flag="--tokenizer" if tokenizer_dir else None)
+        check_tokenizer_fits(tokenizer, exported.config)
+        # and the identity the export carries from its checkpoint, as load_for_generation checks a checkpoint's
+        check_trained_tokenizer(tokenizer, exported_tokenizer_sha256(source.path), tokenizer_dir=tok_dir,
+                                model=source.path, given=tokenizer_dir is not None)  # fmt: skip
+        model: nn.Module = exported
     else:
         from gaudi3_scale.artifacts.inference import load_for_generation
 
-        model, tokenizer = load_for_generation(source.path, tokenizer_dir)
+        model, tokenizer = load_for_generation(source.path, tokenizer_dir)  # checked as above
     cfg = model.config
     assert isinstance(cfg, ModelConfig) and cfg.vocab_size is not None, "loaders build with build_model"
-    check_tokenizer_fits(tokenizer, cfg)  # load_for_generation checked its own; an export's here
     if torch.cuda.is_available():
         model = model.to("cuda")
     return ServedModel(model.eval(), tokenizer, cfg, name or cfg.name, count_parameters(cfg), source)

@@ -23,6 +23,7 @@ from rich.console import Console
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.checkpoint.contents import (
     DATA_SHA256_KEY,
+    TOKENIZER_SHA256_KEY,
 )
 from gaudi3_scale.checkpoint.manager import (
     CheckpointManager,
@@ -69,6 +70,7 @@ class StepCheckpoint:
         config_sha256: str | None = None,
         enabled: bool = True,
         data_sha256: str | None = None,
+        tokenizer_sha256: str | None = None,
         tokens_per_step: int = 0,
         strategy: str | None = None,
         light_every_steps: int = 0,
@@ -79,6 +81,9 @@ class StepCheckpoint:
         self.strategy = strategy  # the run's resolved strategy name; None = the Lightning strategy's class
         # The tokens trained on (data.manifest.tokens_sha256); the manifest records it, a resume compares it.
         self.data_sha256 = data_sha256
+        # And the tokenizer that made them (data.tokenizers.tokenizer_sha256): generate, serve and export refuse
+        # another one.
+        self.tokenizer_sha256 = tokenizer_sha256
         self.enabled = enabled  # False: never save (a stop request still stops after the agreed step)
         self.warn = warn
         self.config_sha256 = config_sha256
@@ -159,6 +164,7 @@ class StepCheckpoint:
             "layout": "sharded" if saves_sharded(trainer.strategy) else "single-file",
             "config_sha256": self.config_sha256,
             DATA_SHA256_KEY: self.data_sha256,
+            TOKENIZER_SHA256_KEY: self.tokenizer_sha256,
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,

@@ -7,10 +7,12 @@ override the preset, so the resolved file always shows the full shape.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.config.core import (
     Override,
     apply_overrides,
+    check_field_types,
     check_name,
     from_dict,
     load_yaml,
@@ -25,7 +28,7 @@ from gaudi3_scale.config.core import (
     parse_overrides,
     to_dict,
 )
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.config.numbers import check_seed
 from gaudi3_scale.config.urls import check_no_credentials
 from gaudi3_scale.data.config import DataConfig
@@ -72,6 +75,8 @@ class RunConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
+        _check_sections(self)
+        check_field_types(self)  # name, out_dir and seed as YAML would take them
         check_name("name", self.name)
         check_seed("seed", self.seed)
         tokens = self.train.global_batch_tokens
@@ -181,6 +186,28 @@ class RunConfig:
         return replace(plan, bf16_params=bf16_mixed and plan.shards_parameters)
 
 
+def _check_sections(cfg: RunConfig) -> None:
+    """Each section is its config class. A mapping is refused rather than built here: `model` needs its preset
+    expanded first, which `build_run_config(base=...)` does for every section."""
+    for name, tp in _section_types().items():
+        value = getattr(cfg, name)
+        if not isinstance(value, tp):
+            hint = (
+                f"; a mapping of fields: build_run_config(base={{'{name}': ...}})"
+                if isinstance(value, Mapping)
+                else ""
+            )
+            raise ConfigError(name, f"expected a {tp.__name__}, got {brief(value)}{hint}")
+
+
+@functools.cache
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {
+        f.name: tp for f in fields(RunConfig) if isinstance(tp := hints[f.name], type) and is_dataclass(tp)
+    }
+
+
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     """Tensor parallel splits whole attention heads and MLP columns, and sequence parallel the context: each count
     must divide by `tp_size`. (The vocabulary is checked
@@ -261,18 +288,32 @@ def _fill_batch_size_from_tokens(raw: dict[str, Any]) -> None:
 
 def _check_steps_or_epochs(raw: Mapping[str, Any]) -> None:
     """`train.max_epochs` and `train.max_steps` are alternatives. Told apart from max_steps' default only here, on
-    the raw dict (as `_fill_batch_size_from_tokens` does for the batch)."""
+    the raw dict (as `_fill_batch_size_from_tokens` does for the batch). `max_steps: null` beside max_epochs is
+    max_steps left unset (`_drop_unset_steps`)."""
     train_raw = raw.get("train")
     if (
         isinstance(train_raw, Mapping)
         and train_raw.get("max_epochs") is not None
-        and "max_steps" in train_raw
+        and train_raw.get("max_steps") is not None
     ):
         raise ConfigError(
             "train.max_epochs",
             f"{train_raw['max_epochs']!r} and train.max_steps {train_raw['max_steps']!r} are both set; they are "
             "alternatives: set one (max_epochs = passes over the training tokens, max_steps = optimizer steps)",
         )
+
+
+def _drop_unset_steps(raw: dict[str, Any]) -> dict[str, Any]:
+    """`max_steps: null` with max_epochs set (what `--train.max_epochs 1 --train.max_steps null` says): the steps
+    come from the epochs, so the field takes its default instead of failing as "expected an integer, got None"."""
+    train_raw = raw.get("train")
+    if (
+        isinstance(train_raw, Mapping)
+        and train_raw.get("max_epochs") is not None
+        and ("max_steps" in train_raw and train_raw["max_steps"] is None)
+    ):
+        raw = {**raw, "train": {k: v for k, v in train_raw.items() if k != "max_steps"}}
+    return raw
 
 
 def _sharded_by(parallel: ParallelConfig) -> str | None:
@@ -333,7 +374,7 @@ def build_run_config(
     user: dict[str, Any] = load_yaml(config_path) if config_path is not None else {}
     user = apply_overrides(RunConfig, user, overrides)
     _check_steps_or_epochs(user)  # what the user set, not `base` (a whole config, every field present)
-    raw = merge_mappings(dict(base or {}), user)
+    raw = _drop_unset_steps(merge_mappings(dict(base or {}), user))
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, Mapping):
         raise ConfigError("model", f"expected a mapping of fields, got {model_raw!r}")

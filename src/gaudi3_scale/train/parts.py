@@ -20,6 +20,7 @@ from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.checkpoint.contents import CONFIG_KEY, HEALTH_KEY, RNG_KEY, CheckpointContents, FixedState
 from gaudi3_scale.config.core import config_sha256, to_dict
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.data.tokenizers import Tokenizer, tokenizer_sha256
 from gaudi3_scale.device import DevicePlan
 from gaudi3_scale.distributed.env import launched_local_rank, launched_local_world_size
 from gaudi3_scale.distributed.plan import ParallelPlan
@@ -61,14 +62,16 @@ def build_after_step(
     progress: bool,
     warn: Callable[[str], None],
     note: Callable[[str], None],
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[AfterStep, StepHealth | None]:
     """The parts for a module whose steps write `state`, and the health report of the step guard of our own model
-    (`guard`; None: off). `our_model`: the registry model (its checkpoints record the strategy by name)."""
+    (`guard`; None: off). `our_model`: the registry model (its checkpoints record the strategy by name), trained
+    on data of SHA-256 `data_sha256` made by `tokenizer` (None for a module of the user's: nothing to record)."""
     train, out = cfg.train, cfg.output_dir
     metrics = _run_metrics(train, cfg.health, state, out, data_parallel_size=parallel.data_parallel_size,
                            peak_flops=device.peak_flops, warn=warn)  # fmt: skip
     checkpoint = _step_checkpoint(cfg, state, strategy, parallel.strategy, metrics, data_sha256=data_sha256,
-                                  our_model=our_model, rank=rank, warn=warn)  # fmt: skip
+                                  tokenizer=tokenizer, our_model=our_model, rank=rank, warn=warn)  # fmt: skip
     stop = GracefulInterrupt(checkpoint, console)
     cost = build_live_cost(cfg.cost, metrics, stop, checkpoint, nodes=cfg.parallel.nnodes, max_steps=train.max_steps,
                            warn=warn, note=note, announce=progress)  # fmt: skip
@@ -112,6 +115,7 @@ def _step_checkpoint(
     metrics: RunMetrics,
     *,
     data_sha256: str | None,
+    tokenizer: Tokenizer | None,
     our_model: bool,
     rank: int,
     warn: Callable[[str], None],
@@ -132,6 +136,7 @@ def _step_checkpoint(
     return StepCheckpoint(
         checkpointer, every_steps=ckpt.every_steps, val_every_steps=cfg.train.val_every_steps, metrics=metrics,
         warn=warn, config_sha256=config_sha256(cfg), enabled=ckpt.enabled, data_sha256=data_sha256,
+        tokenizer_sha256=tokenizer_sha256(tokenizer) if tokenizer is not None else None,
         tokens_per_step=state.tokens_per_step, strategy=strategy_name if our_model else None,
         light_every_steps=ckpt.light_every_steps,
     )  # fmt: skip

@@ -16,7 +16,10 @@ spike, a rollback (`train.rollback`) and the next fit.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,7 @@ from gaudi3_scale.train.assembly import (
     steps_of_epochs,
 )
 from gaudi3_scale.train.callbacks import own_signals
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.train.forecast_file import predicted_fields, read_forecast, write_plan
 from gaudi3_scale.train.module import LanguageModel
 from gaudi3_scale.train.parts import build_after_step
@@ -83,6 +86,41 @@ _CONFIG_OWNS = {
 }  # fmt: skip
 
 
+def _run_config(config: object) -> RunConfig:
+    """The trainer's config: a RunConfig, a YAML file's path (`build_run_config`), or None for the defaults."""
+    if config is None:
+        return RunConfig()
+    if isinstance(config, RunConfig):
+        return config
+    if isinstance(config, str | os.PathLike):
+        return build_run_config(Path(config))
+    # named by its type: the value itself goes no further than this module (tests/unit/test_config_walk.py)
+    hint = "; a mapping of fields: build_run_config(base=...)" if isinstance(config, Mapping) else ""
+    raise UserInputError(
+        f"GaudiTrainer takes a RunConfig or a config file's path, got a {type(config).__name__}{hint}"
+    )
+
+
+def _check_module(model: object, datamodule: object) -> None:
+    """A model and datamodule of Lightning's `lightning.pytorch` namespace, the one the trainer runs."""
+    for what, value, base in (
+        ("model", model, pl.LightningModule),
+        ("datamodule", datamodule, pl.LightningDataModule),
+    ):
+        if value is None or isinstance(value, base):
+            continue
+        name = type(value).__name__
+        other = sys.modules.get("pytorch_lightning")
+        if other is not None and isinstance(value, getattr(other, base.__name__)):
+            raise UserInputError(
+                f"GaudiTrainer.fit: {what} {name} derives from pytorch_lightning.{base.__name__}, but the trainer "
+                f"runs lightning.pytorch; subclass lightning.pytorch.{base.__name__} instead"
+            )
+        raise UserInputError(
+            f"GaudiTrainer.fit: {what} must be a lightning.pytorch.{base.__name__}, got {name}"
+        )
+
+
 class GaudiTrainer:
     """Train from a `RunConfig`; `fit()` returns the run summary (also written to `summary.json`).
 
@@ -94,8 +132,9 @@ class GaudiTrainer:
     paused by the spot policy checkpoints and stops, with `stop_exit_code` 3 or 4 in the summary, and `fit` raises
     `BudgetExhaustedError` instead of resuming a checkpoint that has already spent the budget.
 
-    A multi-rank `fit` ends by destroying the process group, so that no rank exits with gloo's threads still up:
-    `trainer` and `module` are released with it (None afterwards; the checkpoint holds the trained state).
+    A multi-rank `fit` ends by destroying the process group it made, so that no rank exits with gloo's threads still
+    up: `trainer` and `module` are released with it (None afterwards; the checkpoint holds the trained state). A
+    group the caller initialised before `fit` is the caller's: the fit runs in it and leaves it (and them) up.
 
     A run holds its output directory for as long as `fit` runs (`train.run_lock`): a second run there is refused
     with `RunDirectoryBusyError`. Inside a launcher's worker (torchrun) the launch geometry comes from the launcher
@@ -107,14 +146,14 @@ class GaudiTrainer:
 
     def __init__(
         self,
-        config: RunConfig | None = None,
+        config: RunConfig | str | os.PathLike[str] | None = None,
         *,
         callbacks: list[pl.Callback] | None = None,
         progress: bool = True,
         console: Console | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        config = config or RunConfig()
+        config = _run_config(config)
         parallel = launched_parallel(config.parallel)
         self.config = (
             config if parallel is config.parallel else dataclasses.replace(config, parallel=parallel)
@@ -149,6 +188,8 @@ class GaudiTrainer:
         self._rollback_skips: list[int] = []
         self._kept_store: KeptStore | None = None
         self._refits = 0
+        # A process group that was up before fit() started is the caller's: the fit runs in it and leaves it up.
+        self._callers_group = False
 
     @property
     def out_dir(self) -> Path:
@@ -220,7 +261,7 @@ class GaudiTrainer:
         after, self._health = build_after_step(
             self.config, state, strategy=strategy, parallel=parallel, device=plan, guard=self._guard,
             data_sha256=self._data_sha256, our_model=isinstance(self.module, LanguageModel), rank=launched_rank(),
-            console=self.console, progress=self.progress, warn=self._warn, note=self._note,
+            console=self.console, progress=self.progress, warn=self._warn, note=self._note, tokenizer=self._tokenizer,
         )  # fmt: skip
         self._after = after
         # monitor.loggers; None when unnamed
@@ -256,6 +297,8 @@ class GaudiTrainer:
         self, model: pl.LightningModule | None = None, datamodule: pl.LightningDataModule | None = None
     ) -> dict[str, Any]:
         started = time.perf_counter()
+        _check_module(model, datamodule)
+        self._callers_group = _distributed()
         quiet_lightning()
         self._plan_device()  # a missing accelerator first
         check_run_inputs(self.config)  # one line before any data work (train.preflight)
@@ -340,7 +383,9 @@ class GaudiTrainer:
         pl.seed_everything(self.config.seed + launched_rank(), workers=False, verbose=False)
         if model is None:
             if datamodule is not None:
-                raise ValueError("pass a datamodule together with your own model, or neither")
+                raise UserInputError(
+                    "GaudiTrainer.fit: pass a datamodule together with your own model, or neither"
+                )
             model, datamodule = self._build_default(ckpt_path)
         elif self.config.train.max_epochs is not None:
             raise ConfigError(
@@ -424,7 +469,7 @@ class GaudiTrainer:
             warn=self._warn,
         )
         self._rollback_skips.extend(rollback.skipped)
-        if _distributed():
+        if _distributed() and not self._callers_group:
             self._kept_store = keep_store()
         return rollback
 
@@ -441,8 +486,9 @@ class GaudiTrainer:
         """Lightning leaves the group up. Ours goes now, with the fitted trainer and module (the caller dropped its
         own), so that its gloo threads are joined before the process exits (`distributed.teardown`). Their
         parameters are shards or replicas whose collectives are gone; the checkpoint holds the trained state. A
-        later fit() makes a new group."""
-        if not _distributed():
+        later fit() makes a new group. A group the caller made before fit() stays up, and with it the trainer and
+        module (the caller's collectives go on in it)."""
+        if not _distributed() or self._callers_group:
             return
         assert self.trainer is not None
         for callback in self.trainer.callbacks:  # type: ignore[attr-defined]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.numbers import check_range
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import list_models
 from gaudi3_scale.train.config import RunConfig, build_run_config
@@ -31,7 +33,9 @@ class AdaptiveBatchFinder:
     precision the hardware supports. `on_trial(result, run_dir)`: called with each trial run now (not one from
     the cache); the line it returns is printed under the trial's. `gaudi3 tune` passes
     `gaudi3_scale.forecast.feed.feed_tune_trial`, which stores each trial in this machine's calibration store for
-    `gaudi3 plan`; None (the default) feeds nothing. Other keyword arguments are `gaudi3 tune`'s options.
+    `gaudi3 plan`; None (the default) feeds nothing. `activation_checkpointing`, `compile`, `pipeline` and
+    `threads` take a tuple of the values to try, or one value. `memory_budget_bytes`: per rank; None = the device's
+    memory × `target_hpu_utilization`. Other keyword arguments are `gaudi3 tune`'s options.
     """
 
     def __init__(
@@ -43,11 +47,11 @@ class AdaptiveBatchFinder:
         world_size: int = 1,
         global_batch_size: int | None = None,
         overrides: Sequence[tuple[str, str]] = (),
-        strategies: tuple[str, ...] | None = None,
-        activation_checkpointing: tuple[bool, ...] = (False, True),
-        compile: tuple[bool, ...] = (False, True),
-        threads: tuple[int | None, ...] | None = None,
-        pipeline: tuple[bool, ...] = (False, True),
+        strategies: str | tuple[str, ...] | None = None,
+        activation_checkpointing: bool | tuple[bool, ...] = (False, True),
+        compile: bool | tuple[bool, ...] = (False, True),
+        threads: int | tuple[int | None, ...] | None = None,
+        pipeline: bool | tuple[bool, ...] = (False, True),
         time_budget_s: float | None = None,
         memory_budget_bytes: int | None = None,
         measure_steps: int = 5,
@@ -55,6 +59,16 @@ class AdaptiveBatchFinder:
         console: Console | None = None,
         on_trial: Callable[[TrialResult, Path], str | None] | None = None,
     ) -> None:
+        # Checked before anything uses them: the default budget is RAM × utilization, and "0.9" × RAM in bytes is
+        # a string of that many characters.
+        check_range("target_hpu_utilization", target_hpu_utilization, 0.05, 1.0)
+        config = TuneConfig(
+            world_size=world_size,
+            memory_budget_bytes=memory_budget_bytes,  # None = the default below; 0 is refused, not replaced
+            target_utilization=target_hpu_utilization,
+            time_budget_s=time_budget_s,
+            measure_steps=measure_steps,
+        )
         self.base = _run_config(model, overrides, global_batch_size)
         self.space = build_space(
             self.base,
@@ -66,16 +80,10 @@ class AdaptiveBatchFinder:
             threads=threads,
             pipeline=pipeline,
         )
-        budget = memory_budget_bytes or default_memory_budget(
-            self.space.device, world_size, target_hpu_utilization
-        )
-        self.config = TuneConfig(
-            world_size=world_size,
-            memory_budget_bytes=budget,
-            target_utilization=target_hpu_utilization,
-            time_budget_s=time_budget_s,
-            measure_steps=measure_steps,
-        )
+        if config.memory_budget_bytes is None:
+            budget = default_memory_budget(self.space.device, world_size, target_hpu_utilization)
+            config = replace(config, memory_budget_bytes=budget)
+        self.config = config
         self.out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="gaudi3-tune-"))
         self.console = console
         self.on_trial = on_trial

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gaudi3_scale.config.core import check_positive, check_range
-from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.numbers import INT32_MAX, INT64_MAX, check_number, check_seconds
 from gaudi3_scale.tune.lr import LR_RULES, LrRule
 
@@ -27,6 +27,10 @@ class TuneConfig:
     trial_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        for name, low in (("world_size", 1), ("warmup_steps", 0), ("measure_steps", 1)):
+            _check_count(name, getattr(self, name), low)
+        if self.memory_budget_bytes is not None:
+            _check_count("memory_budget_bytes", self.memory_budget_bytes, 1)
         check_number("world_size", self.world_size, low=1, high=INT32_MAX)
         check_positive("memory_budget_bytes", self.memory_budget_bytes)
         check_range("target_utilization", self.target_utilization, 0.05, 1.0)
@@ -38,6 +42,12 @@ class TuneConfig:
         check_seconds("trial_timeout_s", self.trial_timeout_s)
         if self.lr_rule not in LR_RULES:
             raise UserInputError(f"--lr-rule must be one of {', '.join(LR_RULES)}, got {self.lr_rule!r}")
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    """A count is an int: 2.5 ranks or steps would pass the range checks and fail deep in a trial."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer >= {low}, got {brief(value)}")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

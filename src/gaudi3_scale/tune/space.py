@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.config.numbers import MAX_GLOBAL_BATCH_SIZE
+from gaudi3_scale.config.errors import UserInputError, brief
+from gaudi3_scale.config.numbers import INT32_MAX, MAX_GLOBAL_BATCH_SIZE
 from gaudi3_scale.device.float8 import float8_unsupported_reason
 from gaudi3_scale.device.select import cpu_threads_per_rank
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
@@ -309,21 +309,57 @@ def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
     return tuple(sorted({per_rank, max(1, per_rank // 2)}, reverse=True))
 
 
+def _flag_grid(name: str, value: bool | tuple[bool, ...]) -> tuple[bool, ...]:
+    """`True` → `(True,)`; a tuple or list of bools as a tuple; anything else one line naming the option."""
+    grid = (value,) if isinstance(value, bool) else value
+    if not isinstance(grid, tuple | list) or not grid or not all(isinstance(v, bool) for v in grid):
+        raise UserInputError(
+            f"{name}: expected True, False or a tuple of them such as (False, True), got {brief(value)}"
+        )
+    return tuple(grid)
+
+
+def _threads_grid(value: int | tuple[int | None, ...] | None) -> tuple[int | None, ...] | None:
+    """`4` → `(4,)`; None stays None (the default); each count an integer from 1 to 2**31 - 1, or None."""
+    if value is None:
+        return None
+    grid = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(grid, tuple | list) or not grid or not all(_is_thread_count(v) for v in grid):
+        raise UserInputError(
+            f"threads: expected a thread count, None or a tuple of them such as (8, 4), got {brief(value)}"
+        )
+    return tuple(grid)
+
+
+def _is_thread_count(value: object) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT32_MAX
+
+
 def build_space(
     config: RunConfig,
     *,
     world_size: int,
     global_batches: tuple[int, ...] | None = None,
-    strategies: tuple[str, ...] | None = None,
-    precisions: tuple[str, ...] | None = None,
-    activation_checkpointing: tuple[bool, ...] = (False, True),
-    compile: tuple[bool, ...] = (False, True),
-    threads: tuple[int | None, ...] | None = None,
-    pipeline: tuple[bool, ...] = (False, True),
+    strategies: str | tuple[str, ...] | None = None,
+    precisions: str | tuple[str, ...] | None = None,
+    activation_checkpointing: bool | tuple[bool, ...] = (False, True),
+    compile: bool | tuple[bool, ...] = (False, True),
+    threads: int | tuple[int | None, ...] | None = None,
+    pipeline: bool | tuple[bool, ...] = (False, True),
 ) -> SearchSpace:
-    """The space for `config` on `world_size` ranks; bad choices get one line naming the flag."""
-    if world_size < 1:
-        raise UserInputError(f"--world-size must be at least 1, got {world_size}")
+    """The space for `config` on `world_size` ranks; bad choices get one line naming the flag. A grid option
+    (`activation_checkpointing`, `compile`, `pipeline`, `threads`) given as one value is a grid of that value."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UserInputError(f"--world-size must be an integer >= 1, got {brief(world_size)}")
+    activation_checkpointing = _flag_grid("activation_checkpointing", activation_checkpointing)
+    compile = _flag_grid("compile", compile)
+    pipeline = _flag_grid("pipeline", pipeline)
+    threads = _threads_grid(threads)
+    # one name is a choice of one, not its letters ("ddp" → ("ddp",), as "d", "d", "p" it was refused)
+    strategies = (strategies,) if isinstance(strategies, str) else strategies
+    precisions = (precisions,) if isinstance(precisions, str) else precisions
     device = device_kind(config)
     batches = global_batches or (config.train.global_batch_size,)
     for gb in batches:
