@@ -10,11 +10,14 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http import HTTPStatus
 from typing import Any
 
 import pytest
 
 __all__ = ["S3Server", "free_port", "running_s3_server", "s3_options"]
+
+_S3_ERROR = '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{code} (test)</Message></Error>'
 
 
 class S3Server:
@@ -23,7 +26,9 @@ class S3Server:
     Run directly rather than via ThreadedMotoServer because its stop() neither closes the listening socket (clients
     would hang instead of being refused, and the port could not be bound again) nor returns before the next 0.5 s
     poll. moto keeps its state in module globals, so a restarted server still has the bucket and objects.
-    `requests` records (method, path) of every request served, for tests that count downloads.
+    `requests` records (method, path) of every request served, for tests that count downloads. `answer(status,
+    code, times)` makes the next `times` requests get that S3 error (`403, "AccessDenied"`, `503, "ServiceUnavailable"`)
+    instead of moto's answer, as a store that refuses or is overloaded sends it.
     """
 
     def __init__(self, port: int) -> None:
@@ -32,6 +37,24 @@ class S3Server:
         self._thread: threading.Thread | None = None
         self.running = False
         self.requests: list[tuple[str, str]] = []
+        self._errors: list[list[Any]] = []  # [status, code, times left]
+        self._lock = threading.Lock()
+
+    def answer(self, status: int, code: str, times: int = 1 << 30) -> None:
+        with self._lock:
+            self._errors.append([status, code, times])
+
+    def reset(self) -> None:
+        with self._lock:
+            self._errors.clear()
+
+    def _error(self) -> tuple[int, str] | None:
+        with self._lock:
+            for rule in self._errors:
+                if rule[2] > 0:
+                    rule[2] -= 1
+                    return rule[0], rule[1]
+        return None
 
     def start(self) -> None:
         from moto.moto_server.werkzeug_app import (
@@ -45,7 +68,13 @@ class S3Server:
 
         def recording_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             self.requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
-            return app(environ, start_response)
+            if (error := self._error()) is None:
+                return app(environ, start_response)
+            status, code = error
+            body = b"" if environ["REQUEST_METHOD"] == "HEAD" else _S3_ERROR.format(code=code).encode()
+            start_response(f"{status} {HTTPStatus(status).phrase}",
+                           [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])  # fmt: skip
+            return [body]
 
         self._server = make_server(
             "127.0.0.1", self.port, recording_app, threaded=True, request_handler=MotoRequestHandler

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 __all__ = [
     "URL_EXAMPLES",
     "copy_stream",
+    "http_status",
     "is_local_filesystem",
+    "is_missing_bucket",
     "is_storage_error",
     "is_transient_error",
     "open_remote",
@@ -46,6 +48,8 @@ _THROTTLING_CODES = {
     "RequestTimeout",
     "RequestTimeTooSkewed",
 }
+# Besides 5xx: the request timed out at the server (408), or asked us to slow down (429).
+_TRANSIENT_STATUSES = {408, 429}
 
 
 def url_protocol(spec: str) -> str | None:
@@ -126,29 +130,70 @@ def is_storage_error(error: BaseException) -> bool:
     return any(cls.__module__.startswith(_STORAGE_ERROR_MODULES) for cls in type(error).__mro__)
 
 
-def is_transient_error(error: BaseException) -> bool:
-    """Whether a storage error may pass if retried: refused / reset / timed-out connections, 5xx and throttling.
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status of an aiohttp response error, or of the one fsspec's http backend wrapped (its `_info` turns
+    any failed HEAD/GET, a 503 included, into `FileNotFoundError(url)` with the response error as the cause)."""
+    for candidate in (error, error.__cause__):
+        status = getattr(candidate, "status", None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            return status
+    return None
 
-    Errors reach us in three shapes: builtin `OSError`s (s3fs translates most S3 error codes, and turns unknown
-    ones, 5xx included, into `OSError(EIO)`); botocore's own exceptions, which s3fs passes through untranslated
-    (`EndpointConnectionError` for a refused connection is a `BotoCoreError`, not an `OSError`); aiohttp's
-    `ClientError`s from the HTTP layer. Anything else (a bug, a bad request) is permanent: retrying would only hide it.
+
+def _botocore_response(error: BaseException) -> tuple[int | None, str]:
+    """(HTTP status, error code) of a botocore `ClientError`, or of the one s3fs translated into a builtin OSError
+    (`translate_boto_error` keeps it as the cause: `NoSuchBucket` → `FileNotFoundError`, `SlowDown` → `OSError`)."""
+    for candidate in (error, error.__cause__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code", "")
+            return (status if isinstance(status, int) else None), str(code)
+    return None, ""
+
+
+def is_missing_bucket(error: BaseException) -> bool:
+    """Whether `error` says the bucket itself does not exist (S3's `NoSuchBucket`), not merely the object: a listing
+    of an empty prefix and a typo in the bucket name both end in `FileNotFoundError`, and only the first is "nothing
+    stored yet"."""
+    return _botocore_response(error)[1] == "NoSuchBucket"
+
+
+def is_transient_error(error: BaseException) -> bool:
+    """Whether a storage error may pass if retried: refused / reset / timed-out connections, throttling, and an
+    HTTP status of 5xx, 408 or 429. Any other status (403 refused, 404 missing, 400 a bad request) is permanent, and
+    so is anything else (a bug, bad credentials): retrying would only hide it until the retry budget ran out.
+
+    Errors reach us in four shapes, and a status wins over the shape: botocore's `ClientError` (status and code in
+    `response`), also as the cause of the builtin `OSError` s3fs translates it into (unknown codes, 5xx included,
+    become `OSError(EIO)`); aiohttp's `ClientResponseError` (`status`), also as the cause of the `FileNotFoundError`
+    fsspec's http backend wraps every failed request in, a refused connection too; builtin `OSError`s; botocore's
+    own exceptions, which s3fs passes through (`EndpointConnectionError` is a `BotoCoreError`, not an `OSError`).
     """
+    status, code = _botocore_response(error)
+    if status is None:
+        status = http_status(error)
+    if code in _THROTTLING_CODES:
+        return True
+    if status is not None:
+        return status >= 500 or status in _TRANSIENT_STATUSES
     if isinstance(error, _PERMANENT_OS_ERRORS):
-        return False
+        # but fsspec http wraps a connection that failed in FileNotFoundError too: its cause decides
+        return isinstance(error, FileNotFoundError) and _is_transient_cause(error)
     if isinstance(error, OSError):  # ConnectionError, TimeoutError (asyncio's too), EIO
         return True
     for cls in type(error).__mro__:
         if cls.__module__ == "botocore.exceptions" and cls.__name__ in _TRANSIENT_BOTOCORE:
             return True
+        # aiohttp: disconnected, a payload cut short (a response error has a status, handled above)
         if cls.__module__.startswith("aiohttp") and cls.__name__ == "ClientError":
             return True
-    response = getattr(error, "response", None)  # botocore ClientError that s3fs did not translate
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = response.get("Error", {}).get("Code", "")
-        return (isinstance(status, int) and status >= 500) or status == 429 or code in _THROTTLING_CODES
     return False
+
+
+def _is_transient_cause(error: BaseException) -> bool:
+    cause = error.__cause__
+    return cause is not None and cause is not error and is_transient_error(cause)
 
 
 def is_local_filesystem(fs: AbstractFileSystem) -> bool:

@@ -1,8 +1,8 @@
 """A prepared dataset read over plain http:// from a misbehaving store (`http_store`, on 127.0.0.1), and the checks a
-URL dataset gets at open (file://): transient 5xx retried and told apart from a missing file, stalled reads bounded
-by the retry budget, a corrupt shard as one line with nothing printed around it, the manifest's shard entries and
-vocabulary checked as for a local directory, and a publish that fails part-way leaving the dataset already at the URL
-whole.
+URL dataset gets at open (file://): transient 5xx and 429 retried and told apart from a missing (404) or refused
+(403) file, stalled reads bounded by the retry budget, a corrupt shard as one line with nothing printed around it, the
+manifest's shard entries and vocabulary checked as for a local directory, and a publish that fails part-way leaving
+the dataset already at the URL whole.
 """
 
 from __future__ import annotations
@@ -90,6 +90,25 @@ def test_a_lasting_5xx_is_unreachable_and_a_404_is_missing(
         dataset.shard_path(val)
     assert time.monotonic() - start_s < 5, "a 404 is not retried"
     assert str(info.value).startswith(f"{url}/{val.file}: missing at the store")
+
+
+def test_a_403_is_refused_at_once_and_a_429_burst_is_retried(
+    store: HttpStore, prepared: Path, tmp_path: Path
+) -> None:
+    """The status rule shared with the checkpoint mirror (`storage.is_transient_error`), on the data path."""
+    train, val = load_manifest(prepared).shards_of("train")[1], load_manifest(prepared).shards_of("val")[1]
+    store.behave(train.file, "status:403")
+    store.behave(val.file, "status:429", times=2)
+    url = f"{store.url}/ds"
+    with _open(url, tmp_path / "a", fetch_retry_s=30.0) as dataset, pytest.raises(UserInputError) as info:
+        start_s = time.monotonic()
+        dataset.shard_path(train)
+    assert time.monotonic() - start_s < 5 and _gets(store, train.file) == 1, "a 403 is not retried"
+    expected = f"{url}/{train.file}: cannot be read (HTTP 403); check the URL and its access rights"
+    assert str(info.value) == expected
+    with _open(url, tmp_path / "b", fetch_retry_s=30.0) as dataset:
+        assert dataset.shard_path(val).read_bytes() == (prepared / val.file).read_bytes()
+        assert dataset.stats()["retries"] >= 1  # the 429s were answered, and retried
 
 
 def test_a_stalled_shard_read_gives_up_after_about_the_retry_budget(

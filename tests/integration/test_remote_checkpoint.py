@@ -2,8 +2,8 @@
 
 Upload + read-back verification + remote `latest`; resume from the remote copy alone on a "fresh machine"; a storage
 outage in the middle of an upload (the server is stopped, then started again on the same port), whose retries leave
-the Python RNG that checkpoints record untouched; a corrupted remote copy skipped by name; bad URLs as one clear
-error.
+the Python RNG that checkpoints record untouched; a burst of 503s retried, a 403 or a missing bucket refused at once;
+a corrupted remote copy skipped by name; bad URLs as one clear error.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from gaudi3_scale.checkpoint.manifest import MANIFEST_NAME, verify_checkpoint, write_manifest
 from gaudi3_scale.checkpoint.remote import RemoteMirror, fetch_latest, open_remote
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from s3_server import S3Server, free_port, running_s3_server, s3_options
 
 pytestmark = pytest.mark.integration
@@ -206,6 +206,78 @@ def test_corrupted_remote_copy_is_skipped_by_name(
     fs.invalidate_cache()
     assert fs.cat_file(remote_state) == (newer / "state.ckpt").read_bytes()
     assert len(warnings) == 2 and "does not verify after upload" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("refusal", ["403 access denied", "404 no such bucket"])
+def test_a_store_that_refuses_fails_at_once_and_loses_nothing(
+    s3: tuple[S3Server, dict[str, Any]], tmp_path: Path, refusal: str
+) -> None:
+    """A wrong permission or bucket is one line at the first attempt, for the mirror and for a resume: no retrying
+    that backoff would stretch forever; the local checkpoints and what the store already held stay whole."""
+    server, options = s3
+    url = _unique_s3_url()
+    saved = _make_checkpoint(tmp_path / "earlier", 800)
+    with RemoteMirror(url, storage_options=options, **FAST_RETRY) as mirror:
+        mirror.submit(saved)
+    assert mirror.is_verified(saved)
+    ckpt = _make_checkpoint(tmp_path / "now", 900)
+    before = _digests(ckpt)
+    if refusal.startswith("403"):
+        target, expected = url, "AccessDenied"
+        server.answer(403, "AccessDenied")
+    else:
+        target, expected = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run", "bucket does not exist"
+    warnings: list[str] = []
+    served = len(server.requests)
+    try:
+        start_s = time.monotonic()
+        mirror = RemoteMirror(target, storage_options=options, warn=warnings.append, **FAST_RETRY)
+        mirror.submit(ckpt)
+        assert not mirror.wait(timeout_s=10)  # the uploader stopped: nothing left to wait for
+        mirror_s = time.monotonic() - start_s
+        mirror.close(timeout_s=0)
+        with pytest.raises(UserInputError) as info:
+            fetch_latest(target, tmp_path / "fresh", storage_options=options)
+        attempts = len(server.requests) - served
+    finally:
+        server.reset()
+    # FAST_RETRY would retry every 0.2 s for ever: one attempt each, in far less than the wait above
+    assert mirror_s < 5 and attempts <= 4, (mirror_s, server.requests[served:])
+    status = mirror.status()
+    assert status.consecutive_failures == 1 and status.outage and status.backlog == 1
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    line = warnings[0]
+    assert line.startswith(f"remote checkpoint storage {target} refuses the upload (") and expected in line
+    assert "checkpoint.remote_url" in line
+    message = str(info.value)
+    assert message.startswith(f"checkpoint.remote_url: cannot fetch a checkpoint to resume from {target!r}")
+    assert expected in message and "\n" not in message
+    assert not (tmp_path / "fresh" / saved.name).exists()
+    # nothing lost: the local checkpoint is whole and unverified (retention keeps it), the store's copy still resumes
+    assert not mirror.is_verified(ckpt) and _digests(ckpt) == before and verify_checkpoint(ckpt) == []
+    fetched = fetch_latest(url, tmp_path / "resumed", storage_options=options)
+    assert fetched is not None and fetched.name == saved.name and _digests(fetched) == _digests(saved)
+
+
+def test_a_burst_of_503s_is_retried_and_the_upload_verifies(
+    s3: tuple[S3Server, dict[str, Any]], tmp_path: Path
+) -> None:
+    server, options = s3
+    url, ckpt = _unique_s3_url(), _make_checkpoint(tmp_path, 1000)
+    warnings: list[str] = []
+    server.answer(503, "ServiceUnavailable", times=4)
+    try:
+        with RemoteMirror(url, storage_options=options, warn=warnings.append, **FAST_RETRY) as mirror:
+            mirror.submit(ckpt)
+            assert mirror.wait(timeout_s=30)
+    finally:
+        server.reset()
+    assert mirror.is_verified(ckpt)
+    assert len(warnings) == 2, warnings
+    assert "is failing" in warnings[0] and "ServiceUnavailable" in warnings[0] and "retrying" in warnings[0]
+    assert "reachable again" in warnings[1]
+    status = mirror.status()
+    assert (status.outage, status.consecutive_failures, status.verified) == (False, 0, 1)
 
 
 def test_storage_unreachable_at_start_only_warns(tmp_path: Path) -> None:

@@ -71,7 +71,9 @@ def test_other_ranks_neither_commit_nor_mirror(tmp_path: Path) -> None:
 
 def test_close_waits_for_uploads_then_applies_the_retention_that_waited_on_them(tmp_path: Path) -> None:
     local, remote = tmp_path / "checkpoints", tmp_path / "remote"
-    remote.write_text("a file where the remote directory goes: every upload fails until it is removed")
+    # A symlink to itself where the remote directory goes: every upload fails with ELOOP, an OSError retrying may get
+    # past (unlike a file in the way, NotADirectoryError, which stops the mirror), until it is removed.
+    remote.symlink_to(remote)
     config = CheckpointConfig(
         keep_last=1, async_save=False, remote_url=(remote / "run").as_uri(), remote_max_backoff_s=1.0
     )

@@ -7,12 +7,15 @@ whole copy back (sizes, SHA-256 of the bytes the store returns, against the mani
 remote `latest` pointer. Only a checkpoint that passed that read-back is "verified"; retention must keep the local
 copy until `is_verified` says so.
 
-One background thread uploads, in submission order, so training never waits on the network. Every storage error
-(refused connection, timeout, throttling, 5xx, credentials, a read-back mismatch) is retried *indefinitely* with
-exponential backoff capped at `max_backoff_s`: a retry limit would turn a long outage into checkpoints that are
-never mirrored, while retrying only costs local disk for the unverified backlog. `warn` is called once when an
-outage begins (URL + error) and once when it ends; `status()` has the numbers for metrics. A problem with the
-*local* checkpoint (deleted or modified after its commit) is not retried: that checkpoint is skipped with a warning.
+One background thread uploads, in submission order, so training never waits on the network. A transient storage
+error (`storage.is_transient_error`: refused connection, timeout, throttling, HTTP 5xx, 408 or 429, a read-back
+mismatch) is retried *indefinitely* with exponential backoff capped at `max_backoff_s`: a retry limit would turn a
+long outage into checkpoints that are never mirrored, while retrying only costs local disk for the unverified
+backlog. `warn` is called once when an outage begins (URL + error) and once when it ends; `status()` has the numbers
+for metrics. An error that retrying cannot fix (HTTP 403 access denied, 404 no such bucket, missing credentials)
+stops the mirror at its first attempt: one `warn` line names the URL and the error, training goes on, and every
+checkpoint stays on local disk (retention keeps what is not verified remotely). A problem with the *local*
+checkpoint (deleted or modified after its commit) is not retried: that checkpoint is skipped with a warning.
 
 URL checks: no protocol, an unknown protocol or a missing backend package (e.g. s3fs) raise `ConfigError` at once.
 Storage that is unreachable at start only warns (the first outage) and uploads retry: storage that is briefly down
@@ -21,7 +24,6 @@ must not stop a training job.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -48,6 +50,7 @@ from gaudi3_scale.checkpoint.storage import (
     read_remote_pointer,
     remote_problems,
 )
+from gaudi3_scale.storage import is_missing_bucket, is_transient_error
 
 # fetch_latest and open_remote are re-exported: the mirror and the resume path are used together.
 __all__ = ["MirrorStatus", "RemoteMirror", "fetch_latest", "open_remote"]
@@ -78,6 +81,10 @@ class _LocalCheckpointError(Exception):
 
 class _Abandoned(Exception):
     """close() ran out of time: stop uploading."""
+
+
+class _Refused(Exception):
+    """The store gave an error that retrying cannot fix: stop uploading."""
 
 
 @dataclass
@@ -218,6 +225,8 @@ class RemoteMirror:
                 with self._lock:
                     self._jobs.popleft()
                     self._lock.notify_all()
+        except _Refused as e:
+            self._warn(str(e))
         except _Abandoned:
             with self._lock:
                 left = [job.step_name for job in self._jobs if job.directory is not None]
@@ -231,7 +240,7 @@ class RemoteMirror:
                 self._lock.notify_all()
 
     def _attempt(self, action: Callable[[], None]) -> bool:
-        """Run one attempt; False means a storage failure to retry."""
+        """Run one attempt; False means a transient storage failure to retry, `_Refused` one that is not."""
         try:
             action()
         except _Abandoned:
@@ -239,20 +248,26 @@ class RemoteMirror:
         except _LocalCheckpointError as e:
             self._warn(f"not mirroring a checkpoint to {self.url}: {e}")
             return True
-        except Exception as e:  # any storage error: retried, counted, warned once per outage, kept in status
-            self._record_failure(e)
+        except Exception as e:  # a storage error: counted, kept in status; retried and warned once per outage
+            self._record_failure(e, retrying=is_transient_error(e))
             return False
         self._record_success()
         return True
 
-    def _record_failure(self, error: Exception) -> None:
+    def _record_failure(self, error: Exception, *, retrying: bool) -> None:
         with self._lock:
             self._failures += 1
-            self._last_error = last_error = f"{type(error).__name__}: {error}"
+            self._last_error = last_error = " ".join(f"{type(error).__name__}: {error}".split())
             starts = self._outage_since_s is None
             if starts:
                 self._outage_since_s = time.monotonic()
             backlog = sum(job.directory is not None for job in self._jobs)
+        if not retrying:
+            raise _Refused(
+                f"remote checkpoint storage {self.url} refuses the upload ({last_error}), which retrying cannot "
+                f"fix: not mirroring; training continues and its checkpoints stay on local disk ({backlog} "
+                "queued); fix checkpoint.remote_url or the store's credentials"
+            ) from error
         if starts:
             self._warn(
                 f"remote checkpoint storage {self.url} is failing ({last_error}); training continues, "
@@ -281,8 +296,11 @@ class RemoteMirror:
             raise _Abandoned
 
     def _probe(self) -> None:
-        with contextlib.suppress(FileNotFoundError):  # reachable, nothing uploaded yet
+        try:
             self._fs.ls(self._root, detail=False)
+        except FileNotFoundError as e:  # reachable, nothing uploaded yet; unless the bucket itself is missing
+            if is_missing_bucket(e):
+                raise
 
     def _perform(self, job: _Job) -> None:
         if job.directory is None:

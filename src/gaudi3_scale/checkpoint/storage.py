@@ -111,7 +111,9 @@ def _remote_step_names(fs: AbstractFileSystem, root: str) -> list[str]:
     fs.invalidate_cache(root)
     try:
         entries = fs.ls(root, detail=False)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if storage.is_missing_bucket(e):  # a wrong bucket is one line, not a run that silently starts over
+            raise
         return []
     steps = {}
     for entry in entries:

@@ -1,14 +1,14 @@
 """Retrying reads from object storage: transient errors back off exponentially until a time budget is spent.
 
-Transient means what `gaudi3_scale.storage.is_transient_error` says (refused / reset / timed-out connections, 5xx,
-throttling), and also what fsspec's http:// backend reports as `FileNotFoundError` although the store said 5xx, 408
-or 429 or never answered (`is_transient_fetch_error`); anything else, a missing object (HTTP 404) included, is
-raised at once. A read that stalls is bounded by the backend's timeouts (`stall_timeout_s`, passed to the store by
+Transient means what `gaudi3_scale.storage.is_transient_error` says, the rule the checkpoint mirror follows too
+(refused / reset / timed-out connections, throttling, HTTP 5xx, 408 or 429, read through fsspec's http wrapping of
+them in `FileNotFoundError`); anything else, a missing object (HTTP 404) or a refused one (403) included, is raised at
+once. A read that stalls is bounded by the backend's timeouts (`stall_timeout_s`, passed to the store by
 `data.remote`) and counts as a failure; the outage it begins is dated back to when the store was last known to
 answer (at most the stall bound ago), so a stalled first attempt is charged to the budget. One warning when an
-outage begins and one when it ends, however many threads retry through it; none from a caller that is stopping. The backoff jitter comes from a generator of our own: the
-global `random` state is part of what checkpoints record, and a run with an outage must stay bitwise identical to
-one without.
+outage begins and one when it ends, however many threads retry through it; none from a caller that is stopping. The
+backoff jitter comes from a generator of our own: the global `random` state is part of what checkpoints record, and
+a run with an outage must stay bitwise identical to one without.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.storage import is_transient_error
+from gaudi3_scale.storage import http_status, is_transient_error
 
 __all__ = [
     "FetchStopped",
     "Retrier",
     "describe_error",
-    "http_status",
-    "is_transient_fetch_error",
+    "http_status",  # re-exported: `data.remote` reads a status as `describe_error` does
     "stall_timeout_s",
 ]
 
@@ -38,34 +37,11 @@ log = logging.getLogger(__name__)
 # data.fetch_retry_s spends at most a quarter of itself on one stalled attempt, and a stall is at least 1 s.
 MAX_STALL_S = 15.0
 MIN_STALL_S = 1.0
-_TRANSIENT_STATUSES = {408, 429}
 
 
 def stall_timeout_s(budget_s: float) -> float:
     """How long a read of a retry budget of `budget_s` waits for a connection or the next bytes before failing."""
     return min(MAX_STALL_S, max(MIN_STALL_S, budget_s / 4))
-
-
-def http_status(error: BaseException) -> int | None:
-    """The HTTP status of an aiohttp response error, or of the one fsspec's http backend wrapped (its `_info` turns
-    any failed HEAD/GET, a 503 included, into `FileNotFoundError(url)` with the response error as the cause)."""
-    for candidate in (error, error.__cause__):
-        status = getattr(candidate, "status", None)
-        if isinstance(status, int) and not isinstance(status, bool):
-            return status
-    return None
-
-
-def is_transient_fetch_error(error: BaseException) -> bool:
-    """`is_transient_error`, reading through fsspec's http wrapping: an HTTP status is transient when 5xx, 408 or
-    429 (so a 404 is missing, a 403 refused); a `FileNotFoundError` caused by a connection or timeout error is
-    transient too."""
-    status = http_status(error)
-    if status is not None:
-        return status >= 500 or status in _TRANSIENT_STATUSES
-    if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
-        return is_transient_error(error.__cause__)
-    return is_transient_error(error)
 
 
 class FetchStopped(Exception):
@@ -116,7 +92,7 @@ class Retrier:
             try:
                 result = attempt()
             except Exception as error:
-                if not is_transient_fetch_error(error):
+                if not is_transient_error(error):
                     raise
                 elapsed_s = self._failed(what, error, budget_s, budget_name, started_s, stop)
                 if elapsed_s >= budget_s:

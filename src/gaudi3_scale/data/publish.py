@@ -20,10 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.data.fetch_retry import is_transient_fetch_error
 from gaudi3_scale.data.manifest import MANIFEST_FILE, object_name, verify_prepared
 from gaudi3_scale.data.sources import sha256_file
-from gaudi3_scale.storage import copy_stream, is_local_filesystem, is_storage_error, open_remote
+from gaudi3_scale.storage import (
+    copy_stream,
+    is_local_filesystem,
+    is_storage_error,
+    is_transient_error,
+    open_remote,
+)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -39,7 +44,7 @@ def _remote_sha256(fs: object, path: str) -> str | None:
         with fs.open(path, "rb") as fh:  # type: ignore[attr-defined]
             return copy_stream(fh, None)[1]
     except FileNotFoundError as e:
-        if is_transient_fetch_error(e):  # fsspec's http backend wraps a 5xx so: not "absent"
+        if is_transient_error(e):  # fsspec's http backend wraps a 5xx so: not "absent"
             raise
         return None
 
@@ -101,7 +106,7 @@ def _same(fs: object, path: str, size_bytes: int, sha256: str) -> bool:
     try:
         info = fs.info(path)  # type: ignore[attr-defined]
     except FileNotFoundError as e:
-        if is_transient_fetch_error(e):
+        if is_transient_error(e):
             raise
         return False
     return int(info.get("size", -1)) == size_bytes and _remote_sha256(fs, path) == sha256
