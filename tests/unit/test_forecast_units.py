@@ -205,7 +205,7 @@ def test_with_no_local_checkpoint_the_forecast_reads_the_remote_mirrors_manifest
 
 
 def test_a_resumed_forecast_counts_only_the_pauses_after_its_start() -> None:
-    from gaudi3_scale.forecast.model import _count
+    from gaudi3_scale.forecast.wall import pause_count as _count
 
     assert _count(0, 100, 25) == 4  # 25, 50, 75, 100
     assert _count(40, 100, 25) == 3  # 50, 75, 100

@@ -21,7 +21,7 @@ import click
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.worker import exit_if_stopped, fit_run, print_outputs, stop_when_budget_exhausted
+from gaudi3_scale.train.worker import exit_if_stopped, fit_run, print_outputs, stop_when_refused_to_resume
 
 __all__ = ["print_dry_run", "run_training"]
 
@@ -29,7 +29,7 @@ __all__ = ["print_dry_run", "run_training"]
 def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: int, progress: bool) -> None:
     from gaudi3_scale.distributed.env import inside_launched_worker
 
-    with stop_when_budget_exhausted(), _forecast_for_the_run(cfg, here=not inside_launched_worker()):
+    with stop_when_refused_to_resume(), _forecast_for_the_run(cfg, here=not inside_launched_worker()):
         if cfg.parallel.world_size > 1 and not inside_launched_worker():
             started = _launch_ranks(cfg, worker_args)
             _after_launched_run(cfg, started=started, sample_tokens=sample_tokens)
@@ -46,11 +46,17 @@ def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
     if not here:
         yield
         return
+    from gaudi3_scale.forecast.calibration import CalibrationStoreError
+
     try:
         from gaudi3_scale.forecast.run import forecast_for_training
         from gaudi3_scale.tune.estimate_table import resolved_model
 
         forecast = forecast_for_training(cfg, resolved_model(cfg.model, cfg.data)).as_dict()
+    except CalibrationStoreError as exc:  # input of the forecast's alone: the run never reads the store
+        click.echo(f"gaudi3: note: no forecast for this run ({exc})", err=True)
+        yield
+        return
     except UserInputError:  # bad input the run itself reports, in its one line, when it checks its inputs
         yield
         return

@@ -42,7 +42,7 @@ from gaudi3_scale.device.specs import AcceleratorSpec, accelerator_named
 from gaudi3_scale.metering.catalog import Instance, accelerators_per_node, load_instances
 
 if TYPE_CHECKING:
-    from gaudi3_scale.forecast.model import RunShape
+    from gaudi3_scale.forecast.shape import RunShape
     from gaudi3_scale.models.config import ModelConfig
 
 __all__ = [

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.forecast.figures import Figure, measured
 from gaudi3_scale.forecast.machine import Machine, catalog_machine, this_cpu
-from gaudi3_scale.forecast.model import RunShape, forecast_step, stored_probe
+from gaudi3_scale.forecast.model import forecast_step, stored_probe
+from gaudi3_scale.forecast.shape import RunShape
 
 if TYPE_CHECKING:
     from gaudi3_scale.cost.comparison import Assumptions

@@ -21,9 +21,14 @@ from typing import Any
 from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.config.errors import UserInputError
 
-__all__ = ["CalibrationStore", "Probe", "machine_key", "probe_key"]
+__all__ = ["CalibrationStore", "CalibrationStoreError", "Probe", "machine_key", "probe_key"]
 
 FORMAT = "gaudi3-scale/calibration/1"
+
+
+class CalibrationStoreError(UserInputError):
+    """This machine's calibration store cannot be read. Not an input a run checks itself: `gaudi3 train` reports it
+    as the reason it has no forecast, and trains on."""
 
 
 def machine_key(device_name: str, cores: int) -> str:
@@ -58,6 +63,9 @@ class Probe:
         0  # steady steps behind step_time_s (0: not recorded, a store written before it was)
     )
     created_unix_s: float = field(default_factory=time.time)
+    # how its save was made (checkpoint.async_save): an asynchronous save blocks a fraction of a synchronous one, so
+    # `checkpoint_s` stands for a run's save only when both save alike; None: no save, or a store written before
+    checkpoint_async_save: bool | None = None
 
     @property
     def measured_s(self) -> float:
@@ -92,16 +100,34 @@ class CalibrationStore:
         return cls(root / f"{machine}.json", machine=machine)
 
     def _read(self) -> None:
+        delete = "delete it to start a new one"
         try:
-            raw = json.loads(self.path.read_text())
-            if raw.get("format") != FORMAT or raw.get("machine") != self.machine:
-                raise ValueError("another format or machine")
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise CalibrationStoreError(
+                f"{self.path}: calibration store cannot be read ({exc.strerror or exc})"
+            ) from None
+        # A store cut short (a full disk, a crash mid-copy) is not JSON, or not UTF-8 (both ValueErrors)
+        try:
+            raw = json.loads(data)
+        except ValueError as exc:
+            raise CalibrationStoreError(
+                f"{self.path}: damaged calibration store, not JSON ({exc}); {delete}"
+            ) from None
+        if not isinstance(raw, dict):
+            raise CalibrationStoreError(
+                f"{self.path}: damaged calibration store (a JSON {type(raw).__name__}, not an object); {delete}"
+            )
+        if raw.get("format") != FORMAT or raw.get("machine") != self.machine:
+            raise CalibrationStoreError(
+                f"{self.path}: not a calibration store of this machine (format {raw.get('format')!r}, machine "
+                f"{raw.get('machine')!r}; this machine is {self.machine!r}); {delete}"
+            )
+        try:
             self.peaks = {str(k): dict(v) for k, v in raw.get("peaks", {}).items()}
             self.probes = {k: Probe(**v) for k, v in raw.get("probes", {}).items()}
         except (ValueError, TypeError, AttributeError) as exc:
-            raise UserInputError(
-                f"{self.path}: not a calibration store of this machine ({exc}); delete it to start a new one"
-            ) from None
+            raise CalibrationStoreError(f"{self.path}: damaged calibration store ({exc}); {delete}") from None
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

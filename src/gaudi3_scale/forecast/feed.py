@@ -91,7 +91,9 @@ def _store_probe(run_dir: Path, origin: str) -> tuple[Probe | None, str]:
     recorded = plan["run"].get("probe_key")
     if recorded != shape.key:
         return None, f"its layout key {recorded} is not the {shape.key} its config has here"
-    probe = replace(probe_from_summary(summary, shape, val_batches=cfg.train.val_batches), origin=origin)
+    measured = probe_from_summary(summary, shape, val_batches=cfg.train.val_batches,
+                                  async_save=cfg.checkpoint.async_save)  # fmt: skip
+    probe = replace(measured, origin=origin)
     if not machine.store.add_probe(probe, keep_longer=True):
         stored = machine.store.probes[probe.key]
         return None, (f"the stored probe of this layout measured longer ({stored.measured_s:.3g} s of steps, "

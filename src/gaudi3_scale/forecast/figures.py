@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Figure", "assumed", "from_catalog", "measured", "modelled"]
+__all__ = ["Figure", "assumed", "from_catalog", "measured", "modelled", "unknown_after"]
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,8 @@ def modelled(value: float | None, how: str) -> Figure:
 
 def assumed(value: float | None, why: str) -> Figure:
     return Figure(value, f"assumption: {why}")
+
+
+def unknown_after(cause: Figure) -> Figure:
+    """An unknown figure that follows from the unknown `cause`, with its reason."""
+    return assumed(None, cause.source.split(": ", 1)[-1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_yaml
@@ -16,7 +17,10 @@ from gaudi3_scale.device.efficiency import fallback_mfu
 from gaudi3_scale.forecast.calibration import CalibrationStore, machine_key
 from gaudi3_scale.forecast.figures import Figure, assumed, from_catalog, measured
 
-__all__ = ["Machine", "catalog_machine", "this_cpu"]
+if TYPE_CHECKING:
+    from gaudi3_scale.device.specs import AcceleratorSpec
+
+__all__ = ["Machine", "catalog_machine", "peak_label", "this_cpu"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +84,35 @@ def _probes_mfu(store: CalibrationStore, peak_flops: float, fallback: Figure) ->
     )
 
 
+def _precision_peak(spec: AcceleratorSpec, precision: str) -> Figure:
+    """The dense matmul peak a run in `precision` reaches for on `spec`, from the catalog; a precision whose peak
+    the catalog lacks gets none (its step is not timed), never another precision's peak."""
+    bf16 = f"BF16 dense peak {spec.bf16_dense_tflops:g} TFLOP/s"
+    if precision == "fp8" and spec.fp8_dense_tflops is not None:
+        return from_catalog(spec.fp8_dense_tflops * 1e12,
+                            f"FP8 dense peak {spec.fp8_dense_tflops:g} TFLOP/s; {spec.source}")  # fmt: skip
+    if precision == "32-true":
+        # fp32 matmuls run as TF32 on tensor cores (train.tf32, on by default on CUDA) or as plain FP32: the catalog
+        # (device/accelerators.yaml) has neither peak, and timing them at the BF16 one would be 2-15x short
+        return assumed(None, f"not timed: the catalog has no FP32 or TF32 peak for {spec.name} (only BF16 and "
+                       "FP8), whichever train.tf32 picks; a probe of this layout on this machine (gaudi3 plan "
+                       "--probe) measures it")  # fmt: skip
+    if precision == "16-mixed":
+        return assumed(spec.bf16_dense_tflops * 1e12, f"FP16 taken at the {bf16}; the catalog has no FP16 peak; "
+                       f"{spec.source}")  # fmt: skip
+    # bf16-mixed, bf16-true, auto (bf16-mixed on an accelerator); fp8 on a device without an FP8 peak runs bf16
+    return from_catalog(spec.bf16_dense_tflops * 1e12, f"{bf16}; {spec.source}")
+
+
+def peak_label(peak: Figure) -> str:
+    """The peak as a forecast line names it: the catalog's "BF16 dense peak 989.4 TFLOP/s", a measured CPU's
+    "measured peak 0.123 TFLOP/s"."""
+    if peak.kind in ("catalog", "assumption") and peak.value is not None:
+        label = peak.source.split(": ", 1)[-1].split(";")[0]
+        return label if peak.kind == "catalog" else f"assumption: {label}"
+    return f"{peak.kind} peak {(peak.value or 0.0) / 1e12:.3g} TFLOP/s"
+
+
 def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     """A catalog accelerator by name or alias (`accelerators.yaml`); an unknown one is one line listing them.
     When this machine's visible device is that accelerator, its calibration store comes with it."""
@@ -92,21 +125,19 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
         known = ", ".join(["cpu", *sorted(ACCELERATORS)])
         raise UserInputError(f"--machine: unknown machine kind {name!r}; allowed: {known}") from None
     intra, inter = _links()
-    fp8 = precision == "fp8" and spec.fp8_dense_tflops is not None
-    tflops = spec.fp8_dense_tflops if fp8 and spec.fp8_dense_tflops else spec.bf16_dense_tflops
     kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
     store = _local_gpu_store(spec.name) if kind == "cuda" else None
-    peak = tflops * 1e12
+    peak = _precision_peak(spec, precision)
     mfu = Figure(*fallback_mfu(kind))
-    if store is not None:
-        mfu = _probes_mfu(store, peak, mfu)
+    if store is not None and peak.value is not None:
+        mfu = _probes_mfu(store, peak.value, mfu)
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
     return Machine(
         kind=spec.name,
         device_kind=kind,
         device_name=spec.name,
         ranks_per_node=accelerators_per_node(spec.name),
-        peak_flops_per_rank=from_catalog(peak, f"{'FP8' if fp8 else 'BF16'} dense peak; {spec.source}"),
+        peak_flops_per_rank=peak,
         mfu=mfu,
         memory_bytes_per_rank=from_catalog(spec.memory_gb * 1e9, spec.source),
         intra_node_bytes_per_s=intra.get(spec.name, unknown_link),

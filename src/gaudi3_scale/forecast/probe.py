@@ -1,6 +1,7 @@
 """The calibration probe (`gaudi3 plan --probe`): a short real `gaudi3 train` of the same config and layout on this
-machine — warm-up steps, measured steps, the final validation and one checkpoint save — whose measurements go into
-the machine's calibration store (`forecast.calibration`) and from there into every later forecast of that layout.
+machine — warm-up steps, measured steps and the final validation; no checkpoint (it keeps nothing), so a save's time
+stays the forecast's model — whose measurements go into the machine's calibration store (`forecast.calibration`)
+and from there into every later forecast of that layout.
 
 A probe that fails (out of memory, a crash, a timeout) is said in one line and the forecast falls back to the
 catalog; nothing is stored."""
@@ -16,7 +17,7 @@ from typing import Any
 
 from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 from gaudi3_scale.forecast.calibration import Probe
-from gaudi3_scale.forecast.model import RunShape
+from gaudi3_scale.forecast.shape import RunShape
 
 __all__ = ["PROBE_MEASURED_S", "PROBE_MEASURED_STEPS", "probe_measured_steps", "run_probe"]
 
@@ -43,7 +44,8 @@ def probe_command(
     return [
         sys.executable, "-m", "gaudi3_scale.cli", "train", *(["--config", config_path] if config_path else []),
         *overrides, "--out", str(out), "--resume", "never", "--sample-tokens", "0", "--no-progress",
-        "--train.max_steps", str(warmup_steps + measured_steps),
+        # its own length in steps: a length in epochs (the user's train.max_epochs) is unset, not refused beside it
+        "--train.max_steps", str(warmup_steps + measured_steps), "--train.max_epochs", "null",
         "--train.throughput_warmup_steps", str(warmup_steps),
         "--train.val_every_steps", "0",
         # nothing of the probe leaves its temporary directory: no checkpoint (none uploaded to the run's remote),
@@ -83,10 +85,12 @@ def run_probe(
     return probe_from_summary(summary, shape, val_batches=val_batches), ""
 
 
-def probe_from_summary(summary: dict[str, Any], shape: RunShape, *, val_batches: int) -> Probe:
+def probe_from_summary(
+    summary: dict[str, Any], shape: RunShape, *, val_batches: int, async_save: bool | None = None
+) -> Probe:
     """A probe's measurements from its run's summary.json: the steady step, the warm-up, one save's blocking
-    time, the peak memory; its validation pass from its measured rate (forward FLOPs ÷ the step's achieved rate);
-    startup is the rest of its wall time."""
+    time (made as `async_save` says: its run's checkpoint.async_save), the peak memory; its validation pass from
+    its measured rate (forward FLOPs ÷ the step's achieved rate); startup is the rest of its wall time."""
     step = float(summary["step_time_s"])
     measured_steps = int(summary.get("measured_steps") or 0)
     warmup_s = float(summary.get("warmup_s") or 0.0)
@@ -105,6 +109,7 @@ def probe_from_summary(summary: dict[str, Any], shape: RunShape, *, val_batches:
         startup_s=startup,
         validation_s=validation_s,
         checkpoint_s=checkpoint_s,
+        checkpoint_async_save=async_save if checkpoint_s is not None else None,
         peak_memory_bytes=int(summary["peak_memory_bytes"]),
         flops_per_step_per_rank=flops,
         measured_steps=measured_steps,

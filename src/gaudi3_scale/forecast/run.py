@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+from gaudi3_scale.config.core import parse_overrides
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.forecast.calibration import Probe
 from gaudi3_scale.forecast.figures import Figure, from_catalog
 from gaudi3_scale.forecast.machine import Machine, catalog_machine, this_cpu
-from gaudi3_scale.forecast.model import Forecast, RunShape, forecast_run
+from gaudi3_scale.forecast.model import Forecast, forecast_run
+from gaudi3_scale.forecast.shape import RunShape
 from gaudi3_scale.models import ModelConfig
-from gaudi3_scale.train.config import RunConfig, resolve_config
+from gaudi3_scale.train.config import RunConfig, build_run_config
 
-__all__ = ["forecast_config", "forecast_for_training", "machine_for", "run_shape"]
+__all__ = ["forecast_config", "forecast_for_training", "machine_for", "resolve_forecast_config", "run_shape"]
 
 
 def _precision(cfg: RunConfig, device_kind: str) -> str:
@@ -24,10 +29,11 @@ def _precision(cfg: RunConfig, device_kind: str) -> str:
     return precision
 
 
-def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine, *, nodes: int | None = None) -> RunShape:
-    """The run's plans on `machine`: a catalog machine's nodes × its devices per node, else the config's geometry."""
-    nodes = nodes or cfg.parallel.nnodes
-    per_node = machine.ranks_per_node or cfg.parallel.nproc_per_node
+def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine) -> RunShape:
+    """The run's plans on `machine` in the config's geometry: parallel.nnodes × parallel.nproc_per_node ranks (a
+    `--machine` forecast's config has that machine's node: `forecast_config`), never the catalog's node in place of
+    it: a 1-GPU run is forecast as one rank."""
+    nodes, per_node = cfg.parallel.nnodes, cfg.parallel.nproc_per_node
     world = nodes * per_node
     precision = _precision(cfg, machine.device_kind)
     plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
@@ -46,31 +52,79 @@ def _threads(cfg: RunConfig, ranks_per_node: int) -> int | None:
 
 
 def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
-    """`--machine KIND` (a catalog accelerator, or cpu), or this machine: its visible GPU, else its CPU."""
-    if kind in (None, "cpu") and cfg.train.device in ("auto", "cpu"):
-        import torch
+    """`--machine KIND`: a catalog accelerator, or this machine's CPU for `cpu` — whatever train.device says, as
+    any --machine stands in for the config's device. Without it, the device the run trains on here."""
+    if kind == "cpu":
+        return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
+    if kind is not None:
+        return catalog_machine(kind, cfg.train.precision)
+    import torch
 
-        if kind == "cpu" or cfg.train.device == "cpu" or not torch.cuda.is_available():
-            return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
-        kind = torch.cuda.get_device_name()
-    if kind is None:
-        kind = "gaudi3" if cfg.train.device == "hpu" else "h100"
-    return catalog_machine(kind, cfg.train.precision)
+    # train.device as the trainer resolves it (`device.select.plan_device`): auto is this machine's visible CUDA
+    # GPU, else its CPU; Gaudi only when asked for (hpu), as its environment must be set before habana imports.
+    # Not validated on Gaudi hardware.
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
+    if device == "hpu":
+        return catalog_machine("gaudi3", cfg.train.precision)
+    if not torch.cuda.is_available():  # a cuda run forecast on paper from a machine without a GPU
+        return catalog_machine("h100", cfg.train.precision)
+    return catalog_machine(_this_gpu(), cfg.train.precision)
 
 
-def _catalog_geometry(machine: str | None, nodes: int | None) -> list[str]:
-    """The overrides that give the config a catalog machine's devices per node and the nodes forecast, so that the
-    config's own checks (tensor parallel inside a node, pipeline stages dividing the ranks) see the cluster being
-    forecast, not this one. Its nodes are `run_shape`'s. Several nodes need a rendezvous endpoint to pass the
-    config's checks: a placeholder that nothing contacts, before the user's overrides (theirs wins)."""
-    if machine in (None, "cpu"):
-        return []
-    per_node = catalog_machine(machine).ranks_per_node
-    geometry = ["--parallel.nproc_per_node", str(per_node)] if per_node else []
-    return geometry + (["--parallel.nnodes", str(nodes)] if nodes else [])
+def _this_gpu() -> str:
+    """This machine's visible CUDA device, as the catalog names it; one line when the catalog has no figures for it."""
+    import torch
+
+    from gaudi3_scale.device.specs import ACCELERATORS, find_accelerator
+
+    name = torch.cuda.get_device_name()
+    spec = find_accelerator(name)
+    if spec is None:
+        raise UserInputError(f"train.device: this machine's GPU {name!r} has no catalogued peak FLOP/s to forecast "
+                             f"with; forecast a catalogued one with --machine ({', '.join(sorted(ACCELERATORS))})")  # fmt: skip
+    return spec.name
 
 
-RENDEZVOUS_PLACEHOLDER = ["--parallel.rdzv_endpoint", "forecast-node-0:29400"]
+# Set under the user's config and overrides (theirs wins: `build_run_config(base=...)`): a rendezvous endpoint that
+# nothing contacts, so that a forecast of several nodes (parallel.nnodes or --nodes) passes the config's check for one.
+RENDEZVOUS_PLACEHOLDER = "forecast-node-0:29400"
+
+
+def resolve_forecast_config(
+    config_path: str | None, overrides: Sequence[str], machine: str | None, nodes: int | None
+) -> RunConfig:
+    """The config forecast: with `--machine X` (a catalog accelerator), a full node of X unless
+    parallel.nproc_per_node is set (then at most X's devices per node), and `--nodes` over parallel.nnodes — so that
+    the config's own checks (tensor parallel inside a node, pipeline stages dividing the ranks) see the cluster being
+    forecast, not this one."""
+    node = catalog_machine(machine).ranks_per_node if machine not in (None, "cpu") else None
+    base: dict[str, Any] = {"rdzv_endpoint": RENDEZVOUS_PLACEHOLDER}
+    if node:
+        base["nproc_per_node"] = node
+    pairs = [*parse_overrides(list(overrides)), *([("parallel.nnodes", nodes)] if nodes else [])]
+    if _endpoint_nulled(config_path, pairs):  # a saved config.yaml says `rdzv_endpoint: null`
+        pairs.append(("parallel.rdzv_endpoint", RENDEZVOUS_PLACEHOLDER))
+    cfg = build_run_config(config_path, pairs, base={"parallel": base})
+    if node and cfg.parallel.nproc_per_node > node:
+        raise ConfigError("parallel.nproc_per_node", f"{cfg.parallel.nproc_per_node} ranks per node, but --machine "
+                          f"{machine} has {node} devices per node; allowed: 1 to {node} (unset: the whole node)")  # fmt: skip
+    return cfg
+
+
+def _endpoint_nulled(config_path: str | None, pairs: Sequence[tuple[str, Any]]) -> bool:
+    """Whether the user's config leaves parallel.rdzv_endpoint null in so many words (every config a run saves
+    does), which the placeholder under it would not replace; an endpoint the user set is theirs."""
+    from gaudi3_scale.config.core import load_yaml
+
+    given = [value for key, value in pairs if key == "parallel.rdzv_endpoint"]
+    if given:
+        return given[-1] in (None, "null", "")
+    parallel = (load_yaml(config_path) if config_path is not None else {}).get("parallel")
+    return isinstance(parallel, dict) and "rdzv_endpoint" in parallel and parallel["rdzv_endpoint"] is None
 
 
 def _price(cfg: RunConfig) -> Figure | None:
@@ -78,6 +132,31 @@ def _price(cfg: RunConfig) -> Figure | None:
 
     price = resolve_price(cfg.cost)
     return None if price is None else from_catalog(price.usd_per_hour, f"$/node-hour: {price.source}")
+
+
+def _check_instance(cfg: RunConfig, machine: Machine) -> None:
+    """`--machine X` priced by `cost.instance`: the instance must be a node of X with a device for each rank of a
+    node (a p5.4xlarge, one H100, is not the price of an 8-rank H100 node; a p5.48xlarge is not a Gaudi 3's). An
+    explicit cost.price_usd_per_hour is the user's price per node, taken as given."""
+    key = cfg.cost.instance_key
+    if key is None or cfg.cost.price_usd_per_hour is not None:
+        return
+    from gaudi3_scale.metering.catalog import load_instances
+
+    instance = load_instances(Path(cfg.cost.catalog_file) if cfg.cost.catalog_file else None).get(key)
+    if instance is None:
+        return  # not in the catalog: `resolve_price` says so, with the known ones
+    fix = f"pick an instance of {machine.kind} or set cost.price_usd_per_hour to the price of one node"
+    if instance.accelerator != machine.kind:
+        raise ConfigError("cost.instance", f"{cfg.cost.instance} is a node of {instance.accelerator}, but the "
+                          f"forecast is of {machine.kind}; {fix}")  # fmt: skip
+    ranks = cfg.parallel.nproc_per_node
+    if machine.kind != "cpu" and instance.accelerators_per_node < ranks:
+        raise ConfigError("cost.instance", f"{cfg.cost.instance} has {instance.accelerators_per_node} "
+                          f"{instance.accelerator} per node, but the forecast runs {ranks} ranks per node; pick an "
+                          f"instance with at least {ranks}, set parallel.nproc_per_node to at most "
+                          f"{instance.accelerators_per_node}, or set cost.price_usd_per_hour to the price of one "
+                          "node")  # fmt: skip
 
 
 def forecast_config(
@@ -92,14 +171,10 @@ def forecast_config(
 ) -> tuple[RunConfig, Forecast]:
     from gaudi3_scale.tune.estimate_table import resolved_model
 
-    cfg = resolve_config(
-        config_path,
-        [
-            *(RENDEZVOUS_PLACEHOLDER if machine not in (None, "cpu") and (nodes or 1) > 1 else []),
-            *overrides,
-            *_catalog_geometry(machine, nodes),
-        ],
-    )
+    cfg = resolve_forecast_config(config_path, overrides, machine, nodes)
+    if probe and cfg.parallel.nnodes > 1:
+        raise ConfigError("parallel.nnodes", f"{cfg.parallel.nnodes}: --probe runs on this machine, one node; "
+                          "probe one node of the layout (--parallel.nnodes 1)")  # fmt: skip
     if (
         cfg.train.max_epochs is not None
     ):  # as `gaudi3 train` resolves it: optimizer steps over the dataset's tokens
@@ -111,12 +186,14 @@ def forecast_config(
                                 tokens_per_step=tokens_per_step, note=lambda line: None)  # fmt: skip
         cfg = dataclasses.replace(cfg, train=train)
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
+    if machine is not None:
+        _check_instance(cfg, target)
     model = resolved_model(cfg.model, cfg.data)
     measured = None
     if probe:
         from gaudi3_scale.forecast.probe import probe_measured_steps, run_probe
 
-        shape = run_shape(cfg, model, target, nodes=nodes)
+        shape = run_shape(cfg, model, target)
         warmup = cfg.train.resolved_throughput_warmup_steps()
         first_guess = _forecast(cfg, shape, target).step_time_s  # sizes the probe: ~10 s of measured steps
         measured, why = run_probe(
@@ -132,7 +209,7 @@ def forecast_config(
         elif target.store is not None:
             target.store.add_probe(measured)
             target = machine_for(cfg, machine)  # its MFU now counts the new probe
-    return cfg, _forecast(cfg, run_shape(cfg, model, target, nodes=nodes), target, probe=measured)
+    return cfg, _forecast(cfg, run_shape(cfg, model, target), target, probe=measured)
 
 
 def _forecast(

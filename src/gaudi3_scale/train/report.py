@@ -119,6 +119,10 @@ def _fmt(value: Any) -> str:
 
 
 _RATIOS = {"mfu", "val_mlm_accuracy"}  # shown as percentages
+_STEADY = (
+    "step_time_s",
+    "tokens_per_s",
+)  # forecast for steps after the warm-up (`gaudi3 plan --compare` too)
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -151,6 +155,9 @@ def _predicted(summary: dict[str, Any], key: str) -> str:
     predicted, measured = summary.get(f"predicted_{key}"), summary.get(key)
     if not isinstance(predicted, int | float) or not isinstance(measured, int | float) or not measured:
         return ""
+    if key in _STEADY and summary.get("throughput_includes_warmup"):
+        # the prediction is of steady steps; a mean over warm-up steps says nothing about its error
+        return f" (predicted {_fmt(predicted)} for steady steps; not compared with warm-up steps)"
     return f" (predicted {_fmt(predicted)}, {predicted / measured - 1:+.0%})"
 
 
