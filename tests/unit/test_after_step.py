@@ -13,6 +13,8 @@ from gaudi3_scale.train.after_step import AfterStep
 
 class _Part:
     ends_fit = False  # the health part's flag: no rollback or stop asked for
+    save_requested = False  # the checkpoint's: no stop agreed
+    interrupted = False  # the stop's: no stop agreed
 
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log = name, log

@@ -310,7 +310,9 @@ def test_cost_config_checks_the_cloud_providers_before_a_run(gcp_key: None) -> N
     check("--cost.instance", f"azure/{SIZE}/{REGION}", "--cost.spot_provider", "azure")
     with pytest.raises(ConfigError, match=r"^cost\.instance: gcp prices SKUs, not machine types"):
         check("--cost.instance", "gcp/a3-highgpu-8g/us-central1", "--cost.spot_provider", "gcp")
-    with pytest.raises(ConfigError, match=r"^cost\.spot_provider: azure prices a VM size per region"):
+    with pytest.raises(
+        ConfigError, match=r"^cost\.spot_availability_zone: azure prices a VM size per region"
+    ):
         check("--cost.instance", f"azure/{SIZE}/{REGION}", "--cost.spot_provider", "azure",
               "--cost.spot_availability_zone", "eastus-az1")  # fmt: skip
 

@@ -59,6 +59,8 @@ def _config(tmp_path: Path, urls: dict[str, str]) -> Path:
             else:
                 node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
         node[where[-1]] = url
+        if field == "cost.spot_endpoint_url":  # a spot price API's setting applies only with spot pricing
+            node.update(pricing="spot", instance="aws/p5.48xlarge/us-east-1")
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

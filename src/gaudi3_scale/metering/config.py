@@ -7,7 +7,7 @@ listed, is its price known) is checked when the run starts, before any rank is l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from gaudi3_scale.config.core import check_choice
@@ -20,6 +20,9 @@ __all__ = ["PRICINGS", "CostConfig"]
 PRICINGS = ("on_demand", "spot", "capacity_block")
 Pricing = Literal["on_demand", "spot", "capacity_block"]
 _SPOT_ONLY = ("spot_pause_above_usd_per_hour", "spot_scale_up_below_usd_per_hour")
+# Where live spot quotes come from: used only with pricing spot and an instance (`metering.live.uses_spot_quotes`).
+# Set otherwise they would be ignored without a word, so they are refused like the policy's thresholds.
+_QUOTE_SETTINGS = ("spot_provider", "spot_endpoint_url", "spot_availability_zone", "spot_ttl_s")
 MAX_USD = 1e12  # a price or budget above a trillion dollars is a typo; its forecasts would print as inf
 
 
@@ -83,15 +86,15 @@ class CostConfig:
     spot_pause_above_usd_per_hour: float | None = field(
         default=None,
         metadata={
-            "help": "pricing spot: at a checkpoint, stop cleanly (exit 4) when the spot price per node is "
-            "above this; null = never pause"
+            "help": "pricing spot: at the next step boundary, checkpoint and stop cleanly (exit 4) when the spot "
+            "price per node is above this (a resume is refused while it still is); null = never pause"
         },
     )
     spot_scale_up_below_usd_per_hour: float | None = field(
         default=None,
         metadata={
-            "help": "pricing spot: at a checkpoint, recommend more nodes when the spot price per node is "
-            "below this; null = never recommend"
+            "help": "pricing spot: recommend more nodes (one note when the price crosses it) when the spot price "
+            "per node is below this; null = never recommend"
         },
     )
 
@@ -120,19 +123,25 @@ class CostConfig:
         self._check_spot()
 
     def _check_spot(self) -> None:
-        for name in _SPOT_ONLY:
+        defaults = {f.name: f.default for f in fields(self)}
+        quote_settings = [n for n in _QUOTE_SETTINGS if getattr(self, n) != defaults[n]]
+        for name in (*_SPOT_ONLY, *quote_settings):
             if getattr(self, name) is not None and self.pricing != "spot":
                 raise ConfigError(
                     name, f"applies only with cost.pricing spot, but pricing is {self.pricing!r}"
                 )
-        if (
-            self.pricing == "spot"
-            and self.instance is None
-            and any(getattr(self, n) is not None for n in _SPOT_ONLY)
-        ):
-            raise ConfigError(
-                "instance", "the spot policy needs an instance (spot prices are quoted per type and region)"
-            )
+        if self.pricing == "spot" and self.instance is None:
+            if any(getattr(self, n) is not None for n in _SPOT_ONLY):
+                raise ConfigError(
+                    "instance",
+                    "the spot policy needs an instance (spot prices are quoted per type and region)",
+                )
+            if quote_settings:
+                raise ConfigError(
+                    "instance",
+                    f"cost.{quote_settings[0]} applies to live spot quotes, which need an instance (spot prices are "
+                    "quoted per type and region); without one the run is charged cost.price_usd_per_hour",
+                )
         pause, scale = self.spot_pause_above_usd_per_hour, self.spot_scale_up_below_usd_per_hour
         if pause is not None and scale is not None and scale >= pause:
             raise ConfigError(

@@ -10,7 +10,8 @@ step, are not counted, so the figure is a slight lower bound of the bill. The ac
 checkpoint (`checkpoint.contents.COST_KEY` in its `gaudi3_meta`, hence also in its manifest), so a resumed run continues the sum.
 
 **Spot pricing**: until a live quote arrives the rate is `cost.price_usd_per_hour` or else the HIGH end of the
-catalog's spot range (a budget must not be undercounted); each quote read at a checkpoint boundary sets the rate.
+catalog's spot range (a budget must not be undercounted); the quote read at each step boundary (the poller refreshes
+it in the background, `cost.spot_ttl_s`) sets the rate.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ __all__ = [
     "CostMeter",
     "ResolvedPrice",
     "SpotCheck",
+    "SpotPausedError",
     "budget_message",
     "build_spot_check",
     "check_budget_left",
     "check_cost_config",
+    "check_resume_spot_price",
     "resolve_price",
     "stop_line",
     "uses_spot_quotes",
@@ -49,7 +52,9 @@ __all__ = [
 # Exit codes of a run that stopped itself over money. Deliberately not 128 + a signal: Kubeflow's ExitCode restart
 # policy retries 130, 137 and 143 (training-operator, pkg/util/train IsRetryableExitCode), and restarting a run
 # that is out of budget or priced out would only spend more. 2 is taken by bad input. (torchrun's --max-restarts,
-# parallel.max_restarts, restarts on any non-zero exit: a restarted group resumes and is refused at once, exit 3.)
+# parallel.max_restarts, restarts on any non-zero exit: a restarted group resumes and is refused at once, before it
+# trains: exit 3 while the checkpoint's cost is at the budget, exit 4 while the spot price is above the pause
+# threshold; `check_budget_left`, `check_resume_spot_price`.)
 BUDGET_EXIT_CODE = 3
 SPOT_PAUSE_EXIT_CODE = 4
 STOP_HINTS = {
@@ -63,6 +68,15 @@ class BudgetExhaustedError(Exception):
     """A resumed run whose checkpoint already spent the budget: one line, exit code 3, nothing trained."""
 
     exit_code = BUDGET_EXIT_CODE
+
+
+class SpotPausedError(BudgetExhaustedError):
+    """A resumed run whose spot price is still above the pause threshold: one line, exit code 4, nothing trained.
+
+    A BudgetExhaustedError so that every place that refuses a resume over money (one line from rank 0, every rank
+    exits with `exit_code`) handles it too."""
+
+    exit_code = SPOT_PAUSE_EXIT_CODE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +260,7 @@ class CostMeter:
 
 
 class SpotCheck:
-    """The spot policy at a checkpoint boundary: the cached quote (never waits on the network) → a decision."""
+    """The spot policy at a step boundary: the cached quote (never waits on the network) → a decision."""
 
     def __init__(
         self, prices: CachedSpotPrices, policy: SpotPolicy, *, instance_type: str, region: str
@@ -258,7 +272,7 @@ class SpotCheck:
         self.last: SpotDecision | None = None
 
     def warm(self) -> None:
-        """Start fetching the first quote, so one is likely cached by the first checkpoint boundary."""
+        """Start fetching the first quote, so one is likely cached by the first step boundaries."""
         self.prices.price(self.instance_type, self.region)
 
     def consult(self) -> tuple[SpotDecision, bool]:
@@ -280,8 +294,15 @@ def uses_spot_quotes(cfg: CostConfig) -> bool:
 
 
 def _spot_provider(cfg: CostConfig) -> SpotPriceProvider:
+    """The provider `cost.spot_provider` names; a refusal names the field at fault (the zone is checked apart)."""
     from gaudi3_scale.metering.spot import spot_provider
 
+    try:
+        provider = spot_provider(cfg.spot_provider, endpoint_url=cfg.spot_endpoint_url)
+    except UserInputError as exc:
+        raise ConfigError("cost.spot_provider", str(exc)) from None
+    if cfg.spot_availability_zone is None:
+        return provider
     try:
         return spot_provider(
             cfg.spot_provider,
@@ -289,7 +310,7 @@ def _spot_provider(cfg: CostConfig) -> SpotPriceProvider:
             availability_zone=cfg.spot_availability_zone,
         )
     except UserInputError as exc:
-        raise ConfigError("cost.spot_provider", str(exc)) from None
+        raise ConfigError("cost.spot_availability_zone", str(exc)) from None
 
 
 def check_cost_config(cfg: CostConfig) -> ResolvedPrice | None:
@@ -322,3 +343,35 @@ def build_spot_check(cfg: CostConfig, warn: Callable[[str], None]) -> SpotCheck:
         scale_up_below_usd_per_hour=cfg.spot_scale_up_below_usd_per_hour,
     )
     return SpotCheck(prices, policy, instance_type=key[1], region=key[2])
+
+
+def check_resume_spot_price(
+    cfg: CostConfig, checkpoint_name: str, *, warn: Callable[[str], None] | None = None
+) -> None:
+    """Refuse to resume while the spot price is still above `cost.spot_pause_above_usd_per_hour` (SpotPausedError).
+
+    The policy otherwise reads the cached quote, which the first steps may not have yet, so a run restarted after
+    a pause (torchrun's --max-restarts restarts on any non-zero exit, exit 4 included) would start training at the
+    price it paused for, again at every restart. One fetch, each request bounded by the provider's timeout; when it
+    gives no price the run resumes (`warn` says why) and the policy decides at each step boundary as usual.
+    """
+    if not uses_spot_quotes(cfg) or cfg.spot_pause_above_usd_per_hour is None:
+        return
+    from gaudi3_scale.metering.spot import SpotPolicy
+
+    key = cfg.instance_key
+    assert key is not None
+    provider = _spot_provider(cfg)
+    try:
+        quote = provider.fetch(key[1], key[2])
+    except Exception as exc:  # a failing or broken price API must not stop a run (as in CachedSpotPrices)
+        if warn is not None:
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            warn(f"spot price unknown before resuming from checkpoint {checkpoint_name} ({detail}); resuming")
+        return
+    decision = SpotPolicy(pause_above_usd_per_hour=cfg.spot_pause_above_usd_per_hour).decide(quote)
+    if decision.action == "pause":
+        raise SpotPausedError(
+            f"spot pause: {decision.reason} (cost.spot_pause_above_usd_per_hour) before resuming from checkpoint "
+            f"{checkpoint_name}; nothing trained; exit {SPOT_PAUSE_EXIT_CODE} — {STOP_HINTS[SPOT_PAUSE_EXIT_CODE]}"
+        )

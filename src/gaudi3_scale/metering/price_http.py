@@ -9,15 +9,20 @@ never part of a message, so a key in it could not leak either (we send keys in h
 from __future__ import annotations
 
 import http.client
+import io
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
 from gaudi3_scale.metering.quotes import SpotPriceError
 
-__all__ = ["MAX_PAGES", "get_json", "same_origin"]
+__all__ = ["MAX_PAGES", "get_json", "open_bounded", "same_origin"]
 
 MAX_PAGES = 50  # pages followed per quote: a GCP Compute Engine catalog is a few pages of 5,000 SKUs
 _MAX_BODY_BYTES = 64 * 1024 * 1024  # one page; a page of 5,000 SKUs is a few MB
@@ -29,7 +34,94 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
         return None  # urllib then raises HTTPError with the 3xx status
 
 
-_OPENER = urllib.request.build_opener(_RefuseRedirects())
+class _DeadlineSocket:
+    """A connected socket whose every send and receive waits at most until `deadline` (time.monotonic()).
+
+    A socket timeout bounds each read on its own: a server that sends one byte per second never trips it, and a
+    4 KB answer would take over an hour. Before each operation the timeout is set to the time left, so the whole
+    exchange (headers and body) ends by the deadline. Everything else is the socket's own.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, timeout_s: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def _bounded(self, operation: Callable[..., Any], *args: Any) -> Any:
+        left = self._deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            return operation(*args)
+        except TimeoutError:  # one message whether the answer stalled or dripped past the deadline
+            raise TimeoutError(f"timed out: no complete answer within {self._timeout_s:g} s") from None
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        return int(self._bounded(self._sock.recv_into, buffer, nbytes, flags))
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        return bytes(self._bounded(self._sock.recv, bufsize, flags))
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._bounded(self._sock.sendall, data, flags)
+
+    def makefile(self, mode: str = "rb", **kwargs: Any) -> Any:
+        # http.client reads the answer through this file, so its reads must come back through `recv_into` above.
+        # As socket.makefile does, the file holds a reference: urllib closes the connection's socket once the
+        # headers are in, and the socket stays open until the file is closed too.
+        assert mode == "rb", mode
+        reader = io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+        self._sock._io_refs += 1  # type: ignore[attr-defined]
+        return reader
+
+
+class _DeadlineConnection:
+    """Mixed into http.client's connection classes: the socket, once connected (TLS included), is a `_DeadlineSocket`."""
+
+    sock: Any
+
+    def __init__(self, *args: Any, deadline: float, timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline, self._timeout_s = deadline, timeout_s
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self.sock = _DeadlineSocket(self.sock, self._deadline, self._timeout_s)
+
+
+class _DeadlineHTTP(_DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPS(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+_WITH_DEADLINE = {http.client.HTTPConnection: _DeadlineHTTP, http.client.HTTPSConnection: _DeadlineHTTPS}
+
+
+class _Deadline(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """http and https whose request, from connecting to the last byte of the answer, ends within the timeout."""
+
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        timeout_s = req.timeout
+        connection: Any = partial(
+            _WITH_DEADLINE[http_class], deadline=time.monotonic() + timeout_s, timeout_s=timeout_s
+        )
+        return super().do_open(connection, req, **kwargs)
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects(), _Deadline())
+
+
+def open_bounded(request: urllib.request.Request, *, timeout_s: float) -> Any:
+    """`urllib.request.urlopen`, but the whole request (connecting, sending, every read of the answer) ends within
+    `timeout_s` (a TimeoutError after), and a redirect is an HTTPError rather than followed."""
+    return _OPENER.open(request, timeout=timeout_s)
 
 
 def _api_message(body: bytes) -> str:
@@ -46,12 +138,13 @@ def _api_message(body: bytes) -> str:
 def get_json(
     url: str, *, where: str, timeout_s: float, headers: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """GET `url` and parse a JSON object; `timeout_s` bounds the connection and each read."""
+    """GET `url` and parse a JSON object; the whole request (connecting, sending, every read) ends within
+    `timeout_s`, or it is a SpotPriceError saying it timed out."""
     request = urllib.request.Request(
         url, headers={"Accept": "application/json", "User-Agent": "gaudi3-scale", **(headers or {})}
     )
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
+        with open_bounded(request, timeout_s=timeout_s) as response:
             body = response.read(_MAX_BODY_BYTES + 1)
     except urllib.error.HTTPError as exc:
         try:

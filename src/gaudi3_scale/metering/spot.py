@@ -7,7 +7,7 @@ a sibling `fetch_on_demand` with the same signature (`OnDemandPriceProvider`); `
 and the quote and error types live in `metering.quotes`, re-exported here). AWS's DescribeSpotPriceHistory has spot
 prices only: its on-demand prices are the catalog's.
 `CachedSpotPrices` keeps the last quote per (instance type, region) and refreshes it in a daemon thread once it is
-older than its TTL, so a training callback can ask at every checkpoint boundary without ever waiting on the network:
+older than its TTL, so a training callback can ask at every step boundary without ever waiting on the network:
 a slow or failing price API means an old (stale-marked) price or none, never a stalled or crashed run.
 `SpotPolicy.decide` turns a quote into `continue`, `pause` (checkpoint and stop) or `scale_up` (a recommendation);
 the caller logs the decision's reason and exports `SpotDecision.as_metrics()`.
@@ -346,7 +346,7 @@ def _usd(value: float) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class SpotPolicy:
-    """What to do at a checkpoint boundary, given the current spot price of one node."""
+    """What to do at a step boundary, given the current spot price of one node."""
 
     pause_above_usd_per_hour: float | None = field(
         default=None,

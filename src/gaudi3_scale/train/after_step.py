@@ -2,6 +2,8 @@
 the run's own work, and the lines of `AfterStep.after_step` are the order.
 
     cost        train.cost_callback.LiveCost      accrue this step's cost; ask for a stop when the budget is spent
+                                                  or the spot policy pauses; once the ranks agreed on that stop,
+                                                  its line names this step and cost (what the checkpoint holds)
     metrics     train.step_metrics.RunMetrics     book the step; at a window's end, its record (with that cost)
     stop        train.callbacks.GracefulInterrupt the ranks agree on a stop (signal, spot notice, budget)
     health      train.step_health.StepHealth      reports what the step guard saw (health.guard decided, in
@@ -82,6 +84,8 @@ class AfterStep(pl.Callback):
         if not dropped:
             self.metrics.after_step(trainer, pl_module)
         self.stop.after_step(trainer, pl_module)  # at every boundary: a run dropping updates must still stop
+        if self.cost is not None and self.checkpoint.save_requested:  # a budget or spot stop's line names the
+            self.cost.stop_agreed(trainer)  # step and cost its checkpoint holds
         if self.health is not None:
             self.health.after_step(trainer, pl_module)
         if dropped:
@@ -137,6 +141,8 @@ class AfterStep(pl.Callback):
             self.watchdog.enter("step")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stop.interrupted:
+            self.metrics.flush(trainer, pl_module)  # the steps since the last record, up to the stop's
         self.metrics.end()
         self.stop.settle()
         if not (

@@ -14,6 +14,7 @@ from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import (
     BUDGET_EXIT_CODE,
     SPOT_PAUSE_EXIT_CODE,
+    STOP_HINTS,
     CostMeter,
     SpotCheck,
     budget_message,
@@ -53,6 +54,10 @@ class LiveCost:
         self.warn = warn
         self.note = note  # a line for the user (not `log`: Lightning sets `callback.log` to the module's)
         self.spot = spot  # rank 0 only: one price poller per run
+        # Our stop request, as its reason at a given step: the line names the step the ranks stop at (`stop_agreed`)
+        self._stop_reason: Callable[[int], str] | None = None
+        self._stop_named = False
+        self._carried: LiveCost | None = None  # the fit before a health rollback (`carry_from`)
 
     def metrics(self) -> dict[str, Any]:
         """Fields for RunMetrics' records (append this to `RunMetrics.sources`)."""
@@ -68,7 +73,21 @@ class LiveCost:
         if stored is not None:  # None: written before cost tracking was on; the sum starts here
             self.meter.cost_usd = float(stored)
 
+    def carry_from(self, previous: LiveCost) -> None:
+        """This fit follows a health rollback (`GaudiTrainer._fit`): the restored checkpoint brings back the training
+        state, not the spend. Money spent is never un-spent: at `start` the meter goes on from `previous`'s total,
+        the time since its last step (the rollback itself) billed at its rate, with its rate and its warning."""
+        self._carried = previous
+
     def start(self, trainer: pl.Trainer) -> None:
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            before = carried.meter
+            # up to now; `before` (and its window, which gets this step again) is dropped after this
+            before.accrue(trainer.global_step)
+            self.meter.cost_usd = max(self.meter.cost_usd, before.cost_usd)
+            self.meter.usd_per_hour_per_node = before.usd_per_hour_per_node  # the last live quote's rate
+            self.meter.warned = before.warned
         self.meter.start(trainer.global_step)
         if self.spot is not None:
             self.spot.warm()
@@ -78,16 +97,36 @@ class LiveCost:
         step = trainer.global_step
         meter = self.meter
         meter.accrue(step)
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or self._stop_reason is not None:  # our stop is on its way
             return
         if meter.passed_warning() and not meter.over_budget:  # both at once: the stop message says it all
             self.warn(meter.warning_message(step))
         if meter.over_budget:
-            assert meter.budget_usd is not None
-            reason = budget_message(meter.cost_usd, meter.budget_usd, f"after step {step}")
-            self.interrupt.request(reason, exit_code=BUDGET_EXIT_CODE)
-        elif self.spot is not None and self.checkpoint.periodic_due(step):
+            budget = meter.budget_usd
+            assert budget is not None
+            self._request(
+                lambda at: budget_message(meter.cost_usd, budget, f"after step {at}"), BUDGET_EXIT_CODE, step
+            )
+        elif self.spot is not None:
+            # At every step boundary, on the quote the poller refreshes in the background (`cost.spot_ttl_s`):
+            # reading it is a lock and a dict lookup, never a network call, so a new quote applies at the next step.
             self._consult_spot(step)
+
+    def stop_agreed(self, trainer: pl.Trainer) -> None:
+        """The ranks agreed on a stop and its checkpoint is saved at this step (AfterStep calls this right after
+        GracefulInterrupt, before StepCheckpoint). With more than one rank that is a step after rank 0 asked
+        (`GracefulInterrupt._agree`): our reason then names this step and the cost now accrued, which is what the
+        checkpoint records and the summary reports."""
+        if self._stop_reason is None or self._stop_named or self.interrupt.exit_code not in STOP_HINTS:
+            return
+        self._stop_named = True
+        self.interrupt.reason = self._stop_reason(trainer.global_step)
+
+    def _request(self, reason_at: Callable[[int], str], exit_code: int, step: int) -> None:
+        reason = reason_at(step)
+        self.interrupt.request(reason, exit_code=exit_code)
+        if self.interrupt.reason == reason:  # ours; a signal that came first keeps its own reason
+            self._stop_reason = reason_at
 
     def _consult_spot(self, step: int) -> None:
         assert self.spot is not None
@@ -96,8 +135,8 @@ class LiveCost:
             self.meter.usd_per_hour_per_node = decision.usd_per_hour  # what the time from now on costs
         if decision.action == "pause":
             self.note(f"spot policy at step {step}: pause — {decision.reason}")
-            reason = f"spot pause: {decision.reason} (cost.spot_pause_above_usd_per_hour) after step {step}"
-            self.interrupt.request(reason, exit_code=SPOT_PAUSE_EXIT_CODE)
+            why = f"spot pause: {decision.reason} (cost.spot_pause_above_usd_per_hour)"
+            self._request(lambda at: f"{why} after step {at}", SPOT_PAUSE_EXIT_CODE, step)
         elif decision.action == "scale_up" and changed:
             self.note(
                 f"spot policy at step {step}: scale up — {decision.reason}; capacity is cheap now: consider "

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from gaudi3_scale.checkpoint.manager import LATEST_NAME
+from gaudi3_scale.checkpoint.manager import LATEST_NAME, checkpoint_directory
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.files import check_output_dir
-from gaudi3_scale.metering.live import check_cost_config
+from gaudi3_scale.metering.live import check_cost_config, check_resume_spot_price
 from gaudi3_scale.monitor.config import check_trackers
 from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.resume import check_resume_budget, check_resume_strategy, resume_checkpoint
@@ -75,9 +75,12 @@ def _check_not_foreign(out_dir: Path) -> None:
 
 def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -> Path | None:
     """The checkpoint this run resumes from (`train.resume`), or None; refused with one line when its DeepSpeed
-    layout does not match `parallel` or its run already spent `cost.budget_usd` (`BudgetExhaustedError`)."""
+    layout does not match `parallel`, its run already spent `cost.budget_usd` (`BudgetExhaustedError`, exit 3) or
+    the spot price is still above `cost.spot_pause_above_usd_per_hour` (`SpotPausedError`, exit 4: a paused run
+    restarted by its launcher, or rerun by hand too early, trains nothing at that price)."""
     ckpt = resume_checkpoint(cfg, warn=warn)
     if ckpt is not None:
         check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
         check_resume_budget(cfg.cost, ckpt)
+        check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)
     return ckpt

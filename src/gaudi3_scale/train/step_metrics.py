@@ -60,6 +60,7 @@ class _Window:
     world_size: int
     values: dict[str, Any]
     per_rank: list[Any]  # by rank: [peak memory bytes, own compute seconds per step (< 0: not measured)]
+    sourced: dict[str, Any]  # the `sources`' fields, read at the window's end (e.g. the cost up to `step`)
 
 
 def _to_host(value: Any) -> Any:
@@ -262,6 +263,12 @@ class RunMetrics:
         """Everything after a micro-batch (and after its step) is done: data wait counts from here."""
         self._batch_end, self._paused_at_batch_end = time.perf_counter(), self._paused_total_s
 
+    def flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A stop between records (budget, spot pause, signal; every rank alike, before `end`): the steps since the
+        last record get a last, partial window's record, as the last step of `max_steps` does."""
+        if self._window_steps:
+            self._close_window(trainer, pl_module, trainer.global_step, with_loss=self._loss_sum is not None)
+
     def end(self) -> None:
         self._end_segment()  # steps after the last record (a stop between records): book their time
         self._resolve()
@@ -285,13 +292,19 @@ class RunMetrics:
         last = step == trainer.max_steps
         if step % self.log_every_steps and not last:
             return
-        window = self._capture(trainer, pl_module, step, with_loss=loss is not None)
+        self._close_window(trainer, pl_module, step, with_loss=loss is not None)
+        if last:  # no step follows to resolve it behind
+            self._resolve()
+
+    def _close_window(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, *, with_loss: bool
+    ) -> None:
+        """End the logging window at `step`: capture its record, written once the mark after it resolves."""
+        window = self._capture(trainer, pl_module, step, with_loss=with_loss)
         self._end_segment(always=True)  # marked after the capture's copies: resolving it covers them
         self._pending.append(window)
         self._window_steps, self._window_wait_s, self._window_samples = 0, 0.0, 0
         self._window_compute_s = []
-        if last:  # no step follows to resolve it behind
-            self._resolve()
 
     def _capture(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, *, with_loss: bool
@@ -319,6 +332,9 @@ class RunMetrics:
             # The list form of all_gather: gloo and NCCL both have it (Lightning's wrapper warns on torch 2.13).
             gathered = [torch.empty_like(own) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(gathered, own)
+        sourced: dict[str, Any] = {}
+        for source in self.sources:  # now, not when the record is written a step later
+            sourced.update(source())
         return _Window(
             step=step,
             steps=self._window_steps,
@@ -328,6 +344,7 @@ class RunMetrics:
             world_size=trainer.world_size,
             values={name: _to_host(value) for name, value in values.items()},
             per_rank=[_to_host(t) for t in gathered],
+            sourced=sourced,
         )
 
     def _write_window(self, window: _Window) -> None:
@@ -361,8 +378,7 @@ class RunMetrics:
             # `_mark` is the window's end: the mark resolved just before this window (`_resolve`).
             record["wall_s"] = self._mark - self.started_s
             record["time_unix"] = time.time() - (time.perf_counter() - self._mark)
-        for source in self.sources:
-            record.update(source())
+        record.update(window.sourced)
         if self.flops_per_token is not None:
             record["mfu"] = mfu(
                 tokens_per_s, self.flops_per_token, self.peak_flops_per_device, window.world_size

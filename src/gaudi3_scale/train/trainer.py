@@ -333,11 +333,14 @@ class GaudiTrainer:
     ) -> dict[str, Any] | Rollback:
         """One Lightning fit: the run's summary, or the rollback planned when a spike ended it."""
         previous_guard, previous_health = self._guard, self._health
+        previous_cost = self._after.cost if self._after is not None else None
         model, datamodule = self._assemble(model, datamodule, ckpt_path)
         if rollback is not None and previous_guard is not None and self._guard is not None:
             self._guard.carry_from(previous_guard, lr_scale=self.config.health.rollback_lr_scale)
         trainer = self.trainer = self.build_trainer(step_state_of(model))
         assert self._after is not None, "build_trainer builds the run's parts"
+        if rollback is not None and previous_cost is not None and self._after.cost is not None:
+            self._after.cost.carry_from(previous_cost)  # the checkpoint restores the training, not the spend
         self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock
         finished = ckpt_path is not None and self._check_resume(model, ckpt_path)
         # the run's files and plan.json past every refusal: a run refused at its start changes nothing, nor does

@@ -31,7 +31,7 @@ __all__ = [
     "main",
     "print_outputs",
     "profile_overrides",
-    "stop_when_budget_exhausted",
+    "stop_when_refused_to_resume",
 ]
 
 
@@ -49,8 +49,9 @@ class FinishedRun:
 
 
 @contextmanager
-def stop_when_budget_exhausted() -> Iterator[None]:
-    """A resumed run that has no budget left trains nothing: rank 0 says so in one line, every rank exits 3."""
+def stop_when_refused_to_resume() -> Iterator[None]:
+    """A resumed run that has no budget left, or whose spot price is still above the pause threshold, trains
+    nothing: rank 0 says so in one line, every rank exits 3 (budget) or 4 (spot pause: `SpotPausedError`)."""
     from gaudi3_scale.metering.live import BudgetExhaustedError
 
     try:
@@ -76,10 +77,16 @@ def fit_run(cfg: RunConfig, *, progress: bool) -> FinishedRun:
 
 
 def print_outputs(run: FinishedRun) -> None:
-    written = "config.yaml, metrics.jsonl, summary.json, loss.png" + (
-        ", checkpoints/" if run.summary.get("checkpoint") else ""
-    )
-    click.echo(f"outputs: {run.trainer.out_dir}/ ({written})")
+    """The run's outputs that exist (a run stopped before its first record has no metrics.jsonl, nor a plot)."""
+    out_dir = run.trainer.out_dir
+    written = [
+        name
+        for name in ("config.yaml", "metrics.jsonl", "summary.json", "loss.png")
+        if (out_dir / name).exists()
+    ]
+    if run.summary.get("checkpoint"):
+        written.append("checkpoints/")
+    click.echo(f"outputs: {out_dir}/ ({', '.join(written)})")
 
 
 def exit_if_stopped(cfg: RunConfig, run: FinishedRun) -> None:
@@ -177,7 +184,7 @@ def worker(
     if print_config:
         click.echo(config_yaml(cfg), nl=False)
         return
-    with stop_when_budget_exhausted():
+    with stop_when_refused_to_resume():
         run = fit_run(cfg, progress=progress)
         if not run.is_global_zero:
             sys.exit(run.exit_code)
