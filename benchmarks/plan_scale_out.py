@@ -3,8 +3,8 @@
 exposed communication (pipeline point-to-point included) and the pipeline bubble.
 
 Nothing here runs on those machines: it is the forecast model (`gaudi3_scale.forecast`) with catalog figures, each
-with its source (peak FLOP/s, link bandwidths in `forecast/links.yaml`, prices), and the fallback MFU of each device
-kind (measured on an H200 for CUDA; an assumption for Gaudi, not yet validated on Gaudi hardware). The recipes are
+with its source (peak FLOP/s, link bandwidths in `forecast/links.yaml`, prices), and the fallback MFU of each accelerator
+(measured on one H100 for the H100; an assumption for Gaudi, not yet validated on Gaudi hardware). The recipes are
 docs/llama3_recipe.md's: context 8,192, 1,024 sequences (8.4 M tokens) per step, bf16, FSDP with activation
 checkpointing; 70B adds tensor parallel 2 inside a node; 405B runs tensor parallel 8 inside a node × pipeline
 parallel 8 across nodes (1F1B, the Llama 3 split: one layer fewer on the first and last stage, as Meta split 126

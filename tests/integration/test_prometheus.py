@@ -222,11 +222,12 @@ def test_prometheus_scrapes_both_ranks_of_a_real_run(
     assert read_endpoints(out) == []  # a clean stop removes the endpoint files
 
 
-# Every forward sleeps 50 ms, so a step takes ~60 ms and Prometheus (scraping every second) sees each fit. With a
+# Every forward sleeps 100 ms, so a step takes ~110 ms and Prometheus (scraping every second) sees each fit, also
+# on a loaded machine (at 50 ms a CI run saw only the last fit's series: [2.0]). With a
 # checkpoint every 10 steps and 15 batches skipped per rollback, the spikes of data steps 60 and 130 roll back twice
 # (to step 60, skipping batches 60-74; from step 115 to 110, skipping 125-139). Only the loss is watched, at 20 MADs:
 # this tiny model's gradient norm has spikes of its own a few hundred steps in.
-ROLLBACK_FAULTS = "sleep:step=0:seconds=0.05,spike:step=60:scale=20,spike:step=130:scale=20"
+ROLLBACK_FAULTS = "sleep:step=0:seconds=0.1,spike:step=60:scale=20,spike:step=130:scale=20"
 
 
 def test_the_rollbacks_of_real_runs_fire_gaudi3_run_rolled_back(tmp_path: Path) -> None:

@@ -336,10 +336,17 @@ def test_gaudi_fit_uses_a_strategy_the_trainer_runs_there() -> None:
     assert row.accelerators is not None  # DeepSpeed remains a what-if on CUDA, where the trainer runs it
 
 
-def test_without_mfu_each_device_kind_gets_ours_measured_or_a_labelled_assumption() -> None:
-    gaudi3, h100 = compare_training_cost("llama3-70b", "1T", ["gaudi3", "h100"]).rows
-    assert h100.mfu == pytest.approx(0.5588) and h100.mfu_source.startswith("measured: Llama 3.2 1B")
-    assert "gpu_shapes_cuda_h200.json" in h100.mfu_source
+def test_without_mfu_each_accelerator_gets_ours_measured_or_a_labelled_assumption() -> None:
+    gaudi3, h100, h200, a100 = compare_training_cost(
+        "llama3-70b", "1T", ["gaudi3", "h100", "h200", "a100"]
+    ).rows
+    assert h100.mfu == pytest.approx(0.5283) and h100.mfu_source.startswith("measured: Llama 3.2 1B")
+    assert "on one H100" in h100.mfu_source and "gpu_cuda_h100_fp8.json" in h100.mfu_source
+    assert h200.mfu == pytest.approx(0.5588) and "gpu_shapes_cuda_h200.json" in h200.mfu_source
+    # an accelerator no run of ours measured: the H200's, labelled an assumption
+    assert a100.mfu == pytest.approx(0.5588) and a100.mfu_source.startswith(
+        "assumption: no run of ours measured"
+    )
     assert gaudi3.mfu == 0.40 and gaudi3.mfu_source.startswith("assumption: an unsourced fallback")
     assert "not yet validated on Gaudi hardware" in gaudi3.mfu_source
 

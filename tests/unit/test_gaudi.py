@@ -40,16 +40,12 @@ def test_only_documented_habana_variables() -> None:
         lazy_mode=True,
         lazy_collectives=True,
         max_compound_op_size=10,
-        pool_strategy=5,
-        weight_cpu_permute=False,
     )
     assert set(env) <= set(DOCUMENTED_HPU_ENV)
     assert env == {
         "PT_HPU_LAZY_MODE": "1",
         "PT_HPU_ENABLE_LAZY_COLLECTIVES": "true",
         "PT_HPU_MAX_COMPOUND_OP_SIZE": "10",
-        "PT_HPU_POOL_STRATEGY": "5",
-        "PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE": "0",
     }
     source = "\n".join(p.read_text() for p in Path("src/gaudi3_scale").rglob("*.py"))
     for invented in (
@@ -58,6 +54,9 @@ def test_only_documented_habana_variables() -> None:
         "OPTIMIZE_UTILIZATION",
     ):
         assert invented not in source.replace(f"such as {invented}", "").replace(f"or {invented}", "")
+    # internal bridge flags, in its source but not in its documentation: named only in the comment that says so
+    for internal in ("PT_HPU_POOL_STRATEGY", "PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE"):
+        assert source.count(internal) == 1, internal
 
 
 def test_cli_hpu_without_gaudi_is_exit_2(tmp_path: Path) -> None:

@@ -24,16 +24,15 @@ __all__ = [
     "torch_hpu",
 ]
 
-# Only variables Habana documents or its own bridge prints in "HABANA PT BRIDGE CONFIGURATION" (sources:
-# docs.habana.ai "Runtime Environment Variables"; "Run Inference Using HPU Graphs"; the bridge's env_flags for
-# PT_HPU_POOL_STRATEGY and PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE). Invented names such as PT_HPU_ENABLE_LAZY_COMPILATION
-# or PT_HPU_GRAPH_COMPILER_OPT_LEVEL are never set.
+# Only variables Habana documents (docs.habana.ai "Runtime Environment Variables"; "Run Inference Using HPU Graphs"),
+# and PT_HPU_MAX_COMPOUND_OP_SIZE, which the bridge prints in its "HABANA PT BRIDGE CONFIGURATION" and Intel's
+# optimum-habana READMEs set. Internal bridge flags (PT_HPU_POOL_STRATEGY, PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE: in the
+# bridge's source, not in its documentation) are never set, nor invented names
+# such as PT_HPU_ENABLE_LAZY_COMPILATION or PT_HPU_GRAPH_COMPILER_OPT_LEVEL. Not yet validated on Gaudi hardware.
 DOCUMENTED_HPU_ENV = {
     "PT_HPU_LAZY_MODE": "1 = lazy (legacy) mode, 0 = eager + torch.compile (default in current releases)",
     "PT_HPU_ENABLE_LAZY_COLLECTIVES": "required for HPU graphs with multi-card collectives",
-    "PT_HPU_MAX_COMPOUND_OP_SIZE": "upper bound on ops fused into one graph (integer)",
-    "PT_HPU_POOL_STRATEGY": "device memory pool strategy (unsigned integer; bridge default 5)",
-    "PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE": "permute weights on the host (bool; bridge default true)",
+    "PT_HPU_MAX_COMPOUND_OP_SIZE": "upper bound on ops fused into one graph (integer; printed by the bridge)",
 }
 
 
@@ -42,8 +41,6 @@ def hpu_environment(
     lazy_mode: bool = False,
     lazy_collectives: bool | None = None,
     max_compound_op_size: int | None = None,
-    pool_strategy: int | None = None,
-    weight_cpu_permute: bool | None = None,
 ) -> dict[str, str]:
     """The Habana variables for a run; unset options are left to the runtime's defaults."""
     env = {"PT_HPU_LAZY_MODE": "1" if lazy_mode else "0"}
@@ -51,10 +48,6 @@ def hpu_environment(
         env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] = "true" if lazy_collectives else "false"
     if max_compound_op_size is not None:
         env["PT_HPU_MAX_COMPOUND_OP_SIZE"] = str(int(max_compound_op_size))
-    if pool_strategy is not None:
-        env["PT_HPU_POOL_STRATEGY"] = str(int(pool_strategy))
-    if weight_cpu_permute is not None:
-        env["PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE"] = "1" if weight_cpu_permute else "0"
     assert set(env) <= set(DOCUMENTED_HPU_ENV)
     return env
 

@@ -128,7 +128,7 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     kind = "hpu" if spec.name.startswith("gaudi") else "cuda"
     store = _local_gpu_store(spec.name) if kind == "cuda" else None
     peak = _precision_peak(spec, precision)
-    mfu = Figure(*fallback_mfu(kind))
+    mfu = Figure(*fallback_mfu(kind, spec.name))
     if store is not None and peak.value is not None:
         mfu = _probes_mfu(store, peak.value, mfu)
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")

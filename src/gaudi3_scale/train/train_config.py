@@ -35,7 +35,7 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "sequences per forward pass per rank; null = global batch / data-parallel ranks (no "
-            "accumulation), or 1 under pipeline parallel (torchtitan's default: each sequence a pipeline micro-batch)"
+            "accumulation), or 1 under pipeline parallel (each sequence a pipeline micro-batch)"
         },
     )
     max_steps: int = field(
@@ -77,7 +77,7 @@ class TrainConfig:
         default=False,
         metadata={
             "help": "only with precision fp8: convert the output head too (when its sizes are multiples of 16). "
-            "Off by default, as torchtitan keeps it: its logits feed the softmax over the whole vocabulary, where "
+            "Off by default: its logits feed the softmax over the whole vocabulary, where "
             "FP8 rounding reaches the loss most directly. On is faster: the head of Llama 3.2 1B is ~21 % of its "
             "6N FLOPs"
         },
@@ -86,7 +86,7 @@ class TrainConfig:
         default=False,
         metadata={
             "help": "only with precision fp8 and the tensorwise or rowwise recipe: keep in bf16 the linears that "
-            "torchao's H100 GEMM tables find slower in fp8 (its auto filter; opt-in, as in torchtitan), e.g. the "
+            "torchao's H100 GEMM tables find slower in fp8 (its auto filter; opt-in), e.g. the "
             "2048 -> 512 key/value projections of Llama 3.2 1B under tensorwise"
         },
     )
@@ -119,7 +119,8 @@ class TrainConfig:
     hpu_graphs: bool = field(
         default=False,
         metadata={
-            "help": "Gaudi only: record and replay HPU graphs (switches on lazy mode); not yet validated"
+            "help": "Gaudi only: record and replay HPU graphs (switches on lazy mode); not yet validated on "
+            "Gaudi hardware"
         },
     )
     deterministic: bool = field(default=False, metadata={"help": "use only deterministic kernels"})
