@@ -181,7 +181,8 @@ def format_layouts(
         f"tp {t}: {tp_bytes_per_token(model, t) / 1e6:.1f} MB/token" for t in _tps(checks) if t > 1
     )
     lines.append(
-        "ranking model: offload, then recomputation (+1/3 FLOPs), then tensor-parallel traffic"
+        "ranking model: offload, then recomputation (+1/3 FLOPs), then pipeline stages (the bubble), then "
+        "tensor-parallel traffic"
         + (f" (per rank {traffic})" if traffic else "")
         + ", then strategy and HSDP; see gaudi3_scale.tune.layouts"
     )
