@@ -120,6 +120,8 @@ _QUOTE = ["cost", "quote", "--provider", "azure", "--type", "Standard_ND96isr_H1
 
 # (id, command, words the line must hold, fixture paths whose files must be unchanged afterwards)
 Case = tuple[str, Args, tuple[str, ...], tuple[str, ...]]
+# a 2-stage pipeline, checked by the config only
+_PP2 = ["train", "--print-config", "--model.name", "llama-tiny", "--parallel.nproc_per_node", "2", "--parallel.pp_size", "2"]  # fmt: skip
 FIXED: list[Case] = [
     ("train-out-is-a-file", lambda p: _train(p, "--out", str(p["a_file"])), ("out_dir:", "is a file", "pass a directory"), ("a_file",)),
     ("train-out-inside-a-file", lambda p: _train(p, "--out", str(p["a_file"] / "sub")), ("out_dir:", "which is a file"), ("a_file",)),
@@ -193,6 +195,10 @@ FIXED: list[Case] = [
     ("prepare-into-a-model-directory", lambda p: _prepare(p, "--out", str(p["hf_model"])), ("data.prepared_dir:", "is not a prepared dataset but holds tokenizer.json"), ("hf_model",)),
     ("health-hang-report-a-list", lambda p: ["health", str(p["hang_list"])], ("not a hang report (a JSON list, not an object)",), ()),
     ("health-hang-report-time", lambda p: ["health", str(p["hang_time"])], ("detected_unix_s 1e+30 is not a time",), ()),
+    ("train-pp-zbv-with-compile", lambda p: [*_PP2, "--model.num_layers", "4", "--parallel.pp_schedule", "zbv", "--train.compile", "true"], ("train.compile: compiled blocks cannot run zbv's split backward", "allowed: train.compile with pp_schedule gpipe, 1f1b or interleaved_1f1b, or zbv with train.compile false"), ()),
+    ("train-pp-split-without-brackets", lambda p: [*_PP2, "--model.num_layers", "4", "--parallel.pp_split", "7,15,24"], ("parallel.pp_split: expected a list of integers such as [7, 15, 24], got '7,15,24'",), ()),
+    ("train-pp-1f1b-micro-batch-1", lambda p: [*_PP2, "--model.num_layers", "4", "--train.global_batch_size", "1"], ("is 1; allowed: a larger train.global_batch_size, or pp_schedule gpipe or zbv",), ()),
+    ("train-pp-zbv-uneven-split", lambda p: [*_PP2, "--model.num_layers", "6", "--parallel.pp_schedule", "zbv"], ("parallel.pp_schedule: zbv runs 2 stages per rank, 4 with pp_size 2", "allowed: gpipe or 1f1b (one stage per rank), parallel.pp_split with 3 layer indices"), ()),
 ]  # fmt: skip
 
 WORKED: list[Case] = [

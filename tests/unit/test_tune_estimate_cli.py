@@ -112,7 +112,10 @@ def test_llama3_405b_on_16_h100_nodes_proposes_pipeline_layouts(
     )  # fmt: skip
     assert code == 0, out + err
     # the order the listing is in (`LayoutCheck.rank_key`): pipeline stages before tensor-parallel traffic
-    assert "then recomputation (+1/3 FLOPs), then pipeline stages (the bubble), then tensor-parallel traffic" in out
+    assert (
+        "then recomputation (+1/3 FLOPs), then pipeline stages (the bubble), then tensor-parallel traffic"
+        in out
+    )
     layouts = _layouts(out)
     pipelines = [m for m in layouts if m.group("pp")]
     assert {m.group("pp") for m in pipelines} == {"2", "4", "8", "16"}

@@ -83,10 +83,13 @@ def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
 
 def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> float:
     """Start this node's ranks (`python -m gaudi3_scale.train`) and wait for them; returns when they started."""
+    from gaudi3_scale.device.select import check_device_precision
     from gaudi3_scale.distributed.launch import launch
     from gaudi3_scale.train.preflight import check_run_inputs, resume_point
     from gaudi3_scale.train.run_lock import run_directory_lock
 
+    # Here, not in the run config: `auto` is this machine's device, and a config is also planned for others (plan).
+    check_device_precision(cfg.train.device, cfg.train.precision)
     check_run_inputs(cfg)
     # The launcher holds the run directory for its ranks (they join its lock): a second run is refused here.
     with run_directory_lock(cfg.output_dir, node_rank=cfg.parallel.node_rank):

@@ -69,12 +69,27 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in get_args(tp))
     if origin in (list, tuple, Sequence):
         (inner, *_) = get_args(tp) or (Any,)
-        return f"a list of {_describe(inner)}"
+        return _describe_list(inner)
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+# A list field's items, named in the plural, and a list written as a YAML value or an --override takes it
+_LIST_ITEMS = {int: ("integers", "[7, 15, 24]"), float: ("numbers", "[0.5, 1.0]"), str: ("strings", "[a, b]"),
+               bool: ("true or false values", "[true, false]")}  # fmt: skip
+
+
+def _describe_list(inner: Any) -> str:
+    """The accepted form, not only the type: "a list of integers such as [7, 15, 24]"."""
+    if inner in _LIST_ITEMS:
+        items, example = _LIST_ITEMS[inner]
+        return f"a list of {items} such as {example}"
+    if dataclasses.is_dataclass(inner):
+        return "a list of mappings"
+    return f"a list of items, each {_describe(inner)}"
 
 
 def type_name(tp: Any) -> str:

@@ -17,6 +17,7 @@ from gaudi3_scale.device.specs import AcceleratorSpec, find_accelerator
 
 __all__ = [
     "DevicePlan",
+    "check_device_precision",
     "cpu_model_name",
     "cpu_threads_per_rank",
     "measure_cpu_matmul_flops",
@@ -111,10 +112,19 @@ def measured_cpu_spec(threads: int | None = None) -> AcceleratorSpec:
     )
 
 
-def _plan_hpu(precision: str) -> DevicePlan:
-    """Not yet validated on Gaudi hardware."""
+def _hpu_precision(precision: str) -> str:
+    """The precision a Gaudi run trains in (`auto` resolved), or the one-line refusal. Not yet validated on Gaudi
+    hardware."""
     if precision == "fp8":
         check_float8_supported("hpu")  # refused on Gaudi, whether or not one is present
+    if precision == "16-mixed":
+        raise ConfigError("train.precision", "Gaudi trains in bf16; use bf16-mixed, bf16-true or 32-true")
+    return "bf16-mixed" if precision == "auto" else precision
+
+
+def _plan_hpu(precision: str) -> DevicePlan:
+    """Not yet validated on Gaudi hardware."""
+    precision = _hpu_precision(precision)
     from gaudi3_scale.device.hpu import apply_hpu_environment, hpu_environment, require_hpu, torch_hpu
 
     apply_hpu_environment(hpu_environment())  # before habana_frameworks is first imported
@@ -122,11 +132,53 @@ def _plan_hpu(precision: str) -> DevicePlan:
         require_hpu()
     except UserInputError as exc:
         raise ConfigError("train.device", str(exc)) from None
-    if precision == "auto":
-        precision = "bf16-mixed"
-    if precision == "16-mixed":
-        raise ConfigError("train.precision", "Gaudi trains in bf16; use bf16-mixed, bf16-true or 32-true")
     return _accelerator_plan("hpu", str(torch_hpu().get_device_name()), precision)
+
+
+def _cpu_precision(precision: str) -> str:
+    """The precision a CPU run trains in (`auto` resolved), or the one-line refusal."""
+    if precision == "fp8":
+        check_float8_supported("cpu")
+    if precision == "16-mixed":
+        raise ConfigError(
+            "train.precision", "16-mixed needs a GPU; on cpu use 32-true, bf16-mixed or bf16-true"
+        )
+    return "32-true" if precision == "auto" else precision
+
+
+def _cuda_precision(precision: str) -> tuple[str, str, bool]:
+    """(device name, the Lightning precision, float8) of a CUDA run, or the one-line refusal."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device", "cuda was requested but no CUDA device is visible; allowed here: auto, cpu"
+        )
+    name = torch.cuda.get_device_name()
+    bf16_ok = torch.cuda.is_bf16_supported()
+    if precision == "auto":
+        precision = "bf16-mixed" if bf16_ok else "16-mixed"
+    if precision == "fp8":
+        check_float8_supported("cuda")
+        return name, "bf16-mixed", True
+    if precision.startswith("bf16") and not bf16_ok:
+        raise ConfigError("train.precision", f"{name} has no bf16 support; use 16-mixed or 32-true")
+    return name, precision, False
+
+
+def _resolved_device(device: str) -> str:
+    # Gaudi only when asked for: its environment must be set before habana_frameworks is imported.
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def check_device_precision(device: str, precision: str) -> None:
+    """`plan_device`'s refusals of a precision on this machine's device, without measuring its peak or starting
+    Gaudi's runtime: what a launcher checks before it starts any rank (one line instead of one per rank)."""
+    device = _resolved_device(device)
+    if device == "hpu":
+        _hpu_precision(precision)
+    elif device == "cuda":
+        _cuda_precision(precision)
+    else:
+        _cpu_precision(precision)
 
 
 def _accelerator_plan(accelerator: str, name: str, precision: str, *, float8: bool = False) -> DevicePlan:
@@ -159,37 +211,15 @@ def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
     `precision="fp8"` (torchao float8 linears) runs on CUDA GPUs of compute capability 8.9 or newer with torchao
     installed: the plan holds Lightning's "bf16-mixed" and `float8=True`. Elsewhere it is refused.
     """
-    if device == "auto":
-        # Gaudi only when asked for: its environment must be set before habana_frameworks is imported.
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _resolved_device(device)
     if device == "hpu":
         return _plan_hpu(precision)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "train.device", "cuda was requested but no CUDA device is visible; allowed here: auto, cpu"
-        )
     if device == "cuda":
-        name = torch.cuda.get_device_name()
-        bf16_ok = torch.cuda.is_bf16_supported()
-        if precision == "auto":
-            precision = "bf16-mixed" if bf16_ok else "16-mixed"
-        if precision == "fp8":
-            check_float8_supported("cuda")
-            return _accelerator_plan("cuda", name, "bf16-mixed", float8=True)
-        if precision.startswith("bf16") and not bf16_ok:
-            raise ConfigError("train.precision", f"{name} has no bf16 support; use 16-mixed or 32-true")
-        return _accelerator_plan("cuda", name, precision)
-    if precision == "auto":
-        precision = "32-true"
-    if precision == "fp8":
-        check_float8_supported("cpu")
-    if precision == "16-mixed":
-        raise ConfigError(
-            "train.precision", "16-mixed needs a GPU; on cpu use 32-true, bf16-mixed or bf16-true"
-        )
+        name, precision, float8 = _cuda_precision(precision)
+        return _accelerator_plan("cuda", name, precision, float8=float8)
     return DevicePlan(
         accelerator="cpu",
-        precision=precision,
+        precision=_cpu_precision(precision),
         device_name=cpu_model_name(),
         peak_flops=measure_cpu_matmul_flops(threads),
         peak_source=f"measured fp32 matmul peak with {threads} threads",

@@ -30,9 +30,11 @@ def check_pipeline(
     *,
     accumulation: int,
     compile_mode: str | None,
+    micro_batch_size: int | None = None,
 ) -> None:
     """A pipeline layout against the model and the run, before launch: one `ConfigError` naming the field.
-    `compile_mode`: `train.compile_mode` when `train.compile` is on, else None."""
+    `compile_mode`: `train.compile_mode` when `train.compile` is on, else None; `micro_batch_size`: the resolved
+    micro-batch (None: not known, the advice then says when a smaller one helps)."""
     if parallel.pp_size == 1:
         return
     if model.arch == "bert" or model.num_experts or model.tie_embeddings:
@@ -54,17 +56,45 @@ def check_pipeline(
             f"{compile_mode} captures CUDA graphs, which a pipeline's sends and receives between the stages' "
             "blocks cannot be part of; with pipeline parallel use default or max-autotune-no-cudagraphs",
         )
-    stages = parallel.pp_stages
+    if compile_mode is not None and parallel.pp_schedule == "zbv":
+        # ZBV splits each backward in two: the input-gradient pass keeps the graph (`autograd.grad(retain_graph=True)`,
+        # torch's `stage_backward_input`) for the weight-gradient pass, and a compiled block's backward donates its
+        # buffers, which needs retain_graph=False (torch 2.13: "compiled with non-empty donated buffers").
+        raise ConfigError(
+            "train.compile",
+            "compiled blocks cannot run zbv's split backward (it retains the graph between its input- and "
+            "weight-gradient passes); allowed: train.compile with pp_schedule gpipe, 1f1b or interleaved_1f1b, or zbv "
+            "with train.compile false",
+        )
+    stages, per_rank = parallel.pp_stages, STAGES_PER_RANK[parallel.pp_schedule]
     if model.num_layers < stages:
-        per_rank = STAGES_PER_RANK[parallel.pp_schedule]
         raise ConfigError(
             "parallel.pp_schedule" if per_rank > 1 else "parallel.pp_size",
             f"{parallel.pp_schedule} with pp_size {parallel.pp_size} runs {stages} stages ({per_rank} per rank), "
             f"more than model.num_layers ({model.num_layers}); allowed: at most {model.num_layers} stages"
             + (" (or a schedule with one stage per rank: gpipe, 1f1b)" if per_rank > 1 else ""),
         )
+    if not parallel.pp_split and model.num_layers % stages and per_rank > 1:
+        raise ConfigError(
+            "parallel.pp_schedule",
+            _uneven_two_stage_split(parallel.pp_schedule, parallel.pp_size, model.num_layers, per_rank),
+        )
     stage_starts(model.num_layers, stages, parallel.pp_split)
-    check_micro_batches(parallel.pp_schedule, parallel.pp_size, accumulation)
+    check_micro_batches(
+        parallel.pp_schedule, parallel.pp_size, accumulation, micro_batch_size=micro_batch_size
+    )
+
+
+def _uneven_two_stage_split(schedule: str, pp_size: int, num_layers: int, per_rank: int) -> str:
+    """Why the automatic split refuses a schedule with several stages per rank: its stage count comes from the
+    schedule, not from pp_size alone (which the world size often fixes)."""
+    stages = per_rank * pp_size
+    one_stage = " gpipe or 1f1b (one stage per rank)," if num_layers % pp_size == 0 else ""
+    return (
+        f"{schedule} runs {per_rank} stages per rank, {stages} with pp_size {pp_size}, and the automatic split "
+        f"needs model.num_layers ({num_layers}) to be a multiple of them; allowed:{one_stage} parallel.pp_split "
+        f"with {stages - 1} layer indices, or a model.num_layers that is a multiple of {stages}"
+    )
 
 
 def stage_starts(num_layers: int, stages: int, split: tuple[int, ...] | list[int] = ()) -> list[int]:
@@ -113,7 +143,9 @@ def local_stages(schedule: str, pp_size: int, pp_rank: int) -> list[int]:
     return [pp_rank, pp_rank + pp_size]
 
 
-def check_micro_batches(schedule: str, pp_size: int, accumulation: int) -> None:
+def check_micro_batches(
+    schedule: str, pp_size: int, accumulation: int, *, micro_batch_size: int | None = None
+) -> None:
     """The schedules' own limits on the micro-batch count (the train accumulation), checked before launch with
     the fields a user sets (torch 2.13: `Schedule1F1B` and `ScheduleInterleaved1F1B.__init__`; GPipe and ZBV run
     any count, measured with 2 stages and 1 … 6 micro-batches)."""
@@ -121,8 +153,9 @@ def check_micro_batches(schedule: str, pp_size: int, accumulation: int) -> None:
         raise ConfigError(
             "parallel.pp_schedule",
             f"1f1b needs at least pp_size ({pp_size}) micro-batches per step, the train accumulation (global batch "
-            f"/ (micro-batch × data-parallel ranks)) is {accumulation}; allowed: a smaller train.micro_batch_size, "
-            "a larger train.global_batch_size, or pp_schedule gpipe or zbv",
+            f"/ (micro-batch × data-parallel ranks)) is {accumulation}; allowed: "
+            + _smaller_micro_batch(micro_batch_size)
+            + "a larger train.global_batch_size, or pp_schedule gpipe or zbv",
         )
     rounds = max(1, accumulation // pp_size)
     if schedule == "interleaved_1f1b" and accumulation % rounds:
@@ -132,3 +165,10 @@ def check_micro_batches(schedule: str, pp_size: int, accumulation: int) -> None:
             f"accumulation ({accumulation}) must be a multiple of them; allowed: fewer than 2 × pp_size "
             f"({2 * pp_size}) micro-batches or a multiple of pp_size",
         )
+
+
+def _smaller_micro_batch(micro_batch_size: int | None) -> str:
+    """The advice to lower train.micro_batch_size, only where that can raise the micro-batch count."""
+    if micro_batch_size is None:
+        return "a smaller train.micro_batch_size (when above 1), "
+    return "a smaller train.micro_batch_size, " if micro_batch_size > 1 else ""

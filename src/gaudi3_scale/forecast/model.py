@@ -213,9 +213,11 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     estimate = estimate_memory(
         shape.model, shape.plan, shape.batch, precision=shape.precision, device_kind=shape.device_kind
     )
+    in_flight = estimate.in_flight_micro_batches
     stage = (
-        f"; pipeline rank {estimate.pp_rank} of {estimate.pp_size}, the largest: stages "
-        f"{', '.join(map(str, estimate.pp_stages))}, {estimate.in_flight_micro_batches} micro-batch(es) in flight"
+        f"; pipeline rank {estimate.pp_rank} of {estimate.pp_size}, the largest: "
+        f"stage{'s' if len(estimate.pp_stages) > 1 else ''} {' and '.join(map(str, estimate.pp_stages))} with "
+        f"{in_flight} micro-batch{'es' if in_flight != 1 else ''} in flight"
         if estimate.pp_size > 1
         else ""
     )

@@ -96,6 +96,7 @@ class RunConfig:
             self.parallel,
             accumulation=batch.accumulation,
             compile_mode=self.train.compile_mode if self.train.compile else None,
+            micro_batch_size=batch.micro_batch_size,
         )
         if self.health.spike_policy == "rollback" and not self.checkpoint.enabled:
             raise ConfigError(

@@ -2,8 +2,9 @@
 the ranks: one line instead of one per rank) and `GaudiTrainer.fit` (every process, also without our launcher).
 
 `check_run_inputs` runs before any data work; `resume_point` picks the checkpoint to resume from and refuses one
-this run cannot continue. The model section and the prepared data are compared with the checkpoint later, in the
-trainer, once the dataset is prepared (`train.resume.check_resume_compatible` / `check_resume_data`).
+this run cannot continue (its layout, DeepSpeed partitions, budget, spot price). The model section and the prepared
+data are compared with the checkpoint later, in the trainer, once the dataset is prepared
+(`train.resume.check_resume_compatible` / `check_resume_data`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config, check_resume_spot_price
 from gaudi3_scale.monitor.config import check_trackers
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.resume import check_resume_budget, check_resume_strategy, resume_checkpoint
+from gaudi3_scale.train.resume import (
+    check_resume_budget,
+    check_resume_layout,
+    check_resume_strategy,
+    resume_checkpoint,
+)
 
 __all__ = ["check_run_inputs", "resume_point"]
 
@@ -74,13 +80,16 @@ def _check_not_foreign(out_dir: Path) -> None:
 
 
 def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The checkpoint this run resumes from (`train.resume`), or None; refused with one line when its DeepSpeed
-    layout does not match `parallel`, its run already spent `cost.budget_usd` (`BudgetExhaustedError`, exit 3) or
-    the spot price is still above `cost.spot_pause_above_usd_per_hour` (`SpotPausedError`, exit 4: a paused run
-    restarted by its launcher, or rerun by hand too early, trains nothing at that price)."""
+    """The checkpoint this run resumes from (`train.resume`), or None; refused with one line when it is a single
+    file and `parallel` a pipeline, its DeepSpeed layout does not match `parallel`, its run already spent
+    `cost.budget_usd` (`BudgetExhaustedError`, exit 3) or the spot price is still above
+    `cost.spot_pause_above_usd_per_hour` (`SpotPausedError`, exit 4: a paused run restarted by its launcher, or
+    rerun by hand too early, trains nothing at that price)."""
     ckpt = resume_checkpoint(cfg, warn=warn)
     if ckpt is not None:
-        check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), to_dict(cfg)["parallel"])
+        parallel = to_dict(cfg)["parallel"]
+        check_resume_layout(ckpt, parallel)  # from the manifest: before the state is read
+        check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), parallel)
         check_resume_budget(cfg.cost, ckpt)
         check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)
     return ckpt

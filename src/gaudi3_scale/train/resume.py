@@ -23,7 +23,7 @@ from gaudi3_scale.checkpoint.manager import (
     resolve_checkpoint,
     state_path,
 )
-from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
+from gaudi3_scale.checkpoint.manifest import has_manifest, manifest_layout, read_manifest, verify_checkpoint
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.inputs import MIXTURE_SHA256_PREFIX
@@ -37,6 +37,7 @@ __all__ = [
     "check_resume_budget",
     "check_resume_compatible",
     "check_resume_data",
+    "check_resume_layout",
     "check_resume_strategy",
     "resume_checkpoint",
     "resume_manifest",
@@ -204,6 +205,26 @@ def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> Non
             f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
             "one with the strategy that wrote it, or start a new --out directory"
         )
+
+
+def check_resume_layout(checkpoint: Path, parallel: dict[str, Any]) -> None:
+    """A single-file checkpoint (one process, DDP, DeepSpeed) holds the whole model as one state dict: a pipeline
+    rank's module holds only its stages, so the load would fail on every rank ("Unexpected key(s)"). Refused with
+    one line before any rank loads it. A sharded (DCP) checkpoint resumes under a pipeline whatever wrote it."""
+    pp_size = int(parallel.get("pp_size", 1))
+    directory = checkpoint_directory(checkpoint)
+    manifest = read_manifest(directory)
+    if pp_size <= 1 or manifest is None or manifest_layout(manifest) != "single-file":
+        return
+    strategy, world_size = manifest.get("strategy"), manifest.get("world_size")
+    written_by = "one process" if strategy in (None, "single") else f"{strategy} on {world_size} ranks"
+    raise ConfigError(
+        "parallel.pp_size",
+        f"the checkpoint {directory} is a single file (layout single-file, written by {written_by}), which the "
+        f"{pp_size} pipeline stages cannot load; allowed: resume it with parallel.pp_size 1 (one process, DDP or "
+        "FSDP), or start a new --out from its weights: gaudi3 ckpt export, then "
+        "--model.init_from <the export>",
+    )
 
 
 def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:

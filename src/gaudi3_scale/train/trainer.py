@@ -19,7 +19,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.data.tokenizers import Tokenizer
 from gaudi3_scale.device import DevicePlan
+from gaudi3_scale.distributed.config import STRATEGIES
 from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.distributed.launch import launched_parallel, stop_with_launcher
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -101,6 +102,22 @@ def _run_config(config: object) -> RunConfig:
     )
 
 
+def _check_own_module(model: pl.LightningModule | None, cfg: RunConfig) -> None:
+    """Pipeline stages are cut from the registry model (`distributed.pipeline`): a user's own module under
+    `parallel.pp_size` > 1 would get a mesh with a pipeline dimension and nothing that splits or synchronises it
+    (each rank training its own copy). Tensor parallel and HSDP stay allowed: Lightning's ModelParallelStrategy
+    hands the module its device mesh in `configure_model`, where a module of one's own applies them."""
+    pp_size = cfg.parallel.pp_size
+    if model is None or isinstance(model, LanguageModel) or pp_size <= 1:
+        return
+    raise ConfigError(
+        "parallel.pp_size",
+        f"{pp_size} splits the registry model (model.name) into pipeline stages; a module of your own "
+        f"({type(model).__name__}) trains without stages, under parallel.strategy "
+        f"{', '.join(STRATEGIES)}; set parallel.pp_size 1",
+    )
+
+
 def _check_module(model: object, datamodule: object) -> None:
     """A model and datamodule of Lightning's `lightning.pytorch` namespace, the one the trainer runs."""
     for what, value, base in (
@@ -119,6 +136,17 @@ def _check_module(model: object, datamodule: object) -> None:
         raise UserInputError(
             f"GaudiTrainer.fit: {what} must be a lightning.pytorch.{base.__name__}, got {name}"
         )
+
+
+class _AfterRestore(pl.Callback):
+    """Calls `write` once the fit has restored its checkpoint: Lightning restores the module, optimizer and loops
+    before `on_train_start`."""
+
+    def __init__(self, write: Callable[[], None]) -> None:
+        self.write = write
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write()
 
 
 class GaudiTrainer:
@@ -298,6 +326,7 @@ class GaudiTrainer:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         _check_module(model, datamodule)
+        _check_own_module(model, self.config)  # before anything is built or written
         self._callers_group = _distributed()
         quiet_lightning()
         self._plan_device()  # a missing accelerator first
@@ -345,11 +374,14 @@ class GaudiTrainer:
         finished = ckpt_path is not None and self._check_resume(model, ckpt_path)
         # the run's files and plan.json past every refusal: a run refused at its start changes nothing, nor does
         # one whose checkpoint is at train.max_steps already (it trains nothing; its config.yaml stays the one
-        # the checkpoint was trained with)
-        if not (finished and (self.out_dir / "config.yaml").exists()):
-            self._write_run_files()
-        if rollback is None and self._forecast is not None and launched_rank() == 0:
-            write_plan(self.out_dir, self._forecast)
+        # the checkpoint was trained with). A resume writes them once Lightning has restored the checkpoint: one
+        # that fails to load leaves the config.yaml its checkpoints were trained with.
+        config = not (finished and (self.out_dir / "config.yaml").exists())
+        if ckpt_path is not None and not finished:
+            after_restore = _AfterRestore(lambda: self._write_run_start(rollback, config=config))
+            trainer.callbacks.append(after_restore)  # type: ignore[attr-defined]  # set by its connector
+        else:
+            self._write_run_start(rollback, config=config)
         if rollback is not None and self._health is not None:  # reported at the first step of this fit
             if previous_health is not None:
                 self._health.events[:0] = previous_health.events
@@ -397,6 +429,13 @@ class GaudiTrainer:
             )
         self.module, self.datamodule = model, datamodule
         return model, datamodule
+
+    def _write_run_start(self, rollback: Rollback | None, *, config: bool) -> None:
+        """config.yaml and the tokenizer (`config`), and (the first fit) plan.json."""
+        if config:
+            self._write_run_files()
+        if rollback is None and self._forecast is not None and launched_rank() == 0:
+            write_plan(self.out_dir, self._forecast)
 
     def _write_run_files(self) -> None:
         """The run's config and (the run's own dataset) tokenizer, written once the run is past its refusals: a
