@@ -62,7 +62,7 @@ def _train(prices: _Prices, out: Path, *args: str) -> subprocess.CompletedProces
     return subprocess.run(
         [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", "--sample-tokens",
          "0", "--train.threads", "2", "--model.num_layers", "1", "--train.val_every_steps", "0",
-         "--train.log_every_steps", "1", "--train.max_steps", "4", "--checkpoint.every_steps", "2",
+         "--train.log_every_steps", "1", "--train.max_steps", "40", "--checkpoint.every_steps", "2",
          "--cost.pricing", "spot", "--cost.spot_provider", "azure", "--cost.instance", f"azure/{SIZE}/{REGION}",
          "--cost.price_usd_per_hour", "30", "--cost.spot_pause_above_usd_per_hour", "40",
          "--cost.spot_endpoint_url", f"http://127.0.0.1:{prices.server_address[1]}/api/retail/prices", *args],
@@ -88,13 +88,15 @@ def test_rerunning_a_paused_run_trains_nothing_until_the_price_is_lower(
     out = tmp_path / "run"
     first = _train(prices, out)
     assert first.returncode == 4, first.stderr[-3000:]
-    paused = _checkpoints(out)  # the step boundary where the first quote was in (step 1 or 2)
-    assert len(paused) == 1 and paused[0] < "step-00000004"
+    # the pause's checkpoint is the newest: at the step boundary where the first quote was in (step 1 or 2, a few
+    # steps later on a loaded machine)
+    paused = _checkpoints(out)
+    assert paused and paused[-1] < "step-00000040"
     metrics, summary = (out / "metrics.jsonl").read_bytes(), (out / "summary.json").read_bytes()
 
     again = _train(prices, out)  # the same command while the price is still $100/h
     assert again.returncode == 4, again.stderr[-3000:]
-    assert (again.stdout, again.stderr.strip().splitlines()[-1]) == ("", _refusal(paused[0]))
+    assert (again.stdout, again.stderr.strip().splitlines()[-1]) == ("", _refusal(paused[-1]))
     assert _checkpoints(out) == paused  # nothing trained, nothing written
     assert (out / "metrics.jsonl").read_bytes() == metrics and (out / "summary.json").read_bytes() == summary
 
@@ -102,7 +104,7 @@ def test_rerunning_a_paused_run_trains_nothing_until_the_price_is_lower(
     done = _train(prices, out)
     assert done.returncode == 0, done.stderr[-3000:]
     final = json.loads((out / "summary.json").read_text())
-    assert final["steps"] == 4 and final["stop_exit_code"] is None
+    assert final["steps"] == 40 and final["stop_exit_code"] is None
 
 
 @pytest.mark.distributed
@@ -113,8 +115,10 @@ def test_max_restarts_does_not_train_a_paused_run_again(prices: _Prices, tmp_pat
     assert run.returncode == 4, run.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     paused = f"step-{summary['steps']:08d}"
-    assert summary["steps"] < 4 and summary["stop_exit_code"] == 4  # the pause, not a later attempt's finish
-    assert _checkpoints(out) == [paused]
-    assert _refusal(paused) in run.stderr  # the restarted group was refused before training
+    assert summary["steps"] < 40 and summary["stop_exit_code"] == 4  # the pause, not a later attempt's finish
+    assert _checkpoints(out)[-1] == paused  # nothing after the pause's checkpoint
+    assert _refusal(paused) in run.stderr, run.stderr[
+        -3000:
+    ]  # the restarted group was refused before training
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == summary["steps"]

@@ -9,6 +9,7 @@ tools (`bench`, `artifacts`) that `gaudi3 train` runs itself, in its own process
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class FinishedRun:
         return self.trainer.is_global_zero
 
 
+REFUSAL_GRACE_S = 5.0  # how long ranks other than 0 wait before they exit on a resume refusal
+
+
 @contextmanager
 def stop_when_refused_to_resume() -> Iterator[None]:
     """A resumed run that has no budget left, or whose spot price is still above the pause threshold, trains
@@ -59,6 +63,10 @@ def stop_when_refused_to_resume() -> Iterator[None]:
     except BudgetExhaustedError as exc:
         if launched_rank() == 0:
             click.echo(str(exc), err=True)
+        else:
+            # torchrun tears the group down at the first rank's exit: the others give rank 0 the time to say why
+            # (a restarted group's spot check fetches a price first), or its line could be cut off unsaid
+            time.sleep(REFUSAL_GRACE_S)
         sys.exit(exc.exit_code)
 
 
