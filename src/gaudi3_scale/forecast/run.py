@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.core import parse_overrides
@@ -141,11 +140,9 @@ def _check_instance(cfg: RunConfig, machine: Machine) -> None:
     key = cfg.cost.instance_key
     if key is None or cfg.cost.price_usd_per_hour is not None:
         return
-    from gaudi3_scale.metering.catalog import load_instances
+    from gaudi3_scale.metering.live import find_instance
 
-    instance = load_instances(Path(cfg.cost.catalog_file) if cfg.cost.catalog_file else None).get(key)
-    if instance is None:
-        return  # not in the catalog: `resolve_price` says so, with the known ones
+    instance = find_instance(cfg.cost)  # one not in the catalog: the line that lists the known ones
     fix = f"pick an instance of {machine.kind} or set cost.price_usd_per_hour to the price of one node"
     if instance.accelerator != machine.kind:
         raise ConfigError("cost.instance", f"{cfg.cost.instance} is a node of {instance.accelerator}, but the "

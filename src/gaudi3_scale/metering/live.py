@@ -44,6 +44,7 @@ __all__ = [
     "check_budget_left",
     "check_cost_config",
     "check_resume_spot_price",
+    "find_instance",
     "resolve_price",
     "stop_line",
     "uses_spot_quotes",
@@ -85,7 +86,8 @@ class ResolvedPrice:
     source: str  # where the number comes from, for the log
 
 
-def _find_instance(cfg: CostConfig) -> Instance:
+def find_instance(cfg: CostConfig) -> Instance:
+    """`cost.instance`'s catalog entry (`cost.catalog_file` or the shipped catalog); one line when it is not there."""
     key = cfg.instance_key
     assert key is not None
     instances = load_instances(Path(cfg.catalog_file) if cfg.catalog_file else None)
@@ -108,7 +110,7 @@ def resolve_price(cfg: CostConfig) -> ResolvedPrice | None:
         return None
     if cfg.price_usd_per_hour is not None:
         return ResolvedPrice(usd_per_hour=cfg.price_usd_per_hour, source="cost.price_usd_per_hour")
-    instance = _find_instance(cfg)
+    instance = find_instance(cfg)
     spot = instance.spot_usd_per_hour_range
     price = {
         "on_demand": instance.on_demand_usd_per_hour,
