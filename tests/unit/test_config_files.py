@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -166,6 +167,28 @@ def test_size_limit_and_file_kinds(tmp_path: Path) -> None:
 )
 def test_malformed_content_is_one_line(tmp_path: Path, text: str, needle: str) -> None:
     assert needle in _refusal(tmp_path / "run.yaml", text)
+
+
+def test_a_repeated_key_is_refused_where_it_stands_and_a_merge_may_still_be_overridden(
+    tmp_path: Path, gaudi3_cli: Any
+) -> None:
+    """PyYAML keeps the last of a repeated key: a second `model:` section would drop the first's model.name."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  name: llama-tiny\n  num_layers: 1\ntrain:\n  max_steps: 4\nmodel:\n  dropout: 0.1\n"
+    )
+    code, out, err = gaudi3_cli("train", "--config", str(config), "--print-config")
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines() == [
+        f"gaudi3: error: config file {str(config)!r}: key 'model' appears twice (lines 1 and 6); keep one"
+    ]
+    assert _refusal(config, "train: {max_steps: 4, max_steps: 8}\n").endswith(
+        "key 'max_steps' appears twice (line 1, columns 9 and 23); keep one"
+    )
+    with pytest.raises(ConfigError, match="key 'a' appears twice"):
+        parse_yaml_value("{a: 1, a: 2}", field="data.mixture")
+    merged = "base: &b {x: 1, y: 2}\nm:\n  <<: *b\n  x: 3\n"  # YAML's merge key: an override, not a repeat
+    assert parse_yaml(merged, where="m") == {"base": {"x": 1, "y": 2}, "m": {"x": 3, "y": 2}}
 
 
 def test_an_empty_file_is_an_empty_mapping(tmp_path: Path) -> None:

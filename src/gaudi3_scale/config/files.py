@@ -161,6 +161,28 @@ class _Loader(yaml.SafeLoader):
                 f"cannot read {brief(node.value)}", node.start_mark, limit=False, detail=str(exc)
             ) from None
 
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # PyYAML keeps the last of a repeated key without a word: a second `model:` section would silently drop the
+        # first one's fields. YAML requires unique keys; a merge (`<<: *base`) may still be overridden.
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value if isinstance(node, MappingNode) else ():  # else PyYAML's own error
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:
+                continue  # an unhashable key: PyYAML's own error says so
+            again = key_node.start_mark
+            if first is not again:
+                where = (
+                    f"line {again.line + 1}, columns {first.column + 1} and {again.column + 1}"
+                    if first.line == again.line
+                    else f"lines {first.line + 1} and {again.line + 1}"
+                )
+                raise _Refused(f"key {brief(key)} appears twice ({where}); keep one")
+        return super().construct_mapping(node, deep=deep)
+
     def construct_yaml_int(self, node: ScalarNode) -> int:
         if len(node.value) > MAX_INT_DIGITS:
             raise _Refused(
