@@ -38,7 +38,8 @@ def _report(directory: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("repro") / "twice"
-    args = ["repro", "--steps", "6", "--out", str(out), "--keep", *FAST]
+    # checkpoint.enabled false, as a config may have it: repro turns checkpoints on in its runs (it compares the last)
+    args = ["repro", "--steps", "6", "--out", str(out), "--keep", *FAST, "--checkpoint.enabled", "false"]
     proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True)
     return out, proc
 

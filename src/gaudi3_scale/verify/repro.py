@@ -69,6 +69,7 @@ class ReproPlan:
             f"--train.max_steps={self.steps}",
             "--train.max_epochs=null",  # the runs compare a fixed number of steps
             "--train.log_every_steps=1",  # one record per step: each step's loss, not a window mean
+            "--checkpoint.enabled=true",  # the runs' last checkpoints are compared, whatever the config says
             f"--checkpoint.every_steps={self.checkpoint_every_steps}",
             # Retention must not delete the checkpoint run B resumes from (0 = no such rule).
             f"--checkpoint.keep_every_steps={self.checkpoint_every_steps}",
