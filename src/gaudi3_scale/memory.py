@@ -122,7 +122,8 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
     items = list(batch.values()) if isinstance(batch, Mapping) else batch
-    if isinstance(items, Sequence) and items:
+    # A str is a Sequence whose items are strs: not a batch (and, unchecked, a recursion without end).
+    if isinstance(items, Sequence) and not isinstance(items, (str, bytes)) and items:
         sizes = {_batch_len(item) for item in items}
         if len(sizes) == 1:
             return sizes.pop()
@@ -139,4 +140,6 @@ def _slice(batch: Any, start: int, stop: int) -> Any:
         return batch[start:stop]
     if isinstance(batch, Mapping):
         return {key: _slice(value, start, stop) for key, value in batch.items()}
-    return type(batch)(_slice(item, start, stop) for item in batch)
+    parts = [_slice(item, start, stop) for item in batch]
+    # A namedtuple takes its fields by position.
+    return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)

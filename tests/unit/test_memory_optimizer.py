@@ -4,6 +4,7 @@ accumulates the whole batch's gradient; Gaudi-only options stop with one line of
 from __future__ import annotations
 
 import re
+from collections import namedtuple
 from dataclasses import replace
 
 import pytest
@@ -92,6 +93,20 @@ def test_accumulation_gives_the_whole_batch_gradient() -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
     parts = optimizer.micro_batches({"x": batch, "y": (batch, batch)})
     assert len(parts) == 4 and torch.equal(parts[3]["y"][1], batch[6:8])
+
+
+def test_a_named_tuple_batch_splits_and_a_batch_of_text_is_one_line() -> None:
+    Batch = namedtuple("Batch", "tokens labels")
+    batch = Batch(torch.arange(8).reshape(4, 2), torch.arange(4))
+    parts = MemoryOptimizer(accumulation_steps=2).micro_batches(batch)
+    assert [type(part) for part in parts] == [Batch, Batch]
+    assert torch.equal(parts[1].tokens, batch.tokens[2:]) and torch.equal(parts[1].labels, batch.labels[2:])
+    with pytest.raises(
+        TypeError, match=r"a batch must be a tensor or a tuple/list/dict of tensors, got str$"
+    ):
+        MemoryOptimizer(accumulation_steps=2).micro_batches(
+            {"x": torch.zeros(4, 3), "text": ["a", "b", "c", "d"]}
+        )
 
 
 @pytest.mark.parametrize(
