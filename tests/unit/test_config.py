@@ -62,6 +62,13 @@ def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
         ),
         (["--model.pad_vocab_to_multiple", "48"], "model.pad_vocab_to_multiple", "positive power of two"),
         (["--model.pad_vocab_to_multiple", "0"], "model.pad_vocab_to_multiple", "positive power of two"),
+        (["--model.rope_theta", "1"], "model.rope_theta", "must be > 1, got 1"),
+        (["--model.rope_theta", "1e-45"], "model.rope_theta", "must be > 1, got 1e-45"),
+        (
+            ["--model.name=llama-tiny", "--model.num_heads=4", "--model.num_kv_heads=1", "--model.dim=36"],
+            "model.dim",
+            "got 36 / 4 = 9; allowed: a dim that is an even multiple of num_heads",
+        ),
         (["--train.throughput_warmup_steps", "2000"], "train.throughput_warmup_steps", "0 to 1999"),
         (["--train.throughput_warmup_steps", "-1"], "train.throughput_warmup_steps", ">= 0"),
         (["--train.compile_mode", "reduce-overhead"], "train.compile_mode", "train.compile true"),

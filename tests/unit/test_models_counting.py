@@ -131,6 +131,19 @@ def test_vocabulary_padding_too_large_to_build_is_one_line() -> None:
         count_parameters(cfg)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocabulary_padding_that_builds_on_meta_but_is_over_the_limit_is_one_line(tied: bool) -> None:
+    """2**40 rows of 64: buildable on meta and no parameters (the count leaves padding out), yet 2**46 elements
+    per table that no machine allocates; the limit holds the padding as well."""
+    cfg = ModelConfig(vocab_size=100, dim=64, pad_vocab_to_multiple=2**40, tie_embeddings=tied)
+    assert count_parameters(cfg) < MAX_PARAMETERS
+    with pytest.raises(
+        UserInputError, match=r"^model: pad_vocab_to_multiple 1099511627776 pads the embedding"
+    ):
+        check_parameter_count(cfg, "model")
+    check_parameter_count(replace(cfg, pad_vocab_to_multiple=2**16), "model")  # 65,536 rows: fine
+
+
 @pytest.mark.parametrize("name", ["gpt2-124m", "llama3-8b", "mixtral-8x7b", "bert-base", "shakespeare-char"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_count_from_the_config_alone_is_a_lower_bound(name: str, tied: bool) -> None:

@@ -88,6 +88,17 @@ def test_kv_cache_gives_the_tokens_of_recomputing(name: str, kv_heads: int | Non
     assert not torch.equal(out[True][0], out[True][1])  # the rows are two different sequences
 
 
+def test_kv_cache_of_fp32_weights_under_bf16_autocast_gives_the_tokens_of_recomputing() -> None:
+    """Autocast makes the keys and values bf16 while the cache is in the weights' fp32: stored in its dtype."""
+    cfg = replace(get_model_config("llama-tiny").resolve_vocab(65), context_length=16, num_layers=1)
+    model = build_model(cfg, seed=0).eval()
+    prompt = torch.randint(0, 65, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = {use_cache: generate(model, prompt, max_new_tokens=8, temperature=0.0, use_cache=use_cache)
+               for use_cache in (True, False)}  # fmt: skip
+    assert torch.equal(out[True], out[False])
+
+
 def test_padding_rows_are_never_sampled() -> None:
     cfg = get_model_config("llama-tiny").resolve_vocab(65)
     cfg.pad_vocab_to_multiple = 64

@@ -155,7 +155,9 @@ class ModelConfig:
         check_positive("ffn_dim", self.ffn_dim)
         check_positive("vocab_size", self.vocab_size)
         check_positive("norm_eps", self.norm_eps)
-        check_positive("rope_theta", self.rope_theta)
+        # RoPE's base: its wavelengths run from 2π to 2π·theta (published models: 10,000 to 1,000,000); at or below
+        # 1 they stop growing, and far below it the frequencies overflow to inf and the table to NaN.
+        check_number("rope_theta", self.rope_theta, above=1)
         check_positive("type_vocab_size", self.type_vocab_size)
         check_range("dropout", self.dropout, 0.0, 1.0)
         if self.dim % self.num_heads:
@@ -165,7 +167,12 @@ class ModelConfig:
                 "num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}"
             )
         if self.arch == "llama" and (self.dim // self.num_heads) % 2:
-            raise ConfigError("dim", "dim / num_heads must be even for RoPE")
+            raise ConfigError(
+                "dim",
+                f"dim / num_heads must be even for RoPE (it rotates pairs of dimensions), got {self.dim} / "
+                f"{self.num_heads} = {self.dim // self.num_heads}; allowed: a dim that is an even multiple of "
+                "num_heads",
+            )
         self._check_experts()
 
     def _check_experts(self) -> None:

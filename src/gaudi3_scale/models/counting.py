@@ -85,7 +85,11 @@ def _check_buildable(cfg: ModelConfig, where: str) -> None:
     if at_least > MAX_PARAMETERS:
         # The widths alone in the message: callers count blocks with num_layers 1 (tune.activations).
         raise UserInputError(_over_the_limit(cfg, where, f"at least {at_least:,}", layers=False))
-    raise UserInputError(  # no parameter: the rows pad_vocab_to_multiple adds
+    raise UserInputError(_padding_too_large(cfg, where))  # no parameter: the rows pad_vocab_to_multiple adds
+
+
+def _padding_too_large(cfg: ModelConfig, where: str) -> str:
+    return (
         f"{where}: pad_vocab_to_multiple {cfg.pad_vocab_to_multiple} pads the embedding to {cfg.padded_vocab_size:,} "
         f"rows of {cfg.dim}, too large to build; allowed: a smaller power of two"
     )
@@ -144,6 +148,11 @@ def check_parameter_count(cfg: ModelConfig, where: str) -> None:
     count = count_parameters(cfg)
     if count > MAX_PARAMETERS:
         raise UserInputError(_over_the_limit(cfg, where, f"{count:,}"))
+    # The padding rows are no parameters (not counted above) but are allocated all the same.
+    assert cfg.vocab_size is not None
+    padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    if count + padding > MAX_PARAMETERS:
+        raise UserInputError(_padding_too_large(cfg, where))
 
 
 def _over_the_limit(cfg: ModelConfig, where: str, count: str, *, layers: bool = True) -> str:

@@ -102,7 +102,9 @@ class LayerCache:
         """k, v: [rows, new, kv_heads, head_dim] → keys, values [rows, kv_heads, key_length, head_dim]."""
         rows, positions = self.step.rows, self.step.positions
         # Advanced indices on dims 0 and 2 put the [rows, new] dims first: the target is [rows, new, heads, dim].
-        self.keys[rows, :, positions] = k
-        self.values[rows, :, positions] = v
+        # Stored in the cache's dtype: under autocast, fp32 weights give bf16 keys and values (an exact round trip,
+        # since autocast casts them back for the attention that reads them).
+        self.keys[rows, :, positions] = k.to(self.keys.dtype)
+        self.values[rows, :, positions] = v.to(self.values.dtype)
         length = self.step.key_length
         return self.keys[:, :, :length], self.values[:, :, :length]
