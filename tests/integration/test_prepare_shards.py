@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -370,3 +372,126 @@ def test_rows_without_text_are_refused_like_an_empty_text_file(tmp_path: Path) -
             prepare(tmp_path / name, tmp_path / f"out-{name}", tokenizer="byte")
         assert str(info.value).startswith(f"data.source: {str(tmp_path / name)!r} holds no text (0 tokens")
         assert not (tmp_path / f"out-{name}" / "manifest.json").exists()
+
+
+# ---- `gaudi3 prepare` refusals, run as users run it: exit 2, one line, nothing saved is touched ----------------
+
+
+def _run_prepare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path / "cache")}
+    cli = [sys.executable, "-m", "gaudi3_scale.cli", "prepare", *args]
+    return subprocess.run(cli, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _snapshot(directory: Path) -> dict[str, str | None]:
+    """Every path under `directory` (hidden ones too): a file's SHA-256, None for a directory."""
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else None
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+def _text(tmp_path: Path) -> Path:
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:3_000])
+    return src
+
+
+def test_cli_refuses_an_out_dir_holding_a_committed_checkpoint_and_leaves_it_committed(
+    tmp_path: Path,
+) -> None:
+    from gaudi3_scale.checkpoint.manifest import verify_checkpoint, write_manifest
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "state.ckpt").write_bytes(bytes(range(256)) * 8)
+    write_manifest(step, {"step": 4, "tokens_seen": 3072})
+    assert verify_checkpoint(step) == []
+    before = _snapshot(tmp_path / "run")
+    line = _error_line(_prepare_cli(_text(tmp_path), step))
+    assert line == (
+        f"gaudi3: error: data.prepared_dir: {str(step)!r} is not a prepared dataset but holds a "
+        "'gaudi3-checkpoint' manifest.json, which preparing would replace; pass a new directory (or one "
+        "`gaudi3 prepare` wrote)"
+    )
+    assert _snapshot(tmp_path / "run") == before
+    assert verify_checkpoint(step) == []
+
+
+@pytest.mark.parametrize(
+    ("manifest", "what"),
+    [('{"name": "my-model", "files": []}\n', "a manifest.json that is not a dataset's"), ("not json", None)],
+    ids=["other-json", "not-json"],
+)
+def test_cli_refuses_an_out_dir_holding_a_foreign_manifest(
+    tmp_path: Path, manifest: str, what: str | None
+) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "manifest.json").write_text(manifest)
+    (out / "weights.bin").write_bytes(b"\x00\x01" * 100)
+    before = _snapshot(out)
+    line = _error_line(_prepare_cli(_text(tmp_path), out))
+    assert line.startswith(
+        f"gaudi3: error: data.prepared_dir: {str(out)!r} is not a prepared dataset but holds "
+    )
+    assert (what or "a manifest.json that is not a dataset's") in line
+    assert _snapshot(out) == before
+
+
+def test_cli_still_rebuilds_a_directory_it_prepared(tmp_path: Path) -> None:
+    src, out = _text(tmp_path), tmp_path / "out"
+    assert _prepare_cli(src, out).returncode == 0
+    rebuilt = _prepare_cli(src, out, "--val-fraction", "0.2")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert load_manifest(out).val_fraction == 0.2
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_cli_refuses_an_http_out_before_tokenizing(tmp_path: Path, scheme: str) -> None:
+    url = f"{scheme}://127.0.0.1:1/data"  # nothing listens on port 1
+    done = _run_prepare(tmp_path, str(_text(tmp_path)), "--tokenizer", "byte", "--out", url)
+    assert _error_line(done) == (
+        f"gaudi3: error: --out: cannot publish to {url}: {scheme}:// is read-only (datasets are read from it, not "
+        "written); allowed: a local directory or a writable store such as s3://bucket/prefix, gs://bucket/prefix, "
+        "az://container/prefix, file:///abs/path, memory://name"
+    )
+    assert "%" not in done.stderr  # no progress bar: refused before any tokenizing
+    assert not (tmp_path / "cache" / "datasets").exists()
+
+
+def test_cli_refuses_a_vocab_size_other_than_the_tokenizer_files(tmp_path: Path) -> None:
+    (tmp_path / "tok").mkdir()
+    tok = ByteTokenizer().save(tmp_path / "tok")
+    src, out = _text(tmp_path), tmp_path / "out"
+    before = _snapshot(tmp_path / "tok")
+    done = _run_prepare(
+        tmp_path, str(src), "--out", str(out), "--tokenizer", str(tok), "--vocab-size", "1000"
+    )
+    assert _error_line(done) == (
+        f"gaudi3: error: vocab_size: the tokenizer file {str(tok)!r} fixes the vocabulary at 256 ids, got 1000; "
+        "leave vocab_size unset (no --vocab-size)"
+    )
+    assert not out.exists() and _snapshot(tmp_path / "tok") == before
+    same = _run_prepare(tmp_path, str(src), "--out", str(out), "--tokenizer", str(tok), "--vocab-size", "256")
+    assert same.returncode == 0, same.stderr
+    assert load_manifest(out).vocab_size == 256
+
+
+@pytest.mark.parametrize("source", ["bad.jsonl", "one.txt"])
+@pytest.mark.parametrize("existing", [None, "empty", "with-notes"])
+def test_cli_refused_prepare_leaves_no_directory_or_lock_it_made(
+    tmp_path: Path, source: str, existing: str | None
+) -> None:
+    (tmp_path / "bad.jsonl").write_text("not json\n")  # found while tokenizing, after --out was taken
+    (tmp_path / "one.txt").write_text("a" * 100)  # one token type: found when the manifest is made
+    out = tmp_path / "new" / "out" if existing is None else tmp_path / "out"
+    if existing is not None:
+        out.mkdir()
+    if existing == "with-notes":
+        (out / "notes.txt").write_text("mine\n")
+    before = _snapshot(tmp_path)
+    _error_line(_run_prepare(tmp_path, str(tmp_path / source), "--out", str(out), "--tokenizer", "char"))
+    assert _snapshot(tmp_path) == before  # `new/` and `new/out/` gone again; an existing one as it was

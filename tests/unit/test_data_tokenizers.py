@@ -182,3 +182,14 @@ def test_missing_tokenizer_file(tmp_path: Path) -> None:
 def test_char_json_is_plain(tmp_path: Path) -> None:
     tk.CharTokenizer("ba\n").save(tmp_path)
     assert json.loads((tmp_path / tk.TOKENIZER_FILE).read_text()) == {"type": "gaudi3-char", "chars": "\nab"}
+
+
+def test_path_to_tokenizer_json_refuses_another_vocab_size(tmp_path: Path, bpe: tk.Tokenizer) -> None:
+    path = bpe.save(tmp_path)
+    message = r"^vocab_size: the tokenizer file '.*' fixes the vocabulary at 400 ids, got 500; leave vocab_size unset"
+    with pytest.raises(ConfigError, match=message):
+        tk.check_tokenizer_request(str(path), 500)
+    with pytest.raises(ConfigError, match=message):
+        tk.build_tokenizer(str(path), vocab_size=500)
+    tk.check_tokenizer_request(str(path), 400)  # the file's own size is no contradiction
+    assert tk.build_tokenizer(str(path), vocab_size=400).vocab_size == 400

@@ -8,7 +8,9 @@ separator token. Every piece is read, tokenized, split, written and hashed by on
 
 Safety: a build happens in ``.partial/``; only then is the old manifest deleted, the new files renamed into place,
 the manifest written last, atomically, and shard files it does not list removed. A directory with a manifest is
-therefore always complete, and a build that fails (bad UTF-8, a bad setting) leaves the previous dataset as it was.
+therefore always complete, and a build that fails (bad UTF-8, a bad setting) leaves the previous dataset as it was
+(and takes back the directory and lock file it made itself). A directory holding another kind of manifest.json
+(a committed checkpoint's) is refused, never rebuilt.
 A re-run whose settings and sources are unchanged returns at once (see `update`). When the only change is new
 source files, only they are tokenized and their pieces appended as new shard indices (existing shards are not
 rewritten), if the tokenizer does not depend on the data: ``byte``, a tokenizer.json, or ``char`` when the new
@@ -20,6 +22,7 @@ its ids instead (see `synthetic`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -49,6 +52,7 @@ from gaudi3_scale.data.encode import (
     tracked,
 )
 from gaudi3_scale.data.manifest import (
+    FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
     Manifest,
@@ -137,7 +141,6 @@ def prepare_dataset(
     )
     check_output_dir("data.prepared_dir", target)
     _check_not_foreign(target)
-    target.mkdir(parents=True, exist_ok=True)
     job = _Job(cfg, source, settings, fingerprint, workers or cfg.prepare_workers, progress)
 
     def write(partial: Path) -> Manifest:
@@ -145,7 +148,7 @@ def prepare_dataset(
             return _generate_into(partial, cfg, vocab, settings, fingerprint)
         return _tokenize_into(partial, job)
 
-    with _locked(target / _LOCK_FILE):
+    with _claimed(target):
         update = plan_update(
             target, None if force else prepared_manifest(target), settings, fingerprint, source
         )
@@ -210,10 +213,15 @@ def _default_dir(cfg: DataConfig, source: ResolvedSource, settings: dict[str, An
 
 
 def _check_not_foreign(target: Path) -> None:
-    """Refuse a directory that `prepare` never built (no manifest, no lock file of ours) holding files a build
-    would replace or delete: a tokenizer.json (a Hugging Face model's, say), files named like shards, a `.partial`
-    (the build's scratch directory, which it empties; one left by a killed build sits beside our lock file)."""
-    if not target.is_dir() or (target / MANIFEST_FILE).exists() or (target / _LOCK_FILE).exists():
+    """Refuse a directory that `prepare` never built (no prepared-tokens manifest, no lock file of ours) holding
+    files a build would replace or delete: a manifest.json of another kind (a committed checkpoint's, whose
+    replacement would leave the checkpoint uncommitted), a tokenizer.json (a Hugging Face model's, say), files
+    named like shards, a `.partial` (the build's scratch directory, which it empties; one left by a killed build
+    sits beside our lock file)."""
+    if not target.is_dir():
+        return
+    _check_manifest_is_ours(target)
+    if (target / MANIFEST_FILE).exists() or (target / _LOCK_FILE).exists():
         return
     clash = next(
         (
@@ -231,12 +239,71 @@ def _check_not_foreign(target: Path) -> None:
         )
 
 
+def _check_manifest_is_ours(target: Path) -> None:
+    """A manifest.json that is not a prepared-tokens one (a checkpoint's, anything else's) is not ours to replace.
+    One that is not JSON at all counts as ours only beside our lock file (a damaged dataset is rebuilt)."""
+    path = target / MANIFEST_FILE
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_bytes())
+        kind = data.get("format") if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        if (target / _LOCK_FILE).exists():
+            return
+        kind = None
+    if kind == FORMAT_NAME:
+        return
+    what = f"a {kind!r} manifest.json" if isinstance(kind, str) else "a manifest.json that is not a dataset's"
+    raise ConfigError(
+        "data.prepared_dir",
+        f"{str(target)!r} is not a prepared dataset but holds {what}, which preparing would replace; "
+        "pass a new directory (or one `gaudi3 prepare` wrote)",
+    )
+
+
 @contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """Two `prepare` runs on the same directory take turns instead of interleaving their renames."""
-    with lock_path.open("w") as fh:
+def _claimed(target: Path) -> Iterator[None]:
+    """Create `target` if needed and hold its lock; when the body fails (bad input found while tokenizing), take
+    back what this call made: the lock file when it was new, the directories when they are empty again. A
+    directory that existed before is left as it was; a dataset already there is the build's to keep."""
+    made = [d for d in (target, *target.parents) if not d.exists()]
+    lock_path = target / _LOCK_FILE
+    lock_is_new = not lock_path.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(lock_path, remove_on_error=lock_is_new):
+            yield
+    except BaseException:
+        for directory in made:  # deepest first; one another process wrote into meanwhile is kept
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+@contextmanager
+def _locked(lock_path: Path, *, remove_on_error: bool = False) -> Iterator[None]:
+    """Two `prepare` runs on the same directory take turns instead of interleaving their renames. The lock file
+    may be removed by a failed run holding it (`remove_on_error`), so a waiter that wakes up holding a removed
+    file takes the lock again on the one at the path now."""
+    while True:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)  # a failed first run may have removed it
+        fh = lock_path.open("a")
         fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        fh.close()
+    with fh:
+        try:
+            yield
+        except BaseException:
+            if remove_on_error:
+                lock_path.unlink(missing_ok=True)  # still held: a waiter sees it gone and retries
+            raise
 
 
 # ---- the build --------------------------------------------------------------------------------------------
@@ -299,7 +366,7 @@ def _manifest(
     if (
         tokenizer.vocab_size < MIN_VOCAB_SIZE
     ):  # e.g. one character repeated: refused before anything is swapped in
-        raise UserInputError(f"data.source: {cfg.source!r} gives {vocab_problem(tokenizer.vocab_size)}")
+        raise UserInputError(f"data.source: {cfg.source!r}: {vocab_problem(tokenizer.vocab_size)}")
     return Manifest(
         tokenizer_kind=tokenizer.kind,
         tokenizer_file=TOKENIZER_FILE,

@@ -7,7 +7,8 @@ names `objects_dir` and the tokenizer's SHA-256): publishing another dataset to 
 overwrites a file the manifest already there lists, and a publish that fails part-way leaves that dataset whole and
 readable. A reader that finds a manifest finds every file it lists. A file already at the URL with the right size
 and SHA-256 is not uploaded again, so publishing an appended dataset uploads only its new shards. Nothing is
-deleted at the URL (the files of a dataset published there before stay, unlisted).
+deleted at the URL (the files of a dataset published there before stay, unlisted). http(s):// is read-only in fsspec:
+refused as a target before any work.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.manifest import MANIFEST_FILE, object_name, verify_prepared
 from gaudi3_scale.data.sources import sha256_file
 from gaudi3_scale.storage import (
+    URL_EXAMPLES,
     copy_stream,
     is_local_filesystem,
     is_storage_error,
     is_transient_error,
     open_remote,
+    url_protocol,
 )
 
 if TYPE_CHECKING:
@@ -49,9 +52,26 @@ def _remote_sha256(fs: object, path: str) -> str | None:
         return None
 
 
+# fsspec's HTTPFileSystem reads only (no put_file / pipe_file), and its `exists` answers False for a server that
+# refuses the connection: refused by name, before any tokenizing, rather than failing at the first upload.
+_READ_ONLY_PROTOCOLS = ("http", "https")
+
+
+def _check_writable_protocol(url: str, *, field: str) -> None:
+    protocol = url_protocol(url)
+    if protocol in _READ_ONLY_PROTOCOLS:
+        raise ConfigError(
+            field,
+            f"cannot publish to {url}: {protocol}:// is read-only (datasets are read from it, not written); "
+            f"allowed: a local directory or a writable store such as {URL_EXAMPLES}",
+        )
+
+
 def check_publish_target(url: str, *, field: str) -> None:
-    """Open `url` and ask the store whether it is there, before any tokenizing: an unreachable store, missing
-    credentials or a missing bucket are one line naming `field` now, not after the work."""
+    """Open `url` and ask the store whether it is there, before any tokenizing: a read-only protocol, an
+    unreachable store, missing credentials or a missing bucket are one line naming `field` now, not after the
+    work."""
+    _check_writable_protocol(url, field=field)
     fs, root = open_remote(url, field=field)
     try:
         fs.exists(root)
@@ -63,6 +83,7 @@ def check_publish_target(url: str, *, field: str) -> None:
 
 def publish_prepared(directory: Path, url: str, *, field: str = "data.prepared_dir") -> str:
     """Upload `directory` (a verified prepared dataset) to `url`; returns the URL. Idempotent."""
+    _check_writable_protocol(url, field=field)
     manifest = verify_prepared(directory, checksums=True)
     tokenizer = directory / manifest.tokenizer_file
     published = dataclasses.replace(

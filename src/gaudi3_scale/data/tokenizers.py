@@ -265,6 +265,9 @@ def check_tokenizer_request(kind: str, vocab_size: int | None) -> None:
     """What `build_tokenizer(kind, …, vocab_size)` would refuse without reading the data, refused before any is
     read (and before a progress bar is drawn): an unknown kind, a vocab_size the kind cannot have."""
     if is_tokenizer_path(kind):
+        # A tokenizer.json fixes its own size: read here only when a size was asked for, to compare.
+        if vocab_size is not None:
+            _check_file_vocab(kind, load_tokenizer_file(Path(kind)), vocab_size)
         return
     get_tokenizer(kind)  # an unknown kind: one line with the allowed ones
     if kind == "char" and vocab_size is not None:
@@ -277,6 +280,15 @@ def check_tokenizer_request(kind: str, vocab_size: int | None) -> None:
         _check_byte_vocab(vocab_size)
     if kind == "bpe":
         _check_bpe_vocab(vocab_size)
+
+
+def _check_file_vocab(path: str, tokenizer: Tokenizer, vocab_size: int | None) -> None:
+    if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+        raise ConfigError(
+            "vocab_size",
+            f"the tokenizer file {path!r} fixes the vocabulary at {tokenizer.vocab_size} ids, got {vocab_size}; "
+            "leave vocab_size unset (no --vocab-size)",
+        )
 
 
 def _check_byte_vocab(vocab_size: int | None) -> None:
@@ -355,7 +367,9 @@ def build_tokenizer(
 ) -> Tokenizer:
     """Build a tokenizer of `kind` from `texts` (strings, or `Path`s of UTF-8 files), or load a tokenizer.json path."""
     if is_tokenizer_path(kind):
-        return load_tokenizer_file(Path(kind))
+        tokenizer = load_tokenizer_file(Path(kind))
+        _check_file_vocab(kind, tokenizer, vocab_size)
+        return tokenizer
     return get_tokenizer(kind)(_iter_texts(texts), vocab_size, progress)
 
 
