@@ -254,3 +254,88 @@ def test_stray_files_a_copied_checkpoint_and_an_unreadable_pointer(
     assert by_run[0] == 0 and by_run != gaudi3_cli(
         "generate", str(step2), "--max-new-tokens", "12", "--prompt", "ROMEO:"
     )
+
+
+def _plain(path: Path, **entries: object) -> Path:
+    """A tiny plain checkpoint file (what `torch.save` of a Lightning checkpoint dict writes)."""
+    import torch
+
+    torch.save({"global_step": 2, "state_dict": {"model.w": torch.arange(4.0)}, **entries}, path)
+    return path
+
+
+def test_diff_names_an_entry_on_one_side_only_in_one_short_line(tmp_path: Path, gaudi3_cli: Cli) -> None:
+    """A light checkpoint (no optimizer state) against a full one: `only in A/B`, never the entry's value; a value
+    that is printed is bounded; "identical" names only what both sides hold."""
+    import torch
+
+    moments = [{"state": {i: {"exp_avg": torch.full((64,), 0.5)} for i in range(50)}, "note": "m" * 5000}]
+    full = _plain(tmp_path / "full.ckpt", optimizer_states=moments)
+    light, light2 = _plain(tmp_path / "light.ckpt"), _plain(tmp_path / "light2.ckpt")
+    assert gaudi3_cli("ckpt", "diff", str(light), str(full)) == (
+        1,
+        "first difference: optimizer_states: only in B\n",
+        "",
+    )
+    assert (
+        gaudi3_cli("ckpt", "diff", str(full), str(light))[1]
+        == "first difference: optimizer_states: only in A\n"
+    )
+    assert gaudi3_cli("ckpt", "diff", str(light), str(light2)) == (
+        0,
+        "identical: global_step, state_dict\n",
+        "",
+    )
+    # Values of another kind than a tensor: shown, but cut to a few hundred characters.
+    other = _plain(tmp_path / "other.ckpt", optimizer_states=[{**moments[0], "note": "n" * 5000}])
+    code, stdout, _ = gaudi3_cli("ckpt", "diff", str(full), str(other))
+    assert code == 1 and stdout.startswith("first difference: optimizer_states[0].note: 'mmm")
+    assert stdout.count("\n") == 1 and len(stdout) < 400, stdout
+
+
+def test_diff_counts_nan_equal_to_nan(tmp_path: Path, gaudi3_cli: Cli) -> None:
+    import torch
+
+    nan = float("nan")
+    a = _plain(tmp_path / "a.ckpt", state_dict={"model.w": torch.tensor([nan, 1.0, 3.0, nan])})
+    b = _plain(tmp_path / "b.ckpt", state_dict={"model.w": torch.tensor([nan, 2.0, 3.0, nan])})
+    c = _plain(tmp_path / "c.ckpt", state_dict={"model.w": torch.tensor([nan, 1.0, 3.0, 5.0])})
+    assert gaudi3_cli("ckpt", "diff", str(a), str(b)) == (
+        1,
+        "first difference: state_dict.model.w: first at flat index 1: 1.0 vs 2.0; max |a-b| 1\n",
+        "",
+    )
+    # A NaN on one side only is a difference (and its |a-b| is NaN).
+    assert gaudi3_cli("ckpt", "diff", str(a), str(c))[1] == (
+        "first difference: state_dict.model.w: first at flat index 3: nan vs 5.0; max |a-b| nan\n"
+    )
+    assert gaudi3_cli("ckpt", "diff", str(a), str(a))[0] == 0
+
+
+def test_verify_a_run_without_checkpoints_a_stranger_and_a_plain_file(
+    tmp_path: Path, gaudi3_cli: Cli
+) -> None:
+    """A run that has saved nothing yet: "no checkpoints", exit 0 (nothing damaged or uncommitted; `ckpt list`
+    lists it empty, exit 0). A directory that is neither a run nor a checkpoint: `ckpt list`'s one line, exit 2.
+    A plain checkpoint file: one line, exit 2 (there is no manifest to check it against)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert gaudi3_cli("ckpt", "verify", str(run)) == (0, f"{run}: no checkpoints\n", "")
+    assert gaudi3_cli("ckpt", "list", str(run))[0] == 0
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("hi\n")
+    code, stdout, stderr = gaudi3_cli("ckpt", "verify", str(stranger))
+    assert (code, stdout) == (2, "") and stderr.count("\n") == 1 and "holds no checkpoints" in stderr, stderr
+    assert gaudi3_cli("ckpt", "list", str(stranger)) == (code, stdout, stderr)
+    plain = _plain(tmp_path / "model.ckpt")
+    code, stdout, stderr = gaudi3_cli("ckpt", "verify", str(plain))
+    assert (code, stdout) == (2, "") and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(
+        f"gaudi3: error: '{plain}' is a file: only a checkpoint directory has a manifest to verify"
+    )
+    # A step-X directory that was never committed is still reported as such (exit 1), not refused.
+    uncommitted = tmp_path / "checkpoints" / "step-00000006"
+    uncommitted.mkdir(parents=True)
+    code, stdout, _ = gaudi3_cli("ckpt", "verify", str(uncommitted))
+    assert code == 1 and "no committed manifest" in stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -297,3 +298,18 @@ def test_register_refusals_write_nothing(
     code, err = _export(capsys, *args, *(("--tracking-uri", uri) if uri else ()))
     assert code == 2 and err.count("\n") == 1 and expected in err, err
     assert not out.exists() and not (llama_ckpt.parent.parent / "mlruns").exists()
+
+
+def test_register_of_a_light_checkpoint_defaults_to_the_runs_registry(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --tracking-uri, a checkpoint in <run>/light_checkpoints/ registers into <run>/mlruns, the store
+    its run's full checkpoints use (one registry, one line of version numbers)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = tmp_path / "run"
+    shutil.copytree(llama_ckpt.parent.parent, run)
+    light = run / "light_checkpoints" / llama_ckpt.name
+    light.parent.mkdir()
+    (run / "checkpoints" / llama_ckpt.name).rename(light)
+    assert _export(capsys, str(light), "--out", str(tmp_path / "out"), "--register", "tiny-light") == (0, "")
+    assert (run / "mlruns").is_dir() and not (light.parent / "mlruns").exists()

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from gaudi3_scale.checkpoint.contents import run_config
-from gaudi3_scale.checkpoint.manager import checkpoint_directory
+from gaudi3_scale.checkpoint.manager import LIGHT_DIR_NAME, checkpoint_directory
 from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import UserInputError
@@ -63,7 +63,10 @@ def registry_uri(checkpoint: Path, tracking_uri: str | None = None) -> str:
     if uri:
         return uri
     directory = checkpoint_directory(Path(checkpoint)).resolve()
-    run_dir = directory.parent.parent if directory.parent.name == "checkpoints" else directory.parent
+    # <run>/checkpoints/step-X and <run>/light_checkpoints/step-X share one registry (and version numbers), as
+    # they share the run's tokenizer/ (`run_tokenizer_dir`); any other checkpoint: the directory that holds it.
+    in_run = directory.parent.name in ("checkpoints", LIGHT_DIR_NAME)
+    run_dir = directory.parent.parent if in_run else directory.parent
     return (run_dir / "mlruns").as_uri()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,12 @@ import torch
 from gaudi3_scale.checkpoint.manager import CheckpointManager
 from gaudi3_scale.checkpoint.manifest import has_manifest, read_manifest, verify_checkpoint
 
-__all__ = ["Difference", "checkpoint_rows", "first_difference"]
+__all__ = ["Difference", "checkpoint_rows", "first_difference", "shared_keys"]
+
+# A value named in a difference is shown bounded: a checkpoint entry can be megabytes of nested optimizer state.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+_MAX_REPR_CHARS = 200
 
 
 def checkpoint_rows(directory: Path, *, verify: bool) -> list[dict[str, Any]]:
@@ -55,8 +61,11 @@ def _walk(a: Any, b: Any, key: str) -> Iterator[Difference]:
             yield Difference(key, f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
         elif not torch.equal(a, b) and not (a.is_floating_point() and _equal_with_nans(a, b)):
             flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-            index = int((flat_a != flat_b).nonzero()[0])
-            diff = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else None
+            differs, diff = flat_a != flat_b, None
+            if a.is_floating_point():  # NaN == NaN, as in _equal_with_nans (a NaN on one side only differs)
+                differs &= ~(flat_a.isnan() & flat_b.isnan())
+                diff = (flat_a[differs].double() - flat_b[differs].double()).abs().max().item()
+            index = int(differs.nonzero()[0])
             where = f"first at flat index {index}: {flat_a[index].item()!r} vs {flat_b[index].item()!r}"
             yield Difference(key, where + (f"; max |a-b| {diff:.3g}" if diff is not None else ""))
     elif isinstance(a, dict) and isinstance(b, dict):
@@ -73,7 +82,12 @@ def _walk(a: Any, b: Any, key: str) -> Iterator[Difference]:
     elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return
     elif a != b:
-        yield Difference(key, f"{a!r} vs {b!r}")
+        yield Difference(key, f"{_short(a)} vs {_short(b)}")
+
+
+def _short(value: Any) -> str:
+    text = _REPR.repr(value)
+    return text if len(text) <= _MAX_REPR_CHARS else text[: _MAX_REPR_CHARS - 3] + "..."
 
 
 def _equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -83,8 +97,17 @@ def _equal_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def first_difference(a: dict[str, Any], b: dict[str, Any], *, keys: tuple[str, ...]) -> Difference | None:
-    """The first bitwise difference between two checkpoints in the given top-level entries, or None."""
+    """The first bitwise difference between two checkpoints in the given top-level entries, or None; an entry on
+    one side only is `only in A` / `only in B`, one on neither side is passed over."""
     for key in keys:
-        for difference in _walk(a.get(key), b.get(key), key):
-            return difference
+        if key in a and key in b:
+            for difference in _walk(a[key], b[key], key):
+                return difference
+        elif key in a or key in b:
+            return Difference(key, "only in " + ("A" if key in a else "B"))
     return None
+
+
+def shared_keys(a: dict[str, Any], b: dict[str, Any], *, keys: tuple[str, ...]) -> list[str]:
+    """Those of `keys` that both checkpoints hold (what "identical" can be said of)."""
+    return [key for key in keys if key in a and key in b]

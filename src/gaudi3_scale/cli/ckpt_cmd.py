@@ -36,6 +36,13 @@ def _refuse_no_checkpoints(directory: Path) -> None:
     )
 
 
+def _refuse_unless_run(checkpoints: Path) -> None:
+    """For a directory that holds no step-* directories: a run's checkpoints/ (none saved yet) is accepted, empty;
+    anything else is refused (`_refuse_no_checkpoints`)."""
+    if checkpoints.name != "checkpoints":
+        _refuse_no_checkpoints(checkpoints)
+
+
 def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
@@ -58,10 +65,8 @@ def list_cmd(directory: Path, verify: bool) -> None:
 
     checkpoints = _checkpoints_dir(directory)
     rows = checkpoint_rows(checkpoints, verify=verify)
-    if (
-        not rows and checkpoints.name != "checkpoints"
-    ):  # a run's empty checkpoints/ is listed (empty), not refused
-        _refuse_no_checkpoints(checkpoints)
+    if not rows:
+        _refuse_unless_run(checkpoints)
     table = Table(title=str(directory))
     for column in ("step", "status", "latest", "size (MB)", "tokens seen", "ranks", "strategy", "val loss"):
         table.add_column(column)
@@ -79,21 +84,16 @@ def list_cmd(directory: Path, verify: bool) -> None:
 @ckpt.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 def verify(paths: tuple[Path, ...]) -> None:
-    """Check checkpoints against their manifests (a run directory: each of its checkpoints); exit 1 if any is
-    damaged or uncommitted."""
-    from gaudi3_scale.checkpoint.manager import CheckpointManager, checkpoint_directory
-    from gaudi3_scale.checkpoint.manifest import has_manifest, verify_checkpoint
+    """Check checkpoints against their manifests (a run directory: each of its checkpoints, none yet is no
+    problem); exit 1 if any is damaged or uncommitted."""
+    from gaudi3_scale.checkpoint.manifest import verify_checkpoint
 
     directories: list[Path] = []
     for path in paths:
-        if not path.exists():
-            raise UserInputError(f"checkpoint {str(path)!r} does not exist")
-        steps = (
-            CheckpointManager(_checkpoints_dir(path)).steps()
-            if path.is_dir() and not has_manifest(path)
-            else []
-        )
-        directories += [step for _, step in steps] or [checkpoint_directory(path)]
+        found = _checkpoints_to_verify(path)
+        if not found:
+            click.echo(f"{path}: no checkpoints")
+        directories += found
     bad = 0
     for directory in directories:
         problems = verify_checkpoint(directory)
@@ -103,6 +103,32 @@ def verify(paths: tuple[Path, ...]) -> None:
         sys.exit(1)
 
 
+def _checkpoints_to_verify(path: Path) -> list[Path]:
+    """The checkpoint directories `ckpt verify PATH` checks: a step-X directory (or its state.ckpt, or a `latest`
+    pointer) itself, committed or not; each step-X of a run; none for a run that has saved none yet. Anything else
+    is one line, exit 2."""
+    from gaudi3_scale.checkpoint.manager import CheckpointManager, resolve_checkpoint
+    from gaudi3_scale.checkpoint.manifest import STATE_NAME, has_manifest
+    from gaudi3_scale.checkpoint.sharded import is_sharded
+
+    if path.is_file() or not path.exists():
+        directory = resolve_checkpoint(path)  # a missing path, a pointer naming nothing: one line
+        if directory.is_file():
+            raise UserInputError(
+                f"{str(path)!r} is a file: only a checkpoint directory has a manifest to verify against; pass a "
+                "step-X directory or a run directory written by `gaudi3 train`"
+            )
+        return [directory]
+    named_as_step = path in [step for _, step in CheckpointManager(path.parent).steps()]
+    if has_manifest(path) or named_as_step or (path / STATE_NAME).exists() or is_sharded(path):
+        return [path]  # a checkpoint (an uncommitted one is reported as such)
+    checkpoints = _checkpoints_dir(path)
+    steps = CheckpointManager(checkpoints).steps()
+    if not steps:
+        _refuse_unless_run(checkpoints)
+    return [step for _, step in steps]
+
+
 @ckpt.command()
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
@@ -110,14 +136,17 @@ def diff(a: Path, b: Path) -> None:
     """Compare two checkpoints tensor by tensor (bitwise); print the first difference, exit 1 if there is one.
 
     A or B may be a run directory: its newest checkpoint that verifies."""
-    from gaudi3_scale.checkpoint.inspect import first_difference
+    from gaudi3_scale.checkpoint.inspect import first_difference, shared_keys
     from gaudi3_scale.checkpoint.manager import resolve_checkpoint
     from gaudi3_scale.checkpoint.reader import read_checkpoint
 
     a, b = resolve_checkpoint(a, warn=_warn), resolve_checkpoint(b, warn=_warn)
-    found = first_difference(read_checkpoint(a), read_checkpoint(b), keys=DIFF_KEYS)
-    if found is None:
-        click.echo(f"identical: {', '.join(DIFF_KEYS)}")
+    state_a, state_b = read_checkpoint(a), read_checkpoint(b)
+    found = first_difference(state_a, state_b, keys=DIFF_KEYS)
+    if found is None:  # entries on neither side (a light checkpoint's optimizer state) are not named
+        click.echo(
+            f"identical: {', '.join(shared_keys(state_a, state_b, keys=DIFF_KEYS)) or 'nothing to compare'}"
+        )
         return
     click.echo(f"first difference: {found.key}: {found.detail}")
     sys.exit(1)
@@ -140,8 +169,8 @@ def diff(a: Path, b: Path) -> None:
     default="safetensors",
     show_default=True,
     help="safetensors: model.safetensors + model_config.json, our names; "
-    "hf: config.json + model.safetensors for transformers' LlamaForCausalLM or BertForMaskedLM (llama and "
-    "bert models)",
+    "hf: config.json + model.safetensors for transformers' LlamaForCausalLM, MixtralForCausalLM or "
+    "BertForMaskedLM (llama, llama with experts, and bert models)",
 )
 @click.option("--force", is_flag=True, help="replace a non-empty --out directory")
 @click.option(
@@ -175,7 +204,7 @@ def export(
     experiment: str,
 ) -> None:
     """Write a checkpoint's model weights (a run directory: its newest checkpoint that verifies) as one
-    safetensors file, or as a Hugging Face Llama or BERT directory."""
+    safetensors file, or as a Hugging Face Llama, Mixtral or BERT directory."""
     from gaudi3_scale.artifacts.export import export_checkpoint
     from gaudi3_scale.checkpoint.manager import resolve_checkpoint
 
