@@ -24,11 +24,11 @@ TINY = """\
 name: flow-tiny
 model: {name: shakespeare-char, num_layers: 1, num_heads: 2, dim: 32, context_length: 32}
 optim: {lr: 0.01, warmup_steps: 2}
-train: {global_batch_size: 8, max_steps: 500, val_every_steps: 20, val_batches: 2, log_every_steps: 2, threads: 2}
+train: {global_batch_size: 8, max_epochs: 50, val_every_steps: 20, val_batches: 2, log_every_steps: 2, threads: 2}
 checkpoint: {every_steps: 20, async_save: false}
 benchmark: {warmup_steps: 2}
 """
-STEPS = 20  # the flow's --steps overrides the config's 500
+STEPS = 20  # the flow's --steps replaces the config's length in epochs (thousands of steps)
 
 
 def _metaflow_env(tmp: Path, **extra: str) -> dict[str, str]:

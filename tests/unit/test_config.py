@@ -98,6 +98,21 @@ def test_bad_values_name_the_field_and_what_is_allowed(
     assert "\n" not in message
 
 
+def test_print_config_of_a_run_in_epochs_reads_back(tmp_path: Path, gaudi3_cli: Callable[..., tuple]) -> None:
+    """--print-config is a config file: with train.max_epochs set its max_steps is null (the resolved value is a
+    placeholder until the data is opened), so `--config` reads it back instead of refusing both set."""
+    code, printed, err = gaudi3_cli("train", "--train.max_epochs=3", "--print-config")
+    assert code == 0, err
+    train = yaml.safe_load(printed)["train"]
+    assert (train["max_epochs"], train["max_steps"]) == (3, None)
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert gaudi3_cli("train", "--config", str(tmp_path / "printed.yaml"), "--print-config") == (
+        0,
+        printed,
+        "",
+    )
+
+
 @pytest.mark.parametrize(
     "name", ["..", ".", ".hidden", "a/b", "a\\b", "a b", "a\nb", "", "x" * 129, "café", "run\x00", "-rf"]
 )

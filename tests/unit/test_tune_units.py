@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import yaml
 
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError, UserInputError
@@ -701,3 +702,30 @@ def test_run_tuner_refuses_a_budget_nothing_fits_before_it_writes_anything(tmp_p
     with pytest.raises(UserInputError, match=r"--memory-budget .* cannot hold any configuration"):
         run_tuner(base, space, TuneConfig(memory_budget_bytes=2**20), out, estimate=lambda c: 2**30)
     assert not out.exists()
+
+
+def test_the_winner_of_a_config_in_epochs_keeps_its_epochs_and_trains_as_written(
+    tmp_path: Path, gaudi3_cli: Any
+) -> None:
+    """A length in epochs reads the same tokens at any batch: best.yaml keeps max_epochs (max_steps null) rather
+    than a rescaled max_steps placeholder beside it, which `gaudi3 train --config best.yaml` would refuse."""
+    from gaudi3_scale.config.core import save_yaml
+    from gaudi3_scale.train.config import config_dict
+    from gaudi3_scale.tune.tuner import winner_config
+
+    base = build_run_config(None, parse_overrides(["--model.name=llama-tiny", "--train.max_epochs=2"]))
+    c = Candidate(strategy="ddp", precision="32-true", global_batch_size=4 * base.train.global_batch_size,
+                  micro_batch_size=base.train.global_batch_size, activation_checkpointing=False, compile=False,
+                  threads=None)  # fmt: skip
+    best, note = winner_config(base, c, 1, "sqrt")
+    assert best.train.max_epochs == 2 and best.optim.warmup_steps == math.ceil(base.optim.warmup_steps / 4)
+    assert note.endswith("max_epochs 2 sets the length") and "max_steps" not in note
+    save_yaml(config_dict(best), tmp_path / "best.yaml")
+    code, out, err = gaudi3_cli("train", "--config", str(tmp_path / "best.yaml"), "--print-config")
+    assert code == 0, err
+    train = yaml.safe_load(out)["train"]
+    assert (train["max_epochs"], train["max_steps"], train["global_batch_size"]) == (
+        2,
+        None,
+        c.global_batch_size,
+    )

@@ -60,10 +60,9 @@ def render_cmd(
     force: bool,
 ) -> None:
     """Render the deployment of CONFIG on NODES machines with ACCELERATOR for TARGET into OUT."""
-    from gaudi3_scale.config.core import to_dict
     from gaudi3_scale.deploy.render import render, write_files
     from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node, resource_name
-    from gaudi3_scale.train.config import resolve_config
+    from gaudi3_scale.train.config import config_dict, resolve_config
 
     if not Path(config_path).is_file():
         raise UserInputError(f"--config: {config_path} is not a file")
@@ -75,7 +74,7 @@ def render_cmd(
         nodes=nodes,
         per_node=per_node if per_node is not None else default_per_node(target, accelerator),
         config_path=Path(config_path),
-        run_config=to_dict(cfg),
+        run_config=config_dict(cfg),
         name=name,
         image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,

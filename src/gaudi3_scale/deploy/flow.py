@@ -217,7 +217,8 @@ class Gaudi3TrainFlow(FlowSpec):
               f"{s['tokens_per_s']:.0f} tokens/s; report in {self.out_dir}/report")  # fmt: skip
 
     def _overrides(self) -> list[str]:
-        return ["--train.max_steps", str(self.steps)] if self.steps else []
+        # A length in steps replaces one in epochs (a config setting both is refused).
+        return ["--train.max_steps", str(self.steps), "--train.max_epochs", "null"] if self.steps else []
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ __all__ = [
     "RunConfig",
     "build_run_config",
     "check_tensor_parallel",
+    "config_dict",
     "config_yaml",
     "resolve_config",
 ]
@@ -415,8 +416,18 @@ def resolve_config(
     return build_run_config(config_path, pairs)
 
 
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as a config file holds it (`--print-config`, tune's best.yaml, a deploy's run.yaml): with
+    train.max_epochs set, max_steps is null, as its value is a placeholder until the data is opened and a file that
+    sets both is refused (`_check_steps_or_epochs`)."""
+    raw: dict[str, Any] = to_dict(cfg)
+    if cfg.train.max_epochs is not None:
+        raw["train"]["max_steps"] = None
+    return raw
+
+
 def config_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML (`--print-config`)."""
+    """The resolved config as YAML (`--print-config`), which `--config` reads back."""
     import yaml
 
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(config_dict(cfg), sort_keys=False)

@@ -39,13 +39,16 @@ class RescaledSchedule:
     max_steps: int
     factor: float  # new global batch / old global batch
 
-    def describe(self, rule: str) -> str:
+    def describe(self, rule: str, *, max_epochs: int | None = None) -> str:
+        """What changed, for the tuner's note; `max_epochs`: the run's length in epochs (its steps not rescaled)."""
         if self.factor == 1:
             return "global batch unchanged: learning rate, warmup and steps kept"
-        return (
-            f"global batch ×{self.factor:g}: lr {self.lr:.3g}, min_lr {self.min_lr:.3g} ({LR_RULES[rule]}); "
-            f"warmup {self.warmup_steps} and max_steps {self.max_steps} steps keep their token counts"
+        length = (
+            f"warmup {self.warmup_steps} steps keeps its token count; max_epochs {max_epochs} sets the length"
+            if max_epochs is not None
+            else f"warmup {self.warmup_steps} and max_steps {self.max_steps} steps keep their token counts"
         )
+        return f"global batch ×{self.factor:g}: lr {self.lr:.3g}, min_lr {self.min_lr:.3g} ({LR_RULES[rule]}); {length}"
 
 
 def rescale_schedule(

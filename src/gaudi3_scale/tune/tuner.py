@@ -18,7 +18,7 @@ from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.distributed.plan import ParallelPlan
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, config_dict
 from gaudi3_scale.train.train_config import fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.layouts import PP_SCHEDULE
@@ -155,12 +155,13 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         precision=c.precision,
         compile=c.compile,
         threads=c.threads,
-        max_steps=sched.max_steps,
+        # A length in epochs reads the same tokens at any batch; only a length in steps is rescaled.
+        max_steps=base.train.max_steps if base.train.max_epochs is not None else sched.max_steps,
     )
     if c.precision != "fp8":
         raw["train"].update(fp8_option_defaults())  # as its trials ran (Candidate.overrides)
     raw["parallel"].update(nproc_per_node=world_size, **c.layout().parallel_fields())
-    return from_dict(RunConfig, raw), sched.describe(rule)
+    return from_dict(RunConfig, raw), sched.describe(rule, max_epochs=base.train.max_epochs)
 
 
 def _fingerprint(base: RunConfig, space: SearchSpace, config: TuneConfig) -> str:
@@ -206,7 +207,7 @@ def run_tuner(
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
     base_yaml = out_dir / "base.yaml"
-    save_yaml(base, base_yaml)
+    save_yaml(config_dict(base), base_yaml)
     settings = TrialSettings(
         world_size=space.world_size,
         device=space.device,
@@ -267,7 +268,7 @@ def run_tuner(
     best_path = out_dir / "best.yaml"
     if outcome.best is not None:
         best_config, lr_note = winner_config(base, outcome.best.candidate, space.world_size, config.lr_rule)
-        save_yaml(best_config, best_path)
+        save_yaml(config_dict(best_config), best_path)
     elif best_path.is_file():
         # best.yaml is always the winner of the tune.json beside it: an earlier search's would be trained by mistake
         best_path.unlink()
