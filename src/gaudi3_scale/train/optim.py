@@ -43,7 +43,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, device_type: str) -> 
 
 
 def lr_at_step(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine/linear decay to min_lr."""
+    """Learning rate for optimizer step `step` (0-based): linear warmup reaching lr on its last step, then
+    cosine/linear decay from lr to min_lr at step `max_steps`, one past the last step trained (the convention of
+    transformers' get_cosine_schedule_with_warmup: the last step's rate is one decay step above min_lr)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":

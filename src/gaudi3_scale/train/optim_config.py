@@ -14,10 +14,17 @@ __all__ = ["OptimConfig"]
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate after warmup"})
-    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the decay"})
+    min_lr: float = field(
+        default=1e-4,
+        metadata={
+            "help": "learning rate the decay reaches at max_steps: the last step trained runs one decay step above "
+            "it, as Hugging Face's get_cosine_schedule_with_warmup does"
+        },
+    )
     warmup_steps: int = field(default=100, metadata={"help": "linear warmup, in optimizer steps"})
     schedule: Literal["cosine", "linear", "constant"] = field(
-        default="cosine", metadata={"help": "decay from lr to min_lr over the steps after warmup"}
+        default="cosine",
+        metadata={"help": "decay from lr (the step after warmup's) to min_lr (reached at max_steps)"},
     )
     weight_decay: float = field(
         default=0.1, metadata={"help": "AdamW decoupled weight decay (not on norms/biases)"}
