@@ -55,6 +55,30 @@ def test_a_forecast_says_where_every_number_comes_from_and_keeps_the_peak(tmp_pa
     assert next(iter(_store(tmp_path)["peaks"].values()))["measured_unix_s"] > peak["measured_unix_s"]
 
 
+def test_a_forecast_of_other_threads_per_rank_is_timed_at_their_peak(tmp_path: Path) -> None:
+    """`--train.threads` other than the default: the compute time is over that thread count's stored peak (here
+    seeded, so nothing is measured), and the store gains no other slot."""
+    from gaudi3_scale.device.select import cpu_model_name, cpu_threads_per_rank, usable_cpu_cores
+    from gaudi3_scale.forecast.calibration import CalibrationStore, machine_key
+
+    default = cpu_threads_per_rank(1)
+    other = 1 if default > 1 else 2  # a thread count the run does not get by default
+    key = machine_key(cpu_model_name(), usable_cpu_cores())
+    store = CalibrationStore.for_machine(key, cache_dir=tmp_path / "cache")
+    store.set_peak(f"cpu-{default}-threads", 4e10)
+    store.set_peak(f"cpu-{other}-threads", 1e10)
+    args = ("--train.device", "cpu", "--model.num_layers", "1")
+    assert _plan(tmp_path, "--out", "default.json", *args).returncode == 0
+    done = _plan(tmp_path, "--out", "other.json", *args, "--train.threads", str(other))
+    assert done.returncode == 0, done.stderr
+    by_default, at_other = (json.loads((tmp_path / f).read_text()) for f in ("default.json", "other.json"))
+    assert at_other["run"]["layout"]["threads"] == other
+    assert "measured peak 0.01 TFLOP/s" in at_other["step"]["compute_s"]["source"]
+    compute = [f["step"]["compute_s"]["value"] for f in (at_other, by_default)]
+    assert compute[0] / compute[1] == pytest.approx(4.0)
+    assert sorted(_store(tmp_path)["peaks"]) == sorted({f"cpu-{default}-threads", f"cpu-{other}-threads"})
+
+
 def test_a_probe_is_stored_and_later_forecasts_of_its_layout_use_it(tmp_path: Path) -> None:
     remote = tmp_path / "remote"  # the run's mirror: the probe, a throwaway run, must not upload into it
     args = (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gaudi3_scale.forecast.calibration import Probe
+from gaudi3_scale.forecast.calibration import CalibrationStore, Probe, machine_key
 from gaudi3_scale.forecast.figures import from_catalog
 from gaudi3_scale.forecast.machine import catalog_machine
 from gaudi3_scale.forecast.model import Forecast, forecast_run
@@ -174,3 +174,66 @@ def test_gaudi3_plan_prints_the_fit_and_the_untimed_fp32_step(tmp_path: Path) ->
     assert "unknown" in step and "no FP32 or TF32 peak" in step
     written = json.loads((tmp_path / "p.json").read_text())
     assert written["fits"] is False and written["predicted_step_time_s"] is None
+
+
+def _seed_cpu_store(peaks: dict[int, float]) -> CalibrationStore:
+    """This machine's calibration store (under $GAUDI3_CACHE) with known `cpu-<threads>-threads` peaks."""
+    from gaudi3_scale.device.select import cpu_model_name, usable_cpu_cores
+
+    store = CalibrationStore.for_machine(machine_key(cpu_model_name(), usable_cpu_cores()))
+    for threads, flops in peaks.items():
+        store.set_peak(f"cpu-{threads}-threads", flops)
+    return store
+
+
+def test_a_cpu_forecast_is_timed_at_the_peak_of_the_threads_its_ranks_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.threads other than the default (usable cores ÷ ranks) is timed at its own stored peak, not the
+    default's: the compute time scales by the ratio of the two peaks (no probes: the same assumed MFU)."""
+    from gaudi3_scale.device.select import cpu_threads_per_rank
+    from gaudi3_scale.forecast.run import machine_for
+
+    monkeypatch.setenv("GAUDI3_CACHE", str(tmp_path))
+    default = cpu_threads_per_rank(1)
+    other = 1 if default > 1 else 2  # a thread count the run does not get by default
+    store = _seed_cpu_store({default: 4e10, other: 1e10})
+    base = ["--train.device", "cpu", "--model.num_layers", "1"]
+    cfg, by_default = forecast_config(None, base, warn=lambda line: None)
+    cfg_other, at_other = forecast_config(
+        None, [*base, "--train.threads", str(other)], warn=lambda line: None
+    )
+    assert f"with {other} thread(s)" in machine_for(cfg_other, None).peak_flops_per_rank.source
+    assert f"with {default} thread(s)" in machine_for(cfg, None).peak_flops_per_rank.source
+    assert "measured peak 0.01 TFLOP/s" in at_other.step["compute_s"].source
+    assert "measured peak 0.04 TFLOP/s" in by_default.step["compute_s"].source
+    ratio = at_other.step["compute_s"].value / by_default.step["compute_s"].value  # type: ignore[operator]
+    assert ratio == pytest.approx(4e10 / 1e10)
+    assert at_other.run["layout"]["threads"] == other and "threads" not in by_default.run["layout"]
+    assert set(CalibrationStore.for_machine(store.machine).peaks) == {f"cpu-{default}-threads",
+                                                                      f"cpu-{other}-threads"}  # fmt: skip
+
+
+def test_a_cpu_probes_mfu_is_over_the_peak_of_the_threads_it_ran_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two probes at `other` threads and one at the default each reach half their own threads' peak: the MFU is
+    0.5, not the 1e10 / 4e10 / 2 a probe of `other` threads would seem to reach over the default's peak."""
+    from gaudi3_scale.device.select import cpu_threads_per_rank
+    from gaudi3_scale.forecast.machine import this_cpu
+
+    monkeypatch.setenv("GAUDI3_CACHE", str(tmp_path))
+    default = cpu_threads_per_rank(1)
+    other = 1 if default > 1 else 2
+    store = _seed_cpu_store({default: 4e10, other: 1e10})
+
+    def probe(key: str, threads: dict[str, int], achieved: float) -> Probe:
+        return Probe(key=key, layout={"world_size": 1, **threads}, step_time_s=1.0, warmup_s=1.0, warmup_steps=2,
+                     startup_s=1.0, validation_s=None, checkpoint_s=None, peak_memory_bytes=10,
+                     flops_per_step_per_rank=achieved)  # fmt: skip
+
+    store.add_probe(probe("a", {"threads": other}, 0.5e10))
+    store.add_probe(probe("b", {"threads": other}, 0.5e10))
+    store.add_probe(probe("c", {}, 2e10))
+    for threads in (None, other):
+        assert this_cpu(1, threads=threads).mfu.value == pytest.approx(0.5)

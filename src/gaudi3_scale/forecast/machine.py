@@ -7,6 +7,7 @@ machine's calibration store (its probes: `gaudi3 plan --probe`, tune trials, ben
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_yaml
 from gaudi3_scale.device.efficiency import fallback_mfu
-from gaudi3_scale.forecast.calibration import CalibrationStore, machine_key
+from gaudi3_scale.forecast.calibration import CalibrationStore, Probe, machine_key
 from gaudi3_scale.forecast.figures import Figure, assumed, from_catalog, measured
 
 if TYPE_CHECKING:
@@ -73,12 +74,13 @@ def _local_gpu_store(accelerator: str) -> CalibrationStore | None:
     return CalibrationStore.for_machine(machine_key(name, torch.cuda.device_count()))
 
 
-def _probes_mfu(store: CalibrationStore, peak_flops: float, fallback: Figure) -> Figure:
-    """The median achieved ÷ peak of the store's probes (what runs reach on this machine), else `fallback`."""
+def _probes_mfu(store: CalibrationStore, peak_of: Callable[[Probe], float], fallback: Figure) -> Figure:
+    """The median achieved ÷ peak of the store's probes (what runs reach on this machine), each over the peak it ran
+    at (`peak_of`: a CPU probe's is that of its own threads per rank), else `fallback`."""
     probes = list(store.probes.values())
     if not probes:
         return fallback
-    ratios = sorted(p.achieved_flops_per_rank / peak_flops for p in probes)
+    ratios = sorted(p.achieved_flops_per_rank / peak_of(p) for p in probes)
     return measured(
         ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
     )
@@ -130,7 +132,8 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     peak = _precision_peak(spec, precision)
     mfu = Figure(*fallback_mfu(kind, spec.name))
     if store is not None and peak.value is not None:
-        mfu = _probes_mfu(store, peak.value, mfu)
+        catalog_peak = peak.value
+        mfu = _probes_mfu(store, lambda probe: catalog_peak, mfu)
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
     return Machine(
         kind=spec.name,
@@ -150,35 +153,42 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
 
 
 def this_cpu(
-    ranks_per_node: int, *, refresh_peak: bool = False, store: CalibrationStore | None = None
+    ranks_per_node: int,
+    *,
+    threads: int | None = None,
+    refresh_peak: bool = False,
+    store: CalibrationStore | None = None,
 ) -> Machine:
-    """This machine's CPU: the peak matmul FLOP/s of one rank's threads, measured once and kept in the machine's
-    calibration store (`refresh_peak` measures it again); the MFU from this machine's probes when there are some."""
+    """This machine's CPU: the peak matmul FLOP/s of one rank's threads (`threads`, the run's train.threads; None:
+    the default, usable cores ÷ `ranks_per_node`), measured once and kept in the machine's calibration store under
+    `cpu-<threads>-threads` (`refresh_peak` measures it again); the MFU from this machine's probes when there are
+    some, each probe's achieved FLOP/s over the peak of the threads it ran with."""
+    import time
+
     import psutil
 
-    from gaudi3_scale.device.select import (
-        cpu_model_name,
-        cpu_threads_per_rank,
-        measure_cpu_matmul_flops,
-        usable_cpu_cores,
-    )
+    from gaudi3_scale.device.select import cpu_model_name, cpu_threads_per_rank, usable_cpu_cores
 
     cores = usable_cpu_cores()
     name = cpu_model_name()
     store = store or CalibrationStore.for_machine(machine_key(name, cores))
-    threads = cpu_threads_per_rank(ranks_per_node)
-    slot = f"cpu-{threads}-threads"
-    stored = None if refresh_peak else store.peak(slot)
-    if stored is None:
-        store.set_peak(slot, measure_cpu_matmul_flops(threads, seconds=1.0))
-        stored = store.peak(slot)
-    assert stored is not None
-    import time
-
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(stored[1]))
-    peak = measured(stored[0], f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} "
+    threads = threads or cpu_threads_per_rank(ranks_per_node)
+    flops, measured_unix_s = _cpu_peak(store, threads, refresh=refresh_peak)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(measured_unix_s))
+    peak = measured(flops, f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} "
                     f"(calibration store {store.path}; --refresh-peak measures again)")  # fmt: skip
-    mfu = _probes_mfu(store, stored[0], Figure(fallback_mfu("cpu")[0], "assumption: no probe on this machine "
+
+    def probe_peak(probe: Probe) -> float:
+        # a probe's layout names its threads only when not its ranks' default (`RunShape.threads`); a CPU probe
+        # runs on this one node, so its ranks per node are its world size (a hand-edited value out of range: the
+        # default's)
+        layout = probe.layout
+        threads, world = layout.get("threads"), layout.get("world_size")
+        if not (isinstance(threads, int) and 1 <= threads <= cores):
+            threads = cpu_threads_per_rank(world if isinstance(world, int) and world >= 1 else 1)
+        return _cpu_peak(store, threads)[0]
+
+    mfu = _probes_mfu(store, probe_peak, Figure(fallback_mfu("cpu")[0], "assumption: no probe on this machine "
                      "yet (gaudi3 plan --probe, a gaudi3 tune trial or a benchmark cell measures one)"))  # fmt: skip
     return Machine(
         kind="cpu",
@@ -197,3 +207,17 @@ def this_cpu(
         power_w_per_rank=assumed(None, "a CPU has no catalogued power"),
         store=store,
     )
+
+
+def _cpu_peak(store: CalibrationStore, threads: int, *, refresh: bool = False) -> tuple[float, float]:
+    """(FLOP/s, when measured) of the best fp32 matmul with `threads` threads: the store's `cpu-<threads>-threads`
+    slot, measured (about a second) and kept there when it has none or `refresh`."""
+    from gaudi3_scale.device.select import measure_cpu_matmul_flops
+
+    slot = f"cpu-{threads}-threads"
+    stored = None if refresh else store.peak(slot)
+    if stored is None:
+        store.set_peak(slot, measure_cpu_matmul_flops(threads, seconds=1.0))
+        stored = store.peak(slot)
+    assert stored is not None
+    return stored

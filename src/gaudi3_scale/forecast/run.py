@@ -18,7 +18,14 @@ from gaudi3_scale.forecast.shape import RunShape
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.train.config import RunConfig, build_run_config
 
-__all__ = ["forecast_config", "forecast_for_training", "machine_for", "resolve_forecast_config", "run_shape"]
+__all__ = [
+    "forecast_config",
+    "forecast_for_training",
+    "machine_for",
+    "resolve_forecast_config",
+    "run_shape",
+    "threads_per_rank",
+]
 
 
 def _precision(cfg: RunConfig, device_kind: str) -> str:
@@ -37,24 +44,32 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine) -> RunShape:
     precision = _precision(cfg, machine.device_kind)
     plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
     batch = cfg.batch_plan(world)
-    threads = _threads(cfg, per_node) if machine.device_kind == "cpu" else None
+    threads = _threads(cfg) if machine.device_kind == "cpu" else None
     return RunShape.build(model, plan, batch, precision=precision, device_kind=machine.device_kind, nodes=nodes,
                           ranks_per_node=per_node, threads=threads)  # fmt: skip
 
 
-def _threads(cfg: RunConfig, ranks_per_node: int) -> int | None:
-    """`train.threads` when it is not the run's default (usable cores ÷ ranks, as `train.assembly` sets)."""
+def threads_per_rank(cfg: RunConfig) -> int:
+    """The CPU intra-op threads per rank a run of `cfg` uses: `train.threads`, else the usable cores shared by its
+    ranks per node (as `train.assembly` sets them). The forecast's CPU peak is that of these threads."""
     from gaudi3_scale.device.select import cpu_threads_per_rank
 
-    threads = cfg.train.threads
-    return threads if threads not in (None, cpu_threads_per_rank(ranks_per_node)) else None
+    return cfg.train.threads or cpu_threads_per_rank(cfg.parallel.nproc_per_node)
+
+
+def _threads(cfg: RunConfig) -> int | None:
+    """The run's threads per rank when not the default (the layout's key names only those: `RunShape.threads`)."""
+    from gaudi3_scale.device.select import cpu_threads_per_rank
+
+    threads = threads_per_rank(cfg)
+    return threads if threads != cpu_threads_per_rank(cfg.parallel.nproc_per_node) else None
 
 
 def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
     """`--machine KIND`: a catalog accelerator, or this machine's CPU for `cpu` — whatever train.device says, as
     any --machine stands in for the config's device. Without it, the device the run trains on here."""
     if kind == "cpu":
-        return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
+        return _this_cpu(cfg, refresh_peak=refresh_peak)
     if kind is not None:
         return catalog_machine(kind, cfg.train.precision)
     import torch
@@ -66,12 +81,17 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        return this_cpu(cfg.parallel.nproc_per_node, refresh_peak=refresh_peak)
+        return _this_cpu(cfg, refresh_peak=refresh_peak)
     if device == "hpu":
         return catalog_machine("gaudi3", cfg.train.precision)
     if not torch.cuda.is_available():  # a cuda run forecast on paper from a machine without a GPU
         return catalog_machine("h100", cfg.train.precision)
     return catalog_machine(_this_gpu(), cfg.train.precision)
+
+
+def _this_cpu(cfg: RunConfig, *, refresh_peak: bool) -> Machine:
+    """This CPU at the peak of the threads each rank of `cfg` runs with."""
+    return this_cpu(cfg.parallel.nproc_per_node, threads=threads_per_rank(cfg), refresh_peak=refresh_peak)
 
 
 def _this_gpu() -> str:
