@@ -187,6 +187,29 @@ class LanguageModel(SteppedModule, pl.LightningModule):
             return self._sync.forward(self._loss_fn, x, y)  # DeepSpeed runs the forward through its engine
         return self._loss_fn(x, y)
 
+    def _clip(self, clip: float, scaler: Any) -> torch.Tensor | None:
+        """Clip the gradients' global L2 norm (all stages' under a pipeline) at `clip`; their norm before clipping.
+
+        16-mixed (`scaler`, Lightning's GradScaler): the gradients here are still multiplied by the loss scale S,
+        which Lightning divides out inside `opt.step()`, after this (its own `clip_gradients` in manual optimization
+        clips them scaled, Lightning issue #18089, and refuses a fused AdamW outright). Clipping the scaled gradients
+        at clip × S is clipping the true ones at clip, and their norm ÷ S is the true norm. A step whose scaled
+        gradients overflowed is the scaler's to skip (and to lower S): its norm is None, so the health guard, which
+        would drop the step and with it the scaler's update, judges it by its loss alone."""
+        pipeline, params = self._pipeline, self._clip_params
+        assert params is not None
+
+        def clipped(max_norm: float) -> torch.Tensor:
+            if pipeline is None:
+                return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return pipeline.clip_grad_norm(params, max_norm)
+
+        if scaler is None:
+            return clipped(clip)
+        scale = scaler.get_scale()
+        norm = clipped(clip * scale)
+        return norm / scale if bool(torch.isfinite(norm)) else None
+
     def on_train_start(self) -> None:
         self._window = [] if self.guard is not None and self.guard.cfg.rerun_check else None
         self._stashed = []  # micro-batches of a step an earlier fit did not finish
@@ -226,18 +249,11 @@ class LanguageModel(SteppedModule, pl.LightningModule):
         window = self._window
         clip = self.optim_cfg.grad_clip_norm
         if clip > 0 and not sync.clips:
-            if self.trainer.precision == "16-mixed" and pipeline is None:
-                self.clip_gradients(opt.optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-            else:
-                if self._clip_params is None:
-                    # `self.parameters()` walks the module tree on every call: ~660k instructions a step (~70 µs)
-                    # on the default CPU model (callgrind), for a list that does not change during a fit.
-                    self._clip_params = list(self.parameters())
-                state.grad_norm = (
-                    torch.nn.utils.clip_grad_norm_(self._clip_params, clip)
-                    if pipeline is None
-                    else pipeline.clip_grad_norm(self._clip_params, clip)  # the norm of all stages
-                )
+            if self._clip_params is None:
+                # `self.parameters()` walks the module tree on every call: ~660k instructions a step (~70 µs)
+                # on the default CPU model (callgrind), for a list that does not change during a fit.
+                self._clip_params = list(self.parameters())
+            state.grad_norm = self._clip(clip, getattr(self.trainer.precision_plugin, "scaler", None))
         guard = self.guard
         if guard is not None and not sync.clips:  # DeepSpeed clips and steps inside its engine
             state.update_dropped = not guard.check(self.trainer.global_step, loss, state.grad_norm)
