@@ -174,6 +174,26 @@ def test_set_options_reach_the_kubernetes_renderer_and_other_targets_refuse_them
     assert not (tmp_path / "a").exists() and not (tmp_path / "k2").exists()
 
 
+@pytest.mark.parametrize("target", ["aws", "azure", "gcp"])
+def test_cloud_nodes_keep_out_on_their_own_disks_so_sharded_checkpoints_over_nodes_are_refused(
+    gaudi3_cli: Cli, config: Path, tmp_path: Path, target: str
+) -> None:
+    """Each VM keeps --out on its own disk (rank 0 mirrors the checkpoints to the bucket): FSDP over 2 nodes would
+    be refused by the run itself (`train.nodes`), so it is refused here, before anything is rendered or paid for."""
+    args = ["deploy", "render", "--target", target, "--accelerator", "h100", "--config", str(config)]
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text(config.read_text() + "parallel:\n  strategy: fsdp\n")
+    code, out, err = gaudi3_cli(*args[:-1], str(fsdp), "--nodes", "2", "--out", str(tmp_path / "o"))
+    _one_line_error(code, out, err, f"--target {target}: each node keeps the run's --out on its own disk",
+                    "with parallel.strategy fsdp every rank writes its part", "use --target k8s")  # fmt: skip
+    assert not (tmp_path / "o").exists()
+    for nodes, path in (("1", fsdp), ("2", config)):  # one node; or rank 0 alone writes the checkpoints
+        code, out, err = gaudi3_cli(
+            *args[:-1], str(path), "--nodes", nodes, "--out", str(tmp_path / f"ok{nodes}")
+        )
+        assert code == 0, err
+
+
 def test_render_missing_config_is_one_line(gaudi3_cli: Cli, tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     code, out, err = gaudi3_cli("deploy", "render", "--target", "k8s", "--accelerator", "gaudi3", "--nodes", "2",

@@ -106,6 +106,12 @@ def remote_problems(fs: AbstractFileSystem, remote_dir: str, files: dict[str, An
     return problems
 
 
+def _step_of(name: str) -> int:
+    match = STEP_NAME.fullmatch(name)
+    assert match is not None, name  # _remote_step_names lists step names only
+    return int(match.group(1))
+
+
 def _remote_step_names(fs: AbstractFileSystem, root: str) -> list[str]:
     """Remote checkpoint names to try: the `latest` pointer's target first, then newest step first."""
     fs.invalidate_cache(root)
@@ -193,13 +199,15 @@ def fetch_latest(
     *,
     storage_options: dict[str, Any] | None = None,
     warn: Warn | None = None,
+    newer_than: int | None = None,
 ) -> Path | None:
     """Download the newest remote checkpoint that is committed and verifies into `local_checkpoints_dir/step-N`.
 
     Tries the remote `latest` target first, then newest step first; every damaged one is skipped with a warning
     naming it. A local copy that already verifies is used as it is. None when the remote holds no usable
-    checkpoint; a storage error (unreachable, credentials) is one `UserInputError` line, so a resume never silently
-    starts over. The local `latest` pointer is left to the caller (`CheckpointManager.mark_latest`).
+    checkpoint (`newer_than`: none of a step above it); a storage error (unreachable, credentials) is one
+    `UserInputError` line, so a resume never silently starts over. The local `latest` pointer is left to the caller
+    (`CheckpointManager.mark_latest`).
     """
     warn = warn or default_warn
     fs, root = open_remote(url, storage_options)
@@ -207,6 +215,8 @@ def fetch_latest(
     local_dir.mkdir(parents=True, exist_ok=True)
     try:
         for name in _remote_step_names(fs, root):
+            if newer_than is not None and _step_of(name) <= newer_than:
+                continue
             target = local_dir / name
             if target.is_dir() and not verify_checkpoint(target):
                 return target

@@ -87,6 +87,10 @@ def render(spec: DeploySpec) -> dict[str, str]:
     return files
 
 
+# Targets whose nodes keep --out on their own disks: the Terraform VMs (checkpoints go to the bucket they create).
+NODE_LOCAL_OUT = ("aws", "azure", "gcp")
+
+
 def check_run_geometry(spec: DeploySpec) -> None:
     """The run config must train on nodes × per_node ranks (e.g. its global batch must split over them): refused
     here in one line, not by every node after it booted."""
@@ -103,9 +107,19 @@ def check_run_geometry(spec: DeploySpec) -> None:
         ("parallel.rdzv_endpoint", "node-0:29500"),
     ]
     try:
-        from_dict(RunConfig, apply_overrides(RunConfig, copy.deepcopy(spec.run_config), overrides))
+        cfg = from_dict(RunConfig, apply_overrides(RunConfig, copy.deepcopy(spec.run_config), overrides))
     except ConfigError as exc:
         raise UserInputError(f"{spec.nodes} node(s) × {spec.per_node} per node: {exc}") from None
+    if spec.target in NODE_LOCAL_OUT and spec.nodes > 1 and cfg.checkpoint.enabled:
+        from gaudi3_scale.train.config import per_rank_checkpoints
+
+        if (setting := per_rank_checkpoints(cfg.parallel)) is not None:
+            raise UserInputError(
+                f"--target {spec.target}: each node keeps the run's --out on its own disk (its checkpoints are "
+                f"mirrored to the bucket by rank 0), but with {setting} every rank writes its part of each "
+                f"checkpoint there for rank 0 to commit, which {spec.nodes} nodes cannot (the run would refuse to "
+                "start); use --target k8s (a volume every node mounts), --nodes 1, or parallel.strategy ddp"
+            )
 
 
 def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False) -> list[Path]:

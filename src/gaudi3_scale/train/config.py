@@ -50,6 +50,7 @@ __all__ = [
     "check_tensor_parallel",
     "config_dict",
     "config_yaml",
+    "per_rank_checkpoints",
     "resolve_config",
 ]
 
@@ -316,6 +317,14 @@ def _drop_unset_steps(raw: dict[str, Any]) -> dict[str, Any]:
     ):
         raw = {**raw, "train": {k: v for k, v in train_raw.items() if k != "max_steps"}}
     return raw
+
+
+def per_rank_checkpoints(parallel: ParallelConfig) -> str | None:
+    """The setting that makes every rank write its part of each checkpoint: a sharded (DCP) one (`_sharded_by`) or
+    DeepSpeed's ZeRO partitions; None where rank 0 writes it alone (DDP, one process)."""
+    if parallel.strategy.startswith("deepspeed"):
+        return f"parallel.strategy {parallel.strategy}"
+    return _sharded_by(parallel)
 
 
 def _sharded_by(parallel: ParallelConfig) -> str | None:

@@ -227,6 +227,28 @@ def check_resume_layout(checkpoint: Path, parallel: dict[str, Any]) -> None:
     )
 
 
+def _newer_remote(
+    cfg: RunConfig, manager: CheckpointManager, found: Path, warn: Callable[[str], None] | None
+) -> Path:
+    """Several nodes on their own disks: rank 0's node keeps the newest checkpoint and uploads it, the others hold
+    what they fetched before, so a remote one newer than `found` is fetched and taken (every node must resume from
+    the same: `train.nodes`). A store that cannot be read now leaves `found`, said via `warn`."""
+    from gaudi3_scale.checkpoint.remote import fetch_latest
+
+    assert cfg.checkpoint.remote_url is not None
+    step = next(number for number, path in manager.steps() if path == found)
+    try:
+        newer = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn, newer_than=step)
+    except UserInputError as exc:
+        if warn is not None:
+            warn(f"resuming from the local {found.name}: {exc}")
+        return found
+    if newer is None:
+        return found
+    manager.mark_latest(newer)
+    return newer
+
+
 def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> Path | None:
     """The verified checkpoint state a run resumes from (train.resume: auto, never, a checkpoint or a run
     directory), or None.
@@ -253,6 +275,13 @@ def resume_checkpoint(cfg: RunConfig, warn: Callable[[str], None] | None = None)
             found = fetch_latest(cfg.checkpoint.remote_url, manager.directory, warn=warn)
             if found is not None:
                 manager.mark_latest(found)
+        elif (
+            found is not None
+            and cfg.checkpoint.remote_url
+            and cfg.parallel.nnodes > 1
+            and not inside_launched_worker()
+        ):
+            found = _newer_remote(cfg, manager, found, warn)
         if found is None and any(has_manifest(path) for _, path in manager.steps()):
             # committed checkpoints, none intact: starting over would silently drop the training they hold
             raise UserInputError(

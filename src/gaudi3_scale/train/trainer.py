@@ -52,9 +52,10 @@ from gaudi3_scale.train.assembly import (
     steps_of_epochs,
 )
 from gaudi3_scale.train.callbacks import own_signals
-from gaudi3_scale.train.config import RunConfig, build_run_config
+from gaudi3_scale.train.config import RunConfig, build_run_config, per_rank_checkpoints
 from gaudi3_scale.train.forecast_file import predicted_fields, read_forecast, write_plan
 from gaudi3_scale.train.module import LanguageModel
+from gaudi3_scale.train.nodes import NodesCheck
 from gaudi3_scale.train.parts import build_after_step
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
 from gaudi3_scale.train.report import read_metrics, write_run_report
@@ -368,6 +369,11 @@ class GaudiTrainer:
             self._guard.carry_from(previous_guard, lr_scale=self.config.health.rollback_lr_scale)
         trainer = self.trainer = self.build_trainer(step_state_of(model))
         assert self._after is not None, "build_trainer builds the run's parts"
+        if self.config.parallel.nnodes > 1:  # every node sees --out and resumes from the same checkpoint
+            cfg = self.config
+            nodes = NodesCheck(self.out_dir, ckpt_path, per_rank_files=per_rank_checkpoints(cfg.parallel),
+                               remote_url=cfg.checkpoint.remote_url, checkpoints=cfg.checkpoint.enabled)  # fmt: skip
+            trainer.callbacks.insert(0, nodes)  # type: ignore[attr-defined]  # set by its connector
         if rollback is not None and previous_cost is not None and self._after.cost is not None:
             self._after.cost.carry_from(previous_cost)  # the checkpoint restores the training, not the spend
         self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock

@@ -1,0 +1,121 @@
+"""Two nodes on this machine (two `gaudi3 train` launchers, one rank each, meeting at a rendezvous on 127.0.0.1),
+each with its own --out, as node-local disks are (`train.nodes`).
+
+Without a shared --out or a remote mirror the run is refused before it trains: only rank 0's node would hold the
+checkpoints. With `checkpoint.remote_url` it trains, and a restart resumes every node from the same checkpoint (the
+other node fetches what rank 0 uploaded); when the mirror is behind (one node would resume from an older step),
+the restart is one line on both nodes, exit 2, instead of gloo aborting on mismatched collectives, and the run
+after it, once rank 0 has uploaded as it stopped, resumes both from the newest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gaudi3_scale.train.nodes import RankView, nodes_problem
+from s3_server import free_port
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--model.name=llama-tiny", "--model.num_layers=1", "--train.val_every_steps=0", "--train.threads=1",
+        "--train.log_every_steps=1", "--sample-tokens=0", "--no-progress", "--checkpoint.every_steps=2"]  # fmt: skip
+
+
+def _pair(outs: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess[str]]:
+    """Node 0 and node 1, each its own launcher and --out; (node 0's, node 1's) results."""
+    port = free_port()
+    procs = []
+    for node, out in enumerate(outs):
+        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(out), "--nnodes", "2",
+               "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1)  # node 0's launcher hosts the rendezvous store
+    done = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return done
+
+
+def _error_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith("gaudi3: error:")]
+
+
+def _trained_steps(outs: tuple[Path, Path]) -> list[int]:
+    """The steps rank 0 logged, whichever node it ran on (the rendezvous orders the nodes, not --node-rank)."""
+    (metrics,) = [out / "metrics.jsonl" for out in outs if (out / "metrics.jsonl").is_file()]
+    return [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "train_loss" in r]
+
+
+def test_node_local_out_without_a_mirror_is_refused_before_training(tmp_path: Path) -> None:
+    outs = (tmp_path / "node0", tmp_path / "node1")
+    for done, out in zip(_pair(outs, "--train.max_steps=4"), outs, strict=True):
+        assert done.returncode == 2, done.stderr[-3000:]
+        (line,) = _error_lines(done)
+        assert line == (
+            f"gaudi3: error: --out {out} is not one directory for all nodes: rank 1 (on {_host()}) does not see the "
+            "files rank 0 writes there, so only rank 0's node could resume from its checkpoints; put --out on "
+            "storage every node mounts, or set checkpoint.remote_url, which the other nodes resume from"
+        )
+        assert "Traceback" not in done.stderr and not (out / "checkpoints").exists()
+
+
+def test_node_local_out_with_a_mirror_resumes_every_node_from_the_same_checkpoint(tmp_path: Path) -> None:
+    outs, remote = (tmp_path / "node0", tmp_path / "node1"), tmp_path / "remote"
+    mirror = f"--checkpoint.remote_url=file://{remote}"
+    assert all(done.returncode == 0 for done in _pair(outs, mirror, "--train.max_steps=4"))
+    assert (remote / "latest").read_text().strip() == "step-00000004"
+    # The mirror one checkpoint behind: the node without a copy of its own fetches step 2, rank 0's has step 4.
+    shutil.rmtree(remote / "step-00000004")
+    (remote / "latest").write_text("step-00000002\n")
+    for done in _pair(outs, mirror, "--train.max_steps=6"):
+        assert done.returncode == 2, done.stderr[-3000:]
+        (line,) = _error_lines(done)
+        assert "the ranks would resume from different checkpoints (" in line and "step-00000002" in line
+        assert (
+            "step-00000004" in line and "run the same command again once checkpoint.remote_url holds" in line
+        )
+        assert "Traceback" not in done.stderr and "gloo" not in done.stderr
+    assert (remote / "latest").read_text().strip() == "step-00000004"  # rank 0 uploaded it as it stopped
+    assert all(done.returncode == 0 for done in _pair(outs, mirror, "--train.max_steps=6"))
+    assert _trained_steps(outs) == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 resumed from step 4 on both nodes
+    for out in outs:
+        assert (out / "checkpoints" / "step-00000004" / "manifest.json").is_file()
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def test_a_view_of_the_nodes_names_what_is_wrong() -> None:
+    """The decision itself, for the layouts the runs above do not launch (a sharded run, one without checkpoints)."""
+    out = Path("/data/run")
+    blind = [RankView(0, "a", True, None), RankView(1, "b", False, None), RankView(2, "b", False, None)]
+    fsdp = nodes_problem(blind, out_dir=out, per_rank_files="parallel.strategy fsdp", remote_url="s3://b/run",
+                         checkpoints=True)  # fmt: skip
+    assert fsdp == (
+        "--out /data/run is not one directory for all nodes: ranks 1, 2 (on b) do not see the files rank 0 writes "
+        "there, and with parallel.strategy fsdp every rank writes its part of each checkpoint there for rank 0 to "
+        "commit; put --out on storage every node mounts (NFS, a shared volume)"
+    )
+    assert (
+        nodes_problem(blind, out_dir=out, per_rank_files=None, remote_url="s3://b/run", checkpoints=True)
+        is None
+    )
+    assert nodes_problem(blind, out_dir=out, per_rank_files="x", remote_url=None, checkpoints=False) is None
+    shared = [RankView(0, "a", True, "step-00000004"), RankView(1, "b", True, "step-00000004")]
+    assert nodes_problem(shared, out_dir=out, per_rank_files="x", remote_url=None, checkpoints=True) is None
+    apart = [RankView(0, "a", True, "step-00000004"), RankView(1, "b", True, None)]
+    assert nodes_problem(apart, out_dir=out, per_rank_files=None, remote_url=None, checkpoints=True) == (
+        "the ranks would resume from different checkpoints (rank 0 (on a): step-00000004; rank 1 (on b): no "
+        "checkpoint (from scratch)); every node must see the same: put --out on storage every node mounts, or set "
+        "checkpoint.remote_url"
+    )
