@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gaudi3_scale.train.nodes import RankView, nodes_problem
@@ -87,6 +88,43 @@ def test_node_local_out_with_a_mirror_resumes_every_node_from_the_same_checkpoin
     assert _trained_steps(outs) == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 resumed from step 4 on both nodes
     for out in outs:
         assert (out / "checkpoints" / "step-00000004" / "manifest.json").is_file()
+
+
+def test_a_node_that_dies_stops_the_other_restartably_and_both_resume(tmp_path: Path) -> None:
+    """Node 1's launcher and rank, killed together (its machine lost) after a checkpoint: node 0's next collective
+    fails; one line naming the checkpoint to resume from, exit 143, which Kubeflow's ExitCode policy and torchrun's
+    agent restart (gloo's traceback and exit 1 failed the whole job); the rerun resumes both nodes from it."""
+    out = tmp_path / "shared"  # one --out for both nodes, as on NFS
+    port, procs = free_port(), []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(out), "--nnodes", "2",
+               "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--train.max_steps=100000", "--checkpoint.every_steps=20"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "latest").is_file():
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.1)
+    # every process of node 1: the launcher and the rank it started
+    node1 = [*psutil.Process(procs[1].pid).children(recursive=True), psutil.Process(procs[1].pid)]
+    for proc in node1:
+        proc.kill()
+    _, stderr = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=60)
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert procs[0].returncode == 143, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("gaudi3: error:")]
+    assert line.startswith("gaudi3: error: lost another rank (") and "Traceback" not in stderr
+    assert line.endswith(
+        f"exit 143 (restartable): run the same command on every node to resume from {latest}"
+    )
+    step = int(latest.removeprefix("step-"))
+    resumed = _pair((out, out), f"--train.max_steps={step + 2}", "--checkpoint.every_steps=20")
+    assert all(done.returncode == 0 for done in resumed), (
+        resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]
+    )
+    assert _trained_steps((out, tmp_path / "none"))[-2:] == [step + 1, step + 2]
 
 
 def _host() -> str:

@@ -8,6 +8,8 @@ tools (`bench`, `artifacts`) that `gaudi3 train` runs itself, in its own process
 
 from __future__ import annotations
 
+import re
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -68,6 +70,51 @@ def stop_when_refused_to_resume() -> Iterator[None]:
             # (a restarted group's spot check fetches a price first), or its line could be cut off unsaid
             time.sleep(REFUSAL_GRACE_S)
         sys.exit(exc.exit_code)
+
+
+# What gloo and NCCL say when the rank at the other end of a collective is gone (its process or its whole node):
+# the connection closed or reset, or NCCL's "remote process exited" / aborted communicator.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+              "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
+# 128 + SIGTERM, restartable, as a hang's (health.watchdog.HANG_EXIT_CODE): in distributed.launch's
+# RESTARTABLE_EXIT_CODES, which that module (torch behind it) is not imported here to read.
+LOST_PEER_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def _lost_peer(exc: BaseException) -> str | None:
+    """The backend's line when `exc` (or what it was raised from) is a collective whose other end is gone."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, RuntimeError):
+            text = str(seen)
+            if any(marker in text for marker in _LOST_PEER):
+                # gloo's first sentence, without its source location: "Read error [10.0.0.2]:52927: Connection
+                # reset by peer"
+                text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(text.split()))
+                return text.split(". ")[0][:200]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@contextmanager
+def stop_when_a_peer_is_lost(cfg: RunConfig) -> Iterator[None]:
+    """A rank or a whole node that is gone mid-run (killed, its machine lost) fails the others' next collective:
+    one line on each of them naming the checkpoint a restart resumes from, and exit 143, restartable (torchrun's
+    agent, Kubeflow's ExitCode policy), instead of gloo's traceback and exit 1, which Kubeflow fails the job on."""
+    try:
+        yield
+    except Exception as exc:
+        detail = _lost_peer(exc)
+        if detail is None:
+            raise
+        from gaudi3_scale.checkpoint.manager import CheckpointManager
+
+        latest = CheckpointManager(cfg.output_dir / "checkpoints").pointed()
+        print_error(
+            f"lost another rank ({detail}): a rank or a node stopped; exit {LOST_PEER_EXIT_CODE} (restartable): run "
+            f"the same command on every node to resume from {latest.name if latest else 'the start (no checkpoint yet)'}"
+        )
+        sys.exit(LOST_PEER_EXIT_CODE)
 
 
 def fit_run(cfg: RunConfig, *, progress: bool) -> FinishedRun:
@@ -192,7 +239,7 @@ def worker(
     if print_config:
         click.echo(config_yaml(cfg), nl=False)
         return
-    with stop_when_refused_to_resume():
+    with stop_when_refused_to_resume(), stop_when_a_peer_is_lost(cfg):
         run = fit_run(cfg, progress=progress)
         if not run.is_global_zero:
             sys.exit(run.exit_code)
