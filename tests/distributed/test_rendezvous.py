@@ -38,12 +38,32 @@ def test_an_unreachable_rendezvous_is_one_line_naming_it_and_the_wait(tmp_path: 
         f"gaudi3: error: parallel.rdzv_endpoint: the rendezvous at {UNREACHABLE} did not answer within 2 s ("
     )
     assert lines[1].endswith(
-        "start node 0's `gaudi3 train` first, check the address, or raise parallel.rdzv_timeout_s"
+        "start node 0's `gaudi3 train` (one that started and stopped before opening it said why in its own "
+        "output), check the address, or raise parallel.rdzv_timeout_s"
     )
     for noise in ("[c10d]", "frame #", "TCPStore", "Traceback", "torch/distributed"):
         assert noise not in done.stderr
     assert waited_s >= 2
     assert not (tmp_path / "run").exists()  # the run directory it would have made is gone again
+
+
+def test_nodes_that_do_not_all_join_are_one_line_after_the_timeout(tmp_path: Path) -> None:
+    """This node hosts the rendezvous (its endpoint is here) and the other never joins (it was not started, or it
+    stopped before joining): one line once parallel.rdzv_timeout_s is up, exit 2; not torch's RendezvousTimeoutError
+    traceback, nor its warning that the c10d rendezvous ignores --node-rank."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(tmp_path / "run"), "--model.num_layers",
+           "1", "--train.max_steps", "1", "--sample-tokens", "0", "--no-progress", "--nnodes", "2", "--node-rank",
+           "1", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--parallel.rdzv_timeout_s", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"gaudi3: error: parallel.rdzv_timeout_s: 2 nodes did not all join the rendezvous at 127.0.0.1:{port} "
+        "within 2 s; start the same `gaudi3 train` on every node (one that stopped before joining said why in its "
+        "own output), or raise parallel.rdzv_timeout_s"
+    ]
 
 
 def test_a_node_waits_for_a_rendezvous_that_opens_later(capsys: pytest.CaptureFixture[str]) -> None:

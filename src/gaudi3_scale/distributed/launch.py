@@ -150,7 +150,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     launcher_args = [
         "--nnodes", str(cfg.nnodes),
         "--nproc-per-node", str(cfg.nproc_per_node),
-        "--node-rank", str(cfg.node_rank),
+        # no --node-rank: the c10d rendezvous orders the nodes itself (torch ignores it there, with a warning)
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint,
         "--rdzv-conf", f"join_timeout={math.ceil(cfg.rdzv_timeout_s)}",
@@ -162,6 +162,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     ]  # fmt: skip
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     # Under --max-restarts the workers open their own TCPStore instead of sharing the rendezvous one: with the
     # shared store, workers of a restarted group can read the previous attempt's addresses and fail to connect
@@ -177,6 +178,14 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
     try:
         run(get_args_parser().parse_args(launcher_args))
+    except RendezvousTimeoutError:
+        # The other nodes did not all join (one stopped before it joined: its own output says why).
+        raise ConfigError(
+            "parallel.rdzv_timeout_s",
+            f"{cfg.nnodes} nodes did not all join the rendezvous at {endpoint} within {cfg.rdzv_timeout_s:g} s; "
+            "start the same `gaudi3 train` on every node (one that stopped before joining said why in its own "
+            "output), or raise parallel.rdzv_timeout_s",
+        ) from None
     except SignalException as exc:
         # SIGTERM/SIGUSR1/SIGINT to the launcher: the agent passed it on to the workers and gave them time to commit
         # their emergency checkpoint; exit as they do (128 + signal, restartable; 0 after Ctrl-C), no traceback.

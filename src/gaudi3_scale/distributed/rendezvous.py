@@ -59,7 +59,8 @@ def wait_for_rendezvous(host: str, port: int, timeout_s: float) -> None:
             raise ConfigError(
                 "parallel.rdzv_endpoint",
                 f"the rendezvous at {where} did not answer within {timeout_s:g} s ({problem}); start node 0's "
-                "`gaudi3 train` first, check the address, or raise parallel.rdzv_timeout_s",
+                "`gaudi3 train` (one that started and stopped before opening it said why in its own output), "
+                "check the address, or raise parallel.rdzv_timeout_s",
             )
         if not waiting:
             print(
