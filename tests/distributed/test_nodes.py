@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -28,19 +29,39 @@ TINY = ["--model.name=llama-tiny", "--model.num_layers=1", "--train.val_every_st
         "--train.log_every_steps=1", "--sample-tokens=0", "--no-progress", "--checkpoint.every_steps=2"]  # fmt: skip
 
 
-def _pair(outs: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess[str]]:
-    """Node 0 and node 1, each its own launcher and --out; (node 0's, node 1's) results."""
+def _start(outs: tuple[Path, Path], *args: str) -> list[subprocess.Popen[str]]:
+    """Node 0's launcher, then, once its rendezvous store listens (on a real cluster only node 0 has that address;
+    here node 1 could host it first and node 0 would find its port taken), node 1's: each with its own --out."""
     port = free_port()
-    procs = []
-    for node, out in enumerate(outs):
-        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(out), "--nnodes", "2",
+
+    def start(node: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(outs[node]), "--nnodes", "2",
                "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        time.sleep(1)  # node 0's launcher hosts the rendezvous store
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [start(0)]
+    deadline = time.monotonic() + 120
+    while True:
+        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    return [*procs, start(1)]
+
+
+def _pair(outs: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess[str]]:
+    """Both nodes to the end; (node 0's, node 1's) results."""
+    procs = _start(outs, *args)
     done = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:  # never leave an agent waiting for a rendezvous behind
+            if proc.poll() is None:
+                proc.kill()
     return done
 
 
@@ -95,13 +116,7 @@ def test_a_node_that_dies_stops_the_other_restartably_and_both_resume(tmp_path: 
     fails; one line naming the checkpoint to resume from, exit 143, which Kubeflow's ExitCode policy and torchrun's
     agent restart (gloo's traceback and exit 1 failed the whole job); the rerun resumes both nodes from it."""
     out = tmp_path / "shared"  # one --out for both nodes, as on NFS
-    port, procs = free_port(), []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(out), "--nnodes", "2",
-               "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--train.max_steps=100000", "--checkpoint.every_steps=20"]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        time.sleep(1)
+    procs = _start((out, out), "--train.max_steps=100000", "--checkpoint.every_steps=20")
     deadline = time.monotonic() + 120
     while not (out / "checkpoints" / "latest").is_file():
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
@@ -128,8 +143,6 @@ def test_a_node_that_dies_stops_the_other_restartably_and_both_resume(tmp_path: 
 
 
 def _host() -> str:
-    import socket
-
     return socket.gethostname()
 
 
