@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 import pytest
+import yaml
 
 from gaudi3_scale.bench.result import cell_section, print_result, result_from_metrics
 from gaudi3_scale.cli.main import cli
@@ -192,6 +193,25 @@ def test_cloud_nodes_keep_out_on_their_own_disks_so_sharded_checkpoints_over_nod
             *args[:-1], str(path), "--nodes", nodes, "--out", str(tmp_path / f"ok{nodes}")
         )
         assert code == 0, err
+
+
+@pytest.mark.parametrize("target", ["k8s", "aws"])
+def test_a_run_in_epochs_renders_and_its_rendered_config_reads_back(
+    gaudi3_cli: Cli, tmp_path: Path, target: str
+) -> None:
+    """The rendered run config holds max_steps null beside max_epochs (its resolved value is a placeholder), which
+    the render's own check of the nodes' config must read as `gaudi3 train --config` does."""
+    config = tmp_path / "epochs.yaml"
+    config.write_text(
+        "name: epochs\nmodel: {name: shakespeare-char, num_layers: 1}\ntrain: {max_epochs: 2, global_batch_size: 32}\n"
+    )
+    out = tmp_path / "o"
+    code, _, err = gaudi3_cli("deploy", "render", "--target", target, "--accelerator", "h100", "--nodes", "2",
+                              "--config", str(config), "--out", str(out))  # fmt: skip
+    assert code == 0, err
+    code, printed, err = gaudi3_cli("train", "--config", str(out / "docker" / "run.yaml"), "--print-config")
+    assert code == 0, err
+    assert yaml.safe_load(printed)["train"]["max_epochs"] == 2
 
 
 def test_render_missing_config_is_one_line(gaudi3_cli: Cli, tmp_path: Path) -> None:

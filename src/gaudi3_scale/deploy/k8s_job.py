@@ -17,11 +17,10 @@ and sharded checkpoints assume one world size), so the elastic policy has minRep
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.config.core import apply_overrides, from_dict, parse_overrides
+from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.deploy.k8s_options import JobPlan
 from gaudi3_scale.deploy.quoting import k8s_literal
@@ -64,12 +63,12 @@ def _train_args(plan: JobPlan, *, node_rank: str, rdzv_endpoint: str) -> list[st
 def check_pod_config(plan: JobPlan, run_config: dict[str, Any]) -> None:
     """The run config as a pod will resolve it (with its command-line overrides) must be valid, e.g. the global batch
     must split over nodes x per_node ranks: refused here in one line, not by every pod after it was scheduled."""
-    from gaudi3_scale.train.config import RunConfig  # no torch behind it
+    from gaudi3_scale.train.config import build_run_config  # no torch behind it
 
     args = _train_args(plan, node_rank="0", rdzv_endpoint=f"{plan.name}-master-0:{plan.opts.rdzv_port}")
     overrides = parse_overrides([a for a in args if a.startswith(("--parallel.", "--monitor."))])
     try:
-        from_dict(RunConfig, apply_overrides(RunConfig, copy.deepcopy(run_config), overrides))
+        build_run_config(None, overrides, base=run_config)  # as a pod's `gaudi3 train --config` reads it
     except ConfigError as exc:
         raise UserInputError(f"{plan.nodes} node(s) x {plan.per_node} per node: {exc}") from None
 

@@ -94,11 +94,8 @@ NODE_LOCAL_OUT = ("aws", "azure", "gcp")
 def check_run_geometry(spec: DeploySpec) -> None:
     """The run config must train on nodes × per_node ranks (e.g. its global batch must split over them): refused
     here in one line, not by every node after it booted."""
-    import copy
-
-    from gaudi3_scale.config.core import apply_overrides, from_dict
     from gaudi3_scale.config.errors import ConfigError
-    from gaudi3_scale.train.config import RunConfig  # no torch behind it
+    from gaudi3_scale.train.config import build_run_config  # no torch behind it
 
     overrides = [
         ("parallel.nnodes", str(spec.nodes)),
@@ -107,7 +104,9 @@ def check_run_geometry(spec: DeploySpec) -> None:
         ("parallel.rdzv_endpoint", "node-0:29500"),
     ]
     try:
-        cfg = from_dict(RunConfig, apply_overrides(RunConfig, copy.deepcopy(spec.run_config), overrides))
+        # the whole config as the base, as a node's `gaudi3 train --config run.yaml` reads it (max_steps null
+        # beside max_epochs: `config_dict`)
+        cfg = build_run_config(None, overrides, base=spec.run_config)
     except ConfigError as exc:
         raise UserInputError(f"{spec.nodes} node(s) × {spec.per_node} per node: {exc}") from None
     if spec.target in NODE_LOCAL_OUT and spec.nodes > 1 and cfg.checkpoint.enabled:
