@@ -4,8 +4,8 @@ each with its own --out, as node-local disks are (`train.nodes`).
 Without a shared --out or a remote mirror the run is refused before it trains: only rank 0's node would hold the
 checkpoints. With `checkpoint.remote_url` it trains, and a restart resumes every node from the same checkpoint (the
 other node fetches what rank 0 uploaded); when the mirror is behind (one node would resume from an older step),
-the restart is one line on both nodes, exit 2, instead of gloo aborting on mismatched collectives, and the run
-after it, once rank 0 has uploaded as it stopped, resumes both from the newest."""
+the restart is one line on both nodes, exit 143 (restartable), instead of gloo aborting on mismatched
+collectives, and the relaunch, once rank 0 has uploaded as it stopped, resumes both from the newest."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gaudi3_scale.train.nodes import RankView, nodes_problem
+from gaudi3_scale.train.nodes import MirrorBehindError, RankView, nodes_problem
 from s3_server import free_port
 
 pytestmark = pytest.mark.distributed
@@ -97,11 +97,14 @@ def test_node_local_out_with_a_mirror_resumes_every_node_from_the_same_checkpoin
     shutil.rmtree(remote / "step-00000004")
     (remote / "latest").write_text("step-00000002\n")
     for done in _pair(outs, mirror, "--train.max_steps=6"):
-        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.returncode == 143, done.stderr[
+            -3000:
+        ]  # restartable: the relaunch below is what resolves it
         (line,) = _error_lines(done)
         assert "the ranks would resume from different checkpoints (" in line and "step-00000002" in line
-        assert (
-            "step-00000004" in line and "run the same command again once checkpoint.remote_url holds" in line
+        assert "step-00000004" in line and line.endswith(
+            "checkpoint.remote_url is behind the newest; rank 0 uploads it as it stops and a relaunch fetches it: "
+            "exit 143 (restartable)"
         )
         assert "Traceback" not in done.stderr and "gloo" not in done.stderr
     assert (remote / "latest").read_text().strip() == "step-00000004"  # rank 0 uploaded it as it stopped
@@ -132,7 +135,8 @@ def test_a_node_that_dies_stops_the_other_restartably_and_both_resume(tmp_path: 
     (line,) = [line for line in stderr.splitlines() if line.startswith("gaudi3: error:")]
     assert line.startswith("gaudi3: error: lost another rank (") and "Traceback" not in stderr
     assert line.endswith(
-        f"exit 143 (restartable): run the same command on every node to resume from {latest}"
+        "exit 143 (restartable): run the same command on every node to resume from the last committed checkpoint "
+        f"({latest} in this node's --out)"
     )
     step = int(latest.removeprefix("step-"))
     resumed = _pair((out, out), f"--train.max_steps={step + 2}", "--checkpoint.every_steps=20")
@@ -165,6 +169,10 @@ def test_a_view_of_the_nodes_names_what_is_wrong() -> None:
     shared = [RankView(0, "a", True, "step-00000004"), RankView(1, "b", True, "step-00000004")]
     assert nodes_problem(shared, out_dir=out, per_rank_files="x", remote_url=None, checkpoints=True) is None
     apart = [RankView(0, "a", True, "step-00000004"), RankView(1, "b", True, None)]
+    with pytest.raises(
+        MirrorBehindError, match=r"\(rank 0 \(on a\): step-00000004; rank 1 \(on b\): no checkpoint"
+    ):
+        nodes_problem(apart, out_dir=out, per_rank_files=None, remote_url="s3://b/run", checkpoints=True)
     assert nodes_problem(apart, out_dir=out, per_rank_files=None, remote_url=None, checkpoints=True) == (
         "the ranks would resume from different checkpoints (rank 0 (on a): step-00000004; rank 1 (on b): no "
         "checkpoint (from scratch)); every node must see the same: put --out on storage every node mounts, or set "

@@ -327,6 +327,23 @@ def test_local_checkpoint_changed_after_commit_is_skipped_not_retried(tmp_path: 
     assert not fs.exists(f"{root}/{ckpt.name}/{MANIFEST_NAME}") and not fs.exists(f"{root}/latest")
 
 
+def test_a_newer_checkpoint_is_only_what_the_remote_latest_names(tmp_path: Path) -> None:
+    """`newer_than` (a node on its own disk that holds a checkpoint already): the remote `latest` when it is newer,
+    never a higher step beside it, which a rollback may have abandoned."""
+    url = (tmp_path / "remote").as_uri()
+    older, abandoned = _make_checkpoint(tmp_path / "local", 20), _make_checkpoint(tmp_path / "local", 30)
+    with RemoteMirror(url, **FAST_RETRY) as mirror:
+        mirror.submit(older)
+        mirror.submit(abandoned)
+    fs, root = open_remote(url)
+    # the remote latest back at step 20, as after a rollback to it
+    fs.pipe_file(f"{root}/latest", b"step-00000020\n")
+    fetched = fetch_latest(url, tmp_path / "node1", newer_than=10)
+    assert fetched is not None and fetched.name == older.name and _digests(fetched) == _digests(older)
+    assert fetch_latest(url, tmp_path / "node1b", newer_than=20) is None
+    assert not (tmp_path / "node1b" / abandoned.name).exists()
+
+
 def test_empty_remote_fetches_nothing(tmp_path: Path) -> None:
     assert fetch_latest(f"memory://empty-{uuid.uuid4().hex[:8]}", tmp_path) is None
 

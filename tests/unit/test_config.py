@@ -63,6 +63,11 @@ def test_yaml_then_overrides_then_preset(tmp_path: Path) -> None:
         (["--model.pad_vocab_to_multiple", "48"], "model.pad_vocab_to_multiple", "positive power of two"),
         (["--model.pad_vocab_to_multiple", "0"], "model.pad_vocab_to_multiple", "positive power of two"),
         (["--model.rope_theta", "1"], "model.rope_theta", "must be > 1, got 1"),
+        (
+            ["--parallel.strategy=fsdp", "--train.precision=16-mixed"],
+            "train.precision",
+            "not with parallel.strategy fsdp; use bf16-mixed",
+        ),
         (["--model.rope_theta", "1e-45"], "model.rope_theta", "must be > 1, got 1e-45"),
         (
             ["--model.name=llama-tiny", "--model.num_heads=4", "--model.num_kv_heads=1", "--model.dim=36"],

@@ -189,6 +189,11 @@ def test_a_repeated_key_is_refused_where_it_stands_and_a_merge_may_still_be_over
         parse_yaml_value("{a: 1, a: 2}", field="data.mixture")
     merged = "base: &b {x: 1, y: 2}\nm:\n  <<: *b\n  x: 3\n"  # YAML's merge key: an override, not a repeat
     assert parse_yaml(merged, where="m") == {"base": {"x": 1, "y": 2}, "m": {"x": 3, "y": 2}}
+    # a merge source that overrides a merge of its own, merged by a shallower mapping (flattened before it is built)
+    nested = "defs:\n  base: &b {lr: 1}\n  mid: &m\n    <<: *b\n    lr: 2\ntop:\n  <<: *m\n  steps: 5\n"
+    assert parse_yaml(nested, where="n")["top"] == {"lr": 2, "steps": 5}
+    with pytest.raises(UserInputError, match=r"key 'a' appears twice \(line 2, columns 11 and 17\)"):
+        parse_yaml("top:\n  <<: &m {a: 1, a: 2}\n  b: 3\n", where="i")  # a repeat inside a merge source
 
 
 def test_an_empty_file_is_an_empty_mapping(tmp_path: Path) -> None:

@@ -205,7 +205,8 @@ def fetch_latest(
 
     Tries the remote `latest` target first, then newest step first; every damaged one is skipped with a warning
     naming it. A local copy that already verifies is used as it is. None when the remote holds no usable
-    checkpoint (`newer_than`: none of a step above it); a storage error (unreachable, credentials) is one
+    checkpoint (`newer_than`: the one the remote `latest` names, when its step is above it, else None); a storage
+    error (unreachable, credentials) is one
     `UserInputError` line, so a resume never silently starts over. The local `latest` pointer is left to the caller
     (`CheckpointManager.mark_latest`).
     """
@@ -214,9 +215,13 @@ def fetch_latest(
     local_dir = Path(local_checkpoints_dir)
     local_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for name in _remote_step_names(fs, root):
-            if newer_than is not None and _step_of(name) <= newer_than:
-                continue
+        names = _remote_step_names(fs, root)
+        if newer_than is not None:
+            # only what the remote `latest` names: a higher step beside it may be of a line of training that a
+            # rollback abandoned
+            pointer = read_remote_pointer(fs, root)
+            names = [pointer] if pointer in names and _step_of(pointer) > newer_than else []
+        for name in names:
             target = local_dir / name
             if target.is_dir() and not verify_checkpoint(target):
                 return target

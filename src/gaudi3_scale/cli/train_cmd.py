@@ -21,7 +21,13 @@ import click
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.train.config import RunConfig
-from gaudi3_scale.train.worker import exit_if_stopped, fit_run, print_outputs, stop_when_refused_to_resume
+from gaudi3_scale.train.worker import (
+    exit_if_stopped,
+    fit_run,
+    print_outputs,
+    stop_when_a_peer_is_lost,
+    stop_when_refused_to_resume,
+)
 
 __all__ = ["print_dry_run", "run_training"]
 
@@ -34,7 +40,10 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
             started = _launch_ranks(cfg, worker_args)
             _after_launched_run(cfg, started=started, sample_tokens=sample_tokens)
             return
-        _train_here(cfg, sample_tokens=sample_tokens, progress=progress)
+        with stop_when_a_peer_is_lost(
+            cfg
+        ):  # a rank of a launcher that is not ours (torchrun -m gaudi3_scale.cli)
+            _train_here(cfg, sample_tokens=sample_tokens, progress=progress)
 
 
 @contextlib.contextmanager

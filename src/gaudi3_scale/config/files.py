@@ -128,6 +128,7 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
         self._nodes = 0
+        self._unique: set[int] = set()  # the mappings whose keys were checked (`flatten_mapping`)
 
     def fetch_flow_collection_start(self, TokenClass: Any) -> None:
         # The scanner keeps a pending "simple key" per open bracket and rescans them all for every token: refuse
@@ -161,11 +162,19 @@ class _Loader(yaml.SafeLoader):
                 f"cannot read {brief(node.value)}", node.start_mark, limit=False, detail=str(exc)
             ) from None
 
-    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+    def flatten_mapping(self, node: MappingNode) -> None:
         # PyYAML keeps the last of a repeated key without a word: a second `model:` section would silently drop the
-        # first one's fields. YAML requires unique keys; a merge (`<<: *base`) may still be overridden.
+        # first one's fields. YAML requires unique keys. Checked here, once per mapping and before a merge
+        # (`<<: *base`, whose keys its own may override) rewrites its pairs: a merge source can be flattened by the
+        # mapping that merges it before it is constructed itself.
+        if id(node) not in self._unique:
+            self._unique.add(id(node))
+            self._check_unique_keys(node)
+        super().flatten_mapping(node)
+
+    def _check_unique_keys(self, node: MappingNode) -> None:
         seen: dict[Any, Any] = {}
-        for key_node, _ in node.value if isinstance(node, MappingNode) else ():  # else PyYAML's own error
+        for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
@@ -181,7 +190,6 @@ class _Loader(yaml.SafeLoader):
                     else f"lines {first.line + 1} and {again.line + 1}"
                 )
                 raise _Refused(f"key {brief(key)} appears twice ({where}); keep one")
-        return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         if len(node.value) > MAX_INT_DIGITS:

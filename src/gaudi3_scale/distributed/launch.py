@@ -193,16 +193,26 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     except ChildFailedError as exc:
         # Workers that stopped for a preemption signal saved a checkpoint and exit 128 + signal: pass that on,
         # so that whatever restarts this command (Kubeflow's ExitCode policy, a job script) sees it as restartable.
-        codes = {failure.exitcode for failure in exc.failures.values()}
-        restartable = sorted(codes & RESTARTABLE_EXIT_CODES)
-        if restartable:
-            raise SystemExit(restartable[-1]) from None
-        # The agent SIGTERMs the workers still running once one has exited non-zero: those are not causes.
-        causes = codes - {-signal.SIGTERM}
-        if len(causes) == 1 and causes <= EXPLAINED_EXIT_CODES:
-            # The failed workers stopped for the same reason and rank 0 said why in one line: no traceback.
-            raise SystemExit(causes.pop()) from None
-        raise
+        code = launcher_exit_code({failure.exitcode for failure in exc.failures.values()})
+        if code is None:
+            raise
+        raise SystemExit(code) from None
+
+
+def launcher_exit_code(codes: set[int]) -> int | None:
+    """How the launcher exits when its workers failed with `codes` (negative: killed by that signal): a restartable
+    code when every cause is one, an explained one (the workers said why in one line) when that is the only other
+    cause, else None (torch's error report)."""
+    # The agent SIGTERMs the workers still running once one has exited non-zero: those are not causes.
+    causes = codes - {-signal.SIGTERM}
+    if causes and causes <= RESTARTABLE_EXIT_CODES:
+        return max(causes)
+    # A worker that failed for good (a crash, bad input) is the cause, whatever the others did after it: a rank
+    # whose peer crashed exits 143 (`train.worker.stop_when_a_peer_is_lost`), which must not make it a restart.
+    causes -= RESTARTABLE_EXIT_CODES
+    if len(causes) == 1 and causes <= EXPLAINED_EXIT_CODES:
+        return causes.pop()
+    return None
 
 
 def _agent_signals() -> list[str]:

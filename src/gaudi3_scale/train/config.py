@@ -118,6 +118,14 @@ class RunConfig:
                 f"light checkpoints are one file written by rank 0, but {sharded} saves sharded checkpoints (not "
                 "supported yet); set it to 0 and export a full checkpoint instead",
             )
+        if self.train.precision == "16-mixed" and (sharded := _sharded_by(self.parallel)):
+            # Lightning's fp16 loss scaler is not FSDP2's sharded one, and a pipeline's backward never scales the
+            # loss: its unscale_ fails on the first step (the tuner's estimator refuses the same: tune.memory).
+            raise ConfigError(
+                "train.precision",
+                f"16-mixed (fp16 with a loss scale) runs with parallel.strategy auto, single, ddp or deepspeed, not "
+                f"with {sharded}; use bf16-mixed (32-true on a GPU without bf16)",
+            )
         if self.parallel.tp_size > 1 and self.train.precision == "fp8":
             raise ConfigError(
                 "train.precision",

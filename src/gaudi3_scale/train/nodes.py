@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,10 @@ import torch.distributed as dist
 
 from gaudi3_scale.config.errors import UserInputError
 
-__all__ = ["NodesCheck", "RankView", "nodes_problem"]
+__all__ = ["MirrorBehindError", "NodesCheck", "RankView", "nodes_problem"]
 
 PROBE_PREFIX = ".gaudi3-nodes-"  # rank 0's probe file in --out, removed once every rank has looked for it
+PROBE_WAIT_S = 3.0  # how long a rank looks for it
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ def nodes_problem(
     checkpoints: bool,
 ) -> str | None:
     """The one line that refuses this multi-node run, or None. `per_rank_files`: the setting that makes every rank
-    write its part of each checkpoint (None: rank 0 writes it alone)."""
+    write its part of each checkpoint (None: rank 0 writes it alone). Raises `MirrorBehindError` when ranks would
+    resume from different checkpoints because the remote mirror is behind (a relaunch resolves it)."""
     blind = [v for v in views if not v.sees_out]
     if blind and checkpoints and (per_rank_files is not None or not remote_url):
         where = (
@@ -70,14 +73,28 @@ def nodes_problem(
         detail = "; ".join(
             f"{_ranks(group)}: {name or 'no checkpoint (from scratch)'}" for name, group in choices.items()
         )
-        fix = (
-            "run the same command again once checkpoint.remote_url holds the newest one (rank 0 uploads what it has "
-            "as it stops), or put --out on storage every node mounts"
-            if remote_url
-            else "put --out on storage every node mounts, or set checkpoint.remote_url"
+        if remote_url:
+            raise MirrorBehindError(
+                f"the ranks would resume from different checkpoints ({detail}): checkpoint.remote_url is behind the "
+                f"newest; rank 0 uploads it as it stops and a relaunch fetches it: exit {MIRROR_BEHIND_EXIT_CODE} "
+                "(restartable)"
+            )
+        return (
+            f"the ranks would resume from different checkpoints ({detail}); every node must see the same: put --out "
+            "on storage every node mounts, or set checkpoint.remote_url"
         )
-        return f"the ranks would resume from different checkpoints ({detail}); every node must see the same: {fix}"
     return None
+
+
+# 128 + SIGTERM, restartable (distributed.launch.RESTARTABLE_EXIT_CODES): a relaunch fetches the newer checkpoint.
+MIRROR_BEHIND_EXIT_CODE = 143
+
+
+class MirrorBehindError(Exception):
+    """Nodes on their own disks would resume from different checkpoints because the remote mirror does not yet
+    hold the newest one: one line and exit `MIRROR_BEHIND_EXIT_CODE` (`train.worker`), restartable."""
+
+    exit_code = MIRROR_BEHIND_EXIT_CODE
 
 
 def _ranks(views: list[RankView]) -> str:
@@ -111,18 +128,30 @@ class NodesCheck(pl.Callback):
         if rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             probe.touch()
-        dist.broadcast_object_list(token, src=0)  # written before the others look
-        probe = self.out_dir / f"{PROBE_PREFIX}{token[0]}"
-        from gaudi3_scale.checkpoint.manager import checkpoint_directory
-
-        mine = RankView(rank=rank, host=socket.gethostname(), sees_out=probe.exists(),
-                        resume=None if self.resume is None else checkpoint_directory(self.resume).name)  # fmt: skip
-        views: list[RankView | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine)
-        if rank == 0:
-            probe.unlink(missing_ok=True)
-        problem = nodes_problem([v for v in views if v is not None], out_dir=self.out_dir,
+        try:
+            views = self._views(rank, token)
+        finally:
+            if rank == 0:  # also when a peer was lost meanwhile
+                probe.unlink(missing_ok=True)
+        problem = nodes_problem(views, out_dir=self.out_dir,
                                 per_rank_files=self.per_rank_files, remote_url=self.remote_url,
                                 checkpoints=self.checkpoints)  # fmt: skip
         if problem is not None:
             raise UserInputError(problem)
+
+    def _views(self, rank: int, token: list[str | None]) -> list[RankView]:
+        """Every rank's view, once rank 0's probe (named by `token`, broadcast here) is in its --out."""
+        from gaudi3_scale.checkpoint.manager import checkpoint_directory
+
+        dist.broadcast_object_list(token, src=0)  # written before the others look
+        probe = self.out_dir / f"{PROBE_PREFIX}{token[0]}"
+        # A shared file system that caches what it lists (gcsfuse, s3fs, NFS attribute caches) shows a new file a
+        # little later on the other nodes: a rank that does not see the probe yet looks again for a few seconds.
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while not probe.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        mine = RankView(rank=rank, host=socket.gethostname(), sees_out=probe.exists(),
+                        resume=None if self.resume is None else checkpoint_directory(self.resume).name)  # fmt: skip
+        views: list[RankView | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+        return [v for v in views if v is not None]

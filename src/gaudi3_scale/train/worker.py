@@ -82,16 +82,22 @@ LOST_PEER_EXIT_CODE = 128 + signal.SIGTERM
 
 
 def _lost_peer(exc: BaseException) -> str | None:
-    """The backend's line when `exc` (or what it was raised from) is a collective whose other end is gone."""
+    """The backend's line when `exc` (or what it was raised from) is a collective whose other end is gone: a
+    torch.distributed error, or a RuntimeError of gloo or NCCL, saying so (a storage upload's "Connection reset by
+    peer" is not one)."""
+    import torch.distributed as dist
+
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, RuntimeError):
-            text = str(seen)
-            if any(marker in text for marker in _LOST_PEER):
-                # gloo's first sentence, without its source location: "Read error [10.0.0.2]:52927: Connection
-                # reset by peer"
-                text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(text.split()))
-                return text.split(". ")[0][:200]
+        text = str(seen)
+        backend = isinstance(seen, dist.DistError) or (
+            isinstance(seen, RuntimeError) and ("gloo" in text or "NCCL" in text)
+        )
+        if backend and any(marker in text for marker in _LOST_PEER):
+            # gloo's first sentence, without its source location: "Read error [10.0.0.2]:52927: Connection reset
+            # by peer"
+            text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(text.split()))
+            return text.split(". ")[0][:200]
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -101,8 +107,13 @@ def stop_when_a_peer_is_lost(cfg: RunConfig) -> Iterator[None]:
     """A rank or a whole node that is gone mid-run (killed, its machine lost) fails the others' next collective:
     one line on each of them naming the checkpoint a restart resumes from, and exit 143, restartable (torchrun's
     agent, Kubeflow's ExitCode policy), instead of gloo's traceback and exit 1, which Kubeflow fails the job on."""
+    from gaudi3_scale.train.nodes import MirrorBehindError
+
     try:
         yield
+    except MirrorBehindError as exc:
+        print_error(str(exc))
+        sys.exit(exc.exit_code)
     except Exception as exc:
         detail = _lost_peer(exc)
         if detail is None:
@@ -110,9 +121,10 @@ def stop_when_a_peer_is_lost(cfg: RunConfig) -> Iterator[None]:
         from gaudi3_scale.checkpoint.manager import CheckpointManager
 
         latest = CheckpointManager(cfg.output_dir / "checkpoints").pointed()
+        here = f"{latest.name} in this node's --out" if latest else "none in this node's --out yet"
         print_error(
             f"lost another rank ({detail}): a rank or a node stopped; exit {LOST_PEER_EXIT_CODE} (restartable): run "
-            f"the same command on every node to resume from {latest.name if latest else 'the start (no checkpoint yet)'}"
+            f"the same command on every node to resume from the last committed checkpoint ({here})"
         )
         sys.exit(LOST_PEER_EXIT_CODE)
 
