@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from gaudi3_scale.train.nodes import MirrorBehindError, RankView, nodes_problem
-from s3_server import free_port
+from two_nodes import start_two_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -30,24 +30,13 @@ TINY = ["--model.name=llama-tiny", "--model.num_layers=1", "--train.val_every_st
 
 
 def _start(outs: tuple[Path, Path], *args: str) -> list[subprocess.Popen[str]]:
-    """Node 0's launcher, then, once its rendezvous store listens (on a real cluster only node 0 has that address;
-    here node 1 could host it first and node 0 would find its port taken), node 1's: each with its own --out."""
-    port = free_port()
+    """Node 0 and node 1 (`two_nodes.start_two_nodes`), each with its own --out."""
 
-    def start(node: int) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(outs[node]), "--nnodes", "2",
-               "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]  # fmt: skip
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def command(node: int, port: int) -> list[str]:
+        return [sys.executable, "-m", "gaudi3_scale.cli", "train", *TINY, "--out", str(outs[node]), "--nnodes", "2",
+                "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]  # fmt: skip
 
-    procs = [start(0)]
-    deadline = time.monotonic() + 120
-    while True:
-        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.1)
-    return [*procs, start(1)]
+    return start_two_nodes(command)
 
 
 def _pair(outs: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess[str]]:

@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from gaudi3_scale.artifacts.inference import load_for_generation
 from gaudi3_scale.checkpoint.reader import read_checkpoint
+from two_nodes import start_two_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -51,33 +51,17 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_two_nodes(out: Path) -> None:
     """DDP on 2 nodes of 1 rank each, both on loopback: `gaudi3 train --nnodes 2 --node-rank N` twice."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"127.0.0.1:{port}"
     # The threads `--nproc-per-node 2` gives each of its ranks (half the usable cores): the same kernels, so the
     # single-node resume below matches bit for bit.
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    node_args = [*COMMON, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-                 "--parallel.strategy", "ddp", "--train.threads", threads]  # fmt: skip
 
-    def start(rank: int) -> subprocess.Popen[str]:
-        cmd = [*GAUDI3, "train", "--out", str(out), *node_args, "--node-rank", str(rank)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def command(node: int, port: int) -> list[str]:
+        return [*GAUDI3, "train", "--out", str(out), *COMMON, "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--parallel.strategy", "ddp", "--train.threads", threads,
+                "--node-rank", str(node)]  # fmt: skip
 
-    # Node 0 checks that the rendezvous port is free, then its agent hosts the store there. On one machine both
-    # agents could try to host it, so node 1 starts once node 0's store is listening (as on a real cluster,
-    # where only node 0 has that address).
-    nodes = [start(0)]
+    nodes = start_two_nodes(command)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert nodes[0].poll() is None and time.monotonic() < deadline, nodes[0].communicate()
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.2)
-        nodes.append(start(1))
         outputs = [node.communicate(timeout=300) for node in nodes]
     finally:
         for node in nodes:  # never leave an agent waiting for a rendezvous behind

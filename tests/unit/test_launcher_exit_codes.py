@@ -22,7 +22,10 @@ TERMINATED = -signal.SIGTERM  # what the agent does to the workers still running
         ({2, TERMINATED}, 2),  # bad input, said in one line
         ({2, LOST_PEER_EXIT_CODE}, 2),  # bad input on one rank; the other lost it: still bad input
         ({1, LOST_PEER_EXIT_CODE}, None),  # a crash, not a restart because its peer then exited 143
-        ({KILLED, LOST_PEER_EXIT_CODE}, None),
+        # a rank killed by a signal is not a failure of its own (the agent SIGKILLs a rank the hang watchdog
+        # found stopped): restartable, as a hang is
+        ({KILLED, 143}, 143),
+        ({KILLED, 1}, None),
         ({TERMINATED}, None),
     ],
 )

@@ -205,10 +205,13 @@ def launcher_exit_code(codes: set[int]) -> int | None:
     cause, else None (torch's error report)."""
     # The agent SIGTERMs the workers still running once one has exited non-zero: those are not causes.
     causes = codes - {-signal.SIGTERM}
-    if causes and causes <= RESTARTABLE_EXIT_CODES:
-        return max(causes)
-    # A worker that failed for good (a crash, bad input) is the cause, whatever the others did after it: a rank
-    # whose peer crashed exits 143 (`train.worker.stop_when_a_peer_is_lost`), which must not make it a restart.
+    # A worker that exited by itself with a failure (a crash, bad input) is the cause, whatever the others did after
+    # it: a rank whose peer crashed exits 143 (`train.worker.stop_when_a_peer_is_lost`), which must not make it a
+    # restart. A worker killed by a signal (the agent's SIGKILL of a rank the hang watchdog found stopped) is not.
+    failed = {code for code in causes if code > 0} - RESTARTABLE_EXIT_CODES
+    restartable = causes & RESTARTABLE_EXIT_CODES
+    if restartable and not failed:
+        return max(restartable)
     causes -= RESTARTABLE_EXIT_CODES
     if len(causes) == 1 and causes <= EXPLAINED_EXIT_CODES:
         return causes.pop()
