@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES, launcher_exit_code
-from gaudi3_scale.train.worker import LOST_PEER_EXIT_CODE
+from gaudi3_scale.train.worker import RESTARTABLE_STOP_EXIT_CODE
 
 KILLED = -signal.SIGKILL
 TERMINATED = -signal.SIGTERM  # what the agent does to the workers still running once one failed
@@ -20,8 +20,8 @@ TERMINATED = -signal.SIGTERM  # what the agent does to the workers still running
         ({143, TERMINATED}, 143),  # preemption: a rank saved and stopped, the agent stopped the others
         ({138, 143}, 143),
         ({2, TERMINATED}, 2),  # bad input, said in one line
-        ({2, LOST_PEER_EXIT_CODE}, 2),  # bad input on one rank; the other lost it: still bad input
-        ({1, LOST_PEER_EXIT_CODE}, None),  # a crash, not a restart because its peer then exited 143
+        ({2, RESTARTABLE_STOP_EXIT_CODE}, 2),  # bad input on one rank; the other lost it: still bad input
+        ({1, RESTARTABLE_STOP_EXIT_CODE}, None),  # a crash, not a restart because its peer then exited 143
         # a rank killed by a signal is not a failure of its own (the agent SIGKILLs a rank the hang watchdog
         # found stopped): restartable, as a hang is
         ({KILLED, 143}, 143),
@@ -30,7 +30,9 @@ TERMINATED = -signal.SIGTERM  # what the agent does to the workers still running
     ],
 )
 def test_a_restart_only_when_every_cause_is_restartable(codes: set[int], want: int | None) -> None:
-    assert LOST_PEER_EXIT_CODE in RESTARTABLE_EXIT_CODES  # train.worker cannot import it (torch behind it)
+    assert (
+        RESTARTABLE_STOP_EXIT_CODE in RESTARTABLE_EXIT_CODES
+    )  # train.worker cannot import it (torch behind it)
     assert launcher_exit_code(codes) == want
 
 

@@ -76,8 +76,7 @@ def nodes_problem(
         if remote_url:
             raise MirrorBehindError(
                 f"the ranks would resume from different checkpoints ({detail}): checkpoint.remote_url is behind the "
-                f"newest; rank 0 uploads it as it stops and a relaunch fetches it: exit {MIRROR_BEHIND_EXIT_CODE} "
-                "(restartable)"
+                "newest; rank 0 uploads it as it stops and a relaunch fetches it"
             )
         return (
             f"the ranks would resume from different checkpoints ({detail}); every node must see the same: put --out "
@@ -86,15 +85,9 @@ def nodes_problem(
     return None
 
 
-# 128 + SIGTERM, restartable (distributed.launch.RESTARTABLE_EXIT_CODES): a relaunch fetches the newer checkpoint.
-MIRROR_BEHIND_EXIT_CODE = 143
-
-
 class MirrorBehindError(Exception):
     """Nodes on their own disks would resume from different checkpoints because the remote mirror does not yet
-    hold the newest one: one line and exit `MIRROR_BEHIND_EXIT_CODE` (`train.worker`), restartable."""
-
-    exit_code = MIRROR_BEHIND_EXIT_CODE
+    hold the newest one: one line and a restartable exit (`train.worker.RESTARTABLE_STOP_EXIT_CODE`)."""
 
 
 def _ranks(views: list[RankView]) -> str:

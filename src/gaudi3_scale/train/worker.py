@@ -76,9 +76,10 @@ def stop_when_refused_to_resume() -> Iterator[None]:
 # the connection closed or reset, or NCCL's "remote process exited" / aborted communicator.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
               "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
-# 128 + SIGTERM, restartable, as a hang's (health.watchdog.HANG_EXIT_CODE): in distributed.launch's
-# RESTARTABLE_EXIT_CODES, which that module (torch behind it) is not imported here to read.
-LOST_PEER_EXIT_CODE = 128 + signal.SIGTERM
+# A rank or node lost mid-run, or nodes whose remote mirror is behind: 128 + SIGTERM, restartable, as a hang's
+# (health.watchdog.HANG_EXIT_CODE): in distributed.launch's RESTARTABLE_EXIT_CODES, which that module (torch behind
+# it) is not imported here to read.
+RESTARTABLE_STOP_EXIT_CODE = 128 + signal.SIGTERM
 
 
 def _lost_peer(exc: BaseException) -> str | None:
@@ -112,8 +113,8 @@ def stop_when_a_peer_is_lost(cfg: RunConfig) -> Iterator[None]:
     try:
         yield
     except MirrorBehindError as exc:
-        print_error(str(exc))
-        sys.exit(exc.exit_code)
+        print_error(f"{exc}: exit {RESTARTABLE_STOP_EXIT_CODE} (restartable)")
+        sys.exit(RESTARTABLE_STOP_EXIT_CODE)
     except Exception as exc:
         detail = _lost_peer(exc)
         if detail is None:
@@ -123,10 +124,10 @@ def stop_when_a_peer_is_lost(cfg: RunConfig) -> Iterator[None]:
         latest = CheckpointManager(cfg.output_dir / "checkpoints").pointed()
         here = f"{latest.name} in this node's --out" if latest else "none in this node's --out yet"
         print_error(
-            f"lost another rank ({detail}): a rank or a node stopped; exit {LOST_PEER_EXIT_CODE} (restartable): run "
+            f"lost another rank ({detail}): a rank or a node stopped; exit {RESTARTABLE_STOP_EXIT_CODE} (restartable): run "
             f"the same command on every node to resume from the last committed checkpoint ({here})"
         )
-        sys.exit(LOST_PEER_EXIT_CODE)
+        sys.exit(RESTARTABLE_STOP_EXIT_CODE)
 
 
 def fit_run(cfg: RunConfig, *, progress: bool) -> FinishedRun:
