@@ -128,10 +128,14 @@ def test_a_node_that_dies_stops_the_other_restartably_and_both_resume(tmp_path: 
         f"({latest} in this node's --out)"
     )
     step = int(latest.removeprefix("step-"))
-    resumed = _pair((out, out), f"--train.max_steps={step + 2}", "--checkpoint.every_steps=20")
+    resumed = _pair(
+        (out, out), f"--train.max_steps={step + 2}", "--checkpoint.every_steps=20", "--sample-tokens=8"
+    )
     assert all(done.returncode == 0 for done in resumed), (
         resumed[0].stderr[-3000:] + resumed[1].stderr[-3000:]
     )
+    # one --out: only the launcher of the node where rank 0 ran samples from the run's checkpoint
+    assert [done.stdout.count("---- sample ----") for done in resumed] in ([1, 0], [0, 1])
     assert _trained_steps((out, tmp_path / "none"))[-2:] == [step + 1, step + 2]
 
 

@@ -37,8 +37,8 @@ def run_training(cfg: RunConfig, worker_args: Sequence[str], *, sample_tokens: i
 
     with stop_when_refused_to_resume(), _forecast_for_the_run(cfg, here=not inside_launched_worker()):
         if cfg.parallel.world_size > 1 and not inside_launched_worker():
-            started = _launch_ranks(cfg, worker_args)
-            _after_launched_run(cfg, started=started, sample_tokens=sample_tokens)
+            if _launch_ranks(cfg, worker_args):  # rank 0 ran on this node
+                _after_launched_run(cfg, sample_tokens=sample_tokens)
             return
         with stop_when_a_peer_is_lost(
             cfg
@@ -90,8 +90,8 @@ def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
                 os.environ[FORECAST_ENV] = previous
 
 
-def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> float:
-    """Start this node's ranks (`python -m gaudi3_scale.train`) and wait for them; returns when they started."""
+def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> bool:
+    """Start this node's ranks (`python -m gaudi3_scale.train`) and wait for them; returns whether rank 0 was one."""
     from gaudi3_scale.device.select import check_device_precision
     from gaudi3_scale.distributed.launch import launch
     from gaudi3_scale.train.preflight import check_run_inputs, resume_point
@@ -103,9 +103,7 @@ def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> float:
     # The launcher holds the run directory for its ranks (they join its lock): a second run is refused here.
     with run_directory_lock(cfg.output_dir, node_rank=cfg.parallel.node_rank):
         resume_point(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
-        started = time.time()
-        launch(cfg.parallel, worker_args)
-    return started
+        return launch(cfg.parallel, worker_args)
 
 
 def _train_here(cfg: RunConfig, *, sample_tokens: int, progress: bool) -> None:
@@ -130,13 +128,14 @@ def _train_here(cfg: RunConfig, *, sample_tokens: int, progress: bool) -> None:
     exit_if_stopped(cfg, run)
 
 
-def _after_launched_run(cfg: RunConfig, *, started: float, sample_tokens: int) -> None:
+def _after_launched_run(cfg: RunConfig, *, sample_tokens: int) -> None:
     """The benchmark result and the text sample of a run whose ranks all finished (a stopped or failed run exits
     from `launch`). The workers (`python -m gaudi3_scale.train`) are the training loop and do not reach up to
-    these tools, so the launcher on the node that holds rank 0's outputs does them from `summary.json`."""
+    these tools, so the launcher of the node where rank 0 ran does them from its `summary.json` (once, even when
+    the nodes share `--out`)."""
     summary_path = cfg.output_dir / "summary.json"
-    if not summary_path.is_file() or summary_path.stat().st_mtime < started:
-        return  # rank 0 ran on another node: its launcher has the outputs
+    if not summary_path.is_file():
+        return
     summary = json.loads(summary_path.read_text())
     if cfg.benchmark.result:
         from gaudi3_scale.bench.cell import emit_run_result

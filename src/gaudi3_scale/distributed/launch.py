@@ -137,9 +137,14 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
-    """Run `python -m gaudi3_scale.train *worker_args` in every rank of this node; raises if a worker fails."""
-    from torch.distributed.run import get_args_parser, run
+def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> bool:
+    """Run `python -m gaudi3_scale.train *worker_args` in every rank of this node; raises if a worker fails.
+
+    Returns whether global rank 0 ran on this node (the c10d rendezvous, not `--node-rank`, orders the nodes): its
+    launcher alone prints the run's sample and records its benchmark result, even when every node shares `--out`.
+    """
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
 
     endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     host, port = parse_endpoint("parallel.rdzv_endpoint", endpoint)
@@ -176,8 +181,11 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
     # default here keeps torch's agent from setting 1 and printing its banner about it at every launch.
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(cfg.nproc_per_node)))
     apply_network_preset(cfg.network_preset)  # before the agent starts the workers: they inherit os.environ
+    args = get_args_parser().parse_args(launcher_args)
+    args.master_port = 29500  # torchrun's default for the static rendezvous; the c10d one does not read it
+    config, entrypoint, entrypoint_args = config_from_args(args)
     try:
-        run(get_args_parser().parse_args(launcher_args))
+        local_ranks = elastic_launch(config=config, entrypoint=entrypoint)(*entrypoint_args)
     except RendezvousTimeoutError:
         # The other nodes did not all join (one stopped before it joined: its own output says why).
         raise ConfigError(
@@ -197,6 +205,7 @@ def launch(cfg: ParallelConfig, worker_args: Sequence[str]) -> None:
         if code is None:
             raise
         raise SystemExit(code) from None
+    return 0 in local_ranks  # the agent's return values, by the global rank of each worker of this node
 
 
 def launcher_exit_code(codes: set[int]) -> int | None:
