@@ -62,3 +62,27 @@ def test_the_clip_is_at_the_scaled_norm_and_an_overflow_is_the_scalers() -> None
     assert module._clip(1.0, scaler) is None
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0, 0.0])
     assert float(module._clip(10.0, None)) == pytest.approx(5.0)  # no loss scale: the plain clip
+
+
+def _pretend_gpu_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: stand in the torch.cuda queries plan_device makes, for a T4 (fp16 tensor cores, no bf16)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "resolved"),
+    [("ddp", "16-mixed"), ("fsdp", "32-true")],  # FSDP2 has no loss scaler: 16-mixed is refused by the config
+)
+def test_auto_precision_on_a_gpu_without_bf16_is_what_the_strategy_can_run(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, resolved: str
+) -> None:
+    from gaudi3_scale.train.config import build_run_config
+    from gaudi3_scale.train.trainer import GaudiTrainer
+
+    _pretend_gpu_without_bf16(monkeypatch)
+    cfg = build_run_config(
+        None, [("train.device", "cuda"), ("train.precision", "auto"), ("parallel.strategy", strategy)]
+    )
+    assert GaudiTrainer(cfg, progress=False)._plan_device().precision == resolved

@@ -146,8 +146,10 @@ def _cpu_precision(precision: str) -> str:
     return "32-true" if precision == "auto" else precision
 
 
-def _cuda_precision(precision: str) -> tuple[str, str, bool]:
-    """(device name, the Lightning precision, float8) of a CUDA run, or the one-line refusal."""
+def _cuda_precision(precision: str, *, fp16: bool = True) -> tuple[str, str, bool]:
+    """(device name, the Lightning precision, float8) of a CUDA run, or the one-line refusal. `fp16`: whether the
+    run can train in 16-mixed (not sharded: `train.config`); where it cannot, `auto` on a GPU without bf16 is
+    32-true."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "train.device", "cuda was requested but no CUDA device is visible; allowed here: auto, cpu"
@@ -155,7 +157,7 @@ def _cuda_precision(precision: str) -> tuple[str, str, bool]:
     name = torch.cuda.get_device_name()
     bf16_ok = torch.cuda.is_bf16_supported()
     if precision == "auto":
-        precision = "bf16-mixed" if bf16_ok else "16-mixed"
+        precision = "bf16-mixed" if bf16_ok else "16-mixed" if fp16 else "32-true"
     if precision == "fp8":
         check_float8_supported("cuda")
         return name, "bf16-mixed", True
@@ -205,8 +207,9 @@ def _accelerator_plan(accelerator: str, name: str, precision: str, *, float8: bo
     )
 
 
-def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
-    """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named).
+def plan_device(device: str, precision: str, *, threads: int, fp16: bool = True) -> DevicePlan:
+    """Resolve `auto` choices; refuse combinations the hardware cannot run (one line, the field named). `fp16`:
+    whether `auto` may resolve to 16-mixed (on a GPU without bf16), False for runs that shard their parameters.
 
     `precision="fp8"` (torchao float8 linears) runs on CUDA GPUs of compute capability 8.9 or newer with torchao
     installed: the plan holds Lightning's "bf16-mixed" and `float8=True`. Elsewhere it is refused.
@@ -215,7 +218,7 @@ def plan_device(device: str, precision: str, *, threads: int) -> DevicePlan:
     if device == "hpu":
         return _plan_hpu(precision)
     if device == "cuda":
-        name, precision, float8 = _cuda_precision(precision)
+        name, precision, float8 = _cuda_precision(precision, fp16=fp16)
         return _accelerator_plan("cuda", name, precision, float8=float8)
     return DevicePlan(
         accelerator="cpu",

@@ -51,15 +51,16 @@ def quiet_lightning() -> None:
     )
 
 
-def plan_run_device(train: TrainConfig, *, nproc_per_node: int) -> DevicePlan:
-    """Threads, device and precision; run first, so a missing accelerator fails before any data work."""
+def plan_run_device(train: TrainConfig, *, nproc_per_node: int, fp16: bool = True) -> DevicePlan:
+    """Threads, device and precision; run first, so a missing accelerator fails before any data work. `fp16`:
+    whether `auto` may resolve to 16-mixed (`device.select.plan_device`)."""
     threads = train.threads or cpu_threads_per_rank(nproc_per_node)
     torch.set_num_threads(threads)
     # Lightning's process launchers reset the thread count unless OMP_NUM_THREADS is set; ours wins.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if train.hpu_graphs:
         os.environ.setdefault("PT_HPU_LAZY_MODE", "1")  # HPU graphs run in lazy mode only
-    plan = plan_device(train.device, train.precision, threads=threads)
+    plan = plan_device(train.device, train.precision, threads=threads, fp16=fp16)
     _check_device_options(train, plan.accelerator)
     if plan.accelerator == "cuda" and train.tf32:
         # fp32 matmuls on TF32 tensor cores (Ampere and newer; a no-op before): what 32-true runs and the fp32 parts

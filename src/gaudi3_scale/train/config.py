@@ -52,6 +52,7 @@ __all__ = [
     "config_yaml",
     "per_rank_checkpoints",
     "resolve_config",
+    "sharded_by",
 ]
 
 
@@ -110,7 +111,7 @@ class RunConfig:
         if (
             self.checkpoint.enabled
             and self.checkpoint.light_every_steps
-            and (sharded := _sharded_by(self.parallel))
+            and (sharded := sharded_by(self.parallel))
         ):
             # refused here, before any rank is launched (the trainer's own check names a user's strategy object)
             raise ConfigError(
@@ -118,7 +119,7 @@ class RunConfig:
                 f"light checkpoints are one file written by rank 0, but {sharded} saves sharded checkpoints (not "
                 "supported yet); set it to 0 and export a full checkpoint instead",
             )
-        if self.train.precision == "16-mixed" and (sharded := _sharded_by(self.parallel)):
+        if self.train.precision == "16-mixed" and (sharded := sharded_by(self.parallel)):
             # Lightning's fp16 loss scaler is not FSDP2's sharded one, and a pipeline's backward never scales the
             # loss: its unscale_ fails on the first step (the tuner's estimator refuses the same: tune.memory).
             raise ConfigError(
@@ -328,14 +329,14 @@ def _drop_unset_steps(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def per_rank_checkpoints(parallel: ParallelConfig) -> str | None:
-    """The setting that makes every rank write its part of each checkpoint: a sharded (DCP) one (`_sharded_by`) or
+    """The setting that makes every rank write its part of each checkpoint: a sharded (DCP) one (`sharded_by`) or
     DeepSpeed's ZeRO partitions; None where rank 0 writes it alone (DDP, one process)."""
     if parallel.strategy.startswith("deepspeed"):
         return f"parallel.strategy {parallel.strategy}"
-    return _sharded_by(parallel)
+    return sharded_by(parallel)
 
 
-def _sharded_by(parallel: ParallelConfig) -> str | None:
+def sharded_by(parallel: ParallelConfig) -> str | None:
     """The setting that makes the run save sharded (DCP) checkpoints: FSDP, or the FSDP2 mesh of pipeline, tensor
     parallel or HSDP; None for single-file ones."""
     if parallel.strategy in ("fsdp", "fsdp_grad_op"):

@@ -52,7 +52,7 @@ from gaudi3_scale.train.assembly import (
     steps_of_epochs,
 )
 from gaudi3_scale.train.callbacks import own_signals
-from gaudi3_scale.train.config import RunConfig, build_run_config, per_rank_checkpoints
+from gaudi3_scale.train.config import RunConfig, build_run_config, per_rank_checkpoints, sharded_by
 from gaudi3_scale.train.forecast_file import predicted_fields, read_forecast, write_plan
 from gaudi3_scale.train.module import LanguageModel
 from gaudi3_scale.train.nodes import NodesCheck
@@ -234,7 +234,10 @@ class GaudiTrainer:
         """Threads, device and precision (`train.assembly.plan_run_device`), resolved once."""
         if self.device_plan is None:
             cfg = self.config
-            self.device_plan = plan_run_device(cfg.train, nproc_per_node=cfg.parallel.nproc_per_node)
+            # a sharded run cannot train in 16-mixed (refused by the config): `auto` is 32-true on a GPU without bf16
+            self.device_plan = plan_run_device(
+                cfg.train, nproc_per_node=cfg.parallel.nproc_per_node, fp16=sharded_by(cfg.parallel) is None
+            )
         return self.device_plan
 
     def _plans(self) -> tuple[BatchPlan, ParallelPlan]:
