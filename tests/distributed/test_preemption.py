@@ -63,12 +63,16 @@ def test_one_process_saves_and_exits_restartable(sig: signal.Signals, tmp_path: 
     assert ckpt.name == f"step-{summary['steps']:08d}" and verify_checkpoint(ckpt) == []
 
 
-def _stopped_by_sigterm(launcher: subprocess.Popen[str], out: Path) -> int:
-    """Both ranks stopped after the same step, committed a checkpoint, and the launcher exited 143: that step."""
+def _stopped_by_sigterm(launcher: subprocess.Popen[str], out: Path, *, stopped_by: str = "SIGTERM") -> int:
+    """Both ranks stopped after the same step, committed a checkpoint, and the launcher exited 143: that step.
+    `stopped_by`: how rank 0's line names the stop (a signal that reached another rank only names that rank)."""
     _, stderr = launcher.communicate(timeout=180)
     assert launcher.returncode == 143, stderr[-3000:]
-    assert "Traceback" not in stderr.split("stopped by SIGTERM")[-1]  # the launcher exits quietly, 143
     summary = json.loads((out / "summary.json").read_text())
+    assert f"stopped by {stopped_by} after step {summary['steps']}; checkpoint committed" in stderr, stderr[
+        -3000:
+    ]
+    assert "Traceback" not in stderr.split("stopped by SIGTERM")[-1]  # the launcher exits quietly, 143
     assert summary["stop_signal"] == "SIGTERM" and summary["signal_to_checkpoint_s"] < 30
     ckpt = Path(summary["checkpoint"])
     manifest = read_manifest(ckpt)
@@ -112,7 +116,7 @@ def test_sigterm_to_rank_1_then_sigusr1_and_ctrl_c_to_the_launcher_reach_both_ra
     launcher = _start(out, "--nproc-per-node", "2")
     _wait_for_steps(launcher, out, 3)
     _worker(launcher, 1).send_signal(signal.SIGTERM)
-    stopped_at = _stopped_by_sigterm(launcher, out)
+    stopped_at = _stopped_by_sigterm(launcher, out, stopped_by="SIGTERM to rank 1")
     for sig, exit_code in ((signal.SIGUSR1, 138), (signal.SIGINT, 0)):  # each run resumes the one before
         before = len(_train_steps(out))
         launcher = _start(out, "--nproc-per-node", "2")

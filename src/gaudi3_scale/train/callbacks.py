@@ -334,7 +334,8 @@ class GracefulInterrupt:
             return
         agreed, exit_code = self._received, self._exit_code
         if trainer.world_size > 1:
-            agreed, exit_code = self._agree(pl_module.device)
+            agreed, exit_code, first = self._agree(pl_module.device, trainer.global_rank, trainer.world_size)
+            self._name_the_rank(agreed, first)
         if agreed:
             self.signal_name = PREEMPTION_SIGNALS[signal.Signals(agreed)]
             self.exit_code = exit_code or None
@@ -343,10 +344,22 @@ class GracefulInterrupt:
             # StepCheckpoint (next in AfterStep) saves now and stops the run.
             self.checkpoint.save_requested = True
 
-    def _agree(self, device: torch.device) -> tuple[int, int]:
-        """(signal, exit code), the max over ranks of what each had at the previous step boundary; issues this
-        boundary's all-reduce without waiting for it. Every rank reads the same result, so all stop together."""
-        flags = torch.tensor([self._received, self._exit_code], dtype=torch.int64)
+    def _name_the_rank(self, agreed: int, first: int) -> None:
+        """A stop signal that reached another rank and not this one is named with that rank: on another node it is
+        often that node's own loss (its launcher killed: the parent-death SIGTERM), not a preemption of this one."""
+        if agreed and not self._received:
+            self.reason = f"{PREEMPTION_SIGNALS[signal.Signals(agreed)]} to rank {first}"
+
+    def _flags(self, rank: int, world_size: int) -> list[int]:
+        """This rank's stop flags, all-reduced by MAX: signal, exit code, and world - rank for a rank that received
+        one (so the max names the lowest such rank)."""
+        return [self._received, self._exit_code, world_size - rank if self._received else 0]
+
+    def _agree(self, device: torch.device, rank: int, world_size: int) -> tuple[int, int, int]:
+        """(signal, exit code, the lowest rank that received it), the max over ranks of what each had at the
+        previous step boundary; issues this boundary's all-reduce without waiting for it. Every rank reads the same
+        result, so all stop together."""
+        flags = torch.tensor(self._flags(rank, world_size), dtype=torch.int64)
         if device.type == "cuda":  # a pinned source: the copy is queued, not waited for
             flags = flags.pin_memory().to(device, non_blocking=True)
         else:
@@ -354,21 +367,26 @@ class GracefulInterrupt:
         work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, async_op=True)
         previous, self._in_flight = self._in_flight, (work, flags)
         if previous is None:
-            return 0, 0
+            return 0, 0, 0
         previous[0].wait()
-        signum, exit_code = previous[1].tolist()
-        return int(signum), int(exit_code)
+        signum, exit_code, first = (int(v) for v in previous[1].tolist())
+        return signum, exit_code, world_size - first
 
     def adopt_pending(self, trainer: pl.Trainer) -> bool:
         """After a fit that a spike ended for a rollback: whether any rank holds a stop signal the step boundaries
         did not agree on yet (it arrived in the last step); if so it becomes this run's stop (every rank alike)."""
         received, exit_code = self._received, self._exit_code
         if trainer.world_size > 1 and torch.distributed.is_initialized():
+            world = trainer.world_size
             flags = torch.tensor(
-                [received, exit_code], dtype=torch.int64, device=trainer.strategy.root_device
+                self._flags(trainer.global_rank, world),
+                dtype=torch.int64,
+                device=trainer.strategy.root_device,
             )
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            received, exit_code = (int(v) for v in flags.tolist())
+            received, exit_code, first = (int(v) for v in flags.tolist())
+            if self.signal_name is None:
+                self._name_the_rank(received, world - first)
         if received and self.signal_name is None:
             # the summary's stop: "interrupted" (a save the stop asked for), its signal or exit code
             self.signal_name = PREEMPTION_SIGNALS[signal.Signals(received)]
