@@ -412,7 +412,7 @@ def test_cli_refuses_an_out_dir_holding_a_committed_checkpoint_and_leaves_it_com
     before = _snapshot(tmp_path / "run")
     line = _error_line(_prepare_cli(_text(tmp_path), step))
     assert line == (
-        f"gaudi3: error: data.prepared_dir: {str(step)!r} is not a prepared dataset but holds a "
+        f"gaudi3: error: --out: {str(step)!r} is not a prepared dataset but holds a "
         "'gaudi3-checkpoint' manifest.json, which preparing would replace; pass a new directory (or one "
         "`gaudi3 prepare` wrote)"
     )
@@ -434,9 +434,7 @@ def test_cli_refuses_an_out_dir_holding_a_foreign_manifest(
     (out / "weights.bin").write_bytes(b"\x00\x01" * 100)
     before = _snapshot(out)
     line = _error_line(_prepare_cli(_text(tmp_path), out))
-    assert line.startswith(
-        f"gaudi3: error: data.prepared_dir: {str(out)!r} is not a prepared dataset but holds "
-    )
+    assert line.startswith(f"gaudi3: error: --out: {str(out)!r} is not a prepared dataset but holds ")
     assert (what or "a manifest.json that is not a dataset's") in line
     assert _snapshot(out) == before
 
@@ -471,7 +469,7 @@ def test_cli_refuses_a_vocab_size_other_than_the_tokenizer_files(tmp_path: Path)
         tmp_path, str(src), "--out", str(out), "--tokenizer", str(tok), "--vocab-size", "1000"
     )
     assert _error_line(done) == (
-        f"gaudi3: error: vocab_size: the tokenizer file {str(tok)!r} fixes the vocabulary at 256 ids, got 1000; "
+        f"gaudi3: error: --vocab-size: the tokenizer file {str(tok)!r} fixes the vocabulary at 256 ids, got 1000; "
         "leave vocab_size unset (no --vocab-size)"
     )
     assert not out.exists() and _snapshot(tmp_path / "tok") == before

@@ -123,7 +123,7 @@ def test_train_and_prepare_refuse_credentials_and_write_nothing(gaudi3_cli: Cli,
     )
     code, out, err = gaudi3_cli("prepare", _with_credentials("https://corpus.example.com/a.txt"), "--out",
                                 str(tmp_path / "prepared"))  # fmt: skip
-    _one_line_refusal(code, out, err, "data.source")
+    _one_line_refusal(code, out, err, "SOURCES")  # the argument typed, not the config field behind it
     assert not (tmp_path / "prepared").exists()
     # `gaudi3 train` as users run it: no run directory (which would hold config.yaml) is created.
     run = tmp_path / "run"

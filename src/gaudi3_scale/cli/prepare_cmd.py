@@ -7,11 +7,25 @@ from collections.abc import Sequence
 import click
 
 from gaudi3_scale.config.core import from_dict
+from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.data import DataConfig, prepare_dataset
 from gaudi3_scale.data.publish import check_publish_target, publish_prepared
 from gaudi3_scale.data.remote import is_url
 
 __all__ = ["run_prepare"]
+
+# The data config's fields as this verb's flags, so that a refusal names what was typed.
+_FLAGS = {
+    "source": "SOURCES",
+    "tokenizer": "--tokenizer",
+    "vocab_size": "--vocab-size",
+    "val_fraction": "--val-fraction",
+    "split_seed": "--seed",
+    "shard_mb": "--shard-mb",
+    "text_field": "--text-field",
+    "prepared_dir": "--out",
+    "prepare_workers": "--workers",
+}
 
 
 def run_prepare(
@@ -37,8 +51,14 @@ def run_prepare(
         "prepared_dir": None if url else out_dir,  # a URL: prepared in the cache directory, then published
         "prepare_workers": workers,
     }
-    cfg = from_dict(DataConfig, fields, prefix="data")
-    if url:
-        check_publish_target(url, field="--out")
-    local = prepare_dataset(cfg, force=force)
+    try:
+        cfg = from_dict(DataConfig, fields, prefix="data")
+        if url:
+            check_publish_target(url, field="--out")
+        local = prepare_dataset(cfg, force=force)
+    except ConfigError as exc:
+        flag = _FLAGS.get(exc.field.removeprefix("data."))
+        if flag is None:
+            raise
+        raise ConfigError(flag, exc.problem) from None
     click.echo(publish_prepared(local, url, field="--out") if url else str(local))
