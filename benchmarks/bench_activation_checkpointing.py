@@ -156,6 +156,7 @@ def main() -> None:
     from rich.progress import track
     from rich.table import Table
 
+    from gaudi3_scale.bench.result import write_json_atomic
     from gaudi3_scale.monitor.environment import environment_info
 
     cases = [(m, b, c) for m in MODELS for b in MICRO_BATCHES for c in (False, True)]
@@ -169,8 +170,7 @@ def main() -> None:
         "rows": rows,
         "ratios": ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json_atomic(args.out, result)
     _plot(rows, args.out.with_suffix(".png"))
 
     table = Table(title="activation checkpointing / none (same model, micro-batch)")

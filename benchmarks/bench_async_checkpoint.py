@@ -20,10 +20,10 @@ Goal (issue 4): async blocking time ≤ 10 % of the synchronous save.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +32,15 @@ from typing import Any
 import torch
 from rich.progress import track
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.checkpoint.async_save import AsyncVerifiedCheckpointIO
 from gaudi3_scale.checkpoint.manager import STATE_NAME
 from gaudi3_scale.checkpoint.verified_io import VerifiedCheckpointIO
 from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -74,7 +78,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="gpt2-124m")
     parser.add_argument("--context", type=int, default=64, help="tokens per training step in the foreground")
-    parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--saves", type=positive_int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir here)")
     parser.add_argument("--out", type=Path, default=RESULTS / "async_checkpoint_cpu.json")
     args = parser.parse_args()
@@ -150,8 +154,7 @@ def main() -> None:
         "summary": summary,
         "environment": environment_info(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(summary, rows, args.out.with_suffix(".png"), args.model)
     for key, value in summary.items():
         print(f"{key:32s} {value:,.4f}" if isinstance(value, float) else f"{key:32s} {value}")

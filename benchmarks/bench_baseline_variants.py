@@ -11,7 +11,6 @@ nanoGPT asks for fused only on CUDA — and torch.stack batches).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ from rich.progress import track
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baseline_loop import AdamWKernel, BaselineLoop, BatchPath
+from bench_args import positive_int
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.data import load_prepared, prepare_dataset
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train import build_run_config
@@ -41,8 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "baseline_variants_cpu.json"
     )
@@ -76,8 +77,7 @@ def main() -> None:
         "warmup_steps_excluded": WARMUP_STEPS,
         "variants": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from rich.progress import Progress
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
 
 QUANTITIES = ("step_time_s", "peak_memory_bytes", "wall_s", "tokens_per_s")
@@ -147,8 +148,7 @@ def main() -> None:
         "machine": environment_info(),
         "cases": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(result, args.out.with_suffix(".png"))
     for row in rows:
         shown = "  ".join(

@@ -24,7 +24,6 @@ each recipe's rounding of activations, weights and gradients, and how big seed n
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -39,6 +38,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baseline_loop import BaselineLoop, evaluate
+from bench_args import positive_int
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.data import load_prepared, prepare_dataset, val_window_starts
 from gaudi3_scale.device.float8 import apply_float8
 from gaudi3_scale.models import ModelConfig, build_model, get_model_config
@@ -208,8 +209,10 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a few steps (smoke check, numbers not meaningful)"
     )
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=2, help="seeds per variant (≥ 2 gives a noise band)")
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument(
+        "--seeds", type=positive_int, default=2, help="seeds per variant (≥ 2 gives a noise band)"
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
@@ -263,8 +266,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json_atomic(args.out, report, indent=1)
     plot(report, args.out.with_suffix(".png"))
     print(f"{'variant':26} {'fp8 lin':>7} {'train tail':>10} {'vs bf16':>8} {'val':>7} {'vs bf16':>8} "
           f"{'seed spread':>11} {'paired val gaps':>17} {'s/step':>7}")  # fmt: skip

@@ -40,6 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 # gaudi3 train's default train.log_every_steps: both sides report per-window times at its steps.
@@ -415,19 +418,23 @@ def main() -> None:
         "--small", action="store_true", help="the tiny CPU cell set (the default without CUDA)"
     )
     parser.add_argument("--cells", help="comma-separated cell names (default: the whole set)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternated plain/gaudi3 pairs per cell")
-    parser.add_argument("--measured-steps", type=int, help="override every cell's measured steps")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=2, help="alternated plain/gaudi3 pairs per cell"
+    )
+    parser.add_argument("--measured-steps", type=positive_int, help="override every cell's measured steps")
     parser.add_argument("--no-loss", action="store_true", help="skip the 200-step loss runs of the fp8 cells")
     parser.add_argument(
         "--loss-only", action="store_true",
         help="only the fp8 cells' loss runs (bf16 and fp8, 200 steps each: final loss and tokens/s of both)",
     )  # fmt: skip
     parser.add_argument(
-        "--loss-seeds", type=int, default=1, metavar="N",
+        "--loss-seeds", type=positive_int, default=1, metavar="N",
         help="the loss runs once per seed 0..N-1 for each precision: means, and bf16's seed spread as the noise band",
     )  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, help="result JSON (merged by cell; default results/gpu_<device>.json)"
+        "--out",
+        type=Path,
+        help="result JSON (merged by cell; default results/gpu_<device>.json); --profile writes <out stem>_profile.json",
     )
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument(
@@ -449,7 +456,8 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="STEPS",
         help="instead of timing: profile STEPS steps of each side after the warm-up and print and save where their "
-        "steps differ (results/gpu_<device>_profile.json; see trace_diff.py)",
+        "steps differ (<out stem>_profile.json, merged by cell; default results/gpu_<device>_profile.json; see "
+        "trace_diff.py)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.worker:
@@ -463,6 +471,7 @@ def main() -> None:
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from gaudi3_scale.bench.result import keep_good_entry, load_stored_results, write_json_atomic
     from gaudi3_scale.monitor.environment import environment_info
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -478,7 +487,7 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown cell(s) {', '.join(unknown)}; valid: {', '.join(c.name for c in cells)}")
         cells = [c for c in cells if c.name in wanted]
-    if args.measured_steps:
+    if args.measured_steps is not None:
         cells = [Cell(**{**asdict(c), "measured_steps": args.measured_steps}) for c in cells]
     if args.fp8_recipe or args.fp8_head or args.fp8_skip_small:
         recipe = args.fp8_recipe or "tensorwise"
@@ -493,20 +502,26 @@ def main() -> None:
             Cell(**{**asdict(c), **fp8, "name": c.name + suffix}) if c.precision == "fp8" else c
             for c in cells
         ]
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
     ablation = _ablation_pairs(CPU_ABLATION if args.small or device == "cpu" else GPU_ABLATION, args.ablation,
                                args.measured_steps, parser)  # fmt: skip
-    if args.loss_seeds < 1:
-        parser.error(f"--loss-seeds must be at least 1, got {args.loss_seeds}")
     if args.profile < 0 or (args.profile and any(args.profile > c.measured_steps for c in cells)):
         parser.error(f"--profile must be between 1 and each cell's measured steps, got {args.profile}")
     stem = f"gpu_{'cpu' if device == 'cpu' else 'cuda'}"
     out = args.out or RESULTS / f"{stem}.json"
-    results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"cells": {}}
+    # A profile goes to its own file beside the results, never over them.
+    profile_out = out.with_name(f"{out.stem}_profile.json")
+    try:
+        results = load_stored_results(out, {"cells": {}})
+        profiles = load_stored_results(profile_out, {"cells": {}}) if args.profile else {}
+    except ValueError as err:
+        parser.error(str(err))
+    # The top-level machine and peak are the last run's; each cell, ablation pair and loss check written below
+    # carries the machine and peak it was measured with (`measured_with`), so merged files keep per-cell provenance.
     results.update(benchmark="bench_gpu", machine=environment_info())
     peak, peak_source = _peak_flops(device)
     results["peak_flops"], results["peak_source"] = peak, peak_source
+    measured_with = {"machine": results["machine"], "peak_flops": peak, "peak_source": peak_source}
+    failed: list[str] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -515,37 +530,69 @@ def main() -> None:
     with progress, tempfile.TemporaryDirectory() as tmp:
         measure = _Measure(device, env, Path(tmp), progress, args.repeats)
         if args.profile:
-            out = args.out or RESULTS / f"{stem}_profile.json"
             measure.task = progress.add_task("profile", total=len(cells) * 2)
-            profiles = {"benchmark": "bench_gpu --profile", "machine": results["machine"], "cells": {}}
+            profiles.update(benchmark="bench_gpu --profile", machine=results["machine"])
             for cell in cells:
-                profiles["cells"][cell.name] = measure.profile(cell, args.profile)
-                _write(profiles, out)
-            print(f"wrote {out}")
+                profile = {
+                    **measure.profile(cell, args.profile),
+                    "measured_with": {"machine": results["machine"]},
+                }
+                keep_good_entry(profiles["cells"], cell.name, profile, _profile_ok)
+                if not _profile_ok(profile):
+                    failed.append(cell.name)
+                write_json_atomic(profile_out, profiles)
+            print(f"wrote {profile_out}")
+            _exit_if_failed(failed)
             return
         if args.ablation is not None and not args.loss_only:
             measure.task = progress.add_task(
                 "ablation", total=sum(2 * len(sides) for *_, sides in ablation) * args.repeats
             )
             for base, variant, sides in ablation:
-                results.setdefault("ablation", {})[variant.name] = measure.ablation(base, variant, sides)
-                _write(results, out)
+                pair = {**measure.ablation(base, variant, sides), "measured_with": measured_with}
+                keep_good_entry(results.setdefault("ablation", {}), variant.name, pair, _ablation_ok)
+                if not _ablation_ok(pair):
+                    failed.append(variant.name)
+                write_json_atomic(out, results)
         elif not args.loss_only:
             measure.task = progress.add_task("bench_gpu", total=len(cells) * args.repeats * 2)
             for cell in cells:
                 runs = measure.runs(cell, ("plain", "gaudi3"))
-                results["cells"][cell.name] = summarize(cell, runs, peak, peak_measured=device == "cpu")
-                _print_cell(results["cells"][cell.name])
-                _write(results, out)  # after every cell: a killed run keeps the rest
+                summary = {
+                    **summarize(cell, runs, peak, peak_measured=device == "cpu"),
+                    "measured_with": measured_with,
+                }
+                _print_cell(summary)
+                # A failed cell never replaces a stored good one: that stays, the attempt is kept beside it.
+                keep_good_entry(results["cells"], cell.name, summary, _cell_ok)
+                if not _cell_ok(summary):
+                    failed.append(cell.name)
+                write_json_atomic(out, results)  # after every cell: a killed run keeps the rest
     if not args.no_loss and args.ablation is None:
-        _loss_check(cells, env, results, out, seeds=args.loss_seeds)
+        failed += _loss_check(cells, env, results, out, seeds=args.loss_seeds, measured_with=measured_with)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
+    _exit_if_failed(failed)
 
 
-def _write(results: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+def _cell_ok(cell: dict[str, Any]) -> bool:
+    return bool(cell.get("plain") and cell.get("gaudi3"))
+
+
+def _profile_ok(profile: dict[str, Any]) -> bool:
+    return "failed" not in profile
+
+
+def _ablation_ok(pair: dict[str, Any]) -> bool:
+    return not any(isinstance(side, dict) and "failed" in side for side in pair.values())
+
+
+def _exit_if_failed(failed: list[str]) -> None:
+    """A run with a failed cell ends non-zero (after writing what did run), so a script or a device call can
+    tell."""
+    if failed:
+        print(f"bench_gpu.py: failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 class _Measure:
@@ -648,15 +695,25 @@ def _print_cell(result: dict[str, Any]) -> None:
 
 
 def _loss_check(
-    cells: list[Cell], env: dict[str, str], results: dict[str, Any], out: Path, *, seeds: int = 1
-) -> None:
+    cells: list[Cell],
+    env: dict[str, str],
+    results: dict[str, Any],
+    out: Path,
+    *,
+    seeds: int = 1,
+    measured_with: dict[str, Any] | None = None,
+) -> list[str]:
     """fp8 cells: `loss_steps` steps of gaudi3 train on the bundled corpus in fp8 and in bf16: final losses, and
     steady-state tokens/s of each (the runs one after the other, on the same shape).
 
     The train loss is the mean of the last logging window. At 200 steps a 1B model has seen the bundled corpus
     several times, so that loss also measures memorisation. The loss of the run's final validation, on
     `LOSS_VAL_BATCHES` batches of held-out windows that no run trained on, is recorded beside it (`val_loss`,
-    `val_relative`).
+    `val_relative`). `relative` and `val_relative` are |fp8 − bf16| / bf16 (what the 1 % goal is checked on);
+    `fp8_minus_bf16_relative` and `val_fp8_minus_bf16_relative` keep the sign (above zero: fp8's loss is higher).
+
+    A check whose runs failed never replaces a stored check that did not (see `keep_good_entry`); the names of the
+    cells whose check had a failed run are returned.
 
     With `seeds` > 1 each precision runs once per seed (`--seed`: initial weights and data order). The losses and
     speeds recorded are then the means over the seeds (each seed's under `per_seed`), and the bf16 runs' spread,
@@ -665,8 +722,11 @@ def _loss_check(
     Each run keeps its directory (metrics.jsonl, summary.json, loss.png; no checkpoints) and its output
     (`train.log`) under `<out stem>_runs/<cell>-<precision>[-seed<N>]/`, replaced by the next bench: a run stopped
     by a time limit still shows how far it got and how long its steps took."""
+    from gaudi3_scale.bench.result import keep_good_entry, write_json_atomic
+
     runs_dir = out.with_name(f"{out.stem}_runs")
     precisions = ("bf16-mixed", "fp8")
+    failed: list[str] = []
     for cell in [c for c in cells if c.precision == "fp8" and c.loss_steps]:
         per_seed: dict[str, dict[str, list[Any]]] = {
             key: {p: [] for p in precisions}
@@ -698,15 +758,18 @@ def _loss_check(
                     failures[precision if seeds == 1 else f"{precision} seed {seed}"] = _tail(log.read_text())
         mean = {key: {p: _mean(v[p]) for p in precisions} for key, v in per_seed.items()}
         losses, val_losses, speeds = mean["train_loss"], mean["val_loss"], mean["tokens_per_s"]
-        relative = _relative_gap(losses["fp8"], losses["bf16-mixed"])
-        val_relative = _relative_gap(val_losses["fp8"], val_losses["bf16-mixed"])
+        signed = _relative_gap(losses["fp8"], losses["bf16-mixed"])
+        val_signed = _relative_gap(val_losses["fp8"], val_losses["bf16-mixed"])
+        relative, val_relative = _abs(signed), _abs(val_signed)
         speedup = speeds["fp8"] / speeds["bf16-mixed"] if speeds["fp8"] and speeds["bf16-mixed"] else None
-        results["cells"].setdefault(cell.name, {"cell": asdict(cell)})["loss_after_steps"] = {
+        check = {
             "steps": cell.loss_steps,
             **losses,
             "relative": relative,
+            "fp8_minus_bf16_relative": signed,
             "val_loss": val_losses,
             "val_relative": val_relative,
+            "val_fp8_minus_bf16_relative": val_signed,
             "val_batches": LOSS_VAL_BATCHES,
             "tokens_per_s": speeds,
             "mfu": mean["mfu"],
@@ -723,12 +786,18 @@ def _loss_check(
                 else {}
             ),
             **({"failed": failures} if failures else {}),
+            **({"measured_with": measured_with} if measured_with else {}),
         }
+        stored = results["cells"].setdefault(cell.name, {"cell": asdict(cell)})
+        keep_good_entry(stored, "loss_after_steps", check, lambda c: not c.get("failed"))
+        if failures:
+            failed.append(f"{cell.name} (loss check)")
         print(f"{cell.name}: loss after {cell.loss_steps} steps bf16 {losses['bf16-mixed']} fp8 {losses['fp8']} "
-              f"(relative {relative}); val loss bf16 {val_losses['bf16-mixed']} fp8 {val_losses['fp8']} (relative "
-              f"{val_relative}); tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})"
+              f"(fp8 − bf16: {signed}); val loss bf16 {val_losses['bf16-mixed']} fp8 {val_losses['fp8']} (fp8 − bf16: "
+              f"{val_signed}); tokens/s bf16 {speeds['bf16-mixed']} fp8 {speeds['fp8']} (×{speedup})"
               + (f"; bf16 seed spread {_spread(per_seed['val_loss']['bf16-mixed'])} (val)" if seeds > 1 else ""))  # fmt: skip
-        _write(results, out)
+        write_json_atomic(out, results)
+    return failed
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -737,7 +806,12 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def _relative_gap(fp8: float | None, bf16: float | None) -> float | None:
-    return abs(fp8 - bf16) / bf16 if bf16 and fp8 else None
+    """(fp8 − bf16) / bf16, signed: above zero when fp8's loss is the higher."""
+    return (fp8 - bf16) / bf16 if bf16 and fp8 else None
+
+
+def _abs(value: float | None) -> float | None:
+    return None if value is None else abs(value)
 
 
 def _spread(values: list[Any]) -> float | None:

@@ -12,7 +12,14 @@ RSS on CPU; step time, tokens/s, MFU, warm-up and wall time), the forecasts, and
   `gaudi3 cost compare` assumed for a run it had no benchmark for, before it took `gaudi3 plan`'s step
   (`forecast.model`, docs/foresight.md); kept as it was, so the stored runs' column means what it meant.
 
-fp8: every fp8 shape with a bf16 shape of the same model and batch gives `fp8_over_bf16_tokens_per_s`.
+fp8: every fp8 shape with a bf16 shape of the same model and batch gives `fp8_over_bf16_tokens_per_s`. Only two
+rows measured by the same invocation (the same `measured_with.run_id`) are side by side; a ratio of rows from
+different invocations (another lease, a cold vs a warm machine, another commit) is kept but marked
+`"side_by_side": false`, and the verdict says so.
+
+Each row carries what it was measured with (`measured_with`: machine, peak FLOP/s, the invocation's `run_id`); the
+top-level `machine` is the last invocation's. A shape that did not run "ok" (failed, timed out, skipped for the
+budget) never replaces a stored row that did: that stays, the attempt goes under its `failed_attempts`.
 
 The shapes run in order and each gets `--run-timeout-s` (default 240 s) but never more than what is left of
 `--budget-s`: a device lease cut short still leaves every finished shape in the JSON (written after each run).
@@ -38,12 +45,15 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 from bench_gpu import RESULTS, ROOT, Cell, _model_config, _peak_flops, run_gaudi3
+from gaudi3_scale.bench.result import keep_good_entry, load_stored_results, write_json_atomic
 
 # What `gaudi3 cost compare` assumed without a benchmark before it took gaudi3 plan's step (its default MFU then).
 COST_PLANNER_MFU = 0.40
@@ -160,8 +170,17 @@ def _score(row: dict[str, Any], device: str, peak_flops: float | None) -> dict[s
     return row
 
 
+def _run_ok(row: dict[str, Any]) -> bool:
+    return row.get("run", {}).get("status") == "ok"
+
+
+def _run_id(row: dict[str, Any]) -> str | None:
+    return (row.get("measured_with") or {}).get("run_id")
+
+
 def fp8_pairs(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each fp8 shape against the bf16 shape of the same model, batch and layout."""
+    """Each fp8 shape against the bf16 shape of the same model, batch and layout; `side_by_side` only when one
+    invocation measured both (rows without a `run_id`, written before it was recorded, are not)."""
     pairs: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         cell = row["cell"]
@@ -174,6 +193,7 @@ def fp8_pairs(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if same and c["precision"] == "bf16-mixed" and other["run"].get("status") == "ok":
                 pairs[name] = {
                     "bf16": c["name"],
+                    "side_by_side": _run_id(row) is not None and _run_id(row) == _run_id(other),
                     "fp8_over_bf16_tokens_per_s": row["run"]["tokens_per_s"] / other["run"]["tokens_per_s"],
                     "peak_memory_fp8_over_bf16": row["run"]["peak_memory_bytes"]
                     / other["run"]["peak_memory_bytes"],
@@ -234,8 +254,9 @@ def verdict(results: dict[str, Any]) -> str:
     if pairs:
         best = max(pairs, key=lambda k: pairs[k]["fp8_over_bf16_tokens_per_s"])
         ratio = pairs[best]["fp8_over_bf16_tokens_per_s"]
+        apart = "" if pairs[best].get("side_by_side") else ", not side by side: rows of different runs"
         parts.append(
-            f"best fp8 {best} ×{ratio:.3f} bf16 ({'meets' if ratio >= 1.3 else 'below'} the 1.3× goal)"
+            f"best fp8 {best} ×{ratio:.3f} bf16 ({'meets' if ratio >= 1.3 else 'below'} the 1.3× goal{apart})"
         )
     return "; ".join(parts)
 
@@ -249,7 +270,7 @@ def main() -> None:
     parser.add_argument(
         "--shapes", help="comma-separated shape names, run in this order (default: the whole set)"
     )
-    parser.add_argument("--measured-steps", type=int, help="override every shape's measured steps")
+    parser.add_argument("--measured-steps", type=positive_int, help="override every shape's measured steps")
     parser.add_argument("--budget-s", type=float, default=3600.0, help="stop starting shapes after this long")
     parser.add_argument(
         "--run-timeout-s", type=float, default=240.0, help="the most one shape's run may take"
@@ -298,16 +319,22 @@ def main() -> None:
             parser.error(f"unknown shape(s) {', '.join(unknown)}; valid: {', '.join(by_name)}")
         shapes = [by_name[s] for s in wanted]
     if args.measured_steps is not None:
-        if args.measured_steps < 1:
-            parser.error(f"--measured-steps must be at least 1, got {args.measured_steps}")
         shapes = [replace(c, measured_steps=args.measured_steps) for c in shapes]
     if args.budget_s <= 0 or args.run_timeout_s <= 0:
         parser.error("--budget-s and --run-timeout-s must be positive")
     out = args.out or RESULTS / f"gpu_shapes_{device}.json"
-    results: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"shapes": {}}
+    try:
+        results = load_stored_results(out, {"shapes": {}})
+    except ValueError as err:
+        parser.error(str(err))
     peak, peak_source = _peak_flops(device)
     results.update(benchmark="bench_gpu_shapes", machine=environment_info(), peak_flops=peak,
                    peak_source=peak_source)  # fmt: skip
+    # What each row of this invocation was measured with: merged files keep per-row provenance, and fp8 pairs
+    # are side by side only within one run_id.
+    measured_with = {"machine": results["machine"], "peak_flops": peak, "peak_source": peak_source,
+                     "run_id": uuid.uuid4().hex[:12]}  # fmt: skip
+    failed: list[str] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -319,18 +346,23 @@ def main() -> None:
         for cell in shapes:
             left = args.budget_s - (time.perf_counter() - started)
             if left < 20:
-                results["shapes"][cell.name] = {"cell": asdict(cell), "run": {"status": "skipped: budget spent"},
-                                                "forecast": forecast(cell, device, peak)}  # fmt: skip
-                progress.advance(task)
-                continue
-            progress.update(task, description=cell.name)
-            row = measure(cell, device, peak, env, Path(tmp), min(args.run_timeout_s, left))
-            results["shapes"][cell.name] = row
+                row = {"cell": asdict(cell), "run": {"status": "skipped: budget spent"},
+                       "forecast": forecast(cell, device, peak)}  # fmt: skip
+            else:
+                progress.update(task, description=cell.name)
+                row = measure(cell, device, peak, env, Path(tmp), min(args.run_timeout_s, left))
+                progress.console.print(_line(row))
+            if not keep_good_entry(
+                results["shapes"], cell.name, {**row, "measured_with": measured_with}, _run_ok
+            ):
+                failed.append(cell.name)
             results["fp8"] = fp8_pairs(results["shapes"])
-            _write(results, out)
-            progress.console.print(_line(row))
+            write_json_atomic(out, results)
             progress.advance(task)
     _finish(results, out)
+    if failed:
+        print(f"kept the stored rows of {', '.join(failed)}: this run's did not finish (see failed_attempts)",
+              file=sys.stderr)  # fmt: skip
 
 
 def rescore(paths: list[Path], out: Path) -> None:
@@ -350,10 +382,17 @@ def rescore(paths: list[Path], out: Path) -> None:
             if key in data:
                 merged.setdefault(key, data[key])
         for name, row in shapes.items():
-            merged["shapes"][name] = {"measured_in": path.name, **row}  # a merged file's own record stays
-    device = "cuda" if (merged.get("machine") or {}).get("cuda") else "cpu"
+            # A later file's row replaces an earlier one's only when it ran, or the earlier did not either.
+            # Each row keeps the machine and peak it was measured with (`measured_with`, or its file's).
+            kept = {"measured_in": path.name, **row}  # a merged file's own record stays
+            kept.setdefault(
+                "measured_with", {key: data.get(key) for key in ("machine", "peak_flops", "peak_source")}
+            )
+            keep_good_entry(merged["shapes"], name, kept, _run_ok)
     for row in merged["shapes"].values():
-        _score(row, device, merged["peak_flops"])
+        with_ = row["measured_with"]
+        device = "cuda" if (with_.get("machine") or {}).get("cuda") else "cpu"
+        _score(row, device, with_.get("peak_flops"))
     now = environment_info()
     merged["forecast_by"] = {"date": now.get("date"), "git_commit": now.get("git_commit")}
     _finish(merged, out)
@@ -363,7 +402,7 @@ def _finish(results: dict[str, Any], out: Path) -> None:
     """The fp8 pairs and the verdict, written with the plot; the verdict printed."""
     results["fp8"] = fp8_pairs(results["shapes"])
     results["verdict"] = verdict(results)
-    _write(results, out)
+    write_json_atomic(out, results)
     plot(results, out.with_suffix(".png"))
     print(f"verdict: {results['verdict']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
@@ -382,11 +421,6 @@ def _line(row: dict[str, Any]) -> str:
     mfu = f", MFU {row['mfu']:.1%}{basis}" if row.get("mfu") is not None else ""
     return (f"{name}: {run['step_time_s'] * 1e3:.1f} ms/step, {run['tokens_per_s']:,.0f} tok/s{mfu}, "
             f"peak {mem}, warm-up {run['warmup_s']:.1f} s, process {run['process_s']:.1f} s")  # fmt: skip
-
-
-def _write(results: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ straggler clock stay on for both halves there (a clock read or two per step).
 
     PYTHONPATH=src python benchmarks/bench_health.py                 # 1 and 2 ranks → benchmarks/results/health_cpu.json
     PYTHONPATH=src python benchmarks/bench_health.py --steps 60 --pairs 1 --out /tmp/h.json   # a smoke check
+
+Results merge into `--out` by rank count: a run of `--ranks 1` replaces the stored 1-rank run pairs and keeps the
+2-rank ones (likewise the interleaved cells). Every cell carries the `machine` it was measured on.
 """
 
 from __future__ import annotations
@@ -34,11 +37,16 @@ from typing import Any
 import lightning.pytorch as pl
 from rich.progress import Progress
 
+from gaudi3_scale.bench.result import load_stored_results, write_json_atomic
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train import GaudiTrainer, build_run_config
 from gaudi3_scale.train.step import at_step_boundary
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
+
+RESULTS = Path(__file__).resolve().parent / "results"
 OFF = ["--health.nonfinite_guard=false", "--health.spike_policy=off", "--health.watchdog=false",
        "--health.stragglers=false"]  # fmt: skip
 
@@ -189,12 +197,23 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _merge_by_ranks(stored: list[dict[str, Any]], new: list[dict[str, Any]], stored_machine: Any,
+                    machine: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """One cell per rank count, in rank order: this run's where it measured that count, else the stored one (with
+    its own `machine`, or the one its file recorded for it)."""
+    by_ranks = {cell["ranks"]: {**cell, "machine": cell.get("machine", stored_machine)} for cell in stored}
+    by_ranks.update({cell["ranks"]: {**cell, "machine": machine} for cell in new})
+    return [by_ranks[ranks] for ranks in sorted(by_ranks)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    parser.add_argument("--pairs", type=int, default=4, help="alternated (on, off) pairs per rank count")
+    parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run")
+    parser.add_argument(
+        "--pairs", type=positive_int, default=4, help="alternated (on, off) pairs per rank count"
+    )
     parser.add_argument(
         "--ranks", type=int, nargs="*", default=[1, 2],
         help="rank counts of run pairs (none: keep the pairs of --out, with their machine)",
@@ -205,7 +224,9 @@ def main() -> None:
     parser.add_argument(
         "--interleaved-ranks", type=int, nargs="*", default=[1, 2], help="rank counts of interleaved runs"
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/health_cpu.json"))
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "health_cpu.json", help="result JSON (merged by rank count)"
+    )
     parser.add_argument(
         "--worker", type=Path, help=argparse.SUPPRESS
     )  # a torchrun rank of an interleaved cell
@@ -213,6 +234,10 @@ def main() -> None:
     if args.worker is not None:
         _worker(args.worker, args.interleaved_steps)
         return
+    try:
+        stored = load_stored_results(args.out, {})
+    except ValueError as err:
+        parser.error(str(err))
     with Progress(*Progress.get_default_columns()) as progress:
         task = progress.add_task("health on/off runs", total=2 * args.pairs * len(args.ranks))
         cells = [_measure(args.steps, ranks, args.pairs, progress, task) for ranks in args.ranks]
@@ -223,17 +248,17 @@ def main() -> None:
             )
             interleaved.append(_interleaved(args.interleaved_steps, ranks, progress, steps_task))
     command = "PYTHONPATH=src python benchmarks/bench_health.py " + " ".join(sys.argv[1:])
-    result = {"benchmark": "health_overhead", "command": command.strip(), "machine": environment_info(),
-              "health_off_flags": OFF, "cells": cells, "interleaved": interleaved}  # fmt: skip
-    if not args.ranks and args.out.is_file():  # the run pairs of an earlier run, kept with their machine
-        kept = json.loads(args.out.read_text())
-        result["cells"], result["cells_machine"] = (
-            kept.get("cells", []),
-            kept.get("cells_machine", kept["machine"]),
-        )
-        cells = result["cells"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    machine = environment_info()
+    result = {"benchmark": "health_overhead", "command": command.strip(), "machine": machine,
+              "health_off_flags": OFF}  # fmt: skip
+    # The stored cells of the rank counts this run did not measure stay, each with the machine it ran on.
+    stored_machine = stored.get("machine")
+    result["cells"] = _merge_by_ranks(stored.get("cells", []), cells, stored.get("cells_machine", stored_machine),
+                                      machine)  # fmt: skip
+    result["interleaved"] = _merge_by_ranks(
+        stored.get("interleaved", []), interleaved, stored_machine, machine
+    )
+    write_json_atomic(args.out, result)
     _plot(result, args.out.with_suffix(".png"))
     for cell in cells:
         print(

@@ -29,8 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train.report import draw_health_marks, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 # The injected spike is the loss's. This 1-layer model's gradient norm spikes by itself at the default 6 MADs (a
 # twin run rolled back at step 120 in one try), which would leave no run without a rollback to compare with.
@@ -145,19 +149,30 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "health_rollback_cpu.json"
+DOCS_IMAGE = ROOT / "docs" / "img" / "health_rollback.png"  # docs/health.md shows it
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
+    parser.add_argument("--steps", type=positive_int, default=160, help="optimizer steps per run")
     parser.add_argument("--layers", type=int, default=1, help="model.num_layers of shakespeare-char")
     parser.add_argument("--spike-step", type=int, default=90, help="the data step whose loss spikes")
     parser.add_argument("--scale", type=float, default=20.0, help="the spiking loss is multiplied by this")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint.every_steps")
     parser.add_argument("--skip-batches", type=int, default=20, help="health.rollback_skip_batches")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/health_rollback_cpu.json"))
-    parser.add_argument("--png", type=Path, default=Path("docs/img/health_rollback.png"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON")
+    parser.add_argument(
+        "--png", type=Path,
+        help="the plot (default: docs/img/health_rollback.png when --out is the default, else beside --out)",
+    )  # fmt: skip
     args = parser.parse_args()
+    # A trial run with its own --out never replaces the image the docs show.
+    if args.png is None:
+        args.png = DOCS_IMAGE if args.out.resolve() == DEFAULT_OUT else args.out.with_suffix(".png")
     with tempfile.TemporaryDirectory() as tmp:
         # Side by side, one thread each: what differs between them is the spike, not the machine.
         outs = {"spike": Path(tmp) / "spike", "twin": Path(tmp) / "twin"}
@@ -189,10 +204,12 @@ def main() -> None:
         "final_val_loss": {"rolled_back": spiking["final_val_loss"], "twin": twin["final_val_loss"]},
         "both_runs_wall_s": both_wall_s,
         "runs": {"rolled_back": spiking, "twin": twin},
-        "png": str(args.png),
+        # as the docs cite it: relative to the repository when inside it
+        "png": str(
+            args.png.resolve().relative_to(ROOT) if args.png.resolve().is_relative_to(ROOT) else args.png
+        ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(result, args.png)
     print(f"spike at step {spike['step']} (loss {spike['event_loss']:.2f}); rolled back {rollback['from_step']} → "
           f"{rollback['to_step']}, batches {rollback['skipped_batches'][0]}–{rollback['skipped_batches'][1]} skipped; "

@@ -13,7 +13,6 @@ Both ways must give bitwise the same weights (checked on a sample of parameters)
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -23,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 WAYS = ("whole", "meta")
 
@@ -78,7 +80,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="llama3.2-1b")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=positive_int, default=2)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "init_memory_cpu.json"
     )
@@ -86,6 +88,7 @@ def main() -> None:
 
     import torch
 
+    from gaudi3_scale.bench.result import write_json_atomic
     from gaudi3_scale.monitor.environment import environment_info
 
     results: dict[str, Any] = {}
@@ -118,8 +121,7 @@ def main() -> None:
     print(
         f"same weights both ways: {identical}; goal meta <= 0.6: {report['meta']['fraction_of_full_fp32'] <= 0.6}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
 
 

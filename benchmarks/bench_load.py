@@ -34,6 +34,9 @@ from typing import Any
 
 from rich.progress import Progress
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
+
 SHARD_BYTES = 512 << 20  # several files, as Hugging Face shards large checkpoints (its default is 5 GB)
 CHUNK_BYTES = 1 << 20
 
@@ -203,15 +206,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="llama3.2-1b")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=positive_int, default=2)
     parser.add_argument(
-        "--repeats", type=int, default=5, help="rounds; the median round (by ratio) is reported"
+        "--repeats", type=positive_int, default=5, help="rounds; the median round (by ratio) is reported"
     )
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the generated checkpoint is kept (default: $GAUDI3_CACHE/bench_load)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "load_hf_cpu.json")
     args = parser.parse_args()
 
+    from gaudi3_scale.bench.result import write_json_atomic
     from gaudi3_scale.data.sources import default_cache_dir
     from gaudi3_scale.monitor.environment import environment_info
 
@@ -266,8 +270,7 @@ def main() -> None:
         f"{per_rank}; touching a rank's fresh fp32 share alone: {touch}); ratio {load_s / read_s:.2f} (goal <= 2), "
         f"{load_s / stream_s:.2f} against the streamed read; weights match the files: {load['weights_match_files']}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
 
 

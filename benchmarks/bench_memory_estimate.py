@@ -38,6 +38,7 @@ from typing import Any
 
 from rich.progress import track
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train.config import build_run_config
 from gaudi3_scale.tune import memory
@@ -256,8 +257,7 @@ def main() -> None:
         "calibration": calibration,
         "validation": validation,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     _plot(validation, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
@@ -292,8 +292,7 @@ def _main_pipeline(out: Path, only: list[str] | None) -> None:
         "max_abs_error_pct": max(errors, default=None),
         "validation": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(out, report)
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 
 def _step_fn(model: torch.nn.Module, vocab: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -52,11 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="shakespeare-char")
     parser.add_argument("--vocab-size", type=int, default=65, help="used when the preset leaves it null")
-    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--batch", type=positive_int, default=12)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -85,8 +90,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_json_atomic(args.out, report)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,12 @@ from typing import Any
 
 from rich.progress import track
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.checkpoint.manifest import read_manifest
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 RESULTS = Path(__file__).parent / "results"
 MODELS: dict[str, list[str]] = {
@@ -78,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "preemption_cpu.json")
     args = parser.parse_args()
     cells = [(m, launch) for m in MODELS for launch in LAUNCHES]
@@ -96,8 +100,7 @@ def main() -> None:
                       "step_time_s_median": statistics.median(r["step_time_s"] for r in mine)})  # fmt: skip
     result = {"benchmark": "preemption", "command": "python benchmarks/bench_preemption.py", "cells": table,
               "runs": rows, "environment": environment_info()}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(table, args.out.with_suffix(".png"))
     for row in table:
         print(f"{row['model']:18s} {row['launch']:10s} {row['checkpoint_bytes'] / 1e6:8.1f} MB  "

@@ -17,7 +17,6 @@ tokens/s, speedup, the load average before each run) are printed and saved as JS
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.data import (
     DataConfig,
     TokenWindowDataset,
@@ -40,6 +40,9 @@ from gaudi3_scale.data import (
 )
 from gaudi3_scale.data.sources import bundled_corpora
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 MB = 1e6
 
@@ -175,9 +178,12 @@ def main() -> None:
         default=None,
         help="size of each corpus file (default: 1/16 of it, at most 64)",
     )
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument(
-        "--repeats", type=int, default=3, help="prepare runs per setting, interleaved; the fastest counts"
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="prepare runs per setting, interleaved; the fastest counts",
     )
     parser.add_argument("--bpe-size-mb", type=float, default=10.0, help="0 skips BPE")
     parser.add_argument(
@@ -249,8 +255,7 @@ def main() -> None:
         "load_avg_1min_before_each_run": LOAD_BEFORE_RUNS,
         "loader_median_per_batch_us": statistics.median(r["per_batch_us"] for r in loader),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(f"saved {args.out}")
 
 

@@ -13,7 +13,6 @@ children). Medians are printed and saved as JSON with machine info.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import subprocess
@@ -23,7 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 # name: the work, as Python source (`OUT`: a fresh directory for a run). gaudi3-train: the default model's
 # `gaudi3 train` for 12 steps, through `cli.main.main` as the console script calls it.
@@ -58,7 +61,7 @@ def run_once(work: str, skip: bool, out: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "process_exit_cpu.json"
     )
@@ -106,8 +109,7 @@ def main() -> None:
         "median_of": args.reps,
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     plot(rows, args.reps, args.out.with_suffix(".png"))
     print(f"saved {args.out} and {args.out.with_suffix('.png').name}")
 

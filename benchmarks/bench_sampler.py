@@ -12,16 +12,20 @@ are printed as µs per call and as a ratio to the one-file sampler, and saved as
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 GLOBAL_BATCH = 2048
 MICRO = 8
@@ -43,9 +47,9 @@ def time_calls(steps_starts: Any, calls: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shards", type=int, default=300)
-    parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shards", type=positive_int, default=300)
+    parser.add_argument("--calls", type=positive_int, default=100)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sampler.json")
     args = parser.parse_args()
 
@@ -77,8 +81,7 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(f"saved {args.out}")
 
 

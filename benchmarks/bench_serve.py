@@ -17,7 +17,7 @@ batch the engine ran (generated tokens / decode steps, from the server's /health
 default limits (`--max-batch-size 8 --max-queue 64`), each asking for 4 tokens. Every client must get an HTTP
 answer, 200 or 503 `queue_full` (a connection reset or any other outcome is an error); recorded per burst: the
 count of each outcome, the time until the last answer, and p50 / p95 time to a 200 and to a 503. Written to
-benchmarks/results/serve/serve_burst_cpu.json.
+`--out`, by default benchmarks/results/serve/serve_burst_cpu.json (nothing with `--quick`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int, positive_ints
 from gaudi3_scale.artifacts.export import export_checkpoint
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.data.tokenizers import ByteTokenizer
 from gaudi3_scale.models import ModelConfig, build_model, count_parameters, get_model_config
@@ -186,7 +189,8 @@ def _burst(port: int, clients: int) -> dict[str, Any]:
     return row
 
 
-def _run_bursts(sizes: list[int], out: Path) -> None:
+def _run_bursts(sizes: list[int], out: Path | None) -> None:
+    """Each burst size against one server; the report written to `out` (None: nothing written)."""
     with tempfile.TemporaryDirectory() as tmp:
         export = _build_export(Path(tmp))
         proc, port = _start_server(export, 8, Path(tmp) / "serve-burst.err")
@@ -218,9 +222,9 @@ def _run_bursts(sizes: list[int], out: Path) -> None:
               "bursts": rows, "machine": environment_info()}  # fmt: skip
     if any(r["errors"] for r in rows):
         raise SystemExit(f"clients without an HTTP answer: {[r['outcomes'] for r in rows]}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    if out is not None:
+        write_json_atomic(out, report)
+        print(f"wrote {out}")
 
 
 def _summary(batch_size: int, clients: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,19 +253,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=8, help="requests per client per round")
+    parser.add_argument("--requests", type=positive_int, default=8, help="requests per client per round")
     parser.add_argument(
-        "--rounds", type=int, default=2, help="rounds per cell, the servers' order alternated"
+        "--rounds", type=positive_int, default=2, help="rounds per cell, the servers' order alternated"
     )
     parser.add_argument(
         "--quick", action="store_true", help="1 round of 2 requests per client; nothing is written"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_cpu.json")
-    parser.add_argument("--burst", metavar="N,N", help="measure bursts of N simultaneous clients instead")
+    parser.add_argument(
+        "--out", type=Path,
+        help="result JSON (default results/serve/serve_cpu.json; with --burst results/serve/serve_burst_cpu.json)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--burst", type=positive_ints, metavar="N,N",
+        help="measure bursts of N simultaneous clients instead (comma-separated, each at least 1)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.burst:
-        _run_bursts([int(n) for n in args.burst.split(",")], RESULTS / "serve_burst_cpu.json")
+        _run_bursts(args.burst, None if args.quick else args.out or RESULTS / "serve_burst_cpu.json")
         return
+    args.out = args.out or RESULTS / "serve_cpu.json"
     requests, rounds = (2, 1) if args.quick else (args.requests, args.rounds)
     cells: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -320,8 +331,7 @@ def main() -> None:
     if any(c["errors"] for c in cells):
         raise SystemExit(f"errors in {[c for c in cells if c['errors']]}")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json_atomic(args.out, report)
         _plot(cells, args.out.with_suffix(".png"))
         print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
 

@@ -14,7 +14,9 @@ tokenizer):
 Every client sends `--requests` completions back to back, each a 384-byte prompt (384 tokens) plus 64 sampled
 tokens (temperature 0.8, seeded), so each request ends at 448 of the 512 positions; every response must be a
 complete 200. Each (clients, model) group runs `--rounds` times, the modes' order alternating, and each cell pools
-its rounds. The JSON is rewritten after every cell, so a run cut short keeps what finished.
+its rounds. The JSON is rewritten after every cell to `<out stem>.partial.json`, so a run cut short keeps what
+finished there; only a run that finishes without errors replaces `--out` (a stored result is never replaced by a
+partial or failed one: the partial file stays beside it, said on stderr).
 
 `--device cuda`: the servers put the model on the GPU (serve/loading.py does when CUDA is available; `--device cpu`
 hides the GPU from them). Its defaults: both full-size models, clients 1,16,64, `--max-batch-size 64`, 1 round,
@@ -31,7 +33,6 @@ JSON says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -50,7 +51,9 @@ from rich.table import Table
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 from bench_serve import RESULTS, _build_export, _complete, _run_clients, _start_server, _summary
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.data.tokenizers import ByteTokenizer
 from gaudi3_scale.models import ModelConfig, count_parameters, get_model_config
 from gaudi3_scale.models.build import model_class
@@ -100,11 +103,13 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--clients", help="comma-separated client counts (default: 16 on cpu, 1,16,64 on cuda)"
     )
-    parser.add_argument("--max-batch-size", type=int, help="of every server (default: 8 on cpu, 64 on cuda)")
-    parser.add_argument("--requests", type=int, default=1, help="requests per client per round")
-    parser.add_argument("--rounds", type=int, help="rounds per group, the modes' order alternated (default: 2 on "
+    parser.add_argument(
+        "--max-batch-size", type=positive_int, help="of every server (default: 8 on cpu, 64 on cuda)"
+    )
+    parser.add_argument("--requests", type=positive_int, default=1, help="requests per client per round")
+    parser.add_argument("--rounds", type=positive_int, help="rounds per group, the modes' order alternated (default: 2 on "
                         "cpu, 1 on cuda and with --small)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every server")
+    parser.add_argument("--threads", type=positive_int, default=1, help="OMP_NUM_THREADS of every server")
     parser.add_argument("--budget-s", type=float, help="stop starting cells past this many seconds since the "
                         "start (default: 150 on cuda and with --small, none on cpu)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 clients, 16 tokens, 1 round; nothing written")
@@ -189,10 +194,18 @@ def main() -> None:
                 proc.wait(timeout=60)
     _print_table(report)
     print(f"verdict: {report['verdict']}")
+    errors = any(c["errors"] for c in report["cells"])
     if not args.quick:
-        _plot(report, args.out.with_suffix(".png"))
-        print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
-    if any(c["errors"] for c in report["cells"]):
+        written = _partial(args.out)
+        if errors and args.out.is_file():
+            print(f"kept {args.out}: this run had errors; its cells are in {written}", file=sys.stderr)
+        else:
+            write_json_atomic(args.out, report)
+            written.unlink(missing_ok=True)
+            written = args.out
+        _plot(report, written.with_suffix(".png"))
+        print(f"wrote {written} and {written.with_suffix('.png').name}")
+    if errors:
         raise SystemExit(f"errors in {[c for c in report['cells'] if c['errors']]}")
 
 
@@ -289,9 +302,14 @@ def _report_head(args: argparse.Namespace, configs: dict[str, ModelConfig]) -> d
     }  # fmt: skip
 
 
+def _partial(out: Path) -> Path:
+    """Where a run writes its cells while it runs (see the module docstring)."""
+    return out.with_name(f"{out.stem}.partial.json")
+
+
 def _record(report: dict[str, Any], by_cell: dict[tuple[int, str, str], list[dict[str, Any]]],
             args: argparse.Namespace, started: float) -> None:  # fmt: skip
-    """Cells, ratios and verdict from what ran so far; the JSON rewritten (not with --quick)."""
+    """Cells, ratios and verdict from what ran so far; the partial JSON rewritten (not with --quick)."""
     report["cells"] = [{"model": model, "kv_cache": mode, **_summary(args.max_batch_size, clients, rounds)}
                        for (clients, model, mode), rounds in by_cell.items()]  # fmt: skip
     ratios: dict[str, dict[str, dict[str, float]]] = {}
@@ -305,8 +323,7 @@ def _record(report: dict[str, Any], by_cell: dict[tuple[int, str, str], list[dic
     report["elapsed_s"] = time.perf_counter() - started
     report["verdict"] = verdict(report)
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json_atomic(_partial(args.out), report)
 
 
 def _tokens_per_s(report: dict[str, Any], model: str, clients: int, mode: str) -> float | None:

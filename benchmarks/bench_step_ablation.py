@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +24,12 @@ import torch.nn.functional as F
 from rich.progress import track
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.models import build_model, get_model_config
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 BATCH, VOCAB = 12, 65
 
@@ -81,11 +85,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300, help="measured steps per variant")
+    parser.add_argument("--steps", type=positive_int, default=300, help="measured steps per variant")
     parser.add_argument(
         "--warmup", type=int, default=30, help="unmeasured steps per variant (and compilation)"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "step_ablation_cpu.json"
     )
@@ -110,8 +114,7 @@ def main() -> None:
         print(f"{variant.name:32s} {median * 1e3:7.2f} ms   x{base / median:.3f}")
     report = {"benchmark": "step_ablation_cpu", "machine": environment_info(), "args": vars(args) | {"out": str(args.out)},
               "batch": BATCH, "context_length": 64, "results": results}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -23,7 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 
 def _cell(delay: float, *, steps: int, onset: int, log_every: int) -> dict[str, Any]:
@@ -92,7 +96,7 @@ def main() -> None:
     )
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.0005, 0.002, 0.005, 0.05],
                         help="seconds rank 1 sleeps before each forward (0: the control)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    parser.add_argument("--steps", type=positive_int, default=60, help="optimizer steps per run")
     parser.add_argument("--onset", type=int, default=10, help="the data step the slowdown starts at")
     parser.add_argument("--log-every", type=int, default=5, help="train.log_every_steps: steps per window")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/stragglers_cpu.json"))
@@ -106,8 +110,7 @@ def main() -> None:
     command = "PYTHONPATH=src python benchmarks/bench_stragglers.py " + " ".join(sys.argv[1:])
     result = {"benchmark": "straggler_detection", "command": command.strip(), "machine": environment_info(),
               "onset_step": args.onset, "log_every_steps": args.log_every, "cells": cells}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -29,7 +29,11 @@ from typing import Any
 
 from rich.progress import track
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 STRATEGIES = ["ddp", "fsdp_grad_op", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 MODELS: dict[str, list[str]] = {
@@ -142,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--threads", type=positive_int, default=1, help="intra-op threads per rank")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "strategies_cpu.json")
     args = parser.parse_args()
     plan = [(model, s, ranks) for model in MODELS for s in STRATEGIES for ranks in (1, 2)]
@@ -170,8 +174,7 @@ def main() -> None:
                   f"peak/rank {peak:5.2f} GiB   {errors}")  # fmt: skip
     for setting, efficiency in report["weak_scaling_efficiency"].items():
         print(f"weak scaling 1 → 2 ranks ({setting}):", {k: round(v, 3) for k, v in efficiency.items()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     _plot(report, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn  # noqa: E402
 
+from bench_args import positive_int  # noqa: E402
+from gaudi3_scale.bench.result import write_json_atomic  # noqa: E402
 from gaudi3_scale.config.errors import UserInputError  # noqa: E402
 from gaudi3_scale.data import DataConfig, prepare_dataset  # noqa: E402
 from gaudi3_scale.data.manifest import load_manifest  # noqa: E402
@@ -296,9 +298,9 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=0.0002, help="data.shard_mb of the prepared corpus")
     parser.add_argument("--cache-mib", type=float, default=None,
                         help=f"data.cache_limit_gib, in MiB (default: {CACHE_SHARDS} of the largest shard)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps of every throughput run (default: its own)"
+        "--steps", type=positive_int, default=None, help="steps of every throughput run (default: its own)"
     )
     parser.add_argument("--only", default="default", help="comma-separated: default, gpt2-124m, outage")
     parser.add_argument("--outage-s", type=float, default=30.0)
@@ -353,8 +355,7 @@ def main() -> None:
             results["outage"] = outage(tmp, url, server, env, cache_gib, args.outage_s, args.outage_at_step,
                                        args.outage_steps, progress, runs_task)  # fmt: skip
     server.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_json_atomic(args.out, results)
     print(f"wrote {args.out}")
 
 

@@ -8,6 +8,9 @@ times, and each cell's fastest run is kept: this machine's cores are shared, and
 down. On CPU with gloo every TP collective is a socket round trip, so expect TP to lose there; the question this
 answers on a GPU node (NCCL, NVLink) is how close TP=2 comes to FSDP's MFU.
 
+`--out` defaults to results/tp_<device>.json. A run in which a cell never ran does not replace a results file
+whose cells all ran: it goes to `<out stem>.failed.json` beside it (said on stderr, exit 1).
+
     PYTHONPATH=src python benchmarks/bench_tp.py                      # CPU/gloo → benchmarks/results/tp_cpu.json
     PYTHONPATH=src python benchmarks/bench_tp.py --device cuda --micro 4 --out benchmarks/results/tp_cuda.json \\
         --model-args "--model.name=llama3.2-1b --model.context_length=2048"      # 2 GPUs, NCCL, bf16-mixed
@@ -27,7 +30,18 @@ from typing import Any
 
 from rich.progress import track
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
+from gaudi3_scale.bench.result import load_stored_results, write_json_atomic
 from gaudi3_scale.monitor.environment import environment_info
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def default_out(device: str) -> Path:
+    """Each device its own file: a CUDA run never lands in the CPU results."""
+    return RESULTS / f"tp_{device}.json"
+
 
 # A Llama block wide enough that matmuls, not the framework, dominate a CPU step; heads, kv heads, ffn and the
 # context all split over 2. The vocabulary is the 65-character Tiny Shakespeare one, padded to 66 rows.
@@ -74,13 +88,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="train.device: cpu (gloo) or cuda (NCCL)")
     parser.add_argument("--model-args", default=MODEL_ARGS, help="model overrides for gaudi3 train")
     parser.add_argument(
-        "--micro", type=int, default=4, help="sequences per FSDP rank; global batch = 2 × micro"
+        "--micro", type=positive_int, default=4, help="sequences per FSDP rank; global batch = 2 × micro"
     )
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tp_cpu.json")
+    parser.add_argument("--steps", type=positive_int, default=12)
+    parser.add_argument("--threads", type=positive_int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    parser.add_argument("--out", type=Path, help="result JSON (default results/tp_<device>.json)")
     args = parser.parse_args()
+    args.out = args.out or default_out(args.device)
+    try:
+        stored = load_stored_results(args.out, {})
+    except ValueError as err:
+        parser.error(str(err))
     plan = [name for _ in range(args.repeats) for name in CELLS]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CELLS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,9 +124,18 @@ def main() -> None:
         print(f"{name:7s} {cell.get('tokens_per_s', 0):9,.0f} tok/s  mfu {cell.get('mfu') or 0:.4f}  "
               f"runs {cell['tokens_per_s_runs']}  {cell.get('error', '')}")  # fmt: skip
     print("TP=2 / FSDP tokens/s:", round(report.get("tp2_over_fsdp", 0.0), 3))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if not _all_ran(report) and _all_ran(stored):
+        failed_out = args.out.with_name(f"{args.out.stem}.failed.json")
+        write_json_atomic(failed_out, report)
+        print(f"kept {args.out}: a cell of this run never ran; this run is in {failed_out}", file=sys.stderr)
+        sys.exit(1)
+    write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
+
+
+def _all_ran(report: dict[str, Any]) -> bool:
+    cells = report.get("cells") or {}
+    return bool(cells) and all("tokens_per_s" in cell for cell in cells.values())
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baseline_loop import BaselineLoop, evaluate
+from bench_args import positive_int
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.config.core import parse_overrides
 from gaudi3_scale.data import load_prepared, prepare_dataset, val_window_starts
 from gaudi3_scale.models import ModelConfig
@@ -128,7 +130,9 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="short runs (smoke check, numbers not meaningful)"
     )
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved fits per comparison and variant")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=1, help="interleaved fits per comparison and variant"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_cpu.json")
     parser.add_argument("--only", choices=["overhead", "default"], help="run one comparison")
     args = parser.parse_args()
@@ -196,7 +200,7 @@ def main() -> None:
             for kind in set(kept) & {"overhead", "default"} - {args.only}:
                 report[kind] = kept[kind]
                 report[f"{kind}_machine"] = kept.get(f"{kind}_machine", kept.get("machine"))
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json_atomic(args.out, report)
         print(f"wrote {args.out}")
 
 

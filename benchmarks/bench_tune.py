@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import track
 
+from gaudi3_scale.bench.result import write_json_atomic
 from gaudi3_scale.config.core import save_yaml
 from gaudi3_scale.monitor.environment import environment_info
 from gaudi3_scale.train.config import build_run_config
@@ -36,6 +37,9 @@ from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.space import Candidate, build_space
 from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 from gaudi3_scale.tune.tuner import run_tuner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_int
 
 RESULTS = Path(__file__).parent / "results"
 BUDGET_BYTES = 4 * 2**30
@@ -96,10 +100,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--measure-steps", type=int, default=20)
+    parser.add_argument("--measure-steps", type=positive_int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument(
-        "--repeats", type=int, default=3, help="side-by-side re-measurements of the finalists"
+        "--repeats", type=positive_int, default=3, help="side-by-side re-measurements of the finalists"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "tune_cpu.json")
     args = parser.parse_args()
@@ -173,8 +177,7 @@ def main() -> None:
         "tuner_trial_keys": [r.key for r in tuned.outcome.results if r.ran],
         "environment": environment_info(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     _plot(result, grid, {r.key for r in tuned.outcome.results if r.ran}, args.out.with_suffix(".png"))
     console.print(
         f"grid best {grid_best.candidate.label(1)}; tuner {tuned.best.candidate.label(1)} "

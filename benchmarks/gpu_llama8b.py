@@ -1,7 +1,9 @@
 """Llama 3 8B on one GPU from a locally written Hugging Face checkpoint (issue #42, item 5): the estimator's layout,
 20 real `gaudi3 train` steps from `model.init_from`, then `gaudi3 ckpt export`.
 
-Phases, each written to the JSON as it ends (a lease cut short keeps what finished):
+Phases, each written as it ends to `<out stem>.partial.json` (a lease cut short keeps what finished), which
+replaces `--out` at the end unless `--out` holds a complete result (every phase ok) and this run is not: then the
+stored one stays and the partial file is left beside it (said on stderr):
 
 1. estimate: `tune.memory.estimate_memory` for one-rank FSDP layouts, fastest first as `tune.layouts` ranks them
    (offload none < all, activation checkpointing off < on; then bf16-mixed before bf16-true). The first one whose
@@ -44,7 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import RESULTS, ROOT, _peak_flops, _tail, run_cli
-from bench_gpu_shapes import _relative, _write
+from bench_gpu_shapes import _relative
+from gaudi3_scale.bench.result import load_stored_results, write_json_atomic
 from gaudi3_scale.tune.config import TuneConfig
 
 # What `gaudi3 tune` lets a chosen config use of the device's memory.
@@ -311,7 +314,7 @@ def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, bu
     results["model"] = {"preset": shape.preset, "parameters": count_parameters(cfg),
                         "flops_per_token": flops_per_token(cfg), "shape": asdict(shape)}  # fmt: skip
     phases["estimate"] = choose_layout(cfg, shape, device, *_memory_bytes(device), precisions=precisions)
-    _write(results, out)
+    write_json_atomic(out, results)
     chosen = phases["estimate"]["chosen"]
     if chosen is None:
         return
@@ -321,11 +324,11 @@ def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, bu
     hf, run, export = (work[places.get(k, places["hf"])] / k for k in ("hf", "checkpoint", "export"))
     try:
         phases["write"] = write_phase(shape, hf, device, env, left_s())
-        _write(results, out)
+        write_json_atomic(out, results)
         if phases["write"]["status"] != "ok":
             return
         phases["train"] = train_phase(train_args(shape, chosen, hf, run, device), run, results, env, left_s())
-        _write(results, out)
+        write_json_atomic(out, results)
         shutil.rmtree(hf)  # the run has read it; its room is the export's
         if phases["train"]["status"] != "ok":
             return
@@ -335,7 +338,7 @@ def run_phases(shape: Shape, device: str, results: dict[str, Any], out: Path, bu
             }
         else:
             phases["export"] = export_phase(run, export, results["model"]["parameters"], env, left_s())
-        _write(results, out)
+        write_json_atomic(out, results)
     finally:
         for directory in work.values():
             shutil.rmtree(directory, ignore_errors=True)
@@ -406,20 +409,43 @@ def main() -> None:
     from gaudi3_scale.monitor.environment import environment_info
 
     out = args.out or RESULTS / f"llama8b_{_device_tag(device)}.json"
+    partial = out.with_name(f"{out.stem}.partial.json")
+    try:
+        stored = load_stored_results(out, {})
+    except ValueError as err:
+        parser.error(str(err))
     peak, peak_source = _peak_flops(device)
     results: dict[str, Any] = {"benchmark": "gpu_llama8b", "machine": environment_info(), "device": device,
                                "budget_s": args.budget_s, "peak_flops": peak, "peak_source": peak_source}  # fmt: skip
     started = time.perf_counter()
     try:
-        run_phases(shape, device, results, out, args.budget_s, precisions)
+        run_phases(shape, device, results, partial, args.budget_s, precisions)
     finally:
         results["wall_s"] = time.perf_counter() - started
         results["verdict"] = (
             verdict(results) if "estimate" in results.get("phases", {}) else "estimate not reached"
         )
-        _write(results, out)
+        write_json_atomic(partial, results)
+        # An interrupted or failed run never replaces a complete stored result: it stays, the partial file beside it.
+        if complete(results) or not complete(stored):
+            write_json_atomic(out, results)
+            partial.unlink()
+            written = out
+        else:
+            print(f"kept {out} (a complete result); this run did not complete: its phases are in {partial}",
+                  file=sys.stderr)  # fmt: skip
+            written = partial
     print(f"verdict: {results['verdict']}")
-    print(f"wrote {out}")
+    print(f"wrote {written}")
+
+
+def complete(results: dict[str, Any]) -> bool:
+    """Whether every phase of a run (estimate, write, train, export) ended ok."""
+    phases = results.get("phases") or {}
+    estimate = phases.get("estimate") or {}
+    return bool(estimate.get("chosen")) and all(
+        (phases.get(k) or {}).get("status") == "ok" for k in ("write", "train", "export")
+    )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ are for 10¹² tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+from gaudi3_scale.bench.result import write_json_atomic
+from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.device.specs import accelerator_named
 from gaudi3_scale.distributed.schedule_math import balanced_split
 from gaudi3_scale.forecast.run import forecast_config
@@ -143,14 +144,24 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "plan_scale_out.json"
+DOCS_IMAGE = ROOT / "docs" / "img" / "plan_scale_out.png"  # docs/foresight.md shows it
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/plan_scale_out.json"))
-    parser.add_argument("--docs-image", type=Path, default=Path("docs/img/plan_scale_out.png"),
-                        help="also copy the plot here (empty: do not)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON (.md and .png beside it)")
+    parser.add_argument("--docs-image", help="also copy the plot here (empty: do not; default: docs/img/"
+                        "plan_scale_out.png when --out is the default, else nothing)")  # fmt: skip
     args = parser.parse_args()
+    # A trial run with its own --out never replaces the image the docs show.
+    if args.docs_image is None:
+        docs_image = DOCS_IMAGE if args.out.resolve() == DEFAULT_OUT else None
+    else:
+        docs_image = Path(args.docs_image) if args.docs_image else None
     rows = [
         _row(recipe, machine, nodes) for recipe in RECIPES for machine in MACHINES for nodes in NODES[recipe]
     ]
@@ -161,16 +172,16 @@ def main() -> None:
         "note": "forecasts from catalog figures, not measurements",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     table = _markdown(rows)
-    args.out.with_suffix(".md").write_text(table)
+    write_text_atomic(args.out.with_suffix(".md"), table)
     _plot(rows, args.out.with_suffix(".png"))
-    if args.docs_image:  # the docs page shows it (docs/foresight.md)
-        args.docs_image.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(args.out.with_suffix(".png"), args.docs_image)
+    if docs_image:
+        docs_image.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(args.out.with_suffix(".png"), docs_image)
     print(table)
-    print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+    copied = f" (plot copied to {docs_image})" if docs_image else ""
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}{copied}")
 
 
 if __name__ == "__main__":

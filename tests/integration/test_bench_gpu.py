@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
 
 def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_cpu.json"
+    # A cell stored by an earlier run on another machine keeps its own provenance when this run merges in.
+    old_with = {"machine": {"cpu": "older CPU", "git_commit": "9d85963", "date": "2026-11-25"}, "peak_flops": 1.88e11,
+                "peak_source": "measured then"}  # fmt: skip
+    old_cell = {"cell": {"name": "tiny-compiled"}, "plain": {"ms_per_step": 7.7}, "gaudi3": {"ms_per_step": 7.7},
+                "ratio_tokens_per_s": 1.0, "measured_with": old_with}  # fmt: skip
+    out.write_text(json.dumps({"cells": {"tiny-compiled": old_cell}}))
     args = ["--small", "--cells", "tiny-eager", "--repeats", "1", "--measured-steps", "12", "--no-loss"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=600
@@ -49,6 +56,9 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     mean_ms = (plain["windows"][0]["ms_per_step"] * 8 + plain["windows"][1]["ms_per_step"] * 4) / 12
     assert mean_ms == pytest.approx(plain["step_time_s"] * 1e3, rel=0.02)
     assert result["machine"]["packages"]["torch"] and result["peak_source"].startswith("measured")
+    assert cell["measured_with"] == {"machine": result["machine"], "peak_flops": result["peak_flops"],
+                                     "peak_source": result["peak_source"]}  # fmt: skip
+    assert result["cells"]["tiny-compiled"] == old_cell
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "tiny-eager" in done.stdout and "×" in done.stdout
 
@@ -58,12 +68,60 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown cell(s) nope; valid: tiny-eager, tiny-compiled" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--measured-steps", "-3"), ("--repeats", "0"), ("--loss-seeds", "x")]
+)
+def test_bad_counts_are_one_line_and_exit_2(tmp_path: Path, flag: str, value: str) -> None:
+    out = tmp_path / "r.json"
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--small", flag, value, "--out", str(out)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and f"argument {flag}:" in bad.stderr and "Traceback" not in bad.stderr
+    assert not out.exists()
+
+
+def test_a_failed_cell_is_kept_beside_the_stored_good_one() -> None:
+    """What main() does with each cell's summary: one whose runs failed never replaces a stored good one."""
+    from gaudi3_scale.bench.result import keep_good_entry
+
+    bench_gpu = _load()
+    tiny = bench_gpu.CPU_CELLS[0]
+    ok_run = {"status": "ok", "step_time_s": 0.01}
+    good = bench_gpu.summarize(tiny, {"plain": [ok_run], "gaudi3": [ok_run]}, 1e11)
+    failed = bench_gpu.summarize(
+        tiny, {"plain": [{"status": "failed", "reason": ["OOM"]}], "gaudi3": [ok_run]}, 1e11
+    )
+    cells = {tiny.name: good}
+    assert not keep_good_entry(cells, tiny.name, failed, bench_gpu._cell_ok)
+    assert cells[tiny.name]["plain"] == good["plain"] and cells[tiny.name]["failed_attempts"] == [failed]
+    # with nothing good stored, the failed cell is what there is
+    assert keep_good_entry(cells, "other", failed, bench_gpu._cell_ok) and cells["other"] is failed
+    # the loss gap keeps its sign: fp8 above bf16 is positive, below negative
+    assert bench_gpu._relative_gap(2.02, 2.0) == pytest.approx(0.01)
+    assert bench_gpu._relative_gap(1.98, 2.0) == pytest.approx(-0.01)
+
+
+def test_a_truncated_results_file_is_refused_not_replaced(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_cpu.json"
+    out.write_text('{"cells": {"tiny-eager": {"pla')
+    done = subprocess.run([sys.executable, str(SCRIPT), "--small", "--cells", "tiny-eager", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "cannot merge into" in done.stderr and "Traceback" not in done.stderr
+    assert out.read_text() == '{"cells": {"tiny-eager": {"pla'
+
+
 def test_bench_gpu_profile_diffs_the_two_loops_steps(tmp_path: Path) -> None:
-    out = tmp_path / "profile.json"
+    # --out is the timing results: the profile goes beside it (gpu_cpu_profile.json), merged by cell.
+    out, profile_out = tmp_path / "gpu_cpu.json", tmp_path / "gpu_cpu_profile.json"
+    timings = json.dumps({"cells": {"tiny-eager": {"plain": {"ms_per_step": 10.0}}}, "ablation": {"a": {}}})
+    out.write_text(timings)
+    profile_out.write_text(json.dumps({"cells": {"tiny-compiled": {"profiled_steps": 5}}}))
     args = ["--small", "--cells", "tiny-eager", "--measured-steps", "3", "--profile", "2", "--out", str(out)]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    cell = json.loads(out.read_text())["cells"]["tiny-eager"]
+    assert out.read_text() == timings
+    profiles = json.loads(profile_out.read_text())
+    assert profiles["cells"]["tiny-compiled"] == {"profiled_steps": 5}
+    cell = profiles["cells"]["tiny-eager"]
     assert cell["profiled_steps"] == 2
     per_step = cell["diff"]["per_step"]
     assert per_step["step_ms"]["plain"] > 0 and per_step["step_ms"]["gaudi3"] > 0
@@ -105,13 +163,18 @@ def test_one_ablation_pair_by_its_label(tmp_path: Path) -> None:
     )
 
 
-def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> None:
-    """The fp8 cells' 200-step check, on CPU: bf16 trains, fp8 is refused there, and both outcomes are recorded."""
+def _load() -> Any:
     spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
     assert spec and spec.loader
     bench_gpu = importlib.util.module_from_spec(spec)
     sys.modules["bench_gpu"] = bench_gpu  # dataclasses look their module up by name
     spec.loader.exec_module(bench_gpu)
+    return bench_gpu
+
+
+def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> None:
+    """The fp8 cells' 200-step check, on CPU: bf16 trains, fp8 is refused there, and both outcomes are recorded."""
+    bench_gpu = _load()
     tiny = bench_gpu.CPU_CELLS[0]
     cell = bench_gpu.Cell(**{**asdict(tiny), "name": "tiny-fp8", "precision": "fp8", "loss_steps": 8,
                              "fp8_recipe": "rowwise", "fp8_head": True, "fp8_skip_small_linears": True})  # fmt: skip
@@ -123,7 +186,7 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     } <= set(fp8_args)
     results: dict = {"cells": {}}
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
-    bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json")
+    assert bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json") == ["tiny-fp8 (loss check)"]
     check = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
     # The bf16 run gets no fp8 option (refused without train.precision fp8), so it trains.
     assert check["steps"] == 8 and 0 < check["bf16-mixed"] < 7 and check["tokens_per_s"]["bf16-mixed"] > 0
@@ -131,7 +194,7 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     assert any("fp8" in line and "compute capability" in line for line in check["failed"]["fp8"]), check
     assert check["mfu"]["bf16-mixed"] > 0 and check["peak_memory_bytes"]["fp8"] is None
     assert 0 < check["val_loss"]["bf16-mixed"] < 7 and check["val_loss"]["fp8"] is None
-    assert check["val_relative"] is None
+    assert check["val_relative"] is None and check["fp8_minus_bf16_relative"] is None
     # Each run keeps its directory and output, so a run a time limit stops still shows how far it got.
     runs = tmp_path / "loss_runs"
     bf16_run = runs / "tiny-fp8-bf16-mixed"
@@ -145,8 +208,13 @@ def test_the_fp8_loss_check_records_both_runs_and_a_refusal(tmp_path: Path) -> N
     assert "compute capability" in (runs / "tiny-fp8-fp8" / "train.log").read_text()
     # A second bench replaces them (gaudi3 train's --resume never would refuse an existing run); with two seeds each
     # precision runs twice, and the bf16 runs' spread is the noise band.
+    # A stored check whose runs all finished is not replaced by one whose fp8 run failed: kept, the attempt beside.
+    good = {"steps": 8, "bf16-mixed": 5.0, "fp8": 5.1, "relative": 0.02, "fp8_minus_bf16_relative": 0.02}
+    results["cells"]["tiny-fp8"]["loss_after_steps"] = dict(good)
     bench_gpu._loss_check([cell], env, results, tmp_path / "loss.json", seeds=2)
-    check = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
+    kept = json.loads((tmp_path / "loss.json").read_text())["cells"]["tiny-fp8"]["loss_after_steps"]
+    assert {k: kept[k] for k in good} == good
+    (check,) = kept["failed_attempts"]
     seeded = check["per_seed"]["train_loss"]["bf16-mixed"]
     assert check["seeds"] == 2 and len(seeded) == 2 and seeded[0] != seeded[1]  # --seed reached the runs
     assert check["bf16-mixed"] == pytest.approx(sum(seeded) / 2)

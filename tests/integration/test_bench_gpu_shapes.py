@@ -62,6 +62,29 @@ def test_shapes_measured_and_forecast_then_rescored(tmp_path: Path) -> None:
     assert bert["run"] == result["shapes"]["tiny-bert"]["run"] and bert["measured_in"] == "older.json"
     assert again["machine"] == result["machine"] and again["forecast_by"]["date"]
 
+    # Each row keeps what it was measured with: this run's machine, peak and invocation id.
+    for row in result["shapes"].values():
+        assert row["measured_with"]["machine"] == result["machine"]
+        assert row["measured_with"]["peak_flops"] == result["peak_flops"] and row["measured_with"]["run_id"]
+    # A shape skipped for the budget (or failed, or timed out) never replaces the stored row that ran.
+    done = _run("--small", "--shapes", "tiny-bert", "--budget-s", "10", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    kept = json.loads(out.read_text())["shapes"]["tiny-bert"]
+    assert kept["run"] == result["shapes"]["tiny-bert"]["run"]
+    assert kept["measured_with"] == result["shapes"]["tiny-bert"]["measured_with"]
+    assert [a["run"]["status"] for a in kept["failed_attempts"]] == ["skipped: budget spent"]
+    assert "kept the stored rows of tiny-bert" in done.stderr
+    # --rescore likewise: a later file's timed-out row does not replace an earlier file's row that ran.
+    newer = tmp_path / "newer.json"
+    timed_out = json.loads(older.read_text())
+    timed_out["shapes"]["tiny-bert"]["run"] = {"status": "timeout", "timeout_s": 1}
+    newer.write_text(json.dumps(timed_out))
+    done = _run("--rescore", str(older), str(newer), "--out", str(merged))
+    assert done.returncode == 0, done.stdout + done.stderr
+    bert = json.loads(merged.read_text())["shapes"]["tiny-bert"]
+    assert bert["run"]["status"] == "ok" and bert["measured_in"] == "older.json"
+    assert bert["failed_attempts"][0]["run"]["status"] == "timeout"
+
 
 def test_budget_and_run_timeout_leave_what_finished(tmp_path: Path) -> None:
     out = tmp_path / "shapes.json"
@@ -85,6 +108,36 @@ def test_bad_input_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "is not a bench_gpu_shapes result file" in done.stderr
     assert "--rescore needs --out" in _run("--rescore", str(not_ours)).stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_truncated_results_file_is_refused_not_replaced(tmp_path: Path) -> None:
+    """A file cut short by a kill mid-write (before writes were atomic) is one line and exit 2, and stays as it was."""
+    out = tmp_path / "shapes.json"
+    out.write_text('{"shapes": {"tiny-bert": {"run": {"sta')
+    done = _run("--small", "--shapes", "tiny-bert", "--out", str(out))
+    assert done.returncode == 2 and "cannot merge into" in done.stderr and "Traceback" not in done.stderr
+    assert out.read_text() == '{"shapes": {"tiny-bert": {"run": {"sta'
+
+
+def test_fp8_pairs_are_side_by_side_only_within_one_run() -> None:
+    """An fp8/bf16 ratio of rows from two invocations (another lease, a cold machine) is marked as such."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_gpu_shapes import fp8_pairs, verdict
+
+    def row(name: str, precision: str, tokens_per_s: float, run_id: str | None) -> dict:
+        cell = {"name": name, "model": "llama3.2-1b", "micro_batch_size": 8, "context_length": 2048,
+                "activation_checkpointing": False, "compile": True, "precision": precision}  # fmt: skip
+        run = {"status": "ok", "tokens_per_s": tokens_per_s, "peak_memory_bytes": 1}
+        return {"cell": cell, "run": run, **({"measured_with": {"run_id": run_id}} if run_id else {})}
+
+    same = fp8_pairs({"b": row("b", "bf16-mixed", 100.0, "r1"), "f": row("f", "fp8", 120.0, "r1")})
+    assert same["f"]["side_by_side"] is True and same["f"]["fp8_over_bf16_tokens_per_s"] == pytest.approx(1.2)
+    apart = fp8_pairs({"b": row("b", "bf16-mixed", 100.0, "r1"), "f": row("f", "fp8", 120.0, "r2")})
+    assert apart["f"]["side_by_side"] is False
+    unknown = fp8_pairs({"b": row("b", "bf16-mixed", 100.0, None), "f": row("f", "fp8", 120.0, None)})
+    assert unknown["f"]["side_by_side"] is False  # rows stored before run ids were recorded
+    assert "not side by side" in verdict({"shapes": {}, "fp8": apart})
+    assert "not side by side" not in verdict({"shapes": {}, "fp8": same})
 
 
 def test_moe_mfu_counts_active_parameters() -> None:

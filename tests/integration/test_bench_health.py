@@ -18,6 +18,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_health.py"
 
 def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
     out = tmp_path / "health.json"
+    # A stored run with a 2-rank cell: this run measures 1 rank only, so that cell stays, with its machine.
+    old_machine = {"cpu": "older CPU", "date": "2026-11-29T03:59:16+00:00"}
+    old_two = {"ranks": 2, "steps": 300, "pairs": [], "median_ratio": 1.004, "overhead_percent": 0.4}
+    old_one = {**old_two, "ranks": 1}
+    out.write_text(json.dumps({"machine": old_machine, "cells": [old_one, old_two], "interleaved": []}))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--steps", "40", "--pairs", "1", "--ranks", "1", "--interleaved-steps", "60",
          "--interleaved-ranks", "1", "2", "--out", str(out)],
@@ -25,7 +30,8 @@ def test_one_pair_is_measured_and_recorded(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    (cell,) = result["cells"]
+    cell, kept = result["cells"]
+    assert kept == {**old_two, "machine": old_machine} and cell["machine"] == result["machine"]
     (pair,) = cell["pairs"]
     assert cell["ranks"] == 1 and pair["on_step_time_s"] > 0 and pair["off_step_time_s"] > 0
     assert pair["ratio"] == pytest.approx(pair["on_step_time_s"] / pair["off_step_time_s"])
@@ -50,10 +56,13 @@ def test_the_rollback_plot_shows_a_real_spike_and_its_rollback(tmp_path: Path) -
     """A short pair: the spike of data step 27 rolls back to the checkpoint of step 25 and skips batches 25-29."""
     import matplotlib.image
 
-    out, png = tmp_path / "rollback.json", tmp_path / "img" / "rollback.png"
+    # Without --png the plot goes beside --out: a trial run never replaces the image the docs show.
+    out, png = tmp_path / "rollback.json", tmp_path / "rollback.png"
+    docs_image = ROLLBACK_PLOT.parents[1] / "docs" / "img" / "health_rollback.png"
+    docs_before = docs_image.stat().st_mtime_ns
     done = subprocess.run(
         [sys.executable, str(ROLLBACK_PLOT), "--steps", "40", "--spike-step", "27", "--checkpoint-every", "5",
-         "--skip-batches", "5", "--out", str(out), "--png", str(png)],
+         "--skip-batches", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -72,3 +81,4 @@ def test_the_rollback_plot_shows_a_real_spike_and_its_rollback(tmp_path: Path) -
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (1320, 594)  # 12 × 5.4 in at 110 dpi
     assert "rolled back 27 → 25, batches 25–29 skipped; runs bitwise equal up to step 25" in done.stdout
+    assert docs_image.stat().st_mtime_ns == docs_before

@@ -7,8 +7,10 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,30 @@ def test_small_dry_run_measures_every_cell_and_writes_a_verdict(tmp_path: Path) 
     assert "dynamic/off x" in report["verdict"] and "3 cells ran, 0 skipped, 0 errors" in report["verdict"]
     assert f"verdict: {report['verdict']}" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "kv.partial.json").exists()  # a finished run replaced --out with its partial file
 
     bad = _run("--model", "llama-tiny,nope", "--out", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "--model: unknown nope; valid: gpt12-ctx512, llama3.2-1b" in bad.stderr
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_an_interrupted_run_leaves_the_stored_results_as_they_were(tmp_path: Path) -> None:
+    """`timeout` stops the bench (SIGTERM) after its first cell: --out keeps the stored run, the cells that finished
+    are in the partial file beside it."""
+    out = tmp_path / "kv.json"
+    stored = json.dumps({"cells": [{"model": "gpt12-ctx512", "kv_cache": "off"}], "verdict": "stored"})
+    out.write_text(stored)
+    partial = tmp_path / "kv.partial.json"
+    bench = subprocess.Popen([sys.executable, str(SCRIPT), "--small", "--device", "cpu", "--model", "llama-tiny",
+                              "--clients", "2", "--out", str(out)], env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not partial.exists() and bench.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) in (0, 128 + signal.SIGTERM)
+    assert out.read_text() == stored
+    assert json.loads(partial.read_text())["benchmark"] == "serve_kv_cpu"
 
 
 def _load_module() -> Any:

@@ -73,3 +73,17 @@ def test_a_spent_budget_leaves_the_estimate_and_the_phase_it_stopped(tmp_path: P
     assert {c["precision"] for c in result["phases"]["estimate"]["candidates"]} == {"bf16-true"}
     assert result["phases"]["write"]["status"] == "timeout" and "train" not in result["phases"]
     assert result["verdict"] == "llama-tiny fsdp 1 rank, bf16-true, offload none, act.ckpt off: write timeout"
+
+
+def test_a_run_cut_short_never_replaces_a_complete_result(tmp_path: Path) -> None:
+    """A 1 s budget stops the run in its write phase: the stored complete result stays, the partial one beside it."""
+    out = tmp_path / "llama8b.json"
+    ok = {"status": "ok"}
+    stored = json.dumps({"phases": {"estimate": {"chosen": {"precision": "bf16-true"}}, "write": ok, "train": ok,
+                                    "export": ok}, "verdict": "stored"})  # fmt: skip
+    out.write_text(stored)
+    done = _run("--small", "--budget-s", "1", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out.read_text() == stored
+    partial = json.loads((tmp_path / "llama8b.partial.json").read_text())
+    assert partial["phases"]["write"]["status"] != "ok" and f"kept {out}" in done.stderr

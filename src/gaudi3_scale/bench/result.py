@@ -21,7 +21,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,9 +38,12 @@ __all__ = [
     "cell_result_path",
     "cell_section",
     "failed_result",
+    "keep_good_entry",
+    "load_stored_results",
     "measure_h2d_gbps",
     "print_result",
     "result_from_metrics",
+    "write_json_atomic",
     "write_result",
 ]
 
@@ -218,3 +221,45 @@ def print_result(result: dict[str, Any], stream: TextIO | None = None) -> None:
         else:
             out.write(line + "\n")
     out.flush()
+
+
+# The benchmark scripts' results files (benchmarks/results/*.json), merged by cell or shape over several runs.
+
+
+def write_json_atomic(path: Path, data: Any, *, indent: int = 2) -> None:
+    """`data` as JSON, written atomically (temp file + rename): a run killed mid-write (SIGKILL at a time limit)
+    leaves the previous file whole, never a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(data, indent=indent, default=str) + "\n")
+
+
+def load_stored_results(path: Path, empty: dict[str, Any]) -> dict[str, Any]:
+    """The results stored at `path` to merge a run into, or `empty` when there is no file. A file that is not a
+    JSON object raises ValueError naming it: it is never silently replaced (fix or move it by hand)."""
+    if not path.is_file():
+        return empty
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"cannot merge into {path}: not readable JSON ({err}); move it away or pick another --out"
+        ) from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"cannot merge into {path}: not a JSON object; move it away or pick another --out")
+    return stored
+
+
+def keep_good_entry(
+    table: dict[str, Any], name: str, new: dict[str, Any], ok: Callable[[dict[str, Any]], bool]
+) -> bool:
+    """Store `new` as `table[name]`, unless it did not run well (`ok` false) and the stored entry did: then the
+    stored measurement stays and `new` is appended to its `failed_attempts` (said on stderr). Returns whether
+    `new` was stored."""
+    old = table.get(name)
+    if ok(new) or not (isinstance(old, dict) and ok(old)):
+        table[name] = new
+        return True
+    old.setdefault("failed_attempts", []).append(new)
+    print(f"{name}: this run did not finish well; kept the stored result, this attempt is under failed_attempts",
+          file=sys.stderr)  # fmt: skip
+    return False
