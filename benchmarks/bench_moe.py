@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench_args import positive_int
+from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.models import ModelConfig, build_model, count_parameters, flops_per_token, get_model_config
 from gaudi3_scale.models.common.moe import moe_layers, router_losses
 from gaudi3_scale.monitor.environment import environment_info
@@ -63,21 +65,25 @@ def _step_fn(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-ffn", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--dim", type=positive_int, default=256)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--experts", type=positive_int, default=8)
+    parser.add_argument("--top-k", type=positive_int, default=2)
+    parser.add_argument("--expert-ffn", type=positive_int, default=512)
+    parser.add_argument("--vocab", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--repeats", type=int, default=6, help="blocks per model, alternating")
+    parser.add_argument("--steps", type=positive_int, default=5, help="steps per timed block")
+    parser.add_argument("--repeats", type=positive_int, default=6, help="blocks per model, alternating")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
+    if args.heads < 2:  # the model has heads // 2 key/value heads
+        parser.error(f"argument --heads: must be at least 2, got {args.heads}")
+    if args.warmup < 0:
+        parser.error(f"argument --warmup: must be at least 0, got {args.warmup}")
 
     torch.set_num_threads(args.threads)
     configs = _configs(args)
@@ -127,7 +133,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_text_atomic(args.out, text + "\n")
 
 
 if __name__ == "__main__":

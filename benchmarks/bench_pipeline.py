@@ -43,6 +43,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench_args import positive_int
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 MODEL = dict(
     dim=256, num_layers=8, num_heads=8, num_kv_heads=4, ffn_dim=768, context_length=256, vocab_size=65
@@ -50,6 +52,14 @@ MODEL = dict(
 _TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 RESULT = Path(__file__).parent / "results" / "pipeline_cpu.json"
 _AFTER = ("perform_reduce_grad", "scale_grads")  # a stage's gradient work after its last backward
+
+
+def _micro_batches(text: str) -> int:
+    """`--micro-batches`: even, as FSDP 2 splits the same global batch over its 2 data-parallel ranks."""
+    value = positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even (FSDP 2 splits them over 2 ranks), got {value}")
+    return value
 
 
 def _model() -> Any:
@@ -168,7 +178,8 @@ def worker(mode: str, micro: int, micro_batches: int, warmup: int, steps: int, o
     result = {"rank": rank, "steps": records, "rss_before_bytes": rss_before, "peak_rss_bytes": peak,
               "estimate_activations_bytes": estimate.activations_bytes,
               "estimate_total_bytes": estimate.total_bytes,
-              "tokens_per_step": micro * micro_batches * model_cfg.context_length}  # fmt: skip
+              # what ran: per_rank micro-batches on each data-parallel rank (one pipeline under PP)
+              "tokens_per_step": micro * per_rank * plan.data_parallel_size * model_cfg.context_length}  # fmt: skip
     if built.pipeline is not None:  # the order torch's schedule ran each rank's actions in
         order = built.pipeline._schedule(True).pipeline_order
         result["pipeline_order"] = {
@@ -282,14 +293,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="2 measured steps, m = 4 (checks that it works)")
-    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
+    parser.add_argument("--micro", type=positive_int, default=4, help="sequences per micro-batch")
+    # even: FSDP 2 splits the same global batch over its 2 data-parallel ranks
+    parser.add_argument("--micro-batches", type=_micro_batches, default=8, help="micro-batches per step (m)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup < 0:
+        parser.error(f"argument --warmup: must be at least 0, got {args.warmup}")
     if args.worker:
         worker(args.worker, args.micro, args.micro_batches, args.warmup, args.steps, args.worker_out)
         return
@@ -299,6 +313,7 @@ def main() -> None:
             args.out = RESULT.with_name("pipeline_cpu_quick.json")
     from rich.progress import track
 
+    from gaudi3_scale.config.atomic import write_text_atomic
     from gaudi3_scale.monitor.environment import environment_info
 
     cells: dict[str, dict[str, Any]] = {}
@@ -345,7 +360,7 @@ def main() -> None:
               f"{cell['per_rank'][0]['peak_rss_above_start_bytes'] / 2**20:9.1f}Mi")  # fmt: skip
     print("goals:", json.dumps(report["goals"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
     _plot(cells, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -4,8 +4,14 @@
 activities) and calls `compare` on the two traces. What a step is made of, per recorded step:
 
 - `step_ms`: the mean `ProfilerStep#k` span (from one `profiler.step()` to the next: the whole step, data included);
-- `device_busy_ms` / `device_idle_ms`: the union of device kernel and memcpy intervals inside those spans, and the
-  rest of the span: time the accelerator waited for the host (launch overhead, a host sync, Python between steps);
+- `device_busy_ms` / `device_idle_ms`: on the device's own timeline, the union of the kernel and memcpy intervals
+  each step launched, and the rest of the step's device window: time the accelerator waited for the host (launch
+  overhead, a host sync, Python between steps). A device event belongs to the step whose host span contains its
+  launch call (the `correlation` id or flow arrow, below), not to the span its own start falls in: on CUDA the host
+  runs ahead of the device, so a step's kernels often run after its host span ended, and attributing them by start
+  time would drop the last step's work and charge each step's to the next. A step's device window runs from the
+  end of the earlier steps' device work to the later of its host span's end and the end of its own work, so these
+  two add up to the device time per step, which can differ from `step_ms` (the host's);
 - `host_syncs_per_step`: CUDA runtime/driver calls that block the host until the device is done (synchronize,
   blocking memcpy);
 - `kernels`: per device-kernel name, launches and µs per step; `ops`: per CPU operator name, calls per step.
@@ -17,7 +23,7 @@ around it when the trace has stacks (`idle_by_op`). The kernel → launch link i
 by a kernel and its `cuda_runtime` / `cuda_driver` launch call, else the "ac2g" flow arrow between them; a kernel
 with neither is `(no linked launch)`, a gap after the trace's last kernel `(no later kernel)`. A gap that a blocking host sync overlaps is also charged to that sync (`idle_after_sync_us`):
 the sync drained the device and the host had nothing queued behind it, the classic bubble. `largest_gaps` lists the
-longest gaps with their start relative to their step.
+longest gaps with their start relative to their step's device window.
 
 On a CPU trace there are no kernels: the device figures are None or empty, and the operator counts are what tell
 the loops apart (an op one side runs and the other does not). The diff lists the largest per-step differences first.
@@ -177,42 +183,90 @@ def _idle_summary(gaps: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
+def _step_of(spans: list[tuple[str, Interval]], ts: float) -> int | None:
+    """The index of the span (sorted, disjoint) that contains `ts`, else None."""
+    i = bisect.bisect_right([start for _, (start, _) in spans], ts) - 1
+    return i if i >= 0 and ts < spans[i][1][1] else None
+
+
+def _device_steps(
+    events: list[dict[str, Any]], complete: list[dict[str, Any]], spans: list[tuple[str, Interval]]
+) -> tuple[list[list[dict[str, Any]]], list[Interval]]:
+    """Per step: the device events it launched, and the step's window on the device's own timeline.
+
+    A device event belongs to the step whose host span contains its launch call (linked by correlation id or flow
+    arrow), not to the span its own start falls in: on CUDA the host runs ahead, so a step's kernels often run
+    after its host span ended. An event with no linked launch falls back to its own start. Step k's device window
+    runs from the end of the earlier steps' device work (the first step's: of the work launched before the
+    window) to the later of its host span's end and the end of its own device work, so the windows tile the
+    device's timeline and idle time is what the device really waited, not an artefact of host lead."""
+    device = [e for e in complete if e.get("cat") in _DEVICE_CATEGORIES]
+    launched = [
+        site[1] if site else float(e["ts"])
+        for e, site in zip(device, _launch_sites(events, device), strict=True)
+    ]
+    per_step: list[list[dict[str, Any]]] = [[] for _ in spans]
+    before = spans[0][1][0]  # device work launched before the first step ends here at the latest
+    for e, ts in zip(device, launched, strict=True):
+        step = _step_of(spans, ts)
+        if step is not None:
+            per_step[step].append(e)
+        elif ts < spans[0][1][0]:
+            before = max(before, float(e["ts"]) + float(e["dur"]))
+    windows: list[Interval] = []
+    start = before
+    for (_, (_, host_stop)), events_of_step in zip(spans, per_step, strict=True):
+        stop = max([host_stop, start, *(float(e["ts"]) + float(e["dur"]) for e in events_of_step)])
+        windows.append((start, stop))
+        start = stop
+    return per_step, windows
+
+
 def aggregate(trace_path: Path) -> dict[str, Any]:
     """Per-step figures of one Chrome trace written by torch.profiler (see the module docstring)."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    spans = [(str(e["name"]), (float(e["ts"]), float(e["ts"]) + float(e["dur"]))) for e in complete
-             if str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    spans = sorted(
+        ((str(e["name"]), (float(e["ts"]), float(e["ts"]) + float(e["dur"]))) for e in complete
+         if str(e.get("name", "")).startswith("ProfilerStep#")),
+        key=lambda span: span[1],
+    )  # fmt: skip
     if not spans:
         raise ValueError(f"{trace_path}: no ProfilerStep# spans: was the profiler stepped once per step?")
     steps = len(spans)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     ops: dict[str, float] = defaultdict(float)
-    device: list[Interval] = []
     syncs = 0
-    for e in complete:
-        ts, name, cat = float(e["ts"]), str(e.get("name", "")), e.get("cat")
-        if not any(start <= ts < stop for _, (start, stop) in spans):
+    for e in complete:  # host events: by their own start
+        name, cat = str(e.get("name", "")), e.get("cat")
+        if _step_of(spans, float(e["ts"])) is None:
             continue
-        if cat in _DEVICE_CATEGORIES:
-            device.append((ts, ts + float(e["dur"])))
-            kernels[name][0] += 1
-            kernels[name][1] += float(e["dur"])
-        elif cat == "cpu_op":
+        if cat == "cpu_op":
             ops[name] += 1
         elif cat in _HOST_API_CATEGORIES and name in _SYNC_CALLS:
             syncs += 1
-    # Device work clipped to each step: a kernel running past its step's end counts only inside it.
-    busy = [(name, (s, t), _merged([(max(a, s), min(b, t)) for a, b in device if a < t and b > s]))
-            for name, (s, t) in spans]  # fmt: skip
+    per_step, windows = _device_steps(events, complete, spans)
+    busy = []
+    for (name, _), window, device_events in zip(spans, windows, per_step, strict=True):
+        for e in device_events:
+            kernels[str(e.get("name", ""))][0] += 1
+            kernels[str(e.get("name", ""))][1] += float(e["dur"])
+        # Clipped to the window only where two steps' work overlaps on the device (several streams).
+        intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device_events]
+        clipped = [
+            (max(a, window[0]), min(b, window[1])) for a, b in intervals if b > window[0] and a < window[1]
+        ]
+        busy.append((name, window, _merged(clipped)))
+    device = any(per_step)
     step_us = sum(t - s for _, (s, t) in spans) / steps
+    window_us = sum(t - s for s, t in windows) / steps
     busy_us = sum(b - a for _, _, intervals in busy for a, b in intervals) / steps
     idle = _idle_summary(_idle_gaps(events, complete, busy), steps) if device else {}
     return {
         "steps": steps,
         "step_ms": step_us / 1e3,
         "device_busy_ms": busy_us / 1e3 if device else None,
-        "device_idle_ms": (step_us - busy_us) / 1e3 if device else None,
+        "device_idle_ms": (window_us - busy_us) / 1e3 if device else None,
         "host_syncs_per_step": syncs / steps,
         "gaps_over_100us_per_step": idle.get("gaps_over_100us_per_step"),
         "kernels": {k: {"launches": n / steps, "us": us / steps} for k, (n, us) in kernels.items()},
@@ -281,9 +335,11 @@ def _format_idle(diff: dict[str, Any], rows: int) -> list[str]:
 
 def format_diff(name: str, diff: dict[str, Any], *, rows: int = 12, idle_rows: int = 5) -> str:
     lines = [f"== {name}: per step, plain vs gaudi3"]
-    for key, both in diff["per_step"].items():
-        if both["plain"] is not None:
-            lines.append(f"  {key:24s} {both['plain']:10.3f} {both['gaudi3']:10.3f}")
+    for key, both in diff["per_step"].items():  # None: that side's trace has no device work ("–")
+        if both["plain"] is not None or both["gaudi3"] is not None:
+            plain, ours = (f"{both[side]:10.3f}" if both[side] is not None else f"{'–':>10s}"
+                           for side in ("plain", "gaudi3"))  # fmt: skip
+            lines.append(f"  {key:24s} {plain} {ours}")
     for title, key in (("device kernel µs", "kernel_us"), ("CPU op calls", "op_calls")):
         if diff[key]:
             lines.append(f"  {title} (gaudi3 − plain), largest first:")

@@ -73,7 +73,8 @@ def _flow(phase: str, flow_id: int, ts: float, thread: tuple[int, int]) -> dict[
 
 def test_device_busy_idle_and_host_syncs_come_from_kernel_intervals_inside_the_steps(tmp_path: Path) -> None:
     # Two 10 ms steps as a CUDA trace would record them: overlapping kernels count once, a kernel running past the
-    # step's end counts only inside it, and kernels outside every step (profiler warm-up) do not count.
+    # step's end counts whole in its step (whose device window ends with it), and kernels outside every step
+    # (profiler warm-up) do not count. No launch links here: each device event belongs to the span it starts in.
     events = [
         _event("ProfilerStep#5", "user_annotation", 0, 10_000),
         _event("ProfilerStep#6", "user_annotation", 10_000, 10_000),
@@ -90,8 +91,9 @@ def test_device_busy_idle_and_host_syncs_come_from_kernel_intervals_inside_the_s
     path.write_text(json.dumps({"traceEvents": events}))
     agg = trace_diff.aggregate(path)
     assert agg["steps"] == 2 and agg["step_ms"] == pytest.approx(10.0)
-    assert agg["device_busy_ms"] == pytest.approx((6_000 + 1_000 + 2_000) / 2 / 1e3)
-    assert agg["device_idle_ms"] == pytest.approx(10.0 - 4.5)
+    assert agg["device_busy_ms"] == pytest.approx((6_000 + 1_000 + 4_000) / 2 / 1e3)
+    # device windows [0, 10000) and [10000, 22000): 22 ms over 2 steps, 11 ms of it busy
+    assert agg["device_idle_ms"] == pytest.approx((22.0 - 11.0) / 2)
     assert agg["host_syncs_per_step"] == pytest.approx(0.5)
     assert agg["kernels"]["gemm"] == {"launches": 1.5, "us": 6_000.0}
     assert agg["ops"] == {"aten::mm": 0.5}
@@ -200,3 +202,65 @@ def test_idle_gaps_are_charged_to_the_op_launching_the_next_kernel_and_to_the_sy
         "4140.0 µs at +3060.0 µs into ProfilerStep#1, ended by aten::zero_, after cudaStreamSynchronize"
         in text
     )
+
+
+def _stepped_trace(path: Path, *, step_us: float, lag_us: float) -> Path:
+    """Three steps of one 900 µs gemm each, launched 15 µs into its host step and starting `lag_us` later, plus
+    the gemm of the step before the window (launched before it, still running when it starts, as on CUDA).
+
+    lag 50 with 1000 µs steps: a loop that waits for the device every step; lag 1000 with 950 µs steps: a loop
+    whose host runs a step ahead, so each gemm starts after its own host step ended."""
+    events = [_event("cudaLaunchKernel", "cuda_runtime", 15 - step_us, 5, correlation=100),
+              _event("gemm", "kernel", 15 - step_us + lag_us, 900, correlation=100)]  # fmt: skip
+    for k in range(3):
+        start = k * step_us
+        events += [
+            _event(f"ProfilerStep#{k + 5}", "user_annotation", start, step_us),
+            _event("aten::mm", "cpu_op", start + 10, 20),
+            _event("cudaLaunchKernel", "cuda_runtime", start + 15, 5, correlation=k),
+            _event("gemm", "kernel", start + 15 + lag_us, 900, correlation=k),
+        ]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_a_kernel_counts_in_the_step_that_launched_it_even_when_it_runs_after_that_step(
+    tmp_path: Path,
+) -> None:
+    synced = trace_diff.aggregate(_stepped_trace(tmp_path / "synced.json", step_us=1_000, lag_us=50))
+    ahead = trace_diff.aggregate(_stepped_trace(tmp_path / "ahead.json", step_us=950, lag_us=1_000))
+    # The same device work per step on both sides: every step's gemm, none dropped or charged to the next step.
+    assert synced["kernels"] == ahead["kernels"] == {"gemm": {"launches": 1.0, "us": 900.0}}
+    assert synced["device_busy_ms"] == ahead["device_busy_ms"] == pytest.approx(0.9)
+    # Synced: the device waits 65 µs for each launch and 35 µs at each step's end. Ahead: the device runs its
+    # gemms 50 µs apart (launch lag behind the previous one): the loop that pipelines idles less, not more.
+    assert synced["device_idle_ms"] == pytest.approx(0.1)
+    assert ahead["device_idle_ms"] == pytest.approx(0.05)
+    assert max(g["us"] for g in ahead["largest_gaps"]) == pytest.approx(50.0)
+    diff = trace_diff.compare(synced, ahead)
+    assert diff["kernel_us"] == []  # no kernel-time difference to report: there is none
+
+
+def _one_step_trace(path: Path, *, with_kernel: bool) -> Path:
+    events = [_event("ProfilerStep#3", "user_annotation", 0, 1_000), _event("aten::mm", "cpu_op", 10, 20)]
+    if with_kernel:  # the other side: no device activity (CUPTI not attached, or profiled without "cuda")
+        events.append(_event("gemm", "kernel", 40, 500))
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+@pytest.mark.parametrize("device_side", ["plain", "gaudi3"])
+def test_a_diff_where_only_one_side_has_device_work_prints_a_dash_for_the_other(
+    tmp_path: Path, device_side: str
+) -> None:
+    with_device = trace_diff.aggregate(_one_step_trace(tmp_path / "device.json", with_kernel=True))
+    without = trace_diff.aggregate(_one_step_trace(tmp_path / "host.json", with_kernel=False))
+    plain, ours = (with_device, without) if device_side == "plain" else (without, with_device)
+    text = trace_diff.format_diff("cell", trace_diff.compare(plain, ours))
+    busy = next(line.split() for line in text.splitlines() if "device_busy_ms" in line)
+    assert (
+        busy == ["device_busy_ms", "0.500", "–"]
+        if device_side == "plain"
+        else ["device_busy_ms", "–", "0.500"]
+    )
+    assert "-500.00  gemm" in text if device_side == "plain" else "+500.00  gemm" in text

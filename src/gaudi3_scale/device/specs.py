@@ -18,6 +18,8 @@ __all__ = ["ACCELERATORS", "AcceleratorSpec", "accelerator_named", "find_acceler
 class AcceleratorSpec:
     name: str
     match: tuple[str, ...]  # lower-case substrings of the device name reported by the runtime
+    # whole lower-case device names, where a substring would also name other parts ("h200" ⊂ "h200 nvl", "gh200")
+    match_exact: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # short names users type: "h100", "a100"
     bf16_dense_tflops: float
     fp8_dense_tflops: float | None
@@ -41,6 +43,7 @@ def _load() -> dict[str, AcceleratorSpec]:
         specs[entry["name"]] = AcceleratorSpec(
             name=entry["name"],
             match=tuple(entry["match"]),
+            match_exact=tuple(entry.get("match_exact", ())),
             aliases=tuple(entry.get("aliases", ())),
             bf16_dense_tflops=float(entry["bf16_dense_tflops"]),
             fp8_dense_tflops=None if entry["fp8_dense_tflops"] is None else float(entry["fp8_dense_tflops"]),
@@ -56,10 +59,11 @@ ACCELERATORS: dict[str, AcceleratorSpec] = _load()
 
 
 def find_accelerator(device_name: str) -> AcceleratorSpec | None:
-    """The spec whose match strings occur in `device_name`, or None when we have no sourced number for it."""
-    lowered = device_name.lower()
+    """The spec whose match strings occur in `device_name` (or whose exact names equal it), or None when we have no
+    sourced number for it."""
+    lowered = device_name.strip().lower()
     for spec in ACCELERATORS.values():
-        if any(m in lowered for m in spec.match):
+        if lowered in spec.match_exact or any(m in lowered for m in spec.match):
             return spec
     return None
 
