@@ -92,5 +92,5 @@ def serve(
         server.server_close()
         raise
     served = app.served
-    click.echo(f"serving {served.name} ({served.num_parameters:,} parameters) on {server_url(host, server)}")
-    serve_until_signal(server, app, click.echo)
+    ready_line = f"serving {served.name} ({served.num_parameters:,} parameters) on {server_url(host, server)}"
+    serve_until_signal(server, app, click.echo, ready_line=ready_line)

@@ -16,13 +16,14 @@ raises fail.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import queue
 import secrets
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,7 +36,11 @@ from gaudi3_scale.serve.decoding import KvCacheMode, build_decoder
 from gaudi3_scale.serve.protocol import CompletionRequest
 from gaudi3_scale.serve.text import TextStream
 
-__all__ = ["Completion", "Delta", "Engine", "EngineClosed", "QueueFull"]
+__all__ = ["CLIENT_POLL_S", "Completion", "Delta", "Engine", "EngineClosed", "QueueFull"]
+
+# How often a waiting handler checks that its client is still connected: a gone client's request leaves the queue
+# or the batch this soon (a select() per waiting request, microseconds).
+CLIENT_POLL_S = 0.1
 
 
 class QueueFull(Exception):
@@ -69,18 +74,32 @@ class Completion:
         self._queue.put(delta)
 
     def cancel(self) -> None:
-        """The client went away: the engine drops this request at its next step."""
+        """The client went away: a queued request gives up its place now, an active one leaves the batch at the
+        engine's next step."""
         self.cancelled.set()
+        self._engine.withdraw(self)
 
-    def deltas(self) -> Iterator[Delta]:
+    def deltas(self, client_gone: Callable[[], bool] | None = None) -> Iterator[Delta]:
+        """The completion's deltas through the last one. With `client_gone`, it is asked every `CLIENT_POLL_S`
+        while the request waits or decodes; once it says True the completion is cancelled and the deltas end
+        early (`cancelled` is then set): nobody is left to answer."""
+        next_poll_s = time.monotonic() + CLIENT_POLL_S
         while True:
+            if client_gone is not None and time.monotonic() >= next_poll_s:
+                next_poll_s = time.monotonic() + CLIENT_POLL_S
+                if client_gone():
+                    self.cancel()
+                    return
             try:
-                delta = self._queue.get(timeout=1.0)
+                delta = self._queue.get(timeout=CLIENT_POLL_S)
             except queue.Empty:
-                if not self._engine.is_alive():  # never wait forever on a loop that is gone
+                if self._engine.is_alive():
+                    continue
+                try:  # the loop has ended: its last delta may have come just after the wait
+                    delta = self._queue.get_nowait()
+                except queue.Empty:  # never wait forever on a loop that is gone
                     yield Delta("", "error", error="the decode loop stopped")
                     return
-                continue
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -164,6 +183,13 @@ class Engine:
             self._wakeup.notify()
         return completion
 
+    def withdraw(self, completion: Completion) -> None:
+        """A cancelled request leaves the queue now, so its place goes to a live client (one in the batch leaves
+        it at the next step)."""
+        # ValueError: it is already in the batch, finished, or gone at shutdown
+        with self._wakeup, contextlib.suppress(ValueError):
+            self._pending.remove(completion)
+
     def stats(self) -> EngineStats:
         with self._wakeup:
             return replace(self._stats, active_requests=len(self._active), queued_requests=len(self._pending))
@@ -176,12 +202,16 @@ class Engine:
         """End a `close` now: whatever is still in flight is cancelled."""
         self._hurry.set()
 
-    def close(self, grace_s: float) -> int:
-        """Take no new requests; finish the ones in flight (queued included) for up to `grace_s`, then cancel the
-        rest. Returns how many were cancelled."""
+    def stop_accepting(self) -> None:
+        """Refuse new requests (`submit` raises EngineClosed); the ones held go on."""
         with self._wakeup:
             self._accepting = False
             self._wakeup.notify()
+
+    def close(self, grace_s: float) -> int:
+        """Take no new requests; finish the ones in flight (queued included) for up to `grace_s`, then cancel the
+        rest. Returns how many were cancelled."""
+        self.stop_accepting()
         deadline = time.monotonic() + grace_s
         while self.is_alive() and time.monotonic() < deadline and not self._hurry.wait(0.02):
             with self._wakeup:

@@ -1,9 +1,12 @@
 """Start and stop `gaudi3 serve`: bind, load, serve until SIGTERM / SIGINT, then drain.
 
-Shutdown, in this order: stop accepting connections; let the engine finish what it holds (queued requests too)
-for up to `DRAIN_GRACE_S`, then cancel the rest (those clients get an error, not a cut-off text); wait for every
-handler to finish writing. A second signal cancels at once. Kubernetes waits 30 s after SIGTERM by default
-(terminationGracePeriodSeconds), hence 25 s.
+Shutdown, in this order: stop accepting connections and requests, answering the connections already in the listen
+backlog (503 `shutting_down`; on Linux new ones are kept out of it meanwhile: refused, not reset); let the engine
+finish what it holds (queued requests too) for up to `DRAIN_GRACE_S`, then cancel the rest (those clients get an
+error, not a cut-off text); wait for every handler to finish writing, until the same grace ends (plus
+`ANSWER_GRACE_S`); then end the connections still open (a client still trickling its request), so no client can
+hold the process. A second signal cancels at once and ends the connections `ANSWER_GRACE_S` later. Kubernetes
+waits 30 s after SIGTERM by default (terminationGracePeriodSeconds), hence 25 s.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from gaudi3_scale.serve.server import CLIENT_TIMEOUT_S, LISTEN_BACKLOG_MIN, Comp
 __all__ = ["DRAIN_GRACE_S", "bind_server", "build_app", "serve_until_signal", "server_url"]
 
 DRAIN_GRACE_S = 25.0
+# After the drain (or a second signal), handlers whose requests were just cancelled write their 503 or error event
+# (milliseconds); only what is still open after this is ended.
+ANSWER_GRACE_S = 1.0
 
 
 def bind_server(
@@ -73,8 +79,12 @@ def build_app(
     )
 
 
-def serve_until_signal(server: CompletionServer, app: ServeApp, echo: Callable[[str], None]) -> None:
+def serve_until_signal(
+    server: CompletionServer, app: ServeApp, echo: Callable[[str], None], *, ready_line: str
+) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring); returns once everything is closed.
+    `ready_line` is echoed once the signals are handled: a SIGTERM sent right after it drains (before, it would
+    kill the process and reset the connections in the backlog).
 
     The decode loop runs in this (the main) thread and HTTP in a second one: the model was loaded here, and on CPU
     PyTorch's OpenMP pool belongs to the thread that made it; decoding from another thread measured 3-4x slower
@@ -85,19 +95,22 @@ def serve_until_signal(server: CompletionServer, app: ServeApp, echo: Callable[[
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="gaudi3-serve-http"
     )
     cancelled: list[int] = []
+    hurry = threading.Event()
     stopper = threading.Thread(
-        target=lambda: cancelled.append(_shut_down(server, app)), name="gaudi3-serve-stop"
+        target=lambda: cancelled.append(_shut_down(server, app, hurry)), name="gaudi3-serve-stop"
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if stopper.ident is None:
             stopper.start()
-        else:  # a second signal: do not wait for the requests in flight
+        else:  # a second signal: do not wait for the requests in flight, nor for slow clients
+            hurry.set()
             app.engine.hurry()
 
     http.start()  # before the handlers: shutdown() returns only once serve_forever has run
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        echo(ready_line)
         app.engine.run()
     finally:
         if stopper.ident is None:  # the loop ended without a signal (a bug): still close the server
@@ -110,10 +123,20 @@ def serve_until_signal(server: CompletionServer, app: ServeApp, echo: Callable[[
     echo(f"stopped after {stats.completed_requests} completions ({cancelled[0]} cancelled at shutdown)")
 
 
-def _shut_down(server: CompletionServer, app: ServeApp) -> int:
-    """Stop accepting, drain the engine (it then ends `run`), wait for every handler; the number cancelled."""
+def _shut_down(server: CompletionServer, app: ServeApp, hurry: threading.Event) -> int:
+    """Stop accepting, drain the engine (it then ends `run`), wait for the handlers until the grace ends (or
+    `hurry` is set), end the connections left; the number cancelled."""
+    deadline_s = time.monotonic() + DRAIN_GRACE_S
     server.shutdown()  # serve_forever returns: no connection is accepted any more
+    app.engine.stop_accepting()  # so the backlog's requests get 503 shutting_down at once
+    server.answer_backlog()  # closing the listener would reset the connections the kernel holds for us
     server.socket.close()
     cancelled = app.engine.close(DRAIN_GRACE_S)
-    server.server_close()  # joins the handler threads: every response is written
+    while server.open_connections() and time.monotonic() < deadline_s and not hurry.wait(0.02):
+        pass  # handlers still writing, or clients still sending their request
+    answered_s = time.monotonic() + ANSWER_GRACE_S
+    while server.open_connections() and time.monotonic() < answered_s:
+        time.sleep(0.02)
+    server.close_connections()  # a handler still reading or writing now fails at once
+    server.server_close()  # joins the handler threads
     return cancelled

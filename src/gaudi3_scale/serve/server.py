@@ -18,9 +18,14 @@ cannot queue with 503 `queue_full` (the kernel caps the backlog at net.core.soma
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
+import select
 import socket
+import struct
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -86,7 +91,8 @@ class ServeApp:
 
 
 class CompletionServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer whose `server_close()` waits for every handler, so no response is cut at shutdown."""
+    """ThreadingHTTPServer whose `server_close()` waits for every handler, so no response is cut at shutdown. It
+    knows its open connections, so that a shutdown can end the ones still open after its grace period."""
 
     daemon_threads = False
     block_on_close = True
@@ -97,7 +103,60 @@ class CompletionServer(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         self.request_queue_size = backlog  # what server_activate passes to listen()
         self.client_timeout_s = client_timeout_s
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:  # before its thread starts: `close_connections` never misses one
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def open_connections(self) -> int:
+        with self._connections_lock:
+            return len(self._connections)
+
+    def answer_backlog(self) -> int:
+        """Accept the connections the kernel already holds in the listen backlog and hand each to a handler
+        (closing a listening socket resets them instead); call once `serve_forever` has returned. On Linux no
+        new connection joins the backlog meanwhile (`_drop_new_connections`); elsewhere at most a backlog's worth
+        is accepted, so that clients reconnecting at once cannot keep the listener open. The number accepted."""
+        if sys.platform == "linux":
+            _drop_new_connections(self.socket)
+        self.socket.setblocking(False)
+        for accepted in range(self.request_queue_size):
+            try:
+                request, client_address = self.socket.accept()
+            except OSError:  # BlockingIOError: the backlog is empty
+                return accepted
+            request.setblocking(True)
+            self.process_request(request, client_address)
+        return self.request_queue_size
+
+    def close_connections(self) -> int:
+        """End every connection still open (shutdown past its grace): a handler reading or writing gets EOF or an
+        error at once, so `server_close()` cannot wait on it. The number ended."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):  # closed by its handler meanwhile
+                connection.shutdown(socket.SHUT_RDWR)
+        return len(connections)
+
+
+def _drop_new_connections(listener: socket.socket) -> None:
+    """Attach a socket filter that drops every packet reaching the listening socket: a new client's SYN is
+    dropped (its retry, 1 s later, finds the port closed: connection refused, not a reset after connecting), while
+    the connections already in the backlog stay there to be accepted. One classic BPF instruction, `ret #0`
+    (BPF_RET | BPF_K = 0x06: keep 0 bytes of the packet); Linux's SO_ATTACH_FILTER, socket(7)."""
+    instruction = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # struct sock_filter
+    program = struct.pack("HL", 1, ctypes.addressof(instruction))  # struct sock_fprog: length, pointer
+    listener.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), program)
 
 
 def _methods(path: str) -> tuple[str, ...] | None:
@@ -168,23 +227,36 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(remaining)
 
     def _read_head(self) -> list[bytes] | None:
-        """The request line and header lines through the blank line; None when the client sent nothing at all."""
+        """The request line and header lines through the blank line; None when the client sent nothing at all.
+
+        Read by what has arrived (`peek`: the buffer, or one recv), not `readline`: the deadline is checked before
+        every recv, so a client sending one byte a second still gets its 408 on time (a socket timeout bounds each
+        recv, and `readline` recvs until a newline). Bytes after the head stay in `rfile` for the body."""
+        reader = self.rfile
+        assert isinstance(reader, io.BufferedReader), "StreamRequestHandler.rbufsize is -1: a buffered file"
         lines: list[bytes] = []
+        line = bytearray()  # the line being read (bytearray: appending a byte at a time stays linear)
         while not lines or lines[-1] not in (b"\r\n", b"\n"):
-            received = f"{sum(map(len, lines))} bytes of its head"
+            received = f"{sum(map(len, lines)) + len(line)} bytes of its head"
             self._until_deadline(received)
             try:
-                line = self.rfile.readline(MAX_LINE_BYTES + 1)
+                arrived = reader.peek(1)
             except TimeoutError:
                 raise self._timed_out(received) from None
-            if not line:
-                if not lines:
+            if not arrived:
+                if not lines and not line:
                     return None
                 raise RequestError(400, "The request ended inside its head; send a complete HTTP request.")
-            lines.append(line)
+            room = MAX_LINE_BYTES + 1 - len(line)
+            end = arrived.find(b"\n", 0, room)
+            line += reader.read(end + 1 if end >= 0 else min(len(arrived), room))
+            if end < 0 and len(line) <= MAX_LINE_BYTES:
+                continue
+            lines.append(bytes(line))
             if len(line) > MAX_LINE_BYTES:
                 raise RequestError(414 if len(lines) == 1 else 431,
                                    f"A line of the request head is over {MAX_LINE_BYTES} bytes.")  # fmt: skip
+            line = bytearray()
             if len(lines) > MAX_HEADERS + 2 or sum(map(len, lines)) > MAX_HEAD_BYTES:
                 raise RequestError(431, f"The request head has over {MAX_HEADERS} headers or {MAX_HEAD_BYTES} "
                                         "bytes.")  # fmt: skip
@@ -328,11 +400,27 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._respond(completion, request)
 
+    def _client_gone(self) -> bool:
+        """True once the client has closed the connection (EOF or a reset), seen without reading: HTTP/1.0 clients
+        send nothing after their request, so a readable socket means they left (nginx checks the same way). A
+        client that only half-closes (shutdown(SHUT_WR)) counts as gone too. poll, not select: a burst of over
+        1,024 connections has descriptors above select's FD_SETSIZE."""
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (ConnectionError, TimeoutError, BlockingIOError):
+            return True
+
     def _respond(self, completion: Completion, request: CompletionRequest) -> None:
         pieces, last = [request.prompt] if request.echo else [], None
-        for delta in completion.deltas():
+        for delta in completion.deltas(self._client_gone):
             pieces.append(delta.text)
             last = delta
+        if completion.cancelled.is_set():
+            return  # the client left: its request left the queue or the batch, and nobody is there to answer
         assert last is not None and last.finish_reason is not None
         # Cancelled at shutdown (503: retry elsewhere) or a failed decode step (500).
         if last.finish_reason == "error":
@@ -355,7 +443,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if request.echo:
                 self.wfile.write(stream_chunk(completion_id, request.model, created_s, request.prompt))
-            for delta in completion.deltas():
+            for delta in completion.deltas(self._client_gone):  # also while queued: no write fails then
                 if delta.finish_reason == "error":  # the 200 is already sent: the failure goes as an event
                     message = f"The completion was not finished: {delta.error}."
                     self.wfile.write(sse_event(error_body(message, kind="server_error")))
@@ -366,6 +454,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(
                         stream_chunk(completion_id, request.model, created_s, "", delta.finish_reason)
                     )
-            self.wfile.write(sse_event("[DONE]"))
+            if not completion.cancelled.is_set():
+                self.wfile.write(sse_event("[DONE]"))
         except (ConnectionError, TimeoutError):
             completion.cancel()  # the client left, or stopped reading: free its batch slot
