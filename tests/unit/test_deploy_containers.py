@@ -246,7 +246,9 @@ def test_run_config_and_metaflow_launcher(tmp_path: Path) -> None:
     import yaml
 
     files = render_containers(_spec("gaudi3"))
-    assert yaml.safe_load(files["docker/run.yaml"]) == RUN_CONFIG
+    # a Gaudi deployment trains on hpu, said in its run config (`auto` would train on the CPU of a node whose
+    # Gaudis the runtime did not find)
+    assert yaml.safe_load(files["docker/run.yaml"]) == {**RUN_CONFIG, "train": {"device": "hpu"}}
     script = files["metaflow/run.sh"]
     subprocess.run(["sh", "-n", "-c", script], check=True)  # valid shell
     argv, env = _run_launcher(script, tmp_path, {})

@@ -323,3 +323,15 @@ def test_build_optimizer_routes_hpu_through_gaudi_optimizer_with_the_same_groups
 def test_import_stays_light() -> None:
     code = "import sys, gaudi3_scale; assert 'torch' not in sys.modules and 'lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_autocast_runs_on_the_device_of_the_forward_under_cpu_offload() -> None:
+    # FSDP2 CPU offload keeps the parameter shards on the host and the buffers on the device the forward runs on;
+    # 'meta' stands in for 'hpu' (CPU torch cannot allocate hpu tensors). Not yet validated on Gaudi hardware.
+    offloaded = nn.Linear(4, 4)
+    offloaded.register_buffer("rope", torch.zeros(4, device="meta"))
+    plugin = GaudiMixedPrecision("bf16-mixed")
+    plugin.convert_module(offloaded)
+    assert plugin.autocast_device_type() == "meta"
+    plugin.convert_module(nn.Linear(4, 4))
+    assert plugin.autocast_device_type() == "cpu"

@@ -211,6 +211,10 @@ def tune(
             base, world_size=world, memory_budget_bytes=budget, accelerator=accelerator, console=console
         )
         return
+    from gaudi3_scale.device.select import check_device_precision
+
+    # as `gaudi3 train` does before it starts ranks: a device this machine lacks is one line, not a table of crashes
+    check_device_precision(base.train.device, base.train.precision)
     from gaudi3_scale.tune.space import build_space
     from gaudi3_scale.tune.tuner import (
         check_memory_budget,

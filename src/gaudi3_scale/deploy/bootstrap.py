@@ -14,6 +14,7 @@ written at start from the cloud's secret store (Terraform targets) or provisione
 
 from __future__ import annotations
 
+from gaudi3_scale.deploy.containers import NOT_VALIDATED
 from gaudi3_scale.deploy.quoting import comment, yaml_text
 from gaudi3_scale.deploy.spec import DeploySpec
 
@@ -28,7 +29,10 @@ NO_RESTART_EXIT_CODES = (2, 3, 4, 5)
 # Docker flags that give the container every local accelerator.
 _NVIDIA = "args+=(--gpus all)"
 # Intel's documented `docker run` for Gaudi: the habana container runtime, all cards, and sys_nice.
-_GAUDI = "args+=(--runtime habana -e HABANA_VISIBLE_DEVICES=all --cap-add sys_nice)"
+_GAUDI = (
+    f"# Gaudi settings (--runtime habana, HABANA_VISIBLE_DEVICES, sys_nice): {NOT_VALIDATED}.\n"
+    "args+=(--runtime habana -e HABANA_VISIBLE_DEVICES=all --cap-add sys_nice)"
+)
 
 _RUN_SCRIPT = """#!/bin/bash
 # This node's share of the training job: one container with every local accelerator; `gaudi3 train` starts

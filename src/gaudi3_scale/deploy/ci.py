@@ -205,9 +205,13 @@ def _smoke(opts: CiOptions, gaudi: bool) -> dict[str, Any]:
 
 
 def repro_argv(spec: DeploySpec, opts: CiOptions) -> list[str]:
-    """The repro tier's command: resume mode on the rendered run config, on one runner with --per-node ranks."""
+    """The repro tier's command: resume mode on the rendered run config, on one runner with --per-node ranks. A
+    Gaudi render's run config trains on hpu (`render.on_gaudi`); without a Gaudi runner (ci.repro_runs_on) the
+    tier runs on a hosted runner, so there it trains on the CPU, said on its command line."""
+    hosted_gaudi = spec.accelerator.startswith("gaudi") and not opts.repro_runs_on
     return ["gaudi3", "repro", "--config", RUN_CONFIG, "--mode", "resume", "--steps", str(opts.repro_steps),
             "--out", REPRO_OUT, "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(spec.per_node),
+            *(["--train.device=cpu"] if hosted_gaudi else []),
             *(f"--{o}" for o in opts.repro_overrides)]  # fmt: skip
 
 

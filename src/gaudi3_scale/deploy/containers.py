@@ -225,6 +225,10 @@ def render_metaflow(spec: DeploySpec) -> dict[str, str]:
         """step's pod mounts (METAFLOW_KUBERNETES_PERSISTENT_VOLUME_CLAIMS='{"claim": "/mnt/shared"}').""",
         "Metaflow needs a user name: USERNAME or METAFLOW_USER.",
     ]
+    if spec.accelerator.startswith("gaudi"):
+        lines.append(
+            f"{spec.accelerator}: the flow's Gaudi steps (habana.ai/gaudi devices, hpu) are {NOT_VALIDATED}."
+        )
     script = (
         "#!/bin/sh\n" + "".join(f"# {comment(line)}\n" for line in lines) + "set -eu\n"
         'here=$(cd "$(dirname "$0")" && pwd)\n'

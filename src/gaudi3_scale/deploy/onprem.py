@@ -24,7 +24,7 @@ import ipaddress
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
-from gaudi3_scale.deploy.containers import IMAGE_UID
+from gaudi3_scale.deploy.containers import IMAGE_UID, NOT_VALIDATED
 from gaudi3_scale.deploy.monitoring import metrics_port, monitoring_on
 from gaudi3_scale.deploy.onprem_monitoring import (
     MONITORING_GROUP,
@@ -174,6 +174,12 @@ def _scrapeable(spec: DeploySpec, port: int) -> DeploySpec:
     return dataclasses.replace(spec, run_config=run_config)
 
 
+def _gaudi_note(spec: DeploySpec) -> str:
+    if not spec.accelerator.startswith("gaudi"):
+        return ""
+    return f"# {spec.accelerator}: the hosts run the training image with Habana's container runtime; {NOT_VALIDATED}.\n"
+
+
 def render_onprem(spec: DeploySpec) -> dict[str, str]:
     hosts = _check_hosts(spec)
     port = _monitoring_port(spec)
@@ -218,7 +224,7 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
     )
     files = {
         "inventory.yaml": header + yaml_text(inventory),
-        "playbook.yaml": PLAYBOOK.replace("{IMAGE_UID}", str(IMAGE_UID)),
+        "playbook.yaml": _gaudi_note(spec) + PLAYBOOK.replace("{IMAGE_UID}", str(IMAGE_UID)),
         "files/run.yaml": run_config_yaml(spec),
         "files/gaudi3-node": run_script(spec),
         "files/gaudi3-train.service": systemd_unit(fetch_secrets=False),

@@ -109,6 +109,12 @@ def check_run_geometry(spec: DeploySpec) -> None:
         cfg = build_run_config(None, overrides, base=spec.run_config)
     except ConfigError as exc:
         raise UserInputError(f"{spec.nodes} node(s) × {spec.per_node} per node: {exc}") from None
+    if spec.accelerator.startswith("gaudi"):
+        from gaudi3_scale.forecast.run import check_runs_on
+
+        check_runs_on(
+            cfg, "hpu"
+        )  # what every rank would refuse at start (DeepSpeed, reduce-overhead, 16-mixed)
     if spec.target in NODE_LOCAL_OUT and spec.nodes > 1 and cfg.checkpoint.enabled:
         from gaudi3_scale.train.config import per_rank_checkpoints
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.deploy.grammar import RUN_NAME, check_host, check_image, check_region, matches
 from gaudi3_scale.deploy.instances import ACCELERATORS, instance_for
 
-__all__ = ["ACCELERATORS", "TARGETS", "DeploySpec", "resource_name"]
+__all__ = ["ACCELERATORS", "TARGETS", "DeploySpec", "gaudi_run_config", "resource_name"]
 
 TARGETS = ("aws", "azure", "gcp", "onprem", "k8s", "ci")
 
@@ -38,6 +39,9 @@ class DeploySpec:
             raise UserInputError(
                 f"--accelerator: must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}"
             )
+        if self.accelerator.startswith("gaudi"):
+            # frozen: the resolved run config is replaced once, here, before any renderer reads it
+            object.__setattr__(self, "run_config", gaudi_run_config(self.accelerator, self.run_config))
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
             raise UserInputError(f"--nodes: must be a positive integer, got {self.nodes!r}")
         if isinstance(self.per_node, bool) or not isinstance(self.per_node, int) or self.per_node < 1:
@@ -66,6 +70,22 @@ class DeploySpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.per_node
+
+
+def gaudi_run_config(accelerator: str, run_config: dict[str, Any]) -> dict[str, Any]:
+    """The run config a Gaudi deployment trains with: `train.device` hpu, written into every rendered run config,
+    as `auto` trains on the CPUs of a node whose Gaudis are not visible at start (driver, container runtime) and
+    the deployment asked for Gaudis; cpu or cuda is refused. Not yet validated on Gaudi hardware."""
+    device = run_config.get("train", {}).get("device", "auto")
+    if device not in ("auto", "hpu"):
+        raise ConfigError(
+            "train.device",
+            f"{brief(device)} in a Gaudi deployment (--accelerator {accelerator}); allowed: hpu, or auto "
+            "(rendered as hpu)",
+        )
+    pinned = copy.deepcopy(run_config)
+    pinned.setdefault("train", {})["device"] = "hpu"
+    return pinned
 
 
 RESOURCE_NAME_MAX = (

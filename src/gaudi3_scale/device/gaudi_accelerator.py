@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.device.hpu import hpu_available, hpu_device_count, require_hpu
 
 __all__ = ["GaudiAccelerator", "register_gaudi_accelerator"]
@@ -39,11 +40,33 @@ class GaudiAccelerator(Accelerator):
 
     @staticmethod
     def parse_devices(devices: int | str | list[int]) -> int:
-        if isinstance(devices, list):
-            return len(devices)
+        """`Trainer(devices=...)` as a number of HPUs: a positive int up to the HPUs visible here, "auto" or -1 (all
+        of them), or the list [0, …, n-1]. Other lists are refused, not reduced to their length: each rank binds the
+        card of its local rank (`get_parallel_devices`), so [3, 5] would run on cards 0 and 1."""
+        visible = hpu_device_count()
+        allowed = f"allowed: 1 to {visible} (the HPUs visible here), 'auto', -1, or the list [0, ..., n-1]"
         if devices in ("auto", -1, "-1"):
-            return hpu_device_count()
-        return int(devices)
+            return visible
+        if isinstance(devices, list | tuple):
+            if list(devices) != list(range(len(devices))) or not devices:
+                raise UserInputError(
+                    f"devices: {brief(devices)} on Gaudi picks cards, but each rank takes the card of its local "
+                    f"rank; {allowed}"
+                )
+            count = len(devices)
+        elif isinstance(devices, int) and not isinstance(devices, bool):
+            count = devices
+        elif isinstance(devices, str) and devices.strip().isdigit():
+            count = int(devices)
+        else:
+            raise UserInputError(f"devices: {brief(devices)} is not a number of HPUs; {allowed}")
+        if count < 1:
+            raise UserInputError(f"devices: {count} is not a number of HPUs; {allowed}")
+        if count > visible:
+            raise UserInputError(
+                f"devices: {count} HPUs requested but only {visible} are visible here; {allowed}"
+            )
+        return count
 
     @staticmethod
     def get_parallel_devices(devices: int) -> list[torch.device]:

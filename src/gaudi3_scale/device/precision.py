@@ -105,14 +105,18 @@ class _GaudiPrecisionBody(_PrecisionBase):
         return self._half.convert_module(module) if self._half else module
 
     def autocast_device_type(self) -> str:
-        """The device type autocast runs on: that of the model's first parameter or buffer ("hpu", "cuda", "cpu")."""
+        """The device type autocast runs on: the model's accelerator ("hpu", "cuda"), i.e. the first parameter or
+        buffer not on the CPU, else "cpu". Not simply the first parameter: under FSDP2 CPU offload
+        (parallel.offload all) the parameter shards live on the host while the forward runs on the device that holds
+        the buffers."""
         if self._module is None:
             raise RuntimeError(
                 "GaudiMixedPrecision does not know the model yet; pass it to a Lightning Trainer "
                 "(plugins=[GaudiMixedPrecision()]) or call convert_module(model) first"
             )
         for tensor in itertools.chain(self._module.parameters(), self._module.buffers()):
-            return tensor.device.type
+            if tensor.device.type != "cpu":
+                return tensor.device.type
         return "cpu"
 
     @contextmanager

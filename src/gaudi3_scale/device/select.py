@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import functools
+import glob
+import importlib.util
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +24,12 @@ __all__ = [
     "check_device_precision",
     "cpu_model_name",
     "cpu_threads_per_rank",
+    "detected_hpu_name",
+    "gaudi_present",
     "measure_cpu_matmul_flops",
     "measured_cpu_spec",
     "plan_device",
+    "resolve_device",
     "usable_cpu_cores",
 ]
 
@@ -166,16 +173,73 @@ def _cuda_precision(precision: str, *, fp16: bool = True) -> tuple[str, str, boo
     return name, precision, False
 
 
-def _resolved_device(device: str) -> str:
-    # Gaudi only when asked for: its environment must be set before habana_frameworks is imported.
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+# Device files of the habanalabs driver: /dev/accel/accel<N> since it moved to the kernel's compute-accelerator
+# subsystem (Linux drivers/accel/Kconfig: accelerators are "exposed to user-space using different device files,
+# called accel/accel*"), /dev/hl<N> before (the driver's first patch: "a /dev/hlX file per PCI device").
+HPU_DEVICE_FILES = ("/dev/accel/accel[0-9]*", "/dev/hl[0-9]*")
+
+
+def _habana_installed() -> bool:
+    """Whether habana_frameworks can be imported, found without importing it (its environment must be set first)."""
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def gaudi_present() -> bool:
+    """Whether this looks like a Gaudi node: Intel's Gaudi torch (habana_frameworks) installed and accelerator
+    device files present. Neither imports habana_frameworks nor starts its runtime, so `train.device auto` can pick
+    hpu before the Habana environment is applied. Not yet validated on Gaudi hardware."""
+    return _habana_installed() and any(glob.glob(pattern) for pattern in HPU_DEVICE_FILES)
+
+
+def resolve_device(device: str) -> str:
+    """`train.device` as a run trains on it: `auto` is a visible CUDA GPU, else a Gaudi (`gaudi_present`), else
+    the CPU. Intel's Gaudi torch has no CUDA, so a Gaudi node never resolves to cuda."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "hpu" if gaudi_present() else "cpu"
+
+
+# Run in a child process: the Habana runtime a parent opens would hold the cards its trial or probe ranks open next
+# (Gaudi runs one process per device), and its environment must be set before habana_frameworks is imported.
+_HPU_NAME = (
+    "from gaudi3_scale.device.hpu import apply_hpu_environment, hpu_available, hpu_environment, torch_hpu\n"
+    "apply_hpu_environment(hpu_environment())\n"
+    "print(torch_hpu().get_device_name() if hpu_available() else '')\n"
+)
+
+
+def detected_hpu_name(*, timeout_s: float = 120.0) -> str | None:
+    """The name of this node's Gaudi (`torch.hpu.get_device_name()`, e.g. "GAUDI3"), or None when none is usable
+    here; asked of a child process, only where `gaudi_present`. A child that fails or hangs counts as no Gaudi
+    visible (callers say so: `forecast.run`, `tune.tuner`). Not yet validated on Gaudi hardware."""
+    if not gaudi_present():
+        return None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _HPU_NAME], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return None
+    return lines[-1].strip() or None
 
 
 def check_device_precision(device: str, precision: str) -> None:
-    """`plan_device`'s refusals of a precision on this machine's device, without measuring its peak or starting
-    Gaudi's runtime: what a launcher checks before it starts any rank (one line instead of one per rank)."""
-    device = _resolved_device(device)
+    """`plan_device`'s refusals of a device or precision on this machine, without measuring its peak or starting
+    Gaudi's runtime: what a launcher checks before it starts any rank (one line instead of one per rank). Whether
+    the Gaudis are usable is left to each rank (`_plan_hpu`): that needs habana_frameworks imported."""
+    device = resolve_device(device)
     if device == "hpu":
+        if not _habana_installed():
+            raise ConfigError(
+                "train.device",
+                "Gaudi (HPU) was requested but habana_frameworks (Intel's Gaudi PyTorch) is not installed here; "
+                "allowed here: auto, cpu" + (", cuda" if torch.cuda.is_available() else ""),
+            )
         _hpu_precision(precision)
     elif device == "cuda":
         _cuda_precision(precision)
@@ -214,7 +278,7 @@ def plan_device(device: str, precision: str, *, threads: int, fp16: bool = True)
     `precision="fp8"` (torchao float8 linears) runs on CUDA GPUs of compute capability 8.9 or newer with torchao
     installed: the plan holds Lightning's "bf16-mixed" and `float8=True`. Elsewhere it is refused.
     """
-    device = _resolved_device(device)
+    device = resolve_device(device)
     if device == "hpu":
         return _plan_hpu(precision)
     if device == "cuda":

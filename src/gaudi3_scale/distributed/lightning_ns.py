@@ -6,13 +6,14 @@ a namespace:
 - "hpu": `GaudiAccelerator` (for `pytorch_lightning` a virtual subclass of its Accelerator ABC);
 - "habana_ddp" and "habana_fsdp": the hccl strategies built on that namespace's DDPStrategy and, for FSDP2, on its
   ModelParallelStrategy (one body each, `distributed.hpu.HCCLBody` and `distributed.fsdp.FSDP2Body`);
+- on Gaudi, any other strategy refused in one line (Lightning's "ddp", "deepspeed", … would not use hccl);
 - the defaults Lightning 2.6 no longer has for Gaudi (it raises "HPU is currently not supported" for "hpu" with
   strategy "auto", and its "bf16-mixed" autocasts on "cuda" for an accelerator it does not know): strategy "auto" is
   "habana_ddp" on several devices or nodes and a single-device strategy on hpu otherwise; precision "bf16-mixed",
   "bf16-true" and "32-true" is that namespace's `GaudiMixedPrecision`; other precisions are refused in one line;
 - `plugins=[GaudiMixedPrecision(...)]` made for the other namespace (`gaudi3_scale.precision`'s is lightning.pytorch's)
   taken as it is: the object becomes this namespace's variant (`device.precision.rebase_precision_plugin`).
-  These three are wrappers around private methods of Lightning's `_AcceleratorConnector` (2.6); the tests pin them.
+  These four are wrappers around private methods of Lightning's `_AcceleratorConnector` (2.6); the tests pin them.
 
 `gaudi3_scale.lightning_hook` calls this for each namespace as it is imported. Not yet validated on Gaudi hardware.
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.device.gaudi_accelerator import GaudiAccelerator, register_gaudi_accelerator
 from gaudi3_scale.device.precision import (
     PRECISIONS,
@@ -103,6 +104,7 @@ def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: t
         return
     check_config = connector._check_config_and_set_final_flags
     choose_strategy = connector._choose_strategy
+    check_strategy = connector._check_strategy_and_fallback
     init_precision = connector._check_and_init_precision
 
     def _check_config_and_set_final_flags(self: Any, **flags: Any) -> Any:
@@ -120,6 +122,21 @@ def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: t
             return HABANA_DDP
         return single_device(device=torch.device("hpu"))
 
+    def _check_strategy_and_fallback(self: Any) -> Any:
+        # On Gaudi only our hccl strategies and one device: Lightning's own "ddp", "ddp_spawn" or "deepspeed" would
+        # take torch's default backend for "hpu" (gloo, or the no-op "fake" backend Lightning's FSDP import
+        # registers) instead of hccl: replicas that never synchronise.
+        flag = self._strategy_flag
+        if isinstance(self.accelerator, GaudiAccelerator) and not (
+            isinstance(flag, HCCLBody | single_device) or flag in (HABANA_DDP, HABANA_FSDP, "single_device")
+        ):
+            name = flag if isinstance(flag, str) else type(flag).__name__
+            raise UserInputError(
+                f"strategy: {brief(name)} does not run over HCCL on Gaudi (HPU); allowed: auto, {HABANA_DDP}, "
+                f"{HABANA_FSDP}, single_device"
+            )
+        return check_strategy(self)
+
     def _check_and_init_precision(self: Any) -> Any:
         if not isinstance(self.accelerator, GaudiAccelerator) or self._precision_plugin_flag is not None:
             return init_precision(self)
@@ -131,5 +148,6 @@ def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: t
 
     connector._check_config_and_set_final_flags = _check_config_and_set_final_flags
     connector._choose_strategy = _choose_strategy
+    connector._check_strategy_and_fallback = _check_strategy_and_fallback
     connector._check_and_init_precision = _check_and_init_precision
     setattr(connector, _PATCHED, True)

@@ -16,6 +16,7 @@ from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 __all__ = [
     "STRATEGIES_BY_DEVICE",
     "build_strategy",
+    "check_strategy_on",
     "saves_sharded",
     "supported_strategies",
 ]
@@ -34,6 +35,17 @@ STRATEGIES_BY_DEVICE = {
 def supported_strategies(device_kind: str) -> tuple[str, ...]:
     """The resolved strategies `build_strategy` builds on `device_kind` (cpu, cuda or hpu)."""
     return STRATEGIES_BY_DEVICE[device_kind]
+
+
+def check_strategy_on(name: str, device_kind: str) -> None:
+    """Refuse a resolved strategy (`ParallelPlan.runs_as`) that `build_strategy` does not build on `device_kind`:
+    the trainer's check, also run by `gaudi3 plan` and `gaudi3 deploy render` before any node starts."""
+    if device_kind == "hpu" and name not in STRATEGIES_BY_DEVICE["hpu"]:
+        raise ConfigError(
+            "parallel.strategy",
+            f"{name} is not available on Gaudi (DeepSpeed on Gaudi is Intel's fork, not supported here); "
+            "allowed on hpu: auto, ddp, fsdp, fsdp_grad_op",
+        )
 
 
 def build_strategy(
@@ -55,13 +67,8 @@ def build_strategy(
     name = plan.runs_as(accelerator)
     if name == "single":
         return "auto"
+    check_strategy_on(name, accelerator)
     if accelerator == "hpu":
-        if name not in STRATEGIES_BY_DEVICE["hpu"]:
-            raise ConfigError(
-                "parallel.strategy",
-                f"{name} is not available on Gaudi (DeepSpeed on Gaudi is Intel's fork, not supported here); "
-                "allowed on hpu: auto, ddp, fsdp, fsdp_grad_op",
-            )
         from gaudi3_scale.distributed.hpu import HPUDDPStrategy, register_hpu_strategies
 
         register_hpu_strategies()

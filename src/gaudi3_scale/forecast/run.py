@@ -19,6 +19,7 @@ from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.train.config import RunConfig, build_run_config
 
 __all__ = [
+    "check_runs_on",
     "forecast_config",
     "forecast_for_training",
     "machine_for",
@@ -49,6 +50,24 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine) -> RunShape:
                           ranks_per_node=per_node, threads=threads)  # fmt: skip
 
 
+def check_runs_on(cfg: RunConfig, device_kind: str) -> None:
+    """The trainer's own refusals of `cfg` on `device_kind` (cpu, cuda or hpu), for a run planned or deployed
+    elsewhere: its strategy (`distributed.strategies.check_strategy_on`), the train options one device kind runs
+    (`train.assembly._check_device_options`) and, on Gaudi, its precision (`device.select`). One line, the field
+    named, as the trainer would say it on every rank."""
+    from gaudi3_scale.distributed.strategies import check_strategy_on
+    from gaudi3_scale.train.assembly import _check_device_options  # imports torch
+
+    precision = _precision(cfg, device_kind)
+    if device_kind == "hpu":
+        from gaudi3_scale.device.select import _hpu_precision
+
+        precision = _hpu_precision(cfg.train.precision)
+    plan = cfg.parallel_plan(cfg.parallel.world_size, bf16_mixed=precision == "bf16-mixed")
+    check_strategy_on(plan.runs_as(device_kind), device_kind)
+    _check_device_options(cfg.train, device_kind)
+
+
 def threads_per_rank(cfg: RunConfig) -> int:
     """The CPU intra-op threads per rank a run of `cfg` uses: `train.threads`, else the usable cores shared by its
     ranks per node (as `train.assembly` sets them). The forecast's CPU peak is that of these threads."""
@@ -74,19 +93,39 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
         return catalog_machine(kind, cfg.train.precision)
     import torch
 
+    from gaudi3_scale.device.select import resolve_device
+
     # train.device as the trainer resolves it (`device.select.plan_device`): auto is this machine's visible CUDA
-    # GPU, else its CPU; Gaudi only when asked for (hpu), as its environment must be set before habana imports.
-    # Not validated on Gaudi hardware.
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    # GPU, else its Gaudi, else its CPU. Not validated on Gaudi hardware.
+    device = resolve_device(cfg.train.device)
     if device == "cpu":
         return _this_cpu(cfg, refresh_peak=refresh_peak)
     if device == "hpu":
-        return catalog_machine("gaudi3", cfg.train.precision)
+        return _this_gaudi(cfg.train.precision)
     if not torch.cuda.is_available():  # a cuda run forecast on paper from a machine without a GPU
         return catalog_machine("h100", cfg.train.precision)
     return catalog_machine(_this_gpu(), cfg.train.precision)
+
+
+def _this_gaudi(precision: str) -> Machine:
+    """This node's Gaudi as the catalog names it; without one visible here, a Gaudi 3, said so in the machine's
+    name (the forecast's first line), as Gaudi 2 and 3 differ 3.9× in peak and 96 vs 128 GB in memory. Not yet
+    validated on Gaudi hardware."""
+    from gaudi3_scale.device.select import detected_hpu_name
+    from gaudi3_scale.device.specs import ACCELERATORS, find_accelerator
+
+    name = detected_hpu_name()
+    if name is None:
+        machine = catalog_machine("gaudi3", precision)
+        return dataclasses.replace(
+            machine,
+            device_name=f"{machine.device_name} assumed: no Gaudi visible here; choose with --machine gaudi2|gaudi3",
+        )
+    spec = find_accelerator(name)
+    if spec is None:
+        raise UserInputError(f"train.device: this node's Gaudi {name!r} has no catalogued peak FLOP/s to forecast "
+                             f"with; forecast a catalogued one with --machine ({', '.join(sorted(ACCELERATORS))})")  # fmt: skip
+    return catalog_machine(spec.name, precision)
 
 
 def _this_cpu(cfg: RunConfig, *, refresh_peak: bool) -> Machine:
@@ -203,6 +242,7 @@ def forecast_config(
                                 tokens_per_step=tokens_per_step, note=lambda line: None)  # fmt: skip
         cfg = dataclasses.replace(cfg, train=train)
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
+    check_runs_on(cfg, target.device_kind)  # a layout the trainer refuses there is not forecast
     if machine is not None:
         _check_instance(cfg, target)
     model = resolved_model(cfg.model, cfg.data)

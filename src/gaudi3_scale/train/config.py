@@ -140,6 +140,13 @@ class RunConfig:
                 f"reduce-overhead (CUDA graphs) runs with parallel.strategy auto, single or ddp, not "
                 f"{self.parallel.strategy}: sharded parameters are gathered outside any graph",
             )
+        if self.train.compile and self.train.hpu_graphs:
+            # Habana's PyTorch support matrix: torch.compile (hpu_backend) runs in eager mode only (PT_HPU_LAZY_MODE=0),
+            # HPU graphs in lazy mode only (PT_HPU_LAZY_MODE=1). Not yet validated on Gaudi hardware.
+            raise ConfigError(
+                "train.compile",
+                "torch.compile on Gaudi runs in eager mode, train.hpu_graphs in lazy mode; allowed: one of them",
+            )
         if self.train.compile and self.parallel_plan().partitions_parameters:
             raise ConfigError(
                 "train.compile",

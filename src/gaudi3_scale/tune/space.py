@@ -19,7 +19,7 @@ import torch
 from gaudi3_scale.config.errors import UserInputError, brief
 from gaudi3_scale.config.numbers import INT32_MAX, MAX_GLOBAL_BATCH_SIZE
 from gaudi3_scale.device.float8 import float8_unsupported_reason
-from gaudi3_scale.device.select import cpu_threads_per_rank
+from gaudi3_scale.device.select import cpu_threads_per_rank, resolve_device
 from gaudi3_scale.distributed.config import MESH_STRATEGIES, OFFLOAD_STRATEGIES
 from gaudi3_scale.distributed.plan import BatchPlan, data_parallel_size
 from gaudi3_scale.distributed.strategies import supported_strategies
@@ -265,10 +265,8 @@ def divisors(n: int) -> list[int]:
 
 
 def device_kind(config: RunConfig) -> str:
-    device = config.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    """`train.device` as the trials resolve it (`device.select.resolve_device`: auto is hpu on a Gaudi node)."""
+    return resolve_device(config.train.device)
 
 
 def _cpu_has_bf16() -> bool:

@@ -58,12 +58,21 @@ def default_memory_budget(device: str, world_size: int, target_utilization: floa
         import torch
 
         total = torch.cuda.get_device_properties(0).total_memory
-    elif device == "hpu":
+    elif (
+        device == "hpu"
+    ):  # this node's Gaudi (2 and 3 differ: 96 vs 128 GB); not yet validated on Gaudi hardware
+        from gaudi3_scale.device.select import detected_hpu_name
         from gaudi3_scale.device.specs import find_accelerator
 
-        spec = find_accelerator("Gaudi 3")
+        name = detected_hpu_name()
+        spec = find_accelerator(name) if name else None
         if spec is None or not spec.memory_gb:
-            raise UserInputError("--memory-budget is required on hpu (device memory unknown)")
+            seen = (
+                f"this node's Gaudi {name!r} has no catalogued memory" if name else "no Gaudi is visible here"
+            )
+            raise UserInputError(
+                f"--memory-budget: {seen} to size it from; give it, e.g. --memory-budget 80GiB"
+            )
         total = int(spec.memory_gb * 1e9)
     else:
         import psutil

@@ -5,6 +5,7 @@
 # Kubernetes needs a Metaflow S3/GS/Azure datastore (`metaflow configure kubernetes`), and --out on a volume every
 # step's pod mounts (METAFLOW_KUBERNETES_PERSISTENT_VOLUME_CLAIMS='{"claim": "/mnt/shared"}').
 # Metaflow needs a user name: USERNAME or METAFLOW_USER.
+# gaudi3: the flow's Gaudi steps (habana.ai/gaudi devices, hpu) are not yet validated on Gaudi hardware.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 # This render's choices; GAUDI3_METAFLOW_ACCELERATOR, GAUDI3_METAFLOW_DEVICES and
