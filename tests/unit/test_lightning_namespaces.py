@@ -59,8 +59,20 @@ assert type(t.precision_plugin) is ns.precision and isinstance(t.precision_plugi
 assert t.precision_plugin.precision == "bf16-mixed"
 
 t = pl.Trainer(accelerator=GaudiAccelerator(), devices=1, precision="bf16-true", **quiet)
-assert type(t.strategy) is pl.strategies.SingleDeviceStrategy and t.strategy.root_device.type == "hpu"
-assert t.precision_plugin.precision == "bf16-true"
+assert type(t.strategy) is ns.single and isinstance(t.strategy, pl.strategies.SingleDeviceStrategy), type(t.strategy)
+assert t.strategy.root_device.type == "hpu" and t.precision_plugin.precision == "bf16-true"
+
+# In lazy mode the graph is cut after each backward and each optimizer step, on one HPU and over hccl alike (as
+# lightning-habana's strategies did): the strategies' own hooks, whatever the user's LightningModule does.
+import torch
+import gaudi3_scale.distributed.hpu as hpu_strategies
+marks = []
+hpu_strategies.mark_step = lambda: marks.append("mark_step")
+for strategy in (t.strategy, pl.Trainer(accelerator="hpu", devices=8, **quiet).strategy):
+    strategy.post_backward(torch.ones(()))
+    strategy.precision_plugin.optimizer_step = lambda optimizer, model, closure, **kwargs: "stepped"
+    assert strategy.optimizer_step(None, lambda: None, model=pl.LightningModule()) == "stepped"
+assert marks == ["mark_step"] * 4, marks
 
 t = pl.Trainer(accelerator="hpu", devices=8, strategy="habana_fsdp", **quiet)
 assert isinstance(t.strategy, pl.strategies.ModelParallelStrategy) and t.strategy.process_group_backend == "hccl"

@@ -26,6 +26,7 @@ __all__ = [
     "cpu_threads_per_rank",
     "detected_hpu_name",
     "gaudi_present",
+    "hpu_precision",
     "measure_cpu_matmul_flops",
     "measured_cpu_spec",
     "plan_device",
@@ -119,7 +120,7 @@ def measured_cpu_spec(threads: int | None = None) -> AcceleratorSpec:
     )
 
 
-def _hpu_precision(precision: str) -> str:
+def hpu_precision(precision: str) -> str:
     """The precision a Gaudi run trains in (`auto` resolved), or the one-line refusal. Not yet validated on Gaudi
     hardware."""
     if precision == "fp8":
@@ -131,7 +132,7 @@ def _hpu_precision(precision: str) -> str:
 
 def _plan_hpu(precision: str) -> DevicePlan:
     """Not yet validated on Gaudi hardware."""
-    precision = _hpu_precision(precision)
+    precision = hpu_precision(precision)
     from gaudi3_scale.device.hpu import apply_hpu_environment, hpu_environment, require_hpu, torch_hpu
 
     apply_hpu_environment(hpu_environment())  # before habana_frameworks is first imported
@@ -240,7 +241,7 @@ def check_device_precision(device: str, precision: str) -> None:
                 "Gaudi (HPU) was requested but habana_frameworks (Intel's Gaudi PyTorch) is not installed here; "
                 "allowed here: auto, cpu" + (", cuda" if torch.cuda.is_available() else ""),
             )
-        _hpu_precision(precision)
+        hpu_precision(precision)
     elif device == "cuda":
         _cuda_precision(precision)
     else:

@@ -43,6 +43,8 @@ from gaudi3_scale.distributed.hpu import (
     HCCLBody,
     HPUDDPStrategy,
     HPUFSDPStrategy,
+    LazyModeSteps,
+    SingleHPUStrategy,
     register_hpu_strategies,
 )
 
@@ -54,12 +56,14 @@ _PATCHED = "_gaudi3_scale_patched"
 
 @dataclass(frozen=True)
 class NamespacePlugins:
-    """The classes a namespace's Trainer takes: `GaudiMixedPrecision` for `plugins=[...]`, the two strategies."""
+    """The classes a namespace's Trainer takes: `GaudiMixedPrecision` for `plugins=[...]`, the two strategies, and
+    the one-HPU strategy the Trainer chooses for `devices=1`."""
 
     namespace: str
     ddp: type
     fsdp: type
     precision: type
+    single: type
 
 
 def _check_namespace(namespace: str) -> None:
@@ -71,7 +75,9 @@ def _check_namespace(namespace: str) -> None:
 def plugins_for(namespace: str) -> NamespacePlugins:
     _check_namespace(namespace)
     if namespace == NAMESPACES[0]:
-        return NamespacePlugins(namespace, HPUDDPStrategy, HPUFSDPStrategy, GaudiMixedPrecision)
+        return NamespacePlugins(
+            namespace, HPUDDPStrategy, HPUFSDPStrategy, GaudiMixedPrecision, SingleHPUStrategy
+        )
     strategies = importlib.import_module(f"{namespace}.strategies")
     precision = importlib.import_module(f"{namespace}.plugins.precision")
     model_parallel = strategies.ModelParallelStrategy
@@ -84,6 +90,7 @@ def plugins_for(namespace: str) -> NamespacePlugins:
         ),
         fsdp=type("HPUFSDPStrategy", (HCCLBody, fsdp2), {**module, "strategy_name": HABANA_FSDP}),
         precision=gaudi_precision_class(precision.Precision, precision.HalfPrecision),
+        single=type("SingleHPUStrategy", (LazyModeSteps, strategies.SingleDeviceStrategy), module),
     )
 
 
@@ -120,7 +127,7 @@ def _patch_connector(connector: Any, plugins: NamespacePlugins, single_device: t
             return choose_strategy(self)
         if self._num_nodes_flag > 1 or len(self._parallel_devices) > 1:
             return HABANA_DDP
-        return single_device(device=torch.device("hpu"))
+        return plugins.single(device=torch.device("hpu"))
 
     def _check_strategy_and_fallback(self: Any) -> Any:
         # On Gaudi only our hccl strategies and one device: Lightning's own "ddp", "ddp_spawn" or "deepspeed" would

@@ -214,8 +214,9 @@ class ParallelPlan:
         )
 
     def runs_as(self, device_kind: str) -> str:
-        """The strategy that runs this plan on `device_kind`: one HPU still goes through the HCCL DDP strategy (as
-        lightning-habana did); everywhere else the plan's own."""
+        """The strategy that runs this plan on `device_kind`: `gaudi3 train` on one HPU still goes through the HCCL
+        DDP strategy (a group of one, the code path of several; lightning-habana, and users' own Trainers here, use
+        a single-device strategy: `distributed.hpu.SingleHPUStrategy`); everywhere else the plan's own."""
         return "ddp" if self.strategy == "single" and device_kind == "hpu" else self.strategy
 
     @property

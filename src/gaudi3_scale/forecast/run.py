@@ -53,19 +53,19 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine) -> RunShape:
 def check_runs_on(cfg: RunConfig, device_kind: str) -> None:
     """The trainer's own refusals of `cfg` on `device_kind` (cpu, cuda or hpu), for a run planned or deployed
     elsewhere: its strategy (`distributed.strategies.check_strategy_on`), the train options one device kind runs
-    (`train.assembly._check_device_options`) and, on Gaudi, its precision (`device.select`). One line, the field
+    (`train.assembly.check_device_options`) and, on Gaudi, its precision (`device.select`). One line, the field
     named, as the trainer would say it on every rank."""
     from gaudi3_scale.distributed.strategies import check_strategy_on
-    from gaudi3_scale.train.assembly import _check_device_options  # imports torch
+    from gaudi3_scale.train.assembly import check_device_options  # imports torch
 
     precision = _precision(cfg, device_kind)
     if device_kind == "hpu":
-        from gaudi3_scale.device.select import _hpu_precision
+        from gaudi3_scale.device.select import hpu_precision
 
-        precision = _hpu_precision(cfg.train.precision)
+        precision = hpu_precision(cfg.train.precision)
     plan = cfg.parallel_plan(cfg.parallel.world_size, bf16_mixed=precision == "bf16-mixed")
     check_strategy_on(plan.runs_as(device_kind), device_kind)
-    _check_device_options(cfg.train, device_kind)
+    check_device_options(cfg.train, device_kind)
 
 
 def threads_per_rank(cfg: RunConfig) -> int:

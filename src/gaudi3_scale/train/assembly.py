@@ -30,6 +30,7 @@ from gaudi3_scale.train.resume import saved_run_config
 from gaudi3_scale.train.train_config import TrainConfig
 
 __all__ = [
+    "check_device_options",
     "launched_world_size",
     "plan_run_device",
     "quiet_lightning",
@@ -61,7 +62,7 @@ def plan_run_device(train: TrainConfig, *, nproc_per_node: int, fp16: bool = Tru
     if train.hpu_graphs:
         os.environ.setdefault("PT_HPU_LAZY_MODE", "1")  # HPU graphs run in lazy mode only
     plan = plan_device(train.device, train.precision, threads=threads, fp16=fp16)
-    _check_device_options(train, plan.accelerator)
+    check_device_options(train, plan.accelerator)
     if plan.accelerator == "cuda" and train.tf32:
         # fp32 matmuls on TF32 tensor cores (Ampere and newer; a no-op before): what 32-true runs and the fp32 parts
         # of mixed precision want on these GPUs (torch's default is full fp32, "highest").
@@ -69,7 +70,7 @@ def plan_run_device(train: TrainConfig, *, nproc_per_node: int, fp16: bool = Tru
     return plan
 
 
-def _check_device_options(train: TrainConfig, accelerator: str) -> None:
+def check_device_options(train: TrainConfig, accelerator: str) -> None:
     """The `train` options one kind of device only runs, refused elsewhere with the field named."""
     if train.hpu_graphs and accelerator != "hpu":
         raise ConfigError(

@@ -9,7 +9,9 @@ Amdahl over a step: gain = 1 / (1 − share · k).
   expected to be slower counts for nothing, converted or not.
 * k: the fraction of a converted FLOP's time fp8 saves, measured once and held here (`FP8_TIME_SAVED`): Llama 3.2 1B,
   micro-batch 8 × 2048, compiled, tensorwise with the head in fp8 ran at 1.229× bf16's tokens/s on one H200
-  (`benchmarks/results/gpu_shapes_cuda_h200.json`, 2026-11-28), where this module's share is 0.877.
+  (`benchmarks/results/gpu_shapes_cuda_h200.json`, 2026-11-28), where this module's share is 0.877. The two runs
+  came from two separate calls of one lease (bf16 on a cold machine, fp8 on a warm one), not side by side: k is
+  to be measured again side by side (issue #42).
 
 So the model can only say where fp8 cannot pay (share too small), not promise a gain elsewhere: it is fitted on one
 shape of one GPU. Not modelled: a mixture of experts' grouped experts (not `nn.Linear`, never converted), and
