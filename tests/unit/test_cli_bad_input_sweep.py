@@ -158,6 +158,8 @@ FIXED: list[Case] = [
     ("smoke-out-inside-a-file", lambda p: ["smoke", "--out", str(p["a_file"] / "sub")], ("--out:", "which is a file"), ("a_file",)),
     ("repro-out-inside-a-file", lambda p: ["repro", "--out", str(p["a_file"] / "sub"), "--steps", "2"], ("--out:", "which is a file"), ("a_file",)),
     ("tune-trials-jsonl-null", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_null"])], ("trials.jsonl:2: not a trial record", "got 'null'", "delete the line or use a new --out"), ("tune_null",)),
+    # the base config's precision is not a trial's (`--precisions` is): 16-mixed there is no refusal on a CPU
+    ("tune-base-precision-not-a-trials", lambda p: [*_TUNE, *_TUNE_ONE, "--train.precision", "16-mixed", "--out", str(p["tune_null"])], ("trials.jsonl:2: not a trial record",), ("tune_null",)),
     ("tune-trials-jsonl-list", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_list"])], ("trials.jsonl:2: not a trial record", "got '[1, 2]'"), ("tune_list",)),
     ("tune-trials-jsonl-not-utf8", lambda p: [*_TUNE, *_TUNE_ONE, "--out", str(p["tune_bytes"])], ("trials.jsonl:2: not a trial record (byte 0xff at column 1 is not UTF-8)",), ("tune_bytes",)),
     # a 1 MiB budget: without the bound, the space builds and the budget is what is refused

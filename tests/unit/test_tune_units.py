@@ -729,3 +729,13 @@ def test_the_winner_of_a_config_in_epochs_keeps_its_epochs_and_trains_as_written
         None,
         c.global_batch_size,
     )
+
+
+def test_with_hpu_graphs_the_space_holds_no_compiled_trial() -> None:
+    """The run config refuses train.compile with train.hpu_graphs (eager vs lazy mode on Gaudi): no trial of the
+    default grid is one it would refuse, and asking for compile alone is one line."""
+    base = build_run_config(None, [("train.global_batch_size", "4"), ("train.hpu_graphs", "true")])
+    space = build_space(base, world_size=1, strategies=("auto",), threads=(1,))
+    assert space.candidates() and not any(c.compile for c in space.candidates())
+    with pytest.raises(UserInputError, match=r"^--compile: on cannot run with train.hpu_graphs"):
+        build_space(base, world_size=1, strategies=("auto",), compile=True, threads=(1,))

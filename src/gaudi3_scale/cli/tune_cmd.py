@@ -214,7 +214,8 @@ def tune(
     from gaudi3_scale.device.select import check_device_precision
 
     # as `gaudi3 train` does before it starts ranks: a device this machine lacks is one line, not a table of crashes
-    check_device_precision(base.train.device, base.train.precision)
+    # (the device only: each trial runs a precision of the search space, `--precisions`, not the base config's)
+    check_device_precision(base.train.device, "auto")
     from gaudi3_scale.tune.space import build_space
     from gaudi3_scale.tune.tuner import (
         check_memory_budget,

@@ -353,6 +353,14 @@ def build_space(
         raise UserInputError(f"--world-size must be an integer >= 1, got {brief(world_size)}")
     activation_checkpointing = _flag_grid("activation_checkpointing", activation_checkpointing)
     compile = _flag_grid("compile", compile)
+    if config.train.hpu_graphs and True in compile:
+        # refused by the run config: torch.compile runs in eager mode on Gaudi, HPU graphs in lazy mode
+        if compile == (True,):
+            raise UserInputError(
+                "--compile: on cannot run with train.hpu_graphs (torch.compile runs in eager mode on Gaudi, HPU "
+                "graphs in lazy mode); allowed: --compile off, or train.hpu_graphs false"
+            )
+        compile = (False,)
     pipeline = _flag_grid("pipeline", pipeline)
     threads = _threads_grid(threads)
     # one name is a choice of one, not its letters ("ddp" → ("ddp",), as "d", "d", "p" it was refused)
