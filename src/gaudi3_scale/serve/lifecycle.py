@@ -129,9 +129,11 @@ def _shut_down(server: CompletionServer, app: ServeApp, hurry: threading.Event) 
     deadline_s = time.monotonic() + DRAIN_GRACE_S
     server.shutdown()  # serve_forever returns: no connection is accepted any more
     app.engine.stop_accepting()  # so the backlog's requests get 503 shutting_down at once
-    server.answer_backlog()  # closing the listener would reset the connections the kernel holds for us
-    server.socket.close()
-    cancelled = app.engine.close(DRAIN_GRACE_S)
+    try:
+        server.answer_backlog()  # closing the listener would reset the connections the kernel holds for us
+    finally:  # whatever happened there, the listener closes and the drain goes on (the decode loop must end)
+        server.socket.close()
+        cancelled = app.engine.close(DRAIN_GRACE_S)
     while server.open_connections() and time.monotonic() < deadline_s and not hurry.wait(0.02):
         pass  # handlers still writing, or clients still sending their request
     answered_s = time.monotonic() + ANSWER_GRACE_S

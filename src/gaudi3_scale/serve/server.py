@@ -127,7 +127,9 @@ class CompletionServer(ThreadingHTTPServer):
         new connection joins the backlog meanwhile (`_drop_new_connections`); elsewhere at most a backlog's worth
         is accepted, so that clients reconnecting at once cannot keep the listener open. The number accepted."""
         if sys.platform == "linux":
-            _drop_new_connections(self.socket)
+            # a sandbox that refuses socket filters (seccomp): new clients may then be reset, not refused
+            with contextlib.suppress(OSError):
+                _drop_new_connections(self.socket)
         self.socket.setblocking(False)
         for accepted in range(self.request_queue_size):
             try:
