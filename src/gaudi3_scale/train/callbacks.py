@@ -351,9 +351,17 @@ class GracefulInterrupt:
             self.reason = f"{PREEMPTION_SIGNALS[signal.Signals(agreed)]} to rank {first}"
 
     def _flags(self, rank: int, world_size: int) -> list[int]:
-        """This rank's stop flags, all-reduced by MAX: signal, exit code, and world - rank for a rank that received
-        one (so the max names the lowest such rank)."""
-        return [self._received, self._exit_code, world_size - rank if self._received else 0]
+        """This rank's stop flags, all-reduced by MAX: its signal and rank in one number (signal × (world + 1) +
+        world − rank: the max is the highest signal and, of the ranks that received that one, the lowest), and the
+        exit code. `_read_flags` takes them apart."""
+        received = self._received * (world_size + 1) + world_size - rank if self._received else 0
+        return [received, self._exit_code]
+
+    @staticmethod
+    def _read_flags(flags: list[int], world_size: int) -> tuple[int, int, int]:
+        """(signal, exit code, the rank that received it) of all-reduced `_flags`."""
+        signum, rest = divmod(flags[0], world_size + 1)
+        return signum, flags[1], world_size - rest
 
     def _agree(self, device: torch.device, rank: int, world_size: int) -> tuple[int, int, int]:
         """(signal, exit code, the lowest rank that received it), the max over ranks of what each had at the
@@ -369,8 +377,7 @@ class GracefulInterrupt:
         if previous is None:
             return 0, 0, 0
         previous[0].wait()
-        signum, exit_code, first = (int(v) for v in previous[1].tolist())
-        return signum, exit_code, world_size - first
+        return self._read_flags([int(v) for v in previous[1].tolist()], world_size)
 
     def adopt_pending(self, trainer: pl.Trainer) -> bool:
         """After a fit that a spike ended for a rollback: whether any rank holds a stop signal the step boundaries
@@ -384,9 +391,9 @@ class GracefulInterrupt:
                 device=trainer.strategy.root_device,
             )
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            received, exit_code, first = (int(v) for v in flags.tolist())
+            received, exit_code, first = self._read_flags([int(v) for v in flags.tolist()], world)
             if self.signal_name is None:
-                self._name_the_rank(received, world - first)
+                self._name_the_rank(received, first)
         if received and self.signal_name is None:
             # the summary's stop: "interrupted" (a save the stop asked for), its signal or exit code
             self.signal_name = PREEMPTION_SIGNALS[signal.Signals(received)]
