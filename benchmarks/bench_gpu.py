@@ -563,6 +563,10 @@ def main() -> None:
                     "measured_with": measured_with,
                 }
                 _print_cell(summary)
+                stored = results["cells"].get(cell.name)
+                if isinstance(stored, dict) and "loss_after_steps" in stored:
+                    # measured apart (the loss check): a timing rerun (--no-loss) keeps it; a loss check next replaces it
+                    summary.setdefault("loss_after_steps", stored["loss_after_steps"])
                 # A failed cell never replaces a stored good one: that stays, the attempt is kept beside it.
                 keep_good_entry(results["cells"], cell.name, summary, _cell_ok)
                 if not _cell_ok(summary):

@@ -29,7 +29,10 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
                 "peak_source": "measured then"}  # fmt: skip
     old_cell = {"cell": {"name": "tiny-compiled"}, "plain": {"ms_per_step": 7.7}, "gaudi3": {"ms_per_step": 7.7},
                 "ratio_tokens_per_s": 1.0, "measured_with": old_with}  # fmt: skip
-    out.write_text(json.dumps({"cells": {"tiny-compiled": old_cell}}))
+    # ... and this cell's stored fp8 loss check (measured apart) outlives a timing rerun without one (--no-loss)
+    loss_check = {"bf16-mixed": 6.2, "fp8": 6.21, "measured_with": old_with}
+    out.write_text(json.dumps({"cells": {"tiny-compiled": old_cell,
+                                         "tiny-eager": {"cell": {"name": "tiny-eager"}, "loss_after_steps": loss_check}}}))  # fmt: skip
     args = ["--small", "--cells", "tiny-eager", "--repeats", "1", "--measured-steps", "12", "--no-loss"]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=600
@@ -58,7 +61,7 @@ def test_bench_gpu_runs_both_sides_on_cpu(tmp_path: Path) -> None:
     assert result["machine"]["packages"]["torch"] and result["peak_source"].startswith("measured")
     assert cell["measured_with"] == {"machine": result["machine"], "peak_flops": result["peak_flops"],
                                      "peak_source": result["peak_source"]}  # fmt: skip
-    assert result["cells"]["tiny-compiled"] == old_cell
+    assert result["cells"]["tiny-compiled"] == old_cell and cell["loss_after_steps"] == loss_check
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "tiny-eager" in done.stdout and "×" in done.stdout
 

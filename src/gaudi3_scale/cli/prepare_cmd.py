@@ -57,8 +57,9 @@ def run_prepare(
             check_publish_target(url, field="--out")
         local = prepare_dataset(cfg, force=force)
     except ConfigError as exc:
-        flag = _FLAGS.get(exc.field.removeprefix("data."))
-        if flag is None:
-            raise
+        field = exc.field.removeprefix("data.")
+        flag = _FLAGS.get(field)
+        if flag is None or (field == "prepared_dir" and fields["prepared_dir"] is None):
+            raise  # not a flag's (the cache directory, when --out is absent or a URL): the field's own name
         raise ConfigError(flag, exc.problem) from None
     click.echo(publish_prepared(local, url, field="--out") if url else str(local))
