@@ -4,6 +4,7 @@ or world size. One line each, before training."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from gaudi3_scale.distributed.env import inside_launched_worker
 from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import check_budget_left
+from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
@@ -97,6 +99,15 @@ def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
     return run_config(_read_meta(checkpoint))
 
 
+# The model fields' defaults: a field added after a checkpoint was saved held its default there (a new field keeps
+# what older versions did: num_experts None is dense, init_from None trains from scratch).
+_MODEL_DEFAULTS = {
+    field.name: field.default
+    for field in dataclasses.fields(ModelConfig)
+    if field.default is not dataclasses.MISSING
+}
+
+
 def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | None:
     """Refuse to resume a checkpoint trained with another model shape, global batch, dataset or seed, or past the
     config's `train.max_steps` (one line); the checkpoint's step."""
@@ -130,9 +141,17 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | N
     ):
         old, new = saved.get(section, {}), config.get(section, {})
         for key in keys or sorted(set(old) | set(new)):
+            if (
+                key not in old
+                and section == "model"
+                and key in _MODEL_DEFAULTS
+                and new.get(key) == _MODEL_DEFAULTS[key]
+            ):
+                continue  # a field added since the checkpoint was saved, at its default (what the run trained with)
             if old.get(key) != new.get(key):
+                was = repr(old.get(key)) if key in old else "no such field (an older gaudi3-scale)"
                 raise UserInputError(
-                    f"{section}.{key}: the checkpoint was trained with {old.get(key)!r} but the config says "
+                    f"{section}.{key}: the checkpoint was trained with {was} but the config says "
                     f"{new.get(key)!r}; use the original value or a new --out directory"
                 )
     return step if isinstance(step, int) else None
