@@ -59,6 +59,20 @@ def test_the_store_keeps_the_peak_and_the_probes_across_processes(tmp_path: Path
         CalibrationStore(tmp_path / "m.json", machine="m")
 
 
+def test_one_store_is_read_by_older_and_newer_versions_alike(tmp_path: Path) -> None:
+    """Versions before Probe.checkpoint_async_save refuse a field they do not know: it is stored only when
+    recorded; and a field a newer version added is set aside here, not a "damaged store, delete it"."""
+    store = CalibrationStore(tmp_path / "m.json", machine="m")
+    store.add_probe(_probe("a", 0.5))
+    stored = json.loads((tmp_path / "m.json").read_text())
+    assert (
+        "checkpoint_async_save" not in stored["probes"]["a"]
+    )  # not recorded: left out, as older versions wrote it
+    stored["probes"]["a"]["a_field_of_a_newer_version"] = 1
+    (tmp_path / "m.json").write_text(json.dumps(stored))
+    assert CalibrationStore(tmp_path / "m.json", machine="m").probes["a"].step_time_s == 0.5
+
+
 def test_a_short_trial_does_not_replace_a_longer_probe_but_an_explicit_probe_does(tmp_path: Path) -> None:
     from dataclasses import replace
 

@@ -84,6 +84,23 @@ class Probe:
         return f"probe of this layout, from {self.origin}, {self.when()}"
 
 
+# Fields added to Probe after the store's format was first released, left out of the file while "not recorded":
+# one store is then read by the versions before them too (which refuse a field they do not know), on a machine
+# where an older version still runs beside a newer one.
+_ADDED_FIELDS = ("checkpoint_async_save",)
+
+
+def _probe(fields: dict[str, Any]) -> Probe:
+    """A stored probe; fields a newer version added are set aside (this version does not read them)."""
+    known = Probe.__dataclass_fields__
+    return Probe(**{name: value for name, value in fields.items() if name in known})
+
+
+def _probe_fields(probe: Probe) -> dict[str, Any]:
+    """A probe as stored: the fields added since the format's release only where recorded."""
+    return {k: v for k, v in vars(probe).items() if not (k in _ADDED_FIELDS and v is None)}
+
+
 class CalibrationStore:
     def __init__(self, path: Path, *, machine: str) -> None:
         self.path, self.machine = path, machine
@@ -125,7 +142,7 @@ class CalibrationStore:
             )
         try:
             self.peaks = {str(k): dict(v) for k, v in raw.get("peaks", {}).items()}
-            self.probes = {k: Probe(**v) for k, v in raw.get("probes", {}).items()}
+            self.probes = {k: _probe(v) for k, v in raw.get("probes", {}).items()}
         except (ValueError, TypeError, AttributeError) as exc:
             raise CalibrationStoreError(f"{self.path}: damaged calibration store ({exc}); {delete}") from None
 
@@ -135,7 +152,7 @@ class CalibrationStore:
             "format": FORMAT,
             "machine": self.machine,
             "peaks": self.peaks,
-            "probes": {k: vars(p) for k, p in self.probes.items()},
+            "probes": {k: _probe_fields(p) for k, p in self.probes.items()},
         }
         write_text_atomic(self.path, json.dumps(body, indent=1, sort_keys=True) + "\n")
 
