@@ -493,3 +493,27 @@ def test_cli_refused_prepare_leaves_no_directory_or_lock_it_made(
     before = _snapshot(tmp_path)
     _error_line(_run_prepare(tmp_path, str(tmp_path / source), "--out", str(out), "--tokenizer", "char"))
     assert _snapshot(tmp_path) == before  # `new/` and `new/out/` gone again; an existing one as it was
+
+
+def test_a_named_directory_of_another_sources_tokens_is_refused_not_rebuilt(tmp_path: Path) -> None:
+    """`gaudi3 train --data.prepared_dir D` with data.source left at its default, where D holds the prepared tokens
+    of the user's own text (since moved away): one line naming both sources and `--data.source D`; before, D was
+    rebuilt from the bundled corpus and trained on, exit 0, the user's tokens gone. The same for `prepare --out`."""
+    own = _text(tmp_path)
+    out = tmp_path / "prepared"
+    assert _prepare_cli(own, out).returncode == 0
+    own.unlink()  # the text is gone: the prepared tokens are all that is left of it
+    before = _snapshot(out)
+    train = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--data.prepared_dir", str(out), "--out",
+         str(tmp_path / "run"), "--train.max_steps", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    line = _error_line(train)
+    assert line.startswith(f"gaudi3: error: data.prepared_dir: {str(out)!r} holds the prepared tokens of ")
+    assert f"not of 'tinyshakespeare'; train on them with --data.source {out}, or prepare" in line
+    other = tmp_path / "other.txt"
+    other.write_text(SHAKESPEARE[3_000:6_000])
+    line = _error_line(_prepare_cli(other, out))
+    assert line.startswith(f"gaudi3: error: --out: {str(out)!r} holds the prepared tokens of ")
+    assert _snapshot(out) == before

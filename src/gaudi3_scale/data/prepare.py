@@ -149,9 +149,10 @@ def prepare_dataset(
         return _tokenize_into(partial, job)
 
     with _claimed(target):
-        update = plan_update(
-            target, None if force else prepared_manifest(target), settings, fingerprint, source
-        )
+        stored = prepared_manifest(target)
+        if out_dir or cfg.prepared_dir:
+            _check_same_source(target, stored, source, settings)
+        update = plan_update(target, None if force else stored, settings, fingerprint, source)
         if update.action == CURRENT:
             return target
         if update.action == APPEND and append_files(
@@ -210,6 +211,21 @@ def _default_dir(cfg: DataConfig, source: ResolvedSource, settings: dict[str, An
     label = "custom" if is_tokenizer_path(cfg.tokenizer) else cfg.tokenizer
     vocab = f"-{cfg.vocab_size}" if cfg.vocab_size is not None else ""
     return default_cache_dir() / "datasets" / f"{source.name}-{label}{vocab}-{_sha256_json(key)[:10]}"
+
+
+def _check_same_source(
+    target: Path, stored: Manifest | None, source: ResolvedSource, settings: dict[str, Any]
+) -> None:
+    """A directory named for the prepared tokens (data.prepared_dir, `prepare --out`) that holds those of another
+    source is refused, not rebuilt from this one: its text may be gone (the cache directory's names carry their
+    source, so only a named directory can meet another's). Its files changing, or the settings, still rebuild."""
+    if stored is None or stored.settings.get("source") in (None, settings["source"]):
+        return
+    raise ConfigError(
+        "data.prepared_dir",
+        f"{str(target)!r} holds the prepared tokens of {stored.source_spec!r}, not of {source.spec!r}; train on "
+        f"them with --data.source {target}, or prepare into another directory (delete this one to rebuild it)",
+    )
 
 
 def _check_not_foreign(target: Path) -> None:
