@@ -131,7 +131,7 @@ def test_new_characters_or_trained_tokenizer_rebuild(
     assert load_prepared(out).vocab_size == len(set(SHAKESPEARE[:60_000]) | set("naïve ✓\n"))
 
 
-def test_format_1_manifest_still_loads(tmp_path: Path) -> None:
+def test_format_1_manifest_still_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = tmp_path / "t.txt"
     src.write_text(SHAKESPEARE[:5_000])
     out = prepare(src, tmp_path / "out", shard_mb=64)
@@ -154,7 +154,14 @@ def test_format_1_manifest_still_loads(tmp_path: Path) -> None:
         load_manifest(out)
     raw["shards"][0]["file"] = "train.bin"
     (out / "manifest.json").write_text(json.dumps(raw))
-    prepare(src, out, shard_mb=64)  # an old format-1 dataset is rebuilt as format 2, its train.bin removed
+    with caplog.at_level(logging.WARNING, logger="gaudi3_scale.data.prepare"):
+        prepare(
+            src, out, shard_mb=64
+        )  # an old format-1 dataset is rebuilt as format 2, its train.bin removed
+    assert (
+        f"rebuilding {out}: prepared in layout 1 by another gaudi3-scale version, this one reads layout 2"
+        in (caplog.text)
+    )  # said, not silent: an older version sharing the cache rebuilds it back
     assert sorted(p.name for p in out.glob("*.bin")) == ["train-00000.bin", "val-00000.bin"]
     assert load_manifest(out).format_version == 2
 

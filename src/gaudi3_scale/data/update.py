@@ -81,7 +81,13 @@ def plan_update(
     fingerprint: str,
     source: ResolvedSource,
 ) -> Update:
-    if manifest is None or manifest.format_version != FORMAT_VERSION:  # an older layout is rebuilt as the new
+    if manifest is None:
+        return Update(REBUILD)
+    if manifest.format_version != FORMAT_VERSION:  # an older layout is rebuilt as the new
+        log.warning(
+            "rebuilding %s: prepared in layout %s by another gaudi3-scale version, this one reads layout %s",
+            target, manifest.format_version, FORMAT_VERSION,
+        )  # fmt: skip
         return Update(REBUILD)
     if manifest.fingerprint == fingerprint:
         return Update(CURRENT)
