@@ -199,8 +199,7 @@ def measure_h2d_gbps(device: Any, *, size_bytes: int = 256 * 2**20, repeats: int
 def write_result(result: dict[str, Any], path: Path) -> None:
     """Validate, then write atomically (temp file + rename): a reader never sees half a result."""
     validate_result(result, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
+    write_json_atomic(path, result)
 
 
 def print_result(result: dict[str, Any], stream: TextIO | None = None) -> None:

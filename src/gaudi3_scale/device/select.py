@@ -211,6 +211,7 @@ _HPU_NAME = (
 )
 
 
+@functools.cache  # one child process per process: the card does not change, and each start loads Habana's runtime
 def detected_hpu_name(*, timeout_s: float = 120.0) -> str | None:
     """The name of this node's Gaudi (`torch.hpu.get_device_name()`, e.g. "GAUDI3"), or None when none is usable
     here; asked of a child process, only where `gaudi_present`. A child that fails or hangs counts as no Gaudi

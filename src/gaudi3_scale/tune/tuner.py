@@ -58,9 +58,8 @@ def default_memory_budget(device: str, world_size: int, target_utilization: floa
         import torch
 
         total = torch.cuda.get_device_properties(0).total_memory
-    elif (
-        device == "hpu"
-    ):  # this node's Gaudi (2 and 3 differ: 96 vs 128 GB); not yet validated on Gaudi hardware
+    elif device == "hpu":
+        # this node's Gaudi (2 and 3 differ: 96 vs 128 GB); not yet validated on Gaudi hardware
         from gaudi3_scale.device.select import detected_hpu_name
         from gaudi3_scale.device.specs import find_accelerator
 
