@@ -19,7 +19,7 @@ ROOT = Path(gaudi3_scale.__file__).parent
 # The one layer table: a package (or a root-level module) may import its own layer and the ones below it.
 # A root-level module is named by its file stem; "gaudi3_scale" is the package's own __init__.
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["config", "lazy", "document", "process_exit"], 0),
+    **dict.fromkeys(["config", "lazy", "document", "process_exit", "source"], 0),
     **dict.fromkeys(["device", "storage"], 1),  # storage: fsspec URLs, for data and checkpoint
     **dict.fromkeys(["models", "data", "distributed", "checkpoint", "monitor", "metering", "health"], 2),
     **dict.fromkeys(["lightning_hook"], 2),  # registers distributed.lightning_ns when Lightning is imported

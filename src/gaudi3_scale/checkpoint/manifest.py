@@ -75,7 +75,11 @@ def read_pointer(pointer: Path) -> str | None:
 
 
 def library_versions() -> dict[str, str]:
+    """The versions a checkpoint was written with; `gaudi3-scale-commit` the source tree's commit when the package
+    runs from a git checkout (its version alone does not tell two checkouts apart)."""
     from importlib.metadata import PackageNotFoundError, version
+
+    from gaudi3_scale.source import source_revision
 
     versions = {"python": platform.python_version()}
     for name in ("gaudi3-scale", "torch", "lightning", "deepspeed"):
@@ -83,6 +87,8 @@ def library_versions() -> dict[str, str]:
             versions[name] = version(name)
         except PackageNotFoundError:
             continue
+    if (revision := source_revision()) is not None:
+        versions["gaudi3-scale-commit"] = revision
     return versions
 
 
@@ -166,6 +172,11 @@ def _schema_problem(manifest: Any) -> str | None:
     for key in _OPTIONAL_STRS:
         if manifest.get(key) is not None and not isinstance(manifest[key], str):
             return f"malformed {MANIFEST_NAME}: {key} is {brief(manifest[key])}, not a string"
+    semantics = manifest.get("model_semantics")
+    if semantics is not None and (
+        not isinstance(semantics, list) or not all(isinstance(name, str) for name in semantics)
+    ):
+        return f"malformed {MANIFEST_NAME}: model_semantics is {brief(semantics)}, not a list of names"
     loss = manifest.get("val_loss")
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
         return f"malformed {MANIFEST_NAME}: val_loss is {brief(loss)}, not a number"
