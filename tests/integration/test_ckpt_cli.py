@@ -149,10 +149,10 @@ def _flip(path: Path) -> None:
 
 
 def test_a_refused_resume_changes_nothing_in_the_run(run_dir: Path, gaudi3_cli: Cli) -> None:
-    """Refusals that need the dataset (its tokenizer's vocabulary) or the checkpoint's sampler (the seed) come after
-    the data is open: the run's config, tokenizer and checkpoints are still the ones it trained with."""
+    """Another tokenizer or seed is refused before the data is opened (it names the field that was changed, not
+    the vocabulary it would change): the run's config, tokenizer and checkpoints are still the ones it trained with."""
     before = _snapshot(run_dir)
-    for args, field in [(("--data.tokenizer", "byte"), "model.vocab_size"), (("--seed", "1"), "seed")]:
+    for args, field in [(("--data.tokenizer", "byte"), "data.tokenizer"), (("--seed", "1"), "seed")]:
         code, _, stderr = gaudi3_cli(*TRAIN, "--out", str(run_dir), "--train.max_steps", "6", *args)
         assert code == 2 and stderr.count("\n") == 1 and stderr.startswith(f"gaudi3: error: {field}: "), (
             stderr

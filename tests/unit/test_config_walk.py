@@ -23,6 +23,7 @@ ROOT = Path(gaudi3_scale.__file__).parent
 MAY_SEE_THE_RUN_CONFIG = {
     "gaudi3_scale.cli.train_cmd",
     "gaudi3_scale.config.core",
+    "gaudi3_scale.train.config",  # the RunConfig's own module: config_dict, its file form
     "gaudi3_scale.train.worker",
     "gaudi3_scale.train.trainer",
     "gaudi3_scale.train.parts",

@@ -39,6 +39,7 @@ __all__ = [
     "MODEL_PREFIX",
     "OPTIMIZER_STATES_KEY",
     "RNG_KEY",
+    "SEMANTICS_KEY",
     "STATE_DICT_KEY",
     "TIER_KEY",
     "TOKENIZER_SHA256_KEY",
@@ -77,6 +78,9 @@ DATA_SHA256_KEY = "data_sha256"  # the tokens trained on (data.manifest.tokens_s
 # The tokenizer they were made with (data.tokenizers.tokenizer_sha256); generate, serve and export refuse another.
 TOKENIZER_SHA256_KEY = "tokenizer_sha256"
 COST_KEY = "cost_usd"  # the run's accrued cost in USD
+# The changes to what the models compute that the run computed with (models.semantics): a resume by a newer version
+# names the ones its checkpoint lacks.
+SEMANTICS_KEY = "model_semantics"
 # A light checkpoint (checkpoint.light_every_steps) holds the weights, counters, run config and these entries, but
 # no optimizer, scheduler, RNG or sampler state: it can be exported or served, never resumed. Full ones omit the key.
 TIER_KEY = "tier"

@@ -59,8 +59,10 @@ def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
 
     try:
         from gaudi3_scale.forecast.run import forecast_for_training
+        from gaudi3_scale.train.preflight import check_resume_config
         from gaudi3_scale.tune.estimate_table import resolved_model
 
+        check_resume_config(cfg)  # a resume the run will refuse opens no dataset for its forecast
         forecast = forecast_for_training(cfg, resolved_model(cfg.model, cfg.data)).as_dict()
     except CalibrationStoreError as exc:  # input of the forecast's alone: the run never reads the store
         click.echo(f"gaudi3: note: no forecast for this run ({exc})", err=True)

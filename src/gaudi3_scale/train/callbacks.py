@@ -23,6 +23,7 @@ from rich.console import Console
 from gaudi3_scale.checkpoint.checkpointer import Checkpointer
 from gaudi3_scale.checkpoint.contents import (
     DATA_SHA256_KEY,
+    SEMANTICS_KEY,
     TOKENIZER_SHA256_KEY,
 )
 from gaudi3_scale.checkpoint.manager import (
@@ -31,6 +32,7 @@ from gaudi3_scale.checkpoint.manager import (
 )
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
+from gaudi3_scale.models.semantics import model_semantics
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -165,6 +167,7 @@ class StepCheckpoint:
             "config_sha256": self.config_sha256,
             DATA_SHA256_KEY: self.data_sha256,
             TOKENIZER_SHA256_KEY: self.tokenizer_sha256,
+            SEMANTICS_KEY: model_semantics(),
             # The newest validation so far (it may have run a few steps before this checkpoint).
             "val_loss": self.metrics.latest.get("val_loss") if self.metrics is not None else None,
             "val_loss_step": self.metrics.latest.get("val_loss_step") if self.metrics is not None else None,

@@ -2,9 +2,10 @@
 the ranks: one line instead of one per rank) and `GaudiTrainer.fit` (every process, also without our launcher).
 
 `check_run_inputs` runs before any data work; `resume_point` picks the checkpoint to resume from and refuses one
-this run cannot continue (its layout, DeepSpeed partitions, budget, spot price). The model section and the prepared
-data are compared with the checkpoint later, in the trainer, once the dataset is prepared
-(`train.resume.check_resume_compatible` / `check_resume_data`).
+this run cannot continue (its model, global batch, dataset names and seed as configured, its layout, DeepSpeed
+partitions, budget, spot price). The model fields the dataset resolves and the prepared data itself are compared
+with the checkpoint later, in the trainer, once the dataset is open (`train.resume.check_resume_compatible` /
+`check_resume_data`).
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from pathlib import Path
 
 from gaudi3_scale.checkpoint.manager import LATEST_NAME, checkpoint_directory
 from gaudi3_scale.checkpoint.reader import read_checkpoint
-from gaudi3_scale.config.core import to_dict
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config, check_resume_spot_price
 from gaudi3_scale.monitor.config import check_trackers
-from gaudi3_scale.train.config import RunConfig
+from gaudi3_scale.train.config import RunConfig, config_dict
 from gaudi3_scale.train.resume import (
     check_resume_budget,
+    check_resume_compatible,
     check_resume_layout,
     check_resume_strategy,
+    local_resume_candidate,
     resume_checkpoint,
+    saved_run_config,
 )
 
-__all__ = ["check_run_inputs", "resume_point"]
+__all__ = ["check_resume_config", "check_run_inputs", "resume_point"]
 
 
 def check_run_inputs(cfg: RunConfig) -> None:
@@ -79,16 +82,39 @@ def _check_not_foreign(out_dir: Path) -> None:
         )
 
 
-def resume_point(cfg: RunConfig, *, warn: Callable[[str], None] | None = None) -> Path | None:
+def check_resume_config(cfg: RunConfig) -> None:
+    """Refuse, with `check_resume_compatible`'s line, a resume whose local checkpoint was trained with another
+    model, global batch, dataset or seed than `cfg` says, before anything opens the dataset (`gaudi3 train`'s
+    forecast resolves the vocabulary from it: a resume refused later would have prepared and cached another dataset
+    first). The checkpoint's files are not checked here: one that cannot be read passes, for `resume_point` to
+    verify and name."""
+    candidate = local_resume_candidate(cfg)
+    if candidate is None:
+        return
+    try:
+        saved_run_config(candidate)
+    except Exception:  # damaged or unreadable: resume_point verifies it and says what is wrong
+        return
+    check_resume_compatible(candidate, config_dict(cfg), before_data=True)
+
+
+def resume_point(
+    cfg: RunConfig, *, warn: Callable[[str], None] | None = None, own_model: bool = True
+) -> Path | None:
     """The checkpoint this run resumes from (`train.resume`), or None; refused with one line when it is a single
-    file and `parallel` a pipeline, its DeepSpeed layout does not match `parallel`, its run already spent
+    file and `parallel` a pipeline, the checkpoint was trained with another model, global batch, dataset or seed
+    (`own_model`: the registry model on the run's dataset; the fields the data resolves are compared later, in the
+    trainer), its DeepSpeed layout does not match `parallel`, its run already spent
     `cost.budget_usd` (`BudgetExhaustedError`, exit 3) or the spot price is still above
     `cost.spot_pause_above_usd_per_hour` (`SpotPausedError`, exit 4: a paused run restarted by its launcher, or
     rerun by hand too early, trains nothing at that price)."""
     ckpt = resume_checkpoint(cfg, warn=warn)
     if ckpt is not None:
-        parallel = to_dict(cfg)["parallel"]
+        config = config_dict(cfg)  # train.max_steps null while train.max_epochs awaits the data
+        parallel = config["parallel"]
         check_resume_layout(ckpt, parallel)  # from the manifest: before the state is read
+        if own_model:  # before the dataset is prepared: a refused resume builds no cache
+            check_resume_compatible(ckpt, config, before_data=True)
         check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), parallel)
         check_resume_budget(cfg.cost, ckpt)
         check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)

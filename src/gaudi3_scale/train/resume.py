@@ -33,6 +33,7 @@ from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.metering.config import CostConfig
 from gaudi3_scale.metering.live import check_budget_left
 from gaudi3_scale.models import ModelConfig
+from gaudi3_scale.models.semantics import changes_missing_from
 from gaudi3_scale.train.config import RunConfig
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "check_resume_compatible",
     "check_resume_data",
     "check_resume_layout",
+    "check_resume_semantics",
     "check_resume_strategy",
+    "local_resume_candidate",
     "resume_checkpoint",
     "resume_manifest",
     "saved_run_config",
@@ -62,11 +65,23 @@ def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
 
 def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
     """The manifest of the checkpoint `train.resume` will most likely take (its `step`, accrued `cost_usd` …),
-    read without checking the checkpoint's files: `auto`'s `latest` pointer target, else its newest committed
-    checkpoint, else (nothing local) the one `checkpoint.remote_url` would give; a named checkpoint or run
-    directory's own. None for a fresh start (`never`, nothing saved yet). For what a run predicts of itself before
-    it starts (`gaudi3 train`'s forecast), never for what it resumes: that is `resume_checkpoint`, which verifies,
-    may skip to an older one, and downloads the remote copy."""
+    read without checking the checkpoint's files: `local_resume_candidate`'s, else (nothing local) the one
+    `checkpoint.remote_url` would give. None for a fresh start (`never`, nothing saved yet). For what a run predicts
+    of itself before it starts (`gaudi3 train`'s forecast), never for what it resumes: that is `resume_checkpoint`,
+    which verifies, may skip to an older one, and downloads the remote copy."""
+    if (found := local_resume_candidate(cfg)) is not None:
+        return read_manifest(found)
+    if cfg.train.resume == "auto" and cfg.checkpoint.remote_url:
+        from gaudi3_scale.checkpoint.storage import remote_manifest
+
+        return remote_manifest(cfg.checkpoint.remote_url)
+    return None
+
+
+def local_resume_candidate(cfg: RunConfig) -> Path | None:
+    """The local checkpoint directory `train.resume` will most likely take, its files unchecked: `auto`'s `latest`
+    pointer target, else its newest committed checkpoint; a named checkpoint or run directory's own. None for a
+    fresh start, or nothing committed here."""
     resume = cfg.train.resume
     if resume == "never":
         return None
@@ -76,16 +91,11 @@ def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:
         directory = checkpoint_directory(resume)
         if not directory.is_dir():
             return None
-        if (found := read_manifest(directory)) is not None:
-            return found
+        if read_manifest(directory) is not None:
+            return directory
         directory = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
-    manifests = (read_manifest(path) for path in CheckpointManager(directory).resume_order())
-    found = next((manifest for manifest in manifests if manifest is not None), None)
-    if found is None and resume == "auto" and cfg.checkpoint.remote_url:
-        from gaudi3_scale.checkpoint.storage import remote_manifest
-
-        found = remote_manifest(cfg.checkpoint.remote_url)
-    return found
+    candidates = CheckpointManager(directory).resume_order()
+    return next((path for path in candidates if read_manifest(path) is not None), None)
 
 
 def _read_meta(checkpoint: Path) -> dict[str, Any]:
@@ -108,9 +118,18 @@ _MODEL_DEFAULTS = {
 }
 
 
-def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | None:
+# The model fields a run resolves from its dataset (the tokenizer's vocabulary, the device's padding): a config
+# compared before the data is opened leaves them null.
+_RESOLVED_FROM_DATA = ("vocab_size", "pad_vocab_to_multiple")
+
+
+def check_resume_compatible(
+    checkpoint: Path, config: dict[str, Any], *, before_data: bool = False
+) -> int | None:
     """Refuse to resume a checkpoint trained with another model shape, global batch, dataset or seed, or past the
-    config's `train.max_steps` (one line); the checkpoint's step."""
+    config's `train.max_steps` (one line); the checkpoint's step. `before_data`: `config` is the run's as given,
+    before its dataset is opened (`train.preflight.resume_point`: a refused resume prepares no data), so the model
+    fields the data resolves are compared only where the config sets them; the trainer compares them all later."""
     ckpt = _read_meta(checkpoint)
     check_resume_strategy(ckpt, config.get("parallel", {}))
     step, max_steps = ckpt.get("global_step"), config.get("train", {}).get("max_steps")
@@ -148,6 +167,8 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | N
                 and new.get(key) == _MODEL_DEFAULTS[key]
             ):
                 continue  # a field added since the checkpoint was saved, at its default (what the run trained with)
+            if before_data and section == "model" and key in _RESOLVED_FROM_DATA and new.get(key) is None:
+                continue
             if old.get(key) != new.get(key):
                 was = repr(old.get(key)) if key in old else "no such field (an older gaudi3-scale)"
                 raise UserInputError(
@@ -155,6 +176,22 @@ def check_resume_compatible(checkpoint: Path, config: dict[str, Any]) -> int | N
                     f"{new.get(key)!r}; use the original value or a new --out directory"
                 )
     return step if isinstance(step, int) else None
+
+
+def check_resume_semantics(checkpoint: Path, warn: Callable[[str], None]) -> None:
+    """Say which changes to what the model computes (`models.semantics`) the checkpoint's run did not have, where
+    they make a difference to its model: the resume continues on the objective this version computes, and its
+    logged loss may step there. Checkpoints that predate storing the run config pass in silence."""
+    saved = saved_run_config(checkpoint)
+    manifest = read_manifest(checkpoint_directory(checkpoint))
+    if saved is None or manifest is None:
+        return
+    name = checkpoint_directory(checkpoint).name
+    for change in changes_missing_from(manifest, saved.get("model") or {}):
+        warn(
+            f"the checkpoint {name} was written before {change.since}, when {change.what} came in: "
+            f"{change.effect(saved.get('model') or {})}"
+        )
 
 
 def check_resume_data(

@@ -59,7 +59,7 @@ from gaudi3_scale.train.nodes import NodesCheck
 from gaudi3_scale.train.parts import build_after_step
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
 from gaudi3_scale.train.report import read_metrics, write_run_report
-from gaudi3_scale.train.resume import check_resume_compatible, check_resume_data
+from gaudi3_scale.train.resume import check_resume_compatible, check_resume_data, check_resume_semantics
 from gaudi3_scale.train.rollback import Rollback, guard_stop, plan_rollback
 from gaudi3_scale.train.run_lock import run_directory_lock
 from gaudi3_scale.train.services import start_services
@@ -347,7 +347,8 @@ class GaudiTrainer:
     ) -> dict[str, Any]:
         """Fit; after a spike that asks for a rollback (`train.rollback`), fit again in this process from the
         checkpoint it restores, with its batches skipped, until a fit ends without one."""
-        ckpt_path = resume_point(self.config, warn=self._warn)  # refused before any data work or file written
+        # refused before any data work or file written
+        ckpt_path = resume_point(self.config, warn=self._warn, own_model=model is None)
         rollback: Rollback | None = None
         while True:
             outcome = self._fit_once(model, datamodule, ckpt_path, started, rollback)
@@ -466,6 +467,7 @@ class GaudiTrainer:
             finished = step is not None and step == self.config.train.max_steps
             allow_change = self.config.train.allow_data_change
             check_resume_data(ckpt_path, self._data_sha256, allow_change=allow_change, warn=self._warn)
+            check_resume_semantics(ckpt_path, self._warn)
         if self.progress:
             self.console.print(f"resuming from {ckpt_path}")
         return finished
