@@ -107,3 +107,43 @@ def test_gaudi_strategies_are_exactly_those_built_there() -> None:
             with pytest.raises(ConfigError, match=rf"^parallel\.strategy: {name} is not available on Gaudi"):
                 build_strategy(plan, batch, accelerator="hpu")
     assert not any(s.startswith("deepspeed") for s in supported_strategies("hpu"))
+
+
+def test_torch_compile_on_gaudi_takes_habanas_backend() -> None:
+    """On hpu the run's plan names Habana's TorchDynamo backend (Inductor's kernels do not run on Gaudi), and
+    `parallelize` hands the plan's backend to torch.compile. Without Gaudi here: the device plan is given (it says
+    hpu) and a recording backend stands in for Habana's. Not yet validated on Gaudi hardware."""
+    code = """
+import torch, torch._dynamo
+from gaudi3_scale.device.select import DevicePlan
+from gaudi3_scale.distributed.parallelize import build_parallelized
+from gaudi3_scale.train.config import build_run_config
+from gaudi3_scale.train.trainer import GaudiTrainer
+import dataclasses
+
+cfg = build_run_config(None, [("model.name", "llama-tiny"), ("model.num_layers", "1"), ("train.compile", "true")])
+plans = {}
+for accelerator in ("hpu", "cuda", "cpu"):
+    trainer = GaudiTrainer(cfg)
+    trainer.device_plan = DevicePlan(accelerator=accelerator, precision="bf16-mixed", device_name="x",
+                                     peak_flops=None, peak_source="")
+    plans[accelerator] = trainer._plans()[1].compile_backend
+print(plans)
+graphs = []
+def recording(gm, inputs):
+    graphs.append(gm)
+    return gm.forward
+torch._dynamo.register_backend(recording, name="gaudi3_test_recording")
+plan = dataclasses.replace(trainer._plans()[1], compile_backend="gaudi3_test_recording")
+model_cfg = dataclasses.replace(cfg.model, vocab_size=65)
+from gaudi3_scale.train.module import next_token_loss
+built = build_parallelized(model_cfg, plan, seed=0, loss=next_token_loss)
+tokens = torch.randint(0, 65, (2, 16))
+built.loss_fn(tokens, tokens).backward()
+print(len(graphs) > 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2] == "{'hpu': 'hpu_backend', 'cuda': 'inductor', 'cpu': 'inductor'}"
+    assert lines[-1] == "True"

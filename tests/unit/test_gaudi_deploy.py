@@ -50,7 +50,10 @@ def test_k8s_and_onprem_gaudi_renders_train_on_hpu_and_say_not_validated(tmp_pat
          "auto (rendered as hpu)"),
         ("parallel:\n  strategy: deepspeed_zero2\n", "parallel.strategy: deepspeed_zero2 is not available on Gaudi"),
         ("  compile: true\n  compile_mode: reduce-overhead\n", "train.compile_mode: reduce-overhead captures CUDA "
-         "graphs, which need a CUDA device, but this run trains on hpu"),
+         "graphs, which need a CUDA device, but this run trains on hpu; allowed here: default\n"),
+        ("  compile: true\n  compile_mode: max-autotune\n", "train.compile_mode: max-autotune tunes Inductor's "
+         "kernels, and torch.compile on Intel Gaudi runs Habana's graph compiler (hpu_backend); allowed there: "
+         "default\n"),
     ],
 )  # fmt: skip
 def test_a_config_the_trainer_refuses_on_hpu_is_refused_at_render(

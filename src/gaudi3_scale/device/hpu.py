@@ -13,6 +13,7 @@ from gaudi3_scale.config.errors import UserInputError
 
 __all__ = [
     "DOCUMENTED_HPU_ENV",
+    "HPU_COMPILE_BACKEND",
     "apply_hpu_environment",
     "apply_hpu_graphs",
     "hpu_available",
@@ -29,6 +30,12 @@ __all__ = [
 # optimum-habana READMEs set. Internal bridge flags (PT_HPU_POOL_STRATEGY, PT_HPU_ENABLE_WEIGHT_CPU_PERMUTE: in the
 # bridge's source, not in its documentation) are never set, nor invented names
 # such as PT_HPU_ENABLE_LAZY_COMPILATION or PT_HPU_GRAPH_COMPILER_OPT_LEVEL. Not yet validated on Gaudi hardware.
+# torch.compile's backend on Gaudi: Habana's graph compiler, registered with TorchDynamo when habana_frameworks.torch
+# is imported (docs.habana.ai "Getting Started with Training on Intel Gaudi", its eager-mode + torch.compile
+# example: `torch.compile(model, backend="hpu_backend")`; Hugging Face's TrainingArguments pick it on HPU). Inductor,
+# the default backend, generates Triton or C++ kernels, which Gaudi does not run. Not yet validated on Gaudi hardware.
+HPU_COMPILE_BACKEND = "hpu_backend"
+
 DOCUMENTED_HPU_ENV = {
     "PT_HPU_LAZY_MODE": "1 = lazy (legacy) mode, 0 = eager + torch.compile (default in current releases)",
     "PT_HPU_ENABLE_LAZY_COLLECTIVES": "required for HPU graphs with multi-card collectives",

@@ -90,15 +90,16 @@ def parallelize(
         # loss inside, 68.1 ms and 15.1 GB, as fast as nanoGPT's train.py. torch.compile traces at the first call,
         # so it sees the model as laid out here, HPU graphs and FSDP included.
         mode = None if plan.compile_mode == "default" else plan.compile_mode
+        backend = plan.compile_backend  # Inductor, or Habana's graph compiler on Gaudi (device.hpu)
         if plan.pipelined:
             # A pipeline's schedule runs the stage module itself, micro-batch by micro-batch, between its sends
             # and receives, and computes the loss apart: each block is compiled on its own (nn.Module.compile: the
             # parameter names, and so checkpoints, stay those of the whole model), as torchtitan compiles the
             # blocks of its pipeline stages. The embeddings, the final norm and the head run eagerly.
             for block in find_blocks(model):
-                block.compile(mode=mode)
+                block.compile(mode=mode, backend=backend)
         else:
-            loss_fn = torch.compile(loss_fn, mode=mode)
+            loss_fn = torch.compile(loss_fn, mode=mode, backend=backend)
     if plan.shards_parameters:
         if mesh is None:
             raise ValueError(f"{plan.strategy} shards over a device mesh; the strategy provides it")

@@ -150,6 +150,8 @@ class ParallelPlan:
     activation_checkpointing: bool = False
     compile: bool = False
     compile_mode: str = "default"
+    # TorchDynamo's backend for `compile`: Inductor, or Habana's on Gaudi (device.hpu.HPU_COMPILE_BACKEND)
+    compile_backend: str = "inductor"
     float8: Float8Plan | None = None
     hpu_graphs: bool = False
     bf16_params: bool = False

@@ -77,10 +77,17 @@ def check_device_options(train: TrainConfig, accelerator: str) -> None:
             "train.hpu_graphs", f"needs Intel Gaudi (train.device hpu), but this run trains on {accelerator}"
         )
     if train.compile_mode == "reduce-overhead" and accelerator != "cuda":
+        allowed = "default" if accelerator == "hpu" else "default, max-autotune, max-autotune-no-cudagraphs"
         raise ConfigError(
             "train.compile_mode",
             f"reduce-overhead captures CUDA graphs, which need a CUDA device, but this run trains on "
-            f"{accelerator}; allowed here: default, max-autotune, max-autotune-no-cudagraphs",
+            f"{accelerator}; allowed here: {allowed}",
+        )
+    if train.compile and train.compile_mode != "default" and accelerator == "hpu":
+        raise ConfigError(
+            "train.compile_mode",
+            f"{train.compile_mode} tunes Inductor's kernels, and torch.compile on Intel Gaudi runs Habana's graph "
+            "compiler (hpu_backend); allowed there: default",
         )
 
 

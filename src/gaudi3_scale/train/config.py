@@ -33,6 +33,7 @@ from gaudi3_scale.config.numbers import check_seed
 from gaudi3_scale.config.urls import check_no_credentials
 from gaudi3_scale.data.config import DataConfig
 from gaudi3_scale.device.float8 import Float8Plan
+from gaudi3_scale.device.hpu import HPU_COMPILE_BACKEND
 from gaudi3_scale.distributed.config import ParallelConfig
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan, data_parallel_size
 from gaudi3_scale.distributed.stages import check_pipeline
@@ -183,16 +184,23 @@ class RunConfig:
         )
 
     def parallel_plan(
-        self, world_size: int | None = None, *, float8: bool = False, bf16_mixed: bool = False
+        self,
+        world_size: int | None = None,
+        *,
+        float8: bool = False,
+        bf16_mixed: bool = False,
+        accelerator: str | None = None,
     ) -> ParallelPlan:
-        """What is applied to the model and which strategy runs it, resolved for `world_size` ranks; `float8` and
-        `bf16_mixed` come from the device plan (`device.plan_device`), the float8 recipe and head from `train`."""
+        """What is applied to the model and which strategy runs it, resolved for `world_size` ranks; `float8`,
+        `bf16_mixed` and the `accelerator` it runs on come from the device plan (`device.plan_device`; on Gaudi
+        torch.compile takes Habana's backend), the float8 recipe and head from `train`."""
         plan = ParallelPlan.build(
             strategy=self.parallel.strategy,
             world_size=world_size or self.parallel.world_size,
             activation_checkpointing=self.parallel.activation_checkpointing,
             compile=self.train.compile,
             compile_mode=self.train.compile_mode,
+            compile_backend=HPU_COMPILE_BACKEND if accelerator == "hpu" else "inductor",
             float8=self.float8_plan() if float8 else None,
             hpu_graphs=self.train.hpu_graphs,
             tp_size=self.parallel.tp_size,

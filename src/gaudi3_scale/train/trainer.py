@@ -247,7 +247,10 @@ class GaudiTrainer:
             self._resolved_plans = (
                 self.config.batch_plan(world),
                 self.config.parallel_plan(
-                    world, float8=device.float8, bf16_mixed=device.precision.startswith("bf16-mixed")
+                    world,
+                    float8=device.float8,
+                    bf16_mixed=device.precision.startswith("bf16-mixed"),
+                    accelerator=device.accelerator,
                 ),
             )
         return self._resolved_plans
