@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,17 +56,35 @@ class _Record(pl.Callback):
 
 
 class _Outage(pl.Callback):
-    """Stops the store after `at_step` and starts it again `seconds` later, from another thread."""
+    """Stops the store after `at_step` and starts it again, from another thread, once training has stalled on it:
+    no batch has ended for `stall_s` (the loader waits for a shard the store cannot give) and the store has been
+    down for `seconds` at least. Restarting on a clock alone let a slow, contended machine train through the whole
+    outage on shards it already held, and the wait it checks never happened. `give_up_s`: restarted whatever."""
 
-    def __init__(self, server: S3Server, at_step: int, seconds: float) -> None:
+    def __init__(
+        self, server: S3Server, at_step: int, seconds: float, stall_s: float = 2.0, give_up_s: float = 60.0
+    ) -> None:
         self.server, self.at_step, self.seconds = server, at_step, seconds
+        self.stall_s, self.give_up_s = stall_s, give_up_s
         self.thread: threading.Thread | None = None
+        self.last_batch_end_s = time.monotonic()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.last_batch_end_s = time.monotonic()
         if trainer.global_step == self.at_step and self.thread is None:
             self.server.stop()
-            self.thread = threading.Timer(self.seconds, self.server.start)
+            self.thread = threading.Thread(target=self._restart_after_a_stall, daemon=True)
             self.thread.start()
+
+    def _restart_after_a_stall(self) -> None:
+        stopped = time.monotonic()
+        while True:
+            now = time.monotonic()
+            stalled = now - self.last_batch_end_s >= self.stall_s and now - stopped >= self.seconds
+            if stalled or now - stopped >= self.give_up_s:
+                break
+            time.sleep(0.05)
+        self.server.start()
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +134,7 @@ def test_streamed_training_reads_the_local_stream_through_a_small_cache_and_an_o
     )
     assert diff is None
     cache = summary["data_cache"]
-    # It waited for the store (the 3 s outage fell where new shards were needed every few steps) and evicted.
+    # It waited for the store (the outage lasted until training stalled on it) and evicted.
     assert cache["shards_fetched"] > 8 and cache["evictions"] > 0 and cache["fetch_wait_s"] > 1.0, cache
     cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.bin"))
     assert cached <= cache_gib * 2**30 < sum(s.size_bytes for s in manifest.shards)
