@@ -113,6 +113,9 @@ def test_a_fed_run_records_how_its_save_was_made_and_the_store_keeps_it(tmp_path
                "peak_memory_bytes": 10, "checkpoint_blocking_s": [0.2, 0.3]}  # fmt: skip
     saved = probe_from_summary(summary, shape, val_batches=2, async_save=True)
     assert (saved.checkpoint_s, saved.checkpoint_async_save) == (0.3, True)
+    # a summary since the list holds the newest saves only: the longest of all of them is its own field
+    longest = probe_from_summary({**summary, "checkpoint_blocking_max_s": 0.9}, shape, val_batches=2)
+    assert longest.checkpoint_s == 0.9
     unsaved = probe_from_summary(
         {**summary, "checkpoint_blocking_s": []}, shape, val_batches=2, async_save=True
     )

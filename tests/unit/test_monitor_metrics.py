@@ -169,7 +169,9 @@ def test_checkpoint_cost_and_upload_series(scraped: Any) -> None:
     s = probe.samples
     # Saves at steps 2, 4 and 6 (the last one after the last record: picked up by the scrape itself).
     assert _value(s, "gaudi3_checkpoint_saves_total") == len(summary["checkpoint_blocking_s"]) == 3
+    assert summary["checkpoint_blocking_count"] == 3
     assert _value(s, "gaudi3_checkpoint_save_seconds") == summary["checkpoint_blocking_s"][-1] > 0
+    assert summary["checkpoint_blocking_max_s"] == max(summary["checkpoint_blocking_s"])
     last = [r for r in _records(out) if "train_loss" in r][-1]
     cost = _value(s, "gaudi3_cost_usd")
     assert cost == pytest.approx(last["cost_usd"], rel=1e-12) and cost > 0

@@ -48,6 +48,8 @@ def test_samples_per_s_counts_the_data_parallel_ranks_under_tensor_parallel(tmp_
     metrics = RunMetrics(tmp_path / "metrics.jsonl", log_every_steps=2, state=state, peak_flops_per_device=PEAK_FLOPS,
                          data_parallel_size=plan.data_parallel_size)  # fmt: skip
     trainer, module = _rank0_of(plan.world_size), SimpleNamespace(device=torch.device("cpu"))
+    records: list[dict] = []
+    metrics.listeners.append(records.append)
     metrics.start(trainer, module)  # type: ignore[arg-type]
     for step in (1, 2):
         for _ in range(batch.accumulation):
@@ -58,7 +60,7 @@ def test_samples_per_s_counts_the_data_parallel_ranks_under_tensor_parallel(tmp_
         state.loss, trainer.global_step = torch.tensor(2.0), step
         metrics.after_step(trainer, module)  # type: ignore[arg-type]
     metrics.end()
-    (record,) = [r for r in metrics.history if "samples_per_s" in r]
+    (record,) = [r for r in records if "samples_per_s" in r]
     assert record["window_steps"] == 2 and record["tokens_per_s"] > 0
     # 8 sequences of 16 tokens per step: rank 0 read 4 of them, its pair's other rank the same 4, the other pair 4 more.
     assert record["samples_per_s"] * CONTEXT == pytest.approx(record["tokens_per_s"], rel=1e-9)

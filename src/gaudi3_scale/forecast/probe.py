@@ -94,8 +94,9 @@ def probe_from_summary(
     step = float(summary["step_time_s"])
     measured_steps = int(summary.get("measured_steps") or 0)
     warmup_s = float(summary.get("warmup_s") or 0.0)
-    saves = [float(s) for s in summary.get("checkpoint_blocking_s") or []]
-    checkpoint_s = max(saves) if saves else None
+    saves = [float(s) for s in summary.get("checkpoint_blocking_s") or []]  # the newest saves
+    longest = summary.get("checkpoint_blocking_max_s")  # all of them (summaries since 2026-11-30)
+    checkpoint_s = float(longest) if longest is not None else max(saves) if saves else None
     flops = shape.flops_per_step_per_rank()
     validation_s = shape.validation_flops_per_rank(val_batches) / (flops / step)
     wall = float(summary["wall_s"])

@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,7 @@ from gaudi3_scale.config.atomic import write_text_atomic
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.env import launched_local_rank, launched_rank
 from gaudi3_scale.monitor.config import MonitorConfig
+from gaudi3_scale.monitor.durations import Durations
 from gaudi3_scale.monitor.system import DeviceSample, SystemSample, SystemSampler
 
 __all__ = [
@@ -209,7 +210,7 @@ class MetricsExporter:
         self.labels = {"rank": str(rank), "run": run}
         self.tokens_per_step = tokens_per_step
         self._by_record_key = {m.record_key: m.name for m in METRICS if m.record_key is not None}
-        self._saves: Sequence[float] = ()
+        self._saves: Durations | None = None
         self._saves_seen = 0
         self._lock = threading.Lock()  # the training thread and scrapes both sync saves
         # Saves happen between records: each scrape picks up the new ones first (collected in registration order).
@@ -249,18 +250,21 @@ class MetricsExporter:
             self._series("gaudi3_tokens_total").inc(window_steps * self.tokens_per_step)
             self.set("gaudi3_last_step_timestamp_seconds", time.time())
 
-    def track_checkpoint_saves(self, blocking_s: Sequence[float]) -> None:
-        """Follow a list that grows by one duration per save (`StepCheckpoint.blocking_s`)."""
+    def track_checkpoint_saves(self, blocking_s: Durations) -> None:
+        """Follow the durations of the run's saves, one more per save (`StepCheckpoint.blocking_s`)."""
         self._saves, self._saves_seen = blocking_s, 0
         self.sync_checkpoint_saves()
 
     def sync_checkpoint_saves(self) -> None:
+        if self._saves is None:
+            return
+        count, last_s = self._saves.snapshot()
         with self._lock:
-            new = list(self._saves[self._saves_seen :])
-            self._saves_seen += len(new)
-        if new:
-            self._series("gaudi3_checkpoint_saves_total").inc(len(new))
-            self.set("gaudi3_checkpoint_save_seconds", new[-1])
+            new = count - self._saves_seen
+            self._saves_seen = count
+        if new > 0 and last_s is not None:
+            self._series("gaudi3_checkpoint_saves_total").inc(new)
+            self.set("gaudi3_checkpoint_save_seconds", last_s)
 
     def publish_system(self, sample: SystemSample) -> None:
         """A `SystemSampler` reading."""

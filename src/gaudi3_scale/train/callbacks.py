@@ -33,6 +33,7 @@ from gaudi3_scale.checkpoint.manager import (
 from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.models.semantics import model_semantics
+from gaudi3_scale.monitor.durations import Durations
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class StepCheckpoint:
     """When a run saves: a committed `step-XXXXXXXX/` checkpoint every N optimizer steps and at the end (after the
     validation that follows the last step), an emergency one when the ranks agreed on a stop, and light ones between.
     How it is written is `Checkpointer.save`'s (one writer per layout: single file, sharded, light); the commit
-    (upload, `latest`, retention) is `Checkpointer.commit`'s. `blocking_s` lists how long each save stopped training.
+    (upload, `latest`, retention) is `Checkpointer.commit`'s. `blocking_s` counts how long each save stopped training.
 
     A periodic save that fails (disk full, storage gone) is never committed and is cleaned up; the run continues
     with a warning naming it. The final or emergency save failing stops the run with that one line instead.
@@ -98,7 +99,7 @@ class StepCheckpoint:
         self._last_step = -1
         self._trainer: pl.Trainer | None = None
         self.save_requested = False
-        self.blocking_s: list[float] = []
+        self.blocking_s = Durations()  # how long each save stopped training (bounded, see monitor.durations)
         self._uncommitted = False  # a save may still be in flight (asynchronous IO)
         self._light_in_flight = False  # and it is a light one: its failure never stops the run
         self.watchdog: Watchdog | None = None  # health.watchdog: a save is its `checkpoint` section
@@ -193,7 +194,7 @@ class StepCheckpoint:
             path, saved, failure = self.checkpointer.save(
                 trainer, light=light, sharded=saves_sharded(trainer.strategy)
             )
-            self.blocking_s.append(time.perf_counter() - started)
+            self.blocking_s.add(time.perf_counter() - started)
             if saved:
                 if not light:
                     self.last_path = path

@@ -151,7 +151,6 @@ class RunMetrics:
         self.sources: list[Callable[[], dict[str, Any]]] = []  # more fields for every record (e.g. uploads)
         self.started_s: float | None = None  # the trainer's start (perf_counter): records say when from it
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
-        self.history: list[dict[str, Any]] = []
         self._is_writer = False
         self._loss_sum: Any = None
         self._clock: DeviceClock | None = None
@@ -415,7 +414,8 @@ class RunMetrics:
         self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.history.append(record)
+        # Not kept here: a run of a million steps would hold every record on every rank (~1 KiB each; readers of
+        # the whole series read metrics.jsonl, listeners get each record as it comes).
         if self._is_writer and self.path is not None:
             # Opened per record (every log_every_steps): survives a crash, and the final validation after fit.
             # Written before the listeners are called: the record is kept whatever they do.

@@ -105,7 +105,8 @@ def _stop(after: AfterStep, trainer: pl.Trainer) -> dict[str, Any]:
         "stop_reason": interrupt.reason if interrupt.signal_name else None,
         "stop_exit_code": interrupt.exit_code,
         "signal_to_checkpoint_s": interrupt.signal_to_checkpoint_s,
-        "checkpoint_blocking_s": checkpoint.blocking_s,
+        # checkpoint_blocking_s (the newest 64 saves), _count, _total_s, _max_s
+        **checkpoint.blocking_s.summary("checkpoint_blocking"),
         "checkpoint": str(last) if last else None,
     }
 
