@@ -92,7 +92,7 @@ def test_exit_code_page_matches_the_constants() -> None:
     import re
     import signal
 
-    from gaudi3_scale.config.errors import UserInputError
+    from gaudi3_scale.config.errors import INTERRUPTED_EXIT_CODE, UserInputError
     from gaudi3_scale.deploy.bootstrap import NO_RESTART_EXIT_CODES
     from gaudi3_scale.deploy.k8s_job import RETRYABLE_EXIT_CODES
     from gaudi3_scale.distributed.launch import RESTARTABLE_EXIT_CODES, signal_exit_code
@@ -102,7 +102,8 @@ def test_exit_code_page_matches_the_constants() -> None:
 
     page = (ROOT / "docs/reference/exit_codes.md").read_text(encoding="utf-8")
     rows = {int(code): text for code, text in re.findall(r"^\| (\d+) \| (.*)$", page, flags=re.M)}
-    assert sorted(rows) == [0, 1, 2, 3, 4, 5, 138, 143]
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5, 130, 138, 143]
+    assert INTERRUPTED_EXIT_CODE == 128 + signal.SIGINT and "Ctrl-C" in rows[130]
     assert UserInputError.exit_code == 2 and "bad input" in rows[2]
     assert BUDGET_EXIT_CODE == 3 and "cost.budget_usd" in rows[3]
     assert SPOT_PAUSE_EXIT_CODE == 4 and "spot" in rows[4]

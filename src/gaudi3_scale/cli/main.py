@@ -26,7 +26,7 @@ from gaudi3_scale.cli.repro_cmd import repro
 from gaudi3_scale.cli.serve_cmd import serve
 from gaudi3_scale.cli.smoke_cmd import smoke
 from gaudi3_scale.cli.tune_cmd import tune
-from gaudi3_scale.config.errors import UserInputError, print_error
+from gaudi3_scale.config.errors import INTERRUPTED_EXIT_CODE, UserInputError, print_error
 from gaudi3_scale.process_exit import skip_exit_collection
 
 __all__ = ["VERBS", "benchmark_alias", "cli", "deploy_alias", "main", "train_alias"]
@@ -219,8 +219,9 @@ def main(argv: Sequence[str] | None = None, *, prog_name: str = "gaudi3") -> Non
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cli.main(args=args, prog_name=prog_name, standalone_mode=False)
-    except click.exceptions.Abort:
-        _fail("aborted")
+    except click.exceptions.Abort:  # Ctrl-C (KeyboardInterrupt) or end of input at a prompt
+        click.echo("gaudi3: interrupted", err=True)
+        sys.exit(INTERRUPTED_EXIT_CODE)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(2)

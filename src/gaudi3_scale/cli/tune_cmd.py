@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from click.core import ParameterSource
@@ -12,13 +13,18 @@ from gaudi3_scale.config.errors import ConfigError, UserInputError, brief
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.config.numbers import INT32_MAX, MAX_SECONDS, MAX_WORLD_SIZE, check_number, parse_number
 
+if TYPE_CHECKING:
+    from gaudi3_scale.train.config import RunConfig
+
 __all__ = ["tune"]
 
 ONOFF = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
 def _csv(text: str | None) -> tuple[str, ...] | None:
-    return tuple(p.strip() for p in text.split(",") if p.strip()) if text else None
+    """The items of a comma-separated flag; None when it was not given, () when it was given empty (`--precisions
+    ,`), which `build_space` refuses rather than reading it as "not given"."""
+    return tuple(p.strip() for p in text.split(",") if p.strip()) if text is not None else None
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -55,7 +61,11 @@ def _check_mode(
             "--accelerator: only with --estimate-only (trials run on this machine's devices); add --estimate-only, "
             "or drop --accelerator to tune here"
         )
-    given = [flag for flag, value in (("--strategies", strategies), ("--precisions", precisions)) if value]
+    given = [
+        flag
+        for flag, value in (("--strategies", strategies), ("--precisions", precisions))
+        if value is not None
+    ]
     if estimate_only and given:
         raise UserInputError(
             f"{given[0]}: only shapes the search; --estimate-only lists every strategy at the config's "
@@ -72,6 +82,11 @@ def _check_mode(
                 instead = _ESTIMATE_INSTEAD.get(flag, "")
                 raise UserInputError(f"{flag}: only shapes the search, which --estimate-only does not run; drop "
                                      f"{flag}{instead} or --estimate-only")  # fmt: skip
+
+
+def _default_world_size(base: RunConfig, estimate_only: bool) -> int:
+    """An estimate models the config's whole world (every node); a search measures on this node: its ranks."""
+    return base.parallel.world_size if estimate_only else base.parallel.nproc_per_node
 
 
 @click.command(
@@ -197,7 +212,8 @@ def tune(
     _check_mode(estimate_only, accelerator, strategies, precisions)
     base = resolve_config(config_path, overrides)
     doctor_once_for_trainings(config_path, overrides)  # in the training image only
-    world = world_size if world_size is not None else base.parallel.world_size
+    # Trials run on this node: a multi-node config is tuned at one node's ranks (the winner is that node's layout).
+    world = world_size if world_size is not None else _default_world_size(base, estimate_only)
     budget = parse_bytes(memory_budget) if memory_budget else None
     global_batches, thread_counts = (
         _ints(global_batch, "--global-batch"),
@@ -219,6 +235,7 @@ def tune(
     from gaudi3_scale.tune.space import build_space
     from gaudi3_scale.tune.tuner import (
         check_memory_budget,
+        check_winner_configs,
         default_memory_budget,
         open_trial_cache,
         print_report,
@@ -257,13 +274,22 @@ def tune(
     check_output_dir("--out", out)
     cache = open_trial_cache(base, space, config, out)  # a damaged trials.jsonl: one line before any output
     estimate = check_memory_budget(base, space, config)  # and a budget no configuration fits
+    refusal = check_winner_configs(base, space, lr_rule)  # and a winner that could not be written
     console.print(f"tuning {space.describe()}", highlight=False)
     assert config.memory_budget_bytes is not None
     console.print(f"memory budget per rank: {config.memory_budget_bytes / 2**30:.2f} GiB", highlight=False)
     from gaudi3_scale.forecast.feed import feed_tune_trial  # each trial run now is a probe for the store
 
     result = run_tuner(
-        base, space, config, out, console=console, estimate=estimate, on_trial=feed_tune_trial, cache=cache
+        base,
+        space,
+        config,
+        out,
+        console=console,
+        estimate=estimate,
+        on_trial=feed_tune_trial,
+        cache=cache,
+        refusal=refusal,
     )
     print_report(result, console)
     if result.best is None:

@@ -15,7 +15,20 @@ import math
 import reprlib
 from typing import Any
 
-__all__ = ["MAX_ERROR_CHARS", "ConfigError", "UserInputError", "brief", "error_line", "print_error"]
+__all__ = [
+    "INTERRUPTED_EXIT_CODE",
+    "MAX_ERROR_CHARS",
+    "ConfigError",
+    "UserInputError",
+    "brief",
+    "error_line",
+    "print_error",
+]
+
+# A command stopped by Ctrl-C (SIGINT) before it finished: 128 + 2, what a shell reports for a program the signal
+# ended, so scripts and supervisors tell it from bad input (2). A training run is the exception: it finishes its
+# step, saves and exits 0 (`distributed.launch.signal_exit_code`).
+INTERRUPTED_EXIT_CODE = 130
 
 
 class UserInputError(ValueError):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gaudi3_scale.config.errors import ConfigError, UserInputError, brief, print_error
+from gaudi3_scale.config.errors import INTERRUPTED_EXIT_CODE, ConfigError, UserInputError, brief, print_error
 from gaudi3_scale.config.numbers import parse_number
 from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.train.config import RunConfig, config_yaml, resolve_config
@@ -265,8 +265,8 @@ def main(argv: Sequence[str]) -> None:
     try:
         worker.main(args=list(argv), prog_name="python -m gaudi3_scale.train", standalone_mode=False)
     except click.exceptions.Abort:
-        print_error("aborted")
-        sys.exit(2)
+        click.echo("gaudi3: interrupted", err=True)
+        sys.exit(INTERRUPTED_EXIT_CODE)
     except click.ClickException as exc:
         print_error(exc.format_message().replace("\n", " "))
         sys.exit(2)

@@ -15,7 +15,15 @@ off and the default thread count:
 A group whose first trial is below `dominated_below` × the best tokens/s so far is not explored further; a group
 whose first trial crashes (e.g. a strategy whose library is missing) is given up. Finally, the best configuration
 is refined one axis at a time (threads per rank on CPU, then `torch.compile`), each change kept only if it gains
-`min_gain`. Every trial is appended to a cache, so a re-run with the same config and settings resumes.
+`min_gain`.
+
+The winner is the search's incumbent: a measured trial replaces it only when it is `min_gain` faster (each group's
+own choice first, then its other trials, then the refinement's). One measurement of a trial varies by a few percent,
+so the plain maximum would pick noise: two 1 % "gains" the walk itself rejected would add up to a winner.
+
+Every trial is appended to a cache, so a re-run with the same config and settings resumes. Results that say
+something about the configuration (ok, out of memory) are reused; a crash or a timeout may have been the host's
+(a port in use, a busy machine, a full disk), so it is run again.
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ __all__ = ["SearchOutcome", "TrialCache", "search"]
 
 RunFn = Callable[[Candidate, int | None], TrialResult]
 EstimateFn = Callable[[Candidate], int | None]
+# why a candidate's run config (its best.yaml) would be refused; None: it would not
+RefusalFn = Callable[[Candidate], str | None]
+
+# Cached results reused on a re-run: what the configuration itself decided, not what the host may have caused.
+REUSED_STATUSES = ("ok", "oom")
 
 
 class TrialCache:
@@ -133,10 +146,15 @@ class _Search:
         estimate: EstimateFn,
         cache: TrialCache,
         on_result: Callable[[TrialResult, bool], None] | None,
+        refusal: RefusalFn | None = None,
     ) -> None:
         self.space, self.config, self.run_fn, self.estimate, self.cache = space, config, run, estimate, cache
         self.on_result = on_result
+        self.refusal = refusal or (lambda c: None)
         self.results: dict[str, TrialResult] = {}
+        self.incumbent: TrialResult | None = None  # the winner so far (see the module's docstring)
+        self.challenged: set[str] = set()  # keys of the ok results already put against the incumbent
+        self.rerun_failed = 0  # cached crashes and timeouts run again
         self.started = time.perf_counter()
         self.trials_run = 0
         self.trials_cached = 0
@@ -148,6 +166,12 @@ class _Search:
     def evaluate(self, c: Candidate) -> TrialResult:
         if c.key in self.results:
             return self.results[c.key]
+        refused = self.refusal(c)
+        if refused is not None:
+            result = TrialResult(
+                candidate=c, status="pruned", reason=f"not run: its best.yaml would be refused: {refused}"
+            )
+            return self._record(result, cached=False)
         budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
         estimate = self.estimate(c)
         if budget is not None and estimate is not None and estimate > budget:
@@ -159,9 +183,11 @@ class _Search:
             )
             return self._record(result, cached=False)
         cached = self.cache.get(c.key)
-        if cached is not None and cached.ran:
+        if cached is not None and cached.status in REUSED_STATUSES:
             self.trials_cached += 1
             return self._record(cached, cached=True)
+        if cached is not None and cached.ran:
+            self.rerun_failed += 1
         if self._out_of_time():
             self.skipped_for_time += 1
             result = TrialResult(candidate=c, status="skipped", estimate_bytes=estimate, reason="time budget")
@@ -190,9 +216,13 @@ class _Search:
         typical = sorted(self.trial_walls)[len(self.trial_walls) // 2] if self.trial_walls else 0.0
         return elapsed + typical > limit
 
-    def best(self) -> TrialResult | None:
-        ok = [r for r in self.results.values() if r.status == "ok"]
-        return max(ok, key=lambda r: r.tokens_per_s or 0.0, default=None)
+    def challenge(self, result: TrialResult | None) -> None:
+        """`result` replaces the incumbent when it is `min_gain` faster; each result is put against it once."""
+        if result is None or result.status != "ok" or result.key in self.challenged:
+            return
+        self.challenged.add(result.key)
+        if self._faster(result, self.incumbent):
+            self.incumbent = result
 
     def _faster(self, result: TrialResult, than: TrialResult | None) -> bool:
         if result.status != "ok":
@@ -215,7 +245,22 @@ class _Search:
         return False
 
     def group(self, base: Candidate) -> None:
+        """Search `base`'s group; its own choice challenges the incumbent first, then its other measured trials (so
+        no trial of the search ends `min_gain` faster than the winner)."""
+        first_new = len(self.results)
+        self.challenge(self._group(base))
+        for r in list(self.results.values())[first_new:]:
+            self.challenge(r)
+
+    def _group(self, base: Candidate) -> TrialResult | None:
+        """The group's choice: its largest micro-batch that fits, replaced by a smaller one or by activation
+        checkpointing only when that is `min_gain` faster."""
         mbs = self.space.micro_batches(base.global_batch_size, base.tp_size, base.pp_size)
+        refused = self.refusal(replace(base, micro_batch_size=mbs[-1]))
+        if refused is not None:
+            self.evaluate(replace(base, micro_batch_size=mbs[-1]))  # recorded as pruned, with why
+            self.notes.append(f"{_group_name(base)}: not searched: its best.yaml would be refused: {refused}")
+            return None
         at = {m: replace(base, micro_batch_size=m) for m in mbs}
         budget = self.config.memory_budget_bytes if self.config.prune_by_estimate else None
 
@@ -234,7 +279,7 @@ class _Search:
             first = self.evaluate(at[mbs[hi]])
             if first.status in ("crash", "timeout"):
                 self.notes.append(f"{_group_name(base)}: given up after its first trial ({first.status})")
-                return
+                return None
             if first.status == "ok":
                 top = hi
             else:  # out of memory: bisect below
@@ -250,7 +295,7 @@ class _Search:
                         break
             if top is not None:
                 group_best = self.results[at[mbs[top]].key]
-                overall = self.best()
+                overall = self.incumbent
                 if (
                     overall is not None
                     and overall is not group_best
@@ -269,7 +314,7 @@ class _Search:
                         group_best = r
         # Activation checkpointing: only where memory, not the batch, stopped the group.
         if True not in self.space.activation_checkpointing:
-            return
+            return group_best
         limit = top if top is not None else -1
         for i, m in enumerate(mbs):
             if i <= limit:
@@ -283,17 +328,19 @@ class _Search:
                 [c for c in larger if fits(c)][-3:]
             ):  # the largest that may fit, at most 3 tries
                 r = self.evaluate(c)
-                if r.status == "ok":
-                    break
+                if self._faster(r, group_best):
+                    group_best = r
                 if r.status != "oom":
                     break
             for c in larger:
                 if not fits(c):
                     self.evaluate(c)
+        return group_best
 
     # -- refinement of the winner ---------------------------------------------------------------------------
     def refine(self) -> None:
-        best = self.best()
+        """Refine the incumbent one axis at a time; each change is kept only when `min_gain` faster."""
+        best = self.incumbent
         if best is None:
             return
         base = best.candidate
@@ -313,6 +360,7 @@ class _Search:
             r = self.evaluate(replace(base, compile_mode="reduce-overhead"))
             if self._faster(r, best):
                 best = r
+        self.incumbent = best
 
     def limit_line(self, best: TrialResult | None) -> str:
         if best is None:
@@ -351,6 +399,18 @@ class _Search:
             f"{self.config.min_gain:.0%} faster"
         )
 
+    def noise_note(self, best: TrialResult | None) -> str | None:
+        """A line when a trial measured faster than the winner, by less than `min_gain`: the tables rank it first."""
+        ok = [r for r in self.results.values() if r.status == "ok"]
+        fastest = max(ok, key=lambda r: r.tokens_per_s or 0.0, default=None)
+        if best is None or fastest is None or (fastest.tokens_per_s or 0.0) <= (best.tokens_per_s or 0.0):
+            return None
+        gain = (fastest.tokens_per_s or 0.0) / (best.tokens_per_s or 1.0) - 1
+        return (
+            f"{fastest.candidate.label(self.space.world_size)} measured {gain:.1%} faster than the winner, under "
+            f"min_gain {self.config.min_gain:.0%}: within one measurement's noise, so the search kept its incumbent"
+        )
+
 
 def _group_name(c: Candidate) -> str:
     return f"{c.layout_name()} {c.precision} global batch {c.global_batch_size}"
@@ -377,9 +437,11 @@ def search(
     estimate: EstimateFn,
     cache: TrialCache,
     on_result: Callable[[TrialResult, bool], None] | None = None,
+    refusal: RefusalFn | None = None,
 ) -> SearchOutcome:
-    """Search `space`; `run` executes one trial (see trial.run_trial), `estimate` gives bytes per rank."""
-    s = _Search(space, config, run, estimate, cache, on_result)
+    """Search `space`; `run` executes one trial (see trial.run_trial), `estimate` gives bytes per rank, `refusal`
+    why a candidate's best.yaml would be refused (such a candidate is pruned, never run)."""
+    s = _Search(space, config, run, estimate, cache, on_result, refusal)
     default_threads = space.threads[0]
     for strategy, (tp, pp, split) in ((st, m) for st in space.strategies for m in space.meshes_for(st)):
         for precision in space.precisions:
@@ -403,7 +465,11 @@ def search(
                 if not s.fits_somewhere(base):
                     _with_offload(s, base)
     s.refine()
-    best = s.best()
+    best = s.incumbent
+    if s.rerun_failed:
+        s.notes.insert(0, f"re-running {s.rerun_failed} trials that crashed or timed out last time")
+    if (noise := s.noise_note(best)) is not None:
+        s.notes.append(noise)
     return SearchOutcome(
         results=list(s.results.values()),
         best=best,

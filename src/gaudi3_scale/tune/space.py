@@ -92,17 +92,22 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """The `gaudi3 train` config overrides that make a run this candidate (its layout's: every layout field,
-        so a base config's own tensor or pipeline parallel never leaks into a candidate without it)."""
+        so a base config's own tensor or pipeline parallel never leaks into a candidate without it). The batch is
+        its size in sequences: a config's train.global_batch_tokens (its own batch) is cleared, or every other
+        global batch would be refused."""
         out = [
             *self.layout().overrides(),
             f"--train.precision={self.precision}",
             f"--train.global_batch_size={self.global_batch_size}",
+            "--train.global_batch_tokens=null",
             f"--train.micro_batch_size={self.micro_batch_size}",
             f"--train.compile={str(self.compile).lower()}",
         ]
         if self.threads is not None:
             out.append(f"--train.threads={self.threads}")
-        if self.compile_mode != "default":
+        if self.compile_mode != "default" or not self.compile:
+            # without compile, a config's own mode (max-autotune, …) would be refused; with it and mode "default",
+            # the config's mode is the one measured (and written: tuner.winner_config)
             out.append(f"--train.compile_mode={self.compile_mode}")
         if self.precision != "fp8":
             # The config's train.fp8_* act in its fp8 candidates (the tuner does not search them); any other
@@ -335,6 +340,10 @@ def _is_thread_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT32_MAX
 
 
+def _refuse_empty(flag: str, allowed: str) -> None:
+    raise UserInputError(f"{flag}: empty; allowed: {allowed}")
+
+
 def build_space(
     config: RunConfig,
     *,
@@ -348,9 +357,12 @@ def build_space(
     pipeline: bool | tuple[bool, ...] = (False, True),
 ) -> SearchSpace:
     """The space for `config` on `world_size` ranks; bad choices get one line naming the flag. A grid option
-    (`activation_checkpointing`, `compile`, `pipeline`, `threads`) given as one value is a grid of that value."""
+    (`activation_checkpointing`, `compile`, `pipeline`, `threads`) given as one value is a grid of that value. A
+    choice given but empty (`--precisions ,`) is refused: as "all" it would start the whole search by mistake."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UserInputError(f"--world-size must be an integer >= 1, got {brief(world_size)}")
+    if threads is not None and not isinstance(threads, int) and len(threads) == 0:
+        _refuse_empty("--threads", "CPU threads per rank from 1 to 2**31 - 1, comma-separated")
     activation_checkpointing = _flag_grid("activation_checkpointing", activation_checkpointing)
     compile = _flag_grid("compile", compile)
     if config.train.hpu_graphs and True in compile:
@@ -367,6 +379,10 @@ def build_space(
     strategies = (strategies,) if isinstance(strategies, str) else strategies
     precisions = (precisions,) if isinstance(precisions, str) else precisions
     device = device_kind(config)
+    if global_batches is not None and len(global_batches) == 0:
+        _refuse_empty(
+            "--global-batch", f"multiples of the world size ({world_size}) up to {MAX_GLOBAL_BATCH_SIZE:,}"
+        )
     batches = global_batches or (config.train.global_batch_size,)
     for gb in batches:
         if gb > MAX_GLOBAL_BATCH_SIZE:
@@ -381,6 +397,8 @@ def build_space(
                 f"{(gb // world_size + 1) * world_size})"
             )
     allowed = available_strategies(world_size, device)
+    if strategies is not None and len(strategies) == 0:
+        _refuse_empty("--strategies", ", ".join(allowed))
     if strategies:
         unknown = [s for s in strategies if s not in allowed]
         if unknown:
@@ -389,6 +407,8 @@ def build_space(
                 f"allowed: {', '.join(allowed)}"
             )
     supported = supported_precisions(device)
+    if precisions is not None and len(precisions) == 0:
+        _refuse_empty("--precisions", ", ".join(supported))
     notes: tuple[str, ...] = ()
     if precisions:
         unknown = [p for p in precisions if p not in supported]

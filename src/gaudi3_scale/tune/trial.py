@@ -1,14 +1,17 @@
 """One tuning trial: a short real training run of one candidate, in its own process group, through `gaudi3 train`.
 
-The trial launches exactly what training launches (the same CLI and launcher, several ranks included), with
-checkpoints off, a step logged every step, and `warmup_steps` (+3 with `torch.compile`, the rule of
-`monitor.clock`) excluded from the measurement; step times come from the run's synchronised clock. Whatever happens to it ends the trial, never the tuner: `distributed.jobs.run_job` supervises it
-(out of memory, crash, timeout; see there), and on CPU the ranks' own peak RSS is checked against the budget at the
-end as well.
+The trial launches exactly what training launches (the same CLI and launcher, several ranks included), on this one
+node, with checkpoints and profiling off, a step logged every step, and `warmup_steps` (+3 with `torch.compile`, the
+rule of `monitor.clock`) excluded from the measurement; step times come from the run's synchronised clock. Whatever
+happens to it ends the trial, never the tuner: `distributed.jobs.run_job` supervises it (out of memory, crash,
+timeout; see there), and on CPU the ranks' own peak RSS is checked against the budget at the end as well. A trial
+that runs (one not reused from the cache) starts from an empty directory: the trainer appends to a metrics.jsonl it
+finds, and an earlier run's steps (another config's, or a stopped tuner's) would be measured with this one's.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -20,10 +23,11 @@ from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
+from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.report import read_metrics
 from gaudi3_scale.tune.space import Candidate
 
-__all__ = ["TrialResult", "TrialSettings", "run_trial"]
+__all__ = ["TrialResult", "TrialSettings", "base_conflict_overrides", "run_trial"]
 
 Status = Literal["ok", "oom", "crash", "timeout", "pruned", "skipped"]
 
@@ -36,6 +40,7 @@ class TrialSettings:
     measure_steps: int = 5
     timeout_s: float = 300.0
     memory_budget_bytes: int | None = None
+    base_overrides: tuple[str, ...] = ()  # `base_conflict_overrides` of the config the trials run
     extra_overrides: tuple[str, ...] = ()
 
     def steps(self, candidate: Candidate) -> tuple[int, int]:
@@ -78,6 +83,16 @@ class TrialResult:
         return from_dict(cls, {k: v for k, v in data.items() if k != "key"}, prefix="result")
 
 
+def base_conflict_overrides(base: RunConfig) -> tuple[str, ...]:
+    """`base`'s fields that a trial's own overrides (`_command`) would get refused, set to what runs without them:
+    spike rollback restores a checkpoint and a trial writes none, so it warns instead (the same watch for spikes)."""
+    return ("--health.spike_policy=warn",) if base.health.spike_policy == "rollback" else ()
+
+
+# One node, the trial's ranks, its own rendezvous on a free local port: a multi-node config's nodes are not there.
+ONE_NODE = ("--parallel.nnodes=1", "--parallel.node_rank=0", "--parallel.rdzv_endpoint=null")
+
+
 def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, out: Path) -> list[str]:
     warmup, total = settings.steps(candidate)
     return [
@@ -96,6 +111,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         "0",
         "--nproc-per-node",
         str(settings.world_size),
+        *ONE_NODE,
         *candidate.overrides(),
         f"--train.max_steps={total}",
         "--train.max_epochs=null",  # a trial's length is steps, whatever the config's
@@ -103,7 +119,9 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         "--train.log_every_steps=1",
         "--train.val_every_steps=0",
         "--train.val_batches=1",
+        "--train.profile_start_step=null",  # the profiler's steps would be measured, and may lie past max_steps
         *checkpoints_off_overrides(),
+        *settings.base_overrides,
         *settings.extra_overrides,
     ]
 
@@ -117,7 +135,10 @@ def run_trial(
     tokens_per_step: int,
     estimate_bytes: int | None = None,
 ) -> TrialResult:
-    """Run one candidate for a short measured window; never raises for what happens inside the trial."""
+    """Run one candidate for a short measured window in an emptied `trial_dir` (the tuner's: see the module's
+    docstring); never raises for what happens inside the trial."""
+    if trial_dir.exists():
+        shutil.rmtree(trial_dir)
     out = trial_dir / "run"
     warmup, _ = settings.steps(candidate)
     budget = settings.memory_budget_bytes

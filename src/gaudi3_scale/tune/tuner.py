@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -16,25 +17,40 @@ from rich.table import Table
 
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.plan import ParallelPlan
+from gaudi3_scale.health.config import MIN_SPIKE_WARMUP_STEPS
 from gaudi3_scale.train.config import RunConfig, config_dict
 from gaudi3_scale.train.train_config import fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.layouts import PP_SCHEDULE
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
-from gaudi3_scale.tune.search import SearchOutcome, TrialCache, search
+from gaudi3_scale.tune.search import RefusalFn, SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
-from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
+from gaudi3_scale.tune.trial import TrialResult, TrialSettings, base_conflict_overrides, run_trial
 
 __all__ = [
+    "STEP_FIELDS",
     "TuneResult",
     "check_memory_budget",
+    "check_winner_configs",
     "default_memory_budget",
     "open_trial_cache",
     "run_tuner",
     "winner_config",
 ]
+
+# Every run-config field counted in optimizer steps, by section, besides optim.warmup_steps and train.max_steps (their
+# rescale is tune.lr.rescale_schedule's). A global batch k times larger takes k times fewer steps over the same tokens,
+# so each keeps its token count at 1/k of its steps; otherwise a run tuned to 8× the batch checkpoints, validates and
+# watches for spikes 8× less often per token, and one shorter than checkpoint.every_steps never checkpoints at all.
+STEP_FIELDS: dict[str, tuple[str, ...]] = {
+    "train": ("val_every_steps", "log_every_steps", "throughput_warmup_steps", "profile_start_step",
+              "profile_num_steps"),
+    "checkpoint": ("every_steps", "keep_every_steps", "light_every_steps"),
+    "health": ("spike_window_steps", "spike_warmup_steps"),
+    "benchmark": ("warmup_steps",),
+}  # fmt: skip
 
 
 @dataclass
@@ -82,7 +98,7 @@ def default_memory_budget(device: str, world_size: int, target_utilization: floa
 
 def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int | None]:
     from gaudi3_scale.tune.estimate_table import resolved_model
-    from gaudi3_scale.tune.memory import estimate_memory
+    from gaudi3_scale.tune.memory import estimate_memory, process_peak_bytes
 
     model = resolved_model(base.model, base.data)
 
@@ -102,7 +118,7 @@ def _estimator(base: RunConfig, space: SearchSpace) -> Callable[[Candidate], int
         )
         batch = c.batch_plan(space.world_size, base.model.context_length)
         est = estimate_memory(model, plan, batch, precision=c.precision, device_kind=space.device)
-        return int(est.total_bytes)
+        return process_peak_bytes(est)  # as a trial measures it and `gaudi3 plan` forecasts it
 
     return estimate
 
@@ -143,8 +159,38 @@ def _check_budget_possible(
         )
 
 
+def _steps_at(steps: int | None, k: float) -> int | None:
+    """`steps` at 1/k, rounded half up; None and 0 (off, or step 0) stay, any other count stays at least 1."""
+    if not steps:
+        return steps
+    return max(1, math.floor(steps / k + 0.5))
+
+
+def rescale_step_fields(raw: dict[str, Any], k: float) -> list[str]:
+    """`STEP_FIELDS` of `raw` (a run config as `to_dict` gives it) for a global batch k times larger; returns the
+    fields that changed, as "section.field old → new"."""
+    before = {(sec, name): raw[sec][name] for sec, names in STEP_FIELDS.items() for name in names}
+    for (sec, name), steps in before.items():
+        raw[sec][name] = _steps_at(steps, k)
+    # checkpoints kept at multiples of keep_every_steps are the ones written every every_steps: it stays a multiple
+    every, keep = before["checkpoint", "every_steps"], before["checkpoint", "keep_every_steps"]
+    if every and keep and keep % every == 0:
+        raw["checkpoint"]["keep_every_steps"] = raw["checkpoint"]["every_steps"] * (keep // every)
+    # the fewest steps a spike is judged against, and a window that holds them (health.config)
+    health = raw["health"]
+    health["spike_warmup_steps"] = max(MIN_SPIKE_WARMUP_STEPS, health["spike_warmup_steps"])
+    health["spike_window_steps"] = max(health["spike_warmup_steps"], health["spike_window_steps"])
+    return [
+        f"{sec}.{name} {old} → {raw[sec][name]}"
+        for (sec, name), old in before.items()
+        if raw[sec][name] != old
+    ]
+
+
 def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> tuple[RunConfig, str]:
-    """The run config of candidate `c`, schedule rescaled for its global batch; validated like any config."""
+    """The run config of candidate `c` on one node of `world_size` ranks (the layout its trial measured), every
+    step count rescaled to keep its tokens at `c`'s global batch; validated like any config. The base's other values
+    are kept."""
     raw = to_dict(base)
     sched = rescale_schedule(
         lr=base.optim.lr,
@@ -162,14 +208,52 @@ def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> 
         micro_batch_size=c.micro_batch_size,
         precision=c.precision,
         compile=c.compile,
+        # the mode its trial ran (Candidate.overrides): its own, else the config's when it compiles
+        compile_mode=c.compile_mode
+        if c.compile_mode != "default" or not c.compile
+        else base.train.compile_mode,
         threads=c.threads,
         # A length in epochs reads the same tokens at any batch; only a length in steps is rescaled.
         max_steps=base.train.max_steps if base.train.max_epochs is not None else sched.max_steps,
     )
     if c.precision != "fp8":
         raw["train"].update(fp8_option_defaults())  # as its trials ran (Candidate.overrides)
-    raw["parallel"].update(nproc_per_node=world_size, **c.layout().parallel_fields())
-    return from_dict(RunConfig, raw), sched.describe(rule, max_epochs=base.train.max_epochs)
+    changed = rescale_step_fields(raw, sched.factor)
+    raw["parallel"].update(nproc_per_node=world_size, nnodes=1, node_rank=0, **c.layout().parallel_fields())
+    if base.parallel.nnodes > 1:
+        raw["parallel"]["rdzv_endpoint"] = None  # node 0's of the nodes it had; one node opens its own
+    note = sched.describe(rule, max_epochs=base.train.max_epochs)
+    if changed:
+        note += f"; {', '.join(changed)} keep their token counts too"
+    return from_dict(RunConfig, raw), note
+
+
+def check_winner_configs(base: RunConfig, space: SearchSpace, rule: str) -> RefusalFn:
+    """Why a candidate's best.yaml would be refused (None: it would not), for the search to prune it; one line
+    (exit 2) now, before any trial, when every candidate of a global batch is refused: a search must not spend its
+    time on a winner that cannot be written."""
+    reasons: dict[str, str | None] = {}
+
+    def refusal(c: Candidate) -> str | None:
+        if c.key not in reasons:
+            try:
+                winner_config(base, c, space.world_size, rule)
+                reasons[c.key] = None
+            except ConfigError as exc:
+                reasons[c.key] = str(exc)
+        return reasons[c.key]
+
+    candidates = space.candidates()
+    for gb in space.global_batches:
+        of_gb = [c for c in candidates if c.global_batch_size == gb]
+        if of_gb and all(refusal(c) is not None for c in of_gb):  # stops at the first that would be written
+            k = gb / base.train.global_batch_size
+            rescaled = f" (step counts ×{1 / k:.3g} to keep their tokens)" if k != 1 else ""
+            raise UserInputError(
+                f"global batch {gb}: the winner's config would be refused{rescaled}: {refusal(of_gb[0])}; change "
+                "that field, or tune other global batches"
+            )
+    return refusal
 
 
 def _fingerprint(base: RunConfig, space: SearchSpace, config: TuneConfig) -> str:
@@ -203,15 +287,18 @@ def run_tuner(
     extra_overrides: tuple[str, ...] = (),
     on_trial: Callable[[TrialResult, Path], str | None] | None = None,
     cache: TrialCache | None = None,
+    refusal: RefusalFn | None = None,
 ) -> TuneResult:
     """Search `space` with real trials under `out_dir`; `on_trial(result, run_dir)` sees each trial run now (not
     one from the cache) with its run directory, and the line it returns is printed under the trial's
     (`gaudi3 tune` feeds the calibration store with it: forecast.feed). `cache`: `open_trial_cache`'s (default:
-    opened here)."""
+    opened here); `refusal`: `check_winner_configs`'s (default: checked here)."""
     console = console or Console(stderr=True)
     if cache is None:
         cache = open_trial_cache(base, space, config, out_dir)
     estimate = check_memory_budget(base, space, config, estimate)  # refused: nothing written
+    if refusal is None:
+        refusal = check_winner_configs(base, space, config.lr_rule)  # refused: nothing written
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
     base_yaml = out_dir / "base.yaml"
@@ -223,6 +310,7 @@ def run_tuner(
         measure_steps=config.measure_steps,
         timeout_s=config.trial_timeout_s,
         memory_budget_bytes=config.memory_budget_bytes,
+        base_overrides=base_conflict_overrides(base),
         extra_overrides=extra_overrides,
     )
     context = base.model.context_length
@@ -271,7 +359,21 @@ def run_tuner(
                 progress.update(task, total=total + 2)
             on_result(r, cached)
 
-        outcome = search(space, config, run=run, estimate=estimate, cache=cache, on_result=on_result_growing)
+        outcome = search(
+            space,
+            config,
+            run=run,
+            estimate=estimate,
+            cache=cache,
+            on_result=on_result_growing,
+            refusal=refusal,
+        )
+    if base.parallel.nnodes > 1:
+        outcome.notes.append(
+            f"the config spans {base.parallel.nnodes} nodes; the trials ran on this one ({space.world_size} "
+            f"rank(s)), so the winner is the layout of one node (parallel.nnodes 1, nproc_per_node "
+            f"{space.world_size})"
+        )
     best_config, lr_note = None, ""
     best_path = out_dir / "best.yaml"
     if outcome.best is not None:
