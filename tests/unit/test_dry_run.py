@@ -4,12 +4,14 @@ estimated, in seconds, with nothing allocated or written."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
@@ -113,6 +115,29 @@ def test_dry_run_of_the_default_single_process_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "single on 1 rank(s)" in proc.stdout and "estimated peak per rank:" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cpu_dry_run_says_the_resident_peak_tune_and_plan_hold_against_a_budget(tmp_path: Path) -> None:
+    """On a CPU what a rank takes from the OS includes what glibc keeps of freed memory: `train --dry-run` shows
+    that number, the one tune prunes with and plan forecasts (tune.memory.process_peak_bytes), beside the estimate;
+    with MALLOC_MMAP_THRESHOLD_ set glibc keeps nothing and the line is left out."""
+    args = ["train", "--dry-run", "--model.name=llama-tiny", "--out", str(tmp_path / "run")]
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    estimate = float(re.search(r"estimated peak per rank: ([\d.]+) GiB", proc.stdout)[1])  # type: ignore[index]
+    resident = re.search(r"peak resident set per rank: ([\d.]+) GiB \(with the ([\d.]+) GiB", proc.stdout)
+    assert resident is not None, proc.stdout
+    assert float(resident[1]) > estimate and float(resident[1]) == pytest.approx(
+        estimate + float(resident[2]), abs=0.011
+    )
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0 and "peak resident set" not in proc.stdout, proc.stdout
 
 
 def test_dry_run_of_a_pipeline_names_the_rank_it_estimates(tmp_path: Path) -> None:

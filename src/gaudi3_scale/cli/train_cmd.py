@@ -170,7 +170,7 @@ def print_dry_run(cfg: RunConfig) -> None:
     from gaudi3_scale.models import build_model
     from gaudi3_scale.models.counting import check_parameter_count
     from gaudi3_scale.tune.estimate_table import resolved_model
-    from gaudi3_scale.tune.memory import estimate_memory
+    from gaudi3_scale.tune.memory import allocator_retained_bytes, estimate_memory, process_peak_bytes
     from gaudi3_scale.tune.space import device_kind
 
     started = time.perf_counter()
@@ -213,6 +213,11 @@ def print_dry_run(cfg: RunConfig) -> None:
         f"estimated peak per rank{pipeline}: {estimate.total_bytes / gib:.2f} GiB at {estimate.peak_phase} ({parts} "
         "GiB; " + ("activations as torch.compile saves them; " if estimate.compiled else "") + "tune.memory)"
     )
+    if kept := allocator_retained_bytes(estimate):
+        click.echo(
+            f"peak resident set per rank: {process_peak_bytes(estimate) / gib:.2f} GiB (with the {kept / gib:.2f} "
+            "GiB of freed memory glibc keeps: what a memory budget, tune's trials and gaudi3 plan count on a CPU)"
+        )
     if plan.offload != "none":
         per_node = estimate.host_bytes * cfg.parallel.nproc_per_node
         click.echo(

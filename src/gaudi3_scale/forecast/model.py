@@ -32,14 +32,6 @@ from gaudi3_scale.train.train_config import TrainConfig
 __all__ = ["Forecast", "forecast_run", "forecast_step", "stored_probe"]
 
 BACKWARD_SHARE = 2 / 3  # the part of compute a data-parallel collective can hide behind
-# tune.memory is calibrated with MALLOC_MMAP_THRESHOLD_=131072, where glibc hands freed tensors back at once. Setting
-# it for a run costs speed (every large tensor becomes an mmap and its pages are zeroed again: the default run's
-# step was several times slower with it), so runs keep glibc's default, which keeps part of what a step frees. Its
-# excess over the estimate, on bench_foresight's 7 CPU cases (2026-11-29): +6 … +28 % of the estimate. 16 % puts
-# all 7 within ±10 % (−9.4 … +9.6 %); it is fitted on those cases, so they are not an independent check of it.
-GLIBC_RETAINED_SHARE = (0.16, "glibc's default allocator keeps part of what a step frees: +16 % of the estimate "
-                        "(fitted on bench_foresight's 7 CPU cases, 2026-11-29)")  # fmt: skip
-MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclass
@@ -208,7 +200,13 @@ def fit_words(forecast: Forecast) -> str:
 
 
 def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
-    from gaudi3_scale.tune.memory import estimate_memory
+    from gaudi3_scale.tune.memory import (
+        GLIBC_RETAINED_SHARE,
+        MMAP_THRESHOLD_ENV,
+        allocator_retained_bytes,
+        estimate_memory,
+        process_peak_bytes,
+    )
 
     estimate = estimate_memory(
         shape.model, shape.plan, shape.batch, precision=shape.precision, device_kind=shape.device_kind
@@ -223,15 +221,15 @@ def _memory(shape: RunShape, probe: Probe | None) -> dict[str, Figure]:
     )
     how = f"tune.memory estimator ({estimate.strategy}, peak at {estimate.peak_phase}{stage})"
     parts = {f"{name}_bytes": modelled(float(value), how) for name, value in estimate.rows()}
-    if shape.device_kind == "cpu":  # host memory: what the allocator keeps counts
-        import os
-
-        kept = 0.0 if os.environ.get(MMAP_THRESHOLD_ENV) else estimate.total_bytes * GLIBC_RETAINED_SHARE[0]
+    if (
+        shape.device_kind == "cpu"
+    ):  # host memory: what the allocator keeps counts (tune.memory.process_peak_bytes)
+        kept = allocator_retained_bytes(estimate)
         parts["allocator_bytes"] = modelled(
-            kept, f"{MMAP_THRESHOLD_ENV} is set: freed memory goes back at once" if not kept
+            float(kept), f"{MMAP_THRESHOLD_ENV} is set: freed memory goes back at once" if not kept
             else GLIBC_RETAINED_SHARE[1],
         )  # fmt: skip
-    total = modelled(sum(p.value or 0.0 for p in parts.values()), how + " + what the allocator keeps"
+    total = modelled(float(process_peak_bytes(estimate)), how + " + what the allocator keeps"
                      if "allocator_bytes" in parts else how)  # fmt: skip
     if probe is not None and probe.key == shape.key:
         total = measured(float(probe.peak_memory_bytes), probe.source())

@@ -10,13 +10,13 @@ from pathlib import Path
 from rich.console import Console
 
 from gaudi3_scale.config.core import to_dict
-from gaudi3_scale.config.errors import ConfigError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.config.numbers import check_range
 from gaudi3_scale.models.config import ModelConfig
 from gaudi3_scale.models.registry import list_models
 from gaudi3_scale.train.config import RunConfig, build_run_config
 from gaudi3_scale.tune.config import TuneConfig
-from gaudi3_scale.tune.space import build_space
+from gaudi3_scale.tune.space import build_space, device_kind, supported_precisions
 from gaudi3_scale.tune.trial import TrialResult
 from gaudi3_scale.tune.tuner import TuneResult, default_memory_budget, run_tuner
 
@@ -29,9 +29,10 @@ class AdaptiveBatchFinder:
 
     `model`: a registry name (e.g. ``"gpt2-124m"``), a `ModelConfig`, or a whole `RunConfig`.
     `target_hpu_utilization`: the fraction of each device's memory the chosen configuration may use (the name is
-    the seed's; it applies to CPU RAM and CUDA memory too). `precision`: the one precision to search; None = every
-    precision the hardware supports. `on_trial(result, run_dir)`: called with each trial run now (not one from
-    the cache); the line it returns is printed under the trial's. `gaudi3 tune` passes
+    the seed's; it applies to CPU RAM and CUDA memory too). `precision`: the one precision to search, refused when
+    the hardware does not support it; None (the default) = every precision it supports. `on_trial(result,
+    run_dir)`: called with each trial run now (not one from the cache); the line it returns is printed under the
+    trial's. `gaudi3 tune` passes
     `gaudi3_scale.forecast.feed.feed_tune_trial`, which stores each trial in this machine's calibration store for
     `gaudi3 plan`; None (the default) feeds nothing. `activation_checkpointing`, `compile`, `pipeline` and
     `threads` take a tuple of the values to try, or one value. `memory_budget_bytes`: per rank; None = the device's
@@ -43,7 +44,7 @@ class AdaptiveBatchFinder:
         model: str | ModelConfig | RunConfig = "shakespeare-char",
         *,
         target_hpu_utilization: float = 0.95,
-        precision: str | None = "bf16-mixed",
+        precision: str | None = None,
         world_size: int = 1,
         global_batch_size: int | None = None,
         overrides: Sequence[tuple[str, str]] = (),
@@ -70,6 +71,7 @@ class AdaptiveBatchFinder:
             measure_steps=measure_steps,
         )
         self.base = _run_config(model, overrides, global_batch_size)
+        _check_precision(precision, self.base)
         self.space = build_space(
             self.base,
             world_size=world_size,
@@ -102,6 +104,19 @@ class AdaptiveBatchFinder:
         if result.best is None:
             raise RuntimeError(f"no configuration fits: {result.outcome.limit}")
         return result.best.candidate.micro_batch_size
+
+
+def _check_precision(precision: str | None, base: RunConfig) -> None:
+    """One line naming this API's argument: `build_space` would name `gaudi3 tune`'s --precisions flag."""
+    if precision is None:
+        return
+    device = device_kind(base)
+    supported = supported_precisions(device)
+    if precision not in supported:
+        raise UserInputError(
+            f"precision={precision!r} is not supported on {device} here; allowed: "
+            f"{', '.join(map(repr, supported))}, or None for every one of them"
+        )
 
 
 def _run_config(

@@ -39,7 +39,12 @@ from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.distributed.schedule_math import balanced_split
 from gaudi3_scale.distributed.strategies import supported_strategies
 from gaudi3_scale.models.config import ModelConfig
-from gaudi3_scale.tune.memory import MemoryEstimate, estimate_memory, max_micro_batch_that_fits
+from gaudi3_scale.tune.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    max_micro_batch_that_fits,
+    process_peak_bytes,
+)
 
 __all__ = [
     "Layout",
@@ -125,10 +130,15 @@ class LayoutCheck:
     @property
     def fits(self) -> bool:
         host_ok = self.host_limit_bytes is None or self.host_bytes_per_node <= self.host_limit_bytes
-        return self.estimate.total_bytes <= self.device_bytes and host_ok
+        return self.need_bytes <= self.device_bytes and host_ok
+
+    @property
+    def need_bytes(self) -> int:
+        """What the layout takes per device: on a CPU with what glibc keeps (`tune.memory.process_peak_bytes`)."""
+        return process_peak_bytes(self.estimate)
 
     def reason(self, device_name: str) -> str:
-        need = self.estimate.total_bytes
+        need = self.need_bytes
         if need > self.device_bytes:
             return f"needs {need / _GIB:.1f} GiB per device, the {device_name} has {self.device_bytes / _GIB:.1f} GiB"
         if self.host_limit_bytes is not None and self.host_bytes_per_node > self.host_limit_bytes:
@@ -311,7 +321,7 @@ def check_layouts(
     for layout in candidate_layouts(model, device_kind=device_kind, world_size=world_size, per_node=per_node):
         check = _check(model, layout, target)
         checks.append(check)
-        if check.estimate.total_bytes <= device_bytes:
+        if check.need_bytes <= device_bytes:
             continue
         for offload in OFFLOAD_ORDER[1:]:
             if layout.strategy in OFFLOAD_STRATEGIES[offload]:

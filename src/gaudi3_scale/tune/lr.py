@@ -5,10 +5,12 @@ to keep the progress per token. Two cited rules:
 
 - ``linear``: lr × k. Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
   arXiv:1706.02677, §2.1 ("when the minibatch size is multiplied by k, multiply the learning rate by k"), for SGD.
-- ``sqrt``: lr × √k. Krizhevsky 2014, "One weird trick for parallelizing convolutional neural networks",
-  arXiv:1404.5997, §5; derived for adaptive optimizers (Adam/AdamW) by Malladi et al. 2022, "On the SDEs and
-  Scaling Rules for Adaptive Gradient Algorithms", arXiv:2205.10287 (the square-root scaling rule). Our default,
-  since we train with AdamW.
+- ``sqrt``: lr × √k, and nothing else. Krizhevsky 2014, "One weird trick for parallelizing convolutional neural
+  networks", arXiv:1404.5997, §5. For adaptive optimizers (Adam/AdamW) Malladi et al. 2022, "On the SDEs and
+  Scaling Rules for Adaptive Gradient Algorithms", arXiv:2205.10287, derive a square-root scaling rule whose
+  learning-rate part this is; their rule also changes Adam's other hyperparameters (1 − β₁ and 1 − β₂ times k,
+  ε over √k), which we leave unchanged: the winner keeps the config's betas and eps. Our default, since we train
+  with AdamW.
 - ``none``: keep the learning rate.
 
 Warmup and run length keep their token counts: warmup_steps × 1/k (Goyal et al. warm up over a fixed number of
@@ -25,7 +27,8 @@ __all__ = ["LR_RULES", "LrRule", "RescaledSchedule", "rescale_schedule"]
 
 LrRule = Literal["sqrt", "linear", "none"]
 LR_RULES: dict[str, str] = {
-    "sqrt": "lr × √k (Malladi et al. 2022, arXiv:2205.10287; Krizhevsky 2014, arXiv:1404.5997)",
+    "sqrt": "lr × √k, betas and eps kept (the learning-rate part of Malladi et al. 2022's square-root rule, "
+    "arXiv:2205.10287; Krizhevsky 2014, arXiv:1404.5997)",
     "linear": "lr × k (Goyal et al. 2017, arXiv:1706.02677)",
     "none": "keep lr",
 }

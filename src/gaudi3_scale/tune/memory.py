@@ -18,21 +18,32 @@ master partitions (K = 12, as in the paper).
 Activations and the loss workspace: `tune.activations` (Korthikanti et al., arXiv:2205.05198, adapted tensor by
 tensor to our blocks, with tensor and sequence parallel).
 
-Phases. Not everything is alive at once: gradients are freed (set_to_none) after each step while activations are
-freed during backward. The peak is the largest of these moments, each summed term by term: "init" (DeepSpeed: the
-model built whole before it is partitioned; FSDP builds on meta and has none), "backward start" (all activations,
-loss workspace), "backward end" (all gradients; a tied embedding/head then has three V·h gradients alive: the
-head's, the embedding's and their sum), "optimizer step". The breakdown reported is the one of the peak moment.
+Phases. Not everything is alive at once: gradients are freed (set_to_none) after each optimizer step while
+activations are freed during backward. The peak is the largest of these moments, each summed term by term: "init"
+(DeepSpeed: the model built whole before it is partitioned; FSDP builds on meta and has none), "backward start" (all
+activations, loss workspace; with gradient accumulation, also the gradients the earlier micro-batches of the step
+left: `train/module.py` zeroes them only after the optimizer step), "backward end" (all gradients; a tied
+embedding/head then has three V·h gradients alive: the head's, the embedding's and their sum), "optimizer step". The
+breakdown reported is the one of the peak moment.
 Per strategy:
-* ddp: gradients live in all-reduce buckets for the whole run (`gradient_as_bucket_view=True`);
+* single (one process): with accumulation, every micro-batch after the first starts backward with the whole
+  model's gradients alive;
+* ddp: gradients live in all-reduce buckets for the whole run (`gradient_as_bucket_view=True`); with accumulation
+  the micro-steps before the last run without sync (`distributed.grad_sync`, DDP's `no_sync`), so their gradients
+  accumulate in `.grad` tensors of their own (DDP's reducer makes `.grad` a bucket view only when it syncs, and
+  `zero_grad(set_to_none=True)` drops the view): a second full set of gradients beside the buckets;
 * fsdp / fsdp_grad_op (FSDP2 `fully_shard` per block, then the root): shards of parameters, gradients and AdamW
   state over N, sized by the rank the trainer's shard plan gives the most (`distributed.shard_plan`: uneven
   dim-0 chunks, experts sharded on dim 1 when they do not divide over the ranks); gathered copies of two blocks in backward (current + prefetch) or, with reshard_after_forward=False,
   of every block from forward to backward; the root (embeddings, final norm, head) gathered, its gradients unsharded
   until the end of backward, then copied into a reduce-scatter input (N > 1; with N = 1 the shard is the gradient);
-* deepspeed_zero2: whole flat weights, master + moments (12Ψ/N) and the gradient partition; the step flattens a
-  fp32 gradient partition; deepspeed_zero3: everything /N, plus the live gathered parameters the strategy allows
-  (`distributed/deepspeed.py`: 24·h² elements, about two blocks, but at least the largest module: the V·h head).
+  FSDP2 reduce-scatters at every backward (`distributed.grad_sync`), so with accumulation the sharded gradients
+  (not the unsharded ones) are kept across micro-steps;
+* deepspeed_zero2: whole flat weights, master + moments (12Ψ/N) and the gradient partition, which, as ZeRO-2
+  partitions gradients, is all a rank keeps across accumulation micro-steps (reduced into it at each backward); the
+  step flattens a fp32 gradient partition; deepspeed_zero3: everything /N, plus the live gathered parameters the
+  strategy allows (`distributed/deepspeed.py`: 24·h² elements, about two blocks, but at least the largest module:
+  the V·h head).
 
 Layouts (`tp_size`, `dp_replicate`, `offload`, as `parallel.*`):
 * tensor parallel (Megatron, Shoeybi et al. 2019; the plan of `distributed/tensor_parallel.py`): every matrix, the
@@ -57,7 +68,8 @@ context, so the runtime term is 0; on HPU it is unknown and left out. Not modell
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
@@ -79,10 +91,15 @@ from gaudi3_scale.tune.pipeline_shape import RankStages, pipeline_activation_byt
 __all__ = [
     "CPU_DEEPSPEED_IMPORT_BYTES",
     "CPU_RUNTIME_BYTES",
+    "GLIBC_RETAINED_MAX_BYTES",
+    "GLIBC_RETAINED_SHARE",
+    "MMAP_THRESHOLD_ENV",
     "MemoryEstimate",
+    "allocator_retained_bytes",
     "estimate_activation_bytes",
     "estimate_memory",
     "max_micro_batch_that_fits",
+    "process_peak_bytes",
 ]
 
 DEVICE_KINDS = ("cpu", "cuda", "hpu")
@@ -95,6 +112,24 @@ OPTIMIZER_STATES = {"adamw": 2}  # tensors of optimizer state per parameter: Ada
 # file-backed). DeepSpeed's import (ops, accelerator registry) adds its own.
 CPU_RUNTIME_BYTES = 390 * 2**20
 CPU_DEEPSPEED_IMPORT_BYTES = 73 * 2**20
+
+# The estimate above is calibrated with MALLOC_MMAP_THRESHOLD_=131072, where glibc hands freed tensors back at once.
+# Setting it for a run costs speed (every large tensor becomes an mmap and its pages are zeroed again: the default
+# run's step was several times slower with it), so runs keep glibc's default, which keeps part of what a step frees
+# (still resident: the OS cannot give it to anyone else). Its excess over the estimate, on bench_foresight's 7 CPU
+# cases (2026-11-29, 0.4–0.7 GB peaks): +6 … +28 % of the estimate. 16 % puts all 7 within ±10 % (−9.4 … +9.6 %);
+# it is fitted on those cases, so they are not an independent check of it. It is not a share of larger runs: glibc
+# serves allocations above its mmap threshold (dynamic, at most 32 MiB on 64-bit: mallopt(3), M_MMAP_THRESHOLD) by
+# mmap and unmaps them when freed, so what it keeps is the churn of the smaller ones. On 2.0–3.8 GiB CPU runs
+# (2026-11-30, tune's F9/F13 checks: a 2-layer Llama at 32-true and bf16-mixed on one process at accumulation 1, 2
+# and 4, and on DDP over 2 ranks at 1 and 4; 9 measurements) the excess of peak RSS over the estimate was 28–174 MiB
+# (+1 … +4 %), where 16 % would say +11 … +14 %. Capped at 148 MiB, all 9 are within −0.6 … +5.7 % and the 7 small
+# cases are unchanged (16 % of them is below the cap).
+GLIBC_RETAINED_SHARE = (0.16, "glibc's default allocator keeps part of what a step frees: +16 % of the estimate, "
+                        "at most 148 MiB (fitted on bench_foresight's 7 CPU cases, 2026-11-29, and 9 larger "
+                        "runs, 2026-11-30)")  # fmt: skip
+GLIBC_RETAINED_MAX_BYTES = 148 * 2**20
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +218,13 @@ class _Run:
     float8: Float8Plan | None = None  # train.precision fp8: how the linears are converted
     shard: float = 0.0  # FSDP: parameter elements on the rank holding the most (`distributed.shard_plan`)
     pipeline: RankStages | None = None  # pipeline parallel: this rank's stages; `sh` is then their parameters
+    accumulation: int = 1  # micro-batches per optimizer step (BatchPlan.accumulation)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether a backward can start with the gradients of the step's earlier micro-batches alive (a pipeline's
+        schedule runs them itself: `_pipelined`)."""
+        return self.accumulation > 1
 
     @property
     def fp8_inputs(self) -> bool:
@@ -241,8 +283,9 @@ def _replicated(r: _Run) -> float:
 
 def _single(r: _Run) -> list[_Phase]:
     p, e, sh = _replicated(r), r.e, r.sh
+    kept = sh.params * e.grad if r.accumulates else 0  # the earlier micro-batches' gradients
     return [
-        _Phase("backward start", p + r.weight_casts(), 0, r.optimizer(1), r.activations, r.loss(e.grad)),
+        _Phase("backward start", p + r.weight_casts(), kept, r.optimizer(1), r.activations, r.loss(e.grad)),
         _Phase("backward end", p, sh.params * e.grad, r.optimizer(1), 0, r.tied_grads(2, e.grad)),
     ]
 
@@ -250,11 +293,17 @@ def _single(r: _Run) -> list[_Phase]:
 def _ddp(r: _Run) -> list[_Phase]:
     p, e, sh = _replicated(r), r.e, r.sh
     buckets = sh.params * e.grad
+    unsynced = sh.params * e.grad if r.accumulates else 0  # no_sync micro-steps' own .grad tensors
     # The last gradients to arrive: three tied V·h tensors, or an untied embedding's, before the copy into a bucket.
     end = r.tied_grads(3, e.grad) if sh.tied else sh.head * e.grad
     return [
         _Phase(
-            "backward start", p + r.weight_casts(), buckets, r.optimizer(1), r.activations, r.loss(e.grad)
+            "backward start",
+            p + r.weight_casts(),
+            buckets + unsynced,
+            r.optimizer(1),
+            r.activations,
+            r.loss(e.grad),
         ),
         _Phase("backward end", p, buckets, r.optimizer(1), 0, end),
     ]
@@ -278,9 +327,10 @@ def _fsdp(r: _Run, *, reshard_after_forward: bool) -> list[_Phase]:
             _Phase("backward start", gathered, 0, 0, r.activations, r.loss(e.gathered), host=host),
             _Phase("backward end", sh.root * e.gathered, 0, 0, 0, root_end, host=host + r.shard * e.grad),
         ]
+    kept = r.shard * e.grad if r.accumulates else 0  # sharded gradients of the step's earlier micro-batches
     phases = [
         _Phase(
-            "backward start", shards + gathered, 0, r.shard_optimizer(), r.activations, r.loss(e.gathered)
+            "backward start", shards + gathered, kept, r.shard_optimizer(), r.activations, r.loss(e.gathered)
         ),
         _Phase(
             "backward end",
@@ -325,6 +375,7 @@ def _zero2(r: _Run) -> list[_Phase]:
     bucket = sh.dim**2 * e.grad  # reduce_bucket_size = h² (distributed/deepspeed.py)
     end = r.tied_grads(2, e.grad) if sh.tied else sh.head * e.grad
     init = max(4 * sh.params, 2 * flat, flat + 4 * sh.params / n)  # fp32 build, flatten copy, master clone
+    kept = partition if r.accumulates else 0  # the earlier micro-batches' reduced gradients
     if r.offload == "optimizer":
         # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition on the host, the step on the CPU.
         host = r.optimizer(n) + 4 * sh.params / n
@@ -334,7 +385,7 @@ def _zero2(r: _Run) -> list[_Phase]:
             _Phase("init", max(4 * sh.params, 2 * flat)),
         ]
     return [
-        _Phase("backward start", flat, 0, r.optimizer(n), r.activations, r.loss(e.grad)),
+        _Phase("backward start", flat, kept, r.optimizer(n), r.activations, r.loss(e.grad)),
         _Phase("backward end", flat, partition + bucket, r.optimizer(n), 0, end),
         _Phase("optimizer step", flat, partition, r.optimizer(n), 0, 4 * sh.params / n),
         _Phase("init", init),
@@ -453,6 +504,7 @@ def _build_run(
         compiled=plan.compile,
         float8=float8,
         shard=_largest_shard(model, plan) if plan.shards_parameters and not plan.pipelined else 0.0,
+        accumulation=batch.accumulation,
     )
     return run, strategy, precision
 
@@ -502,8 +554,10 @@ def estimate_memory(
     plan: resolved as a run resolves `parallel.*` (`ParallelPlan.build`, or `RunConfig.parallel_plan`): strategy,
     world_size (all ranks), tp_size, dp_replicate, offload, activation_checkpointing, compile (activations as
     torch.compile saves them) and, with precision fp8, float8 (default: tensorwise, head in bf16). batch: its
-    micro_batch_size (sequences per forward pass per rank) and context_length (tokens per sequence; 0 = the
-    model's, also the maximum); how many micro-batches make a step does not change what a rank holds at its peak.
+    micro_batch_size (sequences per forward pass per rank), context_length (tokens per sequence; 0 = the
+    model's, also the maximum) and accumulation (micro-batches per step: above 1, a backward starts with the
+    gradients the step's earlier micro-batches left, as the strategy keeps them). `total_bytes` is what the
+    tensors and the runtime hold; what a CPU budget is held against adds the allocator's keep: `process_peak_bytes`.
     precision: a `train.precision` value ("auto" = 32-true on cpu, bf16-mixed elsewhere); device_kind: cpu, cuda
     or hpu (one HPU runs as ddp, `ParallelPlan.runs_as`); optimizer: adamw.
 
@@ -557,6 +611,24 @@ def estimate_memory(
     )
 
 
+def allocator_retained_bytes(estimate: MemoryEstimate, environ: Mapping[str, str] | None = None) -> int:
+    """What glibc's allocator keeps resident of what a CPU rank's step frees, on top of `estimate`: a share of it,
+    capped (GLIBC_RETAINED_SHARE, GLIBC_RETAINED_MAX_BYTES). 0 off the CPU (the device's allocator is what the
+    estimate counts) and when the run's environment (`environ`, default this process's, which a run launched from
+    here inherits) sets MALLOC_MMAP_THRESHOLD_, under which glibc hands freed tensors back at once."""
+    environ = os.environ if environ is None else environ
+    if estimate.device_kind != "cpu" or environ.get(MMAP_THRESHOLD_ENV):
+        return 0
+    return round(min(estimate.total_bytes * GLIBC_RETAINED_SHARE[0], GLIBC_RETAINED_MAX_BYTES))
+
+
+def process_peak_bytes(estimate: MemoryEstimate, environ: Mapping[str, str] | None = None) -> int:
+    """A rank's peak as a memory budget counts it and a run measures it: on a CPU the process's peak resident set
+    (what it takes from the OS, allocator's keep included: `allocator_retained_bytes`), on an accelerator the
+    device memory of `estimate.total_bytes`. The number to hold against a budget (`gaudi3 tune`, `gaudi3 plan`)."""
+    return estimate.total_bytes + allocator_retained_bytes(estimate, environ)
+
+
 def _stage_indices(plan: ParallelPlan, pp_rank: int) -> tuple[int, ...]:
     from gaudi3_scale.distributed.stages import local_stages
 
@@ -594,11 +666,15 @@ def max_micro_batch_that_fits(
     device_kind: str = "cpu",
     optimizer: str = "adamw",
     limit: int = 65536,
+    accumulation: int = 1,
 ) -> int:
-    """The largest micro-batch (≤ `limit`) whose estimate is within `budget_bytes`; 0 when even 1 does not fit.
+    """The largest micro-batch (≤ `limit`) whose peak (`process_peak_bytes`) is within `budget_bytes`; 0 when even
+    1 does not fit.
 
-    context_length: tokens per sequence (0 = the model's); other arguments as in `estimate_memory` (a pipeline
-    with pp_size micro-batches per step, the fewest 1F1B runs; GPipe holds all of them). The estimate
+    context_length: tokens per sequence (0 = the model's); accumulation: micro-batches per step (1: the
+    micro-batch is the rank's whole batch; more keep gradients across micro-steps); other arguments as in
+    `estimate_memory` (a pipeline with at least pp_size micro-batches per step, the fewest 1F1B runs; GPipe holds
+    all of them). The estimate
     never shrinks as the micro-batch grows, so this doubles, then bisects: O(log limit) estimates, each a few
     milliseconds.
     """
@@ -607,14 +683,14 @@ def max_micro_batch_that_fits(
         batch = BatchPlan.from_micro_batch(
             micro,
             # a pipeline's first stage holds pp_size micro-batches under 1F1B however many more the step has
-            accumulation=plan.pp_size,
+            accumulation=max(accumulation, plan.pp_size),
             data_parallel_size=plan.data_parallel_size,
             context_length=context_length,
         )
         est = estimate_memory(
             model, plan, batch, precision=precision, device_kind=device_kind, optimizer=optimizer
         )
-        return est.total_bytes <= budget_bytes
+        return process_peak_bytes(est) <= budget_bytes
 
     if not fits(1):
         return 0
