@@ -16,9 +16,12 @@ __all__ = ["CHECKPOINTS_OFF", "CheckpointConfig", "checkpoints_off_overrides"]
 CHECKPOINTS_OFF = {"enabled": False, "light_every_steps": 0, "remote_url": ""}
 
 
-def checkpoints_off_overrides() -> list[str]:
-    """`CHECKPOINTS_OFF` as `gaudi3 train` flags."""
-    return [f"--checkpoint.{key}={str(value).lower()}" for key, value in CHECKPOINTS_OFF.items()]
+def checkpoints_off_overrides(*, spike_policy: str = "warn") -> list[str]:
+    """`CHECKPOINTS_OFF` as `gaudi3 train` flags, and what else a throwaway run of a config whose
+    `health.spike_policy` is `spike_policy` must change: `rollback` restores a checkpoint (refused without one), so it
+    warns instead (the same watch for spikes, nothing to restore)."""
+    flags = [f"--checkpoint.{key}={str(value).lower()}" for key, value in CHECKPOINTS_OFF.items()]
+    return flags + (["--health.spike_policy=warn"] if spike_policy == "rollback" else [])
 
 
 @dataclass(kw_only=True)

@@ -38,7 +38,13 @@ def probe_measured_steps(predicted_step_s: float | None) -> int:
 
 
 def probe_command(
-    config_path: str | None, overrides: tuple[str, ...], out: Path, *, warmup_steps: int, measured_steps: int
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    out: Path,
+    *,
+    warmup_steps: int,
+    measured_steps: int,
+    spike_policy: str = "warn",
 ) -> list[str]:
     """`gaudi3 train` of the config with the probe's own length and outputs (what the run would do, shorter)."""
     return [
@@ -50,7 +56,7 @@ def probe_command(
         "--train.val_every_steps", "0",
         # nothing of the probe leaves its temporary directory: no checkpoint (none uploaded to the run's remote),
         # no tracker run, no metrics port that the run itself may hold
-        *checkpoints_off_overrides(), "--monitor.loggers=", "--monitor.metrics_port", "null",
+        *checkpoints_off_overrides(spike_policy=spike_policy), "--monitor.loggers=", "--monitor.metrics_port", "null",
         "--cost.budget_usd", "null",
     ]  # fmt: skip
 
@@ -64,15 +70,15 @@ def run_probe(
     warmup_steps: int,
     measured_steps: int = PROBE_MEASURED_STEPS,
     timeout_s: float = 1800.0,
+    spike_policy: str = "warn",
 ) -> tuple[Probe | None, str]:
-    """(the probe, "") or (None, why it failed: one line)."""
+    """(the probe, "") or (None, why it failed: one line). `spike_policy`: the config's `health.spike_policy`."""
     from gaudi3_scale.distributed.jobs import run_job
 
     with tempfile.TemporaryDirectory(prefix="gaudi3-probe-") as tmp:
         out = Path(tmp) / "run"
-        command = probe_command(
-            config_path, overrides, out, warmup_steps=warmup_steps, measured_steps=measured_steps
-        )
+        command = probe_command(config_path, overrides, out, warmup_steps=warmup_steps,
+                                measured_steps=measured_steps, spike_policy=spike_policy)  # fmt: skip
         outcome = run_job(command, Path(tmp) / "probe.log", timeout_s=timeout_s)
         summary_path = out / "summary.json"
         if not summary_path.is_file():

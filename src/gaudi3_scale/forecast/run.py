@@ -260,6 +260,7 @@ def forecast_config(
             val_batches=cfg.train.val_batches,
             warmup_steps=max(warmup, 2),
             measured_steps=probe_measured_steps(first_guess),
+            spike_policy=cfg.health.spike_policy,
         )
         if measured is None:
             warn(f"--probe: {why}; the forecast comes from the catalog")

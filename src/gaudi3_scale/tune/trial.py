@@ -23,11 +23,10 @@ from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
-from gaudi3_scale.train.config import RunConfig
 from gaudi3_scale.train.report import read_metrics
 from gaudi3_scale.tune.space import Candidate
 
-__all__ = ["TrialResult", "TrialSettings", "base_conflict_overrides", "run_trial"]
+__all__ = ["TrialResult", "TrialSettings", "run_trial"]
 
 Status = Literal["ok", "oom", "crash", "timeout", "pruned", "skipped"]
 
@@ -40,7 +39,7 @@ class TrialSettings:
     measure_steps: int = 5
     timeout_s: float = 300.0
     memory_budget_bytes: int | None = None
-    base_overrides: tuple[str, ...] = ()  # `base_conflict_overrides` of the config the trials run
+    spike_policy: str = "warn"  # the config's health.spike_policy: a trial writes no checkpoint to roll back to
     extra_overrides: tuple[str, ...] = ()
 
     def steps(self, candidate: Candidate) -> tuple[int, int]:
@@ -83,12 +82,6 @@ class TrialResult:
         return from_dict(cls, {k: v for k, v in data.items() if k != "key"}, prefix="result")
 
 
-def base_conflict_overrides(base: RunConfig) -> tuple[str, ...]:
-    """`base`'s fields that a trial's own overrides (`_command`) would get refused, set to what runs without them:
-    spike rollback restores a checkpoint and a trial writes none, so it warns instead (the same watch for spikes)."""
-    return ("--health.spike_policy=warn",) if base.health.spike_policy == "rollback" else ()
-
-
 # One node, the trial's ranks, its own rendezvous on a free local port: a multi-node config's nodes are not there.
 ONE_NODE = ("--parallel.nnodes=1", "--parallel.node_rank=0", "--parallel.rdzv_endpoint=null")
 
@@ -120,8 +113,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         "--train.val_every_steps=0",
         "--train.val_batches=1",
         "--train.profile_start_step=null",  # the profiler's steps would be measured, and may lie past max_steps
-        *checkpoints_off_overrides(),
-        *settings.base_overrides,
+        *checkpoints_off_overrides(spike_policy=settings.spike_policy),
         *settings.extra_overrides,
     ]
 

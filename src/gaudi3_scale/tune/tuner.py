@@ -27,7 +27,7 @@ from gaudi3_scale.tune.layouts import PP_SCHEDULE
 from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
 from gaudi3_scale.tune.search import RefusalFn, SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
-from gaudi3_scale.tune.trial import TrialResult, TrialSettings, base_conflict_overrides, run_trial
+from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 
 __all__ = [
     "STEP_FIELDS",
@@ -310,7 +310,7 @@ def run_tuner(
         measure_steps=config.measure_steps,
         timeout_s=config.trial_timeout_s,
         memory_budget_bytes=config.memory_budget_bytes,
-        base_overrides=base_conflict_overrides(base),
+        spike_policy=base.health.spike_policy,
         extra_overrides=extra_overrides,
     )
     context = base.model.context_length
