@@ -60,7 +60,7 @@ def _step_fields(section: object, prefix: str) -> set[str]:
 def test_every_field_counted_in_steps_is_rescaled() -> None:
     """A field in optimizer steps added to any section of the run config must join `STEP_FIELDS` (or the
     schedule's own rescale): otherwise a tuned config keeps it in steps and stretches it in tokens."""
-    from gaudi3_scale.tune.tuner import STEP_FIELDS
+    from gaudi3_scale.tune.lr import STEP_FIELDS
 
     config = RunConfig()
     in_steps = {

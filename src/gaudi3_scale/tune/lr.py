@@ -14,16 +14,19 @@ to keep the progress per token. Two cited rules:
 - ``none``: keep the learning rate.
 
 Warmup and run length keep their token counts: warmup_steps × 1/k (Goyal et al. warm up over a fixed number of
-epochs, i.e. samples) and max_steps × 1/k, both rounded up.
+epochs, i.e. samples) and max_steps × 1/k, both rounded up; so does every other field counted in steps
+(`STEP_FIELDS`: checkpoint, validation, logging, profiling and spike intervals, `rescale_step_fields`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["LR_RULES", "LrRule", "RescaledSchedule", "rescale_schedule"]
+from gaudi3_scale.health.config import MIN_SPIKE_WARMUP_STEPS
+
+__all__ = ["LR_RULES", "STEP_FIELDS", "LrRule", "RescaledSchedule", "rescale_schedule", "rescale_step_fields"]
 
 LrRule = Literal["sqrt", "linear", "none"]
 LR_RULES: dict[str, str] = {
@@ -78,3 +81,44 @@ def rescale_schedule(
         max_steps=max(1, math.ceil(max_steps / k)),
         factor=k,
     )
+
+
+# Every run-config field counted in optimizer steps, by section, besides optim.warmup_steps and train.max_steps (their
+# rescale is tune.lr.rescale_schedule's). A global batch k times larger takes k times fewer steps over the same tokens,
+# so each keeps its token count at 1/k of its steps; otherwise a run tuned to 8× the batch checkpoints, validates and
+# watches for spikes 8× less often per token, and one shorter than checkpoint.every_steps never checkpoints at all.
+STEP_FIELDS: dict[str, tuple[str, ...]] = {
+    "train": ("val_every_steps", "log_every_steps", "throughput_warmup_steps", "profile_start_step",
+              "profile_num_steps"),
+    "checkpoint": ("every_steps", "keep_every_steps", "light_every_steps"),
+    "health": ("spike_window_steps", "spike_warmup_steps"),
+    "benchmark": ("warmup_steps",),
+}  # fmt: skip
+
+
+def _steps_at(steps: int | None, k: float) -> int | None:
+    """`steps` at 1/k, rounded half up; None and 0 (off, or step 0) stay, any other count stays at least 1."""
+    if not steps:
+        return steps
+    return max(1, math.floor(steps / k + 0.5))
+
+
+def rescale_step_fields(raw: dict[str, Any], k: float) -> list[str]:
+    """`STEP_FIELDS` of `raw` (a run config as `to_dict` gives it) for a global batch k times larger; returns the
+    fields that changed, as "section.field old → new"."""
+    before = {(sec, name): raw[sec][name] for sec, names in STEP_FIELDS.items() for name in names}
+    for (sec, name), steps in before.items():
+        raw[sec][name] = _steps_at(steps, k)
+    # checkpoints kept at multiples of keep_every_steps are the ones written every every_steps: it stays a multiple
+    every, keep = before["checkpoint", "every_steps"], before["checkpoint", "keep_every_steps"]
+    if every and keep and keep % every == 0:
+        raw["checkpoint"]["keep_every_steps"] = raw["checkpoint"]["every_steps"] * (keep // every)
+    # the fewest steps a spike is judged against, and a window that holds them (health.config)
+    health = raw["health"]
+    health["spike_warmup_steps"] = max(MIN_SPIKE_WARMUP_STEPS, health["spike_warmup_steps"])
+    health["spike_window_steps"] = max(health["spike_warmup_steps"], health["spike_window_steps"])
+    return [
+        f"{sec}.{name} {old} → {raw[sec][name]}"
+        for (sec, name), old in before.items()
+        if raw[sec][name] != old
+    ]

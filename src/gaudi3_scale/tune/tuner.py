@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 import platform
 import time
 from collections.abc import Callable
@@ -19,18 +18,16 @@ from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.core import config_sha256, from_dict, save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.distributed.plan import ParallelPlan
-from gaudi3_scale.health.config import MIN_SPIKE_WARMUP_STEPS
 from gaudi3_scale.train.config import RunConfig, config_dict
 from gaudi3_scale.train.train_config import fp8_option_defaults
 from gaudi3_scale.tune.config import TuneConfig
 from gaudi3_scale.tune.layouts import PP_SCHEDULE
-from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule
+from gaudi3_scale.tune.lr import LR_RULES, rescale_schedule, rescale_step_fields
 from gaudi3_scale.tune.search import RefusalFn, SearchOutcome, TrialCache, search
 from gaudi3_scale.tune.space import Candidate, SearchSpace, offload_options
 from gaudi3_scale.tune.trial import TrialResult, TrialSettings, run_trial
 
 __all__ = [
-    "STEP_FIELDS",
     "TuneResult",
     "check_memory_budget",
     "check_winner_configs",
@@ -39,18 +36,6 @@ __all__ = [
     "run_tuner",
     "winner_config",
 ]
-
-# Every run-config field counted in optimizer steps, by section, besides optim.warmup_steps and train.max_steps (their
-# rescale is tune.lr.rescale_schedule's). A global batch k times larger takes k times fewer steps over the same tokens,
-# so each keeps its token count at 1/k of its steps; otherwise a run tuned to 8× the batch checkpoints, validates and
-# watches for spikes 8× less often per token, and one shorter than checkpoint.every_steps never checkpoints at all.
-STEP_FIELDS: dict[str, tuple[str, ...]] = {
-    "train": ("val_every_steps", "log_every_steps", "throughput_warmup_steps", "profile_start_step",
-              "profile_num_steps"),
-    "checkpoint": ("every_steps", "keep_every_steps", "light_every_steps"),
-    "health": ("spike_window_steps", "spike_warmup_steps"),
-    "benchmark": ("warmup_steps",),
-}  # fmt: skip
 
 
 @dataclass
@@ -157,34 +142,6 @@ def _check_budget_possible(
             f"estimate is {smallest / 2**30:.2f} GiB ({c.label(space.world_size)}); give at least that, more "
             "ranks, or --no-estimate-pruning to let trials decide"
         )
-
-
-def _steps_at(steps: int | None, k: float) -> int | None:
-    """`steps` at 1/k, rounded half up; None and 0 (off, or step 0) stay, any other count stays at least 1."""
-    if not steps:
-        return steps
-    return max(1, math.floor(steps / k + 0.5))
-
-
-def rescale_step_fields(raw: dict[str, Any], k: float) -> list[str]:
-    """`STEP_FIELDS` of `raw` (a run config as `to_dict` gives it) for a global batch k times larger; returns the
-    fields that changed, as "section.field old → new"."""
-    before = {(sec, name): raw[sec][name] for sec, names in STEP_FIELDS.items() for name in names}
-    for (sec, name), steps in before.items():
-        raw[sec][name] = _steps_at(steps, k)
-    # checkpoints kept at multiples of keep_every_steps are the ones written every every_steps: it stays a multiple
-    every, keep = before["checkpoint", "every_steps"], before["checkpoint", "keep_every_steps"]
-    if every and keep and keep % every == 0:
-        raw["checkpoint"]["keep_every_steps"] = raw["checkpoint"]["every_steps"] * (keep // every)
-    # the fewest steps a spike is judged against, and a window that holds them (health.config)
-    health = raw["health"]
-    health["spike_warmup_steps"] = max(MIN_SPIKE_WARMUP_STEPS, health["spike_warmup_steps"])
-    health["spike_window_steps"] = max(health["spike_warmup_steps"], health["spike_window_steps"])
-    return [
-        f"{sec}.{name} {old} → {raw[sec][name]}"
-        for (sec, name), old in before.items()
-        if raw[sec][name] != old
-    ]
 
 
 def winner_config(base: RunConfig, c: Candidate, world_size: int, rule: str) -> tuple[RunConfig, str]:
