@@ -447,7 +447,7 @@ def test_a_pipeline_group_keeps_its_micro_batches_and_its_trials_run_the_pipelin
     table = check_layouts(resolved_model(base.model, base.data), world_size=4, per_node=4, device_kind="cpu",
                           device_bytes=2**40, micro_batch_size=2, precision="32-true")  # fmt: skip
     row = next(r for r in table if r.layout == Layout(strategy="fsdp", pp_size=4, pp_split=(1, 3, 5)))
-    assert estimate(pp4) == row.need_bytes == process_peak_bytes(row.estimate)  # the trial's measure: RSS on a CPU
+    assert estimate(pp4) == row.need_bytes == process_peak_bytes(row.estimate)  # what a trial measures
     flat = replace(pp4, pp_size=1, pp_split=())
     assert estimate(flat) != estimate(pp4)
     config, _ = winner_config(base, pp4, 4, "sqrt")

@@ -39,7 +39,7 @@ class TrialSettings:
     measure_steps: int = 5
     timeout_s: float = 300.0
     memory_budget_bytes: int | None = None
-    spike_policy: str = "warn"  # the config's health.spike_policy: a trial writes no checkpoint to roll back to
+    spike_policy: str = "warn"  # the config's health.spike_policy (trials write no checkpoint)
     extra_overrides: tuple[str, ...] = ()
 
     def steps(self, candidate: Candidate) -> tuple[int, int]:
