@@ -408,3 +408,54 @@ def test_health_events_of_a_real_run_are_marked_on_the_loss_curve(
     kinds = [k for k in MARKS if k in {kind for kind, _, _ in expected}]
     assert [(e.text, e.get_attribute("title")) for e in legend] == [MARKS[k] for k in kinds]
     _screenshot(browser, name)
+
+
+def _quiet_run(runs_dir: Path, name: str, records: list[dict[str, Any]]) -> None:
+    """A run that stopped a while ago (no summary.json, nothing written for minutes): polled every second."""
+    run = runs_dir / name
+    run.mkdir()
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"name": "tiny"}, "train": {"max_steps": 1000}})
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    old = time.time() - 600
+    for path in (run / "config.yaml", run / "metrics.jsonl"):
+        os.utime(path, (old, old))
+
+
+def test_a_name_with_a_carriage_return_is_polled_as_itself(
+    browser: Any, dashboard: str, runs_dir: Path
+) -> None:
+    """An HTML attribute would turn the "\\r" into "\\n": the run list would reload at every poll, and the run page
+    would poll a run that does not exist. The pages carry names as JSON."""
+    _quiet_run(runs_dir, "cr\rname", [{"step": s, "train_loss": 3.0 - s / 10} for s in (1, 2, 3)])
+    browser.get(f"{dashboard}/runs/cr%0Dname")
+    _wait_for(lambda: _points(browser, "chart-loss") == 3, 30, "the run's three loss points")
+    assert browser.find_element("id", "connection").text == "· live"
+    browser.get(f"{dashboard}/")
+    browser.execute_script("window.notReloaded = true;")
+    time.sleep(6)  # the run list polls every 5 s
+    assert browser.execute_script("return window.notReloaded === true;")
+
+
+def test_an_unchanged_run_is_not_redrawn_and_many_marks_are_thinned(
+    browser: Any, dashboard: str, runs_dir: Path
+) -> None:
+    """A poll that brings nothing new draws nothing (the chart's elements stay the same ones), and a run that warned
+    of a spike at each of 1,000 steps is drawn with a few hundred marks, not 1,000 lines."""
+    records: list[dict[str, Any]] = []
+    for step in range(1, 1001):
+        records.append({"step": step, "train_loss": 3.0})
+        records.append(
+            {"step": step, "health_event": "loss_spike", "health_action": "warn", "detail": "spike"}
+        )
+    _quiet_run(runs_dir, "many-marks", records)
+    browser.get(f"{dashboard}/runs/many-marks")
+    _wait_for(lambda: _points(browser, "chart-loss") == 1000, 30, "the run's loss points")
+    chart = browser.find_element("id", "chart-loss")
+    assert chart.get_attribute("data-marks") == "1000"
+    drawn = len(chart.find_elements("css selector", "svg g.health-mark"))
+    assert drawn == int(chart.get_attribute("data-marks-drawn")) and drawn <= 201
+    browser.execute_script("window.axis = document.querySelector('#chart-loss svg line.axis');")
+    time.sleep(2.5)  # two polls of a stopped run, with no new lines
+    assert browser.execute_script("return window.axis.isConnected;")

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import stat
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -204,10 +205,20 @@ def has_manifest(directory: Path) -> bool:
     return (directory / MANIFEST_NAME).is_file()
 
 
+def _read_regular(path: Path) -> bytes:
+    """The bytes of `path`, which must be a regular file: a FIFO or a device there (planted, or a stray
+    `mkfifo`) is refused without blocking on it (O_NONBLOCK), and checked on the opened file, not before it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(f"{MANIFEST_NAME} is not a regular file")
+        return f.read()
+
+
 def _load(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) for a well-formed committed manifest, else (None, why not)."""
     try:
-        return parse_manifest((directory / MANIFEST_NAME).read_bytes()), None
+        return parse_manifest(_read_regular(directory / MANIFEST_NAME)), None
     except FileNotFoundError:
         return None, f"no committed manifest ({MANIFEST_NAME} missing)"
     except OSError as exc:

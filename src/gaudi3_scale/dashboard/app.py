@@ -145,7 +145,8 @@ def _add_pages(app: Flask, ctx: _Context) -> None:
     @app.get("/")
     def index() -> str:
         return render_template("index.html", runs=ctx.runs(), benchmarks=ctx.benchmarks(),
-                               runs_dir=ctx.store.directory, host=host_snapshot())  # fmt: skip
+                               unlisted=ctx.store.unlisted(), runs_dir=ctx.store.directory,
+                               host=host_snapshot())  # fmt: skip
 
     @app.get("/runs/<name>")
     def run_page(name: str) -> str:
@@ -211,7 +212,8 @@ def _add_api(app: Flask, ctx: _Context) -> None:
 
     @app.get("/api/runs")
     def api_runs() -> Response:
-        return jsonify(runs_dir=str(ctx.store.directory), runs=ctx.runs(), benchmarks=ctx.benchmarks())
+        return jsonify(runs_dir=str(ctx.store.directory), runs=ctx.runs(), benchmarks=ctx.benchmarks(),
+                       unlisted=ctx.store.unlisted())  # fmt: skip
 
     @app.get("/api/runs/<name>")
     def api_run(name: str) -> Response:
@@ -224,18 +226,26 @@ def _add_api(app: Flask, ctx: _Context) -> None:
 
     @app.get("/api/runs/<name>/metrics")
     def api_metrics(name: str) -> Response:
-        """Records on lines `since` … `next` - 1; poll again with since=next. `reset`: the file was replaced
-        (since > its lines), so these are all of its records and the caller starts over. `health_marks`: how the
-        loss chart marks the health events among them (`health.marks`). `eta`: the progress chart's predicted
-        line and the finish lines (`dashboard.eta`)."""
+        """Records on lines `since` … `next` - 1; poll again with since=next&file=FILE. `file` names this copy of
+        metrics.jsonl. `reset`: the file was replaced (another `file`, or since > its lines), or the caller is too
+        far behind (`downsampled`), so these are all of its records and the caller starts over. `downsampled`:
+        a long file's lines before its last ones are sent as `series` keeps them (each chart's shape, extremes
+        and health events; at most a few thousand records), not each. `health_marks`: how the loss chart marks
+        the health events among them (`health.marks`). `eta`: the progress chart's predicted line and the
+        finish lines (`dashboard.eta`)."""
+        from flask import request
+
         run_dir = ctx.run_dir(name)
         since = _since()
         view = ctx.store.metrics_view(run_dir)
-        reset = since > view.count
-        records = view.records(0 if reset else since)
+        file = request.args.get("file")
+        reset = since > view.count or (file is not None and file != view.file_id)
+        records, downsampled = view.records(0 if reset else since)
+        reset = reset or (downsampled and since > 0)
         run = ctx.overview(name, run_dir)
-        return jsonify(since=since, next=view.count, reset=reset, records=records,
-                       health_marks=health_marks(records), run=run, eta=ctx.eta(run_dir, run))  # fmt: skip
+        return jsonify(since=since, next=view.count, file=view.file_id, reset=reset, downsampled=downsampled,
+                       records=records, health_marks=health_marks(records), run=run,
+                       eta=ctx.eta(run_dir, run))  # fmt: skip
 
     @app.get("/api/runs/<name>/checkpoints")
     def api_checkpoints(name: str) -> Response:

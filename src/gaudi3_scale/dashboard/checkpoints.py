@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.checkpoint.manifest import (
-    has_manifest,
+    MANIFEST_NAME,
     manifest_problem,
     read_manifest,
     read_pointer,
@@ -125,7 +125,8 @@ class CheckpointVerifier:
         if escape is not None:
             return None, str(escape)
         manifest = read_manifest(directory)
-        if manifest is None and has_manifest(directory):
+        # Anything by the manifest's name that is not one is damage (a FIFO there is not read: `read_manifest`).
+        if manifest is None and (directory / MANIFEST_NAME).exists():
             return None, f"{directory.name}: {manifest_problem(directory)}"
         return manifest, None
 

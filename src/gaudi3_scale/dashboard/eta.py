@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from gaudi3_scale.config.numbers import finite_number
-from gaudi3_scale.dashboard.formatting import MISSING, hours
+from gaudi3_scale.dashboard.formatting import MISSING, hours, local_time
 from gaudi3_scale.dashboard.runs import MetricsView
 
 __all__ = ["NO_FORECAST", "run_eta"]
@@ -107,7 +107,7 @@ def _progress(view: MetricsView) -> list[tuple[float, int, dict[str, Any]]]:
     """(wall_s, step, record) of the newest train records of the run's latest process, oldest first: back from the
     end until a record that is not before the next one in both time and step (another process, a rollback)."""
     found: list[tuple[float, int, dict[str, Any]]] = []
-    for record in reversed(view.lines[max(0, view.count - _SCAN_LINES) : view.count]):
+    for record in reversed(view.recent[-_SCAN_LINES:]):
         wall_s = finite_number(record.get("wall_s")) if record is not None else None
         step = record.get("step") if record is not None else None
         if wall_s is None or not isinstance(step, int) or "time_unix" not in record:
@@ -137,9 +137,9 @@ def _live(
 
 def _clock(unix_s: float | None, now_unix: float) -> str:
     """HH:MM local time; with the date when it is not today."""
-    if unix_s is None:
+    moment, today = local_time(unix_s), local_time(now_unix)
+    if moment is None or today is None:
         return MISSING
-    moment, today = time.localtime(unix_s), time.localtime(now_unix)
     same_day = moment[:3] == today[:3]
     return time.strftime("%H:%M" if same_day else "%Y-%m-%d %H:%M", moment)
 

@@ -13,7 +13,19 @@ from typing import Any
 from gaudi3_scale.config.strict_json import non_finite_name
 from gaudi3_scale.cost.report import UNKNOWN, usd
 
-__all__ = ["UNKNOWN", "gib", "hours", "loss", "overview_text", "percent", "ranks", "rate", "usd", "when"]
+__all__ = [
+    "UNKNOWN",
+    "gib",
+    "hours",
+    "local_time",
+    "loss",
+    "overview_text",
+    "percent",
+    "ranks",
+    "rate",
+    "usd",
+    "when",
+]
 
 MISSING = "—"
 
@@ -54,14 +66,21 @@ def hours(value: float | None) -> str:
     return f"{value * 3600:.3g} s"
 
 
-def when(unix_s: float | None) -> str:
-    """A Unix time as local date and time (the dashboard runs where its user is: `--host` defaults to loopback)."""
+def local_time(unix_s: float | None) -> time.struct_time | None:
+    """A Unix time as local time (the dashboard runs where its user is: `--host` defaults to loopback); None when
+    unknown or out of range (a hand-edited or corrupt record's time)."""
     if unix_s is None:
-        return MISSING
+        return None
     try:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+        return time.localtime(unix_s)
     except (OverflowError, OSError, ValueError):  # NaN, infinite or beyond the platform's time_t
-        return MISSING
+        return None
+
+
+def when(unix_s: float | None) -> str:
+    """A Unix time as local date and time."""
+    moment = local_time(unix_s)
+    return MISSING if moment is None else time.strftime("%Y-%m-%d %H:%M:%S", moment)
 
 
 def ranks(value: list[int] | None) -> str:

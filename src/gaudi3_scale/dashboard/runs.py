@@ -6,26 +6,27 @@ leaves them) or a **benchmark** result set (`matrix.yaml` + `cells/` from `gaudi
 `os.scandir` lists (symlinks are not followed), so `..`, `/`, absolute paths and links out of DIR name nothing;
 every file inside a run is reached through `files` (a symlink out of the runs directory is never read).
 
-`metrics.jsonl` is read incrementally: each file's complete lines are parsed once and kept, and a poll reads only
-the bytes appended since. A line that is not a JSON object is counted as unreadable, never fatal.
+`metrics.jsonl` is read incrementally, with bounded memory and time (`metrics_reader`). A line that is not a
+JSON object is counted as unreadable, never fatal.
+
+An entry the run list cannot show or link (a name that is not UTF-8, a directory the server may not enter) is
+named in `unlisted`, so that it does not vanish without a word.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gaudi3_scale.config.core import load_yaml
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import load_json_file
-from gaudi3_scale.config.numbers import finite_number, is_number
-from gaudi3_scale.config.strict_json import restore_non_finite
 from gaudi3_scale.dashboard.files import OutsideRuns, has_file, real_file
+from gaudi3_scale.dashboard.metrics_reader import EMPTY, MetricsReader, MetricsView
 from gaudi3_scale.train.forecast_file import PLAN_FILE
 
 __all__ = ["MetricsReader", "MetricsView", "RunStore", "child_kind", "config_section"]
@@ -54,129 +55,6 @@ def config_section(config: dict[str, Any], key: str) -> dict[str, Any]:
     """One section of a run's config.yaml; {} when absent or not a mapping (a hand-edited file)."""
     value = config.get(key)
     return value if isinstance(value, dict) else {}
-
-
-# What the pages and the API read from a record as numbers (a diverged loss may be NaN or infinite; a count not).
-_COUNTS = ("step", "tokens_seen", "peak_memory_bytes")
-_NUMBERS = ("train_loss", "val_loss", "tokens_per_s", "mfu", "wall_s", "step_time_s",
-            "time_unix", "cost_usd", "cost_usd_per_hour", "cost_projected_usd", "cost_budget_usd",
-            "cost_budget_remaining_usd", "projected_finish_unix", "scaling_efficiency")  # fmt: skip
-
-
-def _misfit(record: dict[str, Any]) -> bool:
-    """Whether a metrics record holds a field of another type than `gaudi3 train` writes there."""
-    counts = [finite_number(record[k]) for k in _COUNTS if record.get(k) is not None]
-    if not all(v is not None and v >= 0 for v in counts):
-        return True
-    if any(record.get(k) is not None and not is_number(record[k]) for k in _NUMBERS):
-        return True
-    stragglers = record.get("stragglers")
-    return stragglers is not None and not (
-        isinstance(stragglers, list)
-        and all(isinstance(r, int) and not isinstance(r, bool) for r in stragglers)
-    )
-
-
-@dataclass
-class _Tail:
-    """Everything parsed so far from one metrics.jsonl (one entry per complete line; None: blank or unreadable)."""
-
-    inode: int
-    offset: int = 0  # bytes consumed: always the end of a complete line
-    lines: list[dict[str, Any] | None] = field(default_factory=list)
-    unreadable: int = 0
-    partial: bool = False  # bytes after the last "\n"
-    mtime: float = 0.0
-    latest_train: dict[str, Any] | None = None
-    latest_val: dict[str, Any] | None = None
-    latest_cost: dict[str, Any] | None = None
-    peak_memory_bytes: int | None = None
-
-    def add(self, raw: bytes) -> None:
-        if not raw.strip():
-            self.lines.append(None)
-            return
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):  # also UnicodeDecodeError; absurd nesting
-            record = None
-        if not isinstance(record, dict):
-            self.unreadable += 1
-            self.lines.append(None)
-            return
-        # A diverged run's "NaN" is a number here (as in a file from before the strict encoder), spelled when served.
-        record = restore_non_finite(record)
-        if _misfit(record):  # a field the pages read as a number that is not one: unreadable, never a 500
-            self.unreadable += 1
-            self.lines.append(None)
-            return
-        self.lines.append(record)
-        if record.get("train_loss") is not None or record.get("tokens_per_s") is not None:
-            self.latest_train = record
-        if record.get("val_loss") is not None:
-            self.latest_val = record
-        if record.get("cost_usd") is not None:
-            self.latest_cost = record
-        peak = record.get("peak_memory_bytes")
-        if peak is not None:
-            self.peak_memory_bytes = max(int(peak), self.peak_memory_bytes or 0)
-
-
-@dataclass(frozen=True)
-class MetricsView:
-    """A consistent snapshot of one metrics.jsonl: `count` complete lines, `unreadable` of them not records."""
-
-    lines: list[dict[str, Any] | None]  # shared with the reader; only the first `count` belong to this view
-    count: int
-    unreadable: int
-    partial_last_line: bool  # bytes after the last "\n": being written, or a truncated write
-    mtime: float
-    latest_train: dict[str, Any] | None
-    latest_val: dict[str, Any] | None
-    latest_cost: dict[str, Any] | None
-    peak_memory_bytes: int | None
-    problem: str | None = None  # why the file was not read (a link out of the runs directory)
-
-    def records(self, since: int = 0) -> list[dict[str, Any]]:
-        """The records on lines `since` … `count` - 1 (line offsets, so a poller passes the last `count`)."""
-        return [r for r in self.lines[since : self.count] if r is not None]
-
-
-_EMPTY = MetricsView([], 0, 0, False, 0.0, None, None, None, None)
-
-
-class MetricsReader:
-    """Incremental, thread-safe reader of metrics.jsonl files (a poll reads only what was appended)."""
-
-    def __init__(self) -> None:
-        self._tails: dict[Path, _Tail] = {}
-        self._lock = threading.Lock()
-
-    def read(self, path: Path) -> MetricsView:
-        with self._lock:
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                self._tails.pop(path, None)
-                return _EMPTY
-            tail = self._tails.get(path)
-            # a new file, or one replaced or truncated (a run started over): read it from the start
-            if tail is None or tail.inode != st.st_ino or st.st_size < tail.offset:
-                tail = self._tails[path] = _Tail(inode=st.st_ino)
-            if st.st_size > tail.offset:
-                with path.open("rb") as f:
-                    f.seek(tail.offset)
-                    chunk = f.read(st.st_size - tail.offset)
-                end = chunk.rfind(b"\n") + 1
-                for raw in chunk[:end].split(b"\n")[:-1]:
-                    tail.add(raw)
-                tail.offset += end
-                tail.partial = end < len(chunk)
-            tail.mtime = st.st_mtime
-            return MetricsView(
-                tail.lines, len(tail.lines), tail.unreadable, tail.partial, tail.mtime, tail.latest_train,
-                tail.latest_val, tail.latest_cost, tail.peak_memory_bytes,
-            )  # fmt: skip
 
 
 class _FileCache:
@@ -208,6 +86,18 @@ class _FileCache:
         return data, None
 
 
+def _unlisted_because(entry: os.DirEntry[str]) -> str | None:
+    """Why a child directory cannot be listed and linked, or None when it can: its name must survive the pages'
+    UTF-8 (a name made of other bytes would fail every link to it), and the server must be able to look inside."""
+    try:
+        entry.name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not listed: its name is not UTF-8"
+    if not os.access(entry.path, os.R_OK | os.X_OK):
+        return "not listed: the dashboard may not read this directory (permission denied)"
+    return None
+
+
 class RunStore:
     """The runs directory: safe name lookup, listing, and each run's parsed files."""
 
@@ -216,25 +106,41 @@ class RunStore:
         self.metrics = MetricsReader()
         self._files = _FileCache()
 
+    def _entries(self) -> list[os.DirEntry[str]]:
+        """The child directories of the runs directory that could be runs (not hidden, not links)."""
+        with os.scandir(self.directory) as entries:
+            return [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+
     def children(self) -> list[tuple[str, Path, str]]:
         """(name, directory, kind) of every run and benchmark directly under the runs directory, by name."""
         found = []
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
-                    continue
+        for entry in self._entries():
+            if _unlisted_because(entry) is None:
                 kind = child_kind(self.directory, Path(entry.path))
                 if kind is not None:
                     found.append((entry.name, Path(entry.path), kind))
         return sorted(found)
 
+    def unlisted(self) -> list[str]:
+        """One line per child directory the run list cannot show (`_unlisted_because`), by name."""
+        lines = []
+        for entry in self._entries():
+            why = _unlisted_because(entry)
+            if why is not None:
+                lines.append(f"{ascii(os.fsencode(entry.name))[2:-1]}: {why}")
+        return sorted(lines)
+
     def resolve(self, name: str, kind: str) -> Path | None:
         """The child directory called exactly `name` of this kind; None for anything else (never a path)."""
-        if not name or name.startswith(".") or any(c in name for c in "/\\\x00"):
+        if not name or name.startswith(".") or "/" in name or "\x00" in name:
             return None
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                if entry.name == name and entry.is_dir(follow_symlinks=False):
+                if (
+                    entry.name == name
+                    and entry.is_dir(follow_symlinks=False)
+                    and _unlisted_because(entry) is None
+                ):
                     path = Path(entry.path)
                     return path if child_kind(self.directory, path) == kind else None
         return None
@@ -268,8 +174,8 @@ class RunStore:
         try:
             path = real_file(self.directory, run_dir / "metrics.jsonl")
         except OutsideRuns as exc:
-            return replace(_EMPTY, problem=str(exc))
-        return _EMPTY if path is None else self.metrics.read(path)
+            return replace(EMPTY, problem=str(exc))
+        return EMPTY if path is None else self.metrics.read(path)
 
     def _mtime(self, run_dir: Path, name: str) -> float | None:
         try:
@@ -298,6 +204,11 @@ class RunStore:
         )
         unreadable = view.unreadable + int(truncated)
         warnings = [p for p in (config_problem, summary_problem, view.problem) if p]
+        if view.reading is not None:
+            done, size = view.reading
+            warnings.append(
+                f"metrics.jsonl still being read ({done / 2**20:,.0f} of {size / 2**20:,.0f} MiB so far)"
+            )
         if unreadable:
             warnings.append(f"{unreadable} unreadable line{'s' if unreadable != 1 else ''} in metrics.jsonl")
         train, val, cost = view.latest_train or {}, view.latest_val or {}, view.latest_cost or {}

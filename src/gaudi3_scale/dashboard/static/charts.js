@@ -14,7 +14,9 @@
 // dotted red for a dropped update, dashed orange for a spike, solid purple for a rollback with the steps it went
 // back over shaded (a <g class="health-mark MARK"> with data-step, data-mark, data-event, data-x, and for a rollback
 // data-from-step and data-to-step). Each mark's <title> says what it is; the legend names the kinds present; the
-// figure's data-marks counts them.
+// figure's data-marks counts them. At most MAX_MARKS_DRAWN are drawn (every k-th and the last, as points are
+// thinned: a run that warned of a spike at every step would otherwise be a wall of lines); data-marks-drawn says
+// how many.
 //
 // A point at or before a series' last x means the run went back (a rollback, a resume from an earlier checkpoint)
 // and trains those steps again: as on loss.png, the series keeps each step's newest value.
@@ -29,6 +31,7 @@
   const HEIGHT = 240;
   const MARGIN = { left: 58, right: 14, top: 12, bottom: 28 };
   const MAX_DRAWN = 1500;
+  const MAX_MARKS_DRAWN = 200;
   const TICKS = 5;
   const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
@@ -65,13 +68,16 @@
     return { ticks, step };
   }
 
-  function drawn(points) {
-    if (points.length <= MAX_DRAWN) return points;
-    const stride = Math.ceil(points.length / MAX_DRAWN);
-    const kept = points.filter((p, i) => i % stride === 0 || isGap(p)); // never thin out a gap
-    if (kept[kept.length - 1] !== points[points.length - 1]) kept.push(points[points.length - 1]);
+  // At most about `max` of `items`: every k-th, those `keep` says to, and the last.
+  function thinned(items, max, keep = () => false) {
+    if (items.length <= max) return items;
+    const stride = Math.ceil(items.length / max);
+    const kept = items.filter((item, i) => i % stride === 0 || keep(item));
+    if (kept[kept.length - 1] !== items[items.length - 1]) kept.push(items[items.length - 1]);
     return kept;
   }
+
+  const drawn = (points) => thinned(points, MAX_DRAWN, isGap); // never thin out a gap
 
   // The runs of finite points between gaps: each is drawn as a line of its own.
   function segments(points) {
@@ -168,6 +174,8 @@
       this.figure.dataset.points = String(this.count());
       this.figure.dataset.gaps = String(this.count(true));
       this.figure.dataset.marks = String(this.marks.length);
+      const marks = thinned(this.marks, MAX_MARKS_DRAWN);
+      this.figure.dataset.marksDrawn = String(marks.length);
       this.renderMarkLegend();
       const all = [...this.points.values()].flat();
       const left = MARGIN.left;
@@ -181,7 +189,7 @@
         return;
       }
       const o = this.options;
-      const markSteps = this.marks.flatMap((m) => [m.at, m.to_step]).filter((x) => typeof x === "number");
+      const markSteps = marks.flatMap((m) => [m.at, m.to_step]).filter((x) => typeof x === "number");
       const [x0, x1] = bounds([...all.map((p) => p[0]), ...markSteps]);
       const values = all.filter((p) => !isGap(p)).map((p) => p[1]);
       let [y0, y1] = bounds(values.length ? values : [0], o.yMin, o.yMax); // only gaps so far: any y scale
@@ -200,7 +208,7 @@
         svgElement("text", { x: sx(x), y: bottom + 18, "text-anchor": "middle", class: "tick" }, svg)
           .textContent = formatNumber(x, "number", xTicks.step);
       }
-      for (const mark of this.marks) this.drawMark(mark, sx, top, bottom);
+      for (const mark of marks) this.drawMark(mark, sx, top, bottom);
       this.series.forEach((s, i) => {
         const points = drawn(this.points.get(s.key));
         for (const run of segments(points)) {

@@ -14,8 +14,8 @@
     element.classList.toggle("error", Boolean(error));
   }
 
-  function setFields(selector, attribute, values) {
-    for (const element of document.querySelectorAll(selector)) {
+  function setFields(selector, attribute, values, root = document) {
+    for (const element of root.querySelectorAll(selector)) {
       const key = element.getAttribute(attribute);
       if (values[key] !== undefined) element.textContent = values[key];
     }
@@ -52,8 +52,13 @@
     line.querySelector('[data-eta="live"]').hidden = !eta.text.live;
   }
 
+  // JSON the page carries in a <script type="application/json" id=…> (a run's name: see _run_nav.html).
+  function pageData(id) {
+    return JSON.parse(document.getElementById(id).textContent);
+  }
+
   function liveRun(body) {
-    const name = body.dataset.run;
+    const name = pageData("run-name");
     const interval = Number(body.dataset.pollMs) || 1000;
     const figure = (id) => document.getElementById(id);
     const costFigure = figure("chart-cost");
@@ -74,21 +79,32 @@
       [new LineChart(costFigure, [{ key: "cost_usd", label: "accrued" }], { xLabel: "step", yMin: 0 }), ["cost_usd"]],
     ];
     let next = 0;
+    let file = null; // which copy of metrics.jsonl `next` counts lines of (a run started over gets another)
+    let shownEta = null;
 
     async function poll() {
       let delay = interval;
       try {
-        const data = await fetchJSON(`/api/runs/${encodeURIComponent(name)}/metrics?since=${next}`);
+        const copy = file === null ? "" : "&file=" + encodeURIComponent(file);
+        const data = await fetchJSON(`/api/runs/${encodeURIComponent(name)}/metrics?since=${next}${copy}`);
         if (data.reset) [progress, ...charts.map(([chart]) => chart)].forEach((chart) => chart.clear());
         for (const record of data.records) {
           for (const [chart, keys] of charts) for (const key of keys) chart.add(key, record.step, record[key]);
           if (typeof record.wall_s === "number") progress.add("measured", record.wall_s / 60, record.step);
         }
-        setEta(progress, data.eta);
-        progress.render();
-        for (const mark of data.health_marks || []) loss.addMark(mark); // health events, on the loss curve
+        const marks = data.health_marks || [];
+        for (const mark of marks) loss.addMark(mark); // health events, on the loss curve
         next = data.next;
-        charts.forEach(([chart]) => chart.render());
+        file = data.file;
+        // Redraw only what changed: a poll of a run that wrote nothing new costs no drawing.
+        const changed = data.reset || data.records.length > 0 || marks.length > 0;
+        const eta = JSON.stringify(data.eta);
+        if (changed || eta !== shownEta) {
+          setEta(progress, data.eta);
+          progress.render();
+          shownEta = eta;
+        }
+        if (changed) charts.forEach(([chart]) => chart.render());
         if (Number(costFigure.dataset.points) > 0) costFigure.hidden = false;
         setFields("#stats [data-field]", "data-field", data.run.text);
         setStatus(data.run.status);
@@ -138,17 +154,18 @@
 
   // The run list: status and latest numbers refreshed in place; a new run reloads the page to get its row.
   function runList() {
+    const names = document.getElementById("run-names") ? pageData("run-names") : [];
+    const rows = document.querySelectorAll("#runs tbody tr"); // in the order of `names`
     async function poll() {
       try {
         const data = await fetchJSON("/api/runs");
         for (const run of data.runs) {
-          const row = document.querySelector(`tr[data-run="${CSS.escape(run.name)}"]`);
+          const row = rows[names.indexOf(run.name)];
           if (!row) {
             window.location.reload();
             return;
           }
-          setFields(`tr[data-run="${CSS.escape(run.name)}"] [data-field]`, "data-field",
-            { ...run.text, warnings: run.warnings.join("; ") });
+          setFields("[data-field]", "data-field", { ...run.text, warnings: run.warnings.join("; ") }, row);
           const badge = row.querySelector(".badge");
           badge.textContent = run.status;
           badge.className = "badge " + run.status;
@@ -161,9 +178,9 @@
     window.setTimeout(poll, 5000);
   }
 
-  function cost(body) {
+  function cost() {
     if (!document.querySelector("[data-live]")) return; // cost tracking was off: nothing changes
-    const name = body.dataset.run;
+    const name = pageData("run-name");
     async function poll() {
       try {
         const data = await fetchJSON(`/api/runs/${encodeURIComponent(name)}/cost`);
