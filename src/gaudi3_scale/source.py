@@ -24,8 +24,12 @@ def _git(*args: str) -> subprocess.CompletedProcess[str] | None:
 
 
 def git_commit() -> str | None:
-    """The commit checked out where this package lives; None when it is not a git checkout (a wheel) or git is
+    """The commit checked out where this package lives; None when it is not a git checkout of this package (a
+    wheel, or an install inside another project's repository, whose commit says nothing of this code) or git is
     missing."""
+    tracked = _git("ls-files", "--error-unmatch", Path(__file__).name)  # this file is in the checkout's tree
+    if tracked is None or tracked.returncode != 0:
+        return None
     out = _git("rev-parse", "HEAD")
     return (out.stdout.strip() or None) if out and out.returncode == 0 else None
 

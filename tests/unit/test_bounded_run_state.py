@@ -42,3 +42,41 @@ def test_run_metrics_keep_no_record_once_written(tmp_path: Path) -> None:
     tracemalloc.stop()
     assert len(seen) == 20_200  # every record reached the listeners
     assert grown < 1_000_000, f"{grown} bytes kept for 20,000 records"  # was 4.7 MB (a list of every record)
+
+
+def test_two_scrapes_at_once_count_each_save_once() -> None:
+    """The metrics server is threaded: a scrape that read the saves' count before a save landed must not move the
+    exporter's mark back once a later scrape has counted that save (it was counted twice)."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from gaudi3_scale.monitor.prometheus import MetricsExporter
+
+    registry = CollectorRegistry()
+    exporter = MetricsExporter(registry, rank=0, run="r", tokens_per_step=1)
+    saves = Durations()
+    exporter.track_checkpoint_saves(saves)
+    for _ in range(5):
+        saves.add(0.1)
+    exporter.sync_checkpoint_saves()
+    snapshot, read, resume = saves.snapshot, threading.Event(), threading.Event()
+
+    def late_snapshot() -> tuple[int, float | None]:  # scrape A: reads the count, then is descheduled
+        taken = snapshot()
+        if threading.current_thread().name == "A":
+            read.set()
+            resume.wait(10)
+        return taken
+
+    saves.snapshot = late_snapshot  # type: ignore[method-assign]
+    scrape_a = threading.Thread(target=exporter.sync_checkpoint_saves, name="A")
+    scrape_a.start()
+    read.wait(10)
+    saves.add(0.2)  # the sixth save lands
+    exporter.sync_checkpoint_saves()  # scrape B counts it
+    resume.set()
+    scrape_a.join(10)
+    saves.snapshot = snapshot  # type: ignore[method-assign]
+    exporter.sync_checkpoint_saves()  # the next scrape
+    assert registry.get_sample_value("gaudi3_checkpoint_saves_total", {"rank": "0", "run": "r"}) == 6

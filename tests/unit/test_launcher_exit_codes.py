@@ -20,6 +20,7 @@ TERMINATED = -signal.SIGTERM  # what the agent does to the workers still running
         ({143, TERMINATED}, 143),  # preemption: a rank saved and stopped, the agent stopped the others
         ({138, 143}, 143),
         ({2, TERMINATED}, 2),  # bad input, said in one line
+        ({130, TERMINATED}, 130),  # a rank interrupted before its run handled Ctrl-C: said in one line
         ({2, RESTARTABLE_STOP_EXIT_CODE}, 2),  # bad input on one rank; the other lost it: still bad input
         ({1, RESTARTABLE_STOP_EXIT_CODE}, None),  # a crash, not a restart because its peer then exited 143
         # a rank killed by a signal is not a failure of its own (the agent SIGKILLs a rank the hang watchdog

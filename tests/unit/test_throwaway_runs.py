@@ -43,3 +43,27 @@ def test_a_trial_of_a_rollback_config_is_a_run_the_trainer_takes(tmp_path: Path)
     settings = TrialSettings(world_size=1, device="cpu", spike_policy=cfg.health.spike_policy)
     done = _dry_run(_command(base, candidate, settings, tmp_path / "run"))
     assert done.returncode == 0, done.stderr
+
+
+def test_trials_and_probes_open_no_tracker_run_port_or_budget(tmp_path: Path) -> None:
+    """A trial of a config that logs to a tracker, serves metrics on a port and has a budget: no tracker run per
+    trial, no port the real run may hold (every trial crashed on it), no budget (as a plan probe already did)."""
+    import yaml
+
+    base = tmp_path / "base.yaml"
+    base.write_text("model:\n  name: llama-tiny\nmonitor:\n  loggers: wandb\n  metrics_port: 9100\n"
+                    "cost:\n  budget_usd: 5.0\n  price_usd_per_hour: 1.0\n")  # fmt: skip
+    cfg = build_run_config(str(base), [])
+    candidate = Candidate(strategy="auto", precision="32-true", global_batch_size=cfg.train.global_batch_size,
+                          micro_batch_size=cfg.train.global_batch_size, activation_checkpointing=False,
+                          compile=False, threads=1)  # fmt: skip
+    commands = {
+        "trial": _command(base, candidate, TrialSettings(world_size=1, device="cpu"), tmp_path / "run"),
+        "probe": probe_command(str(base), (), tmp_path / "probe", warmup_steps=2, measured_steps=3),
+    }
+    for name, command in commands.items():
+        done = subprocess.run([*command, "--print-config"], capture_output=True, text=True)
+        assert done.returncode == 0, (name, done.stderr)
+        printed = yaml.safe_load(done.stdout)
+        assert not printed["monitor"]["loggers"], name
+        assert printed["monitor"]["metrics_port"] is None and printed["cost"]["budget_usd"] is None, name

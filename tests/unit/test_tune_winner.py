@@ -70,7 +70,8 @@ def test_every_field_counted_in_steps_is_rescaled() -> None:
         for name in _step_fields(section, f.name)
     }
     rescaled = {f"{sec}.{name}" for sec, names in STEP_FIELDS.items() for name in names}
-    assert in_steps == rescaled | {"optim.warmup_steps", "train.max_steps"}
+    # rollback_skip_batches counts data steps (batches of the global batch), not optimizer steps: rescaled too
+    assert in_steps | {"health.rollback_skip_batches"} == rescaled | {"optim.warmup_steps", "train.max_steps"}
 
 
 def _fake_search(tmp_path: Path, speed: dict[tuple[int, int], float]) -> SearchOutcome:
@@ -111,3 +112,34 @@ def test_a_trial_min_gain_faster_than_the_incumbent_wins(tmp_path: Path, faster:
     assert outcome.best is not None and outcome.best.tokens_per_s == 103_000.0
     assert (outcome.best.candidate.micro_batch_size, outcome.best.candidate.threads) == faster
     assert not any("faster than the winner" in note for note in outcome.notes)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "global_batch", "expect"),
+    [
+        # a profile window at the end of the run (5 steps, 3 at 2×): still at its end after rounding
+        (["--train.profile_start_step", "1995", "--train.profile_num_steps", "5"], 16,
+         {"train.profile_start_step": 997, "train.profile_num_steps": 3}),
+        # light every 4 and full every 10 both round to 1 at 8×: light ones would all fall on full ones
+        (["--checkpoint.every_steps", "10", "--checkpoint.light_every_steps", "4"], 64,
+         {"checkpoint.every_steps": 1, "checkpoint.light_every_steps": 0}),
+        # a warm-up of 2 of 3 steps at 4×: one step is left, and it is measured
+        (["--train.max_steps", "3", "--train.throughput_warmup_steps", "2"], 32,
+         {"train.max_steps": 1, "train.throughput_warmup_steps": 0}),
+        # a rollback skips as many tokens as before
+        (["--health.rollback_skip_batches", "200"], 32, {"health.rollback_skip_batches": 50}),
+    ],
+)  # fmt: skip
+def test_rounding_each_field_leaves_a_config_the_trainer_takes(
+    overrides: list[str], global_batch: int, expect: dict[str, int]
+) -> None:
+    """Each field rounds on its own and max_steps rounds up: what that pushes past the run or onto another field is
+    put back where the config takes it, instead of the whole global batch being refused before the search."""
+    from gaudi3_scale.tune.tuner import winner_config
+
+    base = build_run_config(None, parse_overrides(["--model.name", "llama-tiny", "--train.global_batch_size", "8",
+                                                   *overrides]))  # fmt: skip
+    best, _ = winner_config(base, _candidate(global_batch, 1), 1, "sqrt")
+    for dotted, value in expect.items():
+        section, name = dotted.split(".")
+        assert getattr(getattr(best, section), name) == value, dotted

@@ -48,8 +48,9 @@ RESTARTABLE_EXIT_CODES = {138, 143}  # 128 + SIGUSR1, 128 + SIGTERM: a worker sa
 # 143 is also the hang watchdog's (health.watchdog.HANG_EXIT_CODE): the last committed checkpoint resumes.
 # Workers exiting with one of these already printed why in one line: 2 bad input, 3 cost budget reached, 4 paused
 # by the spot policy (metering.live BUDGET_EXIT_CODE / SPOT_PAUSE_EXIT_CODE), 5 stopped by the training-health
-# guard (health.guard.HEALTH_STOP_EXIT_CODE). The launcher exits the same, quietly.
-EXPLAINED_EXIT_CODES = {2, 3, 4, 5}
+# guard (health.guard.HEALTH_STOP_EXIT_CODE), 130 interrupted before its run handled Ctrl-C
+# (config.errors.INTERRUPTED_EXIT_CODE). The launcher exits the same, quietly.
+EXPLAINED_EXIT_CODES = {2, 3, 4, 5, 130}
 # What a run handles (train.callbacks.GracefulInterrupt): the launcher passes each on to its workers.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # torch's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by default (torchrun --signals-to-handle, or its

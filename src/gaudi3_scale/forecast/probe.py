@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 from gaudi3_scale.forecast.calibration import Probe
 from gaudi3_scale.forecast.shape import RunShape
+from gaudi3_scale.train.config import throwaway_run_overrides
 
 __all__ = ["PROBE_MEASURED_S", "PROBE_MEASURED_STEPS", "probe_measured_steps", "run_probe"]
 
@@ -56,8 +56,7 @@ def probe_command(
         "--train.val_every_steps", "0",
         # nothing of the probe leaves its temporary directory: no checkpoint (none uploaded to the run's remote),
         # no tracker run, no metrics port that the run itself may hold
-        *checkpoints_off_overrides(spike_policy=spike_policy), "--monitor.loggers=", "--monitor.metrics_port", "null",
-        "--cost.budget_usd", "null",
+        *throwaway_run_overrides(spike_policy=spike_policy),
     ]  # fmt: skip
 
 

@@ -259,9 +259,9 @@ class MetricsExporter:
         if self._saves is None:
             return
         count, last_s = self._saves.snapshot()
-        with self._lock:
+        with self._lock:  # two scrapes at once: the one with the older snapshot counts nothing, never again
             new = count - self._saves_seen
-            self._saves_seen = count
+            self._saves_seen = max(self._saves_seen, count)
         if new > 0 and last_s is not None:
             self._series("gaudi3_checkpoint_saves_total").inc(new)
             self.set("gaudi3_checkpoint_save_seconds", last_s)

@@ -34,6 +34,7 @@ from gaudi3_scale.distributed.launch import FORWARDED_SIGNALS, signal_exit_code
 from gaudi3_scale.distributed.strategies import saves_sharded
 from gaudi3_scale.models.semantics import model_semantics
 from gaudi3_scale.monitor.durations import Durations
+from gaudi3_scale.source import source_revision
 from gaudi3_scale.train.step_metrics import RunMetrics
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ class StepCheckpoint:
     def start(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
         self._last_step = trainer.global_step  # never re-save the checkpoint we resumed from
+        if trainer.is_global_zero and self.enabled:
+            source_revision()  # asked of git now (cached), not on the first save's blocking path (its manifest)
 
     def after_step(self, trainer: pl.Trainer) -> None:
         """Save what this step is due (after the stop agreement): an emergency checkpoint and stop; at the last step,

@@ -54,6 +54,7 @@ __all__ = [
     "per_rank_checkpoints",
     "resolve_config",
     "sharded_by",
+    "throwaway_run_overrides",
 ]
 
 
@@ -464,3 +465,18 @@ def config_yaml(cfg: RunConfig) -> str:
     import yaml
 
     return yaml.safe_dump(config_dict(cfg), sort_keys=False)
+
+
+def throwaway_run_overrides(*, spike_policy: str) -> list[str]:
+    """What a short run made to measure a config (a tuning trial, a plan probe) turns off, as `gaudi3 train` flags:
+    checkpoints (and what acts only on them, `checkpoints_off_overrides`: a spike `rollback`, `spike_policy`, warns
+    instead), tracker runs (one per trial in the user's W&B/MLflow), the metrics port (the real run may hold it:
+    every trial would crash) and the cost budget (a measurement spends nothing worth stopping)."""
+    from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
+
+    return [
+        *checkpoints_off_overrides(spike_policy=spike_policy),
+        "--monitor.loggers=",
+        "--monitor.metrics_port=null",
+        "--cost.budget_usd=null",
+    ]

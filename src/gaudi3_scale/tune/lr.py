@@ -91,7 +91,8 @@ STEP_FIELDS: dict[str, tuple[str, ...]] = {
     "train": ("val_every_steps", "log_every_steps", "throughput_warmup_steps", "profile_start_step",
               "profile_num_steps"),
     "checkpoint": ("every_steps", "keep_every_steps", "light_every_steps"),
-    "health": ("spike_window_steps", "spike_warmup_steps"),
+    # rollback_skip_batches: data steps a rollback skips (batches of the global batch)
+    "health": ("spike_window_steps", "spike_warmup_steps", "rollback_skip_batches"),
     "benchmark": ("warmup_steps",),
 }  # fmt: skip
 
@@ -101,6 +102,24 @@ def _steps_at(steps: int | None, k: float) -> int | None:
     if not steps:
         return steps
     return max(1, math.floor(steps / k + 0.5))
+
+
+def _keep_within_the_run(train: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+    """What rounding each field on its own may push past the rescaled run (`train.max_steps`, rounded up) or onto
+    another field, put back where the config takes it: the throughput warm-up leaves a measured step, the profile
+    window ends by the last step (its length kept where it fits), light checkpoints that would all fall on full
+    ones are off (the full checkpoint wins at such a step: none would be written)."""
+    max_steps = train["max_steps"]
+    warmup = train["throughput_warmup_steps"]
+    if warmup is not None and warmup >= max_steps:
+        train["throughput_warmup_steps"] = max(0, max_steps - 1)
+    start, length = train["profile_start_step"], train["profile_num_steps"]
+    if start is not None and start + length > max_steps:
+        train["profile_num_steps"] = length = max(1, min(length, max_steps))
+        train["profile_start_step"] = max(0, max_steps - length)
+    light, full = checkpoint["light_every_steps"], checkpoint["every_steps"]
+    if light and full and light % full == 0:
+        checkpoint["light_every_steps"] = 0
 
 
 def rescale_step_fields(raw: dict[str, Any], k: float) -> list[str]:
@@ -117,6 +136,7 @@ def rescale_step_fields(raw: dict[str, Any], k: float) -> list[str]:
     health = raw["health"]
     health["spike_warmup_steps"] = max(MIN_SPIKE_WARMUP_STEPS, health["spike_warmup_steps"])
     health["spike_window_steps"] = max(health["spike_warmup_steps"], health["spike_window_steps"])
+    _keep_within_the_run(raw["train"], raw["checkpoint"])
     return [
         f"{sec}.{name} {old} → {raw[sec][name]}"
         for (sec, name), old in before.items()

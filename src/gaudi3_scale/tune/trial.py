@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import ConfigError, brief
 from gaudi3_scale.distributed.jobs import run_job
 from gaudi3_scale.monitor.clock import COMPILE_WARMUP_STEPS
+from gaudi3_scale.train.config import throwaway_run_overrides
 from gaudi3_scale.train.report import read_metrics
 from gaudi3_scale.tune.space import Candidate
 
@@ -113,7 +113,7 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         "--train.val_every_steps=0",
         "--train.val_batches=1",
         "--train.profile_start_step=null",  # the profiler's steps would be measured, and may lie past max_steps
-        *checkpoints_off_overrides(spike_policy=settings.spike_policy),
+        *throwaway_run_overrides(spike_policy=settings.spike_policy),
         *settings.extra_overrides,
     ]
 
