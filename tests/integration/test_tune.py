@@ -203,12 +203,12 @@ def test_a_pipeline_layout_is_a_trial_of_its_own(tmp_path: Path) -> None:
         (["--strategies", " , ", "--world-size", "2"], "--strategies: empty; allowed: ddp"),
         (["--global-batch", ","], "--global-batch: empty; allowed: multiples of the world size (1)"),
         (["--threads", ","], "--threads: empty; allowed: CPU threads per rank"),
-        # at 2× the config's global batch of 12, max_steps 6 → 3 and the throughput warm-up 5 → 3 leave no
-        # measured step: refused before any trial, not after the whole search
+        # a winner no candidate of the global batch could write (light checkpoints are single-file, fsdp's sharded):
+        # refused before any trial, not after the whole search
         (
-            ["--train.max_steps", "6", "--train.throughput_warmup_steps", "5", "--global-batch", "12,24"],
-            "global batch 24: the winner's config would be refused (step counts ×0.5 to keep their tokens): "
-            "train.throughput_warmup_steps: 3 leaves no measured step of train.max_steps 3",
+            ["--strategies", "fsdp", "--world-size", "2", "--checkpoint.light_every_steps", "3"],
+            "global batch 12: the winner's config would be refused: checkpoint.light_every_steps: light checkpoints "
+            "are one file written by rank 0, but parallel.strategy fsdp saves sharded checkpoints",
         ),
     ],
 )

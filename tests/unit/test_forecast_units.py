@@ -117,9 +117,14 @@ def test_gaudi3_links_are_sourced_spec_ceilings() -> None:
     assert "Intel Gaudi Network Configuration" in machine.inter_node_bytes_per_s.source
 
 
-def test_a_run_feeds_the_store_only_when_ok_here_and_of_its_own_layout(tmp_path: Path) -> None:
+def test_a_run_feeds_the_store_only_when_ok_here_and_of_its_own_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """forecast.feed refuses, with one note each, a failed run, a run without its summary, one that ran on another
-    machine and one whose recorded layout key is not its config's here; the same run recorded here is stored."""
+    machine and one whose recorded layout key is not its config's here; the same run recorded here is stored. A
+    store of its own: another test's run of the default config (a tuning trial) would already have stored this
+    layout in the session's."""
+    monkeypatch.setenv("GAUDI3_CACHE", str(tmp_path / "cache"))
     from gaudi3_scale.config.core import save_yaml
     from gaudi3_scale.forecast.feed import feed_run
     from gaudi3_scale.forecast.run import machine_for, run_shape
