@@ -9,7 +9,10 @@ relative names to `{size_bytes, sha256}`, typed metadata) counts as damaged, exa
 file: `verify_checkpoint` names the problem, a resume skips the checkpoint, an explicit path is refused.
 
 SHA-256 (hashlib, OpenSSL): a cryptographic hash, so a flipped byte anywhere is caught, at 1-2 GB/s per core with
-the SHA extensions that current x86 and Arm server CPUs have.
+the SHA extensions that current x86 and Arm server CPUs have. Hashing is what a resume spends its time on, and the
+launcher and every rank it starts verify the same checkpoint: a rank does not hash again what the launcher that
+started it verified (`hand_down_verified`) within `VERIFIED_TRUST_S`, while no listed file has changed (size,
+mtime, ctime, inode). Bytes that rot on disk keep their times, so an older verification is not trusted.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "ManifestError",
     "file_sha256",
     "fsync_directory",
+    "hand_down_verified",
     "has_manifest",
     "library_versions",
     "manifest_layout",
@@ -295,6 +299,9 @@ def verify_checkpoint(directory: Path) -> list[str]:
     if named and manifest.get("step") is not None and manifest["step"] != int(named[1]):
         # a copied or renamed checkpoint: ranked by its name it would rewind a resume and steer retention
         return [f"{directory.name}: its manifest is of step {manifest['step']} (copied or renamed)"]
+    fingerprint = _fingerprint(directory, manifest)
+    if fingerprint is not None and _verified_recently(directory, fingerprint):
+        return []
     problems = []
     for name, entry in manifest["files"].items():
         path = directory / name
@@ -308,4 +315,51 @@ def verify_checkpoint(directory: Path) -> list[str]:
             problems.append(f"{directory.name}/{name}: SHA-256 does not match the manifest (corrupt)")
     if not problems and (problem := _layout_problem(directory, manifest)):
         problems.append(problem)
+    if not problems and fingerprint is not None:  # taken before hashing: a file changed since is hashed again
+        _VERIFIED[str(directory.resolve())] = (fingerprint, time.time())
     return problems
+
+
+# How long a launcher's verification stands in for its ranks' (they start within a minute of its check; an elastic
+# restart much later verifies anew), and how it is handed to them: only the launcher's own children take it.
+VERIFIED_TRUST_S = 900.0
+VERIFIED_ENV = "GAUDI3_VERIFIED_CHECKPOINTS"
+_VERIFIED: dict[str, tuple[str, float]] = {}  # this process's: resolved directory → (fingerprint, unix time)
+
+
+def _fingerprint(directory: Path, manifest: dict[str, Any]) -> str | None:
+    """What identifies the bytes a verification covered without reading them: the manifest, and each listed file's
+    size, mtime, ctime and inode (None when one is missing: nothing to trust)."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+    for name in sorted(manifest["files"]):
+        try:
+            info = (directory / name).stat()
+        except OSError:
+            return None
+        stamp = (name, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev)
+        digest.update(repr(stamp).encode())
+    return digest.hexdigest()
+
+
+def _verified_recently(directory: Path, fingerprint: str) -> bool:
+    """Whether this process's launcher (its parent) verified `directory` within `VERIFIED_TRUST_S`, and no listed
+    file has changed since. A process never trusts its own earlier verification: it hashes again."""
+    try:
+        handed = json.loads(os.environ.get(VERIFIED_ENV) or "{}")
+        parent, entries = int(handed["launcher_pid"]), handed["checkpoints"]
+        saved, when = entries[str(directory.resolve())]
+        when = float(when)
+    except (ValueError, TypeError, LookupError, AttributeError):  # none handed down, or malformed: verify
+        return False
+    return parent == os.getppid() and saved == fingerprint and 0 <= time.time() - when <= VERIFIED_TRUST_S
+
+
+def hand_down_verified(directory: Path) -> None:
+    """Let the processes this one starts from now on (a launcher's ranks) take `directory` as verified, if this
+    process verified it; each still checks that no listed file has changed (`_fingerprint`) and that the
+    verification is at most `VERIFIED_TRUST_S` old."""
+    key = str(directory.resolve())
+    if (entry := _VERIFIED.get(key)) is not None:
+        os.environ[VERIFIED_ENV] = json.dumps(
+            {"launcher_pid": os.getpid(), "checkpoints": {key: list(entry)}}
+        )

@@ -94,6 +94,8 @@ def _forecast_for_the_run(cfg: RunConfig, *, here: bool) -> Iterator[None]:
 
 def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> bool:
     """Start this node's ranks (`python -m gaudi3_scale.train`) and wait for them; returns whether rank 0 was one."""
+    from gaudi3_scale.checkpoint.manager import checkpoint_directory
+    from gaudi3_scale.checkpoint.manifest import hand_down_verified
     from gaudi3_scale.device.select import check_device_precision
     from gaudi3_scale.distributed.launch import launch
     from gaudi3_scale.train.preflight import check_run_inputs, resume_point
@@ -104,7 +106,9 @@ def _launch_ranks(cfg: RunConfig, worker_args: Sequence[str]) -> bool:
     check_run_inputs(cfg)
     # The launcher holds the run directory for its ranks (they join its lock): a second run is refused here.
     with run_directory_lock(cfg.output_dir, node_rank=cfg.parallel.node_rank):
-        resume_point(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
+        ckpt = resume_point(cfg, warn=lambda message: None)  # the workers name skipped checkpoints
+        if ckpt is not None:  # verified here: the ranks need not hash it again
+            hand_down_verified(checkpoint_directory(ckpt))
         return launch(cfg.parallel, worker_args)
 
 

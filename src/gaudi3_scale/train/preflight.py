@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gaudi3_scale.checkpoint.manager import LATEST_NAME, checkpoint_directory
-from gaudi3_scale.checkpoint.reader import read_checkpoint
 from gaudi3_scale.config.errors import ConfigError
 from gaudi3_scale.config.files import check_output_dir
 from gaudi3_scale.metering.live import check_cost_config, check_resume_spot_price
@@ -25,7 +24,9 @@ from gaudi3_scale.train.resume import (
     check_resume_compatible,
     check_resume_layout,
     check_resume_strategy,
+    is_sharded_checkpoint,
     local_resume_candidate,
+    read_resume_meta,
     resume_checkpoint,
     saved_run_config,
 )
@@ -113,9 +114,12 @@ def resume_point(
         config = config_dict(cfg)  # train.max_steps null while train.max_epochs awaits the data
         parallel = config["parallel"]
         check_resume_layout(ckpt, parallel)  # from the manifest: before the state is read
-        if own_model:  # before the dataset is prepared: a refused resume builds no cache
+        if (
+            own_model
+        ):  # before the dataset is prepared: a refused resume builds no cache (and checks the strategy)
             check_resume_compatible(ckpt, config, before_data=True)
-        check_resume_strategy(read_checkpoint(ckpt, mmap=True, verify=False), parallel)
+        else:  # its non-tensor state only: every rank and the launcher read this, a full load is the trainer's
+            check_resume_strategy(read_resume_meta(ckpt), parallel, sharded=is_sharded_checkpoint(ckpt))
         check_resume_budget(cfg.cost, ckpt)
         check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)
     return ckpt

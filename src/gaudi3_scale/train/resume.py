@@ -43,7 +43,9 @@ __all__ = [
     "check_resume_layout",
     "check_resume_semantics",
     "check_resume_strategy",
+    "is_sharded_checkpoint",
     "local_resume_candidate",
+    "read_resume_meta",
     "resume_checkpoint",
     "resume_manifest",
     "saved_run_config",
@@ -98,15 +100,15 @@ def local_resume_candidate(cfg: RunConfig) -> Path | None:
     return next((path for path in candidates if read_manifest(path) is not None), None)
 
 
-def _read_meta(checkpoint: Path) -> dict[str, Any]:
-    return read_checkpoint(
-        checkpoint, mmap=True, verify=False, tensors=False
-    )  # resume_checkpoint() verified it
+def read_resume_meta(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's state without reading its tensors (a sharded one's non-tensor state, a single file's memory
+    map): what the resume checks compare, cheap at any model size. Not verified: `resume_checkpoint` did."""
+    return read_checkpoint(checkpoint, mmap=True, verify=False, tensors=False)
 
 
 def saved_run_config(checkpoint: Path) -> dict[str, Any] | None:
     """The resolved run config a checkpoint was trained with (None for checkpoints that predate storing it)."""
-    return run_config(_read_meta(checkpoint))
+    return run_config(read_resume_meta(checkpoint))
 
 
 # The model fields' defaults: a field added after a checkpoint was saved held its default there (a new field keeps
@@ -130,8 +132,8 @@ def check_resume_compatible(
     config's `train.max_steps` (one line); the checkpoint's step. `before_data`: `config` is the run's as given,
     before its dataset is opened (`train.preflight.resume_point`: a refused resume prepares no data), so the model
     fields the data resolves are compared only where the config sets them; the trainer compares them all later."""
-    ckpt = _read_meta(checkpoint)
-    check_resume_strategy(ckpt, config.get("parallel", {}))
+    ckpt = read_resume_meta(checkpoint)
+    check_resume_strategy(ckpt, config.get("parallel", {}), sharded=is_sharded_checkpoint(checkpoint))
     step, max_steps = ckpt.get("global_step"), config.get("train", {}).get("max_steps")
     if isinstance(step, int) and isinstance(max_steps, int) and max_steps < step:
         # state.ckpt: named by its step directory
@@ -261,8 +263,17 @@ def _mixture_change(what: str, mixture_now: bool, mixture_then: bool) -> str:
     )
 
 
-def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> None:
-    """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now)."""
+def is_sharded_checkpoint(checkpoint: Path) -> bool:
+    """Whether a committed checkpoint's manifest says it is sharded (DCP): its non-tensor state (`read_resume_meta`) then
+    holds no optimizer state, though its shards do."""
+    manifest = read_manifest(checkpoint_directory(checkpoint))
+    return manifest is not None and manifest_layout(manifest) == "sharded"
+
+
+def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any], *, sharded: bool = False) -> None:
+    """DeepSpeed optimizer partitions resume only under the same ZeRO stage and world size (for now); a ZeRO
+    strategy resumes no other optimizer state (`ckpt`'s, or a `sharded` checkpoint's shards). `ckpt` is the
+    checkpoint's non-tensor state (`read_resume_meta`): no tensor is read here."""
     strategy = parallel.get("strategy")
     world = int(parallel.get("nproc_per_node", 1)) * int(parallel.get("nnodes", 1))
     if (layout := zero_layout(ckpt)) is not None:
@@ -272,7 +283,7 @@ def check_resume_strategy(ckpt: dict[str, Any], parallel: dict[str, Any]) -> Non
                 f"parallel.strategy: the checkpoint holds {want} optimizer partitions for {ranks} ranks; resume it "
                 f"with --parallel.strategy {want} on {ranks} ranks, or start a new --out directory"
             )
-    elif ckpt.get(OPTIMIZER_STATES_KEY) and strategy in ZERO_STAGES:
+    elif strategy in ZERO_STAGES and (sharded or ckpt.get(OPTIMIZER_STATES_KEY)):
         raise UserInputError(
             f"parallel.strategy: {strategy} resumes only checkpoints written by a DeepSpeed strategy; resume this "
             "one with the strategy that wrote it, or start a new --out directory"
