@@ -631,7 +631,12 @@ class _Measure:
         self.progress.advance(self.task)
         if any(r.get("status") != "ok" for r in runs.values()):
             return {"failed": runs}
-        plain, ours = aggregate(plain_trace), aggregate(ours_dir / "profile" / "trace-rank0.json")
+        from gaudi3_scale.train.profile_callback import trace_path
+
+        ours_trace = trace_path(
+            ours_dir, rank=0, start_step=cell.warmup_steps, end_step=cell.warmup_steps + steps
+        )
+        plain, ours = aggregate(plain_trace), aggregate(ours_trace)
         diff = compare(plain, ours)
         print(format_diff(cell.name, diff))
         top = {side: dict(sorted(agg["kernels"].items(), key=lambda kv: -kv[1]["us"])[:20])

@@ -6,6 +6,7 @@ code 2.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -98,6 +99,7 @@ def train(
     if list_fields:
         list_config_fields()
         return
+    profile, overrides = _profile_value(profile, overrides)
     overrides = (*overrides, *launch_overrides(launch), *profile_overrides(profile))
     cfg = resolve_config(config_path, overrides, out_dir=out_dir, resume=resume)
     if print_config:
@@ -117,6 +119,21 @@ def train(
     worker_args += [*(["--resume", resume] if resume else []), "--sample-tokens", str(sample_tokens)]
     worker_args += [*([] if progress else ["--no-progress"]), *overrides]
     run_training(cfg, worker_args, sample_tokens=sample_tokens, progress=progress)
+
+
+def _profile_value(profile: str | None, overrides: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """`--profile`'s value and the overrides without it. Click does not give an optional value that starts with
+    '-' to its option (`--profile -1:2`, even `--profile=-1:2`): it leaves it among the overrides, where it would be
+    refused as a stray argument. A signed START:END there is taken back, so `profile_overrides` refuses it naming
+    --profile; no override is a bare argument of that shape."""
+    if profile is not None:
+        for i, arg in enumerate(overrides):
+            if _SIGNED_WINDOW.fullmatch(arg):
+                return arg, overrides[:i] + overrides[i + 1 :]
+    return profile, overrides
+
+
+_SIGNED_WINDOW = re.compile(r"-[0-9][^:]*:.*")
 
 
 @cli.command()

@@ -7,26 +7,34 @@
     prof.export_chrome_trace("trace.json")  # open in chrome://tracing or https://ui.perfetto.dev
     prof.print_summary()
 
-Steps are counted from 0 at `__enter__`; only steps wait+warmup … wait+warmup+active-1 are recorded (the warmup
-steps run the profiler but drop their events, so its start-up cost stays out of the window), and the trace names
-each recorded step `ProfilerStep#N`. The "hpu" activity is not yet validated on Gaudi hardware.
+Steps are numbered from `first_step_num` (0 unless told) at `__enter__`; only steps wait+warmup …
+wait+warmup+active-1 after it are recorded (the warmup steps run the profiler but drop their events, so its
+start-up cost stays out of the window; with `schedule_warmup=0` the first recorded step carries it), and the trace
+names each recorded step `ProfilerStep#N`. A loop that stops inside the window (fewer steps than the schedule, an
+interrupt) leaves torch a step it opened but never finished; it is left out of the trace and the summary, which
+hold the finished steps only. The "hpu" activity is not yet validated on Gaudi hardware.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerAction, ProfilerActivity
 
 from gaudi3_scale.config.errors import UserInputError
 
 __all__ = ["ACTIVITIES", "GaudiProfiler"]
 
 ACTIVITIES = ("cpu", "cuda", "hpu", "memory")
+_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
 def _available_activities() -> list[str]:
@@ -67,6 +75,16 @@ def _torch_activities(activities: Sequence[str]) -> list[ProfilerActivity]:
     return chosen or [ProfilerActivity.CPU]  # "memory" alone: allocations are seen by the CPU activity
 
 
+def _schedule(wait: int, warmup: int, active: int, first_step_num: int) -> Any:
+    """torch's wait/warmup/active schedule (repeat once), counted from step `first_step_num`. torch evaluates it
+    at step 0 when it is built, before `step_num` is set to `first_step_num`: earlier steps read as the first."""
+    with warnings.catch_warnings():
+        # torch warns about warmup 0 from inside this module; the module docstring says what it means instead.
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        base = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+    return lambda step: base(max(step - first_step_num, 0))
+
+
 class GaudiProfiler:
     """A context manager over `torch.profiler.profile` with a wait/warmup/active schedule (repeat once)."""
 
@@ -77,35 +95,44 @@ class GaudiProfiler:
         schedule_wait: int = 1,
         schedule_warmup: int = 1,
         schedule_active: int = 3,
+        first_step_num: int = 0,
     ) -> None:
-        if schedule_wait < 0 or schedule_warmup < 0 or schedule_active < 1:
+        if schedule_wait < 0 or schedule_warmup < 0 or schedule_active < 1 or first_step_num < 0:
             raise UserInputError(
-                "profiler schedule: wait and warmup must be >= 0 and active >= 1, got "
-                f"{schedule_wait}/{schedule_warmup}/{schedule_active}"
+                "profiler schedule: wait, warmup and first_step_num must be >= 0 and active >= 1, got "
+                f"{schedule_wait}/{schedule_warmup}/{schedule_active}/{first_step_num}"
             )
         self.activities = list(activities)
         self.profile_memory = "memory" in self.activities
-        self.first_step = schedule_wait + schedule_warmup
+        self.first_step_num = (
+            first_step_num  # the number torch gives the step at `__enter__` (ProfilerStep#N)
+        )
+        self.first_step = first_step_num + schedule_wait + schedule_warmup  # the first recorded step's number
         self.active_steps = schedule_active
         self._prof = torch.profiler.profile(
             activities=_torch_activities(self.activities),
-            schedule=torch.profiler.schedule(
-                wait=schedule_wait, warmup=schedule_warmup, active=schedule_active, repeat=1
-            ),
+            schedule=_schedule(schedule_wait, schedule_warmup, schedule_active, first_step_num),
             profile_memory=self.profile_memory,
             record_shapes=self.profile_memory,
         )
+        self._prof.step_num = first_step_num
         self._recorded = False
+        self._unfinished_step: int | None = (
+            None  # a recording step torch opened that never ended (see docstring)
+        )
+        self._events_pruned = False
 
     def __enter__(self) -> GaudiProfiler:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        # No torch.cuda.reset_peak_memory_stats(): that counter is the process's (the run's reported peak memory
+        # reads it); the window's own peak is `peak_memory_bytes`, from the profiler's memory events.
         self._prof.__enter__()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._prof.current_action in _RECORDING:  # torch opened ProfilerStep#<step_num>; it never finished
+            self._unfinished_step = self._prof.step_num
         self._prof.__exit__(exc_type, exc, tb)
 
     def step(self) -> None:
@@ -121,40 +148,87 @@ class GaudiProfiler:
 
     def _results(self) -> Any:
         if not self._recorded or self._prof.profiler is None:
+            ran = self._prof.step_num - self.first_step_num
             raise RuntimeError(
                 f"the profiler recorded no step: the window starts at step {self.first_step} but only "
-                f"{self._prof.step_num} steps ran"
+                f"{ran} steps ran" + (f" from step {self.first_step_num}" if self.first_step_num else "")
             )
         return self._prof
 
+    def _unfinished_name(self) -> str | None:
+        return None if self._unfinished_step is None else f"ProfilerStep#{self._unfinished_step}"
+
     def export_chrome_trace(self, path: str | Path) -> Path:
-        """Write the recorded window as Chrome trace JSON (works inside the context and after it)."""
+        """Write the recorded window as Chrome trace JSON (works inside the context and after it); a path ending
+        in .gz is gzipped, as torch does."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._results().export_chrome_trace(str(path))
+        if (name := self._unfinished_name()) is not None:
+            _drop_events(path, name)
         return path
 
+    def _events(self) -> Any:
+        """The recorded events, without the span of a step that never finished (once: torch's list, in place)."""
+        events = self._results().events()
+        name = self._unfinished_name()
+        if name is not None and not self._events_pruned:
+            events[:] = [
+                e for e in events if e.trace_name != name
+            ]  # `name` says "ProfilerStep*" for every step
+            self._events_pruned = True
+        return events
+
     def summary(self, row_limit: int = 15) -> str:
-        """Top ops by self time (device time when a device was profiled), then peak memory when memory is on."""
-        prof = self._results()
+        """Top ops by self time (device time when a device was profiled), then the window's peak net allocation
+        when memory is on."""
+        events = self._events()
         on_device = "cuda" in self.activities or "hpu" in self.activities
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
-        lines = [prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)]
+        lines = [events.key_averages().table(sort_by=sort_by, row_limit=row_limit)]
         if self.profile_memory:
-            lines.append(f"peak memory: {self.peak_memory_bytes() / 2**20:.2f} MiB allocated")
+            lines.append(
+                f"peak net allocation in the window: {self.peak_memory_bytes() / 2**20:.2f} MiB on "
+                f"{self._memory_device()} (allocations minus frees from the window's start, not the process's peak)"
+            )
         return "\n".join(lines)
 
     def print_summary(self, row_limit: int = 15) -> None:
         print(self.summary(row_limit))
 
+    def _memory_device(self) -> str:
+        return next((d for d in ("cuda", "hpu") if d in self.activities), "cpu")
+
     def peak_memory_bytes(self) -> int:
-        """Peak allocated CUDA memory since `__enter__`; without CUDA, the highest net allocation during the
-        recorded window (the running sum of the profiler's allocation events, which free memory subtracts)."""
-        if "cuda" in self.activities:
-            return int(torch.cuda.max_memory_allocated())
-        events = [e for e in self._results().profiler.kineto_results.events() if e.name() == "[memory]"]
+        """The highest net allocation during the recorded window on the profiled device (CUDA or HPU when profiled,
+        else the CPU): the running sum of the profiler's allocation events, which frees subtract, counted from 0 at
+        the window's start, so memory held before it (weights, optimizer state) is not in it. It reads no device
+        counter and resets none. Only the finished steps count (not a step the loop never finished). The CUDA
+        and HPU paths are not yet validated on hardware."""
+        device = {"cuda": DeviceType.CUDA, "hpu": DeviceType.HPU, "cpu": DeviceType.CPU}[
+            self._memory_device()
+        ]
+        kineto = self._results().profiler.kineto_results.events()
+        end_ns = min((e.start_ns() for e in kineto if e.name() == self._unfinished_name()), default=None)
+        events = [
+            e
+            for e in kineto
+            if e.name() == "[memory]"
+            and e.device_type() == device
+            and (end_ns is None or e.start_ns() < end_ns)
+        ]
         net = peak = 0
         for event in sorted(events, key=lambda e: e.start_ns()):
             net += event.nbytes()
             peak = max(peak, net)
         return peak
+
+
+def _drop_events(path: Path, name: str) -> None:
+    """Rewrite the Chrome trace at `path` without the events named `name` (host and device annotations)."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    trace["traceEvents"] = [e for e in trace.get("traceEvents", []) if e.get("name") != name]
+    with opener(path, "wt") as f:
+        json.dump(trace, f)

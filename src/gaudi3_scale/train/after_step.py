@@ -9,7 +9,8 @@ the run's own work, and the lines of `AfterStep.after_step` are the order.
     health      train.step_health.StepHealth      reports what the step guard saw (health.guard decided, in
                                                   the step, whether the update was applied), before any save
     checkpoint  train.callbacks.StepCheckpoint    the checkpoint this step is due (now, or after its validation)
-    profiler    train.profile_callback.StepProfiler  the profiler's window
+    profiler    train.profile_callback.StepProfiler  the profiler's window: its steps booked apart from the
+                                                  measured ones, its outputs written on paused time
     progress    train.progress.RichStepProgress      the terminal bar
 
 A step whose update the guard dropped made no step (global_step did not move): only its cost, the stop agreement,

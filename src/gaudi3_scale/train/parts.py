@@ -80,7 +80,7 @@ def build_after_step(
     watchdog = checkpoint.watchdog = build_watchdog(cfg.health, out, rank=rank,
                                                     warmup_steps=train.resolved_throughput_warmup_steps())  # fmt: skip
     after = AfterStep(metrics=metrics, stop=stop, checkpoint=checkpoint, cost=cost, health=health,
-                      profiler=_profiler(train, out, device.accelerator, warn=warn, note=note),
+                      profiler=_profiler(train, out, device.accelerator, metrics, warn=warn, note=note),
                       progress=RichStepProgress(metrics, console=console) if progress else None, state=state,
                       watchdog=watchdog)  # fmt: skip
     return after, health
@@ -163,6 +163,7 @@ def _profiler(
     train: TrainConfig,
     out_dir: Path,
     accelerator: str,
+    metrics: RunMetrics,
     *,
     warn: Callable[[str], None],
     note: Callable[[str], None],
@@ -173,7 +174,7 @@ def _profiler(
     from gaudi3_scale.train.profile_callback import StepProfiler
 
     return StepProfiler(out_dir, start_step=train.profile_start_step, num_steps=train.profile_num_steps,
-                        accelerator=accelerator, note=note, warn=warn)  # fmt: skip
+                        accelerator=accelerator, metrics=metrics, note=note, warn=warn)  # fmt: skip
 
 
 def build_watchdog(health: HealthConfig, out_dir: Path, *, rank: int, warmup_steps: int) -> Watchdog | None:

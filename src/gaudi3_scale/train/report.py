@@ -162,10 +162,12 @@ def _predicted(summary: dict[str, Any], key: str) -> str:
 
 
 def _measured_over(summary: dict[str, Any]) -> str:
-    """Which steps tokens/s, MFU and step time are over, and what the warm-up took."""
+    """Which steps tokens/s, MFU and step time are over, what the warm-up took, and the profiled steps left out."""
     steps, warmup = summary["measured_steps"], summary.get("warmup_steps") or 0
+    profiled = summary.get("profiled_steps") or 0
+    left_out = f"; {profiled} profiled steps left out" if profiled else ""
     if summary.get("throughput_includes_warmup"):
-        return f"{steps} steps, warm-up included (no step after it in this process)"
+        return f"{steps} steps, warm-up included (no measured step after it in this process){left_out}"
     if not warmup:
-        return f"{steps} steps"
-    return f"{steps} steps after {warmup} warm-up steps ({_fmt(summary.get('warmup_s'))} s)"
+        return f"{steps} steps{left_out}"
+    return f"{steps} steps after {warmup} warm-up steps ({_fmt(summary.get('warmup_s'))} s){left_out}"

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -38,13 +38,17 @@ def _batch_size(batch: Any) -> int | None:
     return None  # a batch type we cannot count: samples/s is unknown
 
 
+_BookedTo = Literal["warmup", "profiled", "measured"]
+
+
 @dataclass(frozen=True)
 class _Segment:
-    """Optimizer steps that ended at a clock mark; `warmup`: booked to the warm-up."""
+    """Optimizer steps that ended at a clock mark, and what their time is booked to: "warmup", "profiled" (run under
+    the profiler) or "measured"."""
 
     when: Callable[[], float]
     steps: int
-    warmup: bool
+    booked_to: _BookedTo
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +105,8 @@ class RunMetrics:
     the host to write the record. The window's loss, gradient norm, extra metrics and peak memory are reduced
     across ranks and copied to the host at the mark, queued behind the step, and read once it resolves: a record
     is written one step after its window ends. tokens/s in a record is its window's (raw: the first window includes
-    warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process.
+    warm-up and compilation); `steady_state()` is over the steps after the first `warmup_steps` of this process,
+    less the steps run under the profiler (`book_profiled`), which its overhead slows.
 
     samples/s counts the sequences of this rank's micro-batches times `data_parallel_size`, the ranks that read
     different batches (`distributed.plan.ParallelPlan.data_parallel_size`: the ranks of a tensor-parallel group read
@@ -172,6 +177,8 @@ class RunMetrics:
         self.warmup_steps_done = 0
         self.train_s = 0.0  # active time of the measured steps after warm-up
         self.train_steps = 0
+        self._profiled = False  # the steps now run under the profiler (`book_profiled`)
+        self.profiled_steps = 0  # steps after warm-up run under the profiler
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._is_writer = self.path is not None and trainer.is_global_zero
@@ -190,13 +197,14 @@ class RunMetrics:
         if self._segment_steps or always:
             assert self._clock is not None, "start() starts the clock"
             warmup = self._session_steps <= self.warmup_steps
-            self._pending.append(_Segment(self._clock.mark(), self._segment_steps, warmup))
+            booked_to: _BookedTo = "warmup" if warmup else "profiled" if self._profiled else "measured"
+            self._pending.append(_Segment(self._clock.mark(), self._segment_steps, booked_to))
             self._segment_steps = 0
 
     def _resolve(self) -> None:
-        """Wait for the pending marks in order: book each segment's active (unpaused) time to the warm-up or to the
-        measured steps, and write each window's record. The end of the warm-up is a mark of its own, so a segment
-        never straddles it."""
+        """Wait for the pending marks in order: book each segment's active (unpaused) time to the warm-up, the
+        profiled or the measured steps, and write each window's record. The end of the warm-up and each start and
+        end of profiling are marks of their own, so a segment never straddles them."""
         if not self._pending:  # most steps
             return
         pending, self._pending = self._pending, []
@@ -207,9 +215,11 @@ class RunMetrics:
             now = item.when()
             active = max(0.0, now - self._mark - self._paused_since_mark)
             self._mark, self._paused_since_mark = now, 0.0
-            if item.warmup:
+            if item.booked_to == "warmup":
                 self.warmup_s += active
                 self.warmup_steps_done += item.steps
+            elif item.booked_to == "profiled":
+                self.profiled_steps += item.steps
             else:
                 self.train_s += active
                 self.train_steps += item.steps
@@ -225,6 +235,13 @@ class RunMetrics:
         paused = self._now() - self._pause_start
         self._paused_since_mark += paused
         self._paused_total_s += paused
+
+    def book_profiled(self, profiled: bool) -> None:
+        """From the next step on, book steps as run under the profiler (`profiled`): timed in the records as they
+        ran, but left out of `steady_state()`, whose throughput the profiler's overhead would lower; or, with
+        False, as measured steps again."""
+        self._end_segment()  # the steps so far keep what they were booked to
+        self._profiled = profiled
 
     def validation_start(self) -> None:
         if self._clock is not None:  # not for a validation outside fit
@@ -387,9 +404,10 @@ class RunMetrics:
         self._window_s = 0.0
 
     def steady_state(self) -> dict[str, Any]:
-        """Throughput over the measured steps of this process (after its first `warmup_steps`): `tokens_per_s`,
-        `step_time_s` (consistent: tokens/s = tokens per step / step time), `measured_steps`, and the warm-up on
-        its own (`warmup_steps`, `warmup_s`, compilation included).
+        """Throughput over the measured steps of this process (after its first `warmup_steps`, less the
+        `profiled_steps` run under the profiler): `tokens_per_s`, `step_time_s` (consistent: tokens/s = tokens per
+        step / step time), `measured_steps`, and the warm-up on its own (`warmup_steps`, `warmup_s`, compilation
+        included).
 
         When this process ran no step past the warm-up (e.g. a resume close to the end), the warm-up steps are
         measured instead and `includes_warmup` says so; with no step at all the figures are None.
@@ -406,6 +424,7 @@ class RunMetrics:
             "warmup_steps": self.warmup_steps_done,
             "warmup_s": self.warmup_s,
             "includes_warmup": includes_warmup and steps > 0,
+            "profiled_steps": self.profiled_steps,
         }
 
     def event(self, record: dict[str, Any]) -> None:

@@ -90,6 +90,7 @@ def _throughput(
         "warmup_steps": steady["warmup_steps"],
         "warmup_s": steady["warmup_s"],
         "throughput_includes_warmup": steady["includes_warmup"],
+        "profiled_steps": steady["profiled_steps"],  # run under the profiler: not in the figures above
     }
 
 

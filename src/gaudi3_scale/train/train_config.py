@@ -154,7 +154,7 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "record optimizer steps from this one (counted from 0) with torch.profiler into <out>/profile/ "
-            "(a Chrome trace per rank, summary.txt); null = off"
+            "(a Chrome trace per rank and a summary, named by the window); null = off"
         },
     )
     profile_num_steps: int = field(default=5, metadata={"help": "optimizer steps the profiler records"})

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gaudi3_scale.config.errors import INTERRUPTED_EXIT_CODE, ConfigError, UserInputError, brief, print_error
-from gaudi3_scale.config.numbers import parse_number
+from gaudi3_scale.config.numbers import check_number, parse_number
 from gaudi3_scale.distributed.env import launched_rank
 from gaudi3_scale.train.config import RunConfig, config_yaml, resolve_config
 
@@ -203,8 +203,9 @@ def profile_overrides(profile: str | None) -> list[str]:
         start = end = -1
     if not (sep and 0 <= start < end):
         raise click.UsageError(
-            f"--profile: expected START:END optimizer steps with START < END, e.g. 5:10; got {brief(profile)}"
+            f"--profile: expected START:END optimizer steps with 0 <= START < END, e.g. 5:10; got {brief(profile)}"
         )
+    check_number("--profile", end)  # past 64 bits: the END typed, not the train.profile_num_steps made of it
     return [f"--train.profile_start_step={start}", f"--train.profile_num_steps={end - start}"]
 
 
