@@ -130,7 +130,7 @@ def test_a_failing_cell_is_recorded_and_the_matrix_goes_on(tmp_path: Path) -> No
     matrix.write_text(
         "name: failing\nstrategies: [ddp, deepspeed_zero2]\nworld_sizes: [1]\nmicro_batch_sizes: [2]\n"
         "precisions: [32-true]\ndata: tinyshakespeare\nwarmup_steps: 1\nmeasure_steps: 2\n"
-        "base: {model: {num_layers: 1}, train: {threads: 1}}\n"
+        "base: {train: {threads: 1}}\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out"

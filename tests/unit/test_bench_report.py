@@ -38,12 +38,15 @@ def make_result(
     reason: str = "",
     device: str | None = None,
     scaling_efficiency: float | None = None,
+    accumulation: int = 1,
 ) -> dict[str, Any]:
     """A valid version-1 result; tokens_per_s None makes a cell that ended with `status` and null metrics."""
+    batch = BatchPlan.from_micro_batch(
+        4, accumulation=accumulation, data_parallel_size=world_size, context_length=64
+    )
     cell = cell_section(cell_id=f"tiny.{strategy}.w{world_size}.mb4.32-true", matrix="t", model="tiny",
-                        strategy=strategy, world_size=world_size, nnodes=1,
-                        batch=BatchPlan.from_micro_batch(4, data_parallel_size=world_size, context_length=64),
-                        precision="32-true", data="synthetic")  # fmt: skip
+                        strategy=strategy, world_size=world_size, nnodes=1, batch=batch, precision="32-true",
+                        data="synthetic")  # fmt: skip
     metrics = None
     if tokens_per_s is not None:
         step_s = 4 * world_size * 64 / tokens_per_s
@@ -212,6 +215,33 @@ def test_two_sets_compare_throughput_and_cost(tmp_path: Path) -> None:
     fsdp = next(x for x in markdown.splitlines() if x.startswith("| tiny | fsdp | 1 | 4 | 32-true |"))
     assert "| 2.00 |" in fsdp
     assert not any(x.startswith("| tiny | fsdp | 8 |") for x in markdown.splitlines())
+
+
+def test_cells_of_two_sets_that_ran_different_work_are_not_compared(tmp_path: Path) -> None:
+    """The same id (model, strategy, ranks, micro-batch, precision) with 4 micro-batches a step instead of 1 is other
+    work: no ratio between them; the tables show the accumulation, the one field in which the rows differ."""
+    acc1 = write_set(tmp_path / "acc1", [make_result("ddp", 1, 100.0), make_result("ddp", 2, 180.0)])
+    acc4 = write_set(
+        tmp_path / "acc4", [make_result("ddp", 1, 300.0, accumulation=4), make_result("ddp", 2, 190.0)]
+    )
+    files = write_report([acc1, acc4], tmp_path / "out")
+    markdown = files.markdown.read_text(encoding="utf-8")
+    comparison = markdown.split("## Comparison across sets")[1].split("## Plots")[0]
+    (compared,) = [line for line in comparison.splitlines() if line.startswith("| tiny |")]
+    assert compared.startswith(
+        "| tiny | ddp | 2 | 4 | 32-true | 180.0 | 190.0 | 1.06 |"
+    )  # same work: compared
+    results = markdown.split("## Results")[1].split("## Failed")[0]
+    assert (
+        "| set | strategy | ranks | model | micro-batch | precision | global batch | accumulation | tokens/s |"
+        in results
+    )
+    assert "| acc4 | ddp | 1 | tiny | 4 | 32-true | 16 | 4 | 300.0 |" in results
+    # Only one set ran at accumulation 4: nothing to compare.
+    files = write_report(
+        [acc4, write_set(tmp_path / "acc1-again", [make_result("ddp", 1, 100.0)])], tmp_path / "o2"
+    )
+    assert "No configuration ran in more than one set." in files.markdown.read_text(encoding="utf-8")
 
 
 def test_price_for_an_unknown_set_names_it_and_the_sets(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ data: synthetic
 warmup_steps: 1
 measure_steps: 2
 timeout_s: 60
-base: {model: {num_layers: 1}, train: {threads: 1}}
+base: {model: {dropout: 0.1}, train: {threads: 1}}
 """
 CELL = "shakespeare-char.ddp.w1.mb2.32-true"
 
@@ -264,13 +264,27 @@ def test_out_inside_a_file_is_one_line(tmp_path: Path, gaudi3_cli: Cli, command:
         ("{checkpoint: {enabled: true}}", "base.checkpoint.enabled: set in every benchmark cell"),
         ("{data: tinyshakespeare}", "base.data: set by the matrix's `data` (use data: tinyshakespeare)"),
         ("{name: mine}", "base.name: set in every cell (a cell is named by its id)"),
+        # A cell is a short run made to measure, under its label: what would change what it runs is refused too.
+        ("{train: {profile_start_step: 1, profile_num_steps: 2}}", "base.train.profile_start_step: a benchmark cell "
+                                                                   "is not profiled: the profiler's steps would be "
+                                                                   "measured"),
+        ("{train: {max_epochs: 1}}", "base.train.max_epochs: set by the matrix: `warmup_steps` + `measure_steps`"),
+        ("{train: {global_batch_tokens: 256}}", "base.train.global_batch_tokens: set by the matrix: micro-batch × "
+                                                "ranks × `accumulation`"),
+        ("{data: {mixture: [{source: tinyshakespeare, weight: 1}]}}", "base.data.mixture: set by the matrix's "
+                                                                      "`data`: a cell reads that one source"),
+        ("{model: {num_layers: 1}}", "base.model.num_layers: set by the matrix's `models`: a cell runs its preset's "
+                                     "shape, under the preset's name"),
+        ("{cost: {budget_usd: 0.01}}", "base.cost.budget_usd: set in every benchmark cell, a short run made to "
+                                       "measure"),
+        ("{monitor: {metrics_port: 9400}}", "base.monitor.metrics_port: set in every benchmark cell"),
     ],
 )  # fmt: skip
 def test_a_base_field_the_matrix_sets_is_refused(
     tmp_path: Path, gaudi3_cli: Cli, base: str, message: str
 ) -> None:
     path = _matrix(
-        tmp_path, MATRIX_A.replace("base: {model: {num_layers: 1}, train: {threads: 1}}", f"base: {base}")
+        tmp_path, MATRIX_A.replace("base: {model: {dropout: 0.1}, train: {threads: 1}}", f"base: {base}")
     )
     with pytest.raises(UserInputError) as info:
         load_matrix(path)
@@ -282,9 +296,7 @@ def test_a_base_field_the_matrix_sets_is_refused(
 
 def test_a_base_of_other_fields_and_the_shipped_matrices_load(tmp_path: Path) -> None:
     _, (cell,) = load_matrix(_matrix(tmp_path))
-    assert (cell.config.model.num_layers, cell.config.train.threads, cell.config.data.source) == (
-        1,
-        1,
-        "synthetic",
-    )
+    # dropout is the run's, not the preset's shape: honoured; the shape is shakespeare-char's own
+    assert (cell.config.model.dropout, cell.config.model.num_layers, cell.config.train.threads) == (0.1, 4, 1)
+    assert cell.config.data.source == "synthetic"
     assert [len(load_matrix(name)[1]) for name in ("cpu-small", "tinygpt-117m")] == [4, 12]

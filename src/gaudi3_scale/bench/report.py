@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from gaudi3_scale.bench.plots import PLOTS, group_rows, write_plots
-from gaudi3_scale.bench.result import RESULT_FILE
+from gaudi3_scale.bench.result import RESULT_FILE, WORKLOAD_FIELDS
 from gaudi3_scale.bench.schema import RESULT_SCHEMA, validate_result
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.config.files import parse_json
@@ -49,7 +49,12 @@ _METRIC_COLUMNS = ("tokens_per_s", "samples_per_s", "step_time_mean_s", "step_ti
                    "cost_usd_per_million_tokens")  # fmt: skip
 _COLUMNS = ("set", "hardware", *_CELL_COLUMNS, "status", "reason", *_METRIC_COLUMNS, "git_commit", "date")
 _ROW_ORDER = ("model", "strategy", "world_size", "micro_batch_size", "precision", "id")
-_COMPARE_KEY = ("model", "strategy", "world_size", "micro_batch_size", "precision")
+_AXES = ("model", "strategy", "world_size", "micro_batch_size", "precision")  # what a cell's id names
+# Cells of two sets compare only where they measured the same work: the same axes and workload (`WORKLOAD_FIELDS`).
+_COMPARE_KEY = (*_AXES, *WORKLOAD_FIELDS)
+# A workload field is a column of the tables where rows of the same axes differ in it (else they read as one cell).
+_WORKLOAD_HEADERS = {"nnodes": "nodes", "global_batch_size": "global batch", "accumulation": "accumulation",
+                     "context_length": "context", "data": "data"}  # fmt: skip
 # How the reports show a value (the CSV keeps it whole); anything not listed is shown with str().
 _FORMATS = {"tokens_per_s": "{:,.1f}", "samples_per_s": "{:,.2f}", "step_time_p50_s": "{:.4f}",
             "step_time_p95_s": "{:.4f}", "peak_memory_gib": "{:.2f}", "mfu": "{:.2%}", "scaling_efficiency": "{:.2f}",
@@ -275,8 +280,16 @@ def _machines(
     return Table(headers, rows)
 
 
+def _varying(rows: Sequence[_Row]) -> list[tuple[str, str]]:
+    """(header, key) of each workload field in which rows of the same axes differ (they would read as one cell)."""
+    by_axes = group_rows(rows, lambda r: tuple(r[k] for k in _AXES))
+    return [(_WORKLOAD_HEADERS.get(key, key), key) for key in WORKLOAD_FIELDS
+            if any(len({str(r[key]) for r in group}) > 1 for group in by_axes.values())]  # fmt: skip
+
+
 def _results(rows: Sequence[_Row], many_sets: bool, priced: bool) -> Table:
-    columns = ([("set", "set")] if many_sets else []) + list(_RESULT_TABLE)
+    at = [key for _, key in _RESULT_TABLE].index("precision") + 1
+    columns = [("set", "set")] * many_sets + [*_RESULT_TABLE[:at], *_varying(rows), *_RESULT_TABLE[at:]]
     if priced:
         columns.append(("USD per M tokens", "cost_usd_per_million_tokens"))
     return Table([h for h, _ in columns], [[_fmt(key, row[key]) for _, key in columns] for row in rows])
@@ -295,20 +308,23 @@ def _comparison(rows: Sequence[_Row], set_labels: Sequence[str], prices: Mapping
     by_key = group_rows((r for r in rows if r["status"] == "ok"), lambda r: tuple(r[k] for k in _COMPARE_KEY))
     shared = {key: {r["set"]: r for r in group} for key, group in by_key.items()}
     shared = {key: sets for key, sets in shared.items() if len(sets) > 1}
-    intro = (f"tokens/s of each configuration (model, strategy, ranks, micro-batch, precision) that ran in more than "
-             f"one set, and its ratio to set {reference}.")  # fmt: skip
+    intro = (f"tokens/s of each configuration (model, strategy, ranks, micro-batch, precision, and the work: nodes, "
+             f"global batch, accumulation, context length, data) that ran in more than one set, and its ratio to set "
+             f"{reference}.")  # fmt: skip
     if prices:
         listed = ", ".join(f"{label} {_fmt('price_usd_per_hour', p)} USD/h" for label, p in prices.items())
         intro += f" Cost in USD per million tokens at the {PRICE_NOTE}: {listed}."
     if not shared:
         return [intro, "No configuration ran in more than one set."]
-    headers = ["model", "strategy", "ranks", "micro-batch", "precision"]
+    workload = _varying([r for sets in shared.values() for r in sets.values()])
+    headers = ["model", "strategy", "ranks", "micro-batch", "precision", *(h for h, _ in workload)]
     for label in set_labels:
         headers += [f"tokens/s {label}"] + [f"{label} ÷ {reference}"] * (label != reference)
         headers += [f"USD per M tokens {label}"] * (label in prices)
     table = []
     for key, sets in shared.items():
-        line = [str(v) for v in key]
+        named = dict(zip(_COMPARE_KEY, key, strict=True))
+        line = [str(named[k]) for k in (*_AXES, *(k for _, k in workload))]
         base = sets.get(reference)
         for label in set_labels:
             row = sets.get(label)

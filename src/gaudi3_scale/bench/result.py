@@ -35,6 +35,7 @@ __all__ = [
     "CHUNK",
     "END",
     "RESULT_FILE",
+    "WORKLOAD_FIELDS",
     "cell_result_path",
     "cell_section",
     "failed_result",
@@ -52,6 +53,9 @@ CHUNK = "GAUDI3-BENCHMARK-RESULT"
 END = "GAUDI3-BENCHMARK-RESULT-END"
 RESULT_FILE = "benchmark_result.json"
 CHUNK_CHARS = 2048  # < PIPE_BUF (4096) with the prefix: one atomic write per line
+# What a result's `cell` records of the work it measured beyond its id's axes (model, strategy, ranks, micro-batch,
+# precision): two results measured the same work only where these match too (a reused result, a cross-set ratio).
+WORKLOAD_FIELDS = ("nnodes", "global_batch_size", "accumulation", "context_length", "data")
 
 
 def cell_result_path(out_dir: Path, cell_id: str) -> Path:

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from gaudi3_scale.bench.cell import cell_of_config, cell_warmup_steps
 from gaudi3_scale.bench.collect import collect_from_lines
 from gaudi3_scale.bench.matrix import Cell, MatrixConfig
-from gaudi3_scale.bench.result import cell_result_path, failed_result, write_result
+from gaudi3_scale.bench.result import WORKLOAD_FIELDS, cell_result_path, failed_result, write_result
 from gaudi3_scale.bench.schema import load_result
 from gaudi3_scale.config.core import load_yaml, save_yaml, to_dict
 from gaudi3_scale.config.errors import UserInputError, brief
@@ -44,7 +44,7 @@ __all__ = ["MatrixOutcome", "check_results_dir", "run_matrix"]
 _STATUS = {"crash": "failed", "oom": "oom", "timeout": "timeout"}
 # What a result records of the cell that made it, beyond its id (which names model, strategy, ranks, micro-batch and
 # precision as asked; the result holds strategy and precision as resolved): these must match for it to be reused.
-_SAME_CELL = ("id", "matrix", "nnodes", "global_batch_size", "accumulation", "context_length", "data")
+_SAME_CELL = ("id", "matrix", *WORKLOAD_FIELDS)
 
 
 @dataclass(frozen=True)

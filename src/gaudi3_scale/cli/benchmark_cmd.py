@@ -31,7 +31,11 @@ def benchmark() -> None:
 @click.option(
     "--retry-failed", is_flag=True, help="run failed, OOM and timed-out cells again (ok cells are kept)"
 )
-@click.option("--dry-run", is_flag=True, help="validate the matrix and list its cells; run nothing")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="validate the matrix (and that this machine can train in its precisions) and list its cells; run nothing",
+)
 def run_cmd(
     matrix_spec: str, out_dir: str, cell_timeout_s: float | None, retry_failed: bool, dry_run: bool
 ) -> None:
@@ -42,7 +46,8 @@ def run_cmd(
     from gaudi3_scale.cli.config_cmd import wide_console
     from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
 
-    matrix, cells = load_matrix(matrix_spec)
+    # A cell this machine cannot train in (16-mixed on a CPU) is refused here, not launched to fail.
+    matrix, cells = load_matrix(matrix_spec, here=True)
     console = wide_console()
     if dry_run:
         for cell in cells:
