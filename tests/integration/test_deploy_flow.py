@@ -134,3 +134,36 @@ def test_kubernetes_settings() -> None:
     assert kubernetes_settings(True, nvidia) == {"gpu": 8, "gpu_vendor": "nvidia"}
     with pytest.raises(ValueError, match="GAUDI3_METAFLOW_DEVICES"):
         kubernetes_settings(True, {"GAUDI3_METAFLOW_DEVICES": "0"})
+
+
+@pytest.mark.integration
+def test_the_flow_trains_its_pods_devices_on_one_node(tmp_path: Path) -> None:
+    """GAUDI3_METAFLOW_DEVICES (what `metaflow/run.sh` exports: the deployment's devices per node, which @kubernetes
+    requests) is the number of ranks the train step runs, on one node, even for a config written for a cluster."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        TINY + "parallel: {nnodes: 2, node_rank: 1, rdzv_endpoint: 'node0:29500', rdzv_timeout_s: 5}\n"
+    )
+    out = tmp_path / "out"
+    env = _metaflow_env(tmp_path, GAUDI3_METAFLOW_DEVICES="2")
+    done = subprocess.run([*FLOW, "--no-pylint", "run", "--config", str(config), "--out", str(out), "--steps", "4",
+                           "--tune", "off"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    resolved = yaml.safe_load((out / "run" / "config.yaml").read_text())["parallel"]
+    assert (resolved["nnodes"], resolved["nproc_per_node"], resolved["node_rank"]) == (1, 2, 0)
+    assert resolved["rdzv_endpoint"] is None  # its own loopback, not the file's node0
+    assert json.loads((out / "run" / "summary.json").read_text())["steps"] == 4
+
+
+def test_node_overrides_resolve_to_one_node_of_the_pods_devices(tmp_path: Path) -> None:
+    from gaudi3_scale.deploy.flow import node_overrides
+    from gaudi3_scale.train.config import resolve_config
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(TINY + "parallel: {nnodes: 8, node_rank: 3, rdzv_endpoint: 'node0:29500'}\n")
+    cfg = resolve_config(str(config), node_overrides({"GAUDI3_METAFLOW_DEVICES": "2"}))
+    assert (cfg.parallel.nnodes, cfg.parallel.nproc_per_node, cfg.parallel.node_rank) == (1, 2, 0)
+    assert cfg.parallel.rdzv_endpoint is None
+    assert resolve_config(str(config), node_overrides({})).parallel.nproc_per_node == 1  # unset: the config's
+    with pytest.raises(ValueError, match="GAUDI3_METAFLOW_DEVICES"):
+        node_overrides({"GAUDI3_METAFLOW_DEVICES": "0"})

@@ -251,7 +251,7 @@ def test_runner_labels_and_installs_follow_the_runner(rendered: dict[str, dict[s
     gpu = _workflow(rendered["h100-gpu-runner"])["jobs"]
     assert gpu["repro"]["runs-on"] == ["self-hosted", "gpu"] and gpu["smoke"]["runs-on"] == "ubuntu-latest"
     assert "env" not in install(gpu["repro"])  # PyPI's CUDA torch on a GPU runner
-    assert "--nproc-per-node 8" in gpu["repro"]["steps"][-2]["run"]
+    assert "--parallel.nproc_per_node=8" in gpu["repro"]["steps"][-2]["run"]
     pythons = {
         s["with"]["python-version"] for s in gpu["unit"]["steps"] if s.get("uses") == ACTIONS["setup-python"]
     }

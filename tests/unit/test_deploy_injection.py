@@ -11,6 +11,7 @@ with one line naming the field, and nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,8 @@ import yaml
 
 from deploy_readers import GoYamlLikeLoader, re2_fullmatch, templatefile
 from gaudi3_scale.config.core import to_dict
-from gaudi3_scale.deploy.render import render
+from gaudi3_scale.deploy.node_command import deployment_run_config
+from gaudi3_scale.deploy.render import RECORD_DIR, render
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.train.config import resolve_config
 
@@ -58,8 +60,10 @@ TARGETS = ("aws", "azure", "gcp", "onprem", "k8s")
 
 
 def _spec(target: str, config: Path) -> DeploySpec:
+    # onprem nodes keep --out on their own disks: a DDP run needs a remote mirror to resume from (`node_command`)
+    mirror = ["--checkpoint.remote_url", "s3://y-bucket/y"] if target == "onprem" else []
     fields: dict[str, Any] = dict(target=target, accelerator="h100", nodes=2, per_node=8, config_path=config,
-                                  run_config=to_dict(resolve_config(str(config), [])), name="y", image=IMAGE)  # fmt: skip
+                                  run_config=to_dict(resolve_config(str(config), mirror)), name="y", image=IMAGE)  # fmt: skip
     if target in REGIONS:
         fields["region"] = REGIONS[target]
     if target == "onprem":
@@ -149,7 +153,7 @@ def _rooted(script: str, root: Path) -> str:
 
 @pytest.mark.parametrize("target", sorted(REGIONS))
 def test_the_node_bootstrap_writes_every_value_as_data(
-    target: str, rendered: dict[str, dict[str, str]], run_config: dict[str, Any], tmp_path: Path
+    target: str, rendered: dict[str, dict[str, str]], configs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     values = dict(node_rank=1, rdzv_host="10.0.0.5", nnodes=2, nproc_per_node=8, image=IMAGE,
                   checkpoint_url="s3://bucket/y", secrets={"HF_TOKEN": "/gaudi3/hf"}, region=REGIONS["aws"],
@@ -163,7 +167,7 @@ def test_the_node_bootstrap_writes_every_value_as_data(
     _fake(bin_dir, "systemctl", 'echo "$@" >> "$SYSTEMCTL_LOG"\n')
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SYSTEMCTL_LOG": str(tmp_path / "systemctl.log")}
     subprocess.run(["bash", "-c", _rooted(script, root)], env=env, cwd=tmp_path, check=True)
-    assert yaml.safe_load((root / "etc/gaudi3/run.yaml").read_text()) == run_config
+    assert yaml.safe_load((root / "etc/gaudi3/run.yaml").read_text()) == _spec(target, configs[0]).run_config
     node_env = dict(
         line.split("=", 1) for line in (root / "etc/gaudi3/node.env").read_text().splitlines() if line
     )
@@ -209,7 +213,7 @@ def test_the_onprem_node_gets_its_values_as_data(rendered: dict[str, dict[str, s
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_yaml_files_give_back_exactly_the_values(
-    target: str, rendered: dict[str, dict[str, str]], run_config: dict[str, Any]
+    target: str, rendered: dict[str, dict[str, str]], configs: tuple[Path, Path]
 ) -> None:
     docs = {
         rel: list(yaml.load_all(text, Loader=GoYamlLikeLoader))
@@ -217,8 +221,7 @@ def test_yaml_files_give_back_exactly_the_values(
         if rel.endswith(".yaml") and "templates/" not in rel
     }
     assert docs == {rel: list(yaml.safe_load_all(rendered[target][rel])) for rel in docs}
-    gaudi = target == "onprem"  # the onprem spec is a Gaudi deployment: it trains on hpu (`gaudi_run_config`)
-    expected = {**run_config, "train": {**run_config["train"], "device": "hpu"}} if gaudi else run_config
+    expected = _spec(target, configs[0]).run_config  # with the device the deployment pins (hpu, cuda)
     assert docs["docker/run.yaml"] == [expected]
     if target != "k8s":
         return
@@ -236,7 +239,7 @@ def test_yaml_files_give_back_exactly_the_values(
         and claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
     )
     (config_map,) = [d for d in manifests if d["kind"] == "ConfigMap"]
-    assert yaml.safe_load(config_map["data"]["run.yaml"]) == run_config
+    assert yaml.safe_load(config_map["data"]["run.yaml"]) == expected
 
 
 _STRIP = hcl2.SerializationOptions(strip_string_quotes=True)
@@ -363,5 +366,8 @@ def test_the_cli_renders_hostile_but_valid_values(
                                    "--out", str(out), "--image", IMAGE, *sets)  # fmt: skip
     assert code == 0, err
     on_disk = {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()}
-    assert on_disk == render(_spec("k8s", configs[0]))
+    assert on_disk.pop(f"{RECORD_DIR}/k8s.files").splitlines() == sorted(on_disk)  # what the render wrote
+    # the CLI resolves the file on the deployment's geometry (`deployment_run_config`)
+    _, run_config = deployment_run_config(str(configs[0]), nodes=2, per_node=8)
+    assert on_disk == render(dataclasses.replace(_spec("k8s", configs[0]), run_config=run_config))
     assert not (Path(os.getcwd()) / MARK).exists()

@@ -77,7 +77,9 @@ def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _spec(config: Path, target: str = "k8s", *overrides: str, **kw: Any) -> DeploySpec:
-    cfg = resolve_config(str(config), list(overrides))
+    # onprem nodes keep --out on their own disks: a DDP run needs a remote mirror to resume from (`node_command`)
+    mirror = ["--checkpoint.remote_url", "s3://tiny-bucket/tiny-mon"] if target == "onprem" else []
+    cfg = resolve_config(str(config), [*overrides, *mirror])
     fields: dict[str, Any] = dict(target=target, accelerator="gaudi3", nodes=2, per_node=8, config_path=config,
                                   run_config=to_dict(cfg), name=cfg.name, image="registry.example/t:1")  # fmt: skip
     if target == "onprem":

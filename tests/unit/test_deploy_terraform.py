@@ -32,18 +32,20 @@ from gaudi3_scale.deploy.quoting import hcl_string
 from gaudi3_scale.deploy.render import renderers
 from gaudi3_scale.deploy.spec import DeploySpec, default_per_node
 from gaudi3_scale.deploy.terraform import instance_for
+from gaudi3_scale.train.config import build_run_config, config_dict, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "deploy"
 UPDATE = os.environ.get("GAUDI3_UPDATE_GOLDEN") == "1"  # rewrite the golden files after a deliberate change
 BASELINE = yaml.safe_load((ROOT / "src/gaudi3_scale/deploy/checkov_baseline.yaml").read_text())
 IMAGE = "registry.example.com/gaudi3-scale-train:golden-cuda"
-RUN_CONFIG = {
-    "name": "golden",
-    "model": {"preset": "gpt-tiny"},
-    "parallel": {"strategy": "fsdp", "nproc_per_node": 1, "nnodes": 1},
-    "checkpoint": {"every_n_steps": 100, "remote_url": ""},
-}
+# A resolved run config (each renderer checks it with its nodes' command): DDP with a remote mirror, which nodes on
+# their own disks can resume from.
+RUN_CONFIG = config_dict(build_run_config(None, [
+    ("name", "golden"), ("model.name", "shakespeare-char"), ("model.num_layers", 1),
+    ("train.global_batch_size", 384), ("train.micro_batch_size", 8), ("train.max_steps", 10),
+    ("parallel.strategy", "ddp"), ("checkpoint.remote_url", "s3://golden-bucket/golden"),
+]))  # fmt: skip
 HOSTS = ("gpu-a.lab", "gpu-b.lab", "10.1.2.3")
 CLOUDS = ("aws", "azure", "gcp")
 TARGETS = (*CLOUDS, "onprem")
@@ -255,7 +257,8 @@ def test_gcp_compact_placement_private_bucket_and_service_account_rules(
 
 def test_a_run_config_too_big_for_ec2_user_data_is_one_line() -> None:
     with pytest.raises(UserInputError, match=r"EC2 user data holds 16,384"):
-        _render(_spec("aws", run_config={**RUN_CONFIG, "notes": "x" * 16_000}))
+        big = {**RUN_CONFIG, "data": {**RUN_CONFIG["data"], "source": "/data/" + "x" * 16_000}}
+        _render(_spec("aws", run_config=big))
 
 
 def test_gcp_takes_a_zone_as_its_region() -> None:
@@ -300,7 +303,7 @@ def test_the_bootstrap_starts_the_launcher_with_this_nodes_rank(
     script = templatefile(rendered[target][tf_common.BOOTSTRAP], _template_values(target))
     subprocess.run(["bash", "-n", "-c", script], check=True)
     files = _heredocs(script)
-    assert yaml.safe_load(files["/etc/gaudi3/run.yaml"]) == RUN_CONFIG
+    assert yaml.safe_load(files["/etc/gaudi3/run.yaml"]) == _spec(target).run_config  # with the device pinned
     assert files["/etc/gaudi3/secret-refs"] == "HF_TOKEN=/gaudi3/hf\nWANDB_API_KEY=wb\n"
     unit = files["/etc/systemd/system/gaudi3-train.service"]
     assert "ExecStartPre=/usr/local/bin/gaudi3-secrets" in unit and "RestartPreventExitStatus=2 3 4" in unit
@@ -316,11 +319,20 @@ def test_the_bootstrap_starts_the_launcher_with_this_nodes_rank(
     argv = (tmp_path / "args").read_text().splitlines()
     assert argv[0] == "run" and "--gpus" in argv and argv[argv.index("--network") + 1] == "host"
     assert argv[argv.index("img:1") - 2 : argv.index("img:1")] == ["--entrypoint", "gaudi3"]
-    assert argv[argv.index("img:1") + 1 :] == [
-        "train", "--config", "/etc/gaudi3/run.yaml", "--parallel.nnodes", "2",
-        "--parallel.node_rank", "1", "--parallel.rdzv_endpoint", "10.0.0.5:29500",
-        "--parallel.nproc_per_node", "8", "--checkpoint.remote_url", "s3://bucket/golden",
+    node_args = argv[argv.index("img:1") + 1 :]
+    assert node_args == [
+        "train", "--config", "/etc/gaudi3/run.yaml", "--out", "/workspace/runs/golden", "--no-progress",
+        "--sample-tokens", "0", "--parallel.nnodes=2", "--parallel.nproc_per_node=8", "--parallel.node_rank=1",
+        "--parallel.rdzv_endpoint=10.0.0.5:29500", "--checkpoint.remote_url=s3://bucket/golden",
     ]  # fmt: skip
+    # What the node's `gaudi3 train` makes of it: the project's own loader, on the rendered run.yaml.
+    (tmp_path / "run.yaml").write_text(files["/etc/gaudi3/run.yaml"])
+    cfg = resolve_config(str(tmp_path / "run.yaml"), node_args[8:], out_dir=node_args[4])
+    assert (cfg.parallel.nnodes, cfg.parallel.nproc_per_node, cfg.parallel.node_rank) == (2, 8, 1)
+    assert (
+        cfg.parallel.rdzv_endpoint == "10.0.0.5:29500" and cfg.checkpoint.remote_url == "s3://bucket/golden"
+    )
+    assert str(cfg.out_dir) == "/workspace/runs/golden"  # on the mounted /var/lib/gaudi3, not the container
     passed = {argv[i + 1] for i, a in enumerate(argv) if a == "-e"}
     assert passed == set(env["PASS_ENV"].split()) and "HF_TOKEN" not in passed  # secrets only via --env-file
 

@@ -44,7 +44,10 @@ def deploy() -> None:
     "docs/reference/deploy_options.md",
 )
 @click.option(
-    "--force", is_flag=True, help="overwrite rendered files that differ (they are refused otherwise)"
+    "--force",
+    is_flag=True,
+    help="overwrite rendered files that differ, and remove those an earlier render of the target wrote that "
+    "this one does not (both are refused otherwise)",
 )
 def render_cmd(
     target: str,
@@ -60,21 +63,24 @@ def render_cmd(
     force: bool,
 ) -> None:
     """Render the deployment of CONFIG on NODES machines with ACCELERATOR for TARGET into OUT."""
+    from gaudi3_scale.deploy.node_command import deployment_run_config
     from gaudi3_scale.deploy.render import render, write_files
     from gaudi3_scale.deploy.spec import DeploySpec, default_image, default_per_node, resource_name
-    from gaudi3_scale.train.config import config_dict, resolve_config
 
     if not Path(config_path).is_file():
         raise UserInputError(f"--config: {config_path} is not a file")
-    cfg = resolve_config(config_path, [])  # what is in the file: one line naming it
-    name = resource_name(cfg.name)
+    if per_node is None:
+        per_node = default_per_node(target, accelerator)
+    # the file on this deployment's nodes × per_node ranks: one line naming what it would refuse
+    run_name, run_config = deployment_run_config(config_path, nodes=nodes, per_node=per_node)
+    name = resource_name(run_name)
     spec = DeploySpec(
         target=target,
         accelerator=accelerator,
         nodes=nodes,
-        per_node=per_node if per_node is not None else default_per_node(target, accelerator),
+        per_node=per_node,
         config_path=Path(config_path),
-        run_config=config_dict(cfg),
+        run_config=run_config,
         name=name,
         image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,
@@ -82,10 +88,13 @@ def render_cmd(
         extra=_settings(settings),
     )
     files = render(spec)
-    written = write_files(files, Path(out_dir), force=force)
-    if name != cfg.name:
-        click.echo(f"resource name: {name} (the run name {cfg.name!r} as cloud and Kubernetes names allow)")
-    click.echo(f"{len(files)} file(s) for {target} ({len(written)} written, the rest unchanged) → {out_dir}/")
+    written, removed = write_files(files, Path(out_dir), force=force, record=target)
+    if name != run_name:
+        click.echo(f"resource name: {name} (the run name {run_name!r} as cloud and Kubernetes names allow)")
+    gone = f", {len(removed)} an earlier render wrote removed" if removed else ""
+    click.echo(
+        f"{len(files)} file(s) for {target} ({len(written)} written{gone}, the rest unchanged) → {out_dir}/"
+    )
 
 
 def _settings(items: tuple[str, ...]) -> dict[str, object]:

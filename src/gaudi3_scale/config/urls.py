@@ -28,10 +28,28 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(?=([^/?#\s]*))")
 _CONTAINER_AT_ACCOUNT = ("abfs", "abfss", "az")
 
 
+# Query parameters that carry a credential: presigned S3 (SigV4) and GCS (V4) URLs, Azure SAS tokens (`sig`, with
+# `sv`), OAuth bearer tokens. Compared case-insensitively; a value ends at '&', ';', '#', ',' (a list of URLs) or
+# whitespace.
+CREDENTIAL_QUERY_PARAMS = (
+    "x-amz-signature",
+    "x-amz-credential",
+    "x-amz-security-token",
+    "x-goog-signature",
+    "x-goog-credential",
+    "sig",
+    "token",
+    "access_token",
+)
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s,?]+)=([^&;#\s,]*)")
+
+
 def check_no_credentials(name: str, value: str) -> None:
-    """Refuse `value` when a URL in it has userinfo (`user:password@` or a token as `user@`), naming `name`; the
-    line shows the URL with the userinfo masked, never the secret."""
+    """Refuse `value` when a URL in it has userinfo (`user:password@` or a token as `user@`), or a credential in
+    its query string (CREDENTIAL_QUERY_PARAMS: a presigned URL, an Azure SAS, `?token=`), naming `name`; the line
+    shows the URL with the secret masked, never the secret."""
     for match in _URL.finditer(value):
+        _check_query(name, value, match.end())
         scheme, authority = match.group(1).lower(), match.group(2)
         userinfo, at, host = authority.rpartition("@")
         if not at or (scheme in _CONTAINER_AT_ACCOUNT and ":" not in userinfo):
@@ -44,6 +62,33 @@ def check_no_credentials(name: str, value: str) -> None:
             "and rendered deploy files); remove them and use the backend's credential environment "
             "(e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD) or a secret reference (k8s.credentials_secret)",
         )
+
+
+def _check_query(name: str, value: str, start: int) -> None:
+    """The query string of the URL whose authority starts at `start`: up to whitespace, ',' followed by the next
+    URL, or '#'."""
+    end = len(value)
+    if stop := re.compile(r"\s|,(?=[A-Za-z][A-Za-z0-9+.-]*://)|#").search(value, start):
+        end = stop.start()
+    query = value.find("?", start, end)
+    if query < 0:
+        return
+    secret = [
+        m for m in _QUERY_PARAM.finditer(value, query, end) if m.group(2).lower() in CREDENTIAL_QUERY_PARAMS
+    ]
+    if not secret:
+        return
+    masked = value
+    for m in reversed(secret):  # from the end, so that earlier offsets stay valid
+        masked = f"{masked[: m.start(3)]}***{masked[m.end(3) :]}"
+    params = ", ".join(sorted({m.group(2) for m in secret}))
+    raise ConfigError(
+        name,
+        f"{brief(masked)} carries credentials in its query string ({params}; they would be written into "
+        "config.yaml, the trackers and rendered deploy files); remove them and use the backend's credential "
+        "environment (e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_TOKEN) or a secret reference "
+        "(k8s.credentials_secret)",
+    )
 
 
 def check_http_url(name: str, url: str | None) -> None:

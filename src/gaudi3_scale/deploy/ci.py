@@ -22,8 +22,9 @@ from typing import Any
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.ci_options import PLATFORMS, CiOptions, ci_options, runner_labels
+from gaudi3_scale.deploy.node_command import NodeSlots, check_node_config, override_args
 from gaudi3_scale.deploy.quoting import comment, yaml_text
-from gaudi3_scale.deploy.render import check_run_geometry, register_renderer
+from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = ["ACTIONS", "JOBS", "WORKFLOW", "render_ci", "repro_argv"]
@@ -99,22 +100,34 @@ def _header(spec: DeploySpec, opts: CiOptions, gaudi: bool) -> str:
     return "".join(f"# {comment(line)}\n" for line in lines)
 
 
+def _repro_slots(spec: DeploySpec, opts: CiOptions) -> NodeSlots:
+    """The repro runs' overrides: one node of --per-node ranks on its own loopback (a run config file's multi-node
+    endpoint would be waited for), on the CPU where a hosted runner stands in for the accelerator the config names,
+    then ci.repro_overrides (last: they win)."""
+    device = spec.run_config.get("train", {}).get("device", "auto")
+    # a hosted runner has no accelerator
+    hosted_cpu = not opts.repro_runs_on and device not in ("auto", "cpu")
+    extra = [("train.device", "cpu")] if hosted_cpu else []
+    extra += [(key, value) for key, _, value in (o.partition("=") for o in opts.repro_overrides)]
+    return NodeSlots(node_rank="0", rdzv_endpoint=None, nnodes="1", nproc_per_node=str(spec.per_node),
+                     shared_out=True, extra=tuple(extra))  # fmt: skip
+
+
 def _check_repro_config(spec: DeploySpec, opts: CiOptions) -> None:
-    """The repro runs' config (the run config with ci.repro_overrides, on 1 node x --per-node ranks) must resolve:
-    refused here in one line, not on the runner."""
+    """The repro runs' config (the run config with `_repro_slots`' overrides, as the runner resolves them) must
+    resolve: refused here in one line, not on the runner."""
     import copy
-    import dataclasses
 
     from gaudi3_scale.config.core import apply_overrides
     from gaudi3_scale.config.errors import ConfigError
     from gaudi3_scale.train.config import RunConfig  # no torch behind it
 
     pairs = [(key, value) for key, _, value in (o.partition("=") for o in opts.repro_overrides)]
-    try:
-        run_config = apply_overrides(RunConfig, copy.deepcopy(spec.run_config), pairs)
+    try:  # an unknown or ill-typed key of the option itself: named as the option
+        apply_overrides(RunConfig, copy.deepcopy(spec.run_config), pairs)
     except ConfigError as exc:
         raise UserInputError(f"ci.repro_overrides: {exc}") from None
-    check_run_geometry(dataclasses.replace(spec, run_config=run_config))
+    check_node_config(spec, _repro_slots(spec, opts))
 
 
 # ---- the tiers ---------------------------------------------------------------------------------------------------
@@ -205,14 +218,11 @@ def _smoke(opts: CiOptions, gaudi: bool) -> dict[str, Any]:
 
 
 def repro_argv(spec: DeploySpec, opts: CiOptions) -> list[str]:
-    """The repro tier's command: resume mode on the rendered run config, on one runner with --per-node ranks. A
-    Gaudi render's run config trains on hpu (`render.on_gaudi`); without a Gaudi runner (ci.repro_runs_on) the
-    tier runs on a hosted runner, so there it trains on the CPU, said on its command line."""
-    hosted_gaudi = spec.accelerator.startswith("gaudi") and not opts.repro_runs_on
+    """The repro tier's command: resume mode on the rendered run config, on one runner with --per-node ranks
+    (`_repro_slots`; a config that names cuda or hpu trains on the CPU of a hosted runner, said on its command
+    line)."""
     return ["gaudi3", "repro", "--config", RUN_CONFIG, "--mode", "resume", "--steps", str(opts.repro_steps),
-            "--out", REPRO_OUT, "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(spec.per_node),
-            *(["--train.device=cpu"] if hosted_gaudi else []),
-            *(f"--{o}" for o in opts.repro_overrides)]  # fmt: skip
+            "--out", REPRO_OUT, *override_args(_repro_slots(spec, opts), str)]  # fmt: skip
 
 
 def _repro(spec: DeploySpec, opts: CiOptions, gaudi: bool) -> dict[str, Any]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.quoting import comment, dockerfile_exec, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import CONTAINERS, register_renderer
-from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.deploy.spec import BUCKET_SCHEMES, DeploySpec, storage_urls
 from gaudi3_scale.verify.doctor import BEFORE_TRAIN_ENV, SKIP_ENV
 
 __all__ = [
@@ -56,16 +57,44 @@ NOT_VALIDATED = "not yet validated on Gaudi hardware"
 # Extras every image carries: the Metaflow flow's steps run in it (metaflow, which brings boto3 + requests for an
 # S3 datastore) and its report step writes a benchmark report (pandas); the inference stage loads safetensors exports.
 _ALWAYS = ("deploy", "export", "report")
+# The extra holding the fsspec backend of a storage scheme (pyproject.toml's optional dependencies): a node that
+# opens such a URL without it stops at start (exit 2, not restarted). None: the base dependencies hold it (lightning
+# requires fsspec[http], which brings aiohttp: file://, memory://, http(s)://).
+SCHEME_EXTRAS: dict[str, str | None] = {
+    "s3": "remote",
+    "s3a": "remote",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "adl": "azure",
+    "file": None,
+    "memory": None,
+    "http": None,
+    "https": None,
+}
 
 
-def image_extras(run_config: dict[str, Any], accelerator: str) -> list[str]:
-    """The package extras the run config needs at run time, plus the ones the flow needs."""
+def image_extras(run_config: dict[str, Any], accelerator: str, target: str | None = None) -> list[str]:
+    """The package extras the run config needs at run time, plus the ones the flow needs: among them the fsspec
+    backend of every storage URL the nodes open, the run config's (`spec.storage_urls`) and the checkpoint bucket
+    a cloud `target` creates. A URL whose backend no extra holds is refused in one line."""
     extras = list(_ALWAYS)
-    monitor, checkpoint = run_config.get("monitor", {}), run_config.get("checkpoint", {})
+    monitor = run_config.get("monitor", {})
     if monitor.get("metrics_port") is not None:
         extras.append("monitor")
-    if checkpoint.get("remote_url"):
-        extras.append("remote")
+    urls = storage_urls(run_config)
+    if target in BUCKET_SCHEMES:
+        urls.append((f"the {target} checkpoint bucket", f"{BUCKET_SCHEMES[target]}://bucket"))
+    for name, url in urls:
+        scheme = url.partition("://")[0].lower()
+        if scheme not in SCHEME_EXTRAS:
+            raise UserInputError(
+                f"{name}: {scheme}:// has no backend in the rendered image; allowed schemes: "
+                f"{', '.join(sorted(SCHEME_EXTRAS))}"
+            )
+        if (extra := SCHEME_EXTRAS[scheme]) is not None:
+            extras.append(extra)
     loggers = {n.strip().lower() for n in str(monitor.get("loggers") or "").split(",")}
     if loggers & {"tensorboard", "mlflow"}:
         extras.append("tracking")
@@ -75,7 +104,7 @@ def image_extras(run_config: dict[str, Any], accelerator: str) -> list[str]:
     strategy = str(run_config.get("parallel", {}).get("strategy", ""))
     if strategy.startswith("deepspeed") and not accelerator.startswith("gaudi"):
         extras.append("deepspeed")
-    return sorted(extras)
+    return sorted(set(extras))
 
 
 def _header(spec: DeploySpec, gaudi: bool) -> str:
@@ -88,7 +117,8 @@ def _header(spec: DeploySpec, gaudi: bool) -> str:
         f"  docker build -f docker/Dockerfile --target train -t {image} <gaudi3-scale checkout>",
         "  docker build -f docker/Dockerfile --target inference -t <name>-inference <gaudi3-scale checkout>",
         f"The run config (docker/run.yaml here) is mounted at {CONFIG_MOUNT} (a ConfigMap on Kubernetes), not baked in:",
-        f"  docker run -v $PWD/docker/run.yaml:{CONFIG_MOUNT}:ro -v $PWD/runs:/workspace/runs {image}",
+        f"  docker run{'' if gaudi else ' --gpus all'} -v $PWD/docker/run.yaml:{CONFIG_MOUNT}:ro "
+        f"-v $PWD/runs:/workspace/runs {image}",
         f"The inference image serves an export (gaudi3 ckpt export) mounted at {MODEL_MOUNT}:",
         f"  docker run -p {SERVE_PORT}:{SERVE_PORT} -v $PWD/export:{MODEL_MOUNT}:ro <name>-inference",
     ]
@@ -96,7 +126,9 @@ def _header(spec: DeploySpec, gaudi: bool) -> str:
         lines += [
             f"The Gaudi variant is {NOT_VALIDATED}. Run it with Habana's runtime, e.g. `--runtime=habana",
             "-e HABANA_VISIBLE_DEVICES=all --cap-add=sys_nice --ipc=host`; whether the non-root user can open the",
-            "devices depends on the host's device permissions.",
+            "devices depends on the host's device permissions. sys_nice (Habana's example) has no effect for that",
+            f"non-root user (UID {IMAGE_UID}: Docker sets no ambient capabilities); whether Gaudi training needs it",
+            "is not validated on Gaudi hardware.",
         ]
     return "".join(f"# {comment(line)}\n" for line in lines)
 
@@ -185,7 +217,7 @@ CMD {dockerfile_exec([MODEL_MOUNT, "--host", "0.0.0.0", "--port", str(SERVE_PORT
 
 def render_dockerfile(spec: DeploySpec) -> str:
     gaudi = spec.accelerator.startswith("gaudi")
-    extras = image_extras(spec.run_config, spec.accelerator)
+    extras = image_extras(spec.run_config, spec.accelerator, spec.target)
     stage = (
         "# ---- base: Python + pinned dependencies + the non-root user (changes only when the pins do) ----\n"
     )

@@ -21,7 +21,9 @@ Where the steps run:
   S3, GS or Azure datastore (`metaflow configure kubernetes`). Not validated on Gaudi clusters: @kubernetes cannot
   set the hostIPC / SYS_NICE that Intel's example pods use.
 - on Kubernetes, all steps alike: Metaflow's own `run --with kubernetes` (no accelerator requests).
-The flow trains on one node (one pod); multi-node training is the PyTorchJob / Terraform target of `deploy render`.
+The flow trains on one node (one pod) of GAUDI3_METAFLOW_DEVICES ranks (unset: the config's nproc_per_node), on its
+own loopback whatever node geometry the config carries (`node_overrides`); multi-node training is the PyTorchJob /
+Terraform target of `deploy render`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from typing import Any, TypeVar
 # environment and kubernetes are plugins Metaflow adds to its namespace at import: invisible to mypy.
 from metaflow import FlowSpec, IncludeFile, Parameter, environment, kubernetes, step  # type: ignore[attr-defined]
 
-__all__ = ["KUBERNETES_ENV", "TUNE_MODES", "Gaudi3TrainFlow", "kubernetes_settings"]
+from gaudi3_scale.deploy.node_command import geometry_overrides
+
+__all__ = ["KUBERNETES_ENV", "TUNE_MODES", "Gaudi3TrainFlow", "kubernetes_settings", "node_overrides"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 KUBERNETES_ENV = "GAUDI3_METAFLOW_KUBERNETES"
@@ -61,12 +65,29 @@ def kubernetes_settings(accelerated: bool, env: Mapping[str, str]) -> dict[str, 
     if not accelerated:
         return {}
     accelerator = env.get("GAUDI3_METAFLOW_ACCELERATOR", "")
-    devices = env.get("GAUDI3_METAFLOW_DEVICES", "1")
-    if not devices.isdigit() or int(devices) < 1:
-        raise ValueError(f"GAUDI3_METAFLOW_DEVICES: expected a positive whole number, got {devices!r}")
+    devices = _devices(env.get("GAUDI3_METAFLOW_DEVICES", "1"))
     if accelerator.startswith("gaudi"):
         return {"extended_resources": {GAUDI_RESOURCE: devices}}
     return {"gpu": int(devices), "gpu_vendor": "nvidia"}
+
+
+def _devices(devices: str) -> str:
+    if not devices.isdigit() or int(devices) < 1:
+        raise ValueError(f"GAUDI3_METAFLOW_DEVICES: expected a positive whole number, got {devices!r}")
+    return devices
+
+
+def node_overrides(env: Mapping[str, str]) -> list[str]:
+    """The geometry the tune and train steps run: one node (the flow's pod) on its own loopback, with
+    GAUDI3_METAFLOW_DEVICES ranks (the accelerators the pod asked for; unset: the run config's nproc_per_node)."""
+    devices = env.get("GAUDI3_METAFLOW_DEVICES")
+    pairs = geometry_overrides(
+        nnodes="1",
+        nproc_per_node=None if devices is None else _devices(devices),
+        node_rank="0",
+        rdzv_endpoint=None,
+    )
+    return [f"--{key}={value}" for key, value in pairs]
 
 
 def _on_kubernetes(*, accelerated: bool = False) -> Callable[[F], F]:
@@ -192,7 +213,8 @@ class Gaudi3TrainFlow(FlowSpec):
         self.run_dir = str(Path(self.out_dir) / "run")
         _gaudi3(
             "train", "--config", self.train_config, "--out", self.run_dir, "--no-progress", "--sample-tokens", "0",
-            "--data.prepared_dir", self.data_dir, "--benchmark.result", "true", *self._overrides(),
+            "--data.prepared_dir", self.data_dir, "--benchmark.result", "true", *node_overrides(os.environ),
+            *self._overrides(),
         )  # fmt: skip
         run = Path(self.run_dir)
         self.summary = json.loads((run / "summary.json").read_text())

@@ -17,12 +17,20 @@ and sharded checkpoints assume one world size), so the elastic policy has minRep
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gaudi3_scale.config.core import parse_overrides
-from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.deploy.k8s_options import JobPlan
+from gaudi3_scale.deploy.node_command import (
+    CONFIG_FILE,
+    WORKSPACE,
+    Deployment,
+    Filled,
+    NodeSlots,
+    Slot,
+    check_node_config,
+    train_args,
+)
 from gaudi3_scale.deploy.quoting import k8s_literal
 
 __all__ = [
@@ -36,41 +44,45 @@ __all__ = [
 
 PYTORCHJOB_SCHEMA = Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json"
 RETRYABLE_EXIT_CODES = (130, 137, 138, 143)  # the training operator's retryable codes (module docstring)
-CONFIG_DIR = "/etc/gaudi3"  # the ConfigMap's mount: run.yaml
-WORKSPACE = "/workspace"  # the volume: runs/<name>/ (outputs, checkpoints)
+CONFIG_DIR = str(PurePosixPath(CONFIG_FILE).parent)  # the ConfigMap's mount: run.yaml
 CONTAINER = "pytorch"  # the training operator finds the training container by this name (PyTorchJobDefaultContainerName)
 OPERATOR_PORT_NAME = "pytorchjob-port"  # its master Service exposes this port and sets MASTER_PORT to it
 
 
-def _train_args(plan: JobPlan, *, node_rank: str, rdzv_endpoint: str) -> list[str]:
-    """The launcher's arguments. `node_rank` is a `$(VAR)` Kubernetes expands; every other value is literal."""
-    args = [
-        "train", "--config", f"{CONFIG_DIR}/run.yaml", "--out", k8s_literal(f"{WORKSPACE}/runs/{plan.name}"),
-        "--no-progress", "--sample-tokens", "0",
-        f"--parallel.nnodes={plan.nodes}", f"--parallel.nproc_per_node={plan.per_node}",
-        f"--parallel.max_restarts={plan.max_restarts}",
-    ]  # fmt: skip
-    if plan.nodes > 1:
-        args += [
-            f"--parallel.node_rank={node_rank}",
-            f"--parallel.rdzv_endpoint={k8s_literal(rdzv_endpoint)}",
-        ]
+def _slots(plan: JobPlan, *, node_rank: str, rdzv_host: str) -> NodeSlots:
+    """The pods' part of the node command. `node_rank` is a `$(VAR)` Kubernetes expands; every other value is
+    literal."""
+    extra: list[tuple[str, Slot]] = [("parallel.max_restarts", str(plan.max_restarts))]
     if plan.metrics_port is not None:  # 0.0.0.0: the default 127.0.0.1 cannot be scraped from outside the pod
-        args += [f"--monitor.metrics_port={plan.metrics_port}", "--monitor.metrics_host=0.0.0.0"]
-    return args
+        extra += [("monitor.metrics_port", str(plan.metrics_port)), ("monitor.metrics_host", "0.0.0.0")]
+    return NodeSlots(
+        node_rank=Filled(f"$({node_rank})", "0"),
+        rdzv_endpoint=f"{rdzv_host}:{plan.opts.rdzv_port}",
+        nnodes=str(plan.nodes),
+        nproc_per_node=str(plan.per_node),
+        shared_out=plan.opts.storage == "pvc",  # emptydir: each pod its own --out
+        extra=tuple(extra),
+    )
+
+
+def _word(slot: Slot) -> str:
+    return slot.expr if isinstance(slot, Filled) else k8s_literal(slot)
+
+
+def _train_args(plan: JobPlan, slots: NodeSlots) -> list[str]:
+    return train_args(plan.name, slots, _word)
 
 
 def check_pod_config(plan: JobPlan, run_config: dict[str, Any]) -> None:
     """The run config as a pod will resolve it (with its command-line overrides) must be valid, e.g. the global batch
     must split over nodes x per_node ranks: refused here in one line, not by every pod after it was scheduled."""
-    from gaudi3_scale.train.config import build_run_config  # no torch behind it
+    deployment = Deployment(target="k8s", name=plan.name, nodes=plan.nodes, per_node=plan.per_node,
+                            gaudi=plan.gaudi, run_config=run_config)  # fmt: skip
+    check_node_config(deployment, _slots(plan, node_rank="PET_NODE_RANK", rdzv_host=_master(plan)))
 
-    args = _train_args(plan, node_rank="0", rdzv_endpoint=f"{plan.name}-master-0:{plan.opts.rdzv_port}")
-    overrides = parse_overrides([a for a in args if a.startswith(("--parallel.", "--monitor."))])
-    try:
-        build_run_config(None, overrides, base=run_config)  # as a pod's `gaudi3 train --config` reads it
-    except ConfigError as exc:
-        raise UserInputError(f"{plan.nodes} node(s) x {plan.per_node} per node: {exc}") from None
+
+def _master(plan: JobPlan) -> str:
+    return f"{plan.name}-master-0"  # the operator's Service for the master pod, and MASTER_ADDR
 
 
 def _env(plan: JobPlan, extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -220,11 +232,11 @@ def _pod_template(
 
 def pytorchjob(plan: JobPlan, image: str) -> dict[str, Any]:
     """The Kubeflow training operator's PyTorchJob (kubeflow.org/v1): Master 1, Worker nodes - 1."""
-    master = f"{plan.name}-master-0"  # the operator's Service for the master pod, and MASTER_ADDR
+    master = _master(plan)
     template = _pod_template(
         plan,
         image,
-        args=_train_args(plan, node_rank="$(PET_NODE_RANK)", rdzv_endpoint=f"{master}:{plan.opts.rdzv_port}"),
+        args=_train_args(plan, _slots(plan, node_rank="PET_NODE_RANK", rdzv_host=master)),
         env=[],
         port_name=OPERATOR_PORT_NAME,
     )
@@ -271,7 +283,7 @@ def indexed_job(plan: JobPlan, image: str) -> list[dict[str, Any]]:
     template = _pod_template(
         plan,
         image,
-        args=_train_args(plan, node_rank="$(NODE_RANK)", rdzv_endpoint=f"{master}:{plan.opts.rdzv_port}"),
+        args=_train_args(plan, _slots(plan, node_rank="NODE_RANK", rdzv_host=master)),
         env=[node_rank],
         port_name="rdzv",
         restartPolicy="Never",  # the Job re-creates pods, under the failure policy below

@@ -7,14 +7,17 @@ defaults that depend on the run config (metrics port, restarts, the credentials 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gaudi3_scale.config.core import check_positive, check_range, from_dict
-from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.config.errors import ConfigError, UserInputError
+from gaudi3_scale.deploy.containers import SCHEME_EXTRAS
 from gaudi3_scale.deploy.grammar import check_dns_label, check_dns_subdomain, check_quantity
 from gaudi3_scale.deploy.monitoring import DEFAULT_METRICS_PORT, metrics_port, monitoring_on
-from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.deploy.spec import DeploySpec, storage_urls
+from gaudi3_scale.storage import url_protocol
 
 __all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan_job"]
 
@@ -41,28 +44,31 @@ class K8sOptions:
         default=None,
         metadata={"help": "StorageClass of the volume (must offer ReadWriteMany); null = the default"},
     )
-    storage_size: str = field(default="500Gi", metadata={"help": "size of the volume"})
+    # Quantities may be written as YAML numbers (--set storage_size=500, --set cpu=16): each is kept as its text.
+    storage_size: str | int | float = field(default="500Gi", metadata={"help": "size of the volume"})
     credentials_secret: str | None = field(
         default=None,
         metadata={
             "help": "Secret whose keys become the pods' environment (the storage backend's credentials, e.g. "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://); null = <name>-checkpoint-credentials when "
-            "checkpoint.remote_url is set; '' = none (workload identity)"
+            "checkpoint.remote_url is set or a data or model URL is on s3://, gs:// or az://; '' = none "
+            "(workload identity)"
         },
     )
     rdzv_port: int = field(default=29400, metadata={"help": "c10d rendezvous port on the master pod"})
-    # Quantities may be written as YAML numbers (--set cpu=16): each is kept as its text.
     cpu: str | int | float | None = field(
         default=None, metadata={"help": "CPU request = limit per pod; null = 8 per accelerator"}
     )
     memory: str | int | float | None = field(
         default=None, metadata={"help": "memory request = limit per pod; null = 64Gi per accelerator"}
     )
-    hugepages_2mi: str = field(
+    hugepages_2mi: str | int | float = field(
         default="95000Mi",
         metadata={"help": "Gaudi only: 2 MiB huge pages per pod (the Habana docs' example pod asks 95000Mi)"},
     )
-    shm_size: str = field(default="64Gi", metadata={"help": "GPU only: size of the in-memory /dev/shm"})
+    shm_size: str | int | float = field(
+        default="64Gi", metadata={"help": "GPU only: size of the in-memory /dev/shm"}
+    )
     max_restarts: int | None = field(
         default=None,
         metadata={"help": "worker-group restarts of the launcher; null = parallel.max_restarts, else 3"},
@@ -120,7 +126,11 @@ class K8sOptions:
         for name in ("storage_size", "cpu", "memory", "hugepages_2mi", "shm_size"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, check_quantity(value, name))
+                text = check_quantity(value, name)
+                # the API server refuses a volume claim of size 0; a 0 CPU or memory limit never schedules
+                if float(re.sub(r"[^0-9.].*", "", text) or 0) == 0:
+                    raise ConfigError(name, f"must be more than 0, got {text}")
+                object.__setattr__(self, name, text)
         check_range("rdzv_port", self.rdzv_port, 1, 65535)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
         check_positive("backoff_limit", self.backoff_limit, allow_zero=True)
@@ -177,7 +187,10 @@ def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
     )
     secret = opts.credentials_secret
     if secret is None:
-        secret = f"{spec.name}-checkpoint-credentials" if remote_url else ""
+        # the pods open every bucket the run config names: the checkpoint mirror, and data or a model on a cloud
+        # store (s3fs, gcsfs and adlfs read their credentials from the environment the Secret fills)
+        stores = [url for _, url in storage_urls(cfg) if SCHEME_EXTRAS.get(url_protocol(url) or "")]
+        secret = f"{spec.name}-checkpoint-credentials" if remote_url or stores else ""
     restarts = opts.max_restarts
     if restarts is None:
         restarts = cfg["parallel"]["max_restarts"] or 3  # a multi-pod job must survive a lost pod by default

@@ -17,7 +17,10 @@ against the Kubernetes OpenAPI schemas (kubernetes-validate) and the custom reso
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
+
+import yaml
 
 from gaudi3_scale.deploy.k8s_job import (
     CONFIG_DIR,
@@ -37,7 +40,7 @@ from gaudi3_scale.deploy.quoting import comment, sh_quote, yaml_text
 from gaudi3_scale.deploy.render import register_renderer
 from gaudi3_scale.deploy.spec import DeploySpec
 
-__all__ = ["FILES", "render_k8s"]
+__all__ = ["FILES", "pod_security_level", "render_k8s"]
 
 FILES = {
     "namespace": "k8s/base/00-namespace.yaml",
@@ -52,6 +55,13 @@ FILES = {
 GAUDI_NOTE = (
     "Gaudi settings (hostIPC, SYS_NICE, hugepages-2Mi, HABANA_LOGS): not yet validated on Gaudi hardware."
 )
+# capabilities.add SYS_NICE (k8s_job) and --cap-add sys_nice (bootstrap) copy Habana's example pod, but the image
+# runs as UID 10001: a non-root process gets no effective capability from the bounding set unless it is ambient,
+# and neither Kubernetes (kubernetes/kubernetes#56374) nor Docker sets ambient capabilities.
+SYS_NICE_NOTE = [
+    "SYS_NICE is added as Habana's example pod does, but it has no effect for the non-root UID the pods run as",
+    "(Kubernetes sets no ambient capabilities); whether Gaudi training needs it is not validated on Gaudi hardware.",
+]
 
 
 def render_k8s(spec: DeploySpec) -> dict[str, str]:
@@ -62,7 +72,10 @@ def render_k8s(spec: DeploySpec) -> dict[str, str]:
         [GAUDI_NOTE] if plan.gaudi else []
     )
     files = {
-        FILES["namespace"]: _dump([_namespace(plan)], notes),
+        FILES["namespace"]: _dump(
+            [_namespace(plan)],
+            [*notes, *(PSA_OPERATOR_NOTE if pod_security_level(plan) == "baseline" else [])],
+        ),
         FILES["rbac"]: _dump(_rbac(plan), [*notes, *_RBAC_NOTE]),
         FILES["config"]: _dump([_config_map(plan, spec)], notes),
         FILES["pytorchjob"]: _dump([pytorchjob(plan, spec.image)], [*notes, *_PYTORCHJOB_NOTE]),
@@ -102,10 +115,29 @@ def _meta(plan: JobPlan, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": plan.namespace, "labels": dict(plan.labels)}
 
 
+# Why a multi-node GPU namespace enforces "baseline", not "restricted": for every Worker pod of a PyTorchJob with a
+# Master, training-operator v1.9 injects an `init-pytorch` init container (alpine, `nslookup <job>-master-0`;
+# pkg/controller.v1/pytorch/initcontainer.go) with no securityContext. "restricted" checks init containers too
+# (allowPrivilegeEscalation, capabilities), so it would reject every Worker pod and the Master would wait for them
+# until its rendezvous timeout. Our own containers still meet "restricted" (the warn and audit levels say so).
+PSA_OPERATOR_NOTE = [
+    "Pod Security: enforce baseline, warn and audit restricted. The training operator (v1.9) adds an",
+    "`init-pytorch` init container without a securityContext to every Worker pod, which restricted would reject;",
+    "the job's own containers meet restricted.",
+]
+
+
+def pod_security_level(plan: JobPlan) -> str:
+    """The Pod Security Standard the namespace enforces. GPU pods meet "restricted"; a multi-node GPU job gets
+    "baseline" (PSA_OPERATOR_NOTE). Gaudi pods need hostIPC and SYS_NICE (Habana's example pod), which even
+    "baseline" forbids, so that namespace enforces nothing; every namespace warns and audits at "restricted"."""
+    if plan.gaudi:
+        return "privileged"
+    return "baseline" if plan.nodes > 1 else "restricted"
+
+
 def _namespace(plan: JobPlan) -> dict[str, Any]:
-    # Pod Security Standards: GPU pods meet "restricted". Gaudi pods need hostIPC and SYS_NICE (Habana's example
-    # pod), which even "baseline" forbids, so that namespace enforces nothing and warns at "restricted".
-    enforce = "privileged" if plan.gaudi else "restricted"
+    enforce = pod_security_level(plan)
     labels = {
         **plan.labels,
         "pod-security.kubernetes.io/enforce": enforce,
@@ -221,8 +253,9 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
     if plan.credentials_secret:
         lines += [
             "",
-            f"The checkpoint bucket's credentials come from the Secret `{plan.credentials_secret}`: its keys become",
-            "environment variables of the pods. It is never rendered; create it yourself, e.g. for s3://",
+            "The buckets' credentials (checkpoint.remote_url, data and model URLs) come from the Secret",
+            f"`{plan.credentials_secret}`: its keys become environment variables of the pods. It is never rendered;",
+            "create it yourself, e.g. for s3://",
             "",
             "```",
             f"kubectl -n {sh_quote(plan.namespace)} create secret generic {sh_quote(plan.credentials_secret)} \\",
@@ -231,9 +264,29 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
         ]
     if plan.monitoring:
         lines += monitoring_readme(plan)
+    lines += _options_readme(plan)
+    if pod_security_level(plan) == "baseline":
+        lines += ["", *PSA_OPERATOR_NOTE]
     if plan.gaudi:
-        lines += ["", GAUDI_NOTE]
+        lines += ["", GAUDI_NOTE, *SYS_NICE_NOTE]
     return "\n".join(lines) + "\n"
+
+
+def _options_readme(plan: JobPlan) -> list[str]:
+    """The options this render took (`--set KEY=VALUE`), each with its value and what it is for: the
+    K8sOptions fields' help, the one home of that text."""
+    lines = [
+        "",
+        "## Options",
+        "",
+        "Change one with `gaudi3 deploy render ... --set KEY=VALUE` and render again.",
+        "",
+    ]
+    for f in fields(K8sOptions):
+        # as --set reads it back (YAML): null, true, '', 500Gi
+        shown = yaml.safe_dump(getattr(plan.opts, f.name)).removesuffix("...\n").strip()
+        lines.append(f"- `{f.name}` = `{shown}`: {f.metadata.get('help', '')}")
+    return lines
 
 
 register_renderer("k8s", render_k8s, options=K8sOptions)

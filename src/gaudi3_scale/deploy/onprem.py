@@ -23,7 +23,14 @@ import ipaddress
 
 from gaudi3_scale.config.core import from_dict
 from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
+from gaudi3_scale.deploy.bootstrap import (
+    RDZV_PORT,
+    node_env,
+    node_slots,
+    run_config_yaml,
+    run_script,
+    systemd_unit,
+)
 from gaudi3_scale.deploy.containers import IMAGE_UID, NOT_VALIDATED
 from gaudi3_scale.deploy.monitoring import metrics_port, monitoring_on
 from gaudi3_scale.deploy.onprem_monitoring import (
@@ -226,7 +233,10 @@ def render_onprem(spec: DeploySpec) -> dict[str, str]:
         "inventory.yaml": header + yaml_text(inventory),
         "playbook.yaml": _gaudi_note(spec) + PLAYBOOK.replace("{IMAGE_UID}", str(IMAGE_UID)),
         "files/run.yaml": run_config_yaml(spec),
-        "files/gaudi3-node": run_script(spec),
+        # checkpoints go where the run config's checkpoint.remote_url says (no bucket is created here)
+        "files/gaudi3-node": run_script(
+            spec, node_slots(spec, rdzv_host=_rdzv_host(hosts[0]), checkpoint_url=None)
+        ),
         "files/gaudi3-train.service": systemd_unit(fetch_secrets=False),
         "templates/node.env.j2": "# {{ ansible_managed }}\n" + env,
     }

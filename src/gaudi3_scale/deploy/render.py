@@ -21,8 +21,8 @@ from gaudi3_scale.deploy.spec import DeploySpec
 
 __all__ = [
     "CONTAINERS",
+    "RECORD_DIR",
     "Renderer",
-    "check_run_geometry",
     "register_renderer",
     "render",
     "renderers",
@@ -80,60 +80,34 @@ def render(spec: DeploySpec) -> dict[str, str]:
             f"--set: --target {spec.target} takes no options (only {', '.join(sorted(_OPTIONS))} take them); "
             "its settings are Terraform / Ansible variables in the rendered files"
         )
-    check_run_geometry(spec)
+    # Each target checks the run config with its nodes' own command (`node_command.check_node_config`).
     files = dict(found[spec.target](spec))
     if CONTAINERS in found:
         files.update(found[CONTAINERS](spec))
     return files
 
 
-# Targets whose nodes keep --out on their own disks: the Terraform VMs (checkpoints go to the bucket they create).
-NODE_LOCAL_OUT = ("aws", "azure", "gcp")
+RECORD_DIR = ".gaudi3-render"  # under --out: <target>.files, the files each target's last render wrote
 
 
-def check_run_geometry(spec: DeploySpec) -> None:
-    """The run config must train on nodes × per_node ranks (e.g. its global batch must split over them): refused
-    here in one line, not by every node after it booted."""
-    from gaudi3_scale.config.errors import ConfigError
-    from gaudi3_scale.train.config import build_run_config  # no torch behind it
+def write_files(
+    files: Mapping[str, str], out_dir: Path, *, force: bool = False, record: str | None = None
+) -> tuple[list[Path], list[Path]]:
+    """Write `files` under `out_dir` (each atomically); returns (written, removed). A file that exists with other
+    content is refused (one line naming it) unless `force`; identical files are left alone. Everything that would
+    stop a write (a file where a directory goes, a directory where a file goes, a link out of `out_dir`) is refused
+    before any file is written.
 
-    overrides = [
-        ("parallel.nnodes", str(spec.nodes)),
-        ("parallel.nproc_per_node", str(spec.per_node)),
-        ("parallel.node_rank", "0"),
-        ("parallel.rdzv_endpoint", "node-0:29500"),
-    ]
-    try:
-        # the whole config as the base, as a node's `gaudi3 train --config run.yaml` reads it (max_steps null
-        # beside max_epochs: `config_dict`)
-        cfg = build_run_config(None, overrides, base=spec.run_config)
-    except ConfigError as exc:
-        raise UserInputError(f"{spec.nodes} node(s) × {spec.per_node} per node: {exc}") from None
-    if spec.accelerator.startswith("gaudi"):
-        from gaudi3_scale.forecast.run import check_runs_on
-
-        check_runs_on(
-            cfg, "hpu"
-        )  # what every rank would refuse at start (DeepSpeed, reduce-overhead, 16-mixed)
-    if spec.target in NODE_LOCAL_OUT and spec.nodes > 1 and cfg.checkpoint.enabled:
-        from gaudi3_scale.train.config import per_rank_checkpoints
-
-        if (setting := per_rank_checkpoints(cfg.parallel)) is not None:
-            raise UserInputError(
-                f"--target {spec.target}: each node keeps the run's --out on its own disk (its checkpoints are "
-                f"mirrored to the bucket by rank 0), but with {setting} every rank writes its part of each "
-                f"checkpoint there for rank 0 to commit, which {spec.nodes} nodes cannot (the run would refuse to "
-                "start); use --target k8s (a volume every node mounts), --nodes 1, or parallel.strategy ddp"
-            )
-
-
-def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False) -> list[Path]:
-    """Write `files` under `out_dir` (each atomically). A file that exists with other content is refused (one
-    line naming it) unless `force`; identical files are left alone. Everything that would stop a write (a file
-    where a directory goes, a directory where a file goes, a link out of `out_dir`) is refused before any file
-    is written."""
+    `record` (a target): the rendered paths are listed in RECORD_DIR/<record>.files, and the files that list named
+    before which this render no longer produces (a re-render with other options: a PVC manifest after
+    storage=emptydir) are removed, with `force`, so that `kubectl apply -f k8s/base/` applies no stale object.
+    Only files a render wrote are ever removed, and none another target's list names (they share docker/)."""
     check_output_dir("--out", out_dir)
     root = out_dir.resolve()
+    stale: list[Path] = []
+    if record is not None:
+        stale = _stale(root, record, set(files))
+        files = {**files, f"{RECORD_DIR}/{record}.files": "".join(f"{rel}\n" for rel in sorted(files))}
     targets = {}
     for rel, text in files.items():
         path = (root / rel).resolve()
@@ -145,7 +119,13 @@ def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False)
                 f"--out: {str(path)!r} is in the way of a rendered file (not a regular file)"
             )
         targets[path] = text.encode()
-    clashes = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data]
+    clashes = [p for p, data in targets.items() if p.exists() and p.read_bytes() != data
+               and p.parent.name != RECORD_DIR]  # fmt: skip
+    if stale and not force:
+        raise UserInputError(
+            f"{stale[0]} was rendered before and would not be now ({len(stale)} such file(s)); render into a new "
+            "--out directory, or pass --force to remove them"
+        )
     if clashes and not force:
         raise UserInputError(
             f"{clashes[0]} exists and differs from what would be rendered ({len(clashes)} such file(s)); "
@@ -161,9 +141,42 @@ def write_files(files: Mapping[str, str], out_dir: Path, *, force: bool = False)
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
             os.replace(tmp, path)
-            written.append(path)
+            if path.parent.name != RECORD_DIR:  # the list itself is not a rendered file
+                written.append(path)
+        for path in stale:
+            path.unlink()
+            _remove_empty_parents(path.parent, root)
     except OSError as exc:  # the file system refused (read-only, /proc, full): one line, naming the path
         raise UserInputError(
             f"--out: cannot write {exc.filename or out_dir} ({exc.strerror or exc})"
         ) from None
-    return written
+    return written, stale
+
+
+def _recorded(path: Path) -> set[str]:
+    return set(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else set()
+
+
+def _stale(root: Path, record: str, rendered: set[str]) -> list[Path]:
+    """The files `record`'s previous render wrote under `root` that `rendered` does not hold, nor another target's
+    list: each a regular file inside `root` (a list edited to name anything else is ignored there)."""
+    lists = root / RECORD_DIR
+    others: set[str] = set()
+    if lists.is_dir():
+        for other in lists.glob("*.files"):
+            if other.name != f"{record}.files":
+                others |= _recorded(other)
+    stale = []
+    for rel in sorted(_recorded(lists / f"{record}.files") - rendered - others):
+        path = root / rel
+        inside = rel and not Path(rel).is_absolute() and root in path.resolve().parents
+        if inside and path.is_file() and not path.is_symlink():
+            stale.append(path)
+    return stale
+
+
+def _remove_empty_parents(directory: Path, root: Path) -> None:
+    """Remove `directory` and its parents up to `root` while they are empty (k8s/monitoring/ once its files went)."""
+    while directory != root and root in directory.parents and not any(directory.iterdir()):
+        directory.rmdir()
+        directory = directory.parent

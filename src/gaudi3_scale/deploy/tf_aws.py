@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.instances import instance_for
-from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.deploy.spec import DeploySpec, storage_urls, url_bucket
 from gaudi3_scale.deploy.tf_common import (
     Variable,
     common_variables,
@@ -234,6 +234,26 @@ data "aws_iam_policy_document" "nodes" {
   }
 
   dynamic "statement" {
+    for_each = length(var.data_buckets) == 0 ? [] : [1]
+
+    content {
+      sid       = "ListData"
+      actions   = ["s3:ListBucket", "s3:GetBucketLocation"]
+      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}"]
+    }
+  }
+
+  dynamic "statement" {
+    for_each = length(var.data_buckets) == 0 ? [] : [1]
+
+    content {
+      sid       = "ReadData"
+      actions   = ["s3:GetObject"]
+      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}/*"]
+    }
+  }
+
+  dynamic "statement" {
     for_each = length(var.secrets) == 0 ? [] : [1]
 
     content {
@@ -333,6 +353,18 @@ _FETCH = """fetch() {
 """
 
 
+def data_buckets(spec: DeploySpec) -> dict[str, str]:
+    """The S3 buckets of the run config's data and model URLs (bucket -> the fields naming it): the instance role
+    may list and read them. The config's own checkpoint.remote_url is not among them: every node mirrors to the
+    bucket this Terraform creates instead. A prepared dataset or shard cache written to S3 at run time would need
+    write access too, which is not granted."""
+    buckets: dict[str, list[str]] = {}
+    for name, url in storage_urls(spec.run_config):
+        if name != "checkpoint.remote_url" and url.lower().startswith(("s3://", "s3a://")):
+            buckets.setdefault(url_bucket(url), []).append(name)
+    return {bucket: ", ".join(dict.fromkeys(names)) for bucket, names in sorted(buckets.items())}
+
+
 def render_aws(spec: DeploySpec) -> dict[str, str]:
     instance = instance_for("aws", spec.accelerator)
     region = default_region(spec, instance)
@@ -349,6 +381,10 @@ def render_aws(spec: DeploySpec) -> dict[str, str]:
         Variable("root_volume_gb", "number", "root volume size (the image and local checkpoints live there)", 500),
         Variable("checkpoint_kms_key_arn", "string",
                  "customer-managed KMS key for the checkpoint bucket; null: the AWS managed key aws/s3", None),
+        Variable("data_buckets", "map(string)", "S3 bucket the nodes may list and read -> the run config field "
+                 "that names it (data and model URLs on s3://)", data_buckets(spec),
+                 (("alltrue([for b in keys(var.data_buckets) : can(regex(\"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$\", b))])",
+                   "data_buckets: S3 bucket names (3-63 lower-case letters, digits, '.' and '-')"),)),
     ]  # fmt: skip
     bootstrap = render_bootstrap(
         spec,

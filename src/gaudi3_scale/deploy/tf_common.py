@@ -13,9 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gaudi3_scale.deploy.bootstrap import RDZV_PORT, node_env, run_config_yaml, run_script, systemd_unit
+from gaudi3_scale.deploy.bootstrap import (
+    RDZV_PORT,
+    node_env,
+    node_slots,
+    run_config_yaml,
+    run_script,
+    systemd_unit,
+)
 from gaudi3_scale.deploy.containers import IMAGE_UID
 from gaudi3_scale.deploy.grammar import OCI_REFERENCE, REGIONS, RUN_NAME, SECRET_NAME, anchored
+from gaudi3_scale.deploy.node_command import Filled, NodeSlots, target_bucket
 from gaudi3_scale.deploy.quoting import hcl_string, sh_heredoc, tftpl_literal
 from gaudi3_scale.deploy.spec import DeploySpec
 from gaudi3_scale.metering.catalog import Instance
@@ -114,15 +122,31 @@ def render_variables(variables: list[Variable]) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
+# `gaudi3 deploy render` checked the run config on the rendered geometry (the batch split, tp / pp sizes); a `-var`
+# cannot re-run that check, so the variables say so (render again with --nodes / --per-node instead).
+_RECHECK = (
+    " (the render checked the run config on its default: re-render with another value rather than -var)"
+)
+
+
+def _whole(name: str) -> tuple[str, str]:
+    """A validation: a whole number of at least 1 (a node or rank count; 0 or 1.5 makes every node refuse)."""
+    return (
+        f"var.{name} >= 1 && floor(var.{name}) == var.{name}",
+        f"{name} must be a whole number of at least 1",
+    )
+
+
 def common_variables(spec: DeploySpec, instance_type: str) -> list[Variable]:
     """The variables every cloud has, with the render's choices as defaults."""
     return [
         Variable("name", "string", "prefix of every resource name (the run name)", spec.name,
                  (regex_validation("name", RUN_NAME,
                                    "name: 1-40 lower-case letters, digits and '-', not starting or ending with '-'"),)),
-        Variable("nodes", "number", "machines to train on; node 0 is the rendezvous master", spec.nodes,
-                 (("var.nodes >= 1", "nodes must be at least 1"),)),
-        Variable("nproc_per_node", "number", "training processes per node (one per accelerator)", spec.per_node),
+        Variable("nodes", "number", "machines to train on; node 0 is the rendezvous master" + _RECHECK,
+                 spec.nodes, (_whole("nodes"),)),
+        Variable("nproc_per_node", "number", "training processes per node (one per accelerator)" + _RECHECK,
+                 spec.per_node, (_whole("nproc_per_node"),)),
         Variable("instance_type", "string", "machine type (from the gaudi3-scale instance catalog)", instance_type),
         Variable("image", "string", "training container image every node runs (must be pullable from the nodes)",
                  spec.image, (regex_validation("image", OCI_REFERENCE, "image: an OCI image reference such as "
@@ -167,7 +191,7 @@ def render_bootstrap(spec: DeploySpec, *, fetch_secrets: str, pass_env: dict[str
         ("/etc/gaudi3/secret-refs", "0644",
          "%{ for env_name, ref in secrets ~}\n${env_name}=${ref}\n%{ endfor ~}\n"),
         ("/usr/local/bin/gaudi3-secrets", "0755", tftpl_literal(fetch_secrets)),
-        ("/usr/local/bin/gaudi3-node", "0755", tftpl_literal(run_script(spec))),
+        ("/usr/local/bin/gaudi3-node", "0755", tftpl_literal(run_script(spec, _node_slots(spec)))),
         ("/etc/systemd/system/gaudi3-train.service", "0644", tftpl_literal(systemd_unit(fetch_secrets=True))),
     ]  # fmt: skip
     parts = [
@@ -184,6 +208,18 @@ def render_bootstrap(spec: DeploySpec, *, fetch_secrets: str, pass_env: dict[str
         parts.append(sh_heredoc(f"cat > {path}", text) + f"chmod {mode} {path}\n")
     parts.append("systemctl daemon-reload\nsystemctl enable --now gaudi3-train.service\n")
     return "".join(parts)
+
+
+# Each cloud's checkpoint bucket URL scheme (its `local.checkpoint_url`), for the render's check of the node command.
+_BUCKET_SCHEMES = {"aws": "s3", "gcp": "gs", "azure": "az"}
+
+
+def _node_slots(spec: DeploySpec) -> NodeSlots:
+    """The node command's values on a cloud VM: node.env's, with the bucket Terraform creates as the checkpoint
+    mirror (node 0's address and the bucket name are only known once applied: the check uses stand-ins)."""
+    bucket = f"{_BUCKET_SCHEMES[spec.target]}://{spec.name}-checkpoints/{spec.name}"
+    url = target_bucket(spec.run_config, Filled('"$CHECKPOINT_URL"', bucket))
+    return node_slots(spec, rdzv_host="10.0.0.1", checkpoint_url=url)
 
 
 def secrets_fetcher(store: str, fetch: str) -> str:

@@ -42,8 +42,9 @@ provider "google" {
 locals {
   region = join("-", slice(split("-", var.zone), 0, 2))
   labels = { "gaudi3-scale-run" = var.name }
-  # service account ids: 6-30 characters, no trailing '-'
-  account_id     = replace(substr("g3-${var.name}-nodes", 0, 30), "/-+$/", "")
+  # service account ids: 6-30 characters, no trailing '-'; the name's first 17 characters and 8 hex digits of its
+  # hash (29), so that two run names that share their start do not collide in one project
+  account_id     = "g3-${replace(substr(var.name, 0, 17), "/-+$/", "")}-${substr(sha1(var.name), 0, 8)}"
   checkpoint_url = "gs://${google_storage_bucket.checkpoints.name}/${var.name}"
 }
 

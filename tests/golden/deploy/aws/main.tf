@@ -194,6 +194,26 @@ data "aws_iam_policy_document" "nodes" {
   }
 
   dynamic "statement" {
+    for_each = length(var.data_buckets) == 0 ? [] : [1]
+
+    content {
+      sid       = "ListData"
+      actions   = ["s3:ListBucket", "s3:GetBucketLocation"]
+      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}"]
+    }
+  }
+
+  dynamic "statement" {
+    for_each = length(var.data_buckets) == 0 ? [] : [1]
+
+    content {
+      sid       = "ReadData"
+      actions   = ["s3:GetObject"]
+      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}/*"]
+    }
+  }
+
+  dynamic "statement" {
     for_each = length(var.secrets) == 0 ? [] : [1]
 
     content {

@@ -21,20 +21,25 @@ variable "name" {
 }
 
 variable "nodes" {
-  description = "machines to train on; node 0 is the rendezvous master"
+  description = "machines to train on; node 0 is the rendezvous master (the render checked the run config on its default: re-render with another value rather than -var)"
   type        = number
   default     = 2
 
   validation {
-    condition     = var.nodes >= 1
-    error_message = "nodes must be at least 1"
+    condition     = var.nodes >= 1 && floor(var.nodes) == var.nodes
+    error_message = "nodes must be a whole number of at least 1"
   }
 }
 
 variable "nproc_per_node" {
-  description = "training processes per node (one per accelerator)"
+  description = "training processes per node (one per accelerator) (the render checked the run config on its default: re-render with another value rather than -var)"
   type        = number
   default     = 8
+
+  validation {
+    condition     = var.nproc_per_node >= 1 && floor(var.nproc_per_node) == var.nproc_per_node
+    error_message = "nproc_per_node must be a whole number of at least 1"
+  }
 }
 
 variable "instance_type" {
@@ -114,4 +119,15 @@ variable "checkpoint_kms_key_arn" {
   description = "customer-managed KMS key for the checkpoint bucket; null: the AWS managed key aws/s3"
   type        = string
   default     = null
+}
+
+variable "data_buckets" {
+  description = "S3 bucket the nodes may list and read -> the run config field that names it (data and model URLs on s3://)"
+  type        = map(string)
+  default     = {}
+
+  validation {
+    condition     = alltrue([for b in keys(var.data_buckets) : can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", b))])
+    error_message = "data_buckets: S3 bucket names (3-63 lower-case letters, digits, '.' and '-')"
+  }
 }

@@ -20,20 +20,25 @@ variable "name" {
 }
 
 variable "nodes" {
-  description = "machines to train on; node 0 is the rendezvous master"
+  description = "machines to train on; node 0 is the rendezvous master (the render checked the run config on its default: re-render with another value rather than -var)"
   type        = number
   default     = 2
 
   validation {
-    condition     = var.nodes >= 1
-    error_message = "nodes must be at least 1"
+    condition     = var.nodes >= 1 && floor(var.nodes) == var.nodes
+    error_message = "nodes must be a whole number of at least 1"
   }
 }
 
 variable "nproc_per_node" {
-  description = "training processes per node (one per accelerator)"
+  description = "training processes per node (one per accelerator) (the render checked the run config on its default: re-render with another value rather than -var)"
   type        = number
   default     = 8
+
+  validation {
+    condition     = var.nproc_per_node >= 1 && floor(var.nproc_per_node) == var.nproc_per_node
+    error_message = "nproc_per_node must be a whole number of at least 1"
+  }
 }
 
 variable "instance_type" {
