@@ -164,6 +164,10 @@ def test_node_overrides_resolve_to_one_node_of_the_pods_devices(tmp_path: Path) 
     cfg = resolve_config(str(config), node_overrides({"GAUDI3_METAFLOW_DEVICES": "2"}))
     assert (cfg.parallel.nnodes, cfg.parallel.nproc_per_node, cfg.parallel.node_rank) == (1, 2, 0)
     assert cfg.parallel.rdzv_endpoint is None
-    assert resolve_config(str(config), node_overrides({})).parallel.nproc_per_node == 1  # unset: the config's
+    with_eight = tmp_path / "eight.yaml"
+    with_eight.write_text(TINY + "parallel: {nproc_per_node: 8}\n")
+    # unset: as many ranks as kubernetes_settings asks devices (1), not the config's 8
+    assert resolve_config(str(with_eight), node_overrides({})).parallel.nproc_per_node == 1
+    assert kubernetes_settings(True, {"GAUDI3_METAFLOW_ACCELERATOR": "h100"})["gpu"] == 1
     with pytest.raises(ValueError, match="GAUDI3_METAFLOW_DEVICES"):
         node_overrides({"GAUDI3_METAFLOW_DEVICES": "0"})

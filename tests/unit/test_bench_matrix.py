@@ -131,13 +131,24 @@ _CPU_ONLY = pytest.mark.skipif(
 def test_a_cell_that_would_fail_at_launch_is_refused_before_anything_runs(
     tmp_path: Path, gaudi3_cli: Cli, keys: dict[str, object], message: str
 ) -> None:
-    """`gaudi3 benchmark run` (and its dry run) refuses, as one line naming the matrix key, a cell whose `gaudi3
-    train` would refuse it at launch; nothing is written."""
+    """`gaudi3 benchmark run` refuses, as one line naming the matrix key, a cell whose `gaudi3 train` would refuse
+    it at launch; nothing is written. Its dry run checks what holds on any machine (a matrix is validated on a
+    laptop before it goes to the GPU nodes): it lists the cells this host cannot train in."""
     path = _matrix(tmp_path, keys.get("base", {}), **{k: v for k, v in keys.items() if k != "base"})
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "benchmark", "run", "--matrix", str(path),
                            "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert _one_line(proc.returncode, proc.stdout, proc.stderr) == f"gaudi3: error: {path}: {message}"
     assert not out.exists()
-    dry = _one_line(*gaudi3_cli("benchmark", "run", "--matrix", str(path), "--out", str(out), "--dry-run"))
-    assert dry == f"gaudi3: error: {path}: {message}"
+    code, stdout, stderr = gaudi3_cli(
+        "benchmark", "run", "--matrix", str(path), "--out", str(out), "--dry-run"
+    )
+    if "precisions" in keys:  # this host's limit, not the matrix's
+        assert code == 0 and "16-mixed" in stdout and "(dry run: nothing run)" in stdout, (
+            code,
+            stdout,
+            stderr,
+        )
+    else:
+        assert _one_line(code, stdout, stderr) == f"gaudi3: error: {path}: {message}"
+    assert not out.exists()

@@ -53,8 +53,8 @@ K8S_OPTIONS = {
     "namespace": "1e3",
     "storage_class": "y",
     "credentials_secret": "n",
-    "cpu": 16,
-    "memory": "1e3",
+    "cpu": "1e3",  # a byte size may not be bare (a bare number is bytes): cpu carries the YAML-number-like value
+    "memory": "64Gi",
 }
 TARGETS = ("aws", "azure", "gcp", "onprem", "k8s")
 
@@ -230,7 +230,7 @@ def test_yaml_files_give_back_exactly_the_values(
             for r in d["spec"]["pytorchReplicaSpecs"].values()]  # fmt: skip
     pods += [d["spec"]["template"]["spec"] for d in manifests if d["kind"] == "Job"]
     assert len(pods) == 3 and {c["image"] for p in pods for c in p["containers"]} == {IMAGE}
-    assert {c["resources"]["limits"]["cpu"] for p in pods for c in p["containers"]} == {"16"}
+    assert {c["resources"]["limits"]["cpu"] for p in pods for c in p["containers"]} == {"1e3"}
     assert {c["envFrom"][0]["secretRef"]["name"] for p in pods for c in p["containers"]} == {"n"}
     assert {d["metadata"].get("namespace", d["metadata"]["name"]) for d in manifests} == {"1e3"}
     (claim,) = [d for d in manifests if d["kind"] == "PersistentVolumeClaim"]

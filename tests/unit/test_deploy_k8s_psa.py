@@ -125,6 +125,13 @@ def test_every_pod_the_operator_creates_is_admitted_by_the_namespace(
     assert enforce == expected
     readme = (k8s / "README.md").read_text()
     assert ("init-pytorch" in readme) is (expected == "baseline")
+    if expected == "baseline":
+        # the indexed Job (no operator) meets "restricted": the README says how to enforce it there
+        for document in yaml.safe_load_all((k8s / "indexed-job.yaml").read_text()):
+            if document["kind"] == "Job":
+                assert violations(document["spec"]["template"]["spec"], "restricted") == []
+        relabel = "kubectl label namespace psa-run pod-security.kubernetes.io/enforce=restricted --overwrite"
+        assert relabel in " ".join(readme.split())
 
 
 def test_the_injected_init_container_is_what_restricted_rejects() -> None:

@@ -74,7 +74,11 @@ def test_a_single_node_job_does_not_wait_for_the_files_rendezvous(gaudi3_cli: Cl
     assert code == 0, err
     cfg = resolve_node_argv(out, node_train_argv(out, "k8s", tmp_path, nodes=1))
     assert (cfg.parallel.nnodes, cfg.parallel.nproc_per_node, cfg.parallel.node_rank) == (1, 2, 0)
-    assert cfg.parallel.rdzv_endpoint == "stale-master-0:29400"  # its own master pod, not node0
+    # its own loopback (NodeSlots' None), neither node0 nor a DNS name the pod would wait on for its own record
+    assert cfg.parallel.rdzv_endpoint is None
+    for manifest in ("pytorchjob.yaml", "indexed-job.yaml"):
+        text = (out / "k8s" / manifest).read_text()
+        assert "--parallel.rdzv_endpoint=null" in text and ":29400" not in text.split("args:", 1)[1], manifest
     # the shipped run config is one node of the deployment (what the Metaflow flow trains), with no endpoint
     parallel = yaml.safe_load((out / "docker" / "run.yaml").read_text())["parallel"]
     assert (parallel["nnodes"], parallel["nproc_per_node"], parallel["rdzv_endpoint"]) == (1, 2, None)

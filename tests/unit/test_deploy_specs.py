@@ -113,13 +113,22 @@ def test_zero_kubernetes_quantities_are_refused(
     _refused(_render(gaudi3_cli, tmp_path, "k8s", "h100", "--set", setting), needle, "more than 0")
 
 
-def test_a_storage_size_may_be_a_number_as_cpu_may(gaudi3_cli: Cli, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["storage_size", "shm_size", "hugepages_2mi", "memory"])
+def test_a_byte_size_without_its_unit_is_refused(gaudi3_cli: Cli, tmp_path: Path, name: str) -> None:
+    code, out, err, _ = _render(gaudi3_cli, tmp_path, "k8s", "h100", "--set", f"{name}=500")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"k8s.{name}: 500 is 500 bytes; write e.g. 500Gi" in err
+
+
+def test_cpu_may_be_a_number_and_a_byte_size_a_quantity_with_its_unit(
+    gaudi3_cli: Cli, tmp_path: Path
+) -> None:
     code, _, err, out = _render(
-        gaudi3_cli, tmp_path, "k8s", "h100", "--set", "storage_size=500", "--set", "cpu=16"
+        gaudi3_cli, tmp_path, "k8s", "h100", "--set", "storage_size=500G", "--set", "cpu=16"
     )
     assert code == 0, err
     claim = yaml.safe_load((out / "k8s" / "base" / "03-storage.yaml").read_text())
-    assert claim["spec"]["resources"]["requests"]["storage"] == "500"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "500G"
 
 
 @pytest.mark.skipif(shutil.which("terraform") is None, reason="terraform console evaluates the HCL")

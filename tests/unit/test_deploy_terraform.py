@@ -540,3 +540,11 @@ def test_an_ipv6_master_is_bracketed_in_the_rendezvous_endpoint() -> None:
     files = _render(_spec("onprem", hosts=("fd00::1", "fd00::2"), nodes=2))
     group = yaml.safe_load(files["inventory.yaml"])["all"]["children"]["gaudi3_nodes"]["vars"]
     assert group["gaudi3_master_addr"] == "[fd00::1]"
+
+
+def test_the_clouds_bucket_schemes_have_one_home() -> None:
+    """The node command's check uses the bucket schemes spec.py declares (review s13 #11), not a copy."""
+    from gaudi3_scale.deploy import spec, tf_common
+
+    assert tf_common.BUCKET_SCHEMES is spec.BUCKET_SCHEMES
+    assert not hasattr(tf_common, "_BUCKET_SCHEMES")

@@ -61,3 +61,31 @@ def test_render_refuses_a_presigned_url_and_writes_nothing(
     assert code == 2 and out == "", err
     assert err.startswith("gaudi3: error: ") and f" {section}.{key}: " in err and err.count("\n") == 1, err
     assert SECRET not in err and not (tmp_path / "o").exists()
+
+
+# Every secret of every URL in one value, of both kinds: short enough that `brief` shows the whole value, so a
+# secret left unmasked would be in the line (a query check that masked only its own URL printed the others').
+MIXED = [
+    ("https://alice:Pw1Secret@h/d?sig=Q1Secret", ("Pw1Secret", "Q1Secret"), ("before '@'", "query string (sig)")),
+    ("https://a/x?sig=Q1Secret,https://b/y?sig=Q2Secret", ("Q1Secret", "Q2Secret"), ("query string (sig)",)),
+    ("https://a/x?X-Amz-Signature=Q1Secret,https://bob:Pw2Secret@h2/x", ("Q1Secret", "Pw2Secret"),
+     ("before '@'", "(X-Amz-Signature)")),
+    ("https://bob:Pw1Secret@h1/x,https://eve:Pw2Secret@h2/y", ("Pw1Secret", "Pw2Secret"), ("before '@'",)),
+    ("https://b/k?AWSAccessKeyId=AKIA&Signature=Q1Secret", ("Q1Secret",), ("(Signature)",)),  # SigV2 presigned
+    ("https://a/x?u=https://b/y?sig=Q1Secret", ("Q1Secret",), ("(sig)",)),  # a URL inside a query
+    ("https://api/x?api_key=Q1Secret&password=Q2Secret", ("Q1Secret", "Q2Secret"), ("(api_key, password)",)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "secrets", "says"), MIXED)
+def test_every_secret_of_every_url_is_masked(
+    value: str, secrets: tuple[str, ...], says: tuple[str, ...]
+) -> None:
+    with pytest.raises(ConfigError, match=r"^f: ") as caught:
+        check_no_credentials("f", value)
+    line = str(caught.value)
+    assert "…" not in line.split(" carries ")[0], (
+        line
+    )  # the whole value is shown: nothing hidden by truncation
+    assert not [secret for secret in secrets if secret in line], line
+    assert all(part in line for part in says), line

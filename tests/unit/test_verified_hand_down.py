@@ -61,7 +61,13 @@ def _rank(directory: Path, env: dict[str, str]) -> str:
 
 @pytest.fixture
 def launcher_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    monkeypatch.delenv(VERIFIED_ENV, raising=False)  # hand_down_verified sets it in this process
+    """This process as a launcher, undone afterwards: the variable `hand_down_verified` sets (set, then deleted, so
+    that monkeypatch records the undo even when it was absent) and the record of what this process verified."""
+    import gaudi3_scale.checkpoint.manifest as manifest
+
+    monkeypatch.setenv(VERIFIED_ENV, "")
+    monkeypatch.delenv(VERIFIED_ENV)
+    monkeypatch.setattr(manifest, "_VERIFIED", {})
     return os.environ  # type: ignore[return-value]
 
 

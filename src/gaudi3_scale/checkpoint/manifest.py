@@ -343,7 +343,10 @@ def _fingerprint(directory: Path, manifest: dict[str, Any]) -> str | None:
 
 def _verified_recently(directory: Path, fingerprint: str) -> bool:
     """Whether this process's launcher (its parent) verified `directory` within `VERIFIED_TRUST_S`, and no listed
-    file has changed since. A process never trusts its own earlier verification: it hashes again."""
+    file has changed since. A process never trusts its own earlier verification: it hashes again. The parent test
+    is by PID: in a container whose launcher is PID 1 an orphaned descendant that inherited the variable passes it
+    too, but never with a changed file (the fingerprint must still match; on a filesystem whose mtime and ctime
+    are synthetic, as on some object-store mounts, that check is only as good as those times)."""
     try:
         handed = json.loads(os.environ.get(VERIFIED_ENV) or "{}")
         parent, entries = int(handed["launcher_pid"]), handed["checkpoints"]

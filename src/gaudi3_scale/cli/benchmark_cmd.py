@@ -34,7 +34,8 @@ def benchmark() -> None:
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="validate the matrix (and that this machine can train in its precisions) and list its cells; run nothing",
+    help="validate the matrix and list its cells, on any machine (whether this one can train in its precisions "
+    "is checked by the run); run nothing",
 )
 def run_cmd(
     matrix_spec: str, out_dir: str, cell_timeout_s: float | None, retry_failed: bool, dry_run: bool
@@ -46,8 +47,9 @@ def run_cmd(
     from gaudi3_scale.cli.config_cmd import wide_console
     from gaudi3_scale.cli.doctor_cmd import doctor_once_for_trainings
 
-    # A cell this machine cannot train in (16-mixed on a CPU) is refused here, not launched to fail.
-    matrix, cells = load_matrix(matrix_spec, here=True)
+    # A cell this machine cannot train in (16-mixed on a CPU) is refused here, not launched to fail; a dry run
+    # validates a matrix on any machine (a laptop, before it goes to the GPU nodes).
+    matrix, cells = load_matrix(matrix_spec, here=not dry_run)
     console = wide_console()
     if dry_run:
         for cell in cells:

@@ -28,67 +28,81 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(?=([^/?#\s]*))")
 _CONTAINER_AT_ACCOUNT = ("abfs", "abfss", "az")
 
 
-# Query parameters that carry a credential: presigned S3 (SigV4) and GCS (V4) URLs, Azure SAS tokens (`sig`, with
-# `sv`), OAuth bearer tokens. Compared case-insensitively; a value ends at '&', ';', '#', ',' (a list of URLs) or
-# whitespace.
+# Query parameters that carry a credential: presigned S3 (SigV4; SigV2's `Signature`) and GCS (V4; V2's
+# `Signature`) URLs, Azure SAS tokens (`sig`, with `sv`), OAuth bearer tokens, API keys and passwords. Compared
+# case-insensitively; a value ends at '&', ';', '#', ',' (a list of URLs) or whitespace.
 CREDENTIAL_QUERY_PARAMS = (
     "x-amz-signature",
     "x-amz-credential",
     "x-amz-security-token",
     "x-goog-signature",
     "x-goog-credential",
+    "signature",
     "sig",
     "token",
     "access_token",
+    "api_key",
+    "apikey",
+    "password",
+    "client_secret",
 )
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s,?]+)=([^&;#\s,]*)")
+# Where a URL's query string ends: whitespace, ',' followed by the next URL, or its fragment.
+_QUERY_END = re.compile(r"\s|,(?=[A-Za-z][A-Za-z0-9+.-]*://)|#")
 
 
 def check_no_credentials(name: str, value: str) -> None:
     """Refuse `value` when a URL in it has userinfo (`user:password@` or a token as `user@`), or a credential in
-    its query string (CREDENTIAL_QUERY_PARAMS: a presigned URL, an Azure SAS, `?token=`), naming `name`; the line
-    shows the URL with the secret masked, never the secret."""
+    its query string (CREDENTIAL_QUERY_PARAMS: a presigned URL, an Azure SAS, `?token=`), naming `name`. The line
+    shows the value with every secret of every URL in it masked, never a secret."""
+    secrets: list[tuple[int, int]] = []  # spans of `value` to mask
+    userinfo_found, params = False, set()
     for match in _URL.finditer(value):
-        _check_query(name, value, match.end())
         scheme, authority = match.group(1).lower(), match.group(2)
-        userinfo, at, host = authority.rpartition("@")
-        if not at or (scheme in _CONTAINER_AT_ACCOUNT and ":" not in userinfo):
-            continue
-        start = match.end()
-        masked = f"{value[:start]}***@{value[start + len(authority) - len(host) :]}"
-        raise ConfigError(
-            name,
-            f"{brief(masked)} carries credentials before '@' (they would be written into config.yaml, the trackers "
-            "and rendered deploy files); remove them and use the backend's credential environment "
-            "(e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD) or a secret reference (k8s.credentials_secret)",
-        )
-
-
-def _check_query(name: str, value: str, start: int) -> None:
-    """The query string of the URL whose authority starts at `start`: up to whitespace, ',' followed by the next
-    URL, or '#'."""
-    end = len(value)
-    if stop := re.compile(r"\s|,(?=[A-Za-z][A-Za-z0-9+.-]*://)|#").search(value, start):
-        end = stop.start()
-    query = value.find("?", start, end)
-    if query < 0:
+        userinfo, at, _ = authority.rpartition("@")
+        if at and not (scheme in _CONTAINER_AT_ACCOUNT and ":" not in userinfo):
+            secrets.append((match.end(), match.end() + len(userinfo)))
+            userinfo_found = True
+        for param in _query_secrets(value, match.end()):
+            secrets.append((param.start(3), param.end(3)))
+            params.add(param.group(2))
+    if not secrets:
         return
-    secret = [
-        m for m in _QUERY_PARAM.finditer(value, query, end) if m.group(2).lower() in CREDENTIAL_QUERY_PARAMS
-    ]
-    if not secret:
-        return
-    masked = value
-    for m in reversed(secret):  # from the end, so that earlier offsets stay valid
-        masked = f"{masked[: m.start(3)]}***{masked[m.end(3) :]}"
-    params = ", ".join(sorted({m.group(2) for m in secret}))
+    where = (["before '@'"] if userinfo_found else []) + (
+        [f"in its query string ({', '.join(sorted(params))})"] if params else []
+    )
     raise ConfigError(
         name,
-        f"{brief(masked)} carries credentials in its query string ({params}; they would be written into "
+        f"{brief(_masked(value, secrets))} carries credentials {' and '.join(where)} (they would be written into "
         "config.yaml, the trackers and rendered deploy files); remove them and use the backend's credential "
-        "environment (e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_TOKEN) or a secret reference "
+        "environment (e.g. AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD) or a secret reference "
         "(k8s.credentials_secret)",
     )
+
+
+def _query_secrets(value: str, start: int) -> list[re.Match[str]]:
+    """The credential parameters in the query string of the URL whose authority starts at `start`."""
+    stop = _QUERY_END.search(value, start)
+    end = stop.start() if stop else len(value)
+    query = value.find("?", start, end)
+    if query < 0:
+        return []
+    return [
+        m for m in _QUERY_PARAM.finditer(value, query, end) if m.group(2).lower() in CREDENTIAL_QUERY_PARAMS
+    ]
+
+
+def _masked(value: str, spans: list[tuple[int, int]]) -> str:
+    """`value` with each span (overlapping ones merged) replaced by `***`."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    for start, end in reversed(merged):  # from the end, so that earlier offsets stay valid
+        value = f"{value[:start]}***{value[end:]}"
+    return value
 
 
 def check_http_url(name: str, url: str | None) -> None:

@@ -57,21 +57,19 @@ NOT_VALIDATED = "not yet validated on Gaudi hardware"
 # Extras every image carries: the Metaflow flow's steps run in it (metaflow, which brings boto3 + requests for an
 # S3 datastore) and its report step writes a benchmark report (pandas); the inference stage loads safetensors exports.
 _ALWAYS = ("deploy", "export", "report")
-# The extra holding the fsspec backend of a storage scheme (pyproject.toml's optional dependencies): a node that
-# opens such a URL without it stops at start (exit 2, not restarted). None: the base dependencies hold it (lightning
-# requires fsspec[http], which brings aiohttp: file://, memory://, http(s)://).
+# Each extra's fsspec backend and the schemes it serves (the backend's own `protocol` tuple: s3fs ("s3", "s3a"),
+# gcsfs ("gs", "gcs"), adlfs ("abfs", "az", "abfss") and its Gen1 AzureDatalakeFileSystem ("adl")); a node that
+# opens such a URL without the extra stops at start (exit 2, not restarted). None: the base dependencies hold it
+# (lightning requires fsspec[http], which brings aiohttp: file://, memory://, http(s)://; tokenizers requires
+# huggingface_hub, whose HfFileSystem is fsspec's hf://).
+_EXTRA_SCHEMES: dict[str | None, tuple[str, ...]] = {
+    "remote": ("s3", "s3a"),
+    "gcs": ("gs", "gcs"),
+    "azure": ("az", "abfs", "abfss", "adl"),
+    None: ("file", "memory", "http", "https", "hf"),
+}
 SCHEME_EXTRAS: dict[str, str | None] = {
-    "s3": "remote",
-    "s3a": "remote",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "abfs": "azure",
-    "adl": "azure",
-    "file": None,
-    "memory": None,
-    "http": None,
-    "https": None,
+    scheme: extra for extra, schemes in _EXTRA_SCHEMES.items() for scheme in schemes
 }
 
 

@@ -65,13 +65,17 @@ def kubernetes_settings(accelerated: bool, env: Mapping[str, str]) -> dict[str, 
     if not accelerated:
         return {}
     accelerator = env.get("GAUDI3_METAFLOW_ACCELERATOR", "")
-    devices = _devices(env.get("GAUDI3_METAFLOW_DEVICES", "1"))
+    devices = _devices(env)
     if accelerator.startswith("gaudi"):
         return {"extended_resources": {GAUDI_RESOURCE: devices}}
     return {"gpu": int(devices), "gpu_vendor": "nvidia"}
 
 
-def _devices(devices: str) -> str:
+def _devices(env: Mapping[str, str]) -> str:
+    """The accelerators of the flow's pod, which are also the ranks its steps train: GAUDI3_METAFLOW_DEVICES
+    (`metaflow/run.sh` exports the deployment's), else 1. One default for both, so a pod never starts more ranks
+    than it was given devices."""
+    devices = env.get("GAUDI3_METAFLOW_DEVICES", "1")
     if not devices.isdigit() or int(devices) < 1:
         raise ValueError(f"GAUDI3_METAFLOW_DEVICES: expected a positive whole number, got {devices!r}")
     return devices
@@ -79,11 +83,10 @@ def _devices(devices: str) -> str:
 
 def node_overrides(env: Mapping[str, str]) -> list[str]:
     """The geometry the tune and train steps run: one node (the flow's pod) on its own loopback, with
-    GAUDI3_METAFLOW_DEVICES ranks (the accelerators the pod asked for; unset: the run config's nproc_per_node)."""
-    devices = env.get("GAUDI3_METAFLOW_DEVICES")
+    as many ranks as the pod asked for accelerators (`_devices`)."""
     pairs = geometry_overrides(
         nnodes="1",
-        nproc_per_node=None if devices is None else _devices(devices),
+        nproc_per_node=_devices(env),
         node_rank="0",
         rdzv_endpoint=None,
     )

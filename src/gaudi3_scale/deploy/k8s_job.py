@@ -57,7 +57,8 @@ def _slots(plan: JobPlan, *, node_rank: str, rdzv_host: str) -> NodeSlots:
         extra += [("monitor.metrics_port", str(plan.metrics_port)), ("monitor.metrics_host", "0.0.0.0")]
     return NodeSlots(
         node_rank=Filled(f"$({node_rank})", "0"),
-        rdzv_endpoint=f"{rdzv_host}:{plan.opts.rdzv_port}",
+        # one node meets on its own loopback (NodeSlots); a DNS name would make node 0 wait for its own record
+        rdzv_endpoint=None if plan.nodes == 1 else f"{rdzv_host}:{plan.opts.rdzv_port}",
         nnodes=str(plan.nodes),
         nproc_per_node=str(plan.per_node),
         shared_out=plan.opts.storage == "pvc",  # emptydir: each pod its own --out
@@ -173,7 +174,10 @@ def _container(
     }
     if plan.credentials_secret:
         # The backend's credentials as environment variables, from a Secret the user creates: never inlined here.
-        container["envFrom"] = [{"secretRef": {"name": plan.credentials_secret}}]
+        secret_ref: dict[str, Any] = {"name": plan.credentials_secret}
+        if plan.credentials_optional:
+            secret_ref["optional"] = True
+        container["envFrom"] = [{"secretRef": secret_ref}]
     # No probes, on purpose: a readiness probe would hide a pod from the rendezvous DNS until it passes, and a
     # liveness probe on /metrics (a background thread) stays green through a hung collective while a dead process is
     # already seen by the launcher; the Gaudi3TrainingStalled alert watches progress instead.

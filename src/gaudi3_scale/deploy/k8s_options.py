@@ -23,6 +23,8 @@ __all__ = ["DEFAULT_METRICS_PORT", "JobPlan", "K8sOptions", "k8s_options", "plan
 
 GAUDI_RESOURCE = "habana.ai/gaudi"  # Habana device plugin
 GPU_RESOURCE = "nvidia.com/gpu"  # NVIDIA device plugin
+# The options Kubernetes reads as bytes: each must carry a unit suffix (Gi, Mi, G, …).
+BYTE_QUANTITIES = ("storage_size", "memory", "hugepages_2mi", "shm_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,15 +46,15 @@ class K8sOptions:
         default=None,
         metadata={"help": "StorageClass of the volume (must offer ReadWriteMany); null = the default"},
     )
-    # Quantities may be written as YAML numbers (--set storage_size=500, --set cpu=16): each is kept as its text.
+    # cpu may be a YAML number (--set cpu=16), kept as its text; a byte size (BYTE_QUANTITIES) needs its unit.
     storage_size: str | int | float = field(default="500Gi", metadata={"help": "size of the volume"})
     credentials_secret: str | None = field(
         default=None,
         metadata={
             "help": "Secret whose keys become the pods' environment (the storage backend's credentials, e.g. "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://); null = <name>-checkpoint-credentials when "
-            "checkpoint.remote_url is set or a data or model URL is on s3://, gs:// or az://; '' = none "
-            "(workload identity)"
+            "checkpoint.remote_url is set, or (optional: pods start without it) when only a data or model URL is "
+            "on s3://, gs:// or az://; '' = none (workload identity)"
         },
     )
     rdzv_port: int = field(default=29400, metadata={"help": "c10d rendezvous port on the master pod"})
@@ -128,8 +130,12 @@ class K8sOptions:
             if value is not None:
                 text = check_quantity(value, name)
                 # the API server refuses a volume claim of size 0; a 0 CPU or memory limit never schedules
-                if float(re.sub(r"[^0-9.].*", "", text) or 0) == 0:
+                number = re.sub(r"[^0-9.].*", "", text)
+                if float(number or 0) == 0:
                     raise ConfigError(name, f"must be more than 0, got {text}")
+                if name in BYTE_QUANTITIES and not re.search(r"[KMGTPE]i?$|k$", text):
+                    # Kubernetes reads a bare number as bytes: a 500-byte volume, a 64-byte /dev/shm
+                    raise ConfigError(name, f"{text} is {text} bytes; write e.g. {number}Gi")
                 object.__setattr__(self, name, text)
         check_range("rdzv_port", self.rdzv_port, 1, 65535)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
@@ -157,6 +163,8 @@ class JobPlan:
     monitoring: bool  # render k8s/monitoring/ (k8s_monitoring.py)
     max_restarts: int
     credentials_secret: str  # "" = none
+    # the pods start without the Secret: defaulted only for data or model URLs, which workload identity may serve
+    credentials_optional: bool
     opts: K8sOptions
 
     @property
@@ -185,12 +193,15 @@ def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
     port = metrics_port(
         cfg["monitor"]["metrics_port"], spec.per_node, rdzv_port=opts.rdzv_port, rdzv_field="k8s.rdzv_port"
     )
-    secret = opts.credentials_secret
+    secret, optional = opts.credentials_secret, False
     if secret is None:
         # the pods open every bucket the run config names: the checkpoint mirror, and data or a model on a cloud
-        # store (s3fs, gcsfs and adlfs read their credentials from the environment the Secret fills)
+        # store (s3fs, gcsfs and adlfs read their credentials from the environment the Secret fills). For data or
+        # a model only, the Secret is optional: pods that read through workload identity (IRSA, GKE Workload
+        # Identity) start without it instead of waiting in CreateContainerConfigError.
         stores = [url for _, url in storage_urls(cfg) if SCHEME_EXTRAS.get(url_protocol(url) or "")]
         secret = f"{spec.name}-checkpoint-credentials" if remote_url or stores else ""
+        optional = bool(stores) and not remote_url
     restarts = opts.max_restarts
     if restarts is None:
         restarts = cfg["parallel"]["max_restarts"] or 3  # a multi-pod job must survive a lost pod by default
@@ -209,5 +220,6 @@ def plan_job(spec: DeploySpec, opts: K8sOptions) -> JobPlan:
         monitoring=monitoring_on(opts.monitoring, port, "k8s.monitoring"),
         max_restarts=restarts,
         credentials_secret=secret,
+        credentials_optional=optional,
         opts=opts,
     )

@@ -74,7 +74,7 @@ def render_k8s(spec: DeploySpec) -> dict[str, str]:
     files = {
         FILES["namespace"]: _dump(
             [_namespace(plan)],
-            [*notes, *(PSA_OPERATOR_NOTE if pod_security_level(plan) == "baseline" else [])],
+            [*notes, *(psa_operator_note(plan) if pod_security_level(plan) == "baseline" else [])],
         ),
         FILES["rbac"]: _dump(_rbac(plan), [*notes, *_RBAC_NOTE]),
         FILES["config"]: _dump([_config_map(plan, spec)], notes),
@@ -120,16 +120,22 @@ def _meta(plan: JobPlan, name: str) -> dict[str, Any]:
 # pkg/controller.v1/pytorch/initcontainer.go) with no securityContext. "restricted" checks init containers too
 # (allowPrivilegeEscalation, capabilities), so it would reject every Worker pod and the Master would wait for them
 # until its rendezvous timeout. Our own containers still meet "restricted" (the warn and audit levels say so).
-PSA_OPERATOR_NOTE = [
-    "Pod Security: enforce baseline, warn and audit restricted. The training operator (v1.9) adds an",
-    "`init-pytorch` init container without a securityContext to every Worker pod, which restricted would reject;",
-    "the job's own containers meet restricted.",
-]
+# The indexed Job involves no operator, but the Namespace is one object in k8s/base that both job files share: a
+# level per job file would have a later `kubectl apply -f k8s/base` revoke what the PyTorchJob's re-created Worker
+# pods need. So the shared Namespace enforces "baseline", and the note says how to tighten it for the indexed Job.
+def psa_operator_note(plan: JobPlan) -> list[str]:
+    return [
+        "Pod Security: enforce baseline, warn and audit restricted. The training operator (v1.9) adds an",
+        "`init-pytorch` init container without a securityContext to every Worker pod, which restricted would reject;",
+        "the job's own containers meet restricted. If you apply indexed-job.yaml instead (no operator), restricted",
+        f"suffices: kubectl label namespace {sh_quote(plan.namespace)} "
+        "pod-security.kubernetes.io/enforce=restricted --overwrite",
+    ]
 
 
 def pod_security_level(plan: JobPlan) -> str:
     """The Pod Security Standard the namespace enforces. GPU pods meet "restricted"; a multi-node GPU job gets
-    "baseline" (PSA_OPERATOR_NOTE). Gaudi pods need hostIPC and SYS_NICE (Habana's example pod), which even
+    "baseline" (psa_operator_note). Gaudi pods need hostIPC and SYS_NICE (Habana's example pod), which even
     "baseline" forbids, so that namespace enforces nothing; every namespace warns and audits at "restricted"."""
     if plan.gaudi:
         return "privileged"
@@ -262,11 +268,18 @@ def _readme(plan: JobPlan, spec: DeploySpec) -> str:
             "  --from-literal=AWS_ACCESS_KEY_ID=<key-id> --from-literal=AWS_SECRET_ACCESS_KEY=<secret-key>",
             "```",
         ]
+    if plan.credentials_optional:
+        lines += [
+            "",
+            "The Secret is optional here (only data or model URLs need it, no checkpoint.remote_url): pods that read",
+            "through workload identity (IRSA, GKE Workload Identity) start without it. `--set credentials_secret=''`",
+            "drops the reference.",
+        ]
     if plan.monitoring:
         lines += monitoring_readme(plan)
     lines += _options_readme(plan)
     if pod_security_level(plan) == "baseline":
-        lines += ["", *PSA_OPERATOR_NOTE]
+        lines += ["", *psa_operator_note(plan)]
     if plan.gaudi:
         lines += ["", GAUDI_NOTE, *SYS_NICE_NOTE]
     return "\n".join(lines) + "\n"

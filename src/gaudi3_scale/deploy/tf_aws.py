@@ -10,6 +10,8 @@ EFA-only interface per card for full bandwidth, which this file does not do yet.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.deploy.instances import instance_for
 from gaudi3_scale.deploy.spec import DeploySpec, storage_urls, url_bucket
@@ -237,9 +239,25 @@ data "aws_iam_policy_document" "nodes" {
     for_each = length(var.data_buckets) == 0 ? [] : [1]
 
     content {
-      sid       = "ListData"
-      actions   = ["s3:ListBucket", "s3:GetBucketLocation"]
+      sid       = "LocateData"
+      actions   = ["s3:GetBucketLocation"]
       resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}"]
+    }
+  }
+
+  # Only the keys under each URL's prefix: listing is held to them by s3:prefix, reading by the object ARN.
+  dynamic "statement" {
+    for_each = var.data_buckets
+
+    content {
+      actions   = ["s3:ListBucket"]
+      resources = ["arn:${local.partition}:s3:::${statement.key}"]
+
+      condition {
+        test     = "StringLike"
+        variable = "s3:prefix"
+        values   = [for p in statement.value : "${p}*"]
+      }
     }
   }
 
@@ -249,7 +267,7 @@ data "aws_iam_policy_document" "nodes" {
     content {
       sid       = "ReadData"
       actions   = ["s3:GetObject"]
-      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}/*"]
+      resources = flatten([for b, prefixes in var.data_buckets : [for p in prefixes : "arn:${local.partition}:s3:::${b}/${p}*"]])
     }
   }
 
@@ -353,16 +371,17 @@ _FETCH = """fetch() {
 """
 
 
-def data_buckets(spec: DeploySpec) -> dict[str, str]:
-    """The S3 buckets of the run config's data and model URLs (bucket -> the fields naming it): the instance role
-    may list and read them. The config's own checkpoint.remote_url is not among them: every node mirrors to the
-    bucket this Terraform creates instead. A prepared dataset or shard cache written to S3 at run time would need
-    write access too, which is not granted."""
+def data_buckets(spec: DeploySpec) -> dict[str, list[str]]:
+    """The S3 buckets of the run config's data and model URLs, each with the key prefixes those URLs name
+    (`s3://b/team-a/corpus` -> {"b": ["team-a/corpus"]}; the whole bucket: [""]): the instance role may list and
+    read the keys under them, no others. The config's own checkpoint.remote_url is not among them: every node
+    mirrors to the bucket this Terraform creates instead. A prepared dataset or shard cache written to S3 at run
+    time would need write access too, which is not granted."""
     buckets: dict[str, list[str]] = {}
     for name, url in storage_urls(spec.run_config):
         if name != "checkpoint.remote_url" and url.lower().startswith(("s3://", "s3a://")):
-            buckets.setdefault(url_bucket(url), []).append(name)
-    return {bucket: ", ".join(dict.fromkeys(names)) for bucket, names in sorted(buckets.items())}
+            buckets.setdefault(url_bucket(url), []).append(urlsplit(url).path.lstrip("/"))
+    return {bucket: sorted(set(prefixes)) for bucket, prefixes in sorted(buckets.items())}
 
 
 def render_aws(spec: DeploySpec) -> dict[str, str]:
@@ -381,8 +400,9 @@ def render_aws(spec: DeploySpec) -> dict[str, str]:
         Variable("root_volume_gb", "number", "root volume size (the image and local checkpoints live there)", 500),
         Variable("checkpoint_kms_key_arn", "string",
                  "customer-managed KMS key for the checkpoint bucket; null: the AWS managed key aws/s3", None),
-        Variable("data_buckets", "map(string)", "S3 bucket the nodes may list and read -> the run config field "
-                 "that names it (data and model URLs on s3://)", data_buckets(spec),
+        Variable("data_buckets", "map(list(string))", "S3 bucket -> the key prefixes under it the nodes may list "
+                 "and read (the run config's data and model URLs on s3://; \"\" = the whole bucket)",
+                 data_buckets(spec),
                  (("alltrue([for b in keys(var.data_buckets) : can(regex(\"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$\", b))])",
                    "data_buckets: S3 bucket names (3-63 lower-case letters, digits, '.' and '-')"),)),
     ]  # fmt: skip

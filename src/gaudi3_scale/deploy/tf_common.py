@@ -25,7 +25,7 @@ from gaudi3_scale.deploy.containers import IMAGE_UID
 from gaudi3_scale.deploy.grammar import OCI_REFERENCE, REGIONS, RUN_NAME, SECRET_NAME, anchored
 from gaudi3_scale.deploy.node_command import Filled, NodeSlots, target_bucket
 from gaudi3_scale.deploy.quoting import hcl_string, sh_heredoc, tftpl_literal
-from gaudi3_scale.deploy.spec import DeploySpec
+from gaudi3_scale.deploy.spec import BUCKET_SCHEMES, DeploySpec
 from gaudi3_scale.metering.catalog import Instance
 
 __all__ = [
@@ -70,6 +70,8 @@ def _hcl_value(value: Any) -> str:
         return str(value)
     if value is None:
         return "null"
+    if isinstance(value, list):
+        return "[" + ", ".join(_hcl_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return (
             "{}"
@@ -210,14 +212,10 @@ def render_bootstrap(spec: DeploySpec, *, fetch_secrets: str, pass_env: dict[str
     return "".join(parts)
 
 
-# Each cloud's checkpoint bucket URL scheme (its `local.checkpoint_url`), for the render's check of the node command.
-_BUCKET_SCHEMES = {"aws": "s3", "gcp": "gs", "azure": "az"}
-
-
 def _node_slots(spec: DeploySpec) -> NodeSlots:
     """The node command's values on a cloud VM: node.env's, with the bucket Terraform creates as the checkpoint
     mirror (node 0's address and the bucket name are only known once applied: the check uses stand-ins)."""
-    bucket = f"{_BUCKET_SCHEMES[spec.target]}://{spec.name}-checkpoints/{spec.name}"
+    bucket = f"{BUCKET_SCHEMES[spec.target]}://{spec.name}-checkpoints/{spec.name}"
     url = target_bucket(spec.run_config, Filled('"$CHECKPOINT_URL"', bucket))
     return node_slots(spec, rdzv_host="10.0.0.1", checkpoint_url=url)
 

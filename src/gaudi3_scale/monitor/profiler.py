@@ -104,9 +104,8 @@ class GaudiProfiler:
             )
         self.activities = list(activities)
         self.profile_memory = "memory" in self.activities
-        self.first_step_num = (
-            first_step_num  # the number torch gives the step at `__enter__` (ProfilerStep#N)
-        )
+        # the number torch gives the step at `__enter__` (ProfilerStep#N)
+        self.first_step_num = first_step_num
         self.first_step = first_step_num + schedule_wait + schedule_warmup  # the first recorded step's number
         self.active_steps = schedule_active
         self._prof = torch.profiler.profile(
@@ -117,9 +116,8 @@ class GaudiProfiler:
         )
         self._prof.step_num = first_step_num
         self._recorded = False
-        self._unfinished_step: int | None = (
-            None  # a recording step torch opened that never ended (see docstring)
-        )
+        # a recording step torch opened that never ended (see docstring)
+        self._unfinished_step: int | None = None
         self._events_pruned = False
 
     def __enter__(self) -> GaudiProfiler:

@@ -114,11 +114,12 @@ def resume_point(
         config = config_dict(cfg)  # train.max_steps null while train.max_epochs awaits the data
         parallel = config["parallel"]
         check_resume_layout(ckpt, parallel)  # from the manifest: before the state is read
-        if (
-            own_model
-        ):  # before the dataset is prepared: a refused resume builds no cache (and checks the strategy)
+        # Both read the checkpoint's non-tensor state only: every rank and the launcher run this, and the full
+        # load is the trainer's. With the run's own model, before the dataset is prepared (a refused resume builds
+        # no cache); check_resume_compatible checks the strategy too.
+        if own_model:
             check_resume_compatible(ckpt, config, before_data=True)
-        else:  # its non-tensor state only: every rank and the launcher read this, a full load is the trainer's
+        else:
             check_resume_strategy(read_resume_meta(ckpt), parallel, sharded=is_sharded_checkpoint(ckpt))
         check_resume_budget(cfg.cost, ckpt)
         check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)

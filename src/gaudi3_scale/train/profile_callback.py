@@ -57,9 +57,8 @@ class StepProfiler:
         self.out_dir = out_dir
         self.start_step = start_step
         self.end_step = start_step + num_steps
-        self.first_step = (
-            start_step  # the first step this fit records (later in a fit resumed inside the window)
-        )
+        # the first step this fit records (later in a fit resumed inside the window)
+        self.first_step = start_step
         self.activities = ["cpu", *([accelerator] if accelerator in ("cuda", "hpu") else []), "memory"]
         self.metrics = metrics  # books the profiled steps apart, and is paused while the outputs are written
         self.note = note  # a line for the user (not `log`: Lightning sets `callback.log` to the module's)

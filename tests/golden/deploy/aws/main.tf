@@ -197,9 +197,25 @@ data "aws_iam_policy_document" "nodes" {
     for_each = length(var.data_buckets) == 0 ? [] : [1]
 
     content {
-      sid       = "ListData"
-      actions   = ["s3:ListBucket", "s3:GetBucketLocation"]
+      sid       = "LocateData"
+      actions   = ["s3:GetBucketLocation"]
       resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}"]
+    }
+  }
+
+  # Only the keys under each URL's prefix: listing is held to them by s3:prefix, reading by the object ARN.
+  dynamic "statement" {
+    for_each = var.data_buckets
+
+    content {
+      actions   = ["s3:ListBucket"]
+      resources = ["arn:${local.partition}:s3:::${statement.key}"]
+
+      condition {
+        test     = "StringLike"
+        variable = "s3:prefix"
+        values   = [for p in statement.value : "${p}*"]
+      }
     }
   }
 
@@ -209,7 +225,7 @@ data "aws_iam_policy_document" "nodes" {
     content {
       sid       = "ReadData"
       actions   = ["s3:GetObject"]
-      resources = [for b in keys(var.data_buckets) : "arn:${local.partition}:s3:::${b}/*"]
+      resources = flatten([for b, prefixes in var.data_buckets : [for p in prefixes : "arn:${local.partition}:s3:::${b}/${p}*"]])
     }
   }
 

@@ -122,8 +122,8 @@ variable "checkpoint_kms_key_arn" {
 }
 
 variable "data_buckets" {
-  description = "S3 bucket the nodes may list and read -> the run config field that names it (data and model URLs on s3://)"
-  type        = map(string)
+  description = "S3 bucket -> the key prefixes under it the nodes may list and read (the run config's data and model URLs on s3://; \"\" = the whole bucket)"
+  type        = map(list(string))
   default     = {}
 
   validation {
