@@ -29,7 +29,9 @@ def _render(tmp_path: Path, config: str, *args: str) -> subprocess.CompletedProc
 
 
 def test_k8s_and_onprem_gaudi_renders_train_on_hpu_and_say_not_validated(tmp_path: Path) -> None:
-    done = _render(tmp_path, BASE, "--target", "onprem", "--hosts", "h1,h2")
+    # two on-prem nodes keep --out on their own disks: node 1 resumes from the mirror
+    mirrored = BASE + "checkpoint:\n  remote_url: s3://bucket/g3\n"
+    done = _render(tmp_path, mirrored, "--target", "onprem", "--hosts", "h1,h2")
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
     for run_yaml in ("ansible/files/run.yaml", "docker/run.yaml"):

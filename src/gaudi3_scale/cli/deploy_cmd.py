@@ -71,6 +71,7 @@ def render_cmd(
         raise UserInputError(f"--config: {config_path} is not a file")
     if per_node is None:
         per_node = default_per_node(target, accelerator)
+    extra, host_names = _settings(settings), _hosts(hosts)  # the flags' own syntax before the config's
     # the file on this deployment's nodes × per_node ranks: one line naming what it would refuse
     run_name, run_config = deployment_run_config(config_path, nodes=nodes, per_node=per_node)
     name = resource_name(run_name)
@@ -84,8 +85,8 @@ def render_cmd(
         name=name,
         image=default_image(accelerator) if image is None else image,  # '' is refused, not the default
         region=region,
-        hosts=_hosts(hosts),
-        extra=_settings(settings),
+        hosts=host_names,
+        extra=extra,
     )
     files = render(spec)
     written, removed = write_files(files, Path(out_dir), force=force, record=target)
