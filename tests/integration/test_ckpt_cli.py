@@ -293,6 +293,28 @@ def test_diff_names_an_entry_on_one_side_only_in_one_short_line(tmp_path: Path, 
     assert stdout.count("\n") == 1 and len(stdout) < 400, stdout
 
 
+def test_diff_compares_the_step_guards_state_a_resume_restores(tmp_path: Path, gaudi3_cli: Cli) -> None:
+    """The guard's skipped batches, spike histories and lr factor change training after a resume: a difference
+    there is one, however equal the weights."""
+    guard = {
+        "skips": {"skipped": [], "dropped": []},
+        "loss_history": {"history": [4.2, 4.1]},
+        "lr_scale": 1.0,
+    }
+    a = _plain(tmp_path / "a.ckpt", gaudi3_health=guard)
+    b = _plain(tmp_path / "b.ckpt", gaudi3_health={**guard, "lr_scale": 0.5})
+    assert gaudi3_cli("ckpt", "diff", str(a), str(b)) == (
+        1,
+        "first difference: gaudi3_health.lr_scale: 1.0 vs 0.5\n",
+        "",
+    )
+    assert gaudi3_cli("ckpt", "diff", str(a), str(a)) == (
+        0,
+        "identical: global_step, state_dict, gaudi3_health\n",
+        "",
+    )
+
+
 def test_diff_counts_nan_equal_to_nan(tmp_path: Path, gaudi3_cli: Cli) -> None:
     import torch
 

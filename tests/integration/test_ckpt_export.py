@@ -300,6 +300,29 @@ def test_register_refusals_write_nothing(
     assert not out.exists() and not (llama_ckpt.parent.parent / "mlruns").exists()
 
 
+def test_register_with_a_damaged_run_summary_writes_nothing_and_a_rerun_after_the_repair_works(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """summary.json (the run's metrics the version is logged with) is read before the export is written: a
+    damaged one is one line and nothing written, so the same command works once it is repaired."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = tmp_path / "run"
+    shutil.copytree(llama_ckpt.parent.parent, run)
+    summary = run / "summary.json"
+    intact = summary.read_bytes()
+    out = tmp_path / "out"
+    args = [str(run / "checkpoints" / llama_ckpt.name), "--out", str(out), "--register", "tiny"]
+    for damaged in (intact[:50], b"[1, 2]\n"):  # cut short (a killed write), or not a mapping
+        summary.write_bytes(damaged)
+        code, err = _export(capsys, *args)
+        assert not out.exists() and not (run / "mlruns").exists()
+        assert code == 2 and err.count("\n") == 1 and f"run summary {str(summary)!r}" in err, err
+        assert "repair it, or move it away" in err
+    summary.write_bytes(intact)
+    assert _export(capsys, *args) == (0, "")
+    assert (out / "model.safetensors").is_file() and (run / "mlruns").is_dir()
+
+
 def test_register_of_a_light_checkpoint_defaults_to_the_runs_registry(
     llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

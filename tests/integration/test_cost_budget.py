@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -240,3 +241,108 @@ def test_two_ranks_agree_on_the_budget_stop_and_the_launcher_exits_3(tmp_path: P
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert again.returncode == 3 and len(again.stderr.strip().splitlines()) == 1, again.stderr[-3000:]
     assert "nothing trained" in again.stderr and _files(out) == before
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_a_budget_crossed_on_the_last_step_ends_the_run_normally_and_a_rerun_is_not_refused(
+    tmp_path: Path, ranks: int
+) -> None:
+    """$1e9/h and a $1 budget: the budget is gone within the first step. With one rank that step is the last
+    (max_steps 1); with two, whose stop lands a step after rank 0 asks, the step before the last (max_steps 2).
+    The run trains every step, so it finishes: exit 0, the sample printed, not interrupted; the summary still says
+    what it cost. Rerunning the finished run trains nothing and is not refused over money."""
+    out = tmp_path / "last"
+    parallel = (
+        ["--nproc-per-node", "2", "--parallel.strategy", "ddp", "--train.threads", "1"] if ranks > 1 else []
+    )
+    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", *TINY, *parallel,
+            "--train.max_steps", str(ranks), "--cost.price_usd_per_hour", "1e9", "--cost.budget_usd", "1"]  # fmt: skip
+    run = subprocess.run([*args, "--sample-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "---- sample" in run.stdout and "budget reached" not in run.stderr, run.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == ranks and not summary["interrupted"] and summary["stop_exit_code"] is None
+    assert summary["cost_usd"] > summary["cost_budget_usd"] == 1.0
+    assert _stored_cost(Path(summary["checkpoint"])) == summary["cost_usd"]
+    assert _cost_records(out)[0]["cost_usd"] > 1.0  # the budget was gone after the first step
+    again = subprocess.run([*args, "--sample-tokens", "0"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "budget reached" not in again.stderr, again.stderr[-3000:]
+
+
+def test_a_hard_kill_never_unspends_what_the_run_recorded_after_its_last_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL (a lost node, an OOM kill: no stop, no checkpoint) a few steps after a periodic checkpoint: its
+    metrics.jsonl recorded more spend than the checkpoint holds. A resume with a budget between the two is
+    refused before it trains; one without continues from the recorded figure, not the checkpoint's."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--sample-tokens", "0",
+            "--no-progress", *TINY, "--checkpoint.every_steps", "20", "--cost.price_usd_per_hour", "3600"]  # fmt: skip
+    proc = subprocess.Popen([*args, "--train.max_steps", "100000"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = [r["step"] for r in _cost_records(out)] if (out / "metrics.jsonl").is_file() else []
+            # well past a checkpoint and well before the next: a record lags its step by one, and the steps go on
+            # while this loop polls (the kill must not land between the next checkpoint and its step's record)
+            if (out / "checkpoints" / "latest").is_file() and steps and 4 <= steps[-1] % 20 <= 12:
+                break
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    checkpoint = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    stored, recorded = _stored_cost(checkpoint), _cost_records(out)[-1]["cost_usd"]
+    assert stored < recorded, (stored, recorded)
+
+    budget = f"{(stored + recorded) / 2:.6f}"
+    refused = subprocess.run([*args, "--train.max_steps", "100000", "--cost.budget_usd", budget],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 3 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
+    assert f"by checkpoint {checkpoint.name} and the steps after it" in refused.stderr
+    assert "nothing trained" in refused.stderr
+
+    step = json.loads((checkpoint / "manifest.json").read_text())["step"]
+    resumed = subprocess.run([*args, "--train.max_steps", str(step + 1)], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = [r for r in _cost_records(out) if r["step"] == step + 1][-1]
+    assert first["cost_usd"] > recorded
+    assert json.loads((out / "summary.json").read_text())["cost_usd"] > recorded
+
+
+def test_the_recorded_spend_refuses_a_resume_on_one_node_and_a_finished_epoch_run_is_not_refused(
+    tmp_path: Path,
+) -> None:
+    """A run in epochs trained to its end at $1e9/h: its checkpoint holds far more than a $1 budget, and its
+    metrics.jsonl then records more still (as a process killed after its checkpoint would have). Rerun with the
+    budget, the finished run trains nothing and is not refused (its length resolves from the data only later: the
+    check reads the steps its checkpoint's run resolved). Its recorded spend is checked on one node; across nodes
+    only rank 0's node holds metrics.jsonl, so every node refuses alike on the checkpoint's figure alone."""
+    from gaudi3_scale.metering.live import BudgetExhaustedError
+    from gaudi3_scale.train.preflight import resume_point
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be, that is the question\n" * 40)  # 1,640 characters: a few steps
+    out = tmp_path / "epochs"
+    common = ["--out_dir", str(out), *TINY, "--data.source", str(text), "--model.context_length", "32",
+              "--train.global_batch_size", "8", "--train.micro_batch_size", "8", "--cost.price_usd_per_hour", "1e9"]  # fmt: skip
+    config = ["--train.max_epochs", "1"]
+    GaudiTrainer(build_run_config(None, parse_overrides([*common, *config])), progress=False).fit()
+    budget = ["--cost.budget_usd", "1"]
+    again = GaudiTrainer(build_run_config(None, parse_overrides([*common, *config, *budget])), progress=False)
+    assert again.fit()["stop_exit_code"] is None  # finished: not refused over money
+    # the same checkpoint as the end of a longer run: $1.50 budget, between the checkpoint's spend and a recorded one
+    spent = _stored_cost(next((out / "checkpoints").glob("step-*")))
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 99, "cost_usd": spent * 2}) + "\n")
+    longer = [*common, "--train.max_steps", "1000", "--cost.budget_usd", str(spent * 1.5)]
+    with pytest.raises(BudgetExhaustedError, match=r"budget reached: .* and the steps after it"):
+        resume_point(build_run_config(None, parse_overrides(longer)), warn=lambda line: None)
+    nodes = [
+        "--parallel.nnodes",
+        "2",
+        "--parallel.rdzv_endpoint",
+        "127.0.0.1:29400",
+        "--train.micro_batch_size",
+        "4",
+    ]
+    assert resume_point(build_run_config(None, parse_overrides([*longer, *nodes])), warn=lambda line: None)

@@ -206,3 +206,31 @@ def test_two_ranks_stop_line_names_the_step_and_cost_they_stopped_at(tmp_path: P
     assert (
         len(_records(out)) == 1
     )  # the partial window, written by both ranks' flush (its collectives) on rank 0
+
+
+def test_a_budget_stop_without_checkpoints_says_so_from_its_first_line(tmp_path: Path) -> None:
+    """checkpoint.enabled false: the line printed when the budget is reached says the run stops, not that it saves
+    a checkpoint, and the last line says a rerun starts from step 0 (raising the budget resumes nothing)."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), *TINY, "--train.max_steps", "1000",
+            "--checkpoint.enabled", "false", "--cost.price_usd_per_hour", "100000", "--cost.budget_usd", "1"]  # fmt: skip
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert "saving a checkpoint" not in run.stderr and "raise cost.budget_usd" not in run.stderr, run.stderr
+    (asked,) = [
+        line for line in run.stderr.splitlines() if line.startswith("budget reached") and "; " not in line
+    ]
+    assert re.fullmatch(
+        r"budget reached: \$\S+ accrued of the \$1\.00 budget \(cost\.budget_usd\) after step \d+: stopping after "
+        r"this step \(checkpoint\.enabled is false: nothing is saved\)",
+        asked,
+    ), asked
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "; no checkpoint saved (checkpoint.enabled is false); exit 3 — nothing to resume: a rerun starts again "
+            "from step 0"
+        )
+    )
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())

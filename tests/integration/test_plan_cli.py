@@ -1,5 +1,5 @@
 """`gaudi3 plan` as users run it (a subprocess, the default config): a forecast with a source for every number,
-written as JSON; the CPU peak measured once and kept; a probe stored and used by later forecasts of the same layout;
+written as JSON; the CPU peak measured once and kept, raised by each run's own measurement; a probe stored and used by later forecasts of the same layout;
 a catalog machine's scale-out; bad input is one line, exit 2, nothing written."""
 
 from __future__ import annotations
@@ -53,6 +53,39 @@ def test_a_forecast_says_where_every_number_comes_from_and_keeps_the_peak(tmp_pa
     assert list(_store(tmp_path)["peaks"].values()) == [peak]  # measured once, then read
     assert _plan(tmp_path, "--out", "p3.json", "--refresh-peak").returncode == 0
     assert next(iter(_store(tmp_path)["peaks"].values()))["measured_unix_s"] > peak["measured_unix_s"]
+
+
+def _seed_peak(tmp_path: Path, flops: float) -> str:
+    """This machine's store with its default-threads peak set to `flops`; the slot's name."""
+    from gaudi3_scale.device.select import cpu_model_name, cpu_threads_per_rank, usable_cpu_cores
+    from gaudi3_scale.forecast.calibration import CalibrationStore, machine_key
+
+    key = machine_key(cpu_model_name(), usable_cpu_cores())
+    slot = f"cpu-{cpu_threads_per_rank(1)}-threads"
+    CalibrationStore.for_machine(key, cache_dir=tmp_path / "cache").set_peak(slot, flops)
+    return slot
+
+
+def _forecast_of_run(tmp_path: Path, out: str) -> dict[str, Any]:
+    """`gaudi3 train` of 2 steps as users run it; the forecast it recorded at its start (<run>/plan.json)."""
+    done = _train(tmp_path, out, "--train.max_steps", "2", "--model.num_layers", "1")
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads((tmp_path / out / "plan.json").read_text()))
+
+
+def test_a_busy_machines_peak_is_raised_by_the_next_run_and_never_lowered(tmp_path: Path) -> None:
+    """The store keeps the best of its measurements: a peak first measured while the machine was busy (here 1
+    MFLOP/s) would time every later forecast of this CPU far too slow. Each `gaudi3 train` measures it again (the
+    trainer's own measurement) and keeps it when higher; a higher stored one stays."""
+    slot = _seed_peak(tmp_path, 1e6)
+    forecast = _forecast_of_run(tmp_path, "run-a")
+    raised = _store(tmp_path)["peaks"][slot]["flops"]
+    assert raised > 1e9  # any CPU multiplies 1024² matrices faster than 1 GFLOP/s
+    assert f"measured peak {raised / 1e12:.3g} TFLOP/s" in forecast["step"]["compute_s"]["source"]
+    _seed_peak(tmp_path, 1e15)  # above this CPU's: a measurement now is lower, and is not kept
+    forecast = _forecast_of_run(tmp_path, "run-b")
+    assert _store(tmp_path)["peaks"][slot]["flops"] == 1e15
+    assert "measured peak 1e+03 TFLOP/s" in forecast["step"]["compute_s"]["source"]
 
 
 def test_a_forecast_of_other_threads_per_rank_is_timed_at_their_peak(tmp_path: Path) -> None:
@@ -224,6 +257,12 @@ def test_a_run_reports_its_forecast_beside_its_measurements_and_plan_compares_th
         f"{error:+.1%}" in lines["step_time_s"]
         and "the step time was predicted from: model:" in compared.stdout
     )
+    # run again, it trains nothing: the run's forecast and summary stay, and so does what --compare says of them
+    kept = {name: (tmp_path / "run" / name).read_bytes() for name in ("plan.json", "summary.json")}
+    again = _train(tmp_path, "run")
+    assert again.returncode == 0, again.stderr
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
+    assert _plan(tmp_path, "--compare", "run").stdout == compared.stdout
     # a summary without predictions (an older run) is one line and exit 2
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "summary.json").write_text(json.dumps({k: v for k, v in summary.items()
@@ -243,6 +282,25 @@ def test_a_forecast_that_fails_never_stops_the_run(tmp_path: Path) -> None:
     assert "gaudi3: note: no forecast for this run" in done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "predicted_step_time_s" not in summary and not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_a_run_in_epochs_records_the_forecast_of_the_steps_it_trains(tmp_path: Path) -> None:
+    """`gaudi3 train --train.max_epochs 1`: the forecast it records at its start (plan.json, the summary's
+    predicted_* fields) is of the steps the epoch resolves to, not of the max_steps placeholder (2,000)."""
+    text = tmp_path / "corpus.txt"
+    # 8,200 characters: a few steps an epoch
+    text.write_text("to be or not to be, that is the question\n" * 200)
+    env = {**os.environ, "GAUDI3_CACHE": str(tmp_path / "cache")}
+    args = ("--out", "run", "--sample-tokens", "0", "--no-progress", "--data.source", str(text), "--model.num_layers",
+            "1", "--train.max_epochs", "1", "--train.val_every_steps", "0", "--train.val_batches", "1")  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "train", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    forecast = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert 1 < summary["steps"] < 100
+    assert forecast["run"]["max_steps"] == summary["steps"]
+    assert summary["predicted_wall_s"] == forecast["predicted_wall_s"]
 
 
 def test_max_epochs_is_forecast_as_the_steps_train_would_run(tmp_path: Path) -> None:

@@ -153,6 +153,20 @@ def test_out_must_be_new_or_empty(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 2 and "is not empty; pick a new or empty directory" in stderr
 
 
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2_not_1() -> None:
+    """/sys stands in for a directory the user cannot write (root writes anywhere chmod would forbid); exit 1
+    would read as "the runs differ"."""
+    if not Path("/sys").is_dir():
+        pytest.skip("needs Linux's /sys")
+    args = ["repro", "--steps", "1", "--out", "/sys/gaudi3-repro"]
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (
+        "gaudi3: error: --out: '/sys/gaudi3-repro': cannot write in /sys (Permission denied); "
+        "pick a directory you can write\n"
+    )
+
+
 def test_mode_choices_match_the_library() -> None:
     option = next(p for p in cli.commands["repro"].params if p.name == "mode")
     assert isinstance(option.type, click.Choice) and tuple(option.type.choices) == MODES

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,29 @@ def test_default_directory_is_removed_and_bad_out_is_refused(tmp_path: Path) -> 
     (tmp_path / "full" / "x").write_text("x")
     refused = CliRunner().invoke(smoke, ["--out", str(tmp_path / "full")])
     assert isinstance(refused.exception, UserInputError) and "not empty" in str(refused.exception)
+
+
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2_before_training() -> None:
+    """/sys stands in for a directory the user cannot write (root writes anywhere chmod would forbid); exit 1
+    would read as a failed stage."""
+    if not Path("/sys").is_dir():
+        pytest.skip("needs Linux's /sys")
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "smoke", "--out", "/sys/gaudi3-smoke"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (
+        "gaudi3: error: --out: '/sys/gaudi3-smoke': cannot write in /sys (Permission denied); "
+        "pick a directory you can write\n"
+    )
+
+
+def test_help_names_every_stage_smoke_runs() -> None:
+    """A stage missing from --help (and docs/reference/cli.md, made from it) is one a user cannot expect to fail."""
+    proc = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "smoke", "--help"], capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = " ".join(proc.stdout.split())
+    assert [stage for stage in smoke_lib.STAGES if stage not in summary] == []
 
 
 def test_recommitted_checkpoint_with_a_changed_weight_fails_reload(tmp_path: Path) -> None:

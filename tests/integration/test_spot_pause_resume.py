@@ -6,9 +6,13 @@ exit. Prices come from a real Azure Retail Prices-shaped server on 127.0.0.1 who
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -122,3 +126,44 @@ def test_max_restarts_does_not_train_a_paused_run_again(prices: _Prices, tmp_pat
     ]  # the restarted group was refused before training
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == summary["steps"]
+
+
+def _series(url: str) -> dict[str, float]:
+    """The gaudi3_* series one rank's /metrics serves, by name (its device series aside)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("gaudi3_") and "device=" not in line]
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+
+
+@pytest.mark.distributed
+def test_two_ranks_export_one_cost_the_live_quotes_rate(prices: _Prices, tmp_path: Path) -> None:
+    """Only rank 0 polls the price ($20/h here, $30/h to start with): its meter is the run's cost (what the stops,
+    checkpoints and summary use), so it alone exports the cost series; rank 1 exports none, rather than a cost at
+    the starting rate that the dashboard's `max by (run)` would show instead."""
+    prices.spot_usd_per_hour = 20.0
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--no-progress", "--sample-tokens",
+         "0", "--nproc-per-node", "2", "--parallel.strategy", "ddp", "--train.threads", "1", "--model.num_layers",
+         "1", "--train.val_every_steps", "0", "--train.log_every_steps", "1", "--train.max_steps", "100000",
+         "--checkpoint.every_steps", "0", "--monitor.metrics_port", "0", "--cost.pricing", "spot",
+         "--cost.spot_provider", "azure", "--cost.instance", f"azure/{SIZE}/{REGION}", "--cost.price_usd_per_hour",
+         "30", "--cost.spot_endpoint_url", f"http://127.0.0.1:{prices.server_address[1]}/api/retail/prices"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        endpoints = [out / "metrics_endpoints" / f"rank-{rank}.json" for rank in (0, 1)]
+        deadline, scraped = time.monotonic() + 180, [{}, {}]
+        while time.monotonic() < deadline and proc.poll() is None:
+            if all(path.is_file() for path in endpoints):
+                urls = [json.loads(path.read_text())["url"] for path in endpoints]
+                scraped = [_series(url) for url in urls]  # rank 1 after rank 0: it has had its records too
+                if scraped[0].get("gaudi3_cost_usd_per_hour") == 20.0:
+                    break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert scraped[0].get("gaudi3_cost_usd_per_hour") == 20.0 and scraped[0]["gaudi3_cost_usd"] > 0, scraped
+    assert scraped[1].get("gaudi3_train_step", 0) > 0, scraped  # rank 1 has exported its records
+    assert not [name for name in scraped[1] if name.startswith("gaudi3_cost")], scraped

@@ -5,6 +5,9 @@ reports, bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +28,9 @@ L, D, HEADS, KV, HD, FFN, V, T = 80, 8192, 64, 8, 128, 28672, 128256, 8192
 PER_LAYER = D * D + 2 * D * KV * HD + D * D + 3 * D * FFN + 2 * D  # q, k+v, o, SwiGLU, two RMSNorms
 N_MATMUL = L * PER_LAYER + D + D * V  # + final norm + output head
 FLOPS_PER_TOKEN = 6 * N_MATMUL + 12 * L * HEADS * HD * T  # PaLM App. B: 6N + attention
+HEAD_FLOPS_PER_TOKEN = 6 * D * V  # the output head's part of it: never checkpointed, so never recomputed
+# Under activation checkpointing each block's forward (a third of its FLOPs) runs again in backward; the head's not.
+RECOMPUTED_FLOPS_PER_TOKEN = FLOPS_PER_TOKEN + (FLOPS_PER_TOKEN - HEAD_FLOPS_PER_TOKEN) / 3
 N_ALL = N_MATMUL + D * V  # + the input embedding: what FSDP gathers and reduces
 H100_PEAK = 989.4e12  # NVIDIA H100 SXM dense BF16 (datasheet)
 P5_USD_PER_HOUR = 55.04  # p5.48xlarge on-demand us-east-1 (SkyPilot catalog snapshot), 8 × H100
@@ -33,9 +39,9 @@ P5_EFA_BYTES_PER_S = 3200e9 / 8  # 3,200 Gbps of EFA per p5 node (forecast/links
 
 def _h100_step_s(devices: int, mfu: float) -> float:
     """One step of one sequence of T tokens per rank under FSDP with activation checkpointing, by hand: the
-    FLOPs per rank × 4/3 (each block's forward again) over peak × MFU; FSDP's two bf16 all-gathers and one fp32
+    FLOPs per rank (each block's forward again: RECOMPUTED_FLOPS_PER_TOKEN) over peak × MFU; FSDP's two bf16 all-gathers and one fp32
     reduce-scatter per step over the node's EFA share, less what hides behind the backward pass (2/3 of compute)."""
-    compute = FLOPS_PER_TOKEN * T * 4 / 3 / (H100_PEAK * mfu)
+    compute = RECOMPUTED_FLOPS_PER_TOKEN * T / (H100_PEAK * mfu)
     comm = (devices - 1) / devices * N_ALL * (2 * 2 + 4) / (P5_EFA_BYTES_PER_S / 8)
     return compute + max(0.0, comm - 2 / 3 * compute)
 
@@ -57,19 +63,19 @@ def test_llama3_70b_on_h100_matches_the_hand_computation() -> None:
     }  # fmt: skip
     assert per_device[16] > budget >= per_device[32]
     assert (row.min_accelerators, row.nodes, row.per_node, row.accelerators) == (32, 4, 8, 32)
-    # Time: 1T tokens in steps of 32 sequences of 8,192 tokens; a step of 13.29 s of compute and 10.94 s of
-    # gradient and parameter traffic, 2.08 s of it not hidden behind the backward pass.
+    # Time: 1T tokens in steps of 32 sequences of 8,192 tokens; a step of 13.24 s of compute and 10.94 s of
+    # gradient and parameter traffic, 2.11 s of it not hidden behind the backward pass.
     assert row.tokens_per_step == 32 * T
     assert row.step_time_s == pytest.approx(_h100_step_s(32, 0.40), rel=1e-12)
-    assert row.step_time_s == pytest.approx(15.365, abs=1e-3)
+    assert row.step_time_s == pytest.approx(15.350, abs=1e-3)
     hours = 1e12 / (32 * T) * _h100_step_s(32, 0.40) / 3600
     assert row.train_hours == pytest.approx(hours, rel=1e-12)
-    assert row.train_hours == pytest.approx(16_281.31, abs=0.01)  # ≈ 678 days on 32 GPUs
-    assert row.step_time_source is not None and "compute 13.29 s" in row.step_time_source
-    assert "communication 2.078 s" in row.step_time_source and "3,200 Gbps" in row.step_time_source
+    assert row.train_hours == pytest.approx(16_265.95, abs=0.01)  # ≈ 678 days on 32 GPUs
+    assert row.step_time_source is not None and "compute 13.24 s" in row.step_time_source
+    assert "communication 2.107 s" in row.step_time_source and "3,200 Gbps" in row.step_time_source
     assert row.accelerator_hours == pytest.approx(hours * 32, rel=1e-12)
     assert row.on_demand_usd == pytest.approx(hours * 4 * P5_USD_PER_HOUR, rel=1e-12)
-    assert row.on_demand_usd == pytest.approx(3_584_493, rel=1e-6)
+    assert row.on_demand_usd == pytest.approx(3_581_111, rel=1e-6)
     assert row.spot_usd_low == pytest.approx(hours * 4 * 10.24, rel=1e-12)
     assert row.spot_usd_high == pytest.approx(hours * 4 * 55.04, rel=1e-12)
     assert row.capacity_block_usd == pytest.approx(hours * 4 * 39.33, rel=1e-12)
@@ -123,7 +129,7 @@ def test_a_user_catalog_prices_gaudi3(tmp_path: Path) -> None:
     )
     row = compare_training_cost("llama3-70b", "1T", ["gaudi3"], mfu=0.4, catalog_file=catalog).rows[0]
     # 16 Gaudi 3 at 1,677 TFLOP/s × 0.4; 600 GB/s of scale-out per 8-device box (forecast/links.yaml)
-    compute = FLOPS_PER_TOKEN * T * 4 / 3 / (1677e12 * 0.4)
+    compute = RECOMPUTED_FLOPS_PER_TOKEN * T / (1677e12 * 0.4)
     comm = 15 / 16 * N_ALL * (2 * 2 + 4) / (600e9 / 8)
     hours = 1e12 / (16 * T) * (compute + max(0.0, comm - 2 / 3 * compute)) / 3600
     assert row.train_hours == pytest.approx(hours, rel=1e-12)
@@ -292,6 +298,21 @@ def test_cost_analyzer_api_reports_and_plot(tmp_path: Path) -> None:
         result.generate_report(tmp_path / "cost.docx")
 
 
+def test_the_python_call_the_docs_give_as_the_same_makes_the_clis_table(tmp_path: Path) -> None:
+    """docs/how-to/plan-cost.md: `CostAnalyzer().compare_training_cost(...)` is "the same from Python" as
+    `gaudi3 cost compare` with its defaults: the measured MFU per accelerator, not one assumed for all."""
+    cli = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "cost", "compare", "--model", "70B", "--tokens",
+                          "1T", "--platforms", "gaudi3,h100,a100", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    rows = json.loads((tmp_path / "cost.json").read_text())["rows"]
+    result = CostAnalyzer().compare_training_cost(
+        model_size="70B", dataset_tokens="1T", platforms=["gaudi3", "h100", "a100"], include_energy=True
+    )
+    assert json.loads(json.dumps(result.to_dict()))["rows"] == rows
+    assert result.rows[1].mfu == pytest.approx(0.5283) and result.rows[1].mfu_source.startswith("measured")
+
+
 def test_cli_writes_every_format(tmp_path: Path, gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
     code, out, _ = gaudi3_cli("cost", "compare", "--model", "llama3-70b", "--tokens", "1T", "--platforms",
                               "gaudi3,h100,a100", "--out", str(tmp_path))  # fmt: skip
@@ -312,6 +333,25 @@ def test_cli_writes_every_format(tmp_path: Path, gaudi3_cli: Callable[..., tuple
 def test_catalog_command_lists_sources(gaudi3_cli: Callable[..., tuple[int, str, str]]) -> None:
     code, out, _ = gaudi3_cli("cost", "catalog")
     assert code == 0 and "p4d.24xlarge" in out and "21.957642" in out and "Hot Chips" in out
+
+
+def test_the_catalog_asks_for_a_gaudi_price_only_while_none_is_loaded(tmp_path: Path) -> None:
+    """The footer asking for a Gaudi instance price names only the Gaudi generations no loaded instance prices."""
+    catalog = tmp_path / "ibm.yaml"
+    catalog.write_text(
+        "sources:\n  quote: our own IBM quote (test fixture)\ninstances:\n"
+        "  - {provider: ibm, type: gx3d-160x1792x8gaudi3, accelerator: gaudi3, accelerators_per_node: 8,\n"
+        "     region: us-south, on_demand_usd_per_hour: 60, spot_usd_per_hour_range: null,\n"
+        "     capacity_block_usd_per_hour: null, prices_date: 2026-11, sources: [quote]}\n"
+    )
+    shown = {}
+    for name, extra in (("shipped", []), ("mine", ["--catalog", str(catalog)])):
+        run = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", "cost", "catalog", *extra],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        shown[name] = [line for line in run.stdout.splitlines() if "no sourced instance price" in line]
+    assert shown["shipped"] == ["Gaudi 2 / Gaudi 3: no sourced instance price; add one with --catalog FILE."]
+    assert shown["mine"] == ["Gaudi 2: no sourced instance price; add one with --catalog FILE."]
 
 
 def test_assumptions_are_stated() -> None:

@@ -3,6 +3,7 @@ catalog and the `cost` section's one-line errors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from gaudi3_scale.metering.live import (
     budget_message,
     check_budget_left,
     check_cost_config,
+    recorded_cost_usd,
     resolve_price,
+    resumed_cost_usd,
 )
 from gaudi3_scale.metering.spot import CachedSpotPrices, SpotPolicy, SpotQuote
 from gaudi3_scale.train.config import build_run_config
@@ -129,6 +132,22 @@ def test_resume_with_the_budget_spent_is_refused_with_exit_3() -> None:
         check_budget_left(2.0, 2.0, "step-00000010")
     assert err.value.exit_code == BUDGET_EXIT_CODE == 3
     assert "step-00000010" in str(err.value) and "raise cost.budget_usd" in str(err.value)
+
+
+def test_the_spend_a_resume_continues_from_is_the_larger_of_checkpoint_and_metrics(tmp_path: Path) -> None:
+    """The last cost record of metrics.jsonl, read from the end across blocks: records without a cost (a health
+    event) and a torn last line (the writer killed) are passed over; no file or no cost record: the checkpoint's."""
+    path = tmp_path / "metrics.jsonl"
+    assert recorded_cost_usd(path) is None and resumed_cost_usd(1.5, path) == 1.5
+    assert resumed_cost_usd(None, None) is None
+    pad = "x" * 900  # ~1 KiB records: the file spans several 64 KiB blocks
+    lines = [json.dumps({"step": step, "cost_usd": step / 100, "pad": pad}) for step in range(1, 300)]
+    lines += [json.dumps({"step": 299, "health_event": "spike", "pad": pad * 80}), '{"step": 300, "cost_u']
+    path.write_text("\n".join(lines))
+    assert recorded_cost_usd(path) == 2.99
+    assert resumed_cost_usd(1.5, path) == 2.99 and resumed_cost_usd(3.5, path) == 3.5
+    path.write_text(json.dumps({"step": 1, "train_loss": 2.0}) + "\n")
+    assert recorded_cost_usd(path) is None and resumed_cost_usd(1.5, path) == 1.5
 
 
 def _cost(*overrides: str) -> CostConfig:

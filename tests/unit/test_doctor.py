@@ -284,6 +284,13 @@ def test_cli_json_report_and_exit_code_agree(
     assert err.startswith(
         "gaudi3: error: --check: unknown check 'nosuch'; allowed: accelerator, network, shm"
     )
+    # A selection that leaves nothing would pass the node gate having checked nothing.
+    code, out, err = gaudi3_cli("doctor", "--check", "shm", "--skip", "shm")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(
+        "gaudi3: error: --skip: skips every check selected (shm), so none would run; keep at least one of: "
+        "accelerator, network, shm"
+    )
 
 
 def test_train_in_the_image_runs_the_doctor_first_and_stops_on_a_fail(

@@ -33,9 +33,26 @@ def test_collective_bytes_follow_the_ring_formulas() -> None:
     assert _bytes("fsdp", 2) == pytest.approx(0.5 * P * (2 * 4 + 4))
     assert _bytes("fsdp", 2, accumulation=3, param_bytes=2) == pytest.approx(3 * 0.5 * P * (2 * 2 + 4))
     assert _bytes("fsdp", 1) == 0.0
+    # DeepSpeed ZeRO-2: a gradient reduce-scatter after every micro-step's backward, one parameter all-gather a step
+    assert _bytes("deepspeed_zero2", 2, accumulation=3, param_bytes=2) == pytest.approx(0.5 * P * (3 * 4 + 2))
     # tensor parallel 2 on 2 ranks: 4 activation all-reduces per layer per micro-step, no data parallel
     activation = 2 * 32 * 64 * 4
     assert _bytes("fsdp", 2, tp=2) == pytest.approx(MODEL.num_layers * 4 * 2 * 0.5 * activation)
+
+
+def test_deepspeed_collectives_on_the_compute_stream_are_counted_apart() -> None:
+    """overlap_comm off (distributed.plan.ZERO_OVERLAP_COMM, what distributed.deepspeed sets): ZeRO-2's and ZeRO-3's
+    gradient reduce-scatters, and ZeRO-2's parameter all-gather after the step, cannot hide behind backward;
+    ZeRO-3's prefetched gathers can."""
+    plan = ParallelPlan.build(strategy="deepspeed_zero2", world_size=2)
+    batch = BatchPlan.build(global_batch_size=12, micro_batch_size=2, data_parallel_size=2, context_length=32)
+    zero2 = step_collective_bytes(MODEL, plan, batch, parameters=P, param_bytes=2)
+    assert zero2.serial == zero2.data_parallel == pytest.approx(0.5 * P * (3 * 4 + 2))
+    plan = ParallelPlan.build(strategy="deepspeed_zero3", world_size=2)
+    zero3 = step_collective_bytes(MODEL, plan, batch, parameters=P, param_bytes=2)
+    assert zero3.data_parallel == pytest.approx(3 * 0.5 * P * (2 * 2 + 4)) and zero3.serial == pytest.approx(
+        3 * 0.5 * P * 4
+    )
 
 
 def _probe(key: str, step: float) -> Probe:
@@ -187,6 +204,29 @@ def test_the_forecast_of_a_resumed_run_reads_the_step_its_resume_will_take(tmp_p
     assert manifest("--train.resume", "never") is None
     assert manifest("--train.resume", str(newest / "state.ckpt"))["cost_usd"] == 3.0
     assert manifest("--train.resume", str(out))["step"] == 20  # a run directory: its pointer's
+
+
+def test_a_resumed_runs_forecast_counts_the_spend_it_recorded_after_its_checkpoint(tmp_path: Path) -> None:
+    """A process killed without a stop (SIGKILL) recorded $5 in metrics.jsonl after a checkpoint of $3: the
+    resumed meter starts from $5 (`metering.live.resumed_cost_usd`), and so does the forecast's cost."""
+    from gaudi3_scale.forecast.run import forecast_for_training
+    from gaudi3_scale.train.config import resolve_config
+    from gaudi3_scale.tune.estimate_table import resolved_model
+
+    out = tmp_path / "run"
+    cfg = resolve_config(None, ["--out_dir", str(out), "--train.max_steps", "100", "--model.num_layers", "1",
+                                "--cost.price_usd_per_hour", "3600"])  # fmt: skip
+    model = resolved_model(cfg.model, cfg.data)
+    _committed(out / "checkpoints", 40, 3.0)
+
+    def spent() -> float:
+        forecast = forecast_for_training(cfg, model)
+        assert forecast.run["start_step"] == 40 and forecast.cost_usd.value and forecast.wall_s
+        return forecast.cost_usd.value - forecast.wall_s  # $1 a second of this process's wall time
+
+    assert spent() == pytest.approx(3.0)
+    (out / "metrics.jsonl").write_text('{"step": 40, "cost_usd": 3.0}\n{"step": 45, "cost_usd": 5.0}\n')
+    assert spent() == pytest.approx(5.0)
 
 
 def test_with_no_local_checkpoint_the_forecast_reads_the_remote_mirrors_manifest(tmp_path: Path) -> None:

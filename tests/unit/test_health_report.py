@@ -6,9 +6,13 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ import pytest
 from gaudi3_scale.config.errors import UserInputError
 from gaudi3_scale.health.dumps import dump_header
 from gaudi3_scale.health.heartbeat import Heartbeat, write_json_atomic
-from gaudi3_scale.health.report import format_health, read_health
+from gaudi3_scale.health.report import format_health, rank_stopped, read_health
 
 GAUDI3 = [sys.executable, "-m", "gaudi3_scale.cli"]
 BEAT = Heartbeat(
@@ -103,10 +107,47 @@ def test_a_finished_rank_and_a_run_without_hangs(tmp_path: Path) -> None:
 def test_a_directory_without_health_is_one_line_and_exit_2(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="no health/ directory here"):
         read_health(tmp_path)
-    done = subprocess.run([*GAUDI3, "health", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    done = subprocess.run([*GAUDI3, "health", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith(f"gaudi3: error: {tmp_path / 'nowhere'}: no health/ directory here")
+    assert done.stderr.startswith(f"gaudi3: error: {tmp_path}: no health/ directory here")
     assert done.stderr.count("\n") == 1
+    # A path that is not there is a typo, not a run trained without the watchdog.
+    done = subprocess.run([*GAUDI3, "health", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"gaudi3: error: {tmp_path / 'nowhere'}: no such directory; pass the output directory of a run\n"
+    )
+
+
+def test_a_rank_killed_or_gone_silent_is_not_shown_as_training(tmp_path: Path) -> None:
+    """What a kill -9 or the OOM killer leaves: a heartbeat that still says `in step`. On this host its pid is
+    asked; a rank elsewhere is known by its file's age (its watchdog rewrites it every 2 s)."""
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()  # its pid is nobody's now
+    health = tmp_path / "health"
+    health.mkdir()
+    now = time.time()
+    here = dataclasses.replace(BEAT, pid=dead.pid, host=socket.gethostname(), last_beat_unix_s=now - 5,
+                               written_unix_s=now - 3)  # fmt: skip
+    elsewhere = dataclasses.replace(
+        BEAT, rank=1, local_rank=1, last_beat_unix_s=now - 125, written_unix_s=now - 120
+    )
+    write_json_atomic(health / "heartbeat-rank0.json", here.to_dict())
+    write_json_atomic(health / "heartbeat-rank1.json", elsewhere.to_dict())
+    done = subprocess.run([*GAUDI3, "health", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rank0, rank1 = done.stdout.splitlines()[2:]
+    assert re.search(r"in step at step 14 \(timeout 10 s\); .*; process not running \(killed or crashed\), "
+                     r"heartbeat \d+ s old$", rank0), rank0  # fmt: skip
+    assert re.search(r"; heartbeat 1[2-9]\d s old: stale, its watchdog stopped writing \(killed, crashed or "
+                     r"frozen\)$", rank1), rank1  # fmt: skip
+    # A live rank with a fresh file, and a finished one however old, are just what their heartbeat says.
+    live = dataclasses.replace(here, pid=os.getpid(), written_unix_s=now - 1)
+    assert rank_stopped(live, now) is None
+    assert rank_stopped(dataclasses.replace(elsewhere, section="done"), now) is None
+    assert rank_stopped(dataclasses.replace(live, written_unix_s=now - 7), now) == (
+        "heartbeat 7 s old: stale, its watchdog stopped writing (killed, crashed or frozen)"
+    )  # alive but frozen (the GIL held, or stopped with SIGSTOP)
 
 
 def test_lines_of_metrics_jsonl_that_are_not_records_are_passed_over(tmp_path: Path) -> None:

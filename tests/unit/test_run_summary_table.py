@@ -25,3 +25,12 @@ def test_predictions_of_steady_steps_are_compared_only_with_steady_steps() -> No
     assert "(predicted 0.5 for steady steps; not compared with warm-up steps)" in warm
     assert "-50%" not in warm and "+100%" not in warm
     assert "(predicted 12.5, +25%)" in warm  # the wall time is compared either way
+
+
+def test_a_run_that_stopped_early_is_not_held_against_the_forecast_of_its_whole_length() -> None:
+    """Stopped by a signal at step 4 of a forecast 2,000: its wall time is of 4 steps, its step time still a step."""
+    stopped = _table({**SUMMARY, "interrupted": True, "stop_signal": "SIGTERM"})
+    assert "10 (predicted 12.5 for the whole run; it stopped early)" in stopped and "+25%" not in stopped
+    assert "1 (predicted 0.5, -50%)" in stopped  # a step is a step however many ran
+    budget = _table({**SUMMARY, "interrupted": False, "stop_exit_code": 3})  # a stop the run asked for itself
+    assert "it stopped early" in budget and "+25%" not in budget

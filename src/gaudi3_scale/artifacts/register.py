@@ -34,6 +34,7 @@ __all__ = [
     "MODEL_URI_PREFIX",
     "RegisteredVersion",
     "check_registry",
+    "checkpoint_metrics",
     "fetch_registered",
     "register_export",
     "registry_uri",
@@ -162,15 +163,16 @@ def register_export(
     name: str,
     *,
     checkpoint: Path,
+    metrics: dict[str, float],
     fmt: str,
     client: Any,
     tracking_uri: str,
     experiment: str = DEFAULT_EXPERIMENT,
 ) -> RegisteredVersion:
-    """Log `export_dir` with the checkpoint's config and metrics as an MLflow run; register it as a new version."""
+    """Log `export_dir` with the checkpoint's config and `metrics` (`checkpoint_metrics`, read before the export
+    was written) as an MLflow run; register it as a new version."""
     ckpt = read_checkpoint(checkpoint, mmap=True)
     config = run_config(ckpt) or {}
-    metrics = _checkpoint_metrics(checkpoint)
     found = client.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else client.create_experiment(experiment)
     run = client.create_run(
@@ -204,9 +206,13 @@ def register_export(
     return RegisteredVersion(name, int(version.version), version.source, run_id, tracking_uri)
 
 
-def _checkpoint_metrics(checkpoint: Path) -> dict[str, float]:
+def checkpoint_metrics(checkpoint: Path) -> dict[str, float]:
     """step, tokens seen and validation loss from the manifest; train loss, val loss, tokens/s and MFU from the
-    run's summary.json when the checkpoint is the run's last."""
+    run's summary.json when the checkpoint is the run's last.
+
+    Read before anything is exported or registered: a damaged summary.json is one line then, not after the
+    export is written (when the same command, rerun, is refused for its non-empty --out). It is refused rather
+    than passed over: a version registered without the metrics it should carry cannot be amended later."""
     directory = checkpoint_directory(Path(checkpoint))
     manifest = read_manifest(directory) if directory.is_dir() else None
     metrics: dict[str, float] = {}
@@ -216,7 +222,12 @@ def _checkpoint_metrics(checkpoint: Path) -> dict[str, float]:
             metrics[key] = float(value)
     summary_path = directory.parent.parent / "summary.json"
     if summary_path.is_file():
-        summary = load_json_file(summary_path, what="run summary")
+        try:
+            summary = load_json_file(summary_path, what="run summary")
+        except UserInputError as exc:
+            raise UserInputError(
+                f"{exc}; --register logs its metrics: repair it, or move it away to register without them"
+            ) from None
         if summary.get("steps") == metrics.get("step"):
             for key in ("train_loss", "val_loss", "tokens_per_s", "mfu"):
                 value = summary.get(key)

@@ -21,8 +21,8 @@ runs, as one line naming the cell and the field. `load_matrix(..., here=True)` (
 also refuses a precision or device this machine cannot train in, as each cell's `gaudi3 train` would at launch.
 
 A cell is a short run made to measure: besides its axes, data, batch and steps, it turns off what every such run
-turns off (checkpoints, tracker runs, the metrics port, the cost budget: `train.config.throwaway_run_overrides`),
-the profiler (its steps would be measured) and `train.max_epochs` (a cell's length is steps). A `base` field that
+turns off (a length in epochs, the profiler, checkpoints, tracker runs, the metrics port, the cost budget:
+`train.config.throwaway_run_overrides`). A `base` field that
 would change what a cell runs under its label is refused, naming the matrix key to use: a field the cells set
 (`_cell_overrides`: merged under them, it would be dropped without a word), a field of the model's shape
 (`models.pretrained.SHAPE_FIELDS` and `model.init_from`: a cell runs its preset's shape, under that preset's name)
@@ -217,12 +217,10 @@ def _cell_overrides(m: MatrixConfig, axes: _Axes, throwaway: Mapping[str, Any]) 
         "global_batch_size": batch.global_batch_size,
         "global_batch_tokens": None,  # the batch is the matrix's, in sequences
         "max_steps": m.warmup_steps + m.measure_steps,
-        "max_epochs": None,  # a cell's length is steps (the config refuses both)
         "log_every_steps": 1,
         "val_every_steps": 0,
         "val_batches": 1,
         "throughput_warmup_steps": m.warmup_steps,  # the run's summary leaves out what the result leaves out
-        "profile_start_step": None,  # off, as in a tuning trial: the profiler and its export would be measured
     }
     bench = {"result": True, "warmup_steps": m.warmup_steps, "cell_id": cell_id, "matrix": m.name}
     own = {

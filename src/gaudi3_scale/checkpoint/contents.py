@@ -86,8 +86,9 @@ SEMANTICS_KEY = "model_semantics"
 TIER_KEY = "tier"
 LIGHT_TIER = "light"
 
-# The top-level entries `gaudi3 ckpt diff` and `gaudi3 repro` compare bitwise: everything a resume restores.
-DIFF_KEYS = (GLOBAL_STEP_KEY, STATE_DICT_KEY, OPTIMIZER_STATES_KEY, DATAMODULE_KEY, RNG_KEY)
+# The top-level entries `gaudi3 ckpt diff` and `gaudi3 repro` compare bitwise: everything a resume restores, the
+# step guard's state included (its skipped batches, spike histories and lr factor change training after a resume).
+DIFF_KEYS = (GLOBAL_STEP_KEY, STATE_DICT_KEY, OPTIMIZER_STATES_KEY, DATAMODULE_KEY, RNG_KEY, HEALTH_KEY)
 
 
 def run_config(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -211,9 +211,12 @@ def export(
     checkpoint = resolve_checkpoint(checkpoint, warn=_warn)
 
     client = uri = None
+    metrics: dict[str, float] = {}
     if register_name is not None:  # checked before anything is written
-        from gaudi3_scale.artifacts.register import check_registry, registry_uri
+        from gaudi3_scale.artifacts.register import check_registry, checkpoint_metrics, registry_uri
 
+        # a damaged summary.json is refused here, before the registry or the export is made
+        metrics = checkpoint_metrics(checkpoint)
         uri = registry_uri(checkpoint, tracking_uri)
         client = check_registry(register_name, uri)
     written = export_checkpoint(checkpoint, out_dir, fmt=fmt, force=force, tokenizer_dir=tokenizer_dir)
@@ -224,8 +227,8 @@ def export(
         from gaudi3_scale.artifacts.register import register_export
 
         registered = register_export(
-            out_dir, register_name, checkpoint=checkpoint, fmt=fmt, client=client, tracking_uri=str(uri),
-            experiment=experiment,
+            out_dir, register_name, checkpoint=checkpoint, metrics=metrics, fmt=fmt, client=client,
+            tracking_uri=str(uri), experiment=experiment,
         )  # fmt: skip
         click.echo(
             f"registered {registered.name} version {registered.version} in {registered.tracking_uri} "

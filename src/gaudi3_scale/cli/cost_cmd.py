@@ -165,9 +165,18 @@ def catalog_cmd(catalog_file: str | None) -> None:
     console.print(prices)
     for i in instances:
         console.print(f"  {i.type} ({i.region}): {i.source}", highlight=False, soft_wrap=True)
-    console.print(
-        "Gaudi 2 / Gaudi 3: no sourced instance price; add one with --catalog FILE.", highlight=False
-    )
+    # The shipped catalog prices no Gaudi instance (no primary source); a --catalog that does needs no such hint.
+    priced = {
+        i.accelerator
+        for i in instances
+        if (i.on_demand_usd_per_hour, i.spot_usd_per_hour_range, i.capacity_block_usd_per_hour) != (None,) * 3
+    }
+    unpriced = [name for key, name in (("gaudi2", "Gaudi 2"), ("gaudi3", "Gaudi 3")) if key not in priced]
+    if unpriced:
+        console.print(
+            f"{' / '.join(unpriced)}: no sourced instance price; add one with --catalog FILE.",
+            highlight=False,
+        )
 
 
 @cost.command(name="quote")

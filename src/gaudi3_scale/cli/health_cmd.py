@@ -1,7 +1,7 @@
 """`gaudi3 health RUN_DIR`: what the hang watchdog recorded, per rank (health/report.py does the reading).
 
-Exit 0 with the report, damaged files included as `damaged:` lines; 2 when RUN_DIR has no health/ directory (nor
-a health event in metrics.jsonl), or nothing in it is readable.
+Exit 0 with the report, damaged files included as `damaged:` lines; 2 when RUN_DIR does not exist, has no health/
+directory (nor a health event in metrics.jsonl), or nothing in it is readable.
 """
 
 from __future__ import annotations

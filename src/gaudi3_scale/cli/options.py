@@ -1,4 +1,5 @@
-"""Click options shared by several commands: numbers checked the config's way, and the launch flags.
+"""Click options shared by several commands: numbers checked the config's way, the launch flags, and the check of a
+new run directory given as `--out`.
 
 Every numeric option is a `Number` (or `Seed`, `Seconds`, `Port`): the text is read by `config.numbers.parse_number`
 (ASCII digits, at most 100 of them, no nan or inf) and range-checked by `config.numbers.check_number`, the validator
@@ -9,6 +10,7 @@ line and exit 2 at parse time, before anything runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -23,7 +25,16 @@ from gaudi3_scale.config.numbers import (
     parse_number,
 )
 
-__all__ = ["Count", "Number", "Port", "Seconds", "Seed", "launch_options", "launch_overrides"]
+__all__ = [
+    "Count",
+    "Number",
+    "Port",
+    "Seconds",
+    "Seed",
+    "check_new_out_dir",
+    "launch_options",
+    "launch_overrides",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -158,3 +169,18 @@ def launch_overrides(launch: Mapping[str, Any]) -> list[str]:
             value = "'" + value.replace("'", "''") + "'"
         out.append(f"--parallel.{key}={value}")
     return out
+
+
+def check_new_out_dir(out_dir: Path) -> None:
+    """`--out` of a verb that fills a new directory with its runs (smoke, repro): refused in one line, before any
+    work, when it is a file or inside one, already holds something, or cannot be created and written. Checked
+    here, not by mkdir later: there a PermissionError would be a traceback and exit 1, which these verbs use for
+    "a stage failed" and "the runs differ"."""
+    from gaudi3_scale.config.files import check_output_dir
+    from gaudi3_scale.verify.node_checks import write_problem
+
+    check_output_dir("--out", out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
+    if problem := write_problem(out_dir):
+        raise UserInputError(f"--out: {str(out_dir)!r}: {problem}; pick a directory you can write")

@@ -37,7 +37,8 @@ __all__ = ["plan"]
 @click.option(
     "--probe", is_flag=True, help="run the config briefly on this machine first and forecast from it"
 )
-@click.option("--refresh-peak", is_flag=True, help="measure this CPU's peak FLOP/s again (kept otherwise)")
+@click.option("--refresh-peak", is_flag=True,
+              help="measure this CPU's peak FLOP/s again and replace the stored one (else the best is kept)")  # fmt: skip
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the forecast JSON here (default: <run dir>/plan.json)")  # fmt: skip
 @click.option("--compare", "compare_run", type=click.Path(file_okay=False, path_type=Path),

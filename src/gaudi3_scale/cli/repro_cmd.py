@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gaudi3_scale.cli.options import Count, launch_options, launch_overrides
+from gaudi3_scale.cli.options import Count, check_new_out_dir, launch_options, launch_overrides
 from gaudi3_scale.config import strict_json
 from gaudi3_scale.config.errors import UserInputError, print_error
-from gaudi3_scale.config.files import check_output_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -75,9 +74,7 @@ def repro(
     from gaudi3_scale.verify.repro import plan_runs
 
     if out_dir is not None:
-        check_output_dir("--out", out_dir)  # a file at or above it: one line, not mkdir's traceback later
-        if out_dir.exists() and any(out_dir.iterdir()):
-            raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
+        check_new_out_dir(out_dir)
     user_overrides = [*overrides, *launch_overrides(launch)]
     cfg = resolve_config(config_path, user_overrides)
     if not steps and cfg.train.max_epochs is not None:
@@ -193,7 +190,7 @@ def _print_table(plan: ReproPlan, comparison: Comparison, report_path: Path) -> 
     table.add_row("runs", plan.note)
     table.add_row("steps compared", f"{first}-{last} ({len(comparison.steps)}: {', '.join(COMPARED_FIELDS)})")
     table.add_row("first differing step", comparison.metrics.describe() if comparison.metrics else "none")
-    same = "identical (weights, optimizer, sampler, RNG, step)"
+    same = "identical (weights, optimizer, sampler, RNG, step guard, step)"
     table.add_row(
         f"checkpoint at step {last}", f"{checkpoint.key}: {checkpoint.detail}" if checkpoint else same
     )

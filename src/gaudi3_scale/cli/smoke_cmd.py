@@ -1,4 +1,4 @@
-"""`gaudi3 smoke`: train the tiny default model briefly on CPU, then save, verify and reload its checkpoint.
+"""`gaudi3 smoke`: train the tiny default model briefly on CPU, then save, verify, reload and resume from its checkpoint.
 
 Exit 0: every stage passed; 1: a stage failed (`smoke: FAILED at stage <name>: <reason>` on stderr); 2: bad input.
 """
@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gaudi3_scale.cli.options import Count
-from gaudi3_scale.config.errors import UserInputError
-from gaudi3_scale.config.files import check_output_dir
+from gaudi3_scale.cli.options import Count, check_new_out_dir
 
 if TYPE_CHECKING:
     from gaudi3_scale.verify.smoke import StageResult
@@ -35,13 +33,11 @@ BUDGET_S = 120.0  # the smoke tier's promise: 100 steps + checkpoint round trip 
 @click.option("--steps", type=Count(), default=100, show_default=True, help="optimizer steps")
 @click.option("--keep", is_flag=True, help="keep the temporary run directory (--out is always kept)")
 def smoke(out_dir: Path | None, steps: int, keep: bool) -> None:
-    """Smoke test: train, save a checkpoint, verify its checksums and reload it; each stage timed."""
+    """Smoke test: train, save a checkpoint, verify its checksums, reload it and resume from it; each stage timed."""
     from gaudi3_scale.verify.smoke import run_smoke
 
     if out_dir is not None:
-        check_output_dir("--out", out_dir)  # a file at or above it: one line, not mkdir's traceback later
-        if out_dir.exists() and any(out_dir.iterdir()):
-            raise UserInputError(f"--out: {str(out_dir)!r} is not empty; pick a new or empty directory")
+        check_new_out_dir(out_dir)
     directory = out_dir or Path(tempfile.mkdtemp(prefix="gaudi3-smoke-"))
     directory.mkdir(parents=True, exist_ok=True)
     report = run_smoke(directory, steps, progress_print=_print_stage)

@@ -24,13 +24,17 @@ __all__ = ["CostAnalyzer"]
 
 
 class CostAnalyzer:
-    """Planning defaults held once (catalog override, MFU, energy assumptions), comparisons asked many times."""
+    """Planning defaults held once (catalog override, MFU, energy assumptions), comparisons asked many times.
+
+    `mfu` None (the default) is `gaudi3 cost compare`'s default: per accelerator our measured MFU where we have one,
+    else a labelled assumption, so the Python call and the CLI give the same table; a number assumes it everywhere.
+    """
 
     def __init__(
         self,
         *,
         catalog_file: str | Path | None = None,
-        mfu: float = 0.40,
+        mfu: float | None = None,
         pue: float = DEFAULT_PUE,
         power_fraction_of_tdp: float = 1.0,
         usd_per_kwh: float | None = None,
@@ -56,7 +60,8 @@ class CostAnalyzer:
         """One row per platform: devices to fit, time, $ (on-demand, spot, capacity block), energy, $/1M tokens.
 
         model_size: a preset ("llama3-70b"), a size naming one ("70B", "8B", "124M") or a ModelConfig.
-        dataset_tokens: "1T", "300B", 2e12 …; mfu: overrides the analyzer's; from_benchmarks: a directory of
+        dataset_tokens: "1T", "300B", 2e12 …; mfu: overrides the analyzer's (None: the analyzer's, else the
+        CLI's per-accelerator default); from_benchmarks: a directory of
         benchmark results whose measured MFU replaces the assumed one per accelerator.
         """
         comparison = compare_training_cost(

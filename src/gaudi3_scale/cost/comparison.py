@@ -47,9 +47,9 @@ class Assumptions:
             "training FLOPs = FLOPs per token × tokens; FLOPs per token = 6·N (N: parameters in matmuls) + "
             "12·L·H·Q·T attention (PaLM, Chowdhery et al. 2022, App. B); the step time counts recomputation",
             "time = tokens ÷ tokens per step × step time, the step as `gaudi3 plan` forecasts it (forecast/model.py): "
-            "FLOPs per rank (× 4/3 under activation checkpointing) ÷ (peak dense FLOP/s × MFU) + the communication "
-            "the backward pass does not hide (forecast/comm.py over forecast/links.yaml); a stored probe of the "
-            "layout on this machine replaces both",
+            "FLOPs per rank (the blocks' × 4/3 under activation checkpointing) ÷ (peak dense FLOP/s × MFU) + the "
+            "communication the backward pass does not hide (forecast/comm.py over forecast/links.yaml); a stored "
+            "probe of the layout on this machine replaces both",
             f"fit: {self.strategy} (FSDP2: parameters, gradients and optimizer state sharded as in ZeRO-3; a "
             "strategy the trainer runs on every platform, on Gaudi over HCCL, not yet validated on Gaudi hardware; "
             f"DeepSpeed is not proposed for Gaudi), {self.precision}, activation checkpointing "

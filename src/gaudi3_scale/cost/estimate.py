@@ -7,9 +7,9 @@ For each platform (an accelerator in `device/accelerators.yaml`, or `cpu` measur
   bf16-mixed, activation checkpointing, micro-batch 1, the model's context) within `memory_fraction` of the
   device's memory; whole nodes are rented, so the run uses every accelerator of those nodes (or of `nodes`).
 * **training time** = tokens ÷ tokens per step × the step time of `gaudi3 plan`'s model (`cost.step_time`, over
-  `forecast.model`): the step's FLOPs per rank (6·N + attention per token, `models/counting.py`, × 4/3 under
-  activation checkpointing) over peak × MFU, plus the communication the backward pass does not hide, or this
-  machine's stored probe of the very layout. The MFU is the forecast machine's (ours measured where we have it, an
+  `forecast.model`): the step's FLOPs per rank (6·N + attention per token, `models/counting.py`, the blocks' ×
+  4/3 under activation checkpointing) over peak × MFU, plus the communication the backward pass does not hide, or
+  this machine's stored probe of the very layout. The MFU is the forecast machine's (ours measured where we have it, an
   assumption said so, this machine's probes), or given, or measured by benchmarks.
 * **$**: node-hours × the instance's price (on-demand; spot as the catalog's range; capacity block) for the
   cheapest instance in the catalog that carries the accelerator. No price in the catalog → "unknown", never a

@@ -4,10 +4,10 @@ model, one code path, so the two agree by construction.
 The row's run is a `RunShape` (the comparison's strategy, precision, activation checkpointing and micro-batch on the
 platform's devices, one micro-batch per data-parallel rank a step); the platform is a forecast `Machine` (this CPU,
 or a catalog accelerator, with this machine's calibration store when this machine is one); the step is
-`forecast_step`: the FLOPs per rank (× 4/3 under activation checkpointing) over peak × MFU, plus the communication
-the backward pass does not hide (`forecast.comm` over `forecast/links.yaml`), or the stored probe of this very
-layout (`gaudi3 plan --probe`, a tune trial or a benchmark cell on this machine). Training time = tokens ÷ tokens
-per step × step time.
+`forecast_step`: the FLOPs per rank (the blocks' × 4/3 under activation checkpointing) over peak × MFU, plus the
+communication the backward pass does not hide (`forecast.comm` over `forecast/links.yaml`), or the stored probe of
+this very layout (`gaudi3 plan --probe`, a tune trial or a benchmark cell on this machine). Training time = tokens ÷
+tokens per step × step time.
 """
 
 from __future__ import annotations

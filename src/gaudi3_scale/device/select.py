@@ -80,8 +80,9 @@ def measure_cpu_matmul_flops(threads: int, *, seconds: float = 0.3) -> float:
     """Best FP32 matmul FLOP/s on this CPU with `threads` threads, measured once per process.
 
     A CPU has no datasheet peak we can trust (turbo, SMT, AVX frequency offsets), so CPU MFU is reported against
-    the measured matmul ceiling, the CPU analogue of stas00's "maximum achievable matmul FLOPS". It is not cached
-    on disk: a figure measured while the machine was busy would understate the peak for every later run.
+    the measured matmul ceiling, the CPU analogue of stas00's "maximum achievable matmul FLOPS". The run's MFU is
+    against this process's measurement, never one read from disk; the forecast's calibration store keeps the best
+    of these measurements, as one taken while the machine was busy understates the peak (`forecast.machine`).
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -29,6 +29,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from gaudi3_scale.config.errors import UserInputError
+from gaudi3_scale.distributed.plan import ZERO_OVERLAP_COMM
 
 __all__ = ["ZeroStrategy", "build_zero_strategy", "gathered_for_update", "skip_inference_comm_build"]
 
@@ -116,7 +117,7 @@ class ZeroStrategy(DeepSpeedStrategy):
                 # differently from the fused addmm every other strategy runs (2-rank ZeRO-3 losses drifted 1e-5
                 # from one process's within 3 steps).
                 "memory_efficient_linear": False,
-                "overlap_comm": False,
+                "overlap_comm": ZERO_OVERLAP_COMM,
                 # DeepSpeed's defaults (5e8-element buckets, 2 GB in fp32) dwarf small models; these are the
                 # hidden-size rules Hugging Face's DeepSpeed integration uses for its "auto" values.
                 "reduce_bucket_size": hidden_size**2,

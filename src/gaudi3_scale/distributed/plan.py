@@ -18,6 +18,7 @@ from gaudi3_scale.distributed.config import STRATEGIES, ParallelConfig
 __all__ = [
     "CUDA_GRAPH_COMPILE_MODES",
     "SHARDED_STRATEGIES",
+    "ZERO_OVERLAP_COMM",
     "ZERO_STAGES",
     "BatchPlan",
     "ParallelPlan",
@@ -28,6 +29,10 @@ __all__ = [
 CUDA_GRAPH_COMPILE_MODES = frozenset({"reduce-overhead", "max-autotune"})
 SHARDED_STRATEGIES = ("fsdp", "fsdp_grad_op")  # FSDP2 fully_shard, applied by `parallelize`
 ZERO_STAGES = ("deepspeed_zero2", "deepspeed_zero3")  # DeepSpeed's engine wraps the module
+# DeepSpeed's `zero_optimization.overlap_comm`, as `distributed.deepspeed` sets it (and the forecast reads it): off,
+# the gradient reductions run on the compute stream (DeepSpeed's stage_1_and_2.py and stage3.py reduce on the
+# default stream then), so backward waits for each of them.
+ZERO_OVERLAP_COMM = False
 
 
 def data_parallel_size(world_size: int, tp_size: int = 1, pp_size: int = 1) -> int:

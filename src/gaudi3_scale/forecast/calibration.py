@@ -1,5 +1,6 @@
 """One calibration store per machine (`$GAUDI3_CACHE/calibration/<machine>.json`): the machine's peak matmul FLOP/s,
-measured once and kept (refreshed on demand: `gaudi3 plan --refresh-peak`), and the probes run on it — short real
+the best of its measurements (a busy machine's measurement only understates it; `gaudi3 train` measures it
+again at each start; `gaudi3 plan --refresh-peak` replaces it), and the probes run on it — short real
 runs of a model and layout, keyed by what decides their step time — so a later forecast of the same run, or of a
 larger or longer one on the same kind of machine, uses measured rates, not an assumed MFU. Probes come from
 `gaudi3 plan --probe` (`forecast.probe`) and from every successful `gaudi3 tune` trial and `gaudi3 benchmark run`
@@ -162,8 +163,19 @@ class CalibrationStore:
         return None if entry is None else (float(entry["flops"]), float(entry["measured_unix_s"]))
 
     def set_peak(self, slot: str, flops: float) -> None:
+        """Store `flops` as the slot's peak, whatever was there (`gaudi3 plan --refresh-peak`)."""
         self.peaks[slot] = {"flops": flops, "measured_unix_s": time.time()}
         self.save()
+
+    def raise_peak(self, slot: str, flops: float) -> bool:
+        """Store `flops` as the slot's peak when there is none or it is higher: a peak is a ceiling, and a
+        measurement taken while the machine was busy only understates it (kept, it would slow every later
+        forecast). Whether it was stored."""
+        stored = self.peak(slot)
+        if stored is not None and stored[0] >= flops:
+            return False
+        self.set_peak(slot, flops)
+        return True
 
     def add_probe(self, probe: Probe, *, keep_longer: bool = False) -> bool:
         """Store `probe` as its layout's; `keep_longer`: not over a stored probe that measured longer (a tune

@@ -1,4 +1,4 @@
-"""The machine a forecast is for: this one (its CPU, measured once into the calibration store) or a catalog
+"""The machine a forecast is for: this one (its CPU, its peak the best measurement in the calibration store) or a catalog
 accelerator (`--machine h100|h200|gaudi3|…`), with the rates the step-time model needs — peak FLOP/s per rank, the
 fraction of it a run achieves when no probe has measured it, link bandwidths, memory and power — each a `Figure`
 that says where it came from. A catalog accelerator that is also this machine's visible CUDA device reads this
@@ -74,25 +74,56 @@ def _local_gpu_store(accelerator: str) -> CalibrationStore | None:
     return CalibrationStore.for_machine(machine_key(name, torch.cuda.device_count()))
 
 
-def _probes_mfu(store: CalibrationStore, peak_of: Callable[[Probe], float], fallback: Figure) -> Figure:
+def _probes_mfu(
+    store: CalibrationStore, peak_of: Callable[[Probe], float | None], fallback: Figure
+) -> Figure:
     """The median achieved ÷ peak of the store's probes (what runs reach on this machine), each over the peak it ran
-    at (`peak_of`: a CPU probe's is that of its own threads per rank), else `fallback`."""
-    probes = list(store.probes.values())
-    if not probes:
+    at (`peak_of`: a CPU probe's is that of its own threads per rank, a GPU probe's that of its own precision; None:
+    a probe without a peak, left out), else `fallback`."""
+    peaks = ((p, peak_of(p)) for p in store.probes.values())
+    ratios = sorted(p.achieved_flops_per_rank / peak for p, peak in peaks if peak)
+    if not ratios:
         return fallback
-    ratios = sorted(p.achieved_flops_per_rank / peak_of(p) for p in probes)
     return measured(
-        ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(probes)} probe(s) on this machine"
+        ratios[len(ratios) // 2], f"median achieved ÷ peak of {len(ratios)} probe(s) on this machine"
     )
 
 
+def _probe_peak(spec: AcceleratorSpec, probe: Probe, precision: str) -> float | None:
+    """The rate a probe's own precision is timed at on `spec` (`precision`, the forecast's, for a probe whose layout
+    does not say): its catalog peak (`_precision_peak`), for fp8 × the probe's model's modelled fp8 gain, as
+    `forecast.model` times an fp8 step, at the probe's own train.fp8_* (its layout's `fp8`; the defaults for a
+    probe stored before layouts recorded them). None: a precision the catalog has no peak for (fp32), or an fp8
+    probe without its model."""
+    from gaudi3_scale.config.core import from_dict
+    from gaudi3_scale.device.float8 import Float8Plan
+    from gaudi3_scale.forecast.shape import fp8_gain_figure
+    from gaudi3_scale.models.config import ModelConfig
+    from gaudi3_scale.train.config import RunConfig
+
+    own = probe.layout.get("precision", precision)
+    peak = _precision_peak(spec, own).value
+    if own != "fp8" or peak is None:
+        return peak
+    model = probe.layout.get("model")
+    if not isinstance(model, dict):
+        return None
+    recorded = probe.layout.get("fp8")
+    float8 = from_dict(Float8Plan, recorded) if isinstance(recorded, dict) else RunConfig().float8_plan()
+    gain = fp8_gain_figure(from_dict(ModelConfig, model), float8).value
+    return None if gain is None else peak * gain
+
+
 def _precision_peak(spec: AcceleratorSpec, precision: str) -> Figure:
-    """The dense matmul peak a run in `precision` reaches for on `spec`, from the catalog; a precision whose peak
-    the catalog lacks gets none (its step is not timed), never another precision's peak."""
+    """The dense matmul peak a run in `precision` is timed at on `spec`, from the catalog; a precision whose peak
+    the catalog lacks gets none (its step is not timed), never another precision's peak. An fp8 run's is the BF16
+    one: only its linears run in fp8, so its step is the bf16 step ÷ fp8's modelled gain (`forecast.model`), as
+    the trainer's MFU of an fp8 run is over the BF16 peak too (`device.select`)."""
     bf16 = f"BF16 dense peak {spec.bf16_dense_tflops:g} TFLOP/s"
-    if precision == "fp8" and spec.fp8_dense_tflops is not None:
-        return from_catalog(spec.fp8_dense_tflops * 1e12,
-                            f"FP8 dense peak {spec.fp8_dense_tflops:g} TFLOP/s; {spec.source}")  # fmt: skip
+    if precision == "fp8":
+        fp8 = f"{spec.fp8_dense_tflops:g} TFLOP/s" if spec.fp8_dense_tflops is not None else "unknown"
+        return from_catalog(spec.bf16_dense_tflops * 1e12, f"{bf16}; an fp8 run is timed as its bf16 step ÷ "
+                            f"fp8's modelled gain (tune.fp8_gain), not at the FP8 dense peak {fp8}; {spec.source}")  # fmt: skip
     if precision == "32-true":
         # fp32 matmuls run as TF32 on tensor cores (train.tf32, on by default on CUDA) or as plain FP32: the catalog
         # (device/accelerators.yaml) has neither peak, and timing them at the BF16 one would be 2-15x short
@@ -102,7 +133,7 @@ def _precision_peak(spec: AcceleratorSpec, precision: str) -> Figure:
     if precision == "16-mixed":
         return assumed(spec.bf16_dense_tflops * 1e12, f"FP16 taken at the {bf16}; the catalog has no FP16 peak; "
                        f"{spec.source}")  # fmt: skip
-    # bf16-mixed, bf16-true, auto (bf16-mixed on an accelerator); fp8 on a device without an FP8 peak runs bf16
+    # bf16-mixed, bf16-true, auto (bf16-mixed on an accelerator)
     return from_catalog(spec.bf16_dense_tflops * 1e12, f"{bf16}; {spec.source}")
 
 
@@ -132,8 +163,7 @@ def catalog_machine(name: str, precision: str = "bf16-mixed") -> Machine:
     peak = _precision_peak(spec, precision)
     mfu = Figure(*fallback_mfu(kind, spec.name))
     if store is not None and peak.value is not None:
-        catalog_peak = peak.value
-        mfu = _probes_mfu(store, lambda probe: catalog_peak, mfu)
+        mfu = _probes_mfu(store, lambda probe: _probe_peak(spec, probe, precision), mfu)
     unknown_link = assumed(None, f"no sourced link bandwidth for {spec.name}: communication is not modelled")
     return Machine(
         kind=spec.name,
@@ -157,12 +187,14 @@ def this_cpu(
     *,
     threads: int | None = None,
     refresh_peak: bool = False,
+    measure_peak: bool = False,
     store: CalibrationStore | None = None,
 ) -> Machine:
     """This machine's CPU: the peak matmul FLOP/s of one rank's threads (`threads`, the run's train.threads; None:
-    the default, usable cores ÷ `ranks_per_node`), measured once and kept in the machine's calibration store under
-    `cpu-<threads>-threads` (`refresh_peak` measures it again); the MFU from this machine's probes when there are
-    some, each probe's achieved FLOP/s over the peak of the threads it ran with."""
+    the default, usable cores ÷ `ranks_per_node`), the best measurement kept in the machine's calibration store
+    under `cpu-<threads>-threads` (`_cpu_peak`: `measure_peak` measures it now and keeps it if higher,
+    `refresh_peak` replaces it); the MFU from this machine's probes when there are some, each probe's achieved
+    FLOP/s over the peak of the threads it ran with."""
     import time
 
     import psutil
@@ -173,10 +205,10 @@ def this_cpu(
     name = cpu_model_name()
     store = store or CalibrationStore.for_machine(machine_key(name, cores))
     threads = threads or cpu_threads_per_rank(ranks_per_node)
-    flops, measured_unix_s = _cpu_peak(store, threads, refresh=refresh_peak)
+    flops, measured_unix_s = _cpu_peak(store, threads, refresh=refresh_peak, measure=measure_peak)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(measured_unix_s))
-    peak = measured(flops, f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} "
-                    f"(calibration store {store.path}; --refresh-peak measures again)")  # fmt: skip
+    peak = measured(flops, f"best fp32 1024² matmul with {threads} thread(s) on {name}, {when} (the best "
+                    f"measurement in calibration store {store.path}; --refresh-peak replaces it)")  # fmt: skip
 
     def probe_peak(probe: Probe) -> float:
         # a probe's layout names its threads only when not its ranks' default (`RunShape.threads`); a CPU probe
@@ -209,15 +241,23 @@ def this_cpu(
     )
 
 
-def _cpu_peak(store: CalibrationStore, threads: int, *, refresh: bool = False) -> tuple[float, float]:
+def _cpu_peak(
+    store: CalibrationStore, threads: int, *, refresh: bool = False, measure: bool = False
+) -> tuple[float, float]:
     """(FLOP/s, when measured) of the best fp32 matmul with `threads` threads: the store's `cpu-<threads>-threads`
-    slot, measured (about a second) and kept there when it has none or `refresh`."""
+    slot. A slot that is empty is measured (about a second). `measure` (each `gaudi3 train` start) measures it
+    again with the trainer's own call (`device.select.plan_device`: one measurement per process, which its MFU then
+    uses too) and keeps it if higher: the store holds the best of its measurements, as one taken while the machine
+    was busy understates the peak. `refresh` (`gaudi3 plan --refresh-peak`) replaces it."""
     from gaudi3_scale.device.select import measure_cpu_matmul_flops
 
     slot = f"cpu-{threads}-threads"
-    stored = None if refresh else store.peak(slot)
-    if stored is None:
+    if refresh:
         store.set_peak(slot, measure_cpu_matmul_flops(threads, seconds=1.0))
-        stored = store.peak(slot)
+    elif measure:
+        store.raise_peak(slot, measure_cpu_matmul_flops(threads))
+    elif store.peak(slot) is None:
+        store.set_peak(slot, measure_cpu_matmul_flops(threads, seconds=1.0))
+    stored = store.peak(slot)
     assert stored is not None
     return stored

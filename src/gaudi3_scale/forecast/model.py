@@ -3,8 +3,8 @@
 validation and checkpoint pauses), energy and cost (those three: `forecast.wall`) — every number a `Figure` with its
 source.
 
-Compute time is the step's FLOPs per rank (PaLM's 6·N + 12·L·H·Q·T per token, × 4/3 under activation checkpointing:
-each block's forward runs again in backward) over the rank's achieved FLOP/s: a probe's measurement of this very
+Compute time is the step's FLOPs per rank (PaLM's 6·N + 12·L·H·Q·T per token, the blocks' × 4/3 under activation
+checkpointing: their forward runs again in backward) over the rank's achieved FLOP/s: a probe's measurement of this very
 layout when the calibration store has one (then the step time is the probe's), else the machine's peak × its MFU
 (measured on this kind of machine where we have it, an assumption said to be one where not). Communication is the
 bytes of the layout's collectives (`forecast.comm`) over the link's bus bandwidth (`links.yaml`); on an accelerator
@@ -21,7 +21,7 @@ from typing import Any
 
 from gaudi3_scale.checkpoint.config import CheckpointConfig
 from gaudi3_scale.forecast.calibration import Probe
-from gaudi3_scale.forecast.comm import step_collective_bytes
+from gaudi3_scale.forecast.comm import step_collective_bytes, within_a_node
 from gaudi3_scale.forecast.figures import Figure, assumed, measured, modelled, unknown_after
 from gaudi3_scale.forecast.machine import Machine, peak_label
 from gaudi3_scale.forecast.pipeline import pipeline_bubble, pipeline_p2p
@@ -278,14 +278,25 @@ def forecast_step(shape: RunShape, machine: Machine, probe: Probe | None = None)
         untimed = assumed(None, "not timed, as compute")
         return {"compute_s": unknown, "communication_s": untimed, "bubble_s": untimed, "step_time_s": unknown}
     rate = peak.value * mfu.value
-    compute = modelled(
-        flops / rate, f"FLOPs per rank ÷ ({peak_label(peak)} × MFU {mfu.value:.3f}: {mfu.source})"
-    )
+    how = f"FLOPs per rank ÷ ({peak_label(peak)} × MFU {mfu.value:.3f}: {mfu.source})"
+    gain = shape.fp8_gain()  # an fp8 step: the bf16 one ÷ fp8's modelled gain (its peak is the BF16 one)
+    if gain is not None and gain.value is not None:
+        rate, how = rate * gain.value, f"{how} ÷ {gain.source.split(': ', 1)[-1]}"
+    compute = modelled(flops / rate, how)
     comm = _communication(shape, machine, compute.value or 0.0)
     bubble = pipeline_bubble(shape.plan, shape.batch.accumulation, compute.value or 0.0)
     total = (compute.value or 0.0) + (comm.value or 0.0) + (bubble.value or 0.0)
-    return {"compute_s": compute, "communication_s": comm, "bubble_s": bubble,
-            "step_time_s": modelled(total, "compute + exposed communication + pipeline bubble")}  # fmt: skip
+    # Communication that is not timed (a link without a sourced bandwidth: gloo on a CPU, a catalog machine's
+    # network) is not 0 s under a model's name: the step leaves it out and says so, an assumption. Not unknown: the
+    # compute is timed, and a probe of the layout (or a tune trial, a benchmark cell) measures the whole step.
+    step = (
+        assumed(
+            total, f"compute + pipeline bubble; communication not timed ({comm.source.split(': ', 1)[-1]})"
+        )
+        if comm.value is None
+        else modelled(total, "compute + exposed communication + pipeline bubble")
+    )
+    return {"compute_s": compute, "communication_s": comm, "bubble_s": bubble, "step_time_s": step}
 
 
 def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figure:
@@ -306,22 +317,51 @@ def _communication(shape: RunShape, machine: Machine, compute_s: float) -> Figur
         context_length=shape.batch.context_length or shape.model.context_length, element_bytes=param_bytes,
         link_bytes_per_s=link, ranks_sharing_link=shape.ranks_per_node if spans_nodes else 1,
     )  # fmt: skip
-    if link.value is None:
-        why = link.source.split(": ", 1)[-1]  # the link's own "assumption: " is this figure's kind
+    # each collective group on the link it lives on (forecast.comm: where the mesh puts its ranks); tensor-parallel
+    # ranks are neighbours that share a node (tp_size divides a node's ranks)
+    parts = [
+        (name, moved_bytes, *_group_link(shape, machine, span_ranks))
+        for name, moved_bytes, span_ranks in (
+            ("data-parallel", moved.data_parallel, moved.data_parallel_span),
+            ("replicas", moved.replicas, moved.replicas_span),
+            ("tensor-parallel", moved.tensor_parallel, plan.tp_size),
+        )
+        if moved_bytes
+    ]
+    links = [on for _, _, on, _ in parts] + ([link] if plan.pipelined else [])
+    untimed = next((figure for figure in links if figure.value is None), None)
+    if untimed is not None:
+        why = untimed.source.split(": ", 1)[-1]  # the link's own "assumption: " is this figure's kind
         return assumed(None, f"{moved.total / 1e9:.3g} GB per rank per step not timed: {why}")
     # Between nodes, a node's network cards are shared by its ranks: each rank's ring traffic gets its share.
-    per_rank = link.value / shape.ranks_per_node if spans_nodes else link.value
-    dp_s = (moved.data_parallel + moved.replicas) / per_rank
-    intra = machine.intra_node_bytes_per_s.value
-    tp_s = moved.tensor_parallel / intra if moved.tensor_parallel and intra else 0.0
+    seconds = {name: moved_bytes * sharing / (on.value or 1.0) for name, moved_bytes, on, sharing in parts}
+    dp_s = seconds.get("data-parallel", 0.0) + seconds.get("replicas", 0.0)
+    # what DeepSpeed runs on the compute stream or after the step (forecast.comm: `serial`) hides behind nothing
+    serial_s = seconds["data-parallel"] * moved.serial / moved.data_parallel if moved.serial else 0.0
+    tp_s = seconds.get("tensor-parallel", 0.0)
     if shape.device_kind == "cpu":
         exposed = dp_s + tp_s
     else:
-        exposed = max(0.0, dp_s - BACKWARD_SHARE * compute_s) + tp_s
-    shared = f", {shape.ranks_per_node} ranks sharing a node's" if spans_nodes else ","
+        exposed = max(0.0, dp_s - serial_s - BACKWARD_SHARE * compute_s) + serial_s + tp_s
+    words = "; ".join(_over_link(*part) for part in parts) or "none"
+    serial = f" but for the {moved.serial / 1e9:.3g} GB DeepSpeed does not overlap" if moved.serial else ""
     pipeline = f"; pipeline point-to-point: {p2p.source.split(': ', 1)[1]}" if plan.pipelined else ""
     return modelled(
         exposed + (p2p.value or 0.0),
-        f"{moved.total / 1e9:.3g} GB per rank per step at {per_rank / 1e9:.3g} GB/s per rank{shared} "
-        f"{link.source}; the data-parallel part overlaps the backward pass{pipeline}",
+        f"{moved.total / 1e9:.3g} GB per rank per step: {words}; the data-parallel part overlaps the backward "
+        f"pass{serial}{pipeline}",
     )
+
+
+def _over_link(name: str, moved_bytes: float, link: Figure, sharing: int) -> str:
+    shared = f", {sharing} ranks sharing a node's" if sharing > 1 else ","
+    rate = (link.value or 0.0) / sharing
+    return f"{name} {moved_bytes / 1e9:.3g} GB at {rate / 1e9:.3g} GB/s per rank{shared} {link.source}"
+
+
+def _group_link(shape: RunShape, machine: Machine, span_ranks: int) -> tuple[Figure, int]:
+    """The link a collective group's ring runs over and how many ranks share it: inside a node when the group stays
+    in one (`forecast.comm.within_a_node`), else between nodes, a node's network cards shared by its ranks."""
+    if within_a_node(span_ranks, shape.ranks_per_node):
+        return machine.intra_node_bytes_per_s, 1
+    return machine.inter_node_bytes_per_s, shape.ranks_per_node

@@ -22,7 +22,13 @@ from gaudi3_scale.distributed.stages import local_stages, stage_layers
 from gaudi3_scale.forecast.figures import Figure, assumed, modelled
 from gaudi3_scale.models import ModelConfig
 
-__all__ = ["busiest_rank_share", "pipeline_bubble", "pipeline_p2p"]
+__all__ = ["busiest_rank_share", "head_flops_per_token", "pipeline_bubble", "pipeline_p2p"]
+
+
+def head_flops_per_token(model: ModelConfig) -> float:
+    """The output matmul's forward + backward FLOPs per token, 6·V·h: the part of PaLM's 6·N
+    (`models.counting.flops_per_token`) outside the transformer blocks."""
+    return 6 * model.padded_vocab_size * model.dim
 
 
 def busiest_rank_share(model: ModelConfig, plan: ParallelPlan, flops_per_token: float) -> float:
@@ -30,7 +36,7 @@ def busiest_rank_share(model: ModelConfig, plan: ParallelPlan, flops_per_token: 
     with the head); 1 without a pipeline."""
     if not plan.pipelined:
         return 1.0
-    head = 6 * model.padded_vocab_size * model.dim  # the output matmul's forward + backward FLOPs per token
+    head = head_flops_per_token(model)
     blocks = flops_per_token - head
     num_stages = plan.pp_size * STAGES_PER_RANK[plan.pp_schedule]
     layers = stage_layers(model.num_layers, num_stages, plan.pp_split)

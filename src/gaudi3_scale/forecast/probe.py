@@ -50,12 +50,11 @@ def probe_command(
     return [
         sys.executable, "-m", "gaudi3_scale.cli", "train", *(["--config", config_path] if config_path else []),
         *overrides, "--out", str(out), "--resume", "never", "--sample-tokens", "0", "--no-progress",
-        # its own length in steps: a length in epochs (the user's train.max_epochs) is unset, not refused beside it
-        "--train.max_steps", str(warmup_steps + measured_steps), "--train.max_epochs", "null",
+        "--train.max_steps", str(warmup_steps + measured_steps),
         "--train.throughput_warmup_steps", str(warmup_steps),
         "--train.val_every_steps", "0",
-        # nothing of the probe leaves its temporary directory: no checkpoint (none uploaded to the run's remote),
-        # no tracker run, no metrics port that the run itself may hold
+        # its length is steps (a train.max_epochs unset), no profiler; nothing of the probe leaves its temporary
+        # directory: no checkpoint (none uploaded to the run's remote), no tracker run, no metrics port
         *throwaway_run_overrides(spike_policy=spike_policy),
     ]  # fmt: skip
 

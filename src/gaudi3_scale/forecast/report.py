@@ -25,8 +25,6 @@ COMPARED = {
     "predicted_tokens_per_s": ("tokens_per_s", "tokens/s"),
     "predicted_metered_cost_usd": ("cost_usd", "$"),
 }
-# steady-state quantities: a measured mean that includes the warm-up steps is not comparable with them
-STEADY = ("step_time_s", "tokens_per_s")
 WARMUP_NOTE = ("measured over warm-up steps (summary.json throughput_includes_warmup: no step after the warm-up in "
                "this process); the prediction is of steady steps, so no error is given")  # fmt: skip
 METERED_NOTE = ("cost_usd: both sides are the live meter's window, fit start to the last step (what cost.budget_usd "
@@ -104,14 +102,19 @@ def read_run_summary(run_dir: Path) -> dict[str, Any]:
 def compare_with_run(predicted: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Per quantity: predicted, measured and the error (predicted ÷ measured − 1), where both are known and
     measure the same thing; `note` says why a row has no error or what it covers."""
+    from gaudi3_scale.train.report import STEADY_KEYS, WHOLE_RUN_KEYS, stopped_early
+
     warmup = summary.get("throughput_includes_warmup") is True
+    stopped = stopped_early(summary)
     rows = []
     for key, (measured_key, unit) in COMPARED.items():
         p, m = finite_number(predicted.get(key)), finite_number(summary.get(measured_key))  # else "—"
         error = (p / m - 1) if p is not None and m else None
         note = METERED_NOTE if measured_key == "cost_usd" else None
-        if warmup and measured_key in STEADY:
+        if warmup and measured_key in STEADY_KEYS:
             error, note = None, WARMUP_NOTE
+        if stopped and measured_key in WHOLE_RUN_KEYS:
+            error, note = None, stopped
         rows.append({"quantity": measured_key, "unit": unit, "predicted": p, "measured": m, "error": error,
                      "note": note})  # fmt: skip
     return rows

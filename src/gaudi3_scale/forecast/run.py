@@ -43,7 +43,8 @@ def run_shape(cfg: RunConfig, model: ModelConfig, machine: Machine) -> RunShape:
     nodes, per_node = cfg.parallel.nnodes, cfg.parallel.nproc_per_node
     world = nodes * per_node
     precision = _precision(cfg, machine.device_kind)
-    plan = cfg.parallel_plan(world, bf16_mixed=precision == "bf16-mixed")
+    # fp8's linears and head as train.fp8_* convert them: what its modelled gain over bf16 is of (RunShape.fp8_gain)
+    plan = cfg.parallel_plan(world, float8=precision == "fp8", bf16_mixed=precision == "bf16-mixed")
     batch = cfg.batch_plan(world)
     threads = _threads(cfg) if machine.device_kind == "cpu" else None
     return RunShape.build(model, plan, batch, precision=precision, device_kind=machine.device_kind, nodes=nodes,
@@ -84,11 +85,15 @@ def _threads(cfg: RunConfig) -> int | None:
     return threads if threads != cpu_threads_per_rank(cfg.parallel.nproc_per_node) else None
 
 
-def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False) -> Machine:
+def machine_for(
+    cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False, measure_peak: bool = False
+) -> Machine:
     """`--machine KIND`: a catalog accelerator, or this machine's CPU for `cpu` — whatever train.device says, as
-    any --machine stands in for the config's device. Without it, the device the run trains on here."""
+    any --machine stands in for the config's device. Without it, the device the run trains on here. On a CPU,
+    `measure_peak` measures its peak now and keeps it when higher than the stored one, `refresh_peak` replaces
+    it (`machine._cpu_peak`)."""
     if kind == "cpu":
-        return _this_cpu(cfg, refresh_peak=refresh_peak)
+        return _this_cpu(cfg, refresh_peak=refresh_peak, measure_peak=measure_peak)
     if kind is not None:
         return catalog_machine(kind, cfg.train.precision)
     import torch
@@ -99,7 +104,7 @@ def machine_for(cfg: RunConfig, kind: str | None, *, refresh_peak: bool = False)
     # GPU, else its Gaudi, else its CPU. Not validated on Gaudi hardware.
     device = resolve_device(cfg.train.device)
     if device == "cpu":
-        return _this_cpu(cfg, refresh_peak=refresh_peak)
+        return _this_cpu(cfg, refresh_peak=refresh_peak, measure_peak=measure_peak)
     if device == "hpu":
         return _this_gaudi(cfg.train.precision)
     if not torch.cuda.is_available():  # a cuda run forecast on paper from a machine without a GPU
@@ -128,9 +133,10 @@ def _this_gaudi(precision: str) -> Machine:
     return catalog_machine(spec.name, precision)
 
 
-def _this_cpu(cfg: RunConfig, *, refresh_peak: bool) -> Machine:
+def _this_cpu(cfg: RunConfig, *, refresh_peak: bool, measure_peak: bool) -> Machine:
     """This CPU at the peak of the threads each rank of `cfg` runs with."""
-    return this_cpu(cfg.parallel.nproc_per_node, threads=threads_per_rank(cfg), refresh_peak=refresh_peak)
+    return this_cpu(cfg.parallel.nproc_per_node, threads=threads_per_rank(cfg), refresh_peak=refresh_peak,
+                    measure_peak=measure_peak)  # fmt: skip
 
 
 def _this_gpu() -> str:
@@ -231,16 +237,7 @@ def forecast_config(
     if probe and cfg.parallel.nnodes > 1:
         raise ConfigError("parallel.nnodes", f"{cfg.parallel.nnodes}: --probe runs on this machine, one node; "
                           "probe one node of the layout (--parallel.nnodes 1)")  # fmt: skip
-    if (
-        cfg.train.max_epochs is not None
-    ):  # as `gaudi3 train` resolves it: optimizer steps over the dataset's tokens
-        from gaudi3_scale.data.inputs import open_training_data
-        from gaudi3_scale.train.assembly import steps_of_epochs
-
-        tokens_per_step = cfg.batch_plan(cfg.parallel.world_size).tokens_per_step
-        train = steps_of_epochs(cfg.train, open_training_data(cfg.data, progress=False),
-                                tokens_per_step=tokens_per_step, note=lambda line: None)  # fmt: skip
-        cfg = dataclasses.replace(cfg, train=train)
+    cfg = _epochs_as_steps(cfg)
     target = machine_for(cfg, machine, refresh_peak=refresh_peak)
     check_runs_on(cfg, target.device_kind)  # a layout the trainer refuses there is not forecast
     if machine is not None:
@@ -270,6 +267,21 @@ def forecast_config(
     return cfg, _forecast(cfg, run_shape(cfg, model, target), target, probe=measured)
 
 
+def _epochs_as_steps(cfg: RunConfig) -> RunConfig:
+    """`cfg` with train.max_epochs as the optimizer steps `gaudi3 train` resolves it to over the dataset's tokens
+    (`train.assembly.steps_of_epochs`, which the trainer runs): a forecast is of the steps the run trains, not of
+    the max_steps placeholder beside an epoch count. A config without max_epochs, as it is."""
+    if cfg.train.max_epochs is None:
+        return cfg
+    from gaudi3_scale.data.inputs import open_training_data
+    from gaudi3_scale.train.assembly import steps_of_epochs
+
+    tokens_per_step = cfg.batch_plan(cfg.parallel.world_size).tokens_per_step
+    train = steps_of_epochs(cfg.train, open_training_data(cfg.data, progress=False),
+                            tokens_per_step=tokens_per_step, note=lambda line: None)  # fmt: skip
+    return dataclasses.replace(cfg, train=train)
+
+
 def _forecast(
     cfg: RunConfig,
     shape: RunShape,
@@ -285,14 +297,22 @@ def _forecast(
 
 
 def forecast_for_training(cfg: RunConfig, model: ModelConfig) -> Forecast:
-    """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout). A
-    resumed run's is from its checkpoint's step on, as its summary.json measures it (`forecast_run`)."""
+    """The forecast `gaudi3 train` records at its start (cheap: no probe; the store's probe of this layout), of the
+    steps it trains (train.max_epochs resolved as the trainer resolves it). A
+    resumed run's is from its checkpoint's step on, as its summary.json measures it (`forecast_run`). On a CPU the
+    peak is measured again, as the trainer measures it for its MFU (one measurement per process), and the store
+    keeps it when higher than the one it has: a peak first measured on a busy machine does not slow every later
+    forecast."""
     from gaudi3_scale.checkpoint.contents import COST_KEY
+    from gaudi3_scale.metering.live import resumed_cost_usd
     from gaudi3_scale.train.resume import resume_manifest
 
-    machine = machine_for(cfg, None)
+    cfg = _epochs_as_steps(cfg)
+    machine = machine_for(cfg, None, measure_peak=True)
     manifest = resume_manifest(cfg) or {}
     step, spent = manifest.get("step"), manifest.get(COST_KEY)
     start = step if isinstance(step, int) and 0 < step < cfg.train.max_steps else 0
-    spent_usd = float(spent) if start and isinstance(spent, int | float) else None
+    # what the resumed meter starts from: the checkpoint's cost, or what the run recorded after it when more
+    checkpoint_usd = float(spent) if isinstance(spent, int | float) else None
+    spent_usd = resumed_cost_usd(checkpoint_usd, cfg.output_dir / "metrics.jsonl") if start else None
     return _forecast(cfg, run_shape(cfg, model, machine), machine, start_step=start, spent_usd=spent_usd)

@@ -3,18 +3,36 @@ machine's device and geometry; its probe key, and the FLOPs of a step and of a v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from gaudi3_scale.config.core import to_dict
+from gaudi3_scale.device.float8 import Float8Plan
 from gaudi3_scale.distributed.plan import BatchPlan, ParallelPlan
 from gaudi3_scale.forecast.calibration import probe_key
-from gaudi3_scale.forecast.pipeline import busiest_rank_share
+from gaudi3_scale.forecast.figures import Figure, modelled
+from gaudi3_scale.forecast.pipeline import busiest_rank_share, head_flops_per_token
 from gaudi3_scale.models import ModelConfig, flops_per_token
 
-__all__ = ["RECOMPUTE_FACTOR", "RunShape"]
+__all__ = ["RECOMPUTE_FACTOR", "RunShape", "fp8_gain_figure"]
 
-RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each block's forward (1/3 of its FLOPs) once more
+# activation checkpointing runs each block's forward (1/3 of its FLOPs) once more; only the blocks are checkpointed
+# (distributed.parallelize.apply_activation_checkpointing wraps `find_blocks`), never the output head
+RECOMPUTE_FACTOR = 4 / 3
+
+
+def fp8_gain_figure(model: ModelConfig, float8: Float8Plan) -> Figure:
+    """The tokens/s an fp8 run of `model` converted as `float8` says makes over bf16-mixed's (`tune.fp8_gain`: only
+    the linears run in fp8, so the FP8 dense peak is no rate a step reaches; its one measured constant is from
+    Llama 3.2 1B on an H200): the forecast times an fp8 step as the bf16 one ÷ this."""
+    from gaudi3_scale.tune.fp8_gain import fp8_gain
+
+    gain = fp8_gain(model, float8)
+    return modelled(
+        gain.gain,
+        f"fp8 gain ×{gain.gain:.3f} over bf16-mixed (tune.fp8_gain: {float8.recipe}, {gain.share:.0%} of the FLOPs "
+        "in linears fp8 speeds up)",
+    )
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,8 @@ class RunShape:
                 if plan.pipelined
                 else {}
             ),
+            # how fp8 converts the linears (train.fp8_*) decides its step too; only under fp8, as above
+            **({"fp8": asdict(plan.float8)} if plan.float8 is not None else {}),
         }
 
     @property
@@ -83,12 +103,20 @@ class RunShape:
         return probe_key(self.layout())
 
     def flops_per_step_per_rank(self) -> float:
-        """FLOPs of the busiest rank: the step's over the ranks of one pipeline stage, × the share of the model the
-        busiest pipeline rank runs (1 without a pipeline)."""
+        """FLOPs of the busiest rank: the step's (its blocks' × `RECOMPUTE_FACTOR` under activation checkpointing,
+        the head's once) over the ranks of one pipeline stage, × the share of them the busiest pipeline rank runs (1
+        without a pipeline)."""
         fpt = flops_per_token(self.model, self.model.context_length)
-        factor = RECOMPUTE_FACTOR if self.plan.activation_checkpointing else 1.0
+        if self.plan.activation_checkpointing:
+            head = head_flops_per_token(self.model)
+            fpt = head + (fpt - head) * RECOMPUTE_FACTOR
         share = busiest_rank_share(self.model, self.plan, fpt)
-        return fpt * self.batch.tokens_per_step * factor * share * self.plan.pp_size / self.plan.world_size
+        return fpt * self.batch.tokens_per_step * share * self.plan.pp_size / self.plan.world_size
+
+    def fp8_gain(self) -> Figure | None:
+        """What fp8 makes over bf16-mixed on this run's model (`fp8_gain_figure`); None: the run is not fp8."""
+        float8 = self.plan.float8
+        return None if float8 is None else fp8_gain_figure(self.model, float8)
 
     def validation_flops_per_rank(self, val_batches: int) -> float:
         """One validation pass: `val_batches` micro-batches per rank, forward only (a third of training's FLOPs)."""

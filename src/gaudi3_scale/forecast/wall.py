@@ -136,6 +136,10 @@ def _validations(
     peak, mfu = machine.peak_flops_per_rank, machine.mfu
     if peak.value is None or mfu.value is None:
         return unknown_after(peak if peak.value is None else mfu)
+    gain = shape.fp8_gain()  # fp8's forward gains as its step does (forecast.model)
+    if gain is not None and gain.value is not None:
+        return modelled(count * flops / (peak.value * mfu.value * gain.value),
+                        f"{passes}, at peak × MFU × the {gain.source.split(': ', 1)[-1]}")  # fmt: skip
     return modelled(count * flops / (peak.value * mfu.value), f"{passes}, at peak × MFU")
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "DONE",
     "HEALTH_DIR",
     "LAST_UNIX_S",
+    "STALE_AFTER_S",
+    "WRITE_EVERY_S",
     "Heartbeat",
     "hang_path",
     "heartbeat_path",
@@ -41,6 +43,8 @@ __all__ = [
 HEALTH_DIR = "health"  # under the run's output directory
 DONE = "done"  # the section of a rank whose watchdog stopped (training ended, or raised): nobody waits on it
 LAST_UNIX_S = 2**33  # the year 2242: any later "time" is not one
+WRITE_EVERY_S = 2.0  # a rank's watchdog rewrites its heartbeat file this often (and at every section change)
+STALE_AFTER_S = 3 * WRITE_EVERY_S  # a file older than this: the rank's watchdog thread is not running
 
 
 def heartbeat_path(health_dir: Path, rank: int) -> Path:

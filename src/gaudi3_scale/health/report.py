@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from gaudi3_scale.health.heartbeat import (
     DONE,
     HEALTH_DIR,
     LAST_UNIX_S,
+    STALE_AFTER_S,
     Heartbeat,
     parse_heartbeat,
     py_spy_path,
@@ -36,6 +38,7 @@ __all__ = [
     "RankHealth",
     "StackDump",
     "format_health",
+    "rank_stopped",
     "read_events",
     "read_health",
     "top_frames",
@@ -62,6 +65,8 @@ class RankHealth:
     heartbeat: Heartbeat | None
     dumps: list[StackDump] = field(default_factory=list)
     heartbeat_damaged: bool = False  # its heartbeat file is there but unreadable (a `damaged:` line says why)
+    # Why a rank that is not `done` trains no more (`rank_stopped`); None: it may still be training.
+    stopped: str | None = None
 
 
 @dataclass
@@ -79,6 +84,8 @@ class HealthReport:
 
 
 def read_health(run_dir: Path) -> HealthReport:
+    if not run_dir.is_dir():  # a typo in the path, not a run trained without the watchdog
+        raise UserInputError(f"{run_dir}: no such directory; pass the output directory of a run")
     health_dir = run_dir / HEALTH_DIR
     events, damaged = read_events(run_dir / "metrics.jsonl")
     if not health_dir.is_dir():
@@ -121,6 +128,7 @@ def read_health(run_dir: Path) -> HealthReport:
     for rank in ranks:
         report.ranks.append(_rank_health(health_dir, rank, beats.get(rank), damaged))
         report.ranks[-1].heartbeat_damaged = rank in broken
+        report.ranks[-1].stopped = rank_stopped(beats[rank], time.time()) if rank in beats else None
     return _readable(run_dir, report)
 
 
@@ -217,6 +225,26 @@ def _rank_health(health_dir: Path, rank: int, beat: Heartbeat | None, damaged: l
     except OSError as exc:
         damaged.append(f"{exc.filename or stacks}: cannot be read: {exc.strerror or exc}")
     return health
+
+
+def rank_stopped(beat: Heartbeat, now_unix_s: float) -> str | None:
+    """Why a rank whose last heartbeat says it is training is not any more, or None. Read after a crash (a kill -9,
+    the OOM killer), its heartbeat still says `in step`: the line would read as a live rank within its timeout.
+
+    Its pid is looked up when it ran on this host; elsewhere the file's age tells, as it tells the watchdog of a
+    peer (older than `STALE_AFTER_S`: its watchdog thread stopped writing)."""
+    if beat.section == DONE:
+        return None
+    age_s = now_unix_s - beat.written_unix_s
+    if beat.host == socket.gethostname():
+        # imported here: it imports torch, and only a rank of this host has a pid to ask about
+        from gaudi3_scale.distributed.launch import process_alive
+
+        if not process_alive(beat.pid):
+            return f"process not running (killed or crashed), heartbeat {age_s:.0f} s old"
+    if age_s <= STALE_AFTER_S:
+        return None
+    return f"heartbeat {age_s:.0f} s old: stale, its watchdog stopped writing (killed, crashed or frozen)"
 
 
 def _faulthandler_dump(path: Path, beat: Heartbeat | None) -> StackDump:
@@ -318,7 +346,7 @@ def _format_rank(rank: RankHealth) -> list[str]:
         head = (
             f"rank {rank.rank}: pid {beat.pid} on {beat.host}, attempt {beat.attempt}: {where}; last beat "
             f"{_when(beat.last_beat_unix_s)}, heartbeat written {_when(beat.written_unix_s)}"
-        )
+        ) + (f"; {rank.stopped}" if rank.stopped else "")
     lines = [head]
     for dump in rank.dumps:
         lines.append(f"  {dump.path}" + (f" ({dump.header})" if dump.header else ""))

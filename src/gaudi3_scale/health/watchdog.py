@@ -53,6 +53,8 @@ from gaudi3_scale.health.dumps import (
 )
 from gaudi3_scale.health.heartbeat import (
     DONE,
+    STALE_AFTER_S,
+    WRITE_EVERY_S,
     Heartbeat,
     hang_path,
     heartbeat_path,
@@ -69,8 +71,6 @@ __all__ = ["HANG_EXIT_CODE", "Watchdog"]
 HANG_EXIT_CODE = signal_exit_code(signal.SIGTERM)
 assert HANG_EXIT_CODE in RESTARTABLE_EXIT_CODES
 _CHECK_EVERY_S = 1.0  # deadlines are checked this often: detection is at most this late
-_WRITE_EVERY_S = 2.0  # the heartbeat file is rewritten this often (and at every section change)
-_STALE_AFTER_S = 3 * _WRITE_EVERY_S  # a peer file older than this: its watchdog thread is not running
 # How long a silent peer has to write the stacks it was asked for, before it is killed.
 _ASKED_STACKS_WAIT_S = 1.0
 
@@ -164,12 +164,10 @@ class Watchdog:
         written = time.monotonic()
         while not self._stopping.wait(_CHECK_EVERY_S):
             now = time.monotonic()
-            if now - written >= _WRITE_EVERY_S:
+            if now - written >= WRITE_EVERY_S:
                 self._write(now)
                 written = now
-            silent = silent_ranks(
-                self._heartbeat(now), self._local_peers(), now, stale_after_s=_STALE_AFTER_S
-            )
+            silent = silent_ranks(self._heartbeat(now), self._local_peers(), now, stale_after_s=STALE_AFTER_S)
             if silent:
                 self._stop_on_hang(silent)
 

@@ -7,7 +7,9 @@ step boundary and turns its decisions into a clean stop.
 step, validation and periodic checkpoint saves included: the instances are paid for while they run. Data
 preparation, model building and loading a checkpoint before training, and the save and validation after the last
 step, are not counted, so the figure is a slight lower bound of the bill. The accrued cost is stored in every
-checkpoint (`checkpoint.contents.COST_KEY` in its `gaudi3_meta`, hence also in its manifest), so a resumed run continues the sum.
+checkpoint (`checkpoint.contents.COST_KEY` in its `gaudi3_meta`, hence also in its manifest), and in every record of
+the run's metrics.jsonl: a resumed run continues from the larger of the two (`resumed_cost_usd`), so the spend
+since the last checkpoint of a process that died without a stop (SIGKILL, a lost node) is not forgotten.
 
 **Spot pricing**: until a live quote arrives the rate is `cost.price_usd_per_hour` or else the HIGH end of the
 catalog's spot range (a budget must not be undercounted); the quote read at each step boundary (the poller refreshes
@@ -16,6 +18,9 @@ it in the background, `cost.spot_ttl_s`) sets the rate.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,7 +50,9 @@ __all__ = [
     "check_cost_config",
     "check_resume_spot_price",
     "find_instance",
+    "recorded_cost_usd",
     "resolve_price",
+    "resumed_cost_usd",
     "stop_line",
     "uses_spot_quotes",
 ]
@@ -144,9 +151,14 @@ def budget_message(cost_usd: float, budget_usd: float, where: str) -> str:
 
 
 def stop_line(reason: str, exit_code: int, *, checkpoint: bool) -> str:
-    """The one line `gaudi3 train` ends with after a cost stop."""
-    saved = "checkpoint committed" if checkpoint else "no checkpoint saved (checkpoint.enabled is false)"
-    return f"{reason}; {saved}; exit {exit_code} — {STOP_HINTS[exit_code]}"
+    """The one line `gaudi3 train` ends with after a cost stop. Without a checkpoint there is nothing to resume:
+    raising the budget or waiting for a lower price would not continue the run, a rerun trains it from the start."""
+    if checkpoint:
+        return f"{reason}; checkpoint committed; exit {exit_code} — {STOP_HINTS[exit_code]}"
+    return (
+        f"{reason}; no checkpoint saved (checkpoint.enabled is false); exit {exit_code} — nothing to resume: "
+        "a rerun starts again from step 0"
+    )
 
 
 def check_budget_left(budget_usd: float, stored_cost_usd: float, checkpoint_name: str) -> None:
@@ -156,6 +168,50 @@ def check_budget_left(budget_usd: float, stored_cost_usd: float, checkpoint_name
         raise BudgetExhaustedError(
             f"{reason}; nothing trained; exit {BUDGET_EXIT_CODE} — {STOP_HINTS[BUDGET_EXIT_CODE]}"
         )
+
+
+def recorded_cost_usd(metrics_path: Path | None) -> float | None:
+    """The `cost_usd` of the last record that has one in a run's metrics.jsonl (None: no file, no such record).
+
+    Read from the end, a block at a time: a long run's file is large and its last cost record is near the end. A
+    torn last line (the writer killed mid-write) is passed over."""
+    if metrics_path is None or not metrics_path.is_file():
+        return None
+    with metrics_path.open("rb") as f:
+        end, partial = f.seek(0, os.SEEK_END), b""
+        while end > 0:
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            lines = (f.read(end - start) + partial).split(b"\n")
+            partial, end = (lines.pop(0) if start > 0 else b""), start  # its start is in the block before
+            for line in reversed(lines):
+                if (cost := _cost_of(line)) is not None:
+                    return cost
+    return None
+
+
+def _cost_of(line: bytes) -> float | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # empty, or torn
+        return None
+    cost = record.get("cost_usd") if isinstance(record, dict) else None
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not math.isfinite(cost):
+        return None
+    return float(cost)
+
+
+def resumed_cost_usd(checkpoint_usd: float | None, metrics_path: Path | None) -> float | None:
+    """What a resumed run has spent: the larger of its checkpoint's accrued cost and the last one the run recorded
+    in its own metrics.jsonl (`metrics_path`), None when neither knows. Money spent is never un-spent: a process
+    killed without a stop recorded spend after its last checkpoint, up to its last logging window.
+
+    metrics.jsonl rather than a file of its own: every record (each `train.log_every_steps`, written as it comes)
+    already holds the figure, so the steady state costs nothing more per step. Only the resuming run's own --out is
+    read: a run that resumes another directory's checkpoint (a remote mirror's on a fresh machine, a fork) did not
+    pay for what that run spent after it."""
+    figures = [cost for cost in (checkpoint_usd, recorded_cost_usd(metrics_path)) if cost is not None]
+    return max(figures) if figures else None
 
 
 class CostMeter:

@@ -306,9 +306,7 @@ class GracefulInterrupt:
             return
         self._received, self._received_at = signum, time.perf_counter()
         self.reason = PREEMPTION_SIGNALS[signal.Signals(signum)]
-        self.console.print(
-            f"\n[yellow]{self.reason}: saving a checkpoint after this step (Ctrl-C again aborts)"
-        )
+        self.console.print(f"\n[yellow]{self.reason}: {self._after_this_step()} (Ctrl-C again aborts)")
 
     def request(self, reason: str, signum: int = signal.SIGTERM, *, exit_code: int | None = None) -> None:
         """Stop as if `signum` had arrived, for `reason` (callable from another thread, e.g. a spot watcher).
@@ -320,9 +318,14 @@ class GracefulInterrupt:
         self.reason = reason
         self._exit_code = exit_code or 0
         self._received, self._received_at = signum, time.perf_counter()
-        self.console.print(
-            f"\n[yellow]{reason}: saving a checkpoint after this step", highlight=False, soft_wrap=True
-        )
+        self.console.print(f"\n[yellow]{reason}: {self._after_this_step()}", highlight=False, soft_wrap=True)
+
+    def _after_this_step(self) -> str:
+        """What the stop does, said as it is asked for: with checkpoints off nothing is saved, and the line must
+        not promise a checkpoint that the run's last line then says was never written."""
+        if self.checkpoint.enabled:
+            return "saving a checkpoint after this step"
+        return "stopping after this step (checkpoint.enabled is false: nothing is saved)"
 
     def start(self) -> None:
         """Handle the stop signals (main thread only) until `end` (or `restore`). Called where Lightning would

@@ -468,13 +468,17 @@ def config_yaml(cfg: RunConfig) -> str:
 
 
 def throwaway_run_overrides(*, spike_policy: str) -> list[str]:
-    """What a short run made to measure a config (a tuning trial, a plan probe) turns off, as `gaudi3 train` flags:
-    checkpoints (and what acts only on them, `checkpoints_off_overrides`: a spike `rollback`, `spike_policy`, warns
-    instead), tracker runs (one per trial in the user's W&B/MLflow), the metrics port (the real run may hold it:
-    every trial would crash) and the cost budget (a measurement spends nothing worth stopping)."""
+    """What a short run made to measure a config (a tuning trial, a plan probe, a benchmark cell) turns off, as
+    `gaudi3 train` flags: a length in epochs (its length is its own steps, which it sets), the profiler (its steps
+    would be measured, and its window may lie past the short run's last step: refused), checkpoints (and what acts
+    only on them, `checkpoints_off_overrides`: a spike `rollback`, `spike_policy`, warns instead), tracker runs (one
+    per trial in the user's W&B/MLflow), the metrics port (the real run may hold it: every trial would crash) and
+    the cost budget (a measurement spends nothing worth stopping)."""
     from gaudi3_scale.checkpoint.config import checkpoints_off_overrides
 
     return [
+        "--train.max_epochs=null",
+        "--train.profile_start_step=null",
         *checkpoints_off_overrides(spike_policy=spike_policy),
         "--monitor.loggers=",
         "--monitor.metrics_port=null",

@@ -4,6 +4,7 @@ first by `train.after_step.AfterStep`."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ from gaudi3_scale.metering.live import (
     budget_message,
     build_spot_check,
     check_cost_config,
+    resumed_cost_usd,
     uses_spot_quotes,
 )
 from gaudi3_scale.train.callbacks import GracefulInterrupt, StepCheckpoint
@@ -35,7 +37,8 @@ class LiveCost:
     up to its own step, and a stop asked for at a step boundary happens after that very step.
     Every rank keeps a meter, but only rank 0's clock decides: its stop request reaches the other ranks through
     GracefulInterrupt's all-reduce. The accrued cost is written into every checkpoint's `gaudi3_meta` (so also its
-    manifest) and read back from it on resume, on the single-file and the sharded path alike.
+    manifest) and read back from it on resume, on the single-file and the sharded path alike, or from the run's
+    metrics.jsonl (`metrics_path`) when that recorded more (`metering.live.resumed_cost_usd`).
     """
 
     def __init__(
@@ -47,8 +50,10 @@ class LiveCost:
         warn: Callable[[str], None],
         note: Callable[[str], None],
         spot: SpotCheck | None = None,
+        metrics_path: Path | None = None,
     ) -> None:
         self.meter = meter
+        self.metrics_path = metrics_path  # the run's metrics.jsonl: its records carry the cost too
         self.interrupt = interrupt
         self.checkpoint = checkpoint
         self.warn = warn
@@ -68,10 +73,12 @@ class LiveCost:
         return {COST_KEY: self.meter.cost_usd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The cost accrued before the checkpoint this run resumes from."""
-        stored = state_dict.get(COST_KEY)
-        if stored is not None:  # None: written before cost tracking was on; the sum starts here
-            self.meter.cost_usd = float(stored)
+        """The cost accrued before this run resumes: the checkpoint's, or what the run recorded after it when that
+        is more (a process killed without a stop: `resumed_cost_usd`)."""
+        stored = state_dict.get(COST_KEY)  # None: written before cost tracking was on
+        spent = resumed_cost_usd(float(stored) if stored is not None else None, self.metrics_path)
+        if spent is not None:  # None: nothing known; the sum starts here
+            self.meter.cost_usd = spent
 
     def carry_from(self, previous: LiveCost) -> None:
         """This fit follows a health rollback (`GaudiTrainer._fit`): the restored checkpoint brings back the training
@@ -101,6 +108,12 @@ class LiveCost:
             return
         if meter.passed_warning() and not meter.over_budget:  # both at once: the stop message says it all
             self.warn(meter.warning_message(step))
+        # A stop asked for now lands after this step, with several ranks after the next (GracefulInterrupt's
+        # all-reduce is read a boundary later). One that would land on the run's last step, which ends it anyway,
+        # would only turn a finished run into an interrupted one (exit 3 or 4, no sample) whose rerun is refused;
+        # the summary still shows the cost past the budget.
+        if step + (1 if trainer.world_size > 1 else 0) >= meter.max_steps:
+            return
         if meter.over_budget:
             budget = meter.budget_usd
             assert budget is not None
@@ -157,7 +170,7 @@ def build_live_cost(
     announce: bool = True,
 ) -> LiveCost | None:
     """Live cost tracking when the `cost` section resolves a price (else None) for a run of `nodes` nodes and
-    `max_steps` steps; its fields join every metrics record.
+    `max_steps` steps; its fields join every metrics record of rank 0.
 
     `note` prints lines for the user (spot decisions; with `announce`, also the price in use)."""
     price = check_cost_config(cfg)
@@ -171,10 +184,15 @@ def build_live_cost(
         warn_at_fraction=cfg.warn_at_fraction,
     )
     spot: SpotCheck | None = None
-    if uses_spot_quotes(cfg) and launched_rank() == 0:  # one price poller per run
+    rank_zero = launched_rank() == 0
+    if uses_spot_quotes(cfg) and rank_zero:  # one price poller per run
         spot = build_spot_check(cfg, warn=warn)
-    live = LiveCost(meter, interrupt, checkpoint, warn=warn, note=note, spot=spot)
-    metrics.sources.append(live.metrics)
+    live = LiveCost(meter, interrupt, checkpoint, warn=warn, note=note, spot=spot, metrics_path=metrics.path)
+    if rank_zero:
+        # The run's cost is rank 0's meter: it takes the live spot quotes, decides the stops, and is what the
+        # checkpoint and the summary record. The other ranks' meters bill the starting rate and would export a
+        # different figure for the same run to Prometheus (as the checkpoint upload series, rank 0's only).
+        metrics.sources.append(live.metrics)
     if announce:
         note(f"cost: ${meter.usd_per_hour:,.2f}/h for {meter.nodes} node(s), from {price.source}")
     return live

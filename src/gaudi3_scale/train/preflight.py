@@ -121,6 +121,10 @@ def resume_point(
             check_resume_compatible(ckpt, config, before_data=True)
         else:
             check_resume_strategy(read_resume_meta(ckpt), parallel, sharded=is_sharded_checkpoint(ckpt))
-        check_resume_budget(cfg.cost, ckpt)
+        # The spend the run recorded after its checkpoint, on one node: across nodes only rank 0's has its
+        # metrics.jsonl (node-local --out), and every node's launcher and ranks must refuse alike, or the others
+        # wait for rank 0 until a timeout. Rank 0's meter resumes from it either way and stops at the first step.
+        recorded = cfg.output_dir / "metrics.jsonl" if cfg.parallel.nnodes == 1 else None
+        check_resume_budget(cfg.cost, ckpt, max_steps=config["train"]["max_steps"], metrics_path=recorded)
         check_resume_spot_price(cfg.cost, checkpoint_directory(ckpt).name, warn=warn)
     return ckpt

@@ -36,6 +36,27 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(path, strict_json.dumps(summary, indent=2) + "\n")
 
 
+# What a fit that resumed a finished run says of itself over the run's kept summary: it trained nothing and was
+# not stopped (its exit code comes from these), whatever the run's last fit was.
+_THIS_FIT = ("interrupted", "stop_signal", "stop_reason", "stop_exit_code", "signal_to_checkpoint_s")
+
+
+def read_kept_summary(out_dir: Path, fresh: dict[str, Any], *, max_steps: int) -> dict[str, Any] | None:
+    """The summary.json of a run whose checkpoint was at train.max_steps already, with this fit's stop fields from
+    `fresh` (it trained nothing: its own throughput and wall time are of no step); None when there is none to
+    read (a run directory without one, one cut short, or an earlier fit's: killed after its last checkpoint and
+    before its summary, the run's summary is of fewer than `max_steps` steps), and the fit's own summary is
+    written instead."""
+    path = out_dir / "summary.json"
+    try:
+        kept = strict_json.restore_non_finite(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict) or kept.get("steps") != max_steps:
+        return None
+    return {**kept, **{key: fresh.get(key) for key in _THIS_FIT}}
+
+
 def write_run_report(
     out_dir: Path,
     summary: dict[str, Any],
@@ -119,10 +140,21 @@ def _fmt(value: Any) -> str:
 
 
 _RATIOS = {"mfu", "val_mlm_accuracy"}  # shown as percentages
-_STEADY = (
-    "step_time_s",
-    "tokens_per_s",
-)  # forecast for steps after the warm-up (`gaudi3 plan --compare` too)
+# Forecast for steps after the warm-up: a measured mean over warm-up steps is not compared with them (here and in
+# `gaudi3 plan --compare`).
+STEADY_KEYS = ("step_time_s", "tokens_per_s")
+# Measured over the whole run: a run that stopped before its last step measured fewer steps than were forecast.
+WHOLE_RUN_KEYS = ("wall_s", "cost_usd")
+
+
+def stopped_early(summary: dict[str, Any]) -> str | None:
+    """Why a run stopped before its last step (a signal, a budget, the step guard), as a note; None when it ran to
+    its end. Its wall time and cost are then of fewer steps than its forecast's: not compared with it."""
+    if not summary.get("interrupted") and summary.get("stop_exit_code") is None:
+        return None
+    why = summary.get("stop_reason") or summary.get("stop_signal") or "interrupted"
+    return (f"the run stopped after step {summary.get('steps')} ({why}): its wall time and cost are of fewer steps "
+            "than the forecast's, so no error is given")  # fmt: skip
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -155,9 +187,11 @@ def _predicted(summary: dict[str, Any], key: str) -> str:
     predicted, measured = summary.get(f"predicted_{key}"), summary.get(key)
     if not isinstance(predicted, int | float) or not isinstance(measured, int | float) or not measured:
         return ""
-    if key in _STEADY and summary.get("throughput_includes_warmup"):
+    if key in STEADY_KEYS and summary.get("throughput_includes_warmup"):
         # the prediction is of steady steps; a mean over warm-up steps says nothing about its error
         return f" (predicted {_fmt(predicted)} for steady steps; not compared with warm-up steps)"
+    if key in WHOLE_RUN_KEYS and stopped_early(summary):
+        return f" (predicted {_fmt(predicted)} for the whole run; it stopped early)"
     return f" (predicted {_fmt(predicted)}, {predicted / measured - 1:+.0%})"
 
 

@@ -31,7 +31,7 @@ from gaudi3_scale.data.inputs import MIXTURE_SHA256_PREFIX
 from gaudi3_scale.distributed.env import inside_launched_worker
 from gaudi3_scale.distributed.plan import ZERO_STAGES
 from gaudi3_scale.metering.config import CostConfig
-from gaudi3_scale.metering.live import check_budget_left
+from gaudi3_scale.metering.live import check_budget_left, resumed_cost_usd
 from gaudi3_scale.models import ModelConfig
 from gaudi3_scale.models.semantics import changes_missing_from
 from gaudi3_scale.train.config import RunConfig
@@ -52,17 +52,37 @@ __all__ = [
 ]
 
 
-def check_resume_budget(cost: CostConfig, checkpoint: Path) -> None:
-    """Refuse to resume a checkpoint whose accrued cost already reached `cost.budget_usd` (exit 3, one line).
+def check_resume_budget(
+    cost: CostConfig, checkpoint: Path, *, max_steps: int | None, metrics_path: Path | None
+) -> None:
+    """Refuse to resume a checkpoint when what the run spent already reached `cost.budget_usd` (exit 3, one line).
 
-    The accrued cost is read from the manifest (the checkpoint's own `gaudi3_meta`, copied there at commit), so
-    this costs no checkpoint load and runs before any rank is launched.
+    The spend is the larger of the checkpoint's accrued cost, read from its manifest (the checkpoint's own
+    `gaudi3_meta`, copied there at commit), and the last one the run recorded in `metrics_path`, its own
+    metrics.jsonl (`resumed_cost_usd`; None: the checkpoint's alone): this costs no checkpoint load and runs before
+    any rank is launched. A checkpoint already at `max_steps` passes whatever it cost: the run trains nothing, so it
+    spends nothing, and a rerun of a finished run must not fail over money. `max_steps` None (a length in epochs,
+    resolved once the data is open): the steps the checkpoint's own run resolved, from its saved config.
     """
+    if cost.budget_usd is None:
+        return
     directory = checkpoint_directory(checkpoint)
     manifest = read_manifest(directory) or {}
-    stored = manifest.get(COST_KEY)
-    if cost.budget_usd is not None and stored is not None:
-        check_budget_left(cost.budget_usd, float(stored), directory.name)
+    stored, step = manifest.get(COST_KEY), manifest.get("step")
+    if max_steps is None and isinstance(step, int):
+        saved = (saved_run_config(checkpoint) or {}).get("train")
+        resolved = saved.get("max_steps") if isinstance(saved, dict) else None
+        max_steps = resolved if isinstance(resolved, int) else None
+    if isinstance(step, int) and max_steps is not None and step >= max_steps:
+        return
+    checkpoint_usd = float(stored) if stored is not None else None
+    spent = resumed_cost_usd(checkpoint_usd, metrics_path)
+    if spent is None:
+        return
+    name = directory.name
+    if checkpoint_usd is None or spent > checkpoint_usd:
+        name += f" and the steps after it ({metrics_path})"
+    check_budget_left(cost.budget_usd, spent, name)
 
 
 def resume_manifest(cfg: RunConfig) -> dict[str, Any] | None:

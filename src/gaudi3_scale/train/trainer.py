@@ -58,7 +58,7 @@ from gaudi3_scale.train.module import LanguageModel
 from gaudi3_scale.train.nodes import NodesCheck
 from gaudi3_scale.train.parts import build_after_step
 from gaudi3_scale.train.preflight import check_run_inputs, resume_point
-from gaudi3_scale.train.report import read_metrics, write_run_report
+from gaudi3_scale.train.report import print_summary, read_kept_summary, read_metrics, write_run_report
 from gaudi3_scale.train.resume import check_resume_compatible, check_resume_data, check_resume_semantics
 from gaudi3_scale.train.rollback import Rollback, guard_stop, plan_rollback
 from gaudi3_scale.train.run_lock import run_directory_lock
@@ -207,6 +207,8 @@ class GaudiTrainer:
             None  # `gaudi3 plan`'s forecast of this run (train.forecast_file)
         )
         self._guard: StepGuard | None = None  # the step guard of our own model (health.guard)
+        # this fit resumes a checkpoint at train.max_steps: it trains nothing, and leaves the run's outputs as they are
+        self._finished = False
         self._health: StepHealth | None = None
         # The prepared tokens' identity (data.manifest.tokens_sha256): the registry model on our data only.
         self._data_sha256: str | None = None
@@ -384,7 +386,7 @@ class GaudiTrainer:
         if rollback is not None and previous_cost is not None and self._after.cost is not None:
             self._after.cost.carry_from(previous_cost)  # the checkpoint restores the training, not the spend
         self._after.metrics.started_s = started  # records say when (wall_s), on summary.json's clock
-        finished = ckpt_path is not None and self._check_resume(model, ckpt_path)
+        finished = self._finished = ckpt_path is not None and self._check_resume(model, ckpt_path)
         # the run's files and plan.json past every refusal: a run refused at its start changes nothing, nor does
         # one whose checkpoint is at train.max_steps already (it trains nothing; its config.yaml stays the one
         # the checkpoint was trained with). A resume writes them once Lightning has restored the checkpoint: one
@@ -444,10 +446,10 @@ class GaudiTrainer:
         return model, datamodule
 
     def _write_run_start(self, rollback: Rollback | None, *, config: bool) -> None:
-        """config.yaml and the tokenizer (`config`), and (the first fit) plan.json."""
+        """config.yaml and the tokenizer (`config`), and (the first fit of a run that trains) plan.json."""
         if config:
             self._write_run_files()
-        if rollback is None and self._forecast is not None and launched_rank() == 0:
+        if rollback is None and self._forecast is not None and launched_rank() == 0 and not self._finished:
             write_plan(self.out_dir, self._forecast)
 
     def _write_run_files(self) -> None:
@@ -501,8 +503,19 @@ class GaudiTrainer:
             if cache:
                 summary["data_cache"] = cache
         if trainer.is_global_zero:
-            write_run_report(self.out_dir, summary, records, title=plot_title(cfg.name, cfg.model.name),
-                             console=self.console if self.progress else None)  # fmt: skip
+            finished = self._finished
+            kept = (
+                read_kept_summary(self.out_dir, summary, max_steps=cfg.train.max_steps) if finished else None
+            )
+            if (
+                kept is not None
+            ):  # nothing trained: the run's summary, loss.png and plan.json stay; shown as they are
+                summary = kept
+                if self.progress:
+                    print_summary(summary, self.console)
+            else:
+                write_run_report(self.out_dir, summary, records, title=plot_title(cfg.name, cfg.model.name),
+                                 console=self.console if self.progress else None)  # fmt: skip
         return summary
 
     # ---- rollback and the process group ------------------------------------------------------------------------

@@ -107,12 +107,10 @@ def _command(config_path: Path, candidate: Candidate, settings: TrialSettings, o
         *ONE_NODE,
         *candidate.overrides(),
         f"--train.max_steps={total}",
-        "--train.max_epochs=null",  # a trial's length is steps, whatever the config's
         f"--train.throughput_warmup_steps={warmup}",
         "--train.log_every_steps=1",
         "--train.val_every_steps=0",
         "--train.val_batches=1",
-        "--train.profile_start_step=null",  # the profiler's steps would be measured, and may lie past max_steps
         *throwaway_run_overrides(spike_policy=settings.spike_policy),
         *settings.extra_overrides,
     ]

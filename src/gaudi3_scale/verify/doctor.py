@@ -217,13 +217,20 @@ CHECKS: dict[str, Check] = {
 
 
 def select_checks(only: Iterable[str] = (), skip: Iterable[str] = ()) -> list[str]:
-    """The checks to run, in report order; an unknown name is one `UserInputError` listing the valid ones."""
+    """The checks to run, in report order; an unknown name, or a selection that leaves none (which would pass the
+    node gate without checking anything), is one `UserInputError` listing the valid ones."""
     only, skip = list(only), list(skip)
     for flag, names in (("--check", only), ("--skip", skip)):
         unknown = [name for name in names if name not in CHECKS]
         if unknown:
             raise UserInputError(f"{flag}: unknown check {brief(unknown[0])}; allowed: {', '.join(CHECKS)}")
-    return [name for name in CHECKS if (not only or name in only) and name not in skip]
+    selected = [name for name in CHECKS if (not only or name in only) and name not in skip]
+    if not selected:
+        raise UserInputError(
+            f"--skip: skips every check selected ({', '.join(only or CHECKS)}), so none would run; keep at least "
+            f"one of: {', '.join(CHECKS)}"
+        )
+    return selected
 
 
 def run_checks(inputs: DoctorInputs, names: Iterable[str]) -> list[Finding]:
