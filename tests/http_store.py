@@ -5,6 +5,7 @@ http:// backend reads a prepared dataset from it like from any store; `HttpStore
 next `times` requests (GET or HEAD) for a file whose name ends with `name` misbehave:
   * `status:503` (any status): answer it, with a short text body;
   * `stall`: send the headers and 100 bytes of the body, then nothing until the server stops;
+  * `hang`: answer nothing at all (neither the headers of a GET nor of a HEAD) until the server stops;
   * `html`: answer 200 with an HTML page (a captive portal, a proxy's error page).
 `requests` records (method, path) of every request.
 """
@@ -74,6 +75,10 @@ class HttpStore:
         file = self.root / path.lstrip("/")
         if mode is not None and mode.startswith("status:"):
             return self._send(handler, int(mode.split(":")[1]), b"busy, retry", head=head)
+        if mode == "hang":
+            self._closing.wait()
+            handler.close_connection = True
+            return None
         if mode == "html":
             return self._send(handler, 200, HTML, head=head)
         if not file.is_file():

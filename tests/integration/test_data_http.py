@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import DataConfig, load_manifest, prepare_dataset
+from gaudi3_scale.data.fetch_retry import Retrier
 from gaudi3_scale.data.inputs import open_training_data
 from gaudi3_scale.data.publish import publish_prepared
 from gaudi3_scale.data.remote import OPEN_STALL_S, RemoteDataset
@@ -145,12 +149,85 @@ def test_a_stalled_first_attempt_counts_against_the_budget(
     assert _gets(store, train.file) == 1
 
 
+def test_a_store_that_answers_nothing_is_waited_on_once_per_attempt(
+    store: HttpStore, prepared: Path, tmp_path: Path
+) -> None:
+    """A store that hangs before its headers, a HEAD's too: fsspec's http `open` sent a HEAD for the size, then the
+    GET, each waiting the stall bound (1 s here), so a 2 s budget ran ~4.5 s and the line said ~3.5 s. The size
+    comes from the manifest (no HEAD), and the outage is dated from the first attempt's start."""
+    train = load_manifest(prepared).shards_of("train")[4]
+    store.behave(train.file, "hang")
+    with _open(f"{store.url}/ds", tmp_path / "cache", fetch_retry_s=2.0) as dataset:
+        start_s = time.monotonic()
+        with pytest.raises(UserInputError) as info:
+            dataset.shard_path(train)
+        took_s = time.monotonic() - start_s
+    assert not [path for method, path in store.requests if method == "HEAD" and path.endswith(train.file)]
+    said = re.search(r"unreachable, retried for ([0-9.]+) s \(data\.fetch_retry_s=2\)", str(info.value))
+    assert said is not None, info.value
+    said_s = float(said.group(1))
+    assert said_s >= 2.0 and took_s < 3.5 and took_s - said_s < 0.3, (said_s, took_s)
+
+
+def test_an_outage_is_dated_from_when_the_store_last_answered_the_attempt() -> None:
+    """An attempt may hold several waits (a HEAD, then a GET): all of them count, from the attempt's start (it was
+    dated at most one stall bound back, and retried), or from the last bytes it delivered (a long transfer cut off
+    at its end is retried, not charged in full)."""
+    silent_attempts = 0
+
+    def silent() -> None:
+        nonlocal silent_attempts
+        silent_attempts += 1
+        time.sleep(0.3)
+        raise TimeoutError("read timed out")
+
+    with pytest.raises(UserInputError, match=r"x: unreachable, retried for 0\.\d s \(b=0\.2\)"):
+        Retrier(first_backoff_s=0.05).call("x", silent, budget_s=0.2, budget_name="b")
+    assert silent_attempts == 1
+
+    retrier = Retrier(first_backoff_s=0.05)
+    transfers = 0
+
+    def cut_off_then_served() -> str:
+        nonlocal transfers
+        transfers += 1
+        if transfers == 2:
+            return "served"
+        time.sleep(0.3)
+        retrier.heard_from_store()
+        time.sleep(0.05)
+        raise ConnectionResetError("reset by peer")
+
+    assert retrier.call("x", cut_off_then_served, budget_s=0.2, budget_name="b") == "served"
+    assert retrier.retries == 1
+
+
 def test_a_manifest_that_stalls_fails_at_open_within_seconds(store: HttpStore, tmp_path: Path) -> None:
     store.behave("manifest.json", "stall")
     start_s = time.monotonic()
     with pytest.raises(UserInputError, match=r"manifest\.json: unreachable, retried for"):
         _open(f"{store.url}/ds", tmp_path / "cache")
     assert time.monotonic() - start_s < OPEN_STALL_S + 3
+
+
+def test_a_missing_shard_read_by_a_loader_worker_is_the_same_one_line(
+    store: HttpStore, prepared: Path, tmp_path: Path
+) -> None:
+    """`gaudi3 train` with `data.loader_workers 1`: torch re-raised the worker's error with its traceback as the
+    message, which the one-line error squeezed and cut in the middle, where the shard's URL was."""
+    store.behave(".bin", "status:404")
+    cmd = [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(tmp_path / "run"), "--no-progress",
+           f"--data.source={store.url}/ds", "--data.loader_workers=1", "--data.prefetch_shards=0",
+           f"--data.cache_dir={tmp_path / 'cache'}", "--model.num_layers=1", "--model.context_length=32",
+           "--train.micro_batch_size=2", "--train.global_batch_size=2", "--train.max_steps=2",
+           "--train.val_every_steps=0", "--sample-tokens=0", "--train.threads=1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    shards = [f"{store.url}/ds/{s.file}" for s in load_manifest(prepared).shards]
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    said = re.fullmatch(
+        r"gaudi3: error: (\S+): missing at the store \(listed in manifest\.json\); .*\n", done.stderr
+    )
+    assert said is not None and said.group(1) in shards, done.stderr
 
 
 def test_a_corrupt_shard_is_one_error_and_nothing_printed_around_it(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,8 +73,9 @@ def test_glob_and_errors(tmp_path: Path) -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(
+    # no NUL: it is not text (read_chunk refuses it, as binary or UTF-16 data)
     lines=st.lists(
-        st.text(alphabet=st.characters(exclude_characters="\n", exclude_categories=["Cs"]), max_size=40),
+        st.text(alphabet=st.characters(exclude_characters="\n\0", exclude_categories=["Cs"]), max_size=40),
         max_size=60,
     ),
     chunk_bytes=st.integers(1, 64),
@@ -109,3 +112,37 @@ def test_invalid_utf8_names_file_and_offset(tmp_path: Path) -> None:
     (chunk,) = split_into_chunks(0, path, path.stat().st_size)
     with pytest.raises(UserInputError, match=r"bad.txt: not UTF-8 text \(invalid byte at offset 9\)"):
         read_chunk(chunk)
+
+
+def test_a_utf16_file_or_glob_match_is_refused_like_a_directorys_binary_file(tmp_path: Path) -> None:
+    """ASCII in UTF-16 (no BOM) is valid UTF-8 with a NUL after every character: given as a file or a glob it was
+    trained on as such, while the same file in a directory was skipped as binary. Now one line names it, and a NUL
+    past the sniffed head stops `read_chunk`."""
+    (tmp_path / "u16").mkdir()
+    utf16 = tmp_path / "u16" / "notes.txt"
+    utf16.write_bytes("To be, or not to be\n".encode("utf-16-le"))
+    expected = r"notes.txt: not UTF-8 text \(a NUL byte at offset 1: binary, or UTF-16/UTF-32 text\); convert"
+    for spec in (str(utf16), str(tmp_path / "u16" / "*.txt"), f"tinyshakespeare,{utf16}"):
+        with pytest.raises(UserInputError, match=expected):
+            resolve_source(spec)
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"a\n" * 5000 + b"b\0c\n")
+    (source,) = resolve_source(str(late)).files  # the first 8 KiB are text
+    chunks = split_into_chunks(0, source.path, source.size_bytes, 4096)
+    with pytest.raises(UserInputError, match=r"late.txt: not UTF-8 text \(a NUL byte at offset 10001: bin"):
+        [read_chunk(c) for c in chunks]
+
+
+def test_prepare_and_train_refuse_a_utf16_file_with_one_line(tmp_path: Path) -> None:
+    utf16 = tmp_path / "u16le.txt"
+    utf16.write_bytes(bundled_corpora()["tinyshakespeare"].read_text()[:2000].encode("utf-16-le"))
+    commands = [["prepare", str(utf16), "--tokenizer", "char", "--out", str(tmp_path / "p")],
+                ["train", f"--data.source={utf16}", "--data.tokenizer=char", "--model.num_layers=1",
+                 "--train.max_steps=1", "--train.threads=1", "--out", str(tmp_path / "run")]]  # fmt: skip
+    for args in commands:
+        done = subprocess.run([sys.executable, "-m", "gaudi3_scale.cli", *args], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (args[0], done.stderr[-2000:])
+        assert done.stderr.startswith(f"gaudi3: error: {utf16}: not UTF-8 text (a NUL byte at offset 1: ")
+        assert "convert it to UTF-8" in done.stderr
+    assert not (tmp_path / "p" / "manifest.json").exists() and not (tmp_path / "run" / "checkpoints").exists()

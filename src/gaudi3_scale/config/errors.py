@@ -37,8 +37,31 @@ class UserInputError(ValueError):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
+        message = _unwrap_worker_traceback(type(self), message)
         # One line, always: user-supplied names and values may carry newlines of their own.
         super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
+
+
+# torch re-raises an exception of a DataLoader worker (or its pin-memory thread) in the main process as
+# `type(error)(text)`, the text: "Caught UserInputError in DataLoader worker process 0.\nOriginal Traceback (most
+# recent call last):\n  File …\ngaudi3_scale.config.errors.UserInputError: <the message>\n" (torch._utils
+# `ExceptionWrapper.reraise`). Squeezed into one line and cut to MAX_ERROR_CHARS, it lost the message's middle.
+_WORKER_TRACEBACK = ".\nOriginal Traceback (most recent call last):\n"
+
+
+def _unwrap_worker_traceback(cls: type[BaseException], message: str) -> str:
+    """The original message of an exception torch re-raised from a worker (the text after the last
+    `module.Class: ` line of the embedded traceback, several lines if it had several), else `message` as is."""
+    head, found, trace = message.partition(_WORKER_TRACEBACK)
+    if not (found and head.startswith(f"Caught {cls.__name__} ")):
+        return message
+    name = (
+        cls.__qualname__
+        if cls.__module__ in ("__main__", "builtins")
+        else f"{cls.__module__}.{cls.__qualname__}"
+    )
+    _, found, original = trace.rpartition(f"\n{name}: ")
+    return original.rstrip("\n") if found else message
 
 
 class ConfigError(UserInputError):

@@ -4,8 +4,9 @@ Transient means what `gaudi3_scale.storage.is_transient_error` says, the rule th
 (refused / reset / timed-out connections, throttling, HTTP 5xx, 408 or 429, read through fsspec's http wrapping of
 them in `FileNotFoundError`); anything else, a missing object (HTTP 404) or a refused one (403) included, is raised at
 once. A read that stalls is bounded by the backend's timeouts (`stall_timeout_s`, passed to the store by
-`data.remote`) and counts as a failure; the outage it begins is dated back to when the store was last known to
-answer (at most the stall bound ago), so a stalled first attempt is charged to the budget. One warning when an
+`data.remote`) and counts as a failure; the outage it begins is dated back to when the store last answered: the
+failing attempt's start, or the last bytes it delivered (`heard_from_store`), so a stalled first attempt is charged
+to the budget in full, however many waits it held, and a long transfer cut off at its end is not. One warning when an
 outage begins and one when it ends, however many threads retry through it; none from a caller that is stopping. The
 backoff jitter comes from a generator of our own: the global `random` state is part of what checkpoints record, and
 a run with an outage must stay bitwise identical to one without.
@@ -56,18 +57,17 @@ class Retrier:
         *,
         first_backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
-        stall_s: float = 0.0,
         quiet: bool = False,
     ) -> None:
-        """`stall_s`: the stall bound of the reads retried (`stall_timeout_s`); `quiet`: log outages at debug level
-        only (a caller whose budget is a few seconds: its error line says it all)."""
+        """`quiet`: log outages at debug level only (a caller whose budget is a few seconds: its error line says
+        it all)."""
         self.first_backoff_s = first_backoff_s
         self.max_backoff_s = max_backoff_s
-        self.stall_s = stall_s
         self._level = logging.DEBUG if quiet else logging.WARNING
         self.retries = 0
         self._lock = threading.Lock()
         self._outage_since_s: float | None = None
+        self._attempt = threading.local()  # answered_s: when the store last answered this thread's attempt
         self._jitter = random.Random()  # seeded from the OS; never the global generator
 
     def call(
@@ -88,13 +88,13 @@ class Retrier:
         """
         delay_s = self.first_backoff_s
         while True:
-            started_s = time.monotonic()
+            self._attempt.answered_s = time.monotonic()
             try:
                 result = attempt()
             except Exception as error:
                 if not is_transient_error(error):
                     raise
-                elapsed_s = self._failed(what, error, budget_s, budget_name, started_s, stop)
+                elapsed_s = self._failed(what, error, budget_s, budget_name, stop)
                 if elapsed_s >= budget_s:
                     raise UserInputError(
                         f"{what}: unreachable, retried for {elapsed_s:.1f} s ({budget_name}={budget_s:g}); "
@@ -114,22 +114,26 @@ class Retrier:
                 self._succeeded(what, stop)
                 return result
 
+    def heard_from_store(self) -> None:
+        """Called by an attempt when bytes arrive: should it fail later, its outage began then, not at its start."""
+        self._attempt.answered_s = time.monotonic()
+
     def _failed(
         self,
         what: str,
         error: Exception,
         budget_s: float,
         budget_name: str,
-        started_s: float,
         stop: threading.Event | None,
     ) -> float:
         """Seconds since the outage began (this failure begins one when none is under way: when the store last
-        answered, which is at most `stall_s` before now, and not before this attempt started)."""
+        answered this attempt, its start when nothing came; an attempt may hold several waits, fsspec's http `open`
+        a HEAD and then the GET, and a stalled one waits for each)."""
         now_s = time.monotonic()
         with self._lock:
             began = self._outage_since_s is None
             if began:
-                self._outage_since_s = max(started_s, now_s - self.stall_s)
+                self._outage_since_s = self._attempt.answered_s
             since_s = self._outage_since_s
         assert since_s is not None
         if began and not (stop is not None and stop.is_set()):

@@ -11,9 +11,10 @@ Failures: a transient storage error (refused / reset / timed-out connection, HTT
 jittered exponential backoff for up to `fetch_retry_s` (one warning per outage, one on recovery), then training
 stops with one line. Every read is bounded: http(s):// and s3:// connections and reads that wait longer than
 `stall_timeout_s(fetch_retry_s)` (1 to 15 s; `OPEN_STALL_S` at open) for the store fail and are retried like any
-transient error, so a stalled store stops the run after about `fetch_retry_s` (other protocols keep their backend's
-own timeouts). A shard that is missing at the store (HTTP 404), or whose bytes disagree with the manifest twice in a
-row, is one line at once. An outage or a bad shard seen by the prefetch thread crashes nothing and prints nothing:
+transient error; an http(s) shard is one GET (`_open_object`), so a stalled http store stops the run after about
+`fetch_retry_s` (s3's client retries a timed-out request itself first; other protocols keep their backend's own
+timeouts). A shard that is missing at the store (HTTP 404), or whose bytes disagree with the manifest twice in a row,
+is one line at once. An outage or a bad shard seen by the prefetch thread crashes nothing and prints nothing:
 `shard_path` retries when it needs the shard, and stops the prefetch thread before it reports.
 
 A published dataset (`data.publish`) stores its files by content (`manifest.object_name`); one copied flat
@@ -90,7 +91,7 @@ class RemoteDataset:
         self.url, self.directory, self.manifest = url, directory, manifest
         self._fs, self._root, self._cache = fs, root, cache
         self._prefetch_shards, self._fetch_retry_s = prefetch_shards, fetch_retry_s
-        self._retrier = Retrier(stall_s=stall_timeout_s(fetch_retry_s))
+        self._retrier = Retrier()
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._window: list[Shard] = []
@@ -289,7 +290,7 @@ class RemoteDataset:
         stopped, self._stop = self._stop.is_set(), threading.Event()
         if stopped:
             self._stop.set()
-        self._retrier = Retrier(stall_s=stall_timeout_s(self._fetch_retry_s))
+        self._retrier = Retrier()
         self._cache.after_fork_in_child()
 
     def _prefetch_loop(self) -> None:
@@ -349,11 +350,12 @@ class RemoteDataset:
                     url, lambda: self._copy(shard, part), budget_s=self._fetch_retry_s, budget_name=_FETCH_BUDGET,
                     stop=self._stop,
                 )  # fmt: skip
-            except FileNotFoundError as e:
-                raise _not_found(url, e, f"listed in {MANIFEST_FILE}") from None
             except (UserInputError, FetchStopped):
                 raise
             except Exception as e:
+                # permanent: a status, or fsspec http's FileNotFoundError (for a failed HEAD, whatever the status)
+                if isinstance(e, FileNotFoundError) or http_status(e) is not None:
+                    raise _not_found(url, e, f"listed in {MANIFEST_FILE}") from None
                 raise UserInputError(f"{url}: cannot be read ({describe_error(e)})") from e
             if size_bytes == shard.size_bytes and sha256 == shard.sha256:
                 with self._cond:
@@ -375,6 +377,7 @@ class RemoteDataset:
         def on_chunk(num_bytes: int) -> None:
             nonlocal read_bytes
             read_bytes += num_bytes
+            self._retrier.heard_from_store()
             with self._cond:
                 self._stats["bytes_fetched"] += num_bytes
             if self._stop.is_set():
@@ -382,7 +385,7 @@ class RemoteDataset:
             if read_bytes > shard.size_bytes:  # never write past the room reserved for it
                 raise _TooLong
 
-        with self._fs.open(f"{self._root}/{self._object(shard)}", "rb") as src, part.open("r+b") as dst:
+        with self._open_object(shard) as src, part.open("r+b") as dst:
             listed_bytes = getattr(src, "size", None)  # fsspec's buffered files know it from the listing
             if isinstance(listed_bytes, int) and listed_bytes != shard.size_bytes:
                 return listed_bytes, ""
@@ -395,6 +398,15 @@ class RemoteDataset:
             os.fsync(dst.fileno())  # the file is trusted by its size once renamed: its bytes must be on disk
         return result
 
+    def _open_object(self, shard: Shard) -> Any:
+        """`shard`'s object, open for reading. fsspec's http `open` asks the server for the size first (a HEAD)
+        unless given one, and a stalled store made each attempt wait twice the stall bound, HEAD then GET: the
+        manifest knows the size, and `block_size=0` streams the body of one GET (the size only skips the HEAD)."""
+        path = f"{self._root}/{self._object(shard)}"
+        if url_protocol(self.url) in ("http", "https"):
+            return self._fs.open(path, "rb", block_size=0, size=max(1, shard.size_bytes))
+        return self._fs.open(path, "rb")
+
 
 class _TooLong(Exception):
     """More bytes arrived than the manifest lists."""
@@ -405,8 +417,9 @@ def _after_fork(dataset: weakref.ref[RemoteDataset]) -> None:
         alive._after_fork_in_child()
 
 
-def _not_found(url: str, error: FileNotFoundError, listed: str) -> UserInputError:
-    """A permanent `FileNotFoundError`: missing (HTTP 404, or no status), else what the store answered."""
+def _not_found(url: str, error: Exception, listed: str) -> UserInputError:
+    """A permanent `FileNotFoundError` or HTTP status: missing (404, 410, or no status), else what the store
+    answered."""
     status = http_status(error)
     if status is None or status in (404, 410):
         return UserInputError(f"{url}: missing at the store ({listed}); {_REUPLOAD}")
@@ -506,7 +519,7 @@ def _download_small(
     most; its SHA-256 checked when given."""
     source = f"{url}/{name}"
     try:
-        data = Retrier(stall_s=OPEN_STALL_S, quiet=True).call(
+        data = Retrier(quiet=True).call(
             source, lambda: fs.cat_file(f"{root}/{name}"), budget_s=OPEN_RETRY_S, budget_name="at open"
         )
     except FileNotFoundError as e:

@@ -116,18 +116,36 @@ def _stat(path: Path) -> SourceFile:
     return SourceFile(path=path.resolve(), size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
-def _looks_like_text(path: Path) -> bool:
-    """No NUL byte and valid UTF-8 in the first 8 KiB (a multi-byte character may be cut at the end)."""
+def _not_text(path: Path) -> str | None:
+    """Why `path` is not UTF-8 text, judged from its first 8 KiB (a multi-byte character may be cut at the end),
+    or None: a NUL byte (binary data, or UTF-16 / UTF-32 text, whose ASCII is valid UTF-8 with a NUL between
+    characters) or an invalid byte; the reason names the offset."""
     with path.open("rb") as fh:
         head = fh.read(_SNIFF_BYTES)
-    if b"\0" in head:
-        return False
+    if (nul := head.find(b"\0")) >= 0:
+        return _nul_reason(nul)
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as exc:
         truncated = len(head) == _SNIFF_BYTES and exc.reason == "unexpected end of data"
-        return truncated and exc.start >= len(head) - 3
-    return True
+        if not (truncated and exc.start >= len(head) - 3):
+            return f"invalid byte at offset {exc.start}"
+    return None
+
+
+def _nul_reason(offset: int) -> str:
+    return f"a NUL byte at offset {offset}: binary, or UTF-16/UTF-32 text"
+
+
+def _refuse_unless_text(path: Path) -> None:
+    """A file named as a source (itself, or matched by a glob) must be text, where a directory skips binary files:
+    one line naming it, at once, not garbage trained on (UTF-16 ASCII decodes as UTF-8 with NULs between)."""
+    if source_format(path) == TEXT and (reason := _not_text(path)) is not None:
+        raise UserInputError(_not_utf8(str(path), reason))
+
+
+def _not_utf8(path: str, reason: str) -> str:
+    return f"{path}: not UTF-8 text ({reason}); convert it to UTF-8 or leave it out of data.source"
 
 
 # What `prepare` writes beside manifest.json: format 1 train.bin / val.bin, format 2 train-00000.bin, ...
@@ -165,7 +183,7 @@ def _walk_directory(root: Path) -> list[Path]:
         for name in filenames:
             path = Path(dirpath) / name
             table = source_format(path) != TEXT  # Parquet is binary: read by pyarrow, not sniffed as text
-            if not name.startswith(".") and path.is_file() and (table or _looks_like_text(path)):
+            if not name.startswith(".") and path.is_file() and (table or _not_text(path) is None):
                 found.append(path)
     return sorted(found)
 
@@ -215,6 +233,9 @@ def resolve_source(spec: str) -> ResolvedSource:
             f"{spec!r} is not a bundled corpus ({', '.join(sorted(bundled))}), an existing file or directory, "
             "a glob that matches files, hf:NAME, or synthetic[:VOCAB]",
         )
+    if not path.is_dir():  # a directory's files were sniffed, binary ones skipped
+        for file in files:
+            _refuse_unless_text(file)
     stats = tuple(_stat(p) for p in files)
     if sum(f.size_bytes for f in stats) == 0:
         raise ConfigError("source", f"{spec!r} is empty (0 bytes of text)")
@@ -300,12 +321,13 @@ def read_chunk(chunk: Chunk) -> str:
         fh.seek(chunk.offset_bytes)
         raw = fh.read(chunk.length_bytes)
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserInputError(
-            f"{chunk.path}: not UTF-8 text (invalid byte at offset {chunk.offset_bytes + exc.start}); "
-            "convert it to UTF-8 or leave it out of data.source"
-        ) from None
+        reason = f"invalid byte at offset {chunk.offset_bytes + exc.start}"
+        raise UserInputError(_not_utf8(chunk.path, reason)) from None
+    if (nul := raw.find(b"\0")) >= 0:  # past the first 8 KiB that resolve_source sniffed
+        raise UserInputError(_not_utf8(chunk.path, _nul_reason(chunk.offset_bytes + nul)))
+    return text
 
 
 def sha256_file(path: Path) -> str:
