@@ -4,6 +4,7 @@
 
 Each line of OUT_JSONL.rank<R> is {"step": optimizer steps done before the micro-batch, "samples": [hash, …]},
 one hash per sequence of the micro-batch's inputs, so tests can check that no sample is repeated or skipped.
+OUT_JSONL.val.rank<R> holds the validation batches the same way.
 OUT_JSONL.gloo-threads.rank<R> holds how many gloo worker threads the rank still has after the fit.
 """
 
@@ -30,9 +31,17 @@ class RecordSamples(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any
     ) -> None:
-        x = batch[0].cpu()
-        hashes = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in x]
-        with Path(f"{self.path}.rank{trainer.global_rank}").open("a") as f:
+        self._record(Path(f"{self.path}.rank{trainer.global_rank}"), trainer, batch)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any
+    ) -> None:
+        self._record(Path(f"{self.path}.val.rank{trainer.global_rank}"), trainer, batch)
+
+    @staticmethod
+    def _record(path: Path, trainer: pl.Trainer, batch: Any) -> None:
+        hashes = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0].cpu()]
+        with path.open("a") as f:
             f.write(json.dumps({"step": trainer.global_step, "samples": hashes}) + "\n")
 
 

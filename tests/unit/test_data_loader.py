@@ -20,7 +20,7 @@ from gaudi3_scale.data import (
     load_prepared,
     prepare_dataset,
 )
-from gaudi3_scale.data.loader import gather_windows
+from gaudi3_scale.data.loader import gather_windows, val_budgets
 
 T = 32
 
@@ -95,6 +95,29 @@ def test_val_dataset_is_fixed(data: PreparedData) -> None:
     assert torch.equal(ValWindowDataset(data.val, T, micro_batch_size=4, max_batches=3)[2][1], y)
     with pytest.raises(IndexError):
         val[3]
+
+
+@pytest.mark.parametrize(
+    ("max_batches", "weights", "budgets"),
+    [(20, [7, 2, 1], [14, 4, 2]), (3, [1, 1], [2, 1]), (2, [3, 1], [1, 1]), (5, [7, 3], [4, 1]),
+     (10, [100, 1, 1], [8, 1, 1]), (5, [1, 0, 1], [3, 0, 2]), (7, [1], [7]),
+     (2, [1, 1, 1], [1, 1, 1]), (3, [100, 1, 1], [1, 1, 1])],
+)  # fmt: skip
+def test_val_budgets_split_exactly_with_one_batch_per_weighted_member(
+    max_batches: int, weights: list[float], budgets: list[int]
+) -> None:
+    # exactly max_batches (the last two: one per weighted member, the fewest that validates each)
+    assert val_budgets(max_batches, weights) == budgets
+
+
+def test_mixture_val_set_holds_every_member(data: PreparedData) -> None:
+    thirds = np.array_split(np.asarray(data.val), 3)
+    val = ValWindowDataset(thirds, T, micro_batch_size=4, max_batches=2, weights=[1, 1, 1])
+    assert len(val) == 3  # one batch of each member, in member order
+    firsts = [x[0, 0].item() for x, _ in val]
+    assert firsts == [int(third[int(starts[0])]) for third, starts in zip(thirds, val.starts, strict=True)]
+    # 1:1 of 3 batches is 2 + 1, not 2 + 2: the Trainer's limit would cut the second member's last batch
+    assert len(ValWindowDataset(thirds[:2], T, micro_batch_size=4, max_batches=3, weights=[1, 1])) == 3
 
 
 def test_datamodule_without_trainer(data: PreparedData) -> None:

@@ -22,7 +22,7 @@ from gaudi3_scale.data.mlm import TRAIN_STREAM, VAL_STREAM, MlmMasking
 from gaudi3_scale.data.sampler import WindowSampler, rank_sample_positions
 from gaudi3_scale.data.shards import ShardedTokens, val_window_starts_sharded
 
-__all__ = ["TokenWindowDataset", "ValWindowDataset", "as_sharded", "gather_windows"]
+__all__ = ["TokenWindowDataset", "ValWindowDataset", "as_sharded", "gather_windows", "val_budgets"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -175,8 +175,8 @@ def _split(windows: np.ndarray) -> Batch:
 class ValWindowDataset(Dataset[Batch]):
     """The fixed validation batches of this rank: `val_window_starts_sharded` over each dataset's val shards.
 
-    With several datasets (a mixture) the `max_batches` budget is split by weight, each member with a positive
-    weight getting at least one batch; every batch comes from one member.
+    With several datasets (a mixture) the `max_batches` budget is split by weight (`val_budgets`: exactly
+    `max_batches`, each member with a positive weight getting at least one batch); every batch comes from one member.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class ValWindowDataset(Dataset[Batch]):
             rank,
             micro_batch_size,
         )  # batch i's first sample: (i·world + rank)·micro
-        budgets = _val_budgets(max_batches, weights or [1.0] * len(self._members))
+        budgets = val_budgets(max_batches, weights or [1.0] * len(self._members))
         self._batches: list[tuple[int, np.ndarray]] = []
         for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
             if budget == 0:
@@ -242,8 +242,27 @@ def _members(
     return [as_sharded(t) for t in tokens]
 
 
-def _val_budgets(max_batches: int, weights: Sequence[float]) -> list[int]:
-    if len(weights) == 1:
-        return [max_batches]
-    total = sum(weights)
-    return [max(1, round(max_batches * w / total)) if w > 0 else 0 for w in weights]
+def val_budgets(max_batches: int, weights: Sequence[float]) -> list[int]:
+    """Validation batches per member: `max_batches` split by weight, exactly (largest-remainder rounding).
+
+    Every member with a positive weight gets at least one batch, so fewer `max_batches` than such members give
+    one batch each (more than asked: a member left out would be missing from val/loss without a word). A member
+    whose share is under one batch is held at one and the rest is split over the others again.
+    """
+    positive = [m for m, w in enumerate(weights) if w > 0]
+    total = max(max_batches, len(positive))
+    held: list[int] = []  # at one batch
+    while True:
+        free = [m for m in positive if m not in held]
+        seats = total - len(held)
+        quotas = {m: seats * weights[m] / sum(weights[f] for f in free) for m in free}
+        under = [m for m, q in quotas.items() if q < 1]
+        if not under:
+            break
+        held += under
+    budgets = [1 if m in held else int(quotas.get(m, 0)) for m in range(len(weights))]
+    # the seats left go to the largest remainders (ties: the heavier member, then the earlier one)
+    by_remainder = sorted(quotas, key=lambda m: (budgets[m] - quotas[m], -weights[m], m))
+    for m in by_remainder[: total - sum(budgets)]:
+        budgets[m] += 1
+    return budgets

@@ -32,6 +32,7 @@ from gaudi3_scale.config.core import save_yaml, to_dict
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data import TokenDataModule
 from gaudi3_scale.data.inputs import open_training_data
+from gaudi3_scale.data.loader import val_budgets
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.data.tokenizers import Tokenizer
 from gaudi3_scale.device import DevicePlan
@@ -86,6 +87,14 @@ _CONFIG_OWNS = {
     "gradient_clip_val": "optim.grad_clip_norm", "logger": "monitor.loggers",
     "enable_checkpointing": "the checkpoint section",
 }  # fmt: skip
+
+
+def _warn_val_budget(val_batches: int, weights: list[float], warn: Callable[[str], None]) -> None:
+    """A mixture with more weighted members than `train.val_batches` validates one batch of each (`val_budgets`)."""
+    total = sum(val_budgets(val_batches, weights))
+    if total > val_batches:
+        warn(f"train.val_batches={val_batches} is fewer than the {total} data.mixture members with a weight: "
+             f"validating on {total} batches, one of each member (set train.val_batches to {total} or more)")  # fmt: skip
 
 
 def _run_config(config: object) -> RunConfig:
@@ -280,6 +289,7 @@ class GaudiTrainer:
             loader_workers=cfg.data.loader_workers, tp_size=parallel.tp_size, pp_size=parallel.pp_size,
             prefetch_shards=cfg.data.prefetch_shards, masking=masking, skips=skips,
         )  # fmt: skip
+        _warn_val_budget(train.val_batches, [m.weight for m in prepared.members], self._warn)
         guard = StepGuard(cfg.health, skips)
         if guard.active:
             module.guard = self._guard = guard
@@ -304,12 +314,17 @@ class GaudiTrainer:
         # monitor.loggers; None when unnamed
         trackers = build_trackers(self.config.monitor, run_name=self.config.name, hyperparameters=to_dict(self.config),
                                   out_dir=self.out_dir, metrics=after.metrics, warn=self._warn)  # fmt: skip
+        # Our datamodule's loaders already hold this data-parallel rank's share (the train stream and the val set):
+        # Lightning's DistributedSampler would split the val set again, and its limit would cut a mixture's last
+        # members; a caller's own datamodule keeps Lightning's defaults.
+        own_data = isinstance(self.datamodule, TokenDataModule)
         kwargs: dict[str, Any] = {
             "accelerator": plan.accelerator, "devices": self.config.parallel.nproc_per_node,
             "num_nodes": self.config.parallel.nnodes, "strategy": strategy, "max_steps": cfg.max_steps,
             # Lightning counts batches: an optimizer step is `accumulation` of them for the module's own loop.
             "val_check_interval": cfg.val_every_steps * state.accumulation if cfg.val_every_steps else None,
-            "check_val_every_n_epoch": None, "limit_val_batches": cfg.val_batches, "num_sanity_val_steps": 0,
+            "check_val_every_n_epoch": None, "num_sanity_val_steps": 0, "use_distributed_sampler": not own_data,
+            "limit_val_batches": 1.0 if own_data else cfg.val_batches,
             "logger": trackers.loggers if trackers is not None else False, "enable_checkpointing": False,
             "enable_progress_bar": False, "enable_model_summary": False, "deterministic": cfg.deterministic,
             "default_root_dir": str(self.out_dir),
