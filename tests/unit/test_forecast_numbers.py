@@ -192,8 +192,42 @@ def _forecast(*overrides: str, probe: Probe | None = None, price: float | None =
 def test_a_probes_validation_follows_the_runs_val_batches() -> None:
     steps = ["--train.max_steps", "1000", "--train.val_every_steps", "100"]
     few, many = (_forecast(*steps, "--train.val_batches", str(n)).wall["validation_s"] for n in (20, 2000))
-    assert many.value == pytest.approx(100 * few.value)  # type: ignore[operator]
-    assert "10 pass(es) of 2000 micro-batches" in many.source and "the probe's measured rate" in many.source
+    # 8 data-parallel ranks: 20 batches are 2 per rank (the 4 past 16 are dropped), 2000 are 250
+    assert many.value == pytest.approx(125 * few.value)  # type: ignore[operator]
+    assert (
+        "10 pass(es) of 250 micro-batches per rank" in many.source
+        and "the probe's measured rate" in many.source
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "mesh", "val_batches"),
+    [
+        (1, [], 7),
+        (8, [], 20),
+        (8, [], 5),
+        (8, ["--parallel.tp_size", "2"], 9),
+        (8, ["--parallel.pp_size", "2"], 3),
+    ],
+)
+def test_a_validation_pass_is_timed_for_the_batches_a_rank_runs(
+    ranks: int, mesh: list[str], val_batches: int
+) -> None:
+    """The forecast's validation micro-batches per rank are those the data module gives each data-parallel rank."""
+    from gaudi3_scale.data.sampler import val_window_starts
+
+    cfg = resolve_config(None, ["--train.device", "cuda", "--parallel.nproc_per_node", str(ranks), "--model.name",
+                                "llama3-8b", "--model.num_layers", "4", "--train.global_batch_size", "8", *mesh,
+                                "--train.val_batches", str(val_batches)])  # fmt: skip
+    shape = run_shape(cfg, cfg.model, catalog_machine("h100", "bf16-mixed"))
+    plan, micro = shape.plan, shape.batch.micro_batch_size
+    dp_ranks = plan.data_parallel_size
+    runs = {len(val_window_starts(10**7, 1024, micro_batch_size=micro, max_batches=val_batches, world_size=dp_ranks,
+                                  rank=r)) for r in range(dp_ranks)}  # fmt: skip
+    assert runs == {shape.validation_batches_per_rank(val_batches)}
+    one = dataclasses.replace(shape, plan=dataclasses.replace(plan, world_size=plan.tp_size * plan.pp_size))
+    ratio = shape.validation_flops_per_rank(val_batches) / one.validation_flops_per_rank(val_batches)
+    assert ratio == pytest.approx(runs.pop() / val_batches)
 
 
 def test_a_probes_save_is_used_only_when_it_saved_the_same_way() -> None:

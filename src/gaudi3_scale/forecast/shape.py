@@ -118,7 +118,21 @@ class RunShape:
         float8 = self.plan.float8
         return None if float8 is None else fp8_gain_figure(self.model, float8)
 
+    def validation_batches_per_rank(self, val_batches: int) -> int:
+        """The micro-batches of one validation pass a rank runs: the `val_batches` of the val set split over the
+        data-parallel ranks (`data.sampler.val_window_starts`: each takes every dp-th, all of them when there are
+        fewer than dp ranks); a mixture's members are split so one by one, which this does not model."""
+        dp_ranks = self.plan.data_parallel_size
+        return val_batches // dp_ranks if val_batches >= dp_ranks else val_batches
+
     def validation_flops_per_rank(self, val_batches: int) -> float:
-        """One validation pass: `val_batches` micro-batches per rank, forward only (a third of training's FLOPs)."""
-        tokens = val_batches * self.batch.micro_batch_size * self.model.context_length
-        return flops_per_token(self.model, self.model.context_length) / 3 * tokens / self.plan.tp_size
+        """One validation pass on the busiest rank: its micro-batches (`validation_batches_per_rank`), forward only
+        (a third of training's FLOPs), the busiest pipeline rank's share of them, over tensor parallel."""
+        fpt = flops_per_token(self.model, self.model.context_length)
+        tokens = (
+            self.validation_batches_per_rank(val_batches)
+            * self.batch.micro_batch_size
+            * self.model.context_length
+        )
+        share = busiest_rank_share(self.model, self.plan, fpt)
+        return fpt / 3 * tokens * share / self.plan.tp_size

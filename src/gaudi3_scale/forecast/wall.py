@@ -126,7 +126,8 @@ def _validations(
 ) -> Figure:
     count = pause_count(start_step, train.max_steps, train.val_every_steps)
     flops = shape.validation_flops_per_rank(train.val_batches)
-    passes = f"{count} pass(es) of {train.val_batches} micro-batches, forward only"
+    per_rank = shape.validation_batches_per_rank(train.val_batches)
+    passes = f"{count} pass(es) of {per_rank} micro-batches per rank, forward only"
     if probe is not None:
         # this run's val_batches at the rate the probe measured (not the probe's stored validation_s: that is one
         # pass of the probe's own val_batches, which its key does not hold)
