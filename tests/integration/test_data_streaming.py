@@ -213,6 +213,29 @@ def test_a_cache_smaller_than_one_shuffle_block_is_one_line(
     assert int(minimum * 2**30) >= 4 * largest > int(minimum * 2**30) - largest // 10, lines[0]
 
 
+def test_a_resume_whose_checkpoint_block_outgrows_the_cache_is_one_line(
+    store: tuple[S3Server, Path, str], tmp_path: Path, gaudi3_cli: Any
+) -> None:
+    """data.shuffle_block_shards left null: a resume adopts the checkpoint's block (5 shards, from a larger cache),
+    which the smaller cache it resumes with must hold, as a fresh run's block must."""
+    _, local, url = store
+    largest = max(s.size_bytes for s in load_manifest(local).shards)
+    args = ["train", "--out", str(tmp_path / "run"), "--no-progress", f"--data.source={url}",
+            *(a for a in COMMON if not a.startswith("--data.shuffle_block_shards")), "--train.max_steps=1",
+            "--checkpoint.every_steps=1", f"--data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    code, _, err = gaudi3_cli(*args, f"--data.cache_limit_gib={12 * largest / 2**30}")  # a block of 5
+    assert code == 0, err
+    code, _, err = gaudi3_cli(*args, "--train.max_steps=2", f"--data.cache_limit_gib={3 * largest / 2**30}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert (
+        lines[0].startswith("gaudi3: error: data.cache_limit_gib=")
+        and "checkpoint's shuffle block of 5" in lines[0]
+    )
+    assert "new --out directory" in lines[0]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-00000001"]
+
+
 def _corrupt(url: str, name: str, data: bytes | None) -> None:
     fs, root = open_remote(url, field="test")
     if data is None:

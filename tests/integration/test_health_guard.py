@@ -144,3 +144,30 @@ def test_a_diverged_run_stops_after_max_dropped_in_a_row_with_exit_5_saving_noth
     assert [Path(p).name for p in sorted(glob.glob(str(out / "checkpoints" / "step-*")))] == ["step-00000001"]
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["stop_exit_code"], summary["health"]["dropped"]) == (5, 5)
+
+
+def test_a_skip_listed_below_the_resume_point_is_refused_and_the_position_stays_exact(tmp_path: Path) -> None:
+    """A resume counts the stream from the checkpoint's data step: a listed batch below it that the checkpoint's run
+    trained on is refused (one line, nothing written), and one its run skipped but the list no longer names (the
+    guard off, so no record of it but the position) moves nothing: no batch is lost or read twice."""
+    out = tmp_path / "run"
+    off = ["--health.nonfinite_guard", "false", "--health.spike_policy", "off", "--model.num_layers", "1",
+           "--model.dim", "64", "--train.threads", "1"]  # fmt: skip
+    _train(out, "--train.max_steps", "4", "--health.skip_batches", "[1]", *off)  # checkpoint at data step 5
+    at_four = _final(out)
+    batch = at_four["TokenDataModule"]["global_batch_size"]
+    assert at_four["TokenDataModule"]["samples_consumed"] == 5 * batch
+    env, config = {**os.environ, "GAUDI3_INJECT_FAULTS": ""}, (out / "config.yaml").read_text()
+    refused = subprocess.run(
+        [sys.executable, "-m", "gaudi3_scale.cli", "train", "--out", str(out), "--sample-tokens", "0", *COMMON,
+         "--train.max_steps", "6", "--health.skip_batches", "[1, 2]", *off],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
+    assert lines[0].startswith(
+        "gaudi3: error: health.skip_batches: batch 2 was trained on before data step 5"
+    )
+    assert _final(out)["global_step"] == 4 and (out / "config.yaml").read_text() == config
+    _train(out, "--train.max_steps", "6", *off)  # the list without batch 1: the stream still passed it
+    assert _final(out)["TokenDataModule"]["samples_consumed"] == 7 * batch

@@ -144,3 +144,49 @@ def test_manual_optimization_reads_the_same_stream(data: PreparedData, tmp_path:
     for x, starts in zip(manual.train_inputs, expected, strict=True):
         assert x[:, 0].tolist() == data.train[starts].tolist()
     assert dm.state_dict()["samples_consumed"] == 3 * GLOBAL
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")  # the first fit's ModelCheckpoint
+def test_allow_data_change_resumes_at_the_checkpoints_data_step_of_the_new_stream(tmp_path: Path) -> None:
+    """train.allow_data_change: text cut after a checkpoint (other shards, other windows) resumes at the
+    checkpoint's data step, in the new stream's order; without it the sampler state is refused, and with it a
+    change to how windows are cut (the data seed) still is."""
+    from gaudi3_scale.config.errors import UserInputError
+    from gaudi3_scale.data.sources import bundled_corpora
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(bundled_corpora()["tinyshakespeare"].read_text()[:12_000])
+    before = load_prepared(prepare_dataset(DataConfig(source=str(text), tokenizer="byte"), tmp_path / "a",
+                                           progress=False))  # fmt: skip
+    text.write_text(text.read_text()[:6_000])
+    after = load_prepared(prepare_dataset(DataConfig(source=str(text), tokenizer="byte"), tmp_path / "b",
+                                          progress=False))  # fmt: skip
+    assert before.vocab_size == after.vocab_size and len(after.train) < len(before.train)
+
+    def changed(allow: bool, seed: int = 5) -> TokenDataModule:
+        return TokenDataModule(after, context_length=T, global_batch_size=GLOBAL, micro_batch_size=MICRO,
+                               seed=seed, val_batches=2, allow_data_change=allow)  # fmt: skip
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = TokenDataModule(before, context_length=T, global_batch_size=GLOBAL, micro_batch_size=MICRO, seed=5,
+                            val_batches=2)  # fmt: skip
+    trainer(tmp_path, 2, callbacks=[ckpt], limit_val_batches=0).fit(
+        TinyLM(before.vocab_size), datamodule=first
+    )
+    step2 = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    with pytest.raises(UserInputError, match=r"^checkpoint data-sampler state: num_windows was \d+, now \d+"):
+        trainer(tmp_path / "refused", 4).fit(
+            TinyLM(before.vocab_size), datamodule=changed(False), ckpt_path=step2
+        )
+    with pytest.raises(UserInputError, match=r"^checkpoint data-sampler state: seed was 5, now 6"):
+        trainer(tmp_path / "seed", 4).fit(
+            TinyLM(before.vocab_size), datamodule=changed(True, 6), ckpt_path=step2
+        )
+    resumed, dm = TinyLM(before.vocab_size), changed(True)
+    trainer(tmp_path / "resumed", 4, limit_val_batches=0).fit(resumed, datamodule=dm, ckpt_path=step2)
+    assert dm.start_step == 2 and dm.sampler is not None
+    expected = [dm.sampler.micro_batch_starts(step, a) for step in (2, 3) for a in range(2)]
+    assert len(resumed.train_inputs) == 4
+    for x, starts in zip(resumed.train_inputs, expected, strict=True):
+        assert x[:, 0].tolist() == after.train[starts].tolist()
+    assert dm.state_dict()["samples_consumed"] == 4 * GLOBAL

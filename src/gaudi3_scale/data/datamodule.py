@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from gaudi3_scale.config.errors import ConfigError, UserInputError
 from gaudi3_scale.data.dataset import PreparedData
-from gaudi3_scale.data.inputs import DatasetMember, TrainingData, training_data_from_dir
+from gaudi3_scale.data.inputs import DatasetMember, TrainingData, require_block_room, training_data_from_dir
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
 from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.mlm import MlmMasking
@@ -30,7 +30,10 @@ from gaudi3_scale.data.sampler import WindowSampler
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.distributed.mesh import data_parallel_coordinate
 
-__all__ = ["TokenDataModule"]
+__all__ = ["SKIPPED_KEY", "TokenDataModule"]
+
+# in the datamodule's state: the data steps the stream skipped below samples_consumed's
+SKIPPED_KEY = "skipped_data_steps"
 
 
 class TokenDataModule(pl.LightningDataModule):
@@ -50,6 +53,7 @@ class TokenDataModule(pl.LightningDataModule):
         prefetch_shards: int = 0,
         masking: MlmMasking | None = None,
         skips: BatchSkips | None = None,
+        allow_data_change: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(data, PreparedData):
@@ -68,7 +72,13 @@ class TokenDataModule(pl.LightningDataModule):
         self.prefetch_shards = prefetch_shards
         self.masking = masking  # arch bert: batches are (masked inputs, labels), data.mlm
         self.skips = skips or BatchSkips()  # batches that make no update (health)
+        # train.allow_data_change: a resume continues on changed data at the checkpoint's data step (`sampler`)
+        self.allow_data_change = allow_data_change
         self.start_step = 0  # data step the next train_dataloader() starts at
+        # A resume: the checkpoint's sampler state, until the loader counts from it; then (its data step, the
+        # batches its stream skipped below that step)
+        self._resumed: dict[str, Any] | None = None
+        self._skipped_before: tuple[int, list[int]] | None = None
         self.sampler: WindowSampler | MixtureSampler | None = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -101,6 +111,7 @@ class TokenDataModule(pl.LightningDataModule):
             seed=self.seed,
             stride=self.stride,
             block_shards=member.block_shards,
+            allow_data_change=self.allow_data_change,
         )
 
     def _mixture_member_sampler(self, member: DatasetMember) -> WindowSampler:
@@ -153,6 +164,7 @@ class TokenDataModule(pl.LightningDataModule):
         return self._require_sampler().accum_steps
 
     def train_dataloader(self) -> DataLoader[Batch]:
+        self._count_from_checkpoint()
         dataset = TokenWindowDataset(
             [m.train for m in self.data.members],
             self._require_sampler(),
@@ -210,7 +222,11 @@ class TokenDataModule(pl.LightningDataModule):
             if self.trainer is not None
             else self.start_step
         )
-        return sampler.state_dict(samples_consumed=step * self.global_batch_size)
+        state = sampler.state_dict(samples_consumed=step * self.global_batch_size)
+        # what the stream passed over below that position: a resume refuses a skip listed there that it did not
+        first, before = self._skipped_before or (0, [])
+        state[SKIPPED_KEY] = [*before, *(s for s in self.skips.skipped if first <= s < step)]
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if self.sampler is None:  # restored before setup(): validated there, against the real dataset
@@ -219,15 +235,51 @@ class TokenDataModule(pl.LightningDataModule):
             if self._adopt_blocks(state_dict):
                 self.sampler = self.build_sampler(*self._world())
             self.start_step = self.sampler.start_step_from_state(state_dict)
+            self._resumed = dict(state_dict)
+
+    def _count_from_checkpoint(self) -> None:
+        """A resumed stream counts from the checkpoint's data step (`BatchSkips.resume_at`), once Lightning has
+        restored the update count and the step guard its dropped batches. A `health.skip_batches` entry below that
+        step which the checkpoint's run did not skip is refused: that batch is trained on already, and skipping
+        cannot take it back."""
+        state, self._resumed = self._resumed, None
+        if state is None or self.trainer is None:
+            return
+        start, skips = self.start_step, self.skips
+        loads = self.trainer.global_step + len(skips.dropped)
+        below = [s for s in skips.skipped if s < start]
+        recorded = state.get(SKIPPED_KEY)
+        if isinstance(recorded, list):  # written since the record: name the new ones exactly
+            before = sorted({s for s in recorded if isinstance(s, int) and s < start})
+            trained = sorted(set(below) - set(before))
+        else:  # an older checkpoint: its position says how many it skipped below it
+            before, trained = below, below if len(below) > start - loads else []
+        if trained:
+            raise ConfigError(
+                "health.skip_batches",
+                f"{_batches(trained)} trained on before data step {start}, where the checkpoint resumes (a skip "
+                f"cannot take that back); list only batches from {start} on, or, to leave them out, resume from a "
+                "checkpoint before them (train.resume) or start over in a new --out directory",
+            )
+        skips.resume_at(loads=loads, data_step=start)
+        self._skipped_before = (start, before)
 
     def _adopt_blocks(self, state: Mapping[str, Any]) -> bool:
         """A member whose `data.shuffle_block_shards` was left null resumes with the checkpoint's block size (the
-        stream depends on it; a URL dataset's default follows the cache size, which may have changed)."""
+        stream depends on it; a URL dataset's default follows the cache size, which may have changed, so the cache
+        must hold that block: `require_block_room`)."""
         members = self.data.members
         saved = [m.get("sampler", {}) for m in state.get("members", [])] if len(members) > 1 else [state]
         changed = False
         for member, member_state in zip(members, saved, strict=False):
             block = member_state.get("block_shards") if isinstance(member_state, Mapping) else None
             if member.block_auto and isinstance(block, int) and block > 0 and block != member.block_shards:
+                block = min(block, len(member.train.shard_tokens))  # data changed (train.allow_data_change)
+                require_block_room(member, block)
                 member.block_shards, changed = block, True
         return changed
+
+
+def _batches(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:5]) + (", …" if len(steps) > 5 else "")
+    return f"batch {shown} was" if len(steps) == 1 else f"batches {shown} were"

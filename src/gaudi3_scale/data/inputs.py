@@ -29,6 +29,7 @@ __all__ = [
     "TrainingData",
     "open_training_data",
     "remote_block_shards",
+    "require_block_room",
     "training_data_from_dir",
 ]
 
@@ -46,6 +47,7 @@ class DatasetMember:
     block_shards: int  # resolved data.shuffle_block_shards
     block_auto: bool = True  # data.shuffle_block_shards was null: a resume takes the checkpoint's
     url: str | None = None
+    cache_limit_bytes: int = 0  # a URL member's data.cache_limit_gib, in bytes
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +161,7 @@ def _remote_member(cfg: DataConfig, url: str, *, name: str, weight: float, field
         block_shards=remote_block_shards(cfg, manifest, url),
         block_auto=cfg.shuffle_block_shards is None,
         url=url,
+        cache_limit_bytes=cfg.cache_limit_bytes,
     )
 
 
@@ -175,6 +178,23 @@ def remote_block_shards(cfg: DataConfig, manifest: Manifest, url: str) -> int:
     what = f"a shuffle block of {block} shards (data.shuffle_block_shards), which every step reads from,"
     require_cache_room(url, manifest, cfg.cache_limit_bytes, shards=block, what=what)
     return block
+
+
+def require_block_room(member: DatasetMember, block: int) -> None:
+    """A resume adopts the checkpoint's shuffle block of `block` shards for `member` (its data.shuffle_block_shards
+    left null): a URL member's cache must hold it, as `remote_block_shards` checks at open for the block it picks."""
+    if member.url is None:
+        return
+    from gaudi3_scale.data.remote import require_cache_room
+
+    what = f"the checkpoint's shuffle block of {block} shards, which every step reads from,"
+    try:
+        require_cache_room(member.url, member.manifest, member.cache_limit_bytes, shards=block, what=what)
+    except UserInputError as e:
+        raise UserInputError(
+            f"{e} (the block size comes from the checkpoint's sampler state, which its data order depends on: resume "
+            "with at least that cache, or start over in a new --out directory)"
+        ) from None
 
 
 def _open_member(

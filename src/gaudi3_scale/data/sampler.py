@@ -213,6 +213,7 @@ class WindowSampler:
         seed: int = 0,
         stride: int = 1,
         block_shards: int | None = None,
+        allow_data_change: bool = False,
     ) -> None:
         for name, value in (
             ("context_length", context_length),
@@ -247,6 +248,8 @@ class WindowSampler:
         self.world_size, self.rank = world_size, rank
         self.accum_steps = accumulation_steps(global_batch_size, micro_batch_size, world_size)
         self.start_step = 0
+        # train.allow_data_change: a checkpoint of other tokens resumes at its position in this stream's order
+        self.allow_data_change = allow_data_change
         self._plans: dict[int, _EpochPlan] = {}
 
     def _plan(self, epoch: int) -> _EpochPlan:
@@ -418,7 +421,12 @@ class WindowSampler:
     def check_same_stream(
         self, state: Mapping[str, Any], where: str = "checkpoint data-sampler state"
     ) -> int:
-        """Refuse a state that belongs to another data stream; return its samples_consumed."""
+        """Refuse a state that belongs to another data stream; return its samples_consumed.
+
+        With `allow_data_change` the data may be other tokens (shards, counts, windows: what `gaudi3 prepare`
+        makes of changed text): the position, `samples_consumed`, is then taken in this stream's order, wrapping
+        its epochs. How windows are cut and ordered (context_length, stride, seed, block size) must still match;
+        a block only as large as the changed data's shards passes."""
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
         keys = ["seed", "stride", "context_length", "num_shards", "block_shards", "num_windows"]
         if found == _SAMPLER_STATE_FORMAT_V1 and isinstance(state, Mapping):
@@ -427,6 +435,11 @@ class WindowSampler:
             keys.append("shard_tokens_sha256")
         else:
             raise UserInputError(f"{where}: format {brief(found)} is not {SAMPLER_STATE_FORMAT!r}")
+        if self.allow_data_change:
+            keys = [k for k in keys if k not in _DATA_KEYS]
+            block = state.get("block_shards")
+            if isinstance(block, int) and block > self.block_shards == len(self._live_shards):
+                keys.remove("block_shards")  # the saved block is larger than the changed data: all of it
         for key in keys:
             if state.get(key) != getattr(self, key):
                 raise UserInputError(
@@ -452,6 +465,10 @@ class WindowSampler:
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         self.start_step = self.start_step_from_state(state)
         return self.start_step
+
+
+# What changed data changes in a sampler state (train.allow_data_change), as against how its windows are cut
+_DATA_KEYS = ("num_shards", "num_windows", "shard_tokens_sha256")
 
 
 def _no_windows_message(num_tokens: int, num_shards: int, context_length: int) -> str:

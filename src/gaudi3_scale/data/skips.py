@@ -9,6 +9,10 @@ batch make no update:
 so after `global_step` updates the next batch to load is the one after `global_step + len(dropped)` loaded ones,
 counting past the skipped ones. That is what a checkpoint's sampler state records (`samples_consumed`), so a
 resumed run loads exactly the batches an uninterrupted one would.
+
+A resumed run counts from the checkpoint's position (`resume_at`): the stream it already passed is what that run
+loaded and skipped, whatever the resumed run's list says about it, so a batch listed below that position (trained
+already: a skip cannot take it back) moves nothing, and only the listed batches from there on are passed over.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ class BatchSkips:
     def __init__(self, skipped: Iterable[int] = ()) -> None:
         self.skipped: list[int] = sorted(set(skipped))
         self.dropped: list[int] = []
+        # (loads, data step) of a resumed run: the checkpoint's position, which the skips below it do not move
+        self._resumed: tuple[int, int] | None = None
+
+    def resume_at(self, *, loads: int, data_step: int) -> None:
+        """The resumed stream's anchor: after `loads` loaded batches (updates + dropped) it stands at `data_step`
+        (the checkpoint's)."""
+        self._resumed = (loads, data_step)
 
     def next_data_step(self, global_step: int) -> int:
         """The data step the next batch comes from, after `global_step` updates."""
@@ -31,8 +42,12 @@ class BatchSkips:
 
     def data_step_of_load(self, loads: int) -> int:
         """The data step of the batch loaded after `loads` others (0-based), skipping the skipped ones."""
-        step = loads
-        for skipped in self.skipped:  # sorted: each one at or below the running answer pushes it up by one
+        step, first = loads, 0
+        if self._resumed is not None and loads >= self._resumed[0]:
+            step = self._resumed[1] + loads - self._resumed[0]
+            first = bisect.bisect_left(self.skipped, self._resumed[1])  # only the skips from there on count
+        # sorted: each one at or below the running answer pushes it up by one
+        for skipped in self.skipped[first:]:
             if skipped <= step:
                 step += 1
             else:

@@ -234,7 +234,9 @@ def check_resume_data(
     what = f"other tokens than the checkpoint {checkpoint_directory(checkpoint).name} was trained on"
     if allow_change:
         if warn is not None:
-            warn(f"resuming on {what} (train.allow_data_change)")
+            warn(
+                f"resuming on {what} (train.allow_data_change): at the checkpoint's data step, in the new data's order"
+            )
         return
     mixture_now, mixture_then = (
         data_sha256.startswith(MIXTURE_SHA256_PREFIX),
