@@ -435,7 +435,8 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> Non
     out = tmp_path / "run"
     first = GaudiTrainer(_config(out, *common, "--train.max_steps", "2"), progress=False).fit()
     trained_on = read_manifest(Path(first["checkpoint"]))["data_sha256"]  # type: ignore[index]
-    text.write_text("that is the question: to be or not to be\n" * 200)  # same characters, other tokens
+    # same characters, other tokens, and more of them: the sampler's layout (windows, shard tokens) changes too
+    text.write_text("that is the question: to be or not to be\n" * 260)
     with pytest.raises(UserInputError, match=r"^data\.source: the prepared data now holds other tokens than the "
                        r"checkpoint step-00000002 was trained on .*--train\.allow_data_change true"):  # fmt: skip
         GaudiTrainer(_config(out, *common, "--train.max_steps", "4"), progress=False).fit()
@@ -443,6 +444,11 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path: Path) -> Non
     second = GaudiTrainer(allowed, progress=False).fit()
     assert second["steps"] == 4
     assert read_manifest(Path(second["checkpoint"]))["data_sha256"] not in (None, trained_on)  # type: ignore[index]
+    # it went on from the checkpoint's data position, in the new data's order
+    from gaudi3_scale.checkpoint.reader import read_checkpoint
+
+    state = read_checkpoint(Path(second["checkpoint"]))["TokenDataModule"]
+    assert state["samples_consumed"] == 4 * allowed.train.global_batch_size
 
 
 def test_torchrun_workers_take_the_geometry_from_the_launcher(

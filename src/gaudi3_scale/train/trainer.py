@@ -288,6 +288,7 @@ class GaudiTrainer:
             micro_batch_size=batch.micro_batch_size, seed=cfg.seed, val_batches=train.val_batches,
             loader_workers=cfg.data.loader_workers, tp_size=parallel.tp_size, pp_size=parallel.pp_size,
             prefetch_shards=cfg.data.prefetch_shards, masking=masking, skips=skips,
+            allow_data_change=train.allow_data_change,
         )  # fmt: skip
         _warn_val_budget(train.val_batches, [m.weight for m in prepared.members], self._warn)
         guard = StepGuard(cfg.health, skips)
