@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,10 +67,20 @@ def test_a_resume_across_a_dropped_step_is_bitwise(tmp_path: Path) -> None:
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _train(whole, "--train.max_steps", "6", faults="nan:step=3")
     _train(resumed, "--train.max_steps", "4", faults="nan:step=3")  # stops after the drop, at update 4
+    # the dropped batch listed too, as its health line suggests, with the guard on and off: it made no update, so
+    # listing it takes nothing back and moves nothing
+    listed = {guard: tmp_path / f"listed-{guard}" for guard in ("true", "false")}
+    for guard, out in listed.items():
+        shutil.copytree(resumed, out)
+        _train(out, "--train.max_steps", "6", "--health.skip_batches", "[3]", "--health.nonfinite_guard", guard)
     _train(resumed, "--train.max_steps", "6", faults="nan:step=3")  # resumes: batch 3 is not loaded again
     a, b = _final(whole), _final(resumed)
     assert _same_weights(a, b)
     assert b["gaudi3_health"]["skips"]["dropped"] == [3]
+    for out in listed.values():
+        c = _final(out)
+        assert _same_weights(a, c), out
+        assert c["TokenDataModule"]["samples_consumed"] == a["TokenDataModule"]["samples_consumed"]
 
 
 def test_a_loss_spike_is_reported_and_dropped_under_the_skip_policy(tmp_path: Path) -> None:

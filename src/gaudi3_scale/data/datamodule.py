@@ -32,7 +32,8 @@ from gaudi3_scale.distributed.mesh import data_parallel_coordinate
 
 __all__ = ["SKIPPED_KEY", "TokenDataModule"]
 
-# in the datamodule's state: the data steps the stream skipped below samples_consumed's
+# in the datamodule's state: the data steps below samples_consumed's that made no update (skipped, or the step
+# guard dropped their update)
 SKIPPED_KEY = "skipped_data_steps"
 
 
@@ -223,9 +224,10 @@ class TokenDataModule(pl.LightningDataModule):
             else self.start_step
         )
         state = sampler.state_dict(samples_consumed=step * self.global_batch_size)
-        # what the stream passed over below that position: a resume refuses a skip listed there that it did not
+        # what made no update below that position: a resume refuses a skip listed there that is none of these
         first, before = self._skipped_before or (0, [])
-        state[SKIPPED_KEY] = [*before, *(s for s in self.skips.skipped if first <= s < step)]
+        no_update = sorted({*self.skips.skipped, *self.skips.dropped})
+        state[SKIPPED_KEY] = [*before, *(s for s in no_update if first <= s < step)]
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -240,14 +242,15 @@ class TokenDataModule(pl.LightningDataModule):
     def _count_from_checkpoint(self) -> None:
         """A resumed stream counts from the checkpoint's data step (`BatchSkips.resume_at`), once Lightning has
         restored the update count and the step guard its dropped batches. A `health.skip_batches` entry below that
-        step which the checkpoint's run did not skip is refused: that batch is trained on already, and skipping
-        cannot take it back."""
+        step which the checkpoint's run neither skipped nor dropped the update of is refused: that batch is trained
+        on already, and skipping cannot take it back."""
         state, self._resumed = self._resumed, None
         if state is None or self.trainer is None:
             return
         start, skips = self.start_step, self.skips
         loads = self.trainer.global_step + len(skips.dropped)
-        below = [s for s in skips.skipped if s < start]
+        dropped = set(skips.dropped)  # loaded, but made no update: listing one takes nothing back
+        below = [s for s in skips.skipped if s < start and s not in dropped]
         recorded = state.get(SKIPPED_KEY)
         if isinstance(recorded, list):  # written since the record: name the new ones exactly
             before = sorted({s for s in recorded if isinstance(s, int) and s < start})
