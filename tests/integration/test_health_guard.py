@@ -72,7 +72,9 @@ def test_a_resume_across_a_dropped_step_is_bitwise(tmp_path: Path) -> None:
     listed = {guard: tmp_path / f"listed-{guard}" for guard in ("true", "false")}
     for guard, out in listed.items():
         shutil.copytree(resumed, out)
-        _train(out, "--train.max_steps", "6", "--health.skip_batches", "[3]", "--health.nonfinite_guard", guard)
+        _train(
+            out, "--train.max_steps", "6", "--health.skip_batches", "[3]", "--health.nonfinite_guard", guard
+        )
     _train(resumed, "--train.max_steps", "6", faults="nan:step=3")  # resumes: batch 3 is not loaded again
     a, b = _final(whole), _final(resumed)
     assert _same_weights(a, b)

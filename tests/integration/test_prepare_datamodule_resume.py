@@ -190,3 +190,34 @@ def test_allow_data_change_resumes_at_the_checkpoints_data_step_of_the_new_strea
     for x, starts in zip(resumed.train_inputs, expected, strict=True):
         assert x[:, 0].tolist() == after.train[starts].tolist()
     assert dm.state_dict()["samples_consumed"] == 4 * GLOBAL
+
+
+def test_allow_data_change_on_a_grown_local_dataset_shuffles_all_its_shards(tmp_path: Path) -> None:
+    """A local dataset's default block is all its shards: one that grew from 1 shard to several resumes under
+    train.allow_data_change with a block of all of them (a full shuffle), not the checkpoint's block of 1."""
+    from gaudi3_scale.data.sources import bundled_corpora
+
+    text, corpus = tmp_path / "corpus.txt", bundled_corpora()["tinyshakespeare"].read_text()
+    prepared = []
+    for name, size in (("small", 3_000), ("grown", 12_000)):
+        text.write_text(corpus[:size])
+        cfg = DataConfig(source=str(text), tokenizer="byte", shard_mb=0.003)
+        prepared.append(load_prepared(prepare_dataset(cfg, tmp_path / name, progress=False)))
+    small, grown = prepared
+
+    def module(data: PreparedData, allow: bool) -> TokenDataModule:
+        return TokenDataModule(data, context_length=T, global_batch_size=GLOBAL, micro_batch_size=MICRO, seed=5,
+                               val_batches=1, allow_data_change=allow)  # fmt: skip
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = module(small, False)
+    trainer(tmp_path, 2, callbacks=[ckpt], limit_val_batches=0).fit(
+        TinyLM(small.vocab_size), datamodule=first
+    )
+    assert first.sampler is not None and first.sampler.block_shards == 1
+    dm = module(grown, True)
+    trainer(tmp_path / "resumed", 3, limit_val_batches=0).fit(
+        TinyLM(small.vocab_size), datamodule=dm, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    )
+    assert dm.sampler is not None and dm.start_step == 2
+    assert dm.sampler.num_shards >= 3 and dm.sampler.block_shards == dm.sampler.num_shards

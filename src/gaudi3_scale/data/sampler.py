@@ -426,7 +426,8 @@ class WindowSampler:
         With `allow_data_change` the data may be other tokens (shards, counts, windows: what `gaudi3 prepare`
         makes of changed text): the position, `samples_consumed`, is then taken in this stream's order, wrapping
         its epochs. How windows are cut and ordered (context_length, stride, seed, block size) must still match;
-        a block only as large as the changed data's shards passes."""
+        a block of all the changed data's shards (a local dataset's default, or a block larger than the data)
+        passes."""
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
         keys = ["seed", "stride", "context_length", "num_shards", "block_shards", "num_windows"]
         if found == _SAMPLER_STATE_FORMAT_V1 and isinstance(state, Mapping):
@@ -437,9 +438,10 @@ class WindowSampler:
             raise UserInputError(f"{where}: format {brief(found)} is not {SAMPLER_STATE_FORMAT!r}")
         if self.allow_data_change:
             keys = [k for k in keys if k not in _DATA_KEYS]
-            block = state.get("block_shards")
-            if isinstance(block, int) and block > self.block_shards == len(self._live_shards):
-                keys.remove("block_shards")  # the saved block is larger than the changed data: all of it
+            if self.block_shards == len(self._live_shards):
+                keys.remove(
+                    "block_shards"
+                )  # one block of all the changed data's shards: a full shuffle of it
         for key in keys:
             if state.get(key) != getattr(self, key):
                 raise UserInputError(
