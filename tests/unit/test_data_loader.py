@@ -120,6 +120,30 @@ def test_mixture_val_set_holds_every_member(data: PreparedData) -> None:
     assert len(ValWindowDataset(thirds[:2], T, micro_batch_size=4, max_batches=3, weights=[1, 1])) == 3
 
 
+@pytest.mark.parametrize(
+    ("max_batches", "weights", "world", "per_member"),
+    [(20, [7, 2, 1], 8, [11, 3, 2]), (20, [7, 2, 1], 2, [14, 4, 2]), (5, [1, 1], 2, [2, 2]), (7, [1], 2, [6]),
+     (2, [1, 1, 1], 2, [2, 1, 1]), (1, [1, 1], 4, [1, 1])],
+)  # fmt: skip
+def test_data_parallel_ranks_share_out_one_processs_mixture_batches(
+    max_batches: int, weights: list[float], world: int, per_member: list[int]
+) -> None:
+    """Each rank validates as many batches as the others, no two the same, each member by its weight, together
+    the batches one process validates for the rounded budget (every rank all of them when there are fewer)."""
+    members = [np.arange(5_000 + 1_000 * m, dtype=np.int64) * (m + 1) for m in range(len(weights))]
+    ranks = [ValWindowDataset(members, T, micro_batch_size=2, max_batches=max_batches, world_size=world, rank=r,
+                              weights=weights) for r in range(world)]  # fmt: skip
+    assert len({len(rank) for rank in ranks}) == 1
+    seen = [(m, tuple(starts)) for rank in ranks for m, starts in rank._batches]
+    if sum(per_member) >= world:
+        assert len(seen) == len(set(seen)) == sum(per_member)
+    else:
+        assert len(seen) == world * sum(per_member)
+    assert [sum(1 for m, _ in set(seen) if m == i) for i in range(len(weights))] == per_member
+    one = ValWindowDataset(members, T, micro_batch_size=2, max_batches=sum(per_member), weights=weights)
+    assert set(seen) == {(m, tuple(starts)) for m, starts in one._batches}
+
+
 def test_datamodule_without_trainer(data: PreparedData) -> None:
     dm = TokenDataModule(
         data, context_length=T, global_batch_size=8, micro_batch_size=2, seed=3, val_batches=2

@@ -177,6 +177,8 @@ class ValWindowDataset(Dataset[Batch]):
 
     With several datasets (a mixture) the `max_batches` budget is split by weight (`val_budgets`: exactly
     `max_batches`, each member with a positive weight getting at least one batch); every batch comes from one member.
+    With several data-parallel ranks the budget is first rounded to a multiple of them (`_divisible_batches`) and
+    the batches one process would validate are shared out (`_rank_share`): together the ranks validate them.
     """
 
     def __init__(
@@ -198,20 +200,17 @@ class ValWindowDataset(Dataset[Batch]):
             rank,
             micro_batch_size,
         )  # batch i's first sample: (i·world + rank)·micro
-        budgets = val_budgets(max_batches, weights or [1.0] * len(self._members))
-        self._batches: list[tuple[int, np.ndarray]] = []
+        weights = weights or [1.0] * len(self._members)
+        budgets = val_budgets(_divisible_batches(max_batches, weights, world_size), weights)
+        whole: list[list[tuple[int, np.ndarray]]] = []  # each member's batches, as one process validates them
         for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
             if budget == 0:
                 continue
             rows = val_window_starts_sharded(
-                member.shard_tokens,
-                context_length,
-                micro_batch_size=micro_batch_size,
-                max_batches=budget,
-                world_size=world_size,
-                rank=rank,
+                member.shard_tokens, context_length, micro_batch_size=micro_batch_size, max_batches=budget
             )
-            self._batches += [(m, row) for row in rows]
+            whole.append([(m, row) for row in rows])
+        self._batches = _rank_share(whole, world_size, rank)
         self._offsets = np.arange(context_length + 1, dtype=np.int64)
 
     @property
@@ -232,6 +231,38 @@ class ValWindowDataset(Dataset[Batch]):
         world_size, rank, micro = self._first_sample
         positions = (index * world_size + rank) * micro + np.arange(len(starts), dtype=np.int64)
         return self.masking.apply(batch[0], positions, stream=VAL_STREAM)
+
+
+def _divisible_batches(max_batches: int, weights: Sequence[float], world_size: int) -> int:
+    """The validation batches of a mixture (at least one per weighted member, `val_budgets`) rounded to a multiple
+    of the data-parallel ranks, so that each runs the same number and none is left out: down, unless that leaves a
+    member out, then up. Fewer than the ranks in all: as many (every rank runs them all, `_rank_share`)."""
+    members = sum(1 for w in weights if w > 0)
+    total = max(max_batches, members)
+    if world_size == 1 or total < world_size:
+        return total
+    total -= total % world_size
+    return total if total >= members else -(-members // world_size) * world_size
+
+
+def _rank_share(
+    members: list[list[tuple[int, np.ndarray]]], world_size: int, rank: int
+) -> list[tuple[int, np.ndarray]]:
+    """This rank's share of the members' validation batches: every world-th of each member's world-divisible
+    prefix, then every world-th of the members' remainders pooled (a world-divisible prefix of them), so that every
+    rank runs the same number of batches, each member keeps its weight, and together the ranks run one process's
+    batches but for fewer than `world_size` of them. With fewer batches in all than ranks, every rank runs them all
+    (as `sampler.val_window_starts`). One member: exactly `val_window_starts`'s split."""
+    total = sum(len(batches) for batches in members)
+    if world_size == 1 or total < world_size:
+        return [batch for batches in members for batch in batches]
+    mine: list[tuple[int, np.ndarray]] = []
+    pooled: list[tuple[int, np.ndarray]] = []
+    for batches in members:
+        even = len(batches) - len(batches) % world_size
+        mine += batches[:even][rank::world_size]
+        pooled += batches[even:]
+    return mine + pooled[: len(pooled) - len(pooled) % world_size][rank::world_size]
 
 
 def _members(
