@@ -215,6 +215,7 @@ def test_a_validation_pass_is_timed_for_the_batches_a_rank_runs(
 ) -> None:
     """The forecast's validation micro-batches per rank are those the data module gives each data-parallel rank."""
     from gaudi3_scale.data.sampler import val_window_starts
+    from gaudi3_scale.models import flops_per_token
 
     cfg = resolve_config(None, ["--train.device", "cuda", "--parallel.nproc_per_node", str(ranks), "--model.name",
                                 "llama3-8b", "--model.num_layers", "4", "--train.global_batch_size", "8", *mesh,
@@ -228,6 +229,15 @@ def test_a_validation_pass_is_timed_for_the_batches_a_rank_runs(
     one = dataclasses.replace(shape, plan=dataclasses.replace(plan, world_size=plan.tp_size * plan.pp_size))
     ratio = shape.validation_flops_per_rank(val_batches) / one.validation_flops_per_rank(val_batches)
     assert ratio == pytest.approx(runs.pop() / val_batches)
+    # the whole forward of a micro-batch, over tensor parallel; under a pipeline the busiest rank runs its 2 of the
+    # 4 blocks and the output head (forward: 2·V·h per token)
+    model = shape.model
+    per_token = flops_per_token(model) / 3
+    if plan.pp_size > 1:
+        head = 2 * model.padded_vocab_size * model.dim
+        per_token = (per_token - head) / 2 + head
+    tokens = micro * model.context_length * val_batches
+    assert one.validation_flops_per_rank(val_batches) == pytest.approx(per_token * tokens / plan.tp_size)
 
 
 def test_a_probes_save_is_used_only_when_it_saved_the_same_way() -> None:
