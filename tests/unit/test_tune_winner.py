@@ -114,6 +114,33 @@ def test_a_trial_min_gain_faster_than_the_incumbent_wins(tmp_path: Path, faster:
     assert not any("faster than the winner" in note for note in outcome.notes)
 
 
+@pytest.mark.parametrize("refined", ["threads", "compile"])
+def test_memory_is_the_limit_when_the_winner_s_threads_or_compile_were_refined(
+    tmp_path: Path, refined: str
+) -> None:
+    """Micro-batch 8 runs out of memory, so the group stops at 4; the refinement then moves the winner to one
+    thread (or compile on). The next micro-batch up ran at the group's own settings (2 threads, compile off):
+    the limit is memory, not a throughput plateau."""
+    base = build_run_config(None, [("model.name", "llama-tiny"), ("train.global_batch_size", "8")])
+    space = build_space(base, world_size=1, precisions=("32-true",), activation_checkpointing=False,
+                        compile=(False, True), threads=(2, 1), pipeline=False)  # fmt: skip
+
+    def run(c: Candidate, estimate: int | None) -> TrialResult:
+        if c.micro_batch_size == 8:
+            return TrialResult(candidate=c, status="oom", reason="out of memory")
+        tps = {4: 100_000.0, 2: 90_000.0, 1: 80_000.0}[c.micro_batch_size]
+        if (refined == "threads" and c.threads == 1) or (refined == "compile" and c.compile):
+            tps *= 1.05
+        return TrialResult(candidate=c, status="ok", tokens_per_s=tps, step_time_s=8 * 64 / tps)
+
+    cache = TrialCache(tmp_path / "trials.jsonl", "fake")
+    outcome = search(space, TuneConfig(memory_budget_bytes=2**40), run=run, estimate=lambda c: 1, cache=cache)
+    assert outcome.best is not None
+    winner = outcome.best.candidate
+    assert winner.micro_batch_size == 4 and (winner.threads == 1 if refined == "threads" else winner.compile)
+    assert outcome.limit == "memory: micro-batch 8 does not fit (out of memory)"
+
+
 @pytest.mark.parametrize(
     ("overrides", "global_batch", "expect"),
     [

@@ -391,7 +391,10 @@ class _Search:
                 f"search space: micro-batch {c.micro_batch_size} is the whole per-rank batch (no accumulation); "
                 "only a larger global batch could go further"
             )
-        nxt = self.results.get(bigger[0].key)
+        # The group ran its micro-batches at its starting threads with compile off (see `search`); the
+        # refinement may have moved the winner's threads or compile since, and never ran another micro-batch.
+        ran_at = replace(bigger[0], threads=self.space.threads[0], compile=False, compile_mode="default")
+        nxt = self.results.get(bigger[0].key) or self.results.get(ran_at.key)
         if nxt is not None and (nxt.status == "oom" or (nxt.status == "pruned" and "budget" in nxt.reason)):
             return f"memory: micro-batch {bigger[0].micro_batch_size} does not fit ({nxt.reason})"
         return (
