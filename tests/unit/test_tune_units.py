@@ -114,6 +114,21 @@ def test_divisors_and_candidates_keep_the_global_batch() -> None:
     assert len({c.key for c in cands}) == len(cands)
 
 
+def test_a_choice_given_twice_is_one_point_of_the_grid() -> None:
+    """`--threads 1,1` was "tuning 8 configurations … threads 1/1" (and grid_size 8 in tune.json) for 4 points;
+    a strategy, precision or on/off value given twice counted double the same way."""
+    base = build_run_config(None, [("train.global_batch_size", "8")])
+    once = build_space(base, world_size=2, strategies=("ddp", "fsdp"), precisions=("32-true",),
+                       compile=(False,), threads=(1,))  # fmt: skip
+    twice = build_space(base, world_size=2, strategies=("ddp", "fsdp", "ddp"), precisions=("32-true", "32-true"),
+                        compile=(False, False), threads=(1, 1))  # fmt: skip
+    assert twice == once
+    assert len(twice.candidates()) == len({c.key for c in twice.candidates()})
+    assert "threads 1," in twice.describe() and "1/1" not in twice.describe()
+    # the order first given is kept: the first thread count is the one the micro-batch search runs at
+    assert build_space(base, world_size=2, threads=(2, 1, 2)).threads == (2, 1)
+
+
 def test_candidate_overrides_build_a_valid_run_config() -> None:
     c = Candidate(
         strategy="fsdp",

@@ -313,17 +313,19 @@ def _cpu_threads(world_size: int) -> tuple[int | None, ...]:
 
 
 def _flag_grid(name: str, value: bool | tuple[bool, ...]) -> tuple[bool, ...]:
-    """`True` → `(True,)`; a tuple or list of bools as a tuple; anything else one line naming the option."""
+    """`True` → `(True,)`; a tuple or list of bools as a tuple, each value once; anything else one line naming
+    the option."""
     grid = (value,) if isinstance(value, bool) else value
     if not isinstance(grid, tuple | list) or not grid or not all(isinstance(v, bool) for v in grid):
         raise UserInputError(
             f"{name}: expected True, False or a tuple of them such as (False, True), got {brief(value)}"
         )
-    return tuple(grid)
+    return tuple(dict.fromkeys(grid))
 
 
 def _threads_grid(value: int | tuple[int | None, ...] | None) -> tuple[int | None, ...] | None:
-    """`4` → `(4,)`; None stays None (the default); each count an integer from 1 to 2**31 - 1, or None."""
+    """`4` → `(4,)`; None stays None (the default); each count an integer from 1 to 2**31 - 1, or None. A count
+    given twice (`--threads 1,1`) is one point of the grid, not two, so the space is not counted double."""
     if value is None:
         return None
     grid = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -331,7 +333,15 @@ def _threads_grid(value: int | tuple[int | None, ...] | None) -> tuple[int | Non
         raise UserInputError(
             f"threads: expected a thread count, None or a tuple of them such as (8, 4), got {brief(value)}"
         )
-    return tuple(grid)
+    return tuple(dict.fromkeys(grid))
+
+
+def _choices(value: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """One name is a choice of one, not its letters ("ddp" → ("ddp",), as "d", "d", "p" it was refused); a name
+    given twice (`--precisions 32-true,32-true`) is one choice, in the order first given."""
+    if value is None:
+        return None
+    return tuple(dict.fromkeys((value,) if isinstance(value, str) else value))
 
 
 def _is_thread_count(value: object) -> bool:
@@ -375,9 +385,8 @@ def build_space(
         compile = (False,)
     pipeline = _flag_grid("pipeline", pipeline)
     threads = _threads_grid(threads)
-    # one name is a choice of one, not its letters ("ddp" → ("ddp",), as "d", "d", "p" it was refused)
-    strategies = (strategies,) if isinstance(strategies, str) else strategies
-    precisions = (precisions,) if isinstance(precisions, str) else precisions
+    strategies = _choices(strategies)
+    precisions = _choices(precisions)
     device = device_kind(config)
     if global_batches is not None and len(global_batches) == 0:
         _refuse_empty(
