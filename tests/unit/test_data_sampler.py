@@ -148,6 +148,23 @@ def test_resume_refuses_another_stream(change: dict[str, int], key: str) -> None
         make(**change).start_step_from_state(state)
 
 
+def test_allow_data_change_reads_a_whole_saved_block_as_all_shards_and_keeps_a_partial_one() -> None:
+    """train.allow_data_change: a saved block of all the shards then (1 of 1) passes against all of the grown data's
+    (4 of 4); a saved block of some of them (2 of 4) is the stream's order and must stay, even against all."""
+
+    def sampler(shards: int, block: int, allow: bool = True) -> WindowSampler:
+        return WindowSampler([20_000] * shards, T, global_batch_size=16, micro_batch_size=2, seed=7,
+                             block_shards=block, allow_data_change=allow)  # fmt: skip
+
+    grown = sampler(4, 4)
+    assert grown.start_step_from_state(sampler(1, 1, False).state_dict(samples_consumed=32)) == 2
+    partial = sampler(4, 2, False).state_dict(samples_consumed=32)
+    with pytest.raises(UserInputError, match="block_shards was 2, now 4"):
+        grown.start_step_from_state(partial)
+    assert sampler(4, 2).start_step_from_state(partial) == 2
+    assert sampler(1, 2).start_step_from_state(partial) == 2  # shrunk below the saved block: all of it
+
+
 def test_resume_refuses_other_context_and_format() -> None:
     state = make().state_dict(samples_consumed=32)
     other = WindowSampler(NUM_TOKENS, T + 1, global_batch_size=16, micro_batch_size=2, seed=7)

@@ -26,7 +26,7 @@ from gaudi3_scale.data.inputs import DatasetMember, TrainingData, require_block_
 from gaudi3_scale.data.loader import Batch, TokenWindowDataset, ValWindowDataset
 from gaudi3_scale.data.mixture import MixtureSampler
 from gaudi3_scale.data.mlm import MlmMasking
-from gaudi3_scale.data.sampler import WindowSampler
+from gaudi3_scale.data.sampler import WindowSampler, whole_block
 from gaudi3_scale.data.skips import BatchSkips
 from gaudi3_scale.distributed.mesh import data_parallel_coordinate
 
@@ -270,14 +270,19 @@ class TokenDataModule(pl.LightningDataModule):
     def _adopt_blocks(self, state: Mapping[str, Any]) -> bool:
         """A member whose `data.shuffle_block_shards` was left null resumes with the checkpoint's block size (the
         stream depends on it; a URL dataset's default follows the cache size, which may have changed, so the cache
-        must hold that block: `require_block_room`). Under `train.allow_data_change` a local member keeps its own
-        default, all of its shards: the checkpoint's block was all of the data it had then."""
+        must hold that block: `require_block_room`). Under `train.allow_data_change` a local member whose
+        checkpoint block was all of its shards then keeps its default, all of them now (`sampler.whole_block`)."""
         members = self.data.members
         saved = [m.get("sampler", {}) for m in state.get("members", [])] if len(members) > 1 else [state]
         changed = False
         for member, member_state in zip(members, saved, strict=False):
             block = member_state.get("block_shards") if isinstance(member_state, Mapping) else None
-            if self.allow_data_change and member.url is None:
+            if (
+                self.allow_data_change
+                and member.url is None
+                and isinstance(member_state, Mapping)
+                and whole_block(member_state, member.block_shards)
+            ):
                 continue
             if member.block_auto and isinstance(block, int) and block > 0 and block != member.block_shards:
                 block = min(block, len(member.train.shard_tokens))  # data changed (train.allow_data_change)

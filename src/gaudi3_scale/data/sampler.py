@@ -438,10 +438,10 @@ class WindowSampler:
             raise UserInputError(f"{where}: format {brief(found)} is not {SAMPLER_STATE_FORMAT!r}")
         if self.allow_data_change:
             keys = [k for k in keys if k not in _DATA_KEYS]
-            if self.block_shards == len(self._live_shards):
-                keys.remove(
-                    "block_shards"
-                )  # one block of all the changed data's shards: a full shuffle of it
+            # a block of all the shards then, or more than the changed data has, read as all of it now: a full
+            # shuffle of the changed data (a block of some of them must stay that block)
+            if self.block_shards == len(self._live_shards) and whole_block(state, self.block_shards):
+                keys.remove("block_shards")
         for key in keys:
             if state.get(key) != getattr(self, key):
                 raise UserInputError(
@@ -467,6 +467,15 @@ class WindowSampler:
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         self.start_step = self.start_step_from_state(state)
         return self.start_step
+
+
+def whole_block(state: Mapping[str, Any], block_now: int) -> bool:
+    """Whether a saved sampler state's shuffle block was all of its data's shards (`block_shards` ≥ its
+    `num_shards`), or is more than `block_now` (this run's): what train.allow_data_change reads as all shards."""
+    block, shards = state.get("block_shards"), state.get("num_shards")
+    if not isinstance(block, int):
+        return False
+    return (isinstance(shards, int) and block >= shards) or block > block_now
 
 
 # What changed data changes in a sampler state (train.allow_data_change), as against how its windows are cut
