@@ -134,14 +134,28 @@ def test_data_parallel_ranks_share_out_one_processs_mixture_batches(
     ranks = [ValWindowDataset(members, T, micro_batch_size=2, max_batches=max_batches, world_size=world, rank=r,
                               weights=weights) for r in range(world)]  # fmt: skip
     assert len({len(rank) for rank in ranks}) == 1
-    seen = [(m, tuple(starts)) for rank in ranks for m, starts in rank._batches]
+    seen = [(m, tuple(starts), i) for rank in ranks for m, starts, i in rank._batches]
     if sum(per_member) >= world:
         assert len(seen) == len(set(seen)) == sum(per_member)
     else:
         assert len(seen) == world * sum(per_member)
-    assert [sum(1 for m, _ in set(seen) if m == i) for i in range(len(weights))] == per_member
+    assert [sum(1 for m, _, _ in set(seen) if m == i) for i in range(len(weights))] == per_member
     one = ValWindowDataset(members, T, micro_batch_size=2, max_batches=sum(per_member), weights=weights)
-    assert set(seen) == {(m, tuple(starts)) for m, starts in one._batches}
+    # the same batches, each with its place among one process's (what a masked-LM val batch's masks follow)
+    assert set(seen) == {(m, tuple(starts), i) for m, starts, i in one._batches}
+
+
+def test_a_member_with_a_short_val_split_is_never_left_out_on_several_ranks() -> None:
+    """A member whose split holds fewer batches than its budget: what does not divide over the ranks is left out
+    of the members with the most batches, never that member's last one."""
+    members = [np.arange(20_000, dtype=np.int64), np.arange(3 * 2 * T + 1, dtype=np.int64)]  # 3 batches of 2
+    for world in (2, 4, 8):
+        ranks = [ValWindowDataset(members, T, micro_batch_size=2, max_batches=16, world_size=world, rank=r,
+                                  weights=[1, 1]) for r in range(world)]  # fmt: skip
+        assert len({len(rank) for rank in ranks}) == 1, world
+        seen = {(m, tuple(starts)) for rank in ranks for m, starts, _ in rank._batches}
+        assert len(seen) == sum(len(rank) for rank in ranks)  # no batch twice
+        assert sorted({m for m, _ in seen}) == [0, 1] and sum(1 for m, _ in seen if m == 1) >= 1, world
 
 
 def test_datamodule_without_trainer(data: PreparedData) -> None:

@@ -195,27 +195,24 @@ class ValWindowDataset(Dataset[Batch]):
     ) -> None:
         self._members = _members(tokens)
         self.masking = masking
-        self._first_sample = (
-            world_size,
-            rank,
-            micro_batch_size,
-        )  # batch i's first sample: (i·world + rank)·micro
+        self._micro = micro_batch_size
         weights = weights or [1.0] * len(self._members)
         budgets = val_budgets(_divisible_batches(max_batches, weights, world_size), weights)
-        whole: list[list[tuple[int, np.ndarray]]] = []  # each member's batches, as one process validates them
+        whole: list[list[_ValBatch]] = []  # each member's batches, as one process validates them
         for m, (member, budget) in enumerate(zip(self._members, budgets, strict=True)):
             if budget == 0:
                 continue
             rows = val_window_starts_sharded(
                 member.shard_tokens, context_length, micro_batch_size=micro_batch_size, max_batches=budget
             )
-            whole.append([(m, row) for row in rows])
+            first = sum(len(batches) for batches in whole)
+            whole.append([(m, row, first + i) for i, row in enumerate(rows)])
         self._batches = _rank_share(whole, world_size, rank)
         self._offsets = np.arange(context_length + 1, dtype=np.int64)
 
     @property
     def starts(self) -> list[np.ndarray]:
-        return [row for _, row in self._batches]
+        return [row for _, row, _ in self._batches]
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -223,13 +220,13 @@ class ValWindowDataset(Dataset[Batch]):
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self._batches):
             raise IndexError(f"validation batch {index} out of range [0, {len(self._batches)})")
-        member, starts = self._batches[index]
+        member, starts, whole_index = self._batches[index]
         batch = _split(self._members[member].gather(starts, self._offsets))
         if self.masking is None:
             return batch
-        # Fixed masks: the same at every evaluation, so val loss and accuracy compare across steps.
-        world_size, rank, micro = self._first_sample
-        positions = (index * world_size + rank) * micro + np.arange(len(starts), dtype=np.int64)
+        # Fixed masks: the same at every evaluation, so val loss and accuracy compare across steps, and the same
+        # on any number of ranks (by the batch's place among one process's batches).
+        positions = whole_index * self._micro + np.arange(len(starts), dtype=np.int64)
         return self.masking.apply(batch[0], positions, stream=VAL_STREAM)
 
 
@@ -245,24 +242,32 @@ def _divisible_batches(max_batches: int, weights: Sequence[float], world_size: i
     return total if total >= members else -(-members // world_size) * world_size
 
 
-def _rank_share(
-    members: list[list[tuple[int, np.ndarray]]], world_size: int, rank: int
-) -> list[tuple[int, np.ndarray]]:
-    """This rank's share of the members' validation batches: every world-th of each member's world-divisible
-    prefix, then every world-th of the members' remainders pooled (a world-divisible prefix of them), so that every
-    rank runs the same number of batches, each member keeps its weight, and together the ranks run one process's
-    batches but for fewer than `world_size` of them. With fewer batches in all than ranks, every rank runs them all
-    (as `sampler.val_window_starts`). One member: exactly `val_window_starts`'s split."""
+# a validation batch: (member, its windows' starts, its index among the batches one process validates)
+_ValBatch = tuple[int, np.ndarray, int]
+
+
+def _rank_share(members: list[list[_ValBatch]], world_size: int, rank: int) -> list[_ValBatch]:
+    """This rank's share of the members' validation batches, every rank the same number, together one process's
+    batches: every world-th of each member's world-divisible prefix, then every world-th of the members'
+    remainders pooled. When the batches do not divide (a member's val split held fewer windows than its budget),
+    the few too many are left out of the members with the most batches, never a member's last one. With fewer
+    batches in all than ranks, every rank runs them all (as `sampler.val_window_starts`). One member: exactly
+    `val_window_starts`'s split (the last of its batches left out)."""
     total = sum(len(batches) for batches in members)
     if world_size == 1 or total < world_size:
         return [batch for batches in members for batch in batches]
-    mine: list[tuple[int, np.ndarray]] = []
-    pooled: list[tuple[int, np.ndarray]] = []
-    for batches in members:
-        even = len(batches) - len(batches) % world_size
+    kept = [len(batches) for batches in members]
+    for _ in range(total % world_size):
+        larger = [m for m, n in enumerate(kept) if n > 1]
+        m = max(larger or [m for m, n in enumerate(kept) if n], key=lambda m: (kept[m], -m))
+        kept[m] -= 1
+    mine: list[_ValBatch] = []
+    pooled: list[_ValBatch] = []
+    for batches, n in zip(members, kept, strict=True):
+        even = n - n % world_size
         mine += batches[:even][rank::world_size]
-        pooled += batches[even:]
-    return mine + pooled[: len(pooled) - len(pooled) % world_size][rank::world_size]
+        pooled += batches[even:n]
+    return mine + pooled[rank::world_size]
 
 
 def _members(
