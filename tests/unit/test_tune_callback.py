@@ -74,6 +74,16 @@ def test_a_capped_micro_batch_keeps_the_global_batch_with_accumulation(tmp_path:
     assert finder.largest_that_fits is not None and finder.largest_that_fits >= 4
 
 
-def test_bad_global_batch_is_refused() -> None:
-    with pytest.raises(UserInputError, match="global_batch_size must be at least 1"):
-        GlobalBatchFinder(global_batch_size=0)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"global_batch_size": 0}, "global_batch_size must be at least 1"),
+     ({"steps_per_trial": 0}, "steps_per_trial must be at least 1"),  # ran no step: every size would "fit"
+     ({"steps_per_trial": -1}, "steps_per_trial must be at least 1"),  # hung
+     ({"steps_per_trial": 2.5}, r"steps_per_trial must be at least 1 \(a whole number\), got 2.5"),
+     ({"max_micro_batch_size": 0}, "max_micro_batch_size must be at least 1"),  # was read as no cap
+     ({"max_micro_batch_size": -3}, "max_micro_batch_size must be at least 1"),  # a bare ValueError at fit
+     ({"global_batch_size": True}, "global_batch_size must be at least 1")],
+)  # fmt: skip
+def test_bad_arguments_are_refused_with_one_line(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(UserInputError, match=message):
+        GlobalBatchFinder(**{"global_batch_size": 12, **kwargs})  # type: ignore[arg-type]

@@ -33,6 +33,10 @@ from gaudi3_scale.tune.space import divisors
 __all__ = ["GlobalBatchFinder"]
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class GlobalBatchFinder(BatchSizeFinder):
     def __init__(
         self,
@@ -42,8 +46,14 @@ class GlobalBatchFinder(BatchSizeFinder):
         max_micro_batch_size: int | None = None,
         batch_arg_name: str = "batch_size",
     ) -> None:
-        if global_batch_size < 1:
-            raise UserInputError(f"global_batch_size must be at least 1, got {global_batch_size}")
+        for name, value in (("global_batch_size", global_batch_size), ("steps_per_trial", steps_per_trial)):
+            if not _whole(value):
+                raise UserInputError(f"{name} must be at least 1 (a whole number), got {value!r}")
+        if max_micro_batch_size is not None and not _whole(max_micro_batch_size):
+            raise UserInputError(
+                f"max_micro_batch_size must be at least 1 (a whole number), or None for no cap, got "
+                f"{max_micro_batch_size!r}"
+            )
         super().__init__(
             mode="binsearch",
             steps_per_trial=steps_per_trial,
@@ -62,7 +72,8 @@ class GlobalBatchFinder(BatchSizeFinder):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
         super().setup(trainer, pl_module, stage)  # Lightning's checks: a single-device strategy, a batch_size
         per_rank = self._batch(trainer).per_rank_batch_size
-        self._cap = min(per_rank, self.max_micro_batch_size or per_rank)
+        cap = self.max_micro_batch_size
+        self._cap = per_rank if cap is None else min(per_rank, cap)
 
     def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         per_rank, cap = self._batch(trainer).per_rank_batch_size, self._cap
