@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -235,6 +236,32 @@ def test_a_hanging_trial_is_killed_and_nothing_fitting_exits_1(tmp_path: Path) -
     assert trial["wall_s"] < 10  # killed, process group and all
     assert report["best"] is None and not (out / "best.yaml").exists()
     assert "limited by failures: no trial finished (1 timeout)" in proc.stdout
+
+
+def _processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def test_a_timed_out_trial_with_a_hung_rank_leaves_no_rank_running(tmp_path: Path) -> None:
+    """torch's launcher starts each rank in a session of its own, out of the trial's process group; a rank hung in
+    its step takes the parent-death SIGTERM as "stop after this step", which never comes. The timeout still ends
+    every process of the trial. The timeout leaves the ranks time to reach their first step (~7 s here)."""
+    out = tmp_path / "tune"
+    env = {**os.environ, "GAUDI3_INJECT_FAULTS": "sleep:rank=1:step=0:seconds=600"}
+    proc = _gaudi3("tune", "--world-size", "2", "--strategies", "ddp", "--global-batch", "2", "--trial-timeout-s",
+                   "15", "--precisions", "32-true", "--activation-checkpointing", "off", "--pipeline", "off", *SHORT,
+                   "--model.num_layers", "1", "--out", str(out), env=env)  # fmt: skip
+    left = _processes_mentioning(str(out))
+    for orphan in left:
+        orphan.kill()
+    assert left == [], f"the trial's processes outlived it: {left}"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (trial,) = [t for t in _report(out)["trials"] if t["status"] != "pruned"]
+    assert trial["status"] == "timeout" and "no result within 15 s" in trial["reason"], trial
 
 
 def test_trials_are_ranked_by_synchronised_time(tmp_path: Path) -> None:

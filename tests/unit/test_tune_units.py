@@ -216,6 +216,78 @@ def test_a_rank_s_own_error_beats_the_launcher_s_report_of_it() -> None:
     assert reason.startswith("exit code 1: ValueError: parallel.strategy deepspeed_zero2")
 
 
+# The end of a real 2-rank trial's output (`gaudi3 tune --world-size 2 --strategies ddp`, captured once): rank 1 was
+# SIGKILLed in its first step, as the kernel's OOM killer does; rank 0 then lost its peer; the launcher exited 143.
+RANK_SIGKILLED_OUTPUT = """\
+W1201 05:00:06.149000 9068 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9074 closing signal SIGTERM
+
+SIGTERM: stopping after this step (checkpoint.enabled is false: nothing is
+saved) (Ctrl-C again aborts)
+gaudi3: error: lost another rank (Connection closed by peer [127.0.0.1]:25766): a rank or a node stopped; exit 143 (restartable): run the same command on every node to resume from the last committed checkpoint (none in this node's --out yet)
+E1201 05:00:06.572000 9068 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 9075) of binary: /tmp/ci-A/.venv/bin/python
+"""
+
+# The same trial where rank 1 raised in its first step instead (its traceback's last lines, then the rest as printed).
+RANK_RAISED_OUTPUT = """\
+[rank1]:   File "/tmp/ci-A/.venv/lib/python3.11/site-packages/torch/optim/optimizer.py", line 520, in wrapper
+[rank1]:     result = pre_hook(self, args, kwargs)
+[rank1]:              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+[rank1]: ValueError: injected crash in step
+gaudi3: error: lost another rank (Connection closed by peer [127.0.0.1]:49372): a rank or a node stopped; exit 143 (restartable): run the same command on every node to resume from the last committed checkpoint (none in this node's --out yet)
+W1201 05:07:37.832000 14685 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 14696 closing signal SIGTERM
+E1201 05:07:37.865000 14685 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 14697) of binary: /tmp/ci-A/.venv/bin/python
+Traceback (most recent call last):
+  File "/tmp/ci-A/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+gaudi3_scale.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_05:07:37
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 14696)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 14696
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_05:07:37
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 14697)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_rank_sigkilled_by_someone_else_counts_as_out_of_memory_with_several_ranks() -> None:
+    """With several ranks the launcher does not die of the SIGKILL: only the elastic agent's line for the first
+    failed rank shows it. A SIGKILL the agent sends while closing the others is no cause (not its first failure)."""
+    status, reason = classify_failure(RANK_SIGKILLED_OUTPUT, 143)
+    assert status == "oom", reason
+    assert reason == (
+        "local rank 1 killed by a SIGKILL its supervisor did not send (the kernel's OOM killer, most likely)"
+    )
+    closed = RANK_RAISED_OUTPUT.replace(
+        "exitcode  : -15 (pid: 14696)  (SIGTERM)", "exitcode  : -9 (pid: 14696)"
+    )
+    assert classify_failure(closed, 1)[0] == "crash"
+
+
+def test_the_failed_rank_s_exception_beats_a_surviving_rank_s_lost_peer_line() -> None:
+    status, reason = classify_failure(RANK_RAISED_OUTPUT, 1)
+    assert (status, reason) == ("crash", "exit code 1: ValueError: injected crash in step")
+    # with nothing better, the lost peer is still the reason
+    alone = "\n".join(ln for ln in RANK_RAISED_OUTPUT.splitlines() if "ValueError" not in ln)
+    assert classify_failure(alone, 1)[1].startswith(
+        "exit code 1: gaudi3: error: lost another rank (Connection"
+    )
+
+
 def _modelled_search(cuda_graphs: bool, tmp_path: Path) -> list:
     """The search over a 1-rank space with trials whose tokens/s is a function of the candidate (a stand-in for
     measured trials: here only the order of the search is under test): compile wins, CUDA graphs win more."""

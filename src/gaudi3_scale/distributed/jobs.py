@@ -7,14 +7,20 @@ run, several ranks included) through `run_job`, which never raises for what happ
   ``OutOfMemoryError``; CPU allocator: ``DefaultCPUAllocator: can't allocate memory`` / ``MemoryError``; Gaudi:
   ``MODULE:PT_DEVMEM Allocation failed``, the Intel Gaudi PyTorch bridge's device-memory error, e.g. as quoted in
   vllm-gaudi's calibration docs, "Troubleshooting"), a process's RSS over the memory budget (CPU: watched every
-  0.2 s), or a SIGKILL we did not send (the kernel's OOM killer). When one rank fails, the launcher stops the
-  others, so the ranks agree by construction: the job is OOM if any rank ran out.
-- ``timeout``: no exit within `timeout_s` (a hang, or far too slow): the whole process group is killed.
-- ``crash``: any other non-zero exit; the reason is the rank's own error line when there is one.
+  0.2 s), or a SIGKILL we did not send (the kernel's OOM killer): of the launcher, or with several ranks of the
+  rank the elastic agent reports as the first to fail. When one rank fails, the launcher stops the others, so the
+  ranks agree by construction: the job is OOM if any rank ran out.
+- ``timeout``: no exit within `timeout_s` (a hang, or far too slow): every process of the job is killed.
+- ``crash``: any other non-zero exit; the reason is the failed rank's own error line when there is one (not a
+  surviving rank's word that it lost a peer).
+
+Every process of the job is its process group and its process tree: torch's elastic launcher starts each rank in
+a session of its own, so a kill of the group alone would leave the ranks running (a hung rank takes its launcher's
+death SIGTERM as "stop after this step", which never comes).
 
 Stopping the supervisor stops the job first. The job runs in a session of its own, out of the terminal's reach, so
-Ctrl-C's SIGINT reaches only the supervisor: while a job runs, SIGINT and SIGTERM are held, the job's whole process
-group gets SIGTERM (the ranks' preemption signal), `STOP_GRACE_S` to exit and then SIGKILL, and only then does the
+Ctrl-C's SIGINT reaches only the supervisor: while a job runs, SIGINT and SIGTERM are held, every process of the job
+gets SIGTERM (the ranks' preemption signal), `STOP_GRACE_S` to exit and then SIGKILL, and only then does the
 signal take its usual course (KeyboardInterrupt for Ctrl-C; SIGTERM ends the process). Any other exception that
 leaves `run_job` stops the job the same way. A signal the process ignores (SIGINT of a background job) stays ignored.
 """
@@ -31,7 +37,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import psutil
 
 __all__ = ["OOM_PATTERNS", "JobOutcome", "classify_failure", "run_job"]
 
@@ -45,11 +54,20 @@ OOM_PATTERNS = {
 _ERROR_LINE = re.compile(r"(error|Error|Exception|Traceback|FAILED|Killed)")
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
 _AGENT_REPORT = re.compile(r"^(error_file|traceback|exitcode|rank|host|time|root cause)\s*:")
+# The elastic agent's line for the first rank that failed (torch/distributed/elastic/multiprocessing/api.py):
+# `failed (exitcode: -9) local_rank: 1 (pid: 9075) of binary: …`. With several ranks only it shows a rank's SIGKILL.
+_RANK_KILLED = re.compile(rf"\bfailed \(exitcode: -{int(signal.SIGKILL)}\) local_rank: (\d+)")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch's prefix on a rank's uncaught exception's lines
+# A surviving rank's line when another rank stopped (train.worker.stop_when_a_peer_is_lost): an effect, not a cause.
+_PEER_LOST = "gaudi3: error: lost another rank"
 POLL_S = 0.2
 # SIGTERM to SIGKILL when the supervisor is stopped: time for the ranks to leave their step and exit cleanly
 # (trials and benchmark cells write no checkpoint), short enough for a person waiting on Ctrl-C.
 STOP_GRACE_S = 5.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long a stop waits for SIGKILLed processes to be gone (they are within milliseconds; a process stuck in the
+# kernel, in uninterruptible sleep, is not waited for any longer).
+KILLED_EXIT_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +83,8 @@ class JobOutcome:
 
 
 def classify_failure(output: str, returncode: int) -> tuple[JobStatus, str]:
-    """Why a job process failed, from its exit code and the (interleaved) output of all its ranks."""
+    """Why a job process failed, from its exit code and the (interleaved) output of all its ranks. Called only for
+    a job that ended by itself: a job its supervisor killed has its verdict already (timeout, memory budget)."""
     for kind, pattern in OOM_PATTERNS.items():
         match = pattern.search(output)
         if match:
@@ -73,15 +92,25 @@ def classify_failure(output: str, returncode: int) -> tuple[JobStatus, str]:
             return "oom", f"out of memory ({kind}): {_shorten(line.strip())}"
     if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
         return "oom", "killed by a SIGKILL its supervisor did not send (the kernel's OOM killer, most likely)"
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    killed_rank = _RANK_KILLED.search(output)
+    if killed_rank:
+        return "oom", (
+            f"local rank {killed_rank.group(1)} killed by a SIGKILL its supervisor did not send "
+            "(the kernel's OOM killer, most likely)"
+        )
+    lines = [_RANK_PREFIX.sub("", ln.strip()) for ln in output.splitlines() if ln.strip()]
     # The rank's own cause beats the launcher's summary of it: our one-line errors first, then the last exception
-    # line that is not the elastic agent reporting a failed child, then any error-looking line.
-    own = [ln for ln in lines if ln.startswith("gaudi3: error:")]
+    # line that is not the elastic agent reporting a failed child, then a surviving rank's word that it lost a peer
+    # (the failed rank's own line is the cause, when it left one), then any error-looking line.
+    own = [ln for ln in lines if ln.startswith("gaudi3: error:") and not ln.startswith(_PEER_LOST)]
+    peer_lost = [ln for ln in lines if ln.startswith(_PEER_LOST)]
     exceptions = [ln for ln in lines if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
     errors = [ln for ln in lines if _ERROR_LINE.search(ln) and not _AGENT_REPORT.match(ln)]
-    fallback = (exceptions or errors or lines or [f"exit code {returncode}, no output"])[-1]
-    cause = own[0] if own else fallback
-    return "crash", f"exit code {returncode}: {_shorten(cause)}"
+    cause = own[:1] or exceptions[-1:] or peer_lost[:1] or errors[-1:] or lines[-1:]
+    return (
+        "crash",
+        f"exit code {returncode}: {_shorten(cause[0] if cause else f'exit code {returncode}, no output')}",
+    )
 
 
 def _shorten(text: str, limit: int = 200) -> str:
@@ -92,13 +121,8 @@ def _tree_rss(pid: int) -> int:
     """The largest resident set among the job's processes (launcher, ranks, loader workers)."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
     peak = 0
-    for proc in procs:
+    for proc in _job_processes(pid):
         try:
             peak = max(peak, proc.memory_info().rss)
         except psutil.NoSuchProcess:
@@ -106,27 +130,74 @@ def _tree_rss(pid: int) -> int:
     return peak
 
 
-def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> bool:
-    """Send `signum` to the job's process group; False when no process of it is left."""
+def _job_processes(pid: int) -> list[psutil.Process]:
+    """The job's process `pid` and all its descendants. torch's elastic launcher starts each rank in a session of
+    its own, so the job's process group alone misses the ranks: they are found by parentage, while it still holds."""
+    import psutil
+
     try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `procs` still running (a zombie waiting for its reaper has ended)."""
+    import psutil
+
+    left = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def _signal_job(proc: subprocess.Popen[bytes], tree: list[psutil.Process], signum: int) -> None:
+    """Send `signum` to the job's process group and to every process of `tree` (psutil checks that a pid was not
+    reused since it was collected)."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signum)
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    try:
+        os.killpg(proc.pid, 0)
     except ProcessLookupError:
         return False
     return True
 
 
 def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 0.0) -> None:
-    """End every process of the job's group: SIGTERM and up to `grace_s` to exit when `grace_s` > 0, then SIGKILL
-    for whatever is left; returns once the job's own process is reaped."""
-    if grace_s > 0 and _signal_group(proc, signal.SIGTERM):
+    """End every process of the job: its process group and its process tree (collected before the first signal,
+    as a killed launcher's ranks lose their parent). SIGTERM and up to `grace_s` to exit when `grace_s` > 0, then
+    SIGKILL for whatever is left; returns once the job's own process is reaped and the rest has ended."""
+    tree = _job_processes(proc.pid)
+    if grace_s > 0:
+        _signal_job(proc, tree, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader: its zombie would keep the group alive
-            if not _signal_group(proc, 0):
+            if not _group_alive(proc) and not _running(tree):
                 break
             time.sleep(0.05)
-    _signal_group(proc, signal.SIGKILL)
+        # a process started since the tree was collected (a rank's loader worker) is killed too
+        started_since = [child for member in _running(tree) for child in _job_processes(member.pid)[1:]]
+        tree += [child for child in started_since if child not in tree]
+    _signal_job(proc, _running(tree), signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + KILLED_EXIT_S
+    # the next job starts once this one's memory is free
+    while _running(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
