@@ -120,6 +120,8 @@ def val_window_starts_sharded(
     URL fetches a few val shards per validation, not all of them, and they still come from across the sources).
 
     Shape [batches, micro]; the rank split is `val_window_starts`'s (every rank runs the same number of batches).
+    The trainer's validation set asks for one process's batches and splits them itself (`data.loader._rank_share`,
+    the same split for one dataset, and one that keeps a mixture's weights).
     """
     from gaudi3_scale.data.sampler import val_window_starts
 

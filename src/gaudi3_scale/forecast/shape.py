@@ -120,8 +120,9 @@ class RunShape:
 
     def validation_batches_per_rank(self, val_batches: int) -> int:
         """The micro-batches of one validation pass a rank runs: the `val_batches` of the val set split over the
-        data-parallel ranks (`data.sampler.val_window_starts`: each takes every dp-th, all of them when there are
-        fewer than dp ranks); a mixture rounded up to one batch per member (`data.loader`) is not modelled."""
+        data-parallel ranks as `data.loader._rank_share` splits one dataset's (its budget rounded down to a multiple
+        of dp, all of them when there are fewer than dp ranks); a mixture rounded up to one batch per member
+        (`data.loader._divisible_batches`) is not modelled."""
         dp_ranks = self.plan.data_parallel_size
         return val_batches // dp_ranks if val_batches >= dp_ranks else val_batches
 
