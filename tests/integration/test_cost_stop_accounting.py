@@ -221,7 +221,8 @@ def test_a_budget_stop_without_checkpoints_says_so_from_its_first_line(tmp_path:
         line for line in run.stderr.splitlines() if line.startswith("budget reached") and "; " not in line
     ]
     assert re.fullmatch(
-        r"budget reached: \$\S+ accrued of the \$1\.00 budget \(cost\.budget_usd\) after step \d+: stopping after "
+        # the budget in as many decimals as tell it from what accrued ($1.001 of $1.000 on a fast machine)
+        r"budget reached: \$\S+ accrued of the \$1\.00+ budget \(cost\.budget_usd\) after step \d+: stopping after "
         r"this step \(checkpoint\.enabled is false: nothing is saved\)",
         asked,
     ), asked
